@@ -1,0 +1,1 @@
+"""The hidden-state cache format: manifest, writer, reader, codecs, and the dflash-cache CLI."""

@@ -1,0 +1,1 @@
+"""Training stage: the DFlash drafter, its objective, loaders, loop and export."""
