@@ -1,0 +1,293 @@
+"""The manifest: what a cache is (header) and which parts are committed (commit log).
+
+A cache directory holds
+  manifest.json        the header, written once at creation (atomically): format version,
+                       target identity, layer ids, codec, data fingerprint, settings.
+  manifest.parts.jsonl the commit log: one checksummed line per committed part (name,
+                       sample and token counts, sample lengths, bytes). Appended under the
+                       cache lock, so commits cost O(1) however many parts exist, and any
+                       number of writers (ranks, machines) can commit without losing an update.
+  parts/<name>/        one zarr v3 group per committed part.
+Together the two manifest files tell a reader everything: it never lists the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from .codecs import HiddenCodec
+from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
+
+FORMAT_VERSION = 1
+HEADER_FILE = "manifest.json"
+LOG_FILE = "manifest.parts.jsonl"
+LOCK_FILE = ".lock"
+PARTS_DIR = "parts"
+
+# Header keys whose values decide the content of the cache: a writer resuming a cache, or a
+# trainer reading several caches together, must agree on them.
+IDENTITY_KEYS = ("format_version", "target", "target_layer_ids", "hidden", "extras", "data", "settings")
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One committed part as the commit log records it."""
+
+    name: str
+    samples: int
+    tokens: int
+    lengths: tuple[int, ...]
+    nbytes: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "part": self.name, "samples": self.samples, "tokens": self.tokens,
+            "lengths": list(self.lengths), "bytes": self.nbytes, "stats": self.stats,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PartRecord:
+        return cls(
+            name=d["part"], samples=int(d["samples"]), tokens=int(d["tokens"]),
+            lengths=tuple(int(x) for x in d["lengths"]), nbytes=int(d["bytes"]),
+            stats=dict(d.get("stats", {})),
+        )
+
+
+def encode_log_line(record: PartRecord) -> bytes:
+    body = json.dumps(record.to_json(), sort_keys=True, separators=(",", ":"))
+    return f"{body} {crc32c.crc32c(body.encode()):08x}\n".encode()
+
+
+def decode_log_line(line: bytes, where: str) -> PartRecord:
+    try:
+        body, crc = line.rstrip(b"\n").rsplit(b" ", 1)
+        ok = int(crc, 16) == crc32c.crc32c(body)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CacheCorruptError(
+            f"{where}: the commit record is damaged (checksum mismatch). The part it names "
+            "cannot be trusted; run `dflash-cache verify` on the cache and re-extract that part."
+        )
+    return PartRecord.from_json(json.loads(body))
+
+
+class CommitLog:
+    """Incremental reader of manifest.parts.jsonl (reads only what was appended since)."""
+
+    def __init__(self, cache_dir: Path):
+        self.path = cache_dir / LOG_FILE
+        self.records: dict[str, PartRecord] = {}
+        self.order: list[str] = []
+        self._offset = 0
+        self._line_no = 0
+
+    def refresh(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1  # a torn last line (writer killed mid-append) is not committed
+        for line in data[:end].splitlines(keepends=True):
+            self._line_no += 1
+            rec = decode_log_line(line, f"{self.path}, line {self._line_no}")
+            if rec.name not in self.records:
+                self.order.append(rec.name)
+            self.records[rec.name] = rec
+        self._offset += end
+
+    def parts(self) -> list[PartRecord]:
+        return [self.records[n] for n in self.order]
+
+
+def append_log_line(cache_dir: Path, record: PartRecord) -> None:
+    """Append one commit record durably. Caller holds the cache lock."""
+    path = cache_dir / LOG_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            # Drop a torn tail left by a writer killed mid-append, so the new line starts clean.
+            tail = os.pread(fd, min(size, 1 << 20), max(0, size - (1 << 20)))
+            keep = size - len(tail) + tail.rfind(b"\n") + 1
+            if keep != size:
+                os.ftruncate(fd, keep)
+        os.write(fd, encode_log_line(record))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Manifest:
+    """A cache's header plus its committed parts, as read at one moment (a snapshot)."""
+
+    cache_dir: Path
+    header: dict[str, Any]
+    parts: list[PartRecord]
+
+    @property
+    def codec(self) -> HiddenCodec:
+        return HiddenCodec.from_dict(self.header["hidden"]["codec"])
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.header["target_layer_ids"])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.header["target_layer_ids"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.header["hidden"]["hidden_size"])
+
+    @property
+    def chunk_rows(self) -> int:
+        return int(self.header["hidden"]["chunk_rows"])
+
+    @property
+    def shard_rows(self) -> int:
+        return int(self.header["hidden"]["shard_rows"])
+
+    @property
+    def store_last_hidden(self) -> bool:
+        return bool(self.header["extras"].get("last_hidden", False))
+
+    @property
+    def topk(self) -> int:
+        return int(self.header["extras"].get("topk", 0))
+
+    @property
+    def num_samples(self) -> int:
+        return sum(p.samples for p in self.parts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.tokens for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def identity(self) -> dict[str, Any]:
+        return {k: self.header.get(k) for k in IDENTITY_KEYS}
+
+
+def make_header(
+    *,
+    target: dict[str, Any],
+    target_layer_ids: list[int],
+    hidden_size: int,
+    codec: HiddenCodec,
+    chunk_rows: int = 128,
+    shard_rows: int = 8192,
+    store_last_hidden: bool = False,
+    topk: int = 0,
+    data: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
+    producer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build a format-1 header; raises CacheError on inconsistent values."""
+    if not target_layer_ids:
+        raise CacheError("target_layer_ids is empty: a cache must capture at least one layer.")
+    if chunk_rows <= 0 or shard_rows <= 0 or shard_rows % chunk_rows:
+        raise CacheError(
+            f"shard_rows ({shard_rows}) must be a positive multiple of chunk_rows ({chunk_rows})."
+        )
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": dict(target),
+        "target_layer_ids": [int(x) for x in target_layer_ids],
+        "hidden": {
+            "codec": codec.to_dict(),
+            "dtype": "bfloat16",
+            "storage_dtype": codec.storage_dtype.name,
+            "layout": "tokens x (layers*hidden), layer-major",
+            "num_layers": len(target_layer_ids),
+            "hidden_size": int(hidden_size),
+            "chunk_rows": int(chunk_rows),
+            "shard_rows": int(shard_rows),
+        },
+        "extras": {"last_hidden": bool(store_last_hidden), "topk": int(topk)},
+        "data": dict(data or {}),
+        "settings": dict(settings or {}),
+        "producer": dict(producer or {"name": "dflash-pipeline"}),
+    }
+
+
+def read_header(cache_dir: Path) -> dict[str, Any]:
+    path = cache_dir / HEADER_FILE
+    if not cache_dir.is_dir():
+        raise CacheNotFoundError(
+            f"Cache directory {cache_dir} does not exist. Check the path, or create a cache "
+            "with `dflash-extract --output DIR`."
+        )
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CacheNotFoundError(
+            f"{cache_dir} is not a dflash cache: it has no {HEADER_FILE}. Point to a directory "
+            "written by `dflash-extract`, or restore the manifest from a backup."
+        ) from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CacheCorruptError(
+            f"{path} is not valid JSON ({e}). The manifest is damaged: restore it from a "
+            "backup, or re-extract into a new cache."
+        ) from e
+    version = header.get("format_version") if isinstance(header, dict) else None
+    if version != FORMAT_VERSION:
+        raise CacheError(
+            f"{path} has format_version {version!r}; this version of dflash-pipeline reads "
+            f"format {FORMAT_VERSION}. Use a matching dflash-pipeline version or re-extract."
+        )
+    missing = [k for k in ("target", "target_layer_ids", "hidden", "extras") if k not in header]
+    if missing:
+        raise CacheCorruptError(f"{path} lacks the keys {missing}: the manifest is damaged.")
+    return header
+
+
+def read_manifest(cache_dir: str | os.PathLike) -> Manifest:
+    """Read the header and the commit log: the only files a reader opens at startup."""
+    cache_dir = Path(cache_dir)
+    header = read_header(cache_dir)
+    log = CommitLog(cache_dir)
+    log.refresh()
+    return Manifest(cache_dir=cache_dir, header=header, parts=log.parts())
+
+
+def diff_identity(expected: dict[str, Any], found: dict[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable list of the keys where two identities differ (recursing into dicts)."""
+    out: list[str] = []
+    for key in sorted(set(expected) | set(found)):
+        a, b = expected.get(key), found.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff_identity(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: cache has {b!r}, requested {a!r}")
+    return out
+
+
+def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, what: str) -> None:
+    """Raise ConfigMismatchError when `expected_header` would produce a different cache."""
+    expected = {k: expected_header.get(k) for k in IDENTITY_KEYS}
+    diffs = diff_identity(expected, manifest.identity())
+    if diffs:
+        shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
+        raise ConfigMismatchError(
+            f"The cache at {manifest.cache_dir} was written with other settings than this "
+            f"{what}: {shown}. Rerun with the cache's settings, choose a new output directory, "
+            "or pass --force to start the cache anew."
+        )

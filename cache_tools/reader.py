@@ -1,0 +1,365 @@
+"""The hot read path: decode exactly the chunks that cover a sample, straight from mmaps.
+
+zarr writes the parts; this module reads them without zarr's machinery (1.5-2x faster for
+random samples): it parses each array's zarr.json and shard index once per process, maps
+shard files with mmap, checks each chunk's crc32c, and decompresses into the output buffer.
+Only the manifest is read at open; parts are touched when a sample of theirs is requested.
+Forked or pickled copies (DataLoader workers) drop the open maps and reopen lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numcodecs.blosc
+import numpy as np
+import torch
+from numcodecs.zstd import Zstd
+
+from .codecs import dequantize_fp8
+from .errors import CacheCorruptError
+from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
+
+# Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
+# DataLoader workers safe and makes throughput per core a meaningful figure.
+numcodecs.blosc.use_threads = False
+
+_EMPTY = np.uint64(2**64 - 1)
+_ZSTD = Zstd()
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """What the reader needs from one array's zarr.json."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_rows: int
+    shard_rows: int | None  # None: unsharded, one file per chunk
+    codecs: tuple[str, ...]  # bytes-to-bytes codecs after the serializer, in encode order
+    index_checked: bool
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any], where: str) -> ArrayMeta:
+        try:
+            shape = tuple(meta["shape"])
+            dtype = np.dtype(meta["data_type"])
+            outer = meta["chunk_grid"]["configuration"]["chunk_shape"]
+            codecs = meta["codecs"]
+            if codecs[0]["name"] == "sharding_indexed":
+                conf = codecs[0]["configuration"]
+                inner, shard_rows = conf["chunk_shape"], outer[0]
+                chain = conf["codecs"]
+                index_names = [c["name"] for c in conf["index_codecs"]]
+                if conf.get("index_location", "end") != "end" or index_names[0] != "bytes":
+                    raise ValueError("unsupported shard index layout")
+                index_checked = "crc32c" in index_names
+            else:
+                inner, shard_rows, chain, index_checked = outer, None, codecs, False
+            if list(inner[1:]) != list(shape[1:]):
+                raise ValueError("chunks must span the full row width")
+            if chain[0]["name"] != "bytes" or chain[0].get("configuration", {}).get("endian", "little") != "little":
+                raise ValueError("only little-endian 'bytes' serialization is supported")
+            names = tuple(c["name"] for c in chain[1:])
+            if any(n not in ("blosc", "zstd", "crc32c") for n in names):
+                raise ValueError(f"unsupported codecs {names}")
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise CacheCorruptError(f"{where}: array metadata is not a layout this reader knows ({e}).") from e
+        return cls(shape, dtype, int(inner[0]), shard_rows, names, index_checked)
+
+
+class _PartFiles:
+    """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
+
+    def __init__(self, part_dir: Path, record: PartRecord, verify: bool):
+        self.dir = part_dir
+        self.record = record
+        self.verify = verify
+        self.meta: dict[str, ArrayMeta] = {}
+        self.maps: dict[str, mmap.mmap | None] = {}
+        self.indexes: dict[str, np.ndarray] = {}
+        self.small: dict[str, np.ndarray] = {}
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            if m is not None:
+                m.close()
+        self.maps.clear()
+
+    def where(self, array: str, extra: str = "") -> str:
+        return f"cache part {self.record.name!r} (array {array}{extra}) at {self.dir}"
+
+    def array_meta(self, array: str) -> ArrayMeta:
+        meta = self.meta.get(array)
+        if meta is None:
+            path = self.dir / array / "zarr.json"
+            try:
+                raw = json.loads(path.read_bytes())
+            except FileNotFoundError:
+                raise CacheCorruptError(
+                    f"{self.where(array)}: {path.name} is missing. The part is damaged: run "
+                    "`dflash-cache verify` and re-extract it."
+                ) from None
+            except json.JSONDecodeError as e:
+                raise CacheCorruptError(f"{self.where(array)}: zarr.json is not valid JSON ({e}).") from e
+            meta = self.meta[array] = ArrayMeta.parse(raw, self.where(array))
+        return meta
+
+    def _map(self, array: str, key: str) -> mmap.mmap:
+        """The mmap of one chunk or shard file, e.g. key 'c/0/0'."""
+        name = f"{array}/{key}"
+        m = self.maps.get(name)
+        if m is None:
+            path = self.dir / array / key
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size == 0:
+                        raise CacheCorruptError(f"{self.where(array)}: file {key} is empty (truncated).")
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                raise CacheCorruptError(
+                    f"{self.where(array)}: file {key} is missing. The part is damaged: run "
+                    "`dflash-cache verify` and re-extract it."
+                ) from None
+            self.maps[name] = m
+        return m
+
+    def _checked(self, buf: memoryview, what: str, has_crc: bool) -> memoryview:
+        if not has_crc:
+            return buf
+        if len(buf) < 4:
+            raise CacheCorruptError(f"{what}: chunk is shorter than its checksum (truncated).")
+        body = buf[:-4]
+        if self.verify and crc32c.crc32c(body) != int.from_bytes(buf[-4:], "little"):
+            raise CacheCorruptError(
+                f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
+                "verify` to list every damaged chunk, then re-extract the part."
+            )
+        return body
+
+    def _decode(self, buf: memoryview, meta: ArrayMeta, nbytes: int, what: str, out=None):
+        """Decode one stored chunk; returns a buffer of `nbytes` (possibly `out` itself)."""
+        names = list(meta.codecs)
+        if names and names[-1] == "crc32c":
+            buf = self._checked(buf, what, True)
+            names.pop()
+        try:
+            for name in reversed(names):
+                if name == "blosc":
+                    buf = numcodecs.blosc.decompress(buf, out) if out is not None else numcodecs.blosc.decompress(buf)
+                    out = None
+                elif name == "zstd":
+                    buf = _ZSTD.decode(buf)
+        except (RuntimeError, ValueError) as e:
+            raise CacheCorruptError(f"{what}: chunk does not decompress ({e}); the part is damaged.") from e
+        if len(memoryview(buf).cast("B")) != nbytes:
+            raise CacheCorruptError(
+                f"{what}: decoded chunk has {len(memoryview(buf).cast('B'))} bytes, expected {nbytes}."
+            )
+        return buf
+
+    def shard_index(self, array: str, shard: int, meta: ArrayMeta) -> tuple[mmap.mmap, np.ndarray]:
+        key = f"c/{shard}" + "/0" * (len(meta.shape) - 1)
+        m = self._map(array, key)
+        idx = self.indexes.get(f"{array}/{key}")
+        if idx is None:
+            n_inner = meta.shard_rows // meta.chunk_rows
+            size = n_inner * 16 + (4 if meta.index_checked else 0)
+            what = self.where(array, f", shard file {key}, index")
+            if len(m) < size:
+                raise CacheCorruptError(f"{what}: the shard file is truncated ({len(m)} bytes).")
+            raw = self._checked(memoryview(m)[len(m) - size:], what, meta.index_checked)
+            idx = np.frombuffer(raw, dtype="<u8").reshape(n_inner, 2).copy()
+            live = idx[:, 0] != _EMPTY
+            if np.any(idx[live, 0] + idx[live, 1] > len(m) - size):
+                raise CacheCorruptError(f"{what}: chunk offsets point past the end of the file (truncated).")
+            self.indexes[f"{array}/{key}"] = idx
+        return m, idx
+
+    def read_rows(self, array: str, start: int, stop: int, out: np.ndarray) -> None:
+        """Decode rows [start, stop) of a chunked array into `out` (shape [stop-start, ...])."""
+        meta = self.array_meta(array)
+        cr = meta.chunk_rows
+        chunk_bytes = cr * meta.row_bytes
+        scratch = None
+        out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
+        for c in range(start // cr, (stop - 1) // cr + 1):
+            lo, hi = max(start, c * cr), min(stop, (c + 1) * cr)
+            what = self.where(array, f", chunk {c}")
+            if meta.shard_rows is None:
+                m = self._map(array, f"c/{c}" + "/0" * (len(meta.shape) - 1))
+                buf = memoryview(m)
+            else:
+                shard, inner = divmod(c * cr, meta.shard_rows)
+                m, idx = self.shard_index(array, shard, meta)
+                off, nb = idx[inner // cr]
+                if off == _EMPTY:
+                    out_bytes[lo - start: hi - start] = 0
+                    continue
+                buf = memoryview(m)[int(off): int(off + nb)]
+            whole = lo == c * cr and hi == (c + 1) * cr
+            if whole and "blosc" in meta.codecs:
+                # Decompress straight into the output rows: no intermediate copy.
+                self._decode(buf, meta, chunk_bytes, what, out=out_bytes[lo - start: hi - start])
+                continue
+            dec = self._decode(buf, meta, chunk_bytes, what)
+            scratch = np.frombuffer(dec, dtype=np.uint8).reshape(cr, meta.row_bytes)
+            out_bytes[lo - start: hi - start] = scratch[lo - c * cr: hi - c * cr]
+
+    def small_array(self, array: str) -> np.ndarray:
+        """A per-part metadata array (ids, masks, scales), decoded whole once and kept."""
+        arr = self.small.get(array)
+        if arr is None:
+            meta = self.array_meta(array)
+            arr = np.empty(meta.shape, dtype=meta.dtype)
+            if meta.shape[0]:
+                self.read_rows(array, 0, meta.shape[0], arr)
+            self.small[array] = arr
+        return arr
+
+
+class CacheReader:
+    """Random access to the samples of one cache, as torch tensors.
+
+    Opening reads the manifest only. `read_sample(i)` returns a dict with
+      hidden      [T, K*D] bfloat16 (fp8 caches are dequantized with their scales)
+      input_ids   [T] int64, loss_mask [T] uint8, sample_id (int)
+      last_hidden [T, D] bfloat16, topk_ids [T, k] int64, topk_logprobs [T, k] float32
+                  when the cache stores them.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        *,
+        verify_checksums: bool = True,
+        pin_memory: bool = False,
+        max_open_parts: int = 64,
+        manifest: Manifest | None = None,
+    ):
+        self.cache_dir = Path(cache_dir)
+        self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
+        self.verify_checksums = verify_checksums
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.max_open_parts = max_open_parts
+        self.parts = self.manifest.parts
+        counts = np.array([p.samples for p in self.parts], dtype=np.int64)
+        self._part_start = np.concatenate([[0], np.cumsum(counts)])
+        self.lengths = (
+            np.concatenate([np.asarray(p.lengths, dtype=np.int64) for p in self.parts])
+            if self.parts else np.zeros(0, dtype=np.int64)
+        )
+        self._codec = self.manifest.codec
+        self._open: OrderedDict[int, _PartFiles] = OrderedDict()
+        self._token_offsets: dict[int, np.ndarray] = {}
+        self._pid = os.getpid()
+
+    # Forked / pickled copies must not share maps or caches with their parent.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
+    def _part(self, part_idx: int) -> _PartFiles:
+        if self._pid != os.getpid():
+            self._open = OrderedDict()
+            self._pid = os.getpid()
+        pf = self._open.get(part_idx)
+        if pf is None:
+            record = self.parts[part_idx]
+            pf = _PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums)
+            self._open[part_idx] = pf
+            if len(self._open) > self.max_open_parts:
+                self._open.popitem(last=False)[1].close()
+        else:
+            self._open.move_to_end(part_idx)
+        return pf
+
+    def close(self) -> None:
+        for pf in self._open.values():
+            pf.close()
+        self._open.clear()
+
+    def __len__(self) -> int:
+        return int(self._part_start[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global sample index -> (part index, sample index inside the part)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for a cache of {len(self)} samples")
+        part = int(np.searchsorted(self._part_start, index, side="right") - 1)
+        return part, index - int(self._part_start[part])
+
+    def _offsets(self, part_idx: int) -> np.ndarray:
+        off = self._token_offsets.get(part_idx)
+        if off is None:
+            off = np.concatenate([[0], np.cumsum(self.parts[part_idx].lengths)]).astype(np.int64)
+            self._token_offsets[part_idx] = off
+        return off
+
+    def read_sample(self, index: int, *, max_tokens: int | None = None) -> dict[str, Any]:
+        """Sample `index` (global order: parts in commit order), optionally its first max_tokens."""
+        part_idx, local = self.locate(index)
+        off = self._offsets(part_idx)
+        start, stop = int(off[local]), int(off[local + 1])
+        if max_tokens is not None:
+            stop = min(stop, start + max_tokens)
+        out = self.read_tokens(part_idx, start, stop)
+        out["sample_id"] = int(self._part(part_idx).small_array("sample_ids")[local])
+        return out
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+
+    def _read_hidden(self, pf: _PartFiles, array: str, start: int, stop: int, layers: int) -> torch.Tensor:
+        meta = pf.array_meta(array)
+        width = meta.shape[1]
+        if self._codec.has_scale:
+            q = np.empty((stop - start, width), dtype=np.uint8)
+            pf.read_rows(array, start, stop, q)
+            scale = pf.small_array(array + "_scale")[start:stop]
+            h = dequantize_fp8(torch.from_numpy(q), torch.from_numpy(scale))
+            return h.pin_memory() if self.pin_memory else h
+        h = self._empty((stop - start, width), torch.bfloat16)
+        pf.read_rows(array, start, stop, h.view(torch.int16).numpy())
+        return h
+
+    def read_tokens(self, part_idx: int, start: int, stop: int) -> dict[str, Any]:
+        """Token rows [start, stop) of one part (any range, also across sample boundaries)."""
+        pf = self._part(part_idx)
+        out: dict[str, Any] = {
+            "hidden": self._read_hidden(pf, "hidden", start, stop, self.manifest.num_layers),
+            "input_ids": torch.from_numpy(pf.small_array("input_ids")[start:stop].astype(np.int64)),
+            "loss_mask": torch.from_numpy(pf.small_array("loss_mask")[start:stop].copy()),
+        }
+        if self.manifest.store_last_hidden:
+            out["last_hidden"] = self._read_hidden(pf, "last_hidden", start, stop, 1)
+        if self.manifest.topk:
+            k = self.manifest.topk
+            ids = np.empty((stop - start, k), dtype=np.int32)
+            lps = np.empty((stop - start, k), dtype=np.float32)
+            pf.read_rows("topk_ids", start, stop, ids)
+            pf.read_rows("topk_logprobs", start, stop, lps)
+            out["topk_ids"] = torch.from_numpy(ids.astype(np.int64))
+            out["topk_logprobs"] = torch.from_numpy(lps)
+        return out
+
+    def part_arrays(self, part_idx: int) -> _PartFiles:
+        """Low-level access for tools (verify, stats)."""
+        return self._part(part_idx)

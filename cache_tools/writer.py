@@ -1,0 +1,333 @@
+"""Writing a cache: one `CacheWriter` per process, one `PartWriter` per part.
+
+Commit protocol of a part:
+  1. take a liveness lock `parts/.tmp-<name>.<pid>.<rand>.lock` (flock, dies with the process)
+  2. write the zarr group into `parts/.tmp-<name>.<pid>.<rand>/`, fsync every file
+  3. under the cache lock: rename it to `parts/<name>`, fsync `parts/`, append the commit
+     record to `manifest.parts.jsonl` and fsync it
+  4. drop the liveness lock
+A part exists for readers only once step 3 finished; a crash anywhere leaves a temporary
+directory whose liveness lock nobody holds, which the next writer's open removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from .codecs import HiddenCodec, encode_hidden, small_array_compressors
+from .errors import CacheError
+from .fsio import atomic_write_json, file_lock, fsync_dir, fsync_tree, temp_name
+from .manifest import (
+    HEADER_FILE,
+    LOCK_FILE,
+    LOG_FILE,
+    PARTS_DIR,
+    CommitLog,
+    Manifest,
+    PartRecord,
+    append_log_line,
+    check_identity,
+    read_manifest,
+)
+
+TMP_PREFIX = ".tmp-"
+
+
+def _as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+class CacheWriter:
+    """Create a cache, or reopen one whose identity matches `header`, for committing parts."""
+
+    def __init__(self, cache_dir: str | os.PathLike, header: dict[str, Any], *, force: bool = False):
+        self.cache_dir = Path(cache_dir)
+        self.header = header
+        self.codec = HiddenCodec.from_dict(header["hidden"]["codec"])
+        self.num_layers = len(header["target_layer_ids"])
+        self.hidden_size = int(header["hidden"]["hidden_size"])
+        self.parts_dir = self.cache_dir / PARTS_DIR
+        self._open(force)
+        self._log = CommitLog(self.cache_dir)
+        self._log.refresh()
+
+    def _open(self, force: bool) -> None:
+        try:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheError(
+                f"Cannot create the cache directory {self.cache_dir}: {e.strerror}. Choose a "
+                "writable location with free space."
+            ) from e
+        with file_lock(self.cache_dir / LOCK_FILE):
+            if (self.cache_dir / HEADER_FILE).exists():
+                if force:
+                    self._wipe()
+                else:
+                    manifest = read_manifest(self.cache_dir)
+                    check_identity(manifest, self.header, what="extraction")
+            elif any(p.name != PARTS_DIR and p.name != LOCK_FILE for p in self.cache_dir.iterdir()):
+                raise CacheError(
+                    f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
+                    "write a cache into it. Choose an empty or new directory."
+                )
+            if not (self.cache_dir / HEADER_FILE).exists():
+                atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
+            self._remove_orphans_locked()
+
+    def _wipe(self) -> None:
+        """--force: remove the old cache's manifest and parts (only cache files)."""
+        for name in (LOG_FILE, HEADER_FILE):
+            (self.cache_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        self.parts_dir.mkdir()
+        fsync_dir(self.cache_dir)
+
+    def _remove_orphans_locked(self) -> list[str]:
+        """Remove what no live writer owns and no commit names. Caller holds the cache lock."""
+        return remove_orphans(self.cache_dir)
+
+    # -- queries ---------------------------------------------------------------------------
+    def committed(self) -> dict[str, PartRecord]:
+        """Parts committed so far, by any writer (re-reads only the appended log lines)."""
+        self._log.refresh()
+        return dict(self._log.records)
+
+    def manifest(self) -> Manifest:
+        return read_manifest(self.cache_dir)
+
+    # -- writing ---------------------------------------------------------------------------
+    def part_writer(self, name: str) -> PartWriter:
+        if not name or "/" in name or name.startswith("."):
+            raise CacheError(f"Invalid part name {name!r}: use a plain name such as part-000012.")
+        return PartWriter(self, name)
+
+    def commit(self, tmp_dir: Path, record: PartRecord) -> bool:
+        """Move a finished, fsynced temporary part into place and record it.
+
+        Returns False (and discards the temporary part) when another writer committed a part
+        of that name first: one writer per part wins, the other's work is dropped whole.
+        """
+        final = self.parts_dir / record.name
+        with file_lock(self.cache_dir / LOCK_FILE):
+            self._log.refresh()
+            if record.name in self._log.records:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                return False
+            if final.exists():  # renamed by a writer that died before recording it
+                shutil.rmtree(final)
+            os.rename(tmp_dir, final)
+            fsync_dir(self.parts_dir)
+            append_log_line(self.cache_dir, record)
+            self._log.refresh()
+        return True
+
+
+def remove_orphans(cache_dir: Path) -> list[str]:
+    """Delete temporary parts of dead writers and part directories no commit names.
+
+    Caller holds the cache lock, so no commit runs concurrently. Returns what was removed.
+    """
+    parts_dir = cache_dir / PARTS_DIR
+    if not parts_dir.is_dir():
+        return []
+    log = CommitLog(cache_dir)
+    log.refresh()
+    removed = []
+    entries = sorted(parts_dir.iterdir())
+    live_tmp = set()
+    for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(".lock")):
+        with file_lock(lock, blocking=False) as held:
+            if not held:  # a live writer owns it
+                live_tmp.add(lock.name[: -len(".lock")])
+                continue
+            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            removed.append(lock.with_suffix("").name)
+    for p in entries:
+        if p.name.endswith(".lock") or p.name in live_tmp or not p.exists():
+            continue
+        if p.name.startswith(TMP_PREFIX) or p.name not in log.records:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p.name)
+    if removed:
+        fsync_dir(parts_dir)
+    return removed
+
+
+class PartWriter:
+    """Collects the samples of one part and commits them atomically on a clean exit.
+
+    Use as a context manager; an exception inside the block discards the temporary part.
+    """
+
+    def __init__(self, cache: CacheWriter, name: str):
+        self.cache = cache
+        self.name = name
+        self.stats: dict[str, Any] = {}
+        self._cols: dict[str, list[np.ndarray]] = {}
+        self._sample_ids: list[int] = []
+        self._lengths: list[int] = []
+        self._tmp: Path | None = None
+        self._lock_ctx = None
+        self.committed = False
+
+    def __enter__(self) -> PartWriter:
+        tmp = temp_name(self.cache.parts_dir / self.name)
+        # Taken under the cache lock so that an orphan sweep never sees the lock file
+        # between its creation and its flock.
+        with file_lock(self.cache.cache_dir / LOCK_FILE):
+            self._lock_ctx = file_lock(tmp.with_name(tmp.name + ".lock"))
+            self._lock_ctx.__enter__()
+        self._tmp = tmp
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            if self._tmp is not None and self._tmp.exists():
+                shutil.rmtree(self._tmp, ignore_errors=True)
+            lock = self._tmp.with_name(self._tmp.name + ".lock")
+            lock.unlink(missing_ok=True)
+            self._lock_ctx.__exit__(None, None, None)
+
+    def add_sample(
+        self,
+        sample_id: int,
+        input_ids: Any,
+        loss_mask: Any,
+        hidden: torch.Tensor | np.ndarray,
+        *,
+        hidden_scale: np.ndarray | None = None,
+        last_hidden: torch.Tensor | np.ndarray | None = None,
+        last_hidden_scale: np.ndarray | None = None,
+        topk_ids: Any = None,
+        topk_logprobs: Any = None,
+    ) -> None:
+        """Add one sample. `hidden` is [T, K*D]: a float/bf16 tensor (encoded here) or an
+        array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8)."""
+        ids = _as_numpy(input_ids, np.int32)
+        tokens = ids.shape[0]
+        if tokens == 0:
+            raise CacheError(f"Sample {sample_id} is empty: a cached sample needs at least one token.")
+        width = self.cache.num_layers * self.cache.hidden_size
+        cols = {"input_ids": ids, "loss_mask": _as_numpy(loss_mask, np.uint8)}
+        h, hs = self._encode(hidden, hidden_scale, self.cache.num_layers)
+        cols["hidden"] = h
+        if hs is not None:
+            cols["hidden_scale"] = hs
+        if last_hidden is not None:
+            lh, lhs = self._encode(last_hidden, last_hidden_scale, 1)
+            cols["last_hidden"] = lh
+            if lhs is not None:
+                cols["last_hidden_scale"] = lhs
+        if topk_ids is not None:
+            cols["topk_ids"] = _as_numpy(topk_ids, np.int32)
+            cols["topk_logprobs"] = _as_numpy(topk_logprobs, np.float32)
+        for key, arr in cols.items():
+            if arr.shape[0] != tokens:
+                raise CacheError(
+                    f"Sample {sample_id}: {key} has {arr.shape[0]} rows but input_ids has {tokens}."
+                )
+        if cols["hidden"].shape[1] != width:
+            raise CacheError(
+                f"Sample {sample_id}: hidden has width {cols['hidden'].shape[1]}, the cache "
+                f"expects {self.cache.num_layers} layers x {self.cache.hidden_size} = {width}."
+            )
+        self._check_extras(sample_id, cols)
+        for key, arr in cols.items():
+            self._cols.setdefault(key, []).append(arr)
+        self._sample_ids.append(int(sample_id))
+        self._lengths.append(tokens)
+
+    def _check_extras(self, sample_id: int, cols: dict[str, np.ndarray]) -> None:
+        extras = self.cache.header["extras"]
+        if bool(extras.get("last_hidden")) != ("last_hidden" in cols):
+            raise CacheError(
+                f"Sample {sample_id}: the cache {'needs' if extras.get('last_hidden') else 'does not store'} "
+                "last_hidden; pass it exactly when the cache was created with store_last_hidden."
+            )
+        if bool(extras.get("topk")) != ("topk_ids" in cols):
+            raise CacheError(f"Sample {sample_id}: top-k data must be given exactly when the cache stores it.")
+
+    def _encode(self, x, scale, num_layers) -> tuple[np.ndarray, np.ndarray | None]:
+        codec = self.cache.codec
+        if isinstance(x, np.ndarray) and x.dtype == codec.storage_dtype:
+            if codec.has_scale and scale is None:
+                raise CacheError("fp8 data given as stored bytes needs its scale array too.")
+            return np.ascontiguousarray(x), (None if scale is None else _as_numpy(scale, np.float32))
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        return encode_hidden(x, codec, num_layers)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self._lengths)
+
+    def _finish(self) -> None:
+        if not self._sample_ids:
+            raise CacheError(f"Part {self.name} has no samples: nothing to commit.")
+        write_part_group(self._tmp, self.cache, self._cols, self._sample_ids, self._lengths, self.name)
+        fsync_tree(self._tmp)
+        nbytes = sum(f.stat().st_size for f in self._tmp.rglob("*") if f.is_file())
+        record = PartRecord(
+            name=self.name, samples=len(self._sample_ids), tokens=self.num_tokens,
+            lengths=tuple(self._lengths), nbytes=nbytes, stats=dict(self.stats),
+        )
+        self.committed = self.cache.commit(self._tmp, record)
+
+
+def write_part_group(
+    path: Path,
+    cache: CacheWriter,
+    cols: dict[str, list[np.ndarray]],
+    sample_ids: list[int],
+    lengths: list[int],
+    name: str,
+) -> None:
+    """Write the zarr v3 group of one part (the layout docs/cache-format.md describes)."""
+    store = zarr.storage.LocalStore(path)
+    tokens = sum(lengths)
+    zarr.create_group(store, zarr_format=3, attributes={
+        "dflash_part": {"format_version": 1, "name": name, "samples": len(sample_ids), "tokens": tokens}
+    })
+    hdr = cache.header["hidden"]
+    chunk_rows, shard_rows = int(hdr["chunk_rows"]), int(hdr["shard_rows"])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    arrays = {key: np.concatenate(parts) for key, parts in cols.items()}
+    arrays["offsets"] = offsets
+    arrays["sample_ids"] = np.asarray(sample_ids, dtype=np.int64)
+    big = {"hidden", "last_hidden", "topk_ids", "topk_logprobs"}
+    for key, data in arrays.items():
+        if key in big:
+            compressors = (
+                cache.codec.zarr_compressors() if key in ("hidden", "last_hidden")
+                else small_array_compressors()
+            )
+            chunks = (chunk_rows, *data.shape[1:])
+            shards = (shard_rows, *data.shape[1:])
+        else:  # small per-token metadata: one chunk per part, read whole once per part
+            compressors, chunks, shards = small_array_compressors(), data.shape, None
+        arr = zarr.create_array(
+            store, name=key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
+            compressors=compressors, filters=None, fill_value=0,
+            config={"write_empty_chunks": True},
+        )
+        arr[...] = data
+
