@@ -1,0 +1,459 @@
+"""The DFlash drafter: fused target context + Qwen3-style layers over one masked block.
+
+Shapes: `K` captured target layers of width `D`; a batch of `B` sequences of `T` tokens;
+`Q` block tokens per sequence (all anchors' blocks laid end to end).
+
+Every draft layer attends from the block tokens to `[fused context ; block]`. The fused context
+(`hidden_norm(fc(concat of K target states))`) is the same tensor in every layer: each layer
+only projects it through its own `k_proj`/`v_proj` (+ `k_norm`, RoPE at the token's position);
+the context is never run through the layers. This matches z-lab's reference model, SGLang and
+vLLM, so an export behaves the same there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import ATTENTION_BACKENDS, AttentionMask, attend
+from .target_weights import (
+    TargetWeights,
+    default_target_layer_ids,
+    load_target_config,
+    load_target_weights,
+)
+
+
+def rope_parameters_from_config(config: Any) -> dict[str, Any]:
+    """RoPE settings as one 5.x-style dict `{rope_type, rope_theta, ...}` from any config.
+
+    Accepts transformers 5.x configs (`rope_parameters`), 4.x ones (`rope_theta` +
+    `rope_scaling`) and plain dicts (an export's config.json).
+    """
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    params = get("rope_parameters")
+    if isinstance(params, dict) and "rope_type" not in params and "full_attention" in params:
+        params = params["full_attention"]  # per-layer-type RoPE (e.g. Gemma 3): take the global one
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        out = dict(params)
+        out.setdefault("rope_type", "default")
+        return out
+    scaling = get("rope_scaling") or {}
+    out = {k: v for k, v in dict(scaling).items() if k != "type"}
+    out["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    theta = get("rope_theta")
+    out["rope_theta"] = float(theta if theta is not None else 10000.0)
+    return out
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Dimensions and DFlash settings of a drafter (usually built by `from_target_config`)."""
+
+    hidden_size: int
+    """Width of the target's hidden states; the drafter must match it."""
+    num_attention_heads: int
+    """Query heads per draft layer."""
+    num_key_value_heads: int
+    """Key/value heads per draft layer (grouped-query attention)."""
+    head_dim: int
+    """Width of one attention head."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    vocab_size: int
+    """Rows of the target's embedding and lm_head."""
+    num_target_layers: int
+    """Decoder layers of the target (written to the export; used by the default layer rule)."""
+    num_hidden_layers: int = 5
+    """Number of draft decoder layers."""
+    target_layer_ids: list[int] | None = None
+    """Target layers whose outputs are fused; None picks `default_target_layer_ids`."""
+    block_size: int = 16
+    """Tokens per drafted block: the anchor plus block_size-1 predictions."""
+    mask_token_id: int | None = None
+    """Embedding row used for the masked block positions; None means vocab_size - 1."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
+    )
+    """RoPE settings, transformers 5.x style: {"rope_type", "rope_theta", scaling keys...}."""
+    max_position_embeddings: int = 40960
+    """Longest position the RoPE settings are meant for (copied from the target)."""
+    attention_backend: str = "auto"
+    """"sdpa" (dense mask, any device), "flex" (block-sparse, compiled on CUDA) or "auto"."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}); fix one of them."
+            )
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {self.block_size}.")
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer.")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are outside the target's layers 0..{self.num_target_layers - 1}."
+            )
+        if self.mask_token_id is None:
+            self.mask_token_id = self.vocab_size - 1
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
+                f"(vocab_size {self.vocab_size}); pick an unused or reserved token id below it."
+            )
+        if "rope_theta" not in self.rope_parameters:
+            raise ValueError("rope_parameters must contain rope_theta (the target's RoPE base).")
+        self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
+            )
+
+    @property
+    def num_context_layers(self) -> int:
+        """K: how many target layers are fused (the cache's hidden width is K * hidden_size)."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target_config(cls, target_config: Any, **overrides: Any) -> DrafterConfig:
+        """Take every dimension from a transformers config of the target; `overrides` win."""
+        c = target_config
+        num_heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
+        values: dict[str, Any] = dict(
+            hidden_size=c.hidden_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            num_target_layers=c.num_hidden_layers,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_parameters=rope_parameters_from_config(c),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig fields {sorted(unknown)}.")
+        values.update(overrides)
+        return cls(**values)
+
+    def to_hf_config(self) -> Any:
+        """A transformers Qwen3Config with the drafter's dimensions (RoPE tables are built from it)."""
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            layer_types=["full_attention"] * self.num_hidden_layers,
+        )
+
+
+class RMSNorm(nn.Module):
+    """Qwen3/Llama RMSNorm: computed in float32, weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [B, H, L, d] by the [B, L, d] tables of its positions."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables at absolute positions, with transformers' RoPE init for every rope_type.
+
+    The inverse frequencies are a plain float32 attribute, not a buffer, so that casting the
+    drafter to bf16 cannot round them (positions in the thousands need the float32 angles).
+    """
+
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        rope_type = c.rope_parameters["rope_type"]
+        if rope_type == "default":
+            theta = float(c.rope_parameters["rope_theta"])
+            inv_freq = 1.0 / theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r} in the target's RoPE settings.")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](c.to_hf_config(), None)
+        self.inv_freq = inv_freq.float()
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [B, Hkv, L, d] of `x` [B, L, D]."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask | None,
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_block, v_block = self.project_kv(x, cos, sin)
+        k = torch.cat([context_kv[0], k_block], dim=2)
+        v = torch.cat([context_kv[1], v_block], dim=2)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(c)
+        self.mlp = DrafterMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, context_kv, rope, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ContextCache:
+    """Per-layer keys/values of the fused context seen so far (the inference path)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def crop(self, length: int) -> None:
+        """Forget context positions >= `length` (after the target rejects drafted tokens)."""
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash block-diffusion drafter with the target's frozen embedding and lm_head.
+
+    The frozen tensors are non-persistent buffers: they are not in `state_dict()`, not
+    trained and not exported (loaders take them from the target again).
+    """
+
+    def __init__(self, config: DrafterConfig, target: TargetWeights, *, target_norm_eps: float | None = None) -> None:
+        super().__init__()
+        c = self.config = config
+        rows, width = target.embed_tokens.shape
+        if width != c.hidden_size or rows != c.vocab_size or target.lm_head.shape != (rows, width):
+            raise ValueError(
+                f"target embedding {tuple(target.embed_tokens.shape)} / lm_head {tuple(target.lm_head.shape)} "
+                f"do not match vocab_size {c.vocab_size} x hidden_size {c.hidden_size}; the drafter's "
+                "dimensions must come from the same target."
+            )
+        self.fc = nn.Linear(c.num_context_layers * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("embed_weight", target.embed_tokens.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", target.lm_head.detach(), persistent=False)
+        norm = target.final_norm
+        self.register_buffer("target_norm_weight", None if norm is None else norm.detach(), persistent=False)
+        self.target_norm_eps = c.rms_norm_eps if target_norm_eps is None else target_norm_eps
+        self.rotary = RotaryEmbedding(c)
+        self.reset_parameters()
+
+    @classmethod
+    def from_target(cls, target_dir: str | Path, *, with_final_norm: bool = False, **overrides: Any) -> DFlashDrafter:
+        """A freshly initialized drafter for the checkpoint in `target_dir` (reads only 2-3 tensors)."""
+        target_config = load_target_config(target_dir)
+        config = DrafterConfig.from_target_config(target_config, **overrides)
+        weights = load_target_weights(
+            target_dir,
+            tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
+            with_final_norm=with_final_norm,
+        )
+        return cls(config, weights, target_norm_eps=getattr(target_config, "rms_norm_eps", None))
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, K*D] captured target states -> [B, T, D] fused context."""
+        expected = self.config.num_context_layers * self.config.hidden_size
+        if hidden.shape[-1] != expected:
+            raise ValueError(
+                f"hidden states have width {hidden.shape[-1]}, expected {expected} "
+                f"({self.config.num_context_layers} target layers x {self.config.hidden_size}); "
+                "the cache was extracted with other target layers or another model."
+            )
+        return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_weight).to(self.fc.weight.dtype)
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(positions, like.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen target lm_head over normed drafter states."""
+        weight = self.lm_head_weight
+        if not torch.is_autocast_enabled(h.device.type):
+            weight = weight.to(h.dtype)  # autocast casts by itself; otherwise match dtypes
+        return F.linear(h, weight)
+
+    def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits from its final pre-norm hidden state (for soft labels)."""
+        if self.target_norm_weight is None:
+            raise ValueError(
+                "soft labels from last_hidden need the target's final norm: build the drafter "
+                "with from_target(..., with_final_norm=True)."
+            )
+        normed = self.target_norm_weight.to(last_hidden.dtype) * rms_normalize(last_hidden, self.target_norm_eps)
+        return self.logits(normed)
+
+    def _layer_context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cos, sin = self.rope(positions, context)
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+
+    def _run_layers(self, block_ids, block_positions, context_kv, mask) -> torch.Tensor:
+        x = self.embed(block_ids)
+        rope = self.rope(block_positions, x)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, kv, rope, mask)
+        return self.norm(x)
+
+    # -- training path ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        """Normed drafter states [B, Q, D] of all blocks of a batch in one pass.
+
+        `hidden` [B, T, K*D] is the context (token t at position t); `block_ids` and
+        `block_positions` [B, Q] are the block tokens and their absolute positions; `mask`
+        comes from `attention.build_attention_mask`.
+        """
+        context = self.fuse_context(hidden)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
+        return self._run_layers(block_ids, block_positions, self._layer_context_kv(context, positions), mask)
+
+    # -- inference path ---------------------------------------------------------------------
+
+    def new_context_cache(self) -> ContextCache:
+        return ContextCache(keys=[], values=[])
+
+    @torch.no_grad()
+    def append_context(self, cache: ContextCache, hidden: torch.Tensor) -> None:
+        """Add the captured target states [B, n, K*D] of the next n tokens to `cache`."""
+        start = cache.length
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
+        new = self._layer_context_kv(self.fuse_context(hidden), positions)
+        if not cache.keys:
+            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
+            return
+        cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
+        cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
+
+    @torch.no_grad()
+    def draft_block(self, cache: ContextCache, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, block_size-1, V] for the block after the anchors [B].
+
+        The anchor sits at position `cache.length`: the cache holds exactly the context before
+        it, as in training (the anchor's own target state is not yet known to an engine).
+        """
+        c = self.config
+        if cache.length == 0:
+            raise ValueError("append_context at least one token before drafting a block.")
+        batch = anchor_ids.shape[0]
+        block_ids = torch.full((batch, c.block_size), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        block_ids[:, 0] = anchor_ids
+        positions = cache.length + torch.arange(c.block_size, device=anchor_ids.device).expand(batch, -1)
+        h = self._run_layers(block_ids, positions, list(zip(cache.keys, cache.values)), None)
+        return self.logits(h[:, 1:])

@@ -1,0 +1,151 @@
+"""What the drafter borrows from its target: configuration, frozen embedding, lm_head, final norm.
+
+The target checkpoint is never loaded whole: only the few tensors the drafter needs are read
+from its safetensors files (single file or sharded with `model.safetensors.index.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list[int]:
+    """z-lab's rule for which target layers feed the drafter.
+
+    K = `num_draft_layers` layers are spread evenly between layer 1 and layer N-3:
+    `round(1 + i * (N - 4) / (K - 1))` for i in 0..K-1 (Qwen3-8B, N=36, K=5 gives
+    [1, 9, 17, 25, 33]). Id `l` is the output of decoder layer `l` (HF
+    `output_hidden_states[l + 1]`). K=1 gives the middle layer.
+    """
+    n, k = int(num_target_layers), int(num_draft_layers)
+    if k < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {k}.")
+    if n < 1:
+        raise ValueError(f"num_target_layers must be >= 1, got {n}.")
+    if k == 1:
+        return [n // 2]
+    if n - 4 < k - 1:
+        # The rule needs K distinct layers in [1, N-3]; below that it would repeat ids.
+        raise ValueError(
+            f"cannot pick {k} distinct target layers from a {n}-layer target with the default "
+            f"rule (it needs at least {k + 3} layers); pass target_layer_ids explicitly."
+        )
+    # Python's round (half to even) on purpose: exports that omit target_layer_ids are
+    # re-derived this way by the reference loaders, so the ids must match them exactly.
+    return [int(round(1 + i * (n - 4) / (k - 1))) for i in range(k)]
+
+
+def load_target_config(target_dir: str | Path) -> Any:
+    """The target's text config (a transformers PretrainedConfig), read from disk only."""
+    from transformers import AutoConfig
+
+    target_dir = Path(target_dir)
+    if not (target_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no config.json in target directory {target_dir}; pass the folder of a Hugging "
+            "Face checkpoint (the one holding config.json and *.safetensors)."
+        )
+    config = AutoConfig.from_pretrained(str(target_dir), local_files_only=True)
+    # Multimodal wrappers keep the decoder's dimensions in a text sub-config.
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@dataclass(frozen=True)
+class TargetWeights:
+    """Frozen tensors taken from the target checkpoint."""
+
+    embed_tokens: torch.Tensor
+    """[vocab, hidden] input embedding."""
+    lm_head: torch.Tensor
+    """[vocab, hidden] output projection (the embedding itself for tied targets)."""
+    final_norm: torch.Tensor | None = None
+    """[hidden] weight of the target's final RMSNorm; only needed for soft labels."""
+
+
+def _tensor_locations(target_dir: Path) -> dict[str, Path]:
+    """Map every tensor name of the checkpoint to the safetensors file that holds it."""
+    index = target_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: target_dir / fname for name, fname in weight_map.items()}
+    files = [target_dir / SAFETENSORS_SINGLE] if (target_dir / SAFETENSORS_SINGLE).is_file() else (
+        sorted(target_dir.glob("*.safetensors"))
+    )
+    if not files:
+        hint = ""
+        if any(target_dir.glob("*.bin")) or any(target_dir.glob("*.pt")):
+            hint = " It has PyTorch .bin/.pt weights: re-save them with save_pretrained(..., safe_serialization=True)."
+        raise FileNotFoundError(
+            f"no safetensors weights in target directory {target_dir}.{hint}"
+        )
+    locations: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                locations[name] = path
+    return locations
+
+
+def _pick(names: list[str], pattern: str) -> str | None:
+    """The shortest tensor name matching `pattern` (prefers `model.x` over `mtp.model.x`)."""
+    regex = re.compile(pattern)
+    hits = sorted((n for n in names if regex.search(n)), key=lambda n: (len(n), n))
+    return hits[0] if hits else None
+
+
+def load_target_weights(
+    target_dir: str | Path, *, tie_word_embeddings: bool | None = None, with_final_norm: bool = False
+) -> TargetWeights:
+    """Read the embedding, lm_head (and optionally the final norm) from the target's safetensors.
+
+    Names are matched by suffix so that `model.embed_tokens.weight`,
+    `model.language_model.embed_tokens.weight` or a bare `embed_tokens.weight` all work. A
+    missing `lm_head.weight` falls back to the embedding when the target ties them.
+    """
+    target_dir = Path(target_dir)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = bool(getattr(load_target_config(target_dir), "tie_word_embeddings", False))
+    locations = _tensor_locations(target_dir)
+    names = list(locations)
+    embed_name = _pick(names, r"(^|\.)embed_tokens\.weight$")
+    head_name = _pick(names, r"(^|\.)lm_head\.weight$")
+    norm_name = _pick([n for n in names if ".layers." not in n], r"(^|\.)norm\.weight$")
+    if embed_name is None:
+        raise FileNotFoundError(
+            f"target checkpoint in {target_dir} has no '*embed_tokens.weight' tensor; the drafter "
+            "needs the target's input embedding."
+        )
+    if head_name is None and not tie_word_embeddings:
+        raise FileNotFoundError(
+            f"target checkpoint in {target_dir} has no 'lm_head.weight' and its config does not "
+            "set tie_word_embeddings; check that every shard listed in the index is present."
+        )
+    if with_final_norm and norm_name is None:
+        raise FileNotFoundError(
+            f"target checkpoint in {target_dir} has no final 'norm.weight' tensor, needed for "
+            "soft labels from last_hidden; use top-k soft labels or turn soft labels off."
+        )
+
+    def read(name: str) -> torch.Tensor:
+        path = locations[name]
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"shard {path.name} listed in {target_dir / SAFETENSORS_INDEX} is missing."
+            )
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+
+    embed = read(embed_name)
+    head = read(head_name) if head_name is not None else embed
+    norm = read(norm_name) if with_final_norm else None
+    return TargetWeights(embed_tokens=embed, lm_head=head, final_norm=norm)
