@@ -1,0 +1,32 @@
+"""Helpers shared by the cache tests: tiny headers and random samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.manifest import make_header
+
+
+def tiny_header(codec: str = "bf16", *, layers=(1, 3), hidden_size: int = 32, chunk_rows: int = 16,
+                shard_rows: int = 64, **kw) -> dict:
+    return make_header(
+        target={"path": "tiny-target", "config_hash": "0" * 64, "architecture": "Qwen3ForCausalLM",
+                "hidden_size": hidden_size, "num_hidden_layers": 4, "vocab_size": 128},
+        target_layer_ids=list(layers), hidden_size=hidden_size, codec=HiddenCodec(name=codec),
+        chunk_rows=chunk_rows, shard_rows=shard_rows, **kw,
+    )
+
+
+def random_sample(gen: torch.Generator, length: int, width: int, *, outliers: bool = True):
+    """(input_ids, loss_mask, hidden bf16 [length, width]) with a few large channels."""
+    hidden = torch.randn(length, width, generator=gen)
+    if outliers:
+        hidden[:, :: max(1, width // 7)] *= 40.0
+    ids = torch.randint(0, 128, (length,), generator=gen)
+    mask = torch.randint(0, 2, (length,), generator=gen)
+    return ids, mask, hidden.to(torch.bfloat16)
+
+
+def bits(x: torch.Tensor) -> np.ndarray:
+    return x.contiguous().view(torch.int16).numpy()
