@@ -1,0 +1,163 @@
+"""The commit protocol: concurrent writers, crashes at any moment, orphans, torn records."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import torch
+from cache_utils import bits, random_sample, tiny_header
+from dflash.cache_tools.fsio import file_lock
+from dflash.cache_tools.manifest import LOG_FILE, read_manifest
+from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.writer import CacheWriter, remove_orphans
+
+WRITER_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[4])
+    from cache_utils import random_sample, tiny_header
+    from dflash.cache_tools.writer import CacheWriter
+    cache, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    slow = len(sys.argv) > 5
+    w = CacheWriter(cache, tiny_header())
+    for p in range(first, first + count):
+        gen = torch.Generator().manual_seed(p)
+        with w.part_writer(f"part-{p:06d}") as pw:
+            for s in range(3):
+                ids, mask, hidden = random_sample(gen, 20 + s, 64)
+                pw.add_sample(p * 100 + s, ids, mask, hidden)
+                if slow and p == first + count - 1:
+                    print("IN-PART", flush=True)
+                    time.sleep(60)
+        print("COMMITTED", p, flush=True)
+""")
+
+
+def expected_part(p: int):
+    gen = torch.Generator().manual_seed(p)
+    return [random_sample(gen, 20 + s, 64) for s in range(3)]
+
+
+def run_writer(cache, first, count, tests_dir, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER_SCRIPT, str(cache), str(first), str(count), str(tests_dir), *extra],
+        stdout=subprocess.PIPE, text=True,
+    )
+
+
+def check_parts(cache, parts):
+    reader = CacheReader(cache)
+    names = [p.name for p in reader.parts]
+    assert sorted(names) == [f"part-{p:06d}" for p in sorted(parts)]
+    for idx, record in enumerate(reader.parts):
+        p = int(record.name.split("-")[1])
+        for s, (ids, _mask, hidden) in enumerate(expected_part(p)):
+            part_idx, local = idx, s
+            got = reader.read_sample(int(reader._part_start[part_idx]) + local)
+            assert got["sample_id"] == p * 100 + s
+            assert torch.equal(got["input_ids"], ids)
+            np.testing.assert_array_equal(bits(got["hidden"]), bits(hidden))
+
+
+def test_concurrent_writers_lose_no_commit(tmp_path):
+    cache = tmp_path / "c"
+    tests_dir = os.path.dirname(__file__)
+    procs = [run_writer(cache, 10 * i, 6, tests_dir) for i in range(4)]
+    for proc in procs:
+        proc.communicate(timeout=120)
+        assert proc.returncode == 0
+    check_parts(cache, [10 * i + j for i in range(4) for j in range(6)])
+    assert read_manifest(cache).num_samples == 4 * 6 * 3
+
+
+def test_second_writer_of_a_part_is_dropped_whole(tmp_path):
+    cache = tmp_path / "c"
+    writer = CacheWriter(cache, tiny_header())
+    gen = torch.Generator().manual_seed(0)
+    first, second = writer.part_writer("part-000000"), writer.part_writer("part-000000")
+    with first, second:
+        first.add_sample(1, *random_sample(gen, 5, 64))
+        second.add_sample(2, *random_sample(gen, 5, 64))
+    # `second` exits first (inner context), so it wins; `first` must be dropped, not merged.
+    assert second.committed and not first.committed
+    reader = CacheReader(cache)
+    assert len(reader) == 1 and reader.read_sample(0)["sample_id"] == 2
+
+
+def test_sigkill_mid_part_keeps_earlier_parts_and_leaves_no_orphan(tmp_path):
+    cache = tmp_path / "c"
+    proc = run_writer(cache, 0, 4, os.path.dirname(__file__), "slow")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.startswith("IN-PART"):
+            break
+    # Kill while part 3's temporary directory exists and nothing of it is committed.
+    tmp_dirs = [p for p in (cache / "parts").iterdir() if p.name.startswith(".tmp-")]
+    assert tmp_dirs, "the writer should hold a temporary part when killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert lines[:3] == ["COMMITTED 0", "COMMITTED 1", "COMMITTED 2"]
+    # Readers see exactly the committed parts even before any cleanup.
+    check_parts(cache, [0, 1, 2])
+    # The next writer's open removes the dead writer's leftovers.
+    CacheWriter(cache, tiny_header())
+    leftovers = [p.name for p in (cache / "parts").iterdir()]
+    assert sorted(leftovers) == ["part-000000", "part-000001", "part-000002"]
+    check_parts(cache, [0, 1, 2])
+
+
+def test_orphan_sweep_spares_a_live_writer(tmp_path):
+    cache = tmp_path / "c"
+    writer = CacheWriter(cache, tiny_header())
+    gen = torch.Generator().manual_seed(0)
+    with writer.part_writer("part-000001") as live:
+        live.add_sample(1, *random_sample(gen, 5, 64))
+        # A crashed writer's leftovers: a temp dir with an unheld lock, and an unrecorded part.
+        (cache / "parts" / ".tmp-part-000007.999.dead").mkdir()
+        (cache / "parts" / ".tmp-part-000007.999.dead.lock").touch()
+        (cache / "parts" / "part-000008").mkdir()
+        with file_lock(cache / ".lock"):
+            removed = remove_orphans(cache)
+        assert sorted(removed) == [".tmp-part-000007.999.dead", "part-000008"]
+        assert live._tmp.name.startswith(".tmp-part-000001")
+    assert live.committed
+    assert [p.name for p in read_manifest(cache).parts] == ["part-000001"]
+
+
+def test_torn_commit_record_is_ignored_then_repaired(tmp_path):
+    cache = tmp_path / "c"
+    writer = CacheWriter(cache, tiny_header())
+    gen = torch.Generator().manual_seed(0)
+    with writer.part_writer("part-000000") as pw:
+        pw.add_sample(1, *random_sample(gen, 5, 64))
+    with open(cache / LOG_FILE, "ab") as f:  # a writer killed in the middle of its append
+        f.write(b'{"part":"part-000001","samp')
+    assert [p.name for p in read_manifest(cache).parts] == ["part-000000"]
+    writer = CacheWriter(cache, tiny_header())
+    with writer.part_writer("part-000002") as pw:
+        pw.add_sample(2, *random_sample(gen, 5, 64))
+    assert [p.name for p in read_manifest(cache).parts] == ["part-000000", "part-000002"]
+    assert (cache / LOG_FILE).read_bytes().count(b"\n") == 2
+
+
+def test_open_after_kill_during_commit_rename(tmp_path):
+    """A part renamed into place but never recorded (killed between the two) is not visible
+    and is removed by the next writer; the same part can then be written again."""
+    cache = tmp_path / "c"
+    writer = CacheWriter(cache, tiny_header())
+    gen = torch.Generator().manual_seed(0)
+    with writer.part_writer("part-000000") as pw:
+        pw.add_sample(1, *random_sample(gen, 5, 64))
+    shutil.copytree(cache / "parts" / "part-000000", cache / "parts" / "part-000005")
+    assert [p.name for p in read_manifest(cache).parts] == ["part-000000"]
+    writer = CacheWriter(cache, tiny_header())
+    assert not (cache / "parts" / "part-000005").exists()
+    with writer.part_writer("part-000005") as pw:
+        pw.add_sample(5, *random_sample(gen, 7, 64))
+    assert CacheReader(cache).read_sample(1)["sample_id"] == 5

@@ -1,0 +1,139 @@
+"""The hot read path: corruption is detected and named; open cost does not grow with parts."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from cache_utils import bits, random_sample, tiny_header
+from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
+from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line
+from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.writer import CacheWriter
+
+
+def make_cache(path, codec="bf16", parts=2, length=100):
+    writer = CacheWriter(path, tiny_header(codec))
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for p in range(parts):
+        with writer.part_writer(f"part-{p:06d}") as pw:
+            for s in range(2):
+                sample = random_sample(gen, length, 64)
+                pw.add_sample(p * 10 + s, *sample)
+                samples.append(sample)
+    return samples
+
+
+def shard_file(cache, part, shard=0):
+    return cache / "parts" / part / "hidden" / "c" / str(shard) / "0"
+
+
+@pytest.mark.parametrize("codec", ["bf16", "raw", "fp8"])
+def test_flipped_byte_in_a_chunk_is_named(tmp_path, codec):
+    cache = tmp_path / "c"
+    make_cache(cache, codec)
+    path = shard_file(cache, "part-000001")
+    data = bytearray(path.read_bytes())
+    data[40] ^= 0xFF  # inside the first chunk of the shard
+    path.write_bytes(bytes(data))
+    reader = CacheReader(cache)
+    reader.read_sample(0)  # other parts are unaffected
+    with pytest.raises(CacheCorruptError, match=r"part 'part-000001' \(array hidden, chunk 0\).*checksum mismatch"):
+        reader.read_sample(2)
+
+
+def test_truncated_shard_is_named(tmp_path):
+    cache = tmp_path / "c"
+    make_cache(cache)
+    path = shard_file(cache, "part-000000", shard=1)  # rows 64..127 of the part
+    os.truncate(path, path.stat().st_size // 2)
+    reader = CacheReader(cache)
+    with pytest.raises(CacheCorruptError, match=r"part 'part-000000' \(array hidden, shard file c/1/0, index\)"):
+        reader.read_sample(0)  # sample 0 spans rows 0..99: crosses into shard 1
+
+
+def test_missing_shard_file_is_named(tmp_path):
+    cache = tmp_path / "c"
+    make_cache(cache)
+    shard_file(cache, "part-000001").unlink()
+    with pytest.raises(CacheCorruptError, match=r"part 'part-000001'.*c/0/0 is missing"):
+        CacheReader(cache).read_sample(2)
+
+
+def test_checksum_verification_can_be_turned_off_for_speed(tmp_path):
+    cache = tmp_path / "c"
+    samples = make_cache(cache, "raw")
+    reader = CacheReader(cache, verify_checksums=False)
+    np.testing.assert_array_equal(bits(reader.read_sample(1)["hidden"]), bits(samples[1][2]))
+
+
+def test_missing_or_foreign_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(CacheNotFoundError, match="does not exist"):
+        CacheReader(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CacheNotFoundError, match="is not a dflash cache: it has no manifest.json"):
+        CacheReader(tmp_path / "empty")
+
+
+def test_reader_in_a_forked_worker_reopens_its_maps(tmp_path):
+    cache = tmp_path / "c"
+    samples = make_cache(cache)
+    reader = CacheReader(cache)
+    reader.read_sample(0)  # the parent has open maps now
+    loader = torch.utils.data.DataLoader(
+        list(range(4)), batch_size=None, num_workers=2,
+        collate_fn=lambda i: reader.read_sample(i)["hidden"],
+        multiprocessing_context="fork",
+    )
+    got = list(loader)
+    for i, h in enumerate(got):
+        np.testing.assert_array_equal(bits(h), bits(samples[i][2]))
+
+
+_OPENED: list[str] = []
+
+
+def _record_opens(event, args):
+    # Audit hooks cannot be removed: this one records only while the list is armed.
+    if _OPENED and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_record_opens)
+
+
+def test_open_of_10000_parts_reads_only_the_manifest(tmp_path):
+    """10,000 committed parts: open + one sample well under a second, and opening touches no
+    file but the two manifest files."""
+    cache = tmp_path / "c"
+    make_cache(cache, parts=1, length=3)
+    template = cache / "parts" / "part-000000"
+    record = PartRecord(name="", samples=2, tokens=6, lengths=(3, 3), nbytes=1)
+    lines = []
+    for p in range(1, 10_000):
+        os.symlink(template, cache / "parts" / f"part-{p:06d}")
+        lines.append(encode_log_line(PartRecord(**{**record.__dict__, "name": f"part-{p:06d}"})))
+    with open(cache / LOG_FILE, "ab") as f:
+        f.write(b"".join(lines))
+
+    _OPENED.clear()
+    _OPENED.append("recording")
+    start = time.perf_counter()
+    reader = CacheReader(cache)
+    during_open = [p for p in _OPENED[1:] if str(cache) in p]
+    sample = reader.read_sample(15_000)
+    elapsed = time.perf_counter() - start
+    during_read = [p for p in _OPENED[len(during_open) + 1:] if str(cache) in p]
+    _OPENED.clear()
+    assert len(reader) == 20_000
+    assert sorted(os.path.basename(p) for p in during_open) == sorted([LOG_FILE, "manifest.json"])
+    assert sample["input_ids"].shape == (3,)
+    # Reading one sample opens only that part's files.
+    touched_parts = {p.split("/parts/")[1].split("/")[0] for p in during_read}
+    assert touched_parts == {"part-007500"}
+    assert elapsed < 1.0, elapsed
