@@ -1,0 +1,161 @@
+"""Anchors, loss weights and masking, noise and soft labels of the training objective."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash.train.attention import build_attention_mask
+from dflash.train.metrics import BlockMetrics, block_metrics, tau_from_accuracies
+from dflash.train.objective import (
+    ObjectiveConfig,
+    add_hidden_noise,
+    compute_loss,
+    default_gamma,
+    position_weights,
+    sample_anchors,
+)
+from test_drafter_support import HIDDEN, VOCAB, tiny_drafter
+
+MASK = VOCAB - 1
+
+
+def hand_batch():
+    """Two sequences whose eligible anchors and scored slots are listed by hand below."""
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 100, (2, 8), generator=g)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])
+    return {
+        "hidden": torch.randn(2, 8, 2 * HIDDEN, generator=g).to(torch.bfloat16),
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "lengths": torch.tensor([8, 5]),
+    }
+
+
+# anchor -> scored slots k=1..3 (block size 4), worked out from hand_batch:
+HAND_ANCHORS = [
+    {2: [1, 1, 0],  # targets 3, 4, 5: loss_mask[5] == 0 inside the block
+     3: [1, 0, 1],  # targets 4, 5, 6: a zero in the middle, then scored again
+     6: [1, 0, 0]},  # targets 7, 8, 9: the sequence ends after 7
+    {0: [1, 1, 1], 1: [1, 1, 1], 2: [1, 1, 0],
+     3: [1, 0, 0]},  # length 5: targets 4 only
+]
+
+
+def test_gamma_defaults_and_position_weights():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert default_gamma(4) == 3.0 and default_gamma(32) == 13.0
+    w = position_weights(4, gamma=2.0)
+    torch.testing.assert_close(w, torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+
+
+def test_anchors_are_eligible_positions_drawn_deterministically():
+    batch = hand_batch()
+    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], max_anchors=64)
+    assert [anchors[b][valid[b]].tolist() for b in range(2)] == [sorted(h) for h in HAND_ANCHORS]
+    long_mask = torch.ones(3, 40)
+    lengths = torch.tensor([40, 30, 3])
+    draws = [sample_anchors(long_mask, lengths, 5, torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
+    assert torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[0][0], draws[2][0])
+    anchors, valid = draws[0]
+    assert valid.sum(1).tolist() == [5, 5, 2]  # length 3 has only anchors 0 and 1
+    assert bool((anchors[:2] + 1 < lengths[:2, None]).all())
+
+
+def test_loss_is_the_weighted_mean_of_scored_slots_computed_by_hand():
+    drafter = tiny_drafter()
+    batch = hand_batch()
+    gamma = 2.0
+    out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64, gamma=gamma))
+    expected_valid = [[v for _, v in sorted(h.items())] for h in HAND_ANCHORS]
+    assert out.valid[0, :3].int().tolist() == expected_valid[0]
+    assert out.valid[1].int().tolist() == expected_valid[1]
+    assert not out.valid[0, 3].any()  # padding anchor of the shorter list
+
+    # Independent recomputation: one block at a time, built by hand, full dense attention
+    # over the context before the anchor only.
+    num, den = 0.0, 0.0
+    for b, anchors in enumerate(HAND_ANCHORS):
+        for p, scored in anchors.items():
+            ids = torch.tensor([[batch["input_ids"][b, p].item(), MASK, MASK, MASK]])
+            positions = torch.arange(p, p + 4)[None]
+            hidden = batch["hidden"][b : b + 1, :p] if p > 0 else batch["hidden"][b : b + 1, :0]
+            mask = build_attention_mask(torch.tensor([[p]]), hidden.shape[1], 4, "sdpa")
+            with torch.no_grad():
+                logits = drafter.logits(drafter(hidden, ids, positions, mask))[0]
+            for k in (1, 2, 3):
+                if scored[k - 1]:
+                    w = math.exp(-(k - 1) / gamma)
+                    ce = F.cross_entropy(logits[k][None], batch["input_ids"][b, p + k][None])
+                    num, den = num + w * ce.item(), den + w
+    assert out.loss.item() == pytest.approx(num / den, rel=1e-5)
+
+
+def test_a_batch_without_anchors_gives_zero_loss_that_backpropagates():
+    drafter = tiny_drafter()
+    batch = hand_batch()
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    out = compute_loss(drafter, batch, ObjectiveConfig())
+    assert out.loss.item() == 0.0 and not out.valid.any()
+    out.loss.backward()
+
+
+def test_noise_follows_its_schedule_and_generator():
+    hidden = torch.zeros(2, 50, 64)
+    cfg = ObjectiveConfig(noise_type="uniform", noise_start=0.1, noise_end=0.02)
+    assert cfg.noise_amplitude(0.0) == pytest.approx(0.1) and cfg.noise_amplitude(1.0) == pytest.approx(0.02)
+    assert cfg.noise_amplitude(0.5) == pytest.approx(0.06) and cfg.noise_amplitude(7) == pytest.approx(0.02)
+    noisy = add_hidden_noise(hidden, cfg, 0.5, torch.Generator().manual_seed(0))
+    assert noisy.abs().max() <= 0.06 and noisy.abs().max() > 0.05
+    again = add_hidden_noise(hidden, cfg, 0.5, torch.Generator().manual_seed(0))
+    assert torch.equal(noisy, again) and hidden.abs().max() == 0  # input left untouched
+    gauss = add_hidden_noise(hidden, ObjectiveConfig(noise_type="gaussian", noise_start=0.5), 0.3)
+    assert gauss.std().item() == pytest.approx(0.5, rel=0.1)
+    assert add_hidden_noise(hidden, ObjectiveConfig(), 0.5) is hidden
+    with pytest.raises(ValueError, match="noise_type"):
+        ObjectiveConfig(noise_type="laplace")
+
+
+def test_soft_labels_shift_and_both_sources_agree():
+    drafter = tiny_drafter()
+    batch = hand_batch()
+    ids = batch["input_ids"]
+    # Top-1 "target" that puts all its mass on the real next token: KL then equals the CE,
+    # which only holds if row t is used for the label at t + 1.
+    one_hot = dict(batch, topk_ids=torch.roll(ids, -1, dims=1)[..., None], topk_logprobs=torch.zeros(2, 8, 1))
+    out = compute_loss(drafter, one_hot, ObjectiveConfig(max_anchors=64, soft_label_weight=1.0))
+    assert out.kl.item() == pytest.approx(out.ce.item(), rel=1e-5)
+    assert out.loss.item() == pytest.approx(out.kl.item(), rel=1e-5)
+
+    # last_hidden (target norm + lm_head inside the drafter) == the same distribution as top-V.
+    last_hidden = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(5))
+    norm_w = drafter.target_norm_weight
+    normed = norm_w * last_hidden * torch.rsqrt(last_hidden.pow(2).mean(-1, keepdim=True) + 1e-5)
+    target_logprobs = torch.log_softmax(normed @ drafter.lm_head_weight.T, dim=-1)
+    full = dict(batch, topk_ids=torch.arange(VOCAB).expand(2, 8, VOCAB), topk_logprobs=target_logprobs)
+    cfg = ObjectiveConfig(max_anchors=64, soft_label_weight=0.25)
+    via_topk = compute_loss(drafter, full, cfg)
+    via_hidden = compute_loss(drafter, dict(batch, last_hidden=last_hidden), cfg)
+    assert via_topk.kl.item() == pytest.approx(via_hidden.kl.item(), rel=1e-4)
+    assert via_hidden.loss.item() == pytest.approx(0.75 * via_hidden.ce.item() + 0.25 * via_hidden.kl.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="soft_label_weight"):
+        compute_loss(drafter, batch, cfg)
+
+
+def test_metrics_count_leading_correct_slots_per_block():
+    correct = torch.tensor([[[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]]], dtype=torch.bool)
+    valid = torch.tensor([[[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]], dtype=torch.bool)
+    m = block_metrics(correct, valid, loss=torch.tensor(2.0))
+    # accepted: 2, 1, 0, 1 (the invalid slot ends the run) -> tau = 1 + 4/4
+    assert m["tau"] == pytest.approx(2.0)
+    assert (m["acc_1"], m["acc_2"], m["acc_3"]) == pytest.approx((3 / 4, 2 / 3, 2 / 3))
+    assert m["tau_from_acc"] == pytest.approx(1 + 0.75 + 0.5 + 0.5 * 2 / 3)
+    assert m["loss"] == 2.0 and m["blocks"] == 4.0
+    running = BlockMetrics(block_size=4)
+    running.update(correct[:, :2], valid[:, :2], 1.0)
+    running.update(correct[:, 2:], valid[:, 2:], 3.0)
+    assert running.compute() == pytest.approx(m)
+    assert tau_from_accuracies([1.0, 1.0]) == 3.0

@@ -1,0 +1,79 @@
+"""Drafting quality from a batch's (or many batches') block predictions.
+
+- `acc_k`: top-1 accuracy of block slot k (1..block_size-1) over scored slots.
+- `tau`: expected acceptance length measured per block, as greedy verification would accept
+  it: 1 (the target's bonus token) + the number of leading slots that are correct. A slot
+  that is not scored (past the sequence end or outside the completion) ends the run, since
+  nothing there can be checked; blocks whose first slot is not scored are not counted.
+- `tau_from_acc`: the estimate 1 + sum_k prod_{j<=k} acc_j from the per-slot accuracies
+  (it assumes independent errors, so it differs from `tau`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def leading_correct(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[..., S] -> [...]: number of leading slots that are scored and correct."""
+    ok = (correct & valid).long()
+    return ok.cumprod(dim=-1).sum(dim=-1)
+
+
+@dataclass
+class BlockMetrics:
+    """Running sums over steps; `compute()` turns them into plain floats."""
+
+    block_size: int
+    loss_sum: float = 0.0
+    steps: int = 0
+    correct_per_slot: torch.Tensor = field(init=False)
+    scored_per_slot: torch.Tensor = field(init=False)
+    accepted_sum: float = 0.0
+    blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.correct_per_slot = torch.zeros(self.block_size - 1, dtype=torch.float64)
+        self.scored_per_slot = torch.zeros(self.block_size - 1, dtype=torch.float64)
+
+    def update(self, correct: torch.Tensor, valid: torch.Tensor, loss: float | torch.Tensor | None = None) -> None:
+        """Add one batch: `correct`, `valid` [B, A, block_size-1] bool (from `LossOutput`)."""
+        correct, valid = correct.detach().cpu(), valid.detach().cpu()
+        self.correct_per_slot += (correct & valid).flatten(0, -2).sum(0).double()
+        self.scored_per_slot += valid.flatten(0, -2).sum(0).double()
+        counted = valid[..., 0]
+        self.accepted_sum += float(leading_correct(correct, valid)[counted].sum())
+        self.blocks += int(counted.sum())
+        if loss is not None:
+            self.loss_sum += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            self.steps += 1
+
+    def compute(self) -> dict[str, float]:
+        acc = (self.correct_per_slot / self.scored_per_slot.clamp(min=1)).tolist()
+        out: dict[str, float] = {}
+        if self.steps:
+            out["loss"] = self.loss_sum / self.steps
+        for k, a in enumerate(acc, start=1):
+            out[f"acc_{k}"] = a
+        out["tau"] = 1.0 + (self.accepted_sum / self.blocks if self.blocks else 0.0)
+        out["tau_from_acc"] = tau_from_accuracies(acc)
+        out["blocks"] = float(self.blocks)
+        return out
+
+
+def tau_from_accuracies(acc: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the acceptance length if slot errors were independent."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+def block_metrics(correct: torch.Tensor, valid: torch.Tensor, loss: float | torch.Tensor | None = None) -> dict[str, float]:
+    """Metrics of a single batch (see the module docstring for the definitions)."""
+    m = BlockMetrics(block_size=correct.shape[-1] + 1)
+    m.update(correct, valid, loss)
+    return m.compute()

@@ -1,0 +1,262 @@
+"""DFlash training objective: anchors, blocks, position-weighted loss, optional soft labels.
+
+A batch from the cache loader is a dict:
+
+- `hidden` [B, T, K*D]: the K captured target layers of every token, concatenated (bf16/float);
+- `input_ids` [B, T] long; `loss_mask` [B, T] 0/1 (1 on completion tokens);
+- `lengths` [B] long: true lengths (sequences are right-padded to T);
+- optional soft labels: `last_hidden` [B, T, D] (the target's final hidden state before its
+  norm) or `topk_ids` / `topk_logprobs` [B, T, k] (the target's top-k next-token log-probs).
+  Row t of either describes the target's distribution of token t+1.
+
+For every sequence, up to `max_anchors` anchors p are drawn where the anchor and the next
+token are completion tokens; each anchor gives a block `[token_p, MASK x (block_size-1)]` at
+positions p..p+block_size-1; block slot k (1..block_size-1) predicts token p+k. All blocks of
+the batch run in one forward pass with the mask of `attention.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .attention import build_attention_mask
+from .model import DFlashDrafter
+
+NOISE_TYPES = ("none", "uniform", "gaussian")
+_GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay of the position weights: the paper's 7/5/4 for blocks of 16/10/8.
+
+    Other sizes follow `floor(1 + 3 * block_size / 8 + 0.5)`, the line through those points
+    (it reproduces all three).
+    """
+    if block_size in _GAMMA_TABLE:
+        return _GAMMA_TABLE[block_size]
+    return float(math.floor(1 + 3 * block_size / 8 + 0.5))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block slots k = 1..block_size-1 (index 0 is k=1)."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+@dataclass(kw_only=True)
+class ObjectiveConfig:
+    """How blocks are drawn and scored."""
+
+    max_anchors: int = 512
+    """Most anchors drawn per sequence (fewer when the completion is shorter)."""
+    gamma: float | None = None
+    """Decay of the per-position loss weights; None uses `default_gamma(block_size)`."""
+    noise_type: str = "none"
+    """Noise added to the cached hidden states: "none", "uniform" U(-a, a) or "gaussian" N(0, a^2)."""
+    noise_start: float = 0.0
+    """Noise amplitude a at the start of training (progress 0)."""
+    noise_end: float | None = None
+    """Noise amplitude at the end (progress 1), linear in between; None keeps noise_start."""
+    soft_label_weight: float = 0.0
+    """Loss = (1 - w) * CE + w * KL(target || drafter) when the batch carries soft labels."""
+    attention_backend: str | None = None
+    """Overrides the drafter's attention_backend ("sdpa", "flex", "auto") when set."""
+
+    def __post_init__(self) -> None:
+        if self.max_anchors < 1:
+            raise ValueError(f"max_anchors must be >= 1, got {self.max_anchors}.")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}; use None for the default.")
+        if self.noise_type not in NOISE_TYPES:
+            raise ValueError(f"noise_type must be one of {NOISE_TYPES}, got {self.noise_type!r}.")
+        if self.noise_start < 0 or (self.noise_end is not None and self.noise_end < 0):
+            raise ValueError("noise_start and noise_end are amplitudes and must be >= 0.")
+        if not 0.0 <= self.soft_label_weight <= 1.0:
+            raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}.")
+
+    def noise_amplitude(self, progress: float) -> float:
+        """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""
+        end = self.noise_start if self.noise_end is None else self.noise_end
+        t = min(max(float(progress), 0.0), 1.0)
+        return self.noise_start + (end - self.noise_start) * t
+
+
+def add_hidden_noise(
+    hidden: torch.Tensor, config: ObjectiveConfig, progress: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """`hidden` plus the scheduled noise (a new tensor; the cache's tensor is left untouched)."""
+    amplitude = config.noise_amplitude(progress)
+    if config.noise_type == "none" or amplitude == 0.0:
+        return hidden
+    if generator is not None and generator.device != hidden.device:
+        generator = None  # a CPU generator cannot fill a CUDA tensor; fall back to the global RNG
+    dtype = hidden.dtype if hidden.is_floating_point() else torch.float32
+    if config.noise_type == "uniform":
+        noise = torch.rand(hidden.shape, generator=generator, device=hidden.device, dtype=dtype)
+        noise = (noise * 2 - 1) * amplitude
+    else:
+        noise = torch.randn(hidden.shape, generator=generator, device=hidden.device, dtype=dtype) * amplitude
+    return hidden.to(dtype) + noise
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, lengths: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw anchors: positions [B, A] (ascending, padding = 0) and valid [B, A] bool.
+
+    Eligible: p + 1 < length, loss_mask[p] == 1 and loss_mask[p + 1] == 1. Drawn without
+    replacement with `generator` (a CPU generator; same seed, same anchors). A >= 1 so a batch
+    without anchors still runs (and gets zero loss).
+    """
+    mask = loss_mask.detach().to("cpu", torch.bool)
+    lengths = lengths.detach().to("cpu", torch.long)
+    batch, seq_len = mask.shape
+    pos = torch.arange(seq_len)
+    eligible = mask & torch.roll(mask, -1, dims=1) & (pos[None, :] + 1 < lengths[:, None])
+    chosen: list[torch.Tensor] = []
+    for b in range(batch):
+        candidates = eligible[b].nonzero().flatten()
+        if candidates.numel() > max_anchors:
+            pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
+            candidates = candidates[pick].sort().values
+        chosen.append(candidates)
+    width = max(1, max(c.numel() for c in chosen))
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    for b, c in enumerate(chosen):
+        positions[b, : c.numel()] = c
+        valid[b, : c.numel()] = True
+    device = loss_mask.device
+    return positions.to(device), valid.to(device)
+
+
+def build_blocks(
+    input_ids: torch.Tensor, anchor_positions: torch.Tensor, mask_token_id: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tokens and their absolute positions, both [B, A*block_size]."""
+    batch, num_anchors = anchor_positions.shape
+    ids = torch.full((batch, num_anchors, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, anchor_positions)
+    offsets = torch.arange(block_size, device=input_ids.device)
+    positions = anchor_positions[:, :, None] + offsets
+    return ids.flatten(1), positions.flatten(1)
+
+
+def block_targets(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    anchor_positions: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and validity [B, A, block_size-1] for block slots k = 1..block_size-1.
+
+    Slot k of anchor p is scored when the anchor is real, p + k < length and loss_mask[p + k] == 1.
+    """
+    seq_len = input_ids.shape[1]
+    k = torch.arange(1, block_size, device=input_ids.device)
+    target_pos = anchor_positions[:, :, None] + k  # [B, A, Bs-1]
+    in_range = target_pos < lengths.to(input_ids.device)[:, None, None]
+    safe = target_pos.clamp(max=seq_len - 1).flatten(1)
+    labels = input_ids.gather(1, safe).view_as(target_pos)
+    scored = loss_mask.gather(1, safe).view_as(target_pos).bool()
+    valid = anchor_valid[:, :, None] & in_range & scored
+    return labels, valid
+
+
+@dataclass
+class LossOutput:
+    """What one `compute_loss` call produced; everything but `loss` is detached."""
+
+    loss: torch.Tensor
+    """Scalar to backpropagate."""
+    ce: torch.Tensor
+    """Weighted cross-entropy (scalar)."""
+    kl: torch.Tensor | None
+    """Weighted KL to the target's distribution (scalar), when soft labels were used."""
+    correct: torch.Tensor
+    """[B, A, block_size-1] bool: drafter's top-1 equals the label (False where not valid)."""
+    valid: torch.Tensor
+    """[B, A, block_size-1] bool: the slot is scored."""
+    anchor_positions: torch.Tensor
+    """[B, A] long."""
+    anchor_valid: torch.Tensor
+    """[B, A] bool."""
+
+
+def _soft_label_kl(drafter: DFlashDrafter, batch: dict, b: torch.Tensor, rows: torch.Tensor,
+                   logprobs: torch.Tensor) -> torch.Tensor | None:
+    """Per-position KL(target || drafter) at cache rows `rows` (the token before each label)."""
+    if "topk_ids" in batch and "topk_logprobs" in batch:
+        ids = batch["topk_ids"][b, rows].long()
+        target = torch.log_softmax(batch["topk_logprobs"][b, rows].float(), dim=-1)  # renormalized top-k
+        return (target.exp() * (target - logprobs.gather(1, ids))).sum(-1)
+    if "last_hidden" in batch:
+        target = torch.log_softmax(drafter.target_logits(batch["last_hidden"][b, rows]).float(), dim=-1)
+        return (target.exp() * (target - logprobs)).sum(-1)
+    return None
+
+
+def compute_loss(
+    drafter: DFlashDrafter,
+    batch: dict,
+    config: ObjectiveConfig,
+    *,
+    generator: torch.Generator | None = None,
+    progress: float = 0.0,
+    noise_generator: torch.Generator | None = None,
+) -> LossOutput:
+    """Draw anchors, run every block of the batch in one pass and score the predictions.
+
+    `progress` in [0, 1] drives the noise schedule; `generator` (CPU) draws the anchors and,
+    unless `noise_generator` is given, the noise when it lives on the same device.
+    """
+    missing = {"hidden", "input_ids", "loss_mask", "lengths"} - set(batch)
+    if missing:
+        raise ValueError(f"batch is missing {sorted(missing)}; the cache loader must provide them.")
+    c = drafter.config
+    hidden, input_ids, loss_mask = batch["hidden"], batch["input_ids"].long(), batch["loss_mask"]
+    lengths = batch["lengths"].long()
+    block_size = c.block_size
+
+    anchors, anchor_valid = sample_anchors(loss_mask, lengths, config.max_anchors, generator)
+    block_ids, block_positions = build_blocks(input_ids, anchors, c.mask_token_id, block_size)
+    labels, valid = block_targets(input_ids, loss_mask, lengths, anchors, anchor_valid, block_size)
+    mask = build_attention_mask(
+        anchors, hidden.shape[1], block_size, config.attention_backend or c.attention_backend
+    )
+    hidden = add_hidden_noise(hidden, config, progress, noise_generator or generator)
+    states = drafter(hidden, block_ids, block_positions, mask)  # [B, A*Bs, D]
+    states = states.view(anchors.shape[0], anchors.shape[1], block_size, -1)[:, :, 1:]
+
+    # Only scored slots go through the (large) lm_head.
+    b, a, k = valid.nonzero(as_tuple=True)
+    logprobs = torch.log_softmax(drafter.logits(states[b, a, k]).float(), dim=-1)
+    target = labels[b, a, k]
+    gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
+    weights = position_weights(block_size, gamma).to(logprobs.device)[k]
+    total_weight = weights.sum().clamp(min=1e-12)
+    ce = (weights * -logprobs.gather(1, target[:, None]).squeeze(1)).sum() / total_weight
+    loss, kl = ce, None
+    if config.soft_label_weight > 0:
+        rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
+        per_position = _soft_label_kl(drafter, batch, b, rows, logprobs)
+        if per_position is None:
+            raise ValueError(
+                "soft_label_weight > 0 but the batch has neither last_hidden nor "
+                "topk_ids/topk_logprobs; extract them into the cache or set soft_label_weight 0."
+            )
+        kl = (weights * per_position).sum() / total_weight
+        loss = (1 - config.soft_label_weight) * ce + config.soft_label_weight * kl
+        kl = kl.detach()
+
+    correct = torch.zeros_like(valid)
+    correct[b, a, k] = logprobs.argmax(-1) == target
+    return LossOutput(
+        loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,
+        anchor_positions=anchors, anchor_valid=anchor_valid,
+    )
