@@ -1,0 +1,58 @@
+"""The incremental (engine-style) drafting path equals the training path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash.train.attention import build_attention_mask
+from dflash.train.objective import build_blocks
+from test_drafter_support import HIDDEN, tiny_drafter
+
+
+def training_block_logits(drafter, hidden, input_ids, anchors) -> torch.Tensor:
+    block = drafter.config.block_size
+    block_ids, positions = build_blocks(input_ids, anchors, drafter.config.mask_token_id, block)
+    with torch.no_grad():
+        states = drafter(hidden, block_ids, positions, build_attention_mask(anchors, hidden.shape[1], block, "sdpa"))
+        return drafter.logits(states.view(*anchors.shape, block, -1)[:, :, 1:])
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+])
+def test_incremental_context_drafts_the_same_block_logits_as_training(rope):
+    drafter = tiny_drafter(rope_parameters=rope)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 20, 2 * HIDDEN, generator=g)
+    input_ids = torch.randint(0, 100, (2, 20), generator=g)
+    anchors = torch.tensor([[4, 9, 15], [3, 11, 17]])
+    reference = training_block_logits(drafter, hidden, input_ids, anchors)
+
+    for b in range(2):
+        cache = drafter.new_context_cache()
+        done = 0
+        for a, p in enumerate(anchors[b].tolist()):
+            # Context arrives in uneven chunks, as accepted tokens do in an engine.
+            drafter.append_context(cache, hidden[b : b + 1, done:p])
+            done = p
+            assert cache.length == p
+            logits = drafter.draft_block(cache, input_ids[b : b + 1, p])
+            torch.testing.assert_close(logits[0], reference[b, a], rtol=1e-4, atol=1e-4)
+
+
+def test_cropping_rejected_context_restores_the_draft():
+    drafter = tiny_drafter()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 12, 2 * HIDDEN, generator=g)
+    anchor = torch.tensor([7])
+    cache = drafter.new_context_cache()
+    drafter.append_context(cache, hidden[:, :6])
+    expected = drafter.draft_block(cache, anchor)
+    drafter.append_context(cache, hidden[:, 6:11])  # tokens the target then rejects
+    assert not torch.allclose(drafter.draft_block(cache, anchor), expected)
+    cache.crop(6)
+    torch.testing.assert_close(drafter.draft_block(cache, anchor), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="append_context"):
+        drafter.draft_block(drafter.new_context_cache(), anchor)
