@@ -61,6 +61,15 @@ class CacheWriter:
         self._log.refresh()
 
     def _open(self, force: bool) -> None:
+        if (
+            self.cache_dir.is_dir()
+            and not (self.cache_dir / HEADER_FILE).exists()
+            and any(p.name not in (PARTS_DIR, LOCK_FILE) for p in self.cache_dir.iterdir())
+        ):
+            raise CacheError(
+                f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
+                "write a cache into it. Choose an empty or new directory."
+            )
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -75,11 +84,6 @@ class CacheWriter:
                 else:
                     manifest = read_manifest(self.cache_dir)
                     check_identity(manifest, self.header, what="extraction")
-            elif any(p.name != PARTS_DIR and p.name != LOCK_FILE for p in self.cache_dir.iterdir()):
-                raise CacheError(
-                    f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
-                    "write a cache into it. Choose an empty or new directory."
-                )
             if not (self.cache_dir / HEADER_FILE).exists():
                 atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
             self._remove_orphans_locked()
