@@ -1,0 +1,205 @@
+"""Hugging Face export of a drafter, in the layout z-lab's DFlashDraftModel, SGLang and vLLM load.
+
+The directory holds `config.json` (a Qwen3 config plus the DFlash keys) and `model.safetensors`
+with the drafter's own weights only: the embedding and lm_head are the target's and are not
+written. RoPE settings are written both ways, `rope_theta`/`rope_scaling` for transformers 4.57
+and `rope_parameters` for 5.x, so that either version reads the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .model import DFlashDrafter, DrafterConfig, rope_parameters_from_config
+from .target_weights import load_target_config, load_target_weights
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The config.json dict of an export."""
+    rope = dict(config.rope_parameters)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    dtype_name = _DTYPE_NAMES[dtype]
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "num_hidden_layers": config.num_hidden_layers,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            "block_size": config.block_size,
+        },
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": float(rope["rope_theta"]),
+        # 4.57 reads rope_scaling (None for plain RoPE); 5.x reads rope_parameters.
+        "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": config.num_hidden_layers,
+        # One entry per draft layer: Qwen3Config checks the length against num_hidden_layers.
+        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "initializer_range": 0.02,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `drafter` as an HF directory at `out_dir`, atomically.
+
+    Files are staged in a unique sibling temp folder, fsynced, and the folder is renamed into
+    place; an existing export at `out_dir` is swapped out only after the new one is complete,
+    so a crash leaves either the old or the new export, never a mix.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}.")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
+    stage.mkdir()
+    try:
+        tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
+        save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
+        with open(stage / WEIGHTS_NAME, "rb+") as f:
+            os.fsync(f.fileno())
+        _write_json(stage / CONFIG_NAME, drafter_hf_config(drafter.config, dtype))
+        _fsync_dir(stage)
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex}"
+            os.replace(out_dir, old)
+        os.replace(stage, out_dir)
+        _fsync_dir(out_dir.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def config_from_export(hf_config: dict[str, Any], target_config: Any | None = None, **overrides: Any) -> DrafterConfig:
+    """DrafterConfig from an export's config.json (transformers 4.57- or 5.x-style keys)."""
+    dflash = hf_config.get("dflash_config") or {}
+    num_target_layers = hf_config.get("num_target_layers")
+    if num_target_layers is None and target_config is not None:
+        num_target_layers = target_config.num_hidden_layers
+    if num_target_layers is None:
+        raise ValueError("the export's config.json lacks num_target_layers; pass the target directory.")
+    heads = hf_config["num_attention_heads"]
+    values: dict[str, Any] = dict(
+        hidden_size=hf_config["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf_config.get("num_key_value_heads") or heads,
+        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        intermediate_size=hf_config["intermediate_size"],
+        vocab_size=hf_config["vocab_size"],
+        num_target_layers=num_target_layers,
+        num_hidden_layers=hf_config["num_hidden_layers"],
+        target_layer_ids=dflash.get("target_layer_ids"),
+        block_size=hf_config.get("block_size") or dflash.get("block_size") or 16,
+        mask_token_id=dflash.get("mask_token_id", hf_config.get("mask_token_id")),
+        rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_parameters=rope_parameters_from_config(hf_config),
+        max_position_embeddings=hf_config.get("max_position_embeddings", 40960),
+    )
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+def load_drafter(
+    drafter_dir: str | Path,
+    target_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    with_final_norm: bool = False,
+    **overrides: Any,
+) -> DFlashDrafter:
+    """Rebuild a drafter from an export plus the target's embedding and lm_head.
+
+    `dtype` is the dtype of the drafter's own weights (None keeps the file's).
+    """
+    drafter_dir = Path(drafter_dir)
+    config_path, weights_path = drafter_dir / CONFIG_NAME, drafter_dir / WEIGHTS_NAME
+    if not config_path.is_file() or not weights_path.is_file():
+        raise FileNotFoundError(
+            f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}."
+        )
+    hf_config = json.loads(config_path.read_text())
+    if "dflash_config" not in hf_config and "DFlashDraftModel" not in (hf_config.get("architectures") or []):
+        raise ValueError(
+            f"{config_path} is not a DFlash drafter config (no dflash_config, architectures "
+            f"{hf_config.get('architectures')}); pass the directory written by export_drafter."
+        )
+    target_config = load_target_config(target_dir)
+    config = config_from_export(hf_config, target_config, **overrides)
+    if (config.hidden_size, config.vocab_size) != (target_config.hidden_size, target_config.vocab_size):
+        raise ValueError(
+            f"drafter in {drafter_dir} has hidden_size {config.hidden_size} / vocab_size "
+            f"{config.vocab_size} but the target in {target_dir} has {target_config.hidden_size} / "
+            f"{target_config.vocab_size}; load it with the target it was trained for."
+        )
+    weights = load_target_weights(
+        target_dir,
+        tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
+        with_final_norm=with_final_norm,
+    )
+    drafter = DFlashDrafter(config, weights, target_norm_eps=getattr(target_config, "rms_norm_eps", None))
+    with safe_open(str(weights_path), framework="pt") as f:
+        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype
+    drafter.to(dtype)
+    # Keep the frozen target tensors in their checkpoint dtype (drafter.to cast them too).
+    drafter.embed_weight, drafter.lm_head_weight = weights.embed_tokens, weights.lm_head
+    drafter.target_norm_weight = weights.final_norm
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {weights_path} do not match the drafter: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}."
+        )
+    return drafter
