@@ -1,0 +1,272 @@
+"""`dflash-cache`: inspect, check and maintain hidden-state caches.
+
+Thin click commands over `maintenance`; errors of the `DflashError` family are caught once,
+in `CacheGroup.invoke`, and printed as one paragraph with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from typing import Any
+
+import click
+
+from . import maintenance
+from .codecs import CODEC_NAMES
+from .errors import DflashError
+
+EXIT_ERROR = 2
+EXIT_CORRUPT = 1
+
+
+def _paragraph(text: str) -> str:
+    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
+
+
+class CacheGroup(click.Group):
+    """A click group that turns pipeline errors into one paragraph on stderr, no traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DflashError as e:
+            click.echo(_paragraph(f"Error: {e}"), err=True)
+            ctx.exit(EXIT_ERROR)
+        except OSError as e:  # disk full, permission denied, ... while reading or writing a cache
+            where = f" ({e.filename})" if e.filename else ""
+            click.echo(_paragraph(f"Error: {e.strerror or e}{where}. Check the path, its permissions "
+                                  "and the free disk space, then rerun the command."), err=True)
+            ctx.exit(EXIT_ERROR)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=1, default=str))
+
+
+CACHE_ARG = click.argument("cache", type=click.Path(file_okay=False, path_type=str))
+
+
+@click.group(cls=CacheGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Inspect, check and maintain dflash hidden-state caches.
+
+    A cache is a directory written by `dflash-extract`: manifest.json (what the cache is),
+    manifest.parts.jsonl (the committed parts) and parts/ (one zarr group per part).
+
+    \b
+    Examples:
+      dflash-cache info runs/cache            # what is in it, how well it compresses
+      dflash-cache verify runs/cache          # re-read and checksum every chunk
+      dflash-cache recompress runs/cache runs/cache-fp8 --codec fp8
+
+    Exit status: 0 success, 1 `verify` found damage, 2 any other error.
+    """
+
+
+@main.command()
+@CACHE_ARG
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (for scripts).")
+def info(cache: str, as_json: bool) -> None:
+    """Summarize CACHE from its manifest: target, layers, codec, sizes, compression.
+
+    Reads only the manifest files, so it is instant on any cache size. The compression ratio
+    is relative to the same activations stored as plain bf16 (tokens x layers x hidden x 2
+    bytes, plus hidden x 2 per token when the final hidden state is stored).
+
+    \b
+    Example:
+      dflash-cache info runs/cache --json | jq .compression_ratio
+    """
+    s = maintenance.cache_info(cache)
+    if as_json:
+        _echo_json(s)
+        return
+    target = ", ".join(f"{k}={v}" for k, v in s["target"].items()) or "(not recorded)"
+    codec = s["codec"]
+    lengths = s["sample_length"]
+    lines = [
+        f"cache            {s['cache_dir']} (format {s['format_version']})",
+        f"target           {target}",
+        f"target_layer_ids {s['target_layer_ids']} (K={s['num_layers']}), hidden_size {s['hidden_size']}",
+        f"codec            {codec['name']} (zstd level {codec['clevel']}, blocksize {codec['blocksize']}), "
+        f"chunk_rows {s['chunk_rows']}, shard_rows {s['shard_rows']}",
+        f"extras           last_hidden={s['extras'].get('last_hidden')}, topk={s['extras'].get('topk')}",
+        f"parts            {s['parts']}",
+        f"samples          {s['samples']} (length min {lengths['min']}, mean {lengths['mean']:.1f}, "
+        f"max {lengths['max']})",
+        f"tokens           {s['tokens']}",
+        f"bytes on disk    {s['bytes']} ({_human_bytes(s['bytes'])}), {s['bytes_per_token']:.1f} bytes/token",
+        f"raw bf16 bytes   {s['raw_bf16_bytes']} ({_human_bytes(s['raw_bf16_bytes'])})",
+        f"compression      {s['compression_ratio']:.3f}x vs raw bf16",
+    ]
+    if s["part_stats"]:
+        lines.append("part stats       " + ", ".join(f"{k}={v}" for k, v in sorted(s["part_stats"].items())))
+    if s["data"]:
+        lines.append(f"data             {json.dumps(s['data'], default=str)[:300]}")
+    click.echo("\n".join(lines))
+
+
+@main.command()
+@CACHE_ARG
+@click.option("--fast", is_flag=True,
+              help="Check structure only (files, metadata, shard indexes, sizes); do not decode chunks.")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
+def verify(cache: str, fast: bool, progress: bool | None) -> None:
+    """Check CACHE for damage: every chunk of every array of every committed part.
+
+    The full check re-reads every chunk and compares its crc32c, and checks each part's
+    offsets and token counts against the commit log, sample ids (unique per part), array
+    lengths, token ids against the target's vocabulary, loss masks and fp8 scales. It does not
+    stop at the first problem: each bad part, array and chunk or file is listed.
+    --fast checks the structure only (part files present, metadata, shard indexes, sizes on
+    disk), which reads a few KiB per part.
+
+    Exit status 0 when the cache is sound, 1 when anything is damaged. Re-extract the parts
+    named in the report (delete the cache or use a new output directory) to repair it.
+
+    \b
+    Example:
+      dflash-cache verify runs/cache && echo sound
+    """
+    report = maintenance.verify_cache(cache, fast=fast, progress=progress)
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    mode = "structure" if fast else f"{report.chunks} chunks"
+    if report.ok:
+        click.echo(f"OK: {report.parts} parts, {mode} checked, no problems found.")
+        return
+    for problem in report.problems:
+        click.echo(f"BAD {problem}")
+    click.echo(
+        f"FAILED: {len(report.problems)} problems in {len(report.bad_parts)} of {report.parts} parts "
+        f"({', '.join(report.bad_parts) or 'the commit log'}); {mode} checked. Re-extract the damaged parts."
+    )
+    sys.exit(EXIT_CORRUPT)
+
+
+@main.command()
+@CACHE_ARG
+@click.option("--num-tokens", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="How many random tokens to sample.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the token sample.")
+@click.option("--outlier-sigma", default=6.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="A value is an outlier when |x| exceeds this many times the RMS of its (token, layer) row.")
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
+def stats(cache: str, num_tokens: int, seed: int, outlier_sigma: float, as_json: bool, progress: bool | None) -> None:
+    """Value statistics of CACHE's hidden states per target layer, and sample lengths.
+
+    Samples --num-tokens random tokens and prints, for each captured layer, mean, std, absmax,
+    the fraction of outliers, and the channels with the largest RMS (relative to the median
+    channel): the outlier channels that make int8 quantization fail. Also prints a histogram
+    of sample lengths (all samples, from the manifest).
+
+    \b
+    Example:
+      dflash-cache stats runs/cache --num-tokens 20000 --seed 1
+    """
+    s = maintenance.cache_stats(cache, num_tokens=num_tokens, seed=seed, outlier_sigma=outlier_sigma,
+                                progress=progress)
+    if as_json:
+        _echo_json(s)
+        return
+    click.echo(f"{s['sampled_tokens']} random tokens (seed {s['seed']}); loss_mask=1 on "
+               f"{100 * s['loss_mask_fraction']:.1f} % of them")
+    click.echo(f"{'layer':>5} {'mean':>10} {'std':>10} {'absmax':>10} {'outliers':>9}  top channels (rms / median)")
+    for layer in s["layers"]:
+        top = ", ".join(f"{c['channel']}: {c['rms_over_median']:.1f}x" for c in layer["top_channels"])
+        click.echo(f"{layer['layer_id']:>5} {layer['mean']:>10.4g} {layer['std']:>10.4g} {layer['absmax']:>10.4g} "
+                   f"{100 * layer['outlier_fraction']:>8.3f}%  {top}")
+    click.echo(f"(outliers: |x| > {s['outlier_sigma']:g} x the RMS of the value's token and layer)")
+    click.echo("sample lengths:")
+    hist = s["length_histogram"]
+    most = max((h["samples"] for h in hist), default=1) or 1
+    for h in hist:
+        bar = "#" * max(1 if h["samples"] else 0, round(40 * h["samples"] / most))
+        click.echo(f"  {h['min']:>7}-{h['max']:<7} {h['samples']:>8}  {bar}")
+
+
+def _echo_copy(report: maintenance.CopyReport, verb: str) -> None:
+    ratio = report.raw_bf16_bytes / report.dst_bytes if report.dst_bytes else 0.0
+    click.echo(f"{verb} {len(report.written)} parts, {len(report.skipped)} already present (skipped).")
+    click.echo(f"{report.dst}: {report.dst_tokens} tokens, {_human_bytes(report.dst_bytes)} "
+               f"({ratio:.3f}x vs raw bf16; sources {_human_bytes(report.src_bytes)}).")
+
+
+@main.command()
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=str))
+@click.option("--codec", "codec", required=True, type=click.Choice(CODEC_NAMES),
+              help="bf16 (lossless), fp8 (e4m3, one scale per token and layer; ~2-3 % error), raw (uncompressed).")
+@click.option("--clevel", default=1, show_default=True, type=click.IntRange(0, 22), help="zstd level inside Blosc.")
+@click.option("--force", is_flag=True, help="Delete a DST cache written with other settings and start anew.")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
+def recompress(src: str, dst: str, codec: str, clevel: int, force: bool, progress: bool | None) -> None:
+    """Write a copy of cache SRC into DST with another hidden-state codec.
+
+    DST gets the same parts, in the same order, with the same samples and sample ids. Each
+    part is committed atomically; rerunning the same command after an interruption skips the
+    parts already in DST. Converting to fp8 is lossy (and fp8 to bf16 does not restore the
+    lost precision); between bf16 and raw, and fp8 to fp8, the stored values are copied exactly.
+
+    \b
+    Example:
+      dflash-cache recompress runs/cache runs/cache-fp8 --codec fp8
+    """
+    report = maintenance.recompress_cache(src, dst, codec=codec, clevel=clevel, force=force, progress=progress)
+    _echo_copy(report, "Recompressed")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(file_okay=False, path_type=str))
+@click.argument("srcs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
+@click.option("--force", is_flag=True, help="Delete a DST cache written with other settings and start anew.")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
+def merge(dst: str, srcs: tuple[str, ...], force: bool, progress: bool | None) -> None:
+    """Merge the caches SRCS... into one new cache DST.
+
+    The sources must share target model, target_layer_ids, codec and extraction settings
+    (everything but their data); otherwise nothing is written. Part P of the i-th source
+    becomes part s<i>-P in DST, sample ids are kept, and DST's manifest lists the sources in
+    its data section. Stored values are copied exactly. Resumable like recompress.
+
+    \b
+    Example:
+      dflash-cache merge runs/cache-all runs/cache-math runs/cache-code
+    """
+    report = maintenance.merge_caches(dst, list(srcs), force=force, progress=progress)
+    _echo_copy(report, "Merged")
+
+
+@main.command()
+@CACHE_ARG
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+def prune(cache: str, dry_run: bool) -> None:
+    """Remove leftovers of interrupted writers from CACHE.
+
+    Deletes temporary parts (parts/.tmp-*) whose writer is no longer alive and part
+    directories that the commit log does not name. Runs under the cache lock; the parts of
+    writers still running and every committed part are kept. Readers never see these
+    leftovers, so pruning only frees disk space.
+
+    \b
+    Example:
+      dflash-cache prune runs/cache --dry-run
+    """
+    removed = maintenance.prune_cache(cache, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for name, nbytes in removed:
+        click.echo(f"{verb} parts/{name} ({_human_bytes(nbytes)})")
+    total = sum(n for _, n in removed)
+    click.echo(f"{'Would remove' if dry_run else 'Removed'} {len(removed)} entries, {_human_bytes(total)}."
+               if removed else "Nothing to remove.")

@@ -1,0 +1,644 @@
+"""Cache maintenance: info, verify, stats, recompress, merge, prune.
+
+The logic behind `dflash-cache`, importable without click. Every function takes a cache
+directory, raises `DflashError` subclasses for problems that stop it (missing directory, not
+a cache, mismatched caches), and returns plain data that the CLI prints. `verify_cache` is
+the exception to "stop at the first problem": it collects every problem it finds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .codecs import HiddenCodec
+from .errors import CacheCorruptError, CacheError, ConfigMismatchError
+from .fsio import file_lock
+from .manifest import (
+    LOCK_FILE,
+    LOG_FILE,
+    PARTS_DIR,
+    Manifest,
+    PartRecord,
+    decode_log_line,
+    read_header,
+    read_manifest,
+)
+from .reader import _EMPTY, CacheReader, _PartFiles
+from .writer import TMP_PREFIX, CacheWriter, PartWriter, remove_orphans
+
+
+def _bar(total: int, desc: str, unit: str, progress: bool | None) -> tqdm:
+    """A progress bar on stderr; progress=None shows it only on a terminal."""
+    return tqdm(total=total, desc=desc, unit=unit, disable=None if progress is None else not progress,
+                leave=False, dynamic_ncols=True)
+
+
+def raw_bf16_bytes(manifest: Manifest) -> int:
+    """Size the stored activations would have as plain bf16 (the reference for ratios)."""
+    per_token = manifest.num_layers * manifest.hidden_size * 2
+    if manifest.store_last_hidden:
+        per_token += manifest.hidden_size * 2
+    return manifest.num_tokens * per_token
+
+
+# -- info ---------------------------------------------------------------------------------
+def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
+    """Summary of a cache from its manifest alone (no part is opened)."""
+    m = read_manifest(cache_dir)
+    nbytes = m.nbytes
+    raw = raw_bf16_bytes(m)
+    lengths = np.concatenate([np.asarray(p.lengths, np.int64) for p in m.parts]) if m.parts else np.zeros(0, np.int64)
+    part_stats: dict[str, float] = {}
+    for p in m.parts:
+        for key, value in p.stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                part_stats[key] = part_stats.get(key, 0) + value
+    return {
+        "cache_dir": str(m.cache_dir),
+        "format_version": m.header["format_version"],
+        "target": m.header["target"],
+        "target_layer_ids": m.target_layer_ids,
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "codec": m.codec.to_dict(),
+        "chunk_rows": m.chunk_rows,
+        "shard_rows": m.shard_rows,
+        "extras": m.header["extras"],
+        "data": m.header.get("data", {}),
+        "settings": m.header.get("settings", {}),
+        "parts": len(m.parts),
+        "samples": m.num_samples,
+        "tokens": m.num_tokens,
+        "sample_length": {
+            "min": int(lengths.min()) if lengths.size else 0,
+            "mean": float(lengths.mean()) if lengths.size else 0.0,
+            "max": int(lengths.max()) if lengths.size else 0,
+        },
+        "bytes": nbytes,
+        "bytes_per_token": nbytes / m.num_tokens if m.num_tokens else 0.0,
+        "raw_bf16_bytes": raw,
+        "compression_ratio": raw / nbytes if nbytes else 0.0,
+        "part_stats": part_stats,
+    }
+
+
+# -- verify -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """One thing verify found wrong, with where it is."""
+
+    part: str | None  # None: the cache as a whole (manifest, commit log)
+    array: str | None
+    where: str  # e.g. "chunk 3 (rows 384-511) in shard file hidden/c/0/0"
+    message: str
+
+    def __str__(self) -> str:
+        loc = " ".join(x for x in (self.part or "cache", self.array, self.where) if x)
+        return f"{loc}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    cache_dir: Path
+    fast: bool
+    parts: int = 0
+    chunks: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def bad_parts(self) -> list[str]:
+        return sorted({p.part for p in self.problems if p.part})
+
+
+@dataclass(frozen=True)
+class _Expected:
+    rows: int
+    width: tuple[int, ...]
+    dtype: np.dtype
+    chunked: bool  # sharded with the cache's chunk/shard rows; else one chunk per part
+
+
+def expected_arrays(m: Manifest, rec: PartRecord) -> dict[str, _Expected]:
+    """The arrays a part must hold, with their shapes and dtypes (docs/cache-format.md)."""
+    k, d, t, sd = m.num_layers, m.hidden_size, rec.tokens, m.codec.storage_dtype
+    out = {
+        "hidden": _Expected(t, (k * d,), sd, True),
+        "input_ids": _Expected(t, (), np.dtype(np.int32), False),
+        "loss_mask": _Expected(t, (), np.dtype(np.uint8), False),
+        "offsets": _Expected(rec.samples + 1, (), np.dtype(np.int64), False),
+        "sample_ids": _Expected(rec.samples, (), np.dtype(np.int64), False),
+    }
+    if m.codec.has_scale:
+        out["hidden_scale"] = _Expected(t, (k,), np.dtype(np.float32), False)
+    if m.store_last_hidden:
+        out["last_hidden"] = _Expected(t, (d,), sd, True)
+        if m.codec.has_scale:
+            out["last_hidden_scale"] = _Expected(t, (1,), np.dtype(np.float32), False)
+    if m.topk:
+        out["topk_ids"] = _Expected(t, (m.topk,), np.dtype(np.int32), True)
+        out["topk_logprobs"] = _Expected(t, (m.topk,), np.dtype(np.float32), True)
+    return out
+
+
+def _reason(e: Exception, pf: _PartFiles) -> str:
+    """The reader's message without its location prefix and its 'run verify' advice."""
+    s = str(e)
+    marker = f" at {pf.dir}: "
+    if marker in s:
+        s = s.split(marker, 1)[1]
+    sentences = s.replace(" The part is damaged: run", ". Run").split(". ")
+    return ". ".join(x for x in sentences if "dflash-cache verify" not in x).rstrip(".") + "."
+
+
+def _read_log_tolerant(cache_dir: Path, report: VerifyReport) -> list[PartRecord]:
+    """Commit records in order; damaged lines become problems instead of stopping."""
+    try:
+        data = (cache_dir / LOG_FILE).read_bytes()
+    except FileNotFoundError:
+        return []
+    records: dict[str, PartRecord] = {}
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        report.notes.append(f"{LOG_FILE} ends with a torn line (a writer died mid-commit); it is not a commit.")
+    for i, line in enumerate(data[:end].splitlines(keepends=True), 1):
+        try:
+            rec = decode_log_line(line, f"{LOG_FILE}, line {i}")
+        except (CacheCorruptError, ValueError, KeyError, TypeError) as e:
+            report.problems.append(Problem(None, None, f"{LOG_FILE} line {i}", str(e).split(": ", 1)[-1]))
+            continue
+        records[rec.name] = rec
+    return list(records.values())
+
+
+def _shard_key(s: int, ndim: int) -> str:
+    return f"c/{s}" + "/0" * (ndim - 1)
+
+
+def _check_structure(
+    pf: _PartFiles, m: Manifest, name: str, exp: _Expected, report: VerifyReport
+) -> tuple[Any, set[int]]:
+    """Metadata, files and shard indexes of one array; returns (meta or None, bad shards)."""
+    rec = pf.record
+    bad = lambda where, msg: report.problems.append(Problem(rec.name, name, where, msg))  # noqa: E731
+    try:
+        meta = pf.array_meta(name)
+    except CacheCorruptError as e:
+        bad("zarr.json", _reason(e, pf))
+        return None, set()
+    shape = (exp.rows, *exp.width)
+    if tuple(meta.shape) != shape or meta.dtype != exp.dtype:
+        bad("metadata", f"shape {tuple(meta.shape)} {meta.dtype}, expected {shape} {exp.dtype} from the manifest")
+        return None, set()
+    if not exp.chunked:
+        path = pf.dir / name / _shard_key(0, len(shape))
+        if not path.is_file() or path.stat().st_size == 0:
+            bad(f"file {name}/{_shard_key(0, len(shape))}", "missing or empty")
+            return None, set()
+        return meta, set()
+    if meta.chunk_rows != m.chunk_rows or meta.shard_rows != m.shard_rows:
+        bad("metadata", f"chunks of {meta.chunk_rows} rows in shards of {meta.shard_rows}, "
+                        f"the manifest says {m.chunk_rows} and {m.shard_rows}")
+        return None, set()
+    bad_shards = set()
+    for s in range(math.ceil(exp.rows / m.shard_rows)):
+        key = _shard_key(s, len(shape))
+        try:
+            _, idx = pf.shard_index(name, s, meta)
+        except CacheCorruptError as e:
+            reason = _reason(e, pf)
+            if "checksum mismatch" in reason:
+                reason = "the shard index fails its checksum: the file is truncated or corrupt."
+            bad(f"shard file {name}/{key}", reason)
+            bad_shards.add(s)
+            continue
+        rows_here = min(m.shard_rows, exp.rows - s * m.shard_rows)
+        missing = [i for i in range(math.ceil(rows_here / m.chunk_rows)) if idx[i, 0] == _EMPTY]
+        if missing:
+            first = s * m.shard_rows // m.chunk_rows
+            bad(f"shard file {name}/{key}", f"chunks {[first + i for i in missing]} are missing from the shard index")
+            bad_shards.add(s)
+    return meta, bad_shards
+
+
+def _check_chunks(
+    pf: _PartFiles, m: Manifest, name: str, exp: _Expected, meta: Any, bad_shards: set[int],
+    report: VerifyReport, bar: tqdm,
+) -> None:
+    """Decode every chunk of a chunked array (checks each crc32c), collecting failures."""
+    cr = m.chunk_rows
+    scratch = np.empty((cr, *exp.width), dtype=exp.dtype)
+    for c in range(math.ceil(exp.rows / cr)):
+        lo, hi = c * cr, min(exp.rows, (c + 1) * cr)
+        shard = lo // m.shard_rows
+        bar.update(1)
+        if shard in bad_shards:
+            continue
+        where = f"chunk {c} (rows {lo}-{hi - 1}) in shard file {name}/{_shard_key(shard, len(meta.shape))}"
+        try:
+            pf.read_rows(name, lo, hi, scratch[: hi - lo])
+        except CacheCorruptError as e:
+            report.problems.append(Problem(pf.record.name, name, where, _reason(e, pf)))
+            continue
+        report.chunks += 1
+        if name in ("hidden", "last_hidden"):
+            block = scratch[: hi - lo]
+            nonfinite = int(np.count_nonzero((block & 0x7F) == 0x7F)) if block.dtype == np.uint8 \
+                else int(np.count_nonzero((block & 0x7F80) == 0x7F80))
+            if nonfinite:
+                report.problems.append(Problem(pf.record.name, name, where, f"{nonfinite} values are NaN or infinite"))
+
+
+def _check_contents(pf: _PartFiles, m: Manifest, arrays: dict[str, _Expected], ok: set[str], report: VerifyReport) -> None:
+    """Offsets vs the manifest's lengths, unique sample ids, token ids < vocab, masks, scales."""
+    rec = pf.record
+    small: dict[str, np.ndarray] = {}
+    for name in (n for n, e in arrays.items() if not e.chunked and n in ok):
+        try:
+            small[name] = pf.small_array(name)
+        except CacheCorruptError as e:
+            report.problems.append(Problem(rec.name, name, f"file {name}/c/0", _reason(e, pf)))
+
+    def bad(array: str, msg: str) -> None:
+        report.problems.append(Problem(rec.name, array, "", msg))
+
+    if "offsets" in small:
+        expect = np.concatenate([[0], np.cumsum(rec.lengths, dtype=np.int64)])
+        if not np.array_equal(small["offsets"], expect):
+            bad("offsets", "sample offsets disagree with the sample lengths in the commit log")
+    if "sample_ids" in small:
+        ids, counts = np.unique(small["sample_ids"], return_counts=True)
+        if np.any(counts > 1):
+            bad("sample_ids", f"sample ids {ids[counts > 1][:10].tolist()} appear more than once")
+    vocab = m.header["target"].get("vocab_size")
+    for name in ("input_ids",):
+        if name in small and vocab is not None:
+            x = small[name]
+            wrong = np.flatnonzero((x < 0) | (x >= int(vocab)))
+            if wrong.size:
+                bad(name, f"{wrong.size} token ids are outside the vocabulary [0, {vocab}) "
+                          f"(first at token row {int(wrong[0])}: {int(x[wrong[0]])})")
+    if "loss_mask" in small and np.any(small["loss_mask"] > 1):
+        bad("loss_mask", "loss_mask holds values other than 0 and 1")
+    for name in ("hidden_scale", "last_hidden_scale"):
+        if name in small and not np.all(np.isfinite(small[name]) & (small[name] >= 0)):
+            bad(name, "fp8 scales are negative, NaN or infinite")
+
+
+def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: bool | None = None) -> VerifyReport:
+    """Check every committed part; collect all problems instead of stopping at the first.
+
+    fast=True checks structure only: part directories and files present, array metadata
+    against the manifest, shard indexes (their crc32c and offsets), sizes on disk. The full
+    check also decodes every chunk of every array (each chunk's crc32c) and checks contents.
+    """
+    cache_dir = Path(cache_dir)
+    header = read_header(cache_dir)
+    report = VerifyReport(cache_dir=cache_dir, fast=fast)
+    records = _read_log_tolerant(cache_dir, report)
+    m = Manifest(cache_dir=cache_dir, header=header, parts=records)
+    reader = CacheReader(cache_dir, manifest=m, verify_checksums=True, max_open_parts=1)
+    total_chunks = 0 if fast else sum(
+        math.ceil(e.rows / m.chunk_rows) for rec in records for e in expected_arrays(m, rec).values() if e.chunked
+    )
+    with _bar(len(records) if fast else total_chunks, "verify", "part" if fast else "chunk", progress) as bar:
+        for i, rec in enumerate(records):
+            report.parts += 1
+            pf = reader.part_arrays(i)
+            if not pf.dir.is_dir():
+                report.problems.append(Problem(rec.name, None, "", f"the part directory {pf.dir} is missing"))
+                continue
+            if rec.samples != len(rec.lengths) or rec.tokens != sum(rec.lengths):
+                report.problems.append(Problem(rec.name, None, "commit record",
+                                               "sample and token counts disagree with the sample lengths"))
+            size = sum(f.stat().st_size for f in pf.dir.rglob("*") if f.is_file())
+            if size != rec.nbytes:
+                report.problems.append(Problem(rec.name, None, "", f"{size} bytes on disk, the commit record says "
+                                                                   f"{rec.nbytes} (a file was truncated, extended or replaced)"))
+            arrays = expected_arrays(m, rec)
+            ok: set[str] = set()
+            for name, exp in arrays.items():
+                meta, bad_shards = _check_structure(pf, m, name, exp, report)
+                if meta is None:
+                    if exp.chunked and not fast:
+                        bar.update(math.ceil(exp.rows / m.chunk_rows))
+                    continue
+                ok.add(name)
+                if exp.chunked and not fast:
+                    _check_chunks(pf, m, name, exp, meta, bad_shards, report, bar)
+            if not fast:
+                _check_contents(pf, m, arrays, ok, report)
+            else:
+                bar.update(1)
+            pf.close()
+    if (cache_dir / PARTS_DIR).is_dir():
+        names = {r.name for r in records}
+        extra = [p.name for p in (cache_dir / PARTS_DIR).iterdir() if p.name not in names]
+        if extra:
+            report.notes.append(f"{len(extra)} entries in {PARTS_DIR}/ are not committed (readers ignore "
+                                "them; `dflash-cache prune` removes those no live writer owns).")
+    return report
+
+
+# -- stats --------------------------------------------------------------------------------
+def _length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
+    """Counts of sample lengths in power-of-two bins [lo, hi]."""
+    if not lengths.size:
+        return []
+    out = []
+    top = int(math.ceil(math.log2(int(lengths.max()) + 1)))
+    for b in range(top + 1):
+        lo, hi = (1 << b), (1 << (b + 1)) - 1
+        n = int(np.count_nonzero((lengths >= lo) & (lengths <= hi)))
+        if n or out:
+            out.append((lo, hi, n))
+    while out and out[-1][2] == 0:
+        out.pop()
+    return out
+
+
+def cache_stats(
+    cache_dir: str | os.PathLike, *, num_tokens: int = 4096, seed: int = 0, outlier_sigma: float = 6.0,
+    top_channels: int = 3, progress: bool | None = None,
+) -> dict[str, Any]:
+    """Per-layer value statistics over `num_tokens` random tokens, and sample lengths.
+
+    An outlier is a value whose magnitude exceeds `outlier_sigma` times the RMS of its own
+    (token, layer) row: the values that stretch a per-row fp8 scale.
+    """
+    reader = CacheReader(cache_dir)
+    m = reader.manifest
+    k, d, cr = m.num_layers, m.hidden_size, m.chunk_rows
+    total = reader.num_tokens
+    n = min(num_tokens, total)
+    rng = np.random.default_rng(seed)
+    picks = np.sort(rng.choice(total, size=n, replace=False)) if n else np.zeros(0, np.int64)
+    part_start = np.concatenate([[0], np.cumsum([p.tokens for p in m.parts])])
+    part_of = np.searchsorted(part_start, picks, side="right") - 1
+    local = picks - part_start[part_of]
+    sums = np.zeros(k)
+    sumsq = np.zeros(k)
+    absmax = np.zeros(k)
+    outliers = np.zeros(k)
+    chan_sq = np.zeros((k, d))
+    mask_on = 0
+    groups: dict[tuple[int, int], list[int]] = {}
+    for p, t in zip(part_of.tolist(), local.tolist()):
+        groups.setdefault((p, t // cr), []).append(t)
+    with _bar(n, "stats", "tok", progress) as bar:
+        for (p, c), rows in groups.items():
+            lo, hi = c * cr, min((c + 1) * cr, m.parts[p].tokens)
+            got = reader.read_tokens(p, lo, hi)
+            sel = torch.as_tensor(rows) - lo
+            x = got["hidden"][sel].float().reshape(len(rows), k, d).numpy().astype(np.float64)
+            mask_on += int(got["loss_mask"][sel].sum())
+            sums += x.sum(axis=(0, 2))
+            sumsq += (x * x).sum(axis=(0, 2))
+            absmax = np.maximum(absmax, np.abs(x).max(axis=(0, 2)))
+            rms = np.sqrt((x * x).mean(axis=2, keepdims=True))
+            outliers += (np.abs(x) > outlier_sigma * rms).sum(axis=(0, 2))
+            chan_sq += (x * x).sum(axis=0)
+            bar.update(len(rows))
+    layers = []
+    count = max(n * d, 1)
+    for i, layer_id in enumerate(m.target_layer_ids):
+        mean = sums[i] / count
+        chan_rms = np.sqrt(chan_sq[i] / max(n, 1))
+        median = float(np.median(chan_rms)) or 1.0
+        top = np.argsort(chan_rms)[::-1][:top_channels]
+        layers.append({
+            "layer_id": layer_id,
+            "mean": float(mean),
+            "std": float(math.sqrt(max(sumsq[i] / count - mean * mean, 0.0))),
+            "absmax": float(absmax[i]),
+            "outlier_fraction": float(outliers[i] / count),
+            "top_channels": [{"channel": int(ch), "rms_over_median": float(chan_rms[ch] / median)} for ch in top],
+        })
+    return {
+        "cache_dir": str(m.cache_dir),
+        "sampled_tokens": int(n),
+        "seed": seed,
+        "outlier_sigma": outlier_sigma,
+        "loss_mask_fraction": mask_on / n if n else 0.0,
+        "layers": layers,
+        "length_histogram": [{"min": lo, "max": hi, "samples": c} for lo, hi, c in _length_histogram(reader.lengths)],
+    }
+
+
+# -- recompress and merge -----------------------------------------------------------------
+def _same_storage(a: HiddenCodec, b: HiddenCodec) -> bool:
+    """Whether stored hidden arrays can be passed through unchanged (only re-compressed)."""
+    return a.has_scale == b.has_scale
+
+
+def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCodec) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(sample_id, add_sample keyword arguments) for every sample of one part, in order.
+
+    When both codecs store the same thing (bf16 bits, or fp8 bytes with their scales) the
+    stored arrays pass through untouched, so a copy is exact; otherwise samples are decoded
+    to bf16 and re-encoded by the writer.
+    """
+    m = reader.manifest
+    pf = reader.part_arrays(part_idx)
+    rec = reader.parts[part_idx]
+    passthrough = _same_storage(m.codec, dst_codec)
+    offsets = np.concatenate([[0], np.cumsum(rec.lengths, dtype=np.int64)])
+    sample_ids = pf.small_array("sample_ids")
+    for j, sid in enumerate(sample_ids.tolist()):
+        start, stop = int(offsets[j]), int(offsets[j + 1])
+        if passthrough:
+            kw: dict[str, Any] = {
+                "input_ids": pf.small_array("input_ids")[start:stop],
+                "loss_mask": pf.small_array("loss_mask")[start:stop],
+            }
+            for name in ("hidden", "last_hidden") if m.store_last_hidden else ("hidden",):
+                meta = pf.array_meta(name)
+                arr = np.empty((stop - start, meta.shape[1]), dtype=meta.dtype)
+                pf.read_rows(name, start, stop, arr)
+                kw[name] = arr
+                if m.codec.has_scale:
+                    kw[name + "_scale"] = pf.small_array(name + "_scale")[start:stop]
+            if m.topk:
+                for name, dt in (("topk_ids", np.int32), ("topk_logprobs", np.float32)):
+                    arr = np.empty((stop - start, m.topk), dtype=dt)
+                    pf.read_rows(name, start, stop, arr)
+                    kw[name] = arr
+        else:
+            got = reader.read_tokens(part_idx, start, stop)
+            kw = {"input_ids": got["input_ids"], "loss_mask": got["loss_mask"], "hidden": got["hidden"]}
+            for name in ("last_hidden", "topk_ids", "topk_logprobs"):
+                if name in got:
+                    kw[name] = got[name]
+        yield sid, kw
+
+
+def _copy_part(reader: CacheReader, part_idx: int, pw: PartWriter, dst_codec: HiddenCodec) -> None:
+    for sid, kw in _iter_part_samples(reader, part_idx, dst_codec):
+        pw.add_sample(sid, **kw)
+    pw.stats.update(reader.parts[part_idx].stats)
+
+
+@dataclass
+class CopyReport:
+    """What recompress or merge did: parts written now, parts already there, sizes."""
+
+    dst: Path
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    src_bytes: int = 0
+    dst_bytes: int = 0
+    dst_tokens: int = 0
+    raw_bf16_bytes: int = 0
+
+
+def _copy_parts(
+    jobs: list[tuple[CacheReader, int, str]], writer: CacheWriter, report: CopyReport, desc: str,
+    progress: bool | None,
+) -> None:
+    done = writer.committed()
+    with _bar(sum(r.parts[i].tokens for r, i, _ in jobs), desc, "tok", progress) as bar:
+        for reader, i, name in jobs:
+            if name in done:
+                report.skipped.append(name)
+            else:
+                with writer.part_writer(name) as pw:
+                    _copy_part(reader, i, pw, writer.codec)
+                (report.written if pw.committed else report.skipped).append(name)
+            reader.part_arrays(i).close()
+            bar.update(reader.parts[i].tokens)
+    final = writer.manifest()
+    report.dst_bytes, report.dst_tokens, report.raw_bf16_bytes = final.nbytes, final.num_tokens, raw_bf16_bytes(final)
+
+
+def _check_distinct(dst: Path, srcs: list[Path]) -> None:
+    for s in srcs:
+        if dst.resolve() == s.resolve():
+            raise CacheError(f"The destination {dst} is also a source: write into a new directory.")
+
+
+def recompress_cache(
+    src: str | os.PathLike, dst: str | os.PathLike, *, codec: str, clevel: int = 1, force: bool = False,
+    progress: bool | None = None,
+) -> CopyReport:
+    """Write a copy of `src` with another hidden-state codec: same parts, same sample ids.
+
+    Resumable: parts already committed in `dst` are skipped, so rerunning after an
+    interruption finishes the job. A `dst` written with other settings is refused.
+    """
+    src, dst = Path(src), Path(dst)
+    _check_distinct(dst, [src])
+    reader = CacheReader(src)
+    new_codec = HiddenCodec(name=codec, clevel=clevel)
+    header = copy.deepcopy(reader.manifest.header)
+    header["hidden"]["codec"] = new_codec.to_dict()
+    header["hidden"]["storage_dtype"] = new_codec.storage_dtype.name
+    header["producer"] = {**header.get("producer", {}), "recompressed_from": reader.manifest.codec.to_dict()}
+    writer = CacheWriter(dst, header, force=force)
+    report = CopyReport(dst=dst, src_bytes=reader.manifest.nbytes)
+    jobs = [(reader, i, p.name) for i, p in enumerate(reader.parts)]
+    _copy_parts(jobs, writer, report, "recompress", progress)
+    return report
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(set(a) | set(b)) for d in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')} ({a!r} vs {b!r})"]
+
+
+def merge_caches(
+    dst: str | os.PathLike, srcs: list[str | os.PathLike], *, force: bool = False, progress: bool | None = None,
+) -> CopyReport:
+    """Merge caches of the same target, layers, codec and settings into one new cache.
+
+    Part `p` of the i-th source becomes `s{i}-p`; sample ids are kept (the part prefix tells
+    the source). The merged header's data section lists the sources. Resumable like recompress.
+    """
+    dst, paths = Path(dst), [Path(s) for s in srcs]
+    if not paths:
+        raise CacheError("merge needs at least one source cache.")
+    _check_distinct(dst, paths)
+    readers = [CacheReader(p) for p in paths]
+    first = readers[0].manifest
+    base = {k: v for k, v in first.identity().items() if k != "data"}
+    for p, r in zip(paths[1:], readers[1:]):
+        other = {k: v for k, v in r.manifest.identity().items() if k != "data"}
+        diffs = _diff(base, other)
+        if diffs:
+            shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
+            raise ConfigMismatchError(
+                f"Cannot merge {p} with {paths[0]}: they differ in {shown} (first vs second). Only caches "
+                "of the same target model, target_layer_ids, codec and extraction settings can be merged; "
+                "recompress one of them (for a codec difference) or train from them separately."
+            )
+    header = copy.deepcopy(first.header)
+    header["data"] = {"merged_from": [
+        {"prefix": f"s{i}", "source": str(p.resolve()), "data": r.manifest.header.get("data", {}),
+         "parts": len(r.parts), "samples": r.manifest.num_samples, "tokens": r.manifest.num_tokens}
+        for i, (p, r) in enumerate(zip(paths, readers))
+    ]}
+    writer = CacheWriter(dst, header, force=force)
+    report = CopyReport(dst=dst, src_bytes=sum(r.manifest.nbytes for r in readers))
+    jobs = [(r, j, f"s{i}-{rec.name}") for i, r in enumerate(readers) for j, rec in enumerate(r.parts)]
+    _copy_parts(jobs, writer, report, "merge", progress)
+    return report
+
+
+
+# -- prune --------------------------------------------------------------------------------
+def _tree_size(p: Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _list_orphans(cache_dir: Path) -> list[str]:
+    """What `writer.remove_orphans` would remove now (caller holds the cache lock)."""
+    parts_dir = cache_dir / PARTS_DIR
+    if not parts_dir.is_dir():
+        return []
+    committed = {r.name for r in read_manifest(cache_dir).parts}
+    entries = sorted(parts_dir.iterdir())
+    live, out = set(), []
+    for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(".lock")):
+        with file_lock(lock, blocking=False) as held:
+            if not held:
+                live.add(lock.name[: -len(".lock")])
+            else:
+                out.append(lock.with_suffix("").name)
+    for p in entries:
+        if p.name.endswith(".lock") or p.name in live or p.name in out:
+            continue
+        if p.name.startswith(TMP_PREFIX) or p.name not in committed:
+            out.append(p.name)
+    return out
+
+
+def prune_cache(cache_dir: str | os.PathLike, *, dry_run: bool = False) -> list[tuple[str, int]]:
+    """Remove temporary parts of dead writers and part directories that no commit names.
+
+    Runs under the cache lock; temporary parts whose writer is alive are kept. Returns
+    (entry name under parts/, bytes) for what was (or, with dry_run, would be) removed.
+    """
+    cache_dir = Path(cache_dir)
+    read_header(cache_dir)  # a clear error for a missing or non-cache directory
+    with file_lock(cache_dir / LOCK_FILE):
+        found = _list_orphans(cache_dir)
+        sizes = {n: _tree_size(cache_dir / PARTS_DIR / n) if (cache_dir / PARTS_DIR / n).exists() else 0
+                 for n in found}
+        removed = found if dry_run else remove_orphans(cache_dir)
+    return [(n, sizes.get(n, 0)) for n in removed]
