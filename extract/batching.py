@@ -1,0 +1,73 @@
+"""Forward batches of one part: length-sorted, right-padded, under a padded-token budget.
+
+Padding is on the right with an attention mask; under causal attention a real token never
+attends to a later (padded) position, so its hidden states do not depend on the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .data import Sample
+
+
+@dataclass
+class Batch:
+    """One forward batch: which samples of the part, and the tensors to run."""
+
+    members: list[int]  # indices into the part's sample list, in batch-row order
+    input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
+    attention_mask: torch.Tensor  # int64 [B, L]
+    gather_index: torch.Tensor  # int64 [T_real]: flat positions (b * L + t) of real tokens
+    lengths: list[int]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def group_by_budget(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices grouped so that (batch size x longest length) <= token_budget.
+
+    Longest first, so each batch's first member sets its padded length; a sample longer
+    than the budget forms a batch of its own. Deterministic (stable sort).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def make_batch(samples: list[Sample], members: list[int]) -> Batch:
+    lengths = [samples[i].length for i in members]
+    width = max(lengths)
+    ids = np.zeros((len(members), width), dtype=np.int64)
+    mask = np.zeros((len(members), width), dtype=np.int64)
+    gather = np.empty(sum(lengths), dtype=np.int64)
+    pos = 0
+    for row, i in enumerate(members):
+        n = lengths[row]
+        ids[row, :n] = samples[i].input_ids
+        mask[row, :n] = 1
+        gather[pos:pos + n] = np.arange(row * width, row * width + n)
+        pos += n
+    return Batch(
+        members=list(members), input_ids=torch.from_numpy(ids),
+        attention_mask=torch.from_numpy(mask), gather_index=torch.from_numpy(gather),
+        lengths=lengths,
+    )
+
+
+def make_batches(samples: list[Sample], token_budget: int) -> list[Batch]:
+    return [make_batch(samples, g) for g in group_by_budget([s.length for s in samples], token_budget)]

@@ -1,0 +1,198 @@
+"""Settings of one extraction run: a small validated dataclass, a config-file loader, and the
+default target-layer rule."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dflash.cache_tools.codecs import CODEC_NAMES
+from dflash.cache_tools.errors import DflashError
+
+DTYPES = ("bf16", "fp16", "fp32")
+LONG_SAMPLE_POLICIES = ("truncate", "skip")
+
+
+class ExtractConfigError(DflashError):
+    """A setting of `dflash-extract` is missing, unknown or out of range."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list[int]:
+    """DFlash's layer rule: round(1 + i*(N-4)/(K-1)) for i in 0..K-1 (N//2 when K == 1).
+
+    Qwen3-8B (N=36, K=5) gives [1, 9, 17, 25, 33]. Python's round() (half to even) is what the
+    reference implementation uses, so it is used here too.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ExtractConfigError(
+            f"Cannot pick target layers for {num_target_layers} target layers and "
+            f"{num_draft_layers} draft layers: both must be at least 1."
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    ids = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return [min(max(x, 0), num_target_layers - 1) for x in ids]
+
+
+@dataclass(kw_only=True)
+class ExtractConfig:
+    """Everything `dflash-extract` needs; the same names as its flags and config-file keys."""
+
+    target_model: str
+    """Directory of a Hugging Face decoder-only causal LM (config.json + safetensors)."""
+    data: str
+    """A JSONL file (plain or .gz) of tokenized completions, or a directory of them."""
+    output: str
+    """Cache directory to create, or to resume when it already holds this extraction."""
+    target_layer_ids: list[int] | None = None
+    """Decoder layers to capture (id l = output of layer l, before the final norm)."""
+    num_draft_layers: int = 5
+    """With no target_layer_ids: how many layers the DFlash rule picks."""
+    dtype: str = "bf16"
+    """Compute dtype of the target: bf16, fp16 or fp32. The cache always stores bf16 (or fp8)."""
+    attn_implementation: str | None = None
+    """Passed to from_pretrained (sdpa, eager, flash_attention_2, ...); None: the model's default."""
+    device: str | None = None
+    """Torch device; None: cuda when available, else cpu."""
+    device_map: str | None = None
+    """'auto' spreads a large target over the visible GPUs (needs accelerate)."""
+    max_seq_len: int = 8192
+    """Samples longer than this are truncated or skipped (long_samples)."""
+    long_samples: str = "truncate"
+    """What to do with a sample longer than max_seq_len: truncate or skip."""
+    skip_bad: bool = False
+    """Skip malformed records (counted in the manifest) instead of stopping with an error."""
+    part_tokens: int = 65536
+    """A part closes before the sample that would take it past this many tokens."""
+    token_budget: int = 32768
+    """Padded tokens per forward batch (batch size x longest sample)."""
+    codec: str = "bf16"
+    """Hidden-state codec: bf16 (lossless), fp8 (e4m3 + per-token scale) or raw."""
+    chunk_rows: int = 128
+    """Rows per compressed chunk in the cache."""
+    shard_rows: int = 8192
+    """Rows per shard file in the cache (a multiple of chunk_rows)."""
+    store_last_hidden: bool = False
+    """Also store the last decoder layer's output (pre-norm), for soft labels."""
+    store_topk: int = 0
+    """Also store the target's top-k next-token log-probs (0: off)."""
+    num_writers: int | None = None
+    """Writer processes compressing and committing parts; 0 writes in the main process.
+    None: 0 on cpu, else min(cpu count - 2, 12)."""
+    rank: int | None = None
+    """This process's rank; None: $RANK (torchrun) or 0."""
+    world_size: int | None = None
+    """Number of extraction processes sharing the cache; None: $WORLD_SIZE or 1."""
+    force: bool = False
+    """Delete an existing cache with other settings and start anew."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> ExtractConfigError:
+            return ExtractConfigError(msg)
+
+        for name in ("target_model", "data", "output"):
+            if not getattr(self, name):
+                raise bad(f"--{name.replace('_', '-')} is required.")
+        if self.dtype not in DTYPES:
+            raise bad(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")
+        if self.codec not in CODEC_NAMES:
+            raise bad(f"--codec {self.codec!r} is not one of {', '.join(CODEC_NAMES)}.")
+        if self.long_samples not in LONG_SAMPLE_POLICIES:
+            raise bad(f"--long-samples {self.long_samples!r} is not one of truncate, skip.")
+        for name in ("max_seq_len", "part_tokens", "token_budget", "num_draft_layers",
+                     "chunk_rows", "shard_rows"):
+            if int(getattr(self, name)) < 1:
+                raise bad(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
+        if self.store_topk < 0:
+            raise bad(f"--store-topk must be 0 (off) or positive (got {self.store_topk}).")
+        if self.num_writers is not None and self.num_writers < 0:
+            raise bad(f"--num-writers must be 0 or more (got {self.num_writers}).")
+        if self.target_layer_ids is not None:
+            if not self.target_layer_ids or any(int(x) < 0 for x in self.target_layer_ids):
+                raise bad("--target-layer-ids needs one or more non-negative layer ids, e.g. 1,9,17.")
+            self.target_layer_ids = [int(x) for x in self.target_layer_ids]
+        if self.world_size is None:
+            self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.rank is None:
+            self.rank = int(os.environ.get("RANK", "0"))
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise bad(
+                f"Rank {self.rank} of world size {self.world_size} is invalid: need "
+                "0 <= rank < world_size (set --rank/--world-size or RANK/WORLD_SIZE)."
+            )
+
+    def content_settings(self) -> dict[str, Any]:
+        """The settings that decide the cache's content (recorded in the header's `settings`)."""
+        return {
+            "max_seq_len": self.max_seq_len,
+            "long_samples": self.long_samples,
+            "skip_bad": self.skip_bad,
+            "dtype": self.dtype,
+            "part_tokens": self.part_tokens,
+            "store_last_hidden": self.store_last_hidden,
+            "store_topk": self.store_topk,
+        }
+
+
+CONFIG_KEYS = tuple(f.name for f in fields(ExtractConfig))
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON or YAML config file into {setting: value}; unknown keys are errors.
+
+    Keys may be written with dashes (as flags) or underscores (as here).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ExtractConfigError(f"Config file {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ExtractConfigError(f"Cannot read config file {path}: {e}.") from e
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ExtractConfigError(
+                f"{path} is YAML but PyYAML is not installed: `pip install pyyaml`, or write "
+                "the config as JSON."
+            ) from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ExtractConfigError(f"{path} is not valid YAML: {e}") from e
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ExtractConfigError(f"{path} is not valid JSON: {e}") from e
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ExtractConfigError(f"{path} must hold a mapping of setting names to values.")
+    out = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(out) - set(CONFIG_KEYS))
+    if unknown:
+        raise ExtractConfigError(
+            f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: "
+            f"{', '.join(CONFIG_KEYS)}."
+        )
+    if isinstance(out.get("target_layer_ids"), str):
+        out["target_layer_ids"] = parse_layer_ids(out["target_layer_ids"])
+    return out
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    """'1,9,17' -> [1, 9, 17]."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ExtractConfigError(
+            f"--target-layer-ids {text!r} is not a comma-separated list of integers (e.g. 1,9,17)."
+        ) from None

@@ -1,0 +1,251 @@
+"""Input of the extraction: tokenized completions as JSONL, validated and grouped into parts.
+
+A record is one JSON object per line:
+  {"input_ids": [...], "loss_mask": [0/1 ...]}      or
+  {"input_ids": [...], "labels": [-100 | id ...]}   (loss where labels != -100)   or
+  {"input_ids": [...], "prompt_len": P}             (loss on tokens P..end)
+plus an optional "id". The first of loss_mask, labels, prompt_len present is used.
+
+Every non-blank line is a record and gets the next sample id (0, 1, 2, ... over the files in
+sorted order), whether it is kept or skipped, so a cached sample id always names one line.
+Parts are cut from the data alone (consecutive records up to `part_tokens` tokens), so that
+the same data gives the same parts whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dflash.cache_tools.errors import InputError
+
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
+MAX_SKIPS_LISTED = 50  # per part, in the manifest's part stats
+
+
+class BadRecord(Exception):
+    """A record failed validation; the message is the reason, without the location."""
+
+
+def list_data_files(data: str | Path) -> list[Path]:
+    """The input files: `data` itself, or the JSONL files of a directory in sorted order."""
+    path = Path(data)
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise InputError(f"Input data {path} does not exist. Pass a JSONL file or a directory of them with --data.")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES))
+    if not files:
+        raise InputError(
+            f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz). Point --data "
+            "to the directory with the tokenized completions."
+        )
+    return files
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
+    """Names (relative to `root`), sizes and sha256 of the input files, plus one overall hash.
+
+    Paths are relative so that moving the data does not change the identity; any change of
+    content does. Also counts records (non-blank lines) for the progress bar.
+    """
+    root = Path(root)
+    entries = []
+    records = 0
+    for f in files:
+        h = hashlib.sha256()
+        try:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    h.update(chunk)
+            with _open_binary(f) as fh:
+                records += sum(1 for line in fh if line.strip())
+        except (OSError, EOFError) as e:
+            raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
+        name = f.name if f == root else str(f.relative_to(root))
+        entries.append({"path": name, "bytes": f.stat().st_size, "sha256": h.hexdigest()})
+    total = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+    return {"files": entries, "sha256": total, "records": records}
+
+
+def _int_array(value: Any, name: str) -> np.ndarray:
+    if not isinstance(value, list):
+        raise BadRecord(f"{name} must be a list of integers, not {type(value).__name__}")
+    arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iub":
+        raise BadRecord(f"{name} must be a flat list of integers")
+    return arr.astype(np.int64)
+
+
+def parse_record(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One JSONL line -> (input_ids int64 [T], loss_mask uint8 [T]); raises BadRecord."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"the line is not valid UTF-8 (bad byte at offset {e.start})") from None
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"the line is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise BadRecord("the record must be a JSON object with input_ids and a loss mask")
+    if "input_ids" not in rec:
+        raise BadRecord("the record has no input_ids")
+    ids = _int_array(rec["input_ids"], "input_ids")
+    if ids.size == 0:
+        raise BadRecord("the sample is empty (input_ids has no tokens)")
+    if ids.min() < 0:
+        raise BadRecord(f"token id {int(ids.min())} is negative")
+    if ids.max() >= vocab_size:
+        raise BadRecord(
+            f"token id {int(ids.max())} is outside the target's vocabulary ({vocab_size} entries)"
+        )
+    if "id" in rec and not isinstance(rec["id"], str | int):
+        raise BadRecord("id must be a string or an integer")
+    n = ids.size
+    if "loss_mask" in rec:
+        mask = _int_array(rec["loss_mask"], "loss_mask")
+        if mask.size != n:
+            raise BadRecord(f"loss_mask has {mask.size} entries but input_ids has {n}")
+        if mask.size and (mask.min() < 0 or mask.max() > 1):
+            raise BadRecord("loss_mask must hold only 0 and 1")
+        return ids, mask.astype(np.uint8)
+    if "labels" in rec:
+        labels = _int_array(rec["labels"], "labels")
+        if labels.size != n:
+            raise BadRecord(f"labels has {labels.size} entries but input_ids has {n}")
+        return ids, (labels != -100).astype(np.uint8)
+    if "prompt_len" in rec:
+        p = rec["prompt_len"]
+        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= n:
+            raise BadRecord(f"prompt_len must be an integer between 0 and {n} (the sample length)")
+        mask = np.ones(n, dtype=np.uint8)
+        mask[:p] = 0
+        return ids, mask
+    raise BadRecord("the record has no loss mask: give loss_mask, labels or prompt_len")
+
+
+@dataclass
+class Sample:
+    sample_id: int
+    input_ids: np.ndarray  # int64 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class PartPlan:
+    """The samples of one part, plus what was skipped or truncated on the way."""
+
+    index: int
+    samples: list[Sample] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=lambda: {
+        "records": 0, "skipped_bad": 0, "skipped_long": 0, "truncated": 0, "skips": [],
+    })
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.index:06d}"
+
+    num_tokens: int = 0
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
+        self.num_tokens += sample.length
+
+    def record_skip(self, sample_id: int, where: str, reason: str, key: str) -> None:
+        self.stats[key] += 1
+        if len(self.stats["skips"]) < MAX_SKIPS_LISTED:
+            self.stats["skips"].append({"sample_id": sample_id, "where": where, "reason": reason})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartRules:
+    """How records become parts; every field changes the content of the cache."""
+
+    vocab_size: int
+    max_seq_len: int
+    long_samples: str  # truncate | skip
+    skip_bad: bool
+    part_tokens: int
+
+
+def _iter_lines(files: list[Path]) -> Iterator[tuple[str, bytes]]:
+    """(where, line) for every non-blank line, where = 'file, line N'."""
+    for f in files:
+        try:
+            with _open_binary(f) as fh:
+                for line_no, line in enumerate(fh, 1):
+                    if line.strip():
+                        yield f"{f}, line {line_no}", line
+        except (OSError, EOFError) as e:
+            raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
+
+
+def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
+    """Stream the input as parts: consecutive kept samples up to `part_tokens` tokens each.
+
+    A part closes before the sample that would take it past part_tokens (a single longer
+    sample forms a part of its own). Skipped records are counted in the part being filled;
+    trailing skips after the last sample go to the last part.
+    """
+    pending: PartPlan | None = None
+    current = PartPlan(0)
+    for sample_id, (where, line) in enumerate(_iter_lines(files)):
+        try:
+            ids, mask = parse_record(line, rules.vocab_size)
+        except BadRecord as e:
+            if not rules.skip_bad:
+                raise InputError(f"{where}: {e}. Fix the record or pass --skip-bad to skip it.") from None
+            current.stats["records"] += 1
+            current.record_skip(sample_id, where, str(e), "skipped_bad")
+            continue
+        if ids.size > rules.max_seq_len:
+            if rules.long_samples == "skip":
+                current.stats["records"] += 1
+                current.record_skip(
+                    sample_id, where, f"{ids.size} tokens > max_seq_len {rules.max_seq_len}",
+                    "skipped_long",
+                )
+                continue
+            ids, mask = ids[: rules.max_seq_len], mask[: rules.max_seq_len]
+            current.stats["truncated"] += 1
+        if current.samples and current.num_tokens + ids.size > rules.part_tokens:
+            if pending is not None:
+                yield pending
+            pending, current = current, PartPlan(current.index + 1)
+        current.stats["records"] += 1
+        current.add(Sample(sample_id, ids, mask))
+    if current.samples:
+        if pending is not None:
+            yield pending
+        yield current
+    elif pending is not None:
+        _merge_skips(pending, current)
+        yield pending
+    else:
+        raise InputError(
+            f"The input ({', '.join(str(f) for f in files[:3])}{', ...' if len(files) > 3 else ''}) "
+            "holds no usable sample"
+            + (f" ({current.stats['records']} records, all skipped)." if current.stats["records"] else ".")
+            + " Check --data."
+        )
+
+
+def _merge_skips(into: PartPlan, tail: PartPlan) -> None:
+    for key in ("records", "skipped_bad", "skipped_long", "truncated"):
+        into.stats[key] += tail.stats[key]
+    into.stats["skips"] = (into.stats["skips"] + tail.stats["skips"])[:MAX_SKIPS_LISTED]

@@ -1,0 +1,98 @@
+"""The device side of one batch: forward, pack real tokens, encode, copy to the host.
+
+`launch(batch)` only enqueues work on a CUDA device: the forward up to the last captured
+layer, a gather of the real (unpadded) tokens, fp8 quantization when the codec asks for it,
+and asynchronous copies into pinned host buffers followed by an event. `wait(handle)`
+blocks on that event and returns numpy views of the host rows. Two sets of host buffers
+alternate, so the main loop can launch batch i+1 before it unpacks batch i and the GPU never
+waits for the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from dflash.cache_tools.codecs import HiddenCodec, quantize_fp8
+from torch import nn
+
+from .batching import Batch
+from .target import LayerCapture, topk_logprobs
+
+_NP_OF = {torch.int16: np.uint16, torch.uint8: np.uint8, torch.float32: np.float32, torch.int32: np.int32}
+
+
+@dataclass
+class Pending:
+    batch: Batch
+    slot: int
+    tokens: int
+    event: torch.cuda.Event | None
+
+
+class ExtractionEngine:
+    def __init__(self, model: nn.Module, capture: LayerCapture, codec: HiddenCodec, *,
+                 device: torch.device, topk: int, min_rows: int = 1024):
+        self.model = model
+        self.capture = capture
+        self.codec = codec
+        self.device = device
+        self.topk = topk
+        self.min_rows = min_rows
+        self.cuda = device.type == "cuda"
+        self._slots: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._launched = 0
+
+    def _encode(self, h: torch.Tensor, num_layers: int, prefix: str) -> dict[str, torch.Tensor]:
+        if self.codec.has_scale:
+            q, scale = quantize_fp8(h, num_layers)
+            return {prefix: q, prefix + "_scale": scale}
+        return {prefix: h.to(torch.bfloat16).view(torch.int16)}
+
+    def _host(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer of at least like's rows (grown on demand, pinned on CUDA)."""
+        buf = self._slots[slot].get(name)
+        rows = like.shape[0]
+        if buf is None or buf.shape[0] < rows or buf.shape[1:] != like.shape[1:]:
+            rows = max(rows, self.min_rows, 2 * buf.shape[0] if buf is not None else 0)
+            buf = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, pin_memory=self.cuda)
+            self._slots[slot][name] = buf
+        return buf[:like.shape[0]]
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> Pending:
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        mask = batch.attention_mask.to(self.device, non_blocking=True)
+        gather = batch.gather_index.to(self.device, non_blocking=True)
+        cap = self.capture(ids, mask)
+        # Only real tokens leave the device; index_select avoids the host sync of a bool mask.
+        packed = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, gather.to(h.device))
+                            for h in cap.layers], dim=1).to(self.device)
+        out = self._encode(packed, len(cap.layers), "hidden")
+        if cap.last_hidden is not None:
+            last = cap.last_hidden.reshape(-1, cap.last_hidden.shape[-1])
+            last = last.index_select(0, gather.to(last.device))
+            out.update(self._encode(last.to(self.device), 1, "last_hidden"))
+            if self.topk:
+                ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
+                out["topk_ids"], out["topk_logprobs"] = ids_k.to(self.device), lp_k.to(self.device)
+        slot = self._launched % 2
+        self._launched += 1
+        for name, t in out.items():
+            self._host(slot, name, t).copy_(t, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return Pending(batch, slot, batch.real_tokens, event)
+
+    def wait(self, pending: Pending) -> dict[str, np.ndarray]:
+        """Host rows of a launched batch; valid until the launch after next reuses the slot."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        rows = pending.tokens
+        return {
+            name: buf[:rows].numpy().view(_NP_OF[buf.dtype])
+            for name, buf in self._slots[pending.slot].items()
+        }

@@ -1,0 +1,266 @@
+"""The extraction loop: data -> parts -> batches -> target forward -> writer pool -> cache.
+
+`run_extraction(config)` is what `dflash-extract` runs; it can also be called in-process with
+a model already built (`model=`), as the benchmark does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.manifest import make_header
+from dflash.cache_tools.writer import CacheWriter
+from torch import nn
+from tqdm import tqdm
+
+from .batching import Batch, make_batches
+from .config import ExtractConfig, default_target_layer_ids
+from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_parts
+from .engine import ExtractionEngine, Pending
+from .target import LayerCapture, decoder_layers, load_target, target_identity
+from .writers import PartBuffer, WriterPool, part_fields
+
+# Test-only: seconds to sleep after each part is handed to the writers, so that tests can
+# interrupt or kill a run midway. Never set it in real runs.
+TEST_SLEEP_ENV = "DFLASH_TEST_SLEEP_PER_PART"
+
+
+@dataclass
+class ExtractSummary:
+    """What this process did (one rank's share when several run)."""
+
+    samples: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    skipped_bad: int = 0
+    skipped_long: int = 0
+    truncated: int = 0
+    parts_written: int = 0
+    parts_done_before: int = 0
+    parts_total: int = 0
+    parts_this_rank: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    interrupted_by: int | None = None  # signal number when stopped by SIGINT/SIGTERM
+    skips: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        return 1 - self.tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    def format(self) -> str:
+        state = (f"stopped by {signal.Signals(self.interrupted_by).name}" if self.interrupted_by
+                 else "done")
+        return (
+            f"dflash-extract {state}: {self.samples} samples, {self.tokens} tokens in "
+            f"{self.parts_written} parts ({self.bytes / 1e9:.2f} GB), "
+            f"{self.tokens_per_second:,.0f} tokens/s, padding waste {self.padding_waste:.1%}; "
+            f"skipped {self.skipped_bad} bad and {self.skipped_long} long samples, truncated "
+            f"{self.truncated}; {self.parts_done_before} parts were already committed; "
+            f"this rank's parts: {self.parts_this_rank} of {self.parts_total}."
+        )
+
+
+class StopSignals:
+    """SIGINT/SIGTERM: the first asks the loop to stop; a second exits at once."""
+
+    def __init__(self, on_second=None):
+        self.signum: int | None = None
+        self._on_second = on_second
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None:
+            if self._on_second is not None:
+                self._on_second()
+            os._exit(128 + signum)
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name}: finishing the parts in progress, then exiting "
+            "(send it again to exit at once; unfinished parts are redone on resume).",
+            file=sys.stderr, flush=True,
+        )
+
+
+class Progress:
+    """Samples done of this rank's share; postfix with tokens/s and GB written."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = tqdm(total=total, unit="sample", disable=not enabled, dynamic_ncols=True,
+                        desc="extract")
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def skip(self, plan: PartPlan) -> None:
+        """A part this process will not do (another rank's, or committed): not in the ETA."""
+        self.bar.total = max(0, self.bar.total - plan.stats["records"])
+        self.bar.refresh()
+
+    def advance(self, plan: PartPlan, nbytes: int) -> None:
+        self.tokens += plan.num_tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {nbytes / 1e9:.2f} GB written", refresh=False)
+        self.bar.update(plan.stats["records"])
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def resolve_device(config: ExtractConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_num_writers(device: torch.device) -> int:
+    if device.type == "cpu":
+        return 0
+    return max(1, min((os.cpu_count() or 4) - 2, 12))
+
+
+def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data_fp) -> dict:
+    ident = target_identity(model, model_dir)
+    return make_header(
+        target=ident, target_layer_ids=layer_ids, hidden_size=ident["hidden_size"],
+        codec=HiddenCodec(name=config.codec), chunk_rows=config.chunk_rows,
+        shard_rows=config.shard_rows, store_last_hidden=config.store_last_hidden,
+        topk=config.store_topk,
+        data={"files": data_fp["files"], "sha256": data_fp["sha256"]},
+        settings=config.content_settings(),
+    )
+
+
+def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> ExtractSummary:
+    """Extract the hidden states of this rank's uncommitted parts into config.output."""
+    files = list_data_files(config.data)
+    device = resolve_device(config)
+    model_dir = None
+    if model is None:
+        model_dir = config.target_model
+        model = load_target(
+            model_dir, dtype=config.dtype, device=str(device),
+            attn_implementation=config.attn_implementation, device_map=config.device_map,
+        )
+    device = model.get_input_embeddings().weight.device
+    num_target_layers = len(decoder_layers(model))
+    layer_ids = config.target_layer_ids or default_target_layer_ids(
+        num_target_layers, config.num_draft_layers
+    )
+    capture = LayerCapture(model, layer_ids,
+                           need_last=config.store_last_hidden or config.store_topk > 0)
+    data_fp = fingerprint_data(files, config.data)
+    header = build_header(config, model, model_dir, layer_ids, data_fp)
+    cache = CacheWriter(config.output, header, force=config.force and config.rank == 0)
+    codec = HiddenCodec(name=config.codec)
+    fields = part_fields(
+        width=len(layer_ids) * header["hidden"]["hidden_size"],
+        hidden_size=header["hidden"]["hidden_size"], num_layers=len(layer_ids),
+        storage_dtype=codec.storage_dtype.name, has_scale=codec.has_scale,
+        last_hidden=config.store_last_hidden, topk=config.store_topk,
+    )
+    rules = PartRules(
+        vocab_size=header["target"]["vocab_size"], max_seq_len=config.max_seq_len,
+        long_samples=config.long_samples, skip_bad=config.skip_bad, part_tokens=config.part_tokens,
+    )
+    engine = ExtractionEngine(model, capture, codec, device=device, topk=config.store_topk,
+                              min_rows=config.token_budget)
+    num_writers = config.num_writers if config.num_writers is not None else default_num_writers(device)
+    summary = ExtractSummary()
+    progress = Progress(data_fp["records"], config.progress)
+    pool = WriterPool(cache, fields, num_writers)
+    t0 = time.perf_counter()
+    try:
+        with StopSignals(on_second=pool.kill) as stop:
+            _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary)
+            pool.drain()
+        pool.close()
+    except BaseException:
+        pool.kill()
+        raise
+    finally:
+        capture.close()
+        progress.close()
+    for res in pool.results:
+        summary.bytes += res.nbytes
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary) -> None:
+    committed = cache.committed()
+    sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
+    written_bytes = 0
+
+    def own_batches() -> Iterator[tuple[PartBuffer, Batch]]:
+        for plan in plan_parts(files, rules):
+            summary.parts_total += 1
+            if plan.index % config.world_size != config.rank:
+                progress.skip(plan)
+                continue
+            summary.parts_this_rank += 1
+            if plan.name in committed:
+                summary.parts_done_before += 1
+                progress.skip(plan)
+                continue
+            buf = pool.new_buffer(plan)
+            open_buffers.append(buf)
+            for batch in make_batches(plan.samples, config.token_budget):
+                yield buf, batch
+
+    def unpack(buf: PartBuffer, handle: Pending) -> None:
+        nonlocal written_bytes
+        buf.put(handle.batch.members, engine.wait(handle))
+        summary.padded_tokens += handle.batch.padded_tokens
+        if not buf.complete:
+            return
+        open_buffers.remove(buf)
+        plan = buf.plan
+        pool.submit(buf)
+        pool.poll()
+        summary.parts_written += 1
+        summary.samples += len(plan.samples)
+        summary.tokens += plan.num_tokens
+        for key in ("skipped_bad", "skipped_long", "truncated"):
+            setattr(summary, key, getattr(summary, key) + plan.stats[key])
+        summary.skips += plan.stats["skips"]
+        written_bytes = sum(r.nbytes for r in pool.results)
+        progress.advance(plan, written_bytes)
+        if sleep_per_part:
+            time.sleep(sleep_per_part)
+
+    open_buffers: list[PartBuffer] = []
+    pending: tuple[PartBuffer, Pending] | None = None
+    for buf, batch in own_batches():
+        if stop.signum is not None:
+            break
+        handle = engine.launch(batch)  # enqueue batch i before unpacking batch i-1
+        if pending is not None:
+            unpack(*pending)
+        pending = (buf, handle)
+    if pending is not None:
+        unpack(*pending)
+    for buf in open_buffers:  # stopped midway: the unfinished part is redone on resume
+        pool.discard(buf)
+    summary.interrupted_by = stop.signum

@@ -1,0 +1,184 @@
+"""The frozen target: loading it, its identity, and a forward that stops after the last
+captured layer.
+
+Layer id l is the output of decoder layer l (HF's `hidden_states[l + 1]`), before the final
+norm. Forward hooks on `model.model.layers[l]` keep those outputs; the hook of the deepest
+layer needed raises `_StopForward`, which ends the forward there: no later layers, no final
+norm, no lm_head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from dflash.cache_tools.errors import DflashError
+from torch import nn
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+class TargetError(DflashError):
+    """The target model cannot be loaded or does not have the structure extraction needs."""
+
+
+class _StopForward(Exception):
+    """Raised by the last capture hook to end the forward early; never escapes this module."""
+
+
+def load_target(
+    model_dir: str | Path, *, dtype: str, device: str, attn_implementation: str | None,
+    device_map: str | None,
+) -> nn.Module:
+    """Load a local HF causal LM for inference (no hub access)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise TargetError(
+            f"{path} is not a Hugging Face model directory (no config.json). Point "
+            "--target-model to a local directory holding config.json and the weights."
+        )
+    if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
+        raise TargetError(
+            f"{path} has a config.json but no weights (*.safetensors). Download or copy the "
+            "model's weight files into that directory."
+        )
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "local_files_only": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError, ImportError, KeyError) as e:
+        raise TargetError(f"Cannot load the target model from {path}: {e}") from e
+    if not device_map:
+        model = model.to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TargetError(
+            f"The target ({type(model).__name__}) does not expose its decoder layers as "
+            "model.model.layers, which layer capture needs. Supported are HF decoder-only "
+            "causal LMs such as Llama, Qwen2/3 and Mistral."
+        )
+    return layers
+
+
+def config_sha256(config: Any) -> str:
+    """sha256 of the canonical JSON of a model config (sorted keys, no whitespace)."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    data.pop("transformers_version", None)
+    data.pop("_name_or_path", None)
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def target_identity(model: nn.Module, model_dir: str | Path | None) -> dict[str, Any]:
+    """What identifies the target in the cache header."""
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        raw.pop("transformers_version", None)
+        digest = hashlib.sha256(
+            json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()
+    else:
+        digest = config_sha256(cfg)
+    return {
+        "path": str(Path(model_dir).resolve()) if model_dir is not None else "<in-memory model>",
+        "config_hash": digest,
+        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
+        "hidden_size": int(text_cfg.hidden_size),
+        "num_hidden_layers": len(decoder_layers(model)),
+        "vocab_size": int(text_cfg.vocab_size),
+    }
+
+
+@dataclass
+class Captured:
+    """One batch's captured states, each [B, L, D] on the compute device."""
+
+    layers: list[torch.Tensor]  # in target_layer_ids order
+    last_hidden: torch.Tensor | None  # last decoder layer's output (pre-norm), if requested
+
+
+class LayerCapture:
+    """Runs the target's decoder up to the deepest needed layer and returns the captures."""
+
+    def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_last: bool):
+        self.model = model
+        layers = decoder_layers(model)
+        n = len(layers)
+        bad = [i for i in target_layer_ids if not 0 <= i < n]
+        if bad:
+            raise TargetError(
+                f"--target-layer-ids {bad} are out of range: the target has {n} decoder layers "
+                f"(ids 0..{n - 1})."
+            )
+        self.target_layer_ids = list(target_layer_ids)
+        self.last_layer = n - 1
+        wanted = set(target_layer_ids) | ({n - 1} if need_last else set())
+        self.stop_after = max(wanted)
+        self.need_last = need_last
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(wanted)]
+
+    def _hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            self._out[idx] = output[0] if isinstance(output, tuple) else output
+            if idx == self.stop_after:
+                raise _StopForward
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Captured:
+        self._out = {}
+        try:
+            self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        else:
+            raise TargetError("The forward ended without reaching the last captured layer.")
+        out = self._out
+        self._out = {}
+        return Captured(
+            layers=[out[i] for i in self.target_layer_ids],
+            last_hidden=out[self.last_layer] if self.need_last else None,
+        )
+
+
+@torch.inference_mode()
+def topk_logprobs(model: nn.Module, last_hidden: torch.Tensor, k: int, chunk_tokens: int = 2048):
+    """Top-k next-token log-probs from pre-norm last hidden states [T, D], in token chunks
+    (full logits of 32K tokens x 150K vocab would not fit). Returns (ids int32, logprobs f32)."""
+    norm = getattr(model.model, "norm", None)
+    head = model.get_output_embeddings()
+    if norm is None or head is None:
+        raise TargetError(
+            "--store-topk needs the target's final norm (model.model.norm) and lm_head; this "
+            f"model ({type(model).__name__}) lacks one of them."
+        )
+    ids_out, lp_out = [], []
+    for start in range(0, last_hidden.shape[0], chunk_tokens):
+        logits = head(norm(last_hidden[start:start + chunk_tokens])).float()
+        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        ids_out.append(ids.to(torch.int32))
+        lp_out.append(lp)
+    return torch.cat(ids_out), torch.cat(lp_out)

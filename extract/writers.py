@@ -1,0 +1,311 @@
+"""Part buffers and the writer pool: compression and commits off the main thread.
+
+The main process fills one `PartBuffer` per part (rows in input order) from the batches'
+host copies; a finished buffer goes to the pool, which compresses and commits it through
+`CacheWriter`/`PartWriter` (the cache's commit protocol). With `num_writers` > 0 the pool is
+that many processes, the buffers live in shared memory, and at most num_writers + 1 buffers
+exist at once: the main process blocks for a free one (back-pressure, bounded memory).
+With num_writers == 0 parts are written in the main process (CPU runs, tests).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dflash.cache_tools.errors import DflashError
+from dflash.cache_tools.writer import CacheWriter
+
+from .data import PartPlan
+
+
+class WriteError(DflashError):
+    """A part could not be compressed or committed."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-token array of a part: its row shape and dtype."""
+
+    name: str
+    width: int
+    dtype: str
+
+
+def part_fields(*, width: int, hidden_size: int, num_layers: int, storage_dtype: str,
+                has_scale: bool, last_hidden: bool, topk: int) -> list[Field]:
+    fields = [Field("hidden", width, storage_dtype)]
+    if has_scale:
+        fields.append(Field("hidden_scale", num_layers, "float32"))
+    if last_hidden:
+        fields.append(Field("last_hidden", hidden_size, storage_dtype))
+        if has_scale:
+            fields.append(Field("last_hidden_scale", 1, "float32"))
+    if topk:
+        fields += [Field("topk_ids", topk, "int32"), Field("topk_logprobs", topk, "float32")]
+    return fields
+
+
+def _layout(fields: list[Field], tokens: int) -> tuple[dict[str, tuple[int, tuple, str]], int]:
+    """{name: (byte offset, shape, dtype)} of the arrays packed in one buffer, and its size."""
+    out, pos = {}, 0
+    for f in fields:
+        pos = (pos + 63) // 64 * 64
+        out[f.name] = (pos, (tokens, f.width), f.dtype)
+        pos += tokens * f.width * np.dtype(f.dtype).itemsize
+    return out, max(pos, 1)
+
+
+def _views(buf, layout: dict[str, tuple[int, tuple, str]]) -> dict[str, np.ndarray]:
+    return {
+        name: np.ndarray(shape, dtype=dtype, buffer=buf, offset=off)
+        for name, (off, shape, dtype) in layout.items()
+    }
+
+
+class PartBuffer:
+    """The host-side rows of one part, filled batch by batch in any sample order."""
+
+    def __init__(self, plan: PartPlan, fields: list[Field], shared: bool):
+        self.plan = plan
+        lengths = np.array([s.length for s in plan.samples], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self.layout, size = _layout(fields, int(self.offsets[-1]))
+        self.shm = SharedMemory(create=True, size=size) if shared else None
+        self._local = None if shared else bytearray(size)
+        self.arrays = _views(self.shm.buf if shared else self._local, self.layout)
+        self.filled = 0
+
+    def put(self, members: list[int], rows: dict[str, np.ndarray]) -> None:
+        """Copy one batch's packed rows (members in batch order) to their places in the part."""
+        pos = 0
+        for i in members:
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            for name, arr in self.arrays.items():
+                arr[lo:hi] = rows[name][pos:pos + hi - lo]
+            pos += hi - lo
+        self.filled += len(members)
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == len(self.plan.samples)
+
+    def release(self) -> None:
+        self.arrays = {}
+        if self.shm is not None:
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+        self._local = None
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """What a writer needs to commit one part (small; the rows stay in shared memory)."""
+
+    name: str
+    shm_name: str | None
+    layout: dict[str, tuple[int, tuple, str]]
+    sample_ids: list[int]
+    offsets: np.ndarray
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PartResult:
+    name: str
+    committed: bool  # False: another writer committed this part first
+    samples: int
+    tokens: int
+    nbytes: int
+
+
+def make_task(buf: PartBuffer) -> PartTask:
+    samples = buf.plan.samples
+    return PartTask(
+        name=buf.plan.name, shm_name=buf.shm.name if buf.shm is not None else None,
+        layout=buf.layout, sample_ids=[s.sample_id for s in samples], offsets=buf.offsets,
+        input_ids=np.concatenate([s.input_ids for s in samples]),
+        loss_mask=np.concatenate([s.loss_mask for s in samples]), stats=buf.plan.stats,
+    )
+
+
+def write_part(cache: CacheWriter, task: PartTask, arrays: dict[str, np.ndarray]) -> PartResult:
+    """Commit one part through the cache's PartWriter (all-or-nothing)."""
+    off = task.offsets
+    with cache.part_writer(task.name) as pw:
+        pw.stats.update(task.stats)
+        for i, sample_id in enumerate(task.sample_ids):
+            lo, hi = int(off[i]), int(off[i + 1])
+            extra = {name: arr[lo:hi] for name, arr in arrays.items() if name != "hidden"}
+            pw.add_sample(
+                sample_id, task.input_ids[lo:hi], task.loss_mask[lo:hi], arrays["hidden"][lo:hi],
+                **extra,
+            )
+    record = cache.committed().get(task.name)
+    return PartResult(
+        name=task.name, committed=pw.committed, samples=len(task.sample_ids),
+        tokens=int(off[-1]), nbytes=record.nbytes if record is not None else 0,
+    )
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself when it pickles, else a RuntimeError carrying its traceback."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError("".join(traceback.format_exception(exc)))
+
+
+def _writer_main(cache_dir: str, header: dict, tasks, results, parent_pid: int) -> None:
+    # Ctrl-C reaches the whole process group: writers finish the part they hold and let the
+    # main process decide when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        cache = CacheWriter(cache_dir, header)
+    except BaseException as e:  # noqa: BLE001 - reported to the main process
+        results.put(("error", None, _portable(e)))
+        return
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the main process died (kill -9): stop
+                return
+            continue
+        if task is None:
+            return
+        shm = SharedMemory(name=task.shm_name)
+        try:
+            result = write_part(cache, task, _views(shm.buf, task.layout))
+            results.put(("ok", task.name, result))
+        except BaseException as e:  # noqa: BLE001 - reported to the main process
+            results.put(("error", task.name, _portable(e)))
+        finally:
+            try:
+                shm.close()
+            except BufferError:  # a view survived in a traceback; freed at process exit
+                pass
+
+
+class WriterPool:
+    """Writes finished parts: inline (num_writers == 0) or in worker processes."""
+
+    def __init__(self, cache: CacheWriter, fields: list[Field], num_writers: int):
+        self.cache = cache
+        self.fields = fields
+        self.num_writers = num_writers
+        self.results: list[PartResult] = []
+        self._buffers: dict[str, PartBuffer] = {}
+        self._procs: list[mp.Process] = []
+        if num_writers:
+            ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
+            self._tasks = ctx.Queue()
+            self._results = ctx.Queue()
+            for _ in range(num_writers):
+                p = ctx.Process(
+                    target=_writer_main, daemon=True,
+                    args=(str(cache.cache_dir), cache.header, self._tasks, self._results, os.getpid()),
+                )
+                p.start()
+                self._procs.append(p)
+
+    @property
+    def max_buffers(self) -> int:
+        return self.num_writers + 1
+
+    def new_buffer(self, plan: PartPlan) -> PartBuffer:
+        """A buffer for the next part; blocks while num_writers + 1 buffers are in use."""
+        while self.num_writers and len(self._buffers) >= self.max_buffers:
+            self._collect(block=True)
+        return PartBuffer(plan, self.fields, shared=bool(self.num_writers))
+
+    def submit(self, buf: PartBuffer) -> None:
+        task = make_task(buf)
+        if not self.num_writers:
+            try:
+                self.results.append(write_part(self.cache, task, buf.arrays))
+            except DflashError:
+                raise
+            except OSError as e:
+                raise _write_error(task.name, self.cache.cache_dir, e) from e
+            finally:
+                buf.release()
+            return
+        self._buffers[task.name] = buf
+        self._tasks.put(task)
+
+    def poll(self) -> None:
+        """Collect finished writes without waiting (re-raises a writer's failure)."""
+        while self.num_writers and self._collect(block=False):
+            pass
+
+    def drain(self) -> None:
+        """Wait until every submitted part is committed."""
+        while self._buffers:
+            self._collect(block=True)
+
+    def _collect(self, *, block: bool) -> bool:
+        try:
+            kind, name, payload = self._results.get(timeout=1.0) if block else self._results.get_nowait()
+        except queue.Empty:
+            if block and not any(p.is_alive() for p in self._procs):
+                raise WriteError(
+                    "All writer processes died (out of memory?) with parts still to write. "
+                    "Rerun the same command to resume; lower --num-writers or --part-tokens if "
+                    "memory is short."
+                ) from None
+            return False
+        buf = self._buffers.pop(name, None) if name is not None else None
+        if buf is not None:
+            buf.release()
+        if kind == "error":
+            if isinstance(payload, DflashError):
+                raise payload
+            raise _write_error(name, self.cache.cache_dir, payload) from payload
+        self.results.append(payload)
+        return True
+
+    def discard(self, buf: PartBuffer) -> None:
+        """Drop a part that will not be finished (stop requested)."""
+        buf.release()
+
+    def close(self) -> None:
+        """Stop the workers (after drain(), or abandoning queued parts on an error)."""
+        if not self._procs:
+            return
+        for _ in self._procs:
+            self._tasks.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        for buf in self._buffers.values():
+            buf.release()
+        self._buffers.clear()
+
+    def kill(self) -> None:
+        """Second signal: end the workers at once (uncommitted parts are lost, as after kill -9)."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+
+
+def _write_error(name: str | None, cache_dir: Path, exc: BaseException) -> WriteError:
+    return WriteError(
+        f"Writing part {name} into {cache_dir} failed: {exc}. Free space or fix the cause, "
+        "then rerun the same command: committed parts are kept and the rest is redone."
+    )
