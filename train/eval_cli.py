@@ -1,0 +1,361 @@
+"""`dflash-eval`: measure a drafter by real speculative decoding against its target.
+
+For every prompt set it runs target-only decoding and speculative decoding on the same
+prompts in the same process, and reports the acceptance length tau, its histogram,
+tokens/s of both, the speedup, and (greedy) whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from dflash.cache_tools.errors import DflashError, InputError
+
+from .speculative import (
+    DecodeConfig,
+    Generation,
+    acceptance_summary,
+    first_divergence,
+    speculative_generate,
+    target_generate,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EvalError(DflashError):
+    """A setting or input of `dflash-eval` is wrong."""
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+def prompt_from_record(record: dict[str, Any], where: str, tokenizer: Any = None) -> list[int]:
+    """The prompt token ids of one JSONL record.
+
+    `prompt_ids` is taken as is. `input_ids` is cut where the completion starts when the
+    record says so (`prompt_len`, the first 1 of `loss_mask`, or the first label that is not
+    -100), so a held-out file of extraction input can be used directly; otherwise all of it
+    is the prompt. `text` is tokenized with the target's tokenizer when there are no ids.
+    """
+    if "prompt_ids" in record:
+        ids = record["prompt_ids"]
+    elif "input_ids" in record:
+        ids = record["input_ids"]
+        cut = None
+        if record.get("prompt_len") is not None:
+            cut = int(record["prompt_len"])
+        elif isinstance(record.get("loss_mask"), list):
+            cut = next((i for i, m in enumerate(record["loss_mask"]) if m), None)
+        elif isinstance(record.get("labels"), list):
+            cut = next((i for i, lab in enumerate(record["labels"]) if lab != -100), None)
+        if cut is not None:
+            ids = ids[:cut]
+    elif "text" in record:
+        if tokenizer is None:
+            raise InputError(
+                f"{where}: the record has only `text` and the target directory has no tokenizer; "
+                "give `input_ids` or `prompt_ids` instead."
+            )
+        ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
+    else:
+        raise InputError(f"{where}: the record has none of `prompt_ids`, `input_ids` or `text`.")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InputError(f"{where}: token ids must be a list of integers.")
+    if not ids:
+        raise InputError(f"{where}: the prompt is empty (the target needs at least one token).")
+    return ids
+
+
+def load_prompts(
+    path: str | Path, vocab_size: int, *, tokenizer: Any = None, max_prompts: int | None = None
+) -> list[list[int]]:
+    """Prompts of a JSONL file (one record a line, blank lines skipped); ids checked against the vocab."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"prompt file {path} does not exist.")
+    prompts: list[list[int]] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}, line {line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where} is not valid JSON ({e.msg}); write one JSON object per line.") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+            ids = prompt_from_record(record, where, tokenizer)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InputError(
+                    f"{where}: token ids {bad[:5]} are outside the target's vocabulary (0..{vocab_size - 1}); "
+                    "the prompts were tokenized for another model."
+                )
+            prompts.append(ids)
+    if not prompts:
+        raise InputError(f"prompt file {path} holds no prompts.")
+    return prompts
+
+
+# -- the measurement --------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class EvalSettings:
+    """How the measurement runs (a subset of the flags)."""
+
+    batch_size: int = 1
+    """Prompts decoded together (left-padded)."""
+    device: str = "cpu"
+    """Torch device of the target and the drafter."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_batches(fn: Any, prompts: list[list[int]], batch_size: int, device: torch.device) -> tuple[list[Generation], float]:
+    out: list[Generation] = []
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        out.extend(fn(prompts[i : i + batch_size]))
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def evaluate_prompt_set(
+    model: Any, drafter: Any, prompts: list[list[int]], config: DecodeConfig, settings: EvalSettings
+) -> dict[str, Any]:
+    """Target-only and speculative decoding of `prompts`; tau, speed and the lossless check."""
+    device = torch.device(settings.device)
+    # Warm up both paths (kernels, allocator) so that neither timing pays for it.
+    warm = DecodeConfig(**{**asdict(config), "max_new_tokens": min(4, config.max_new_tokens)})
+    target_generate(model, prompts[:1], warm)
+    speculative_generate(model, drafter, prompts[:1], warm)
+
+    baseline, target_seconds = _timed_batches(
+        lambda batch: target_generate(model, batch, config), prompts, settings.batch_size, device)
+    speculative, spec_seconds = _timed_batches(
+        lambda batch: speculative_generate(model, drafter, batch, config), prompts, settings.batch_size, device)
+
+    target_tokens = sum(len(g.tokens) for g in baseline)
+    spec_tokens = sum(len(g.tokens) for g in speculative)
+    report: dict[str, Any] = {
+        "num_prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "new_tokens": spec_tokens,
+        **acceptance_summary(speculative),
+        "speculative": {"seconds": spec_seconds, "tokens_per_second": spec_tokens / max(spec_seconds, 1e-9)},
+        "target_only": {"seconds": target_seconds, "tokens_per_second": target_tokens / max(target_seconds, 1e-9)},
+    }
+    report["speedup"] = report["speculative"]["tokens_per_second"] / max(report["target_only"]["tokens_per_second"], 1e-9)
+    report["lossless"] = lossless_check(baseline, speculative, config)
+    return report
+
+
+def lossless_check(baseline: list[Generation], speculative: list[Generation], config: DecodeConfig) -> dict[str, Any]:
+    """Greedy only: every speculative output must equal the target's own output."""
+    if config.temperature > 0:
+        return {"checked": False, "reason": "sampling (temperature > 0): outputs are random draws"}
+    divergences = []
+    for i, (want, got) in enumerate(zip(baseline, speculative)):
+        at = first_divergence(want.tokens, got.tokens)
+        if at is not None:
+            divergences.append({
+                "prompt": i,
+                "position": at,
+                "target": want.tokens[at] if at < len(want.tokens) else None,
+                "speculative": got.tokens[at] if at < len(got.tokens) else None,
+            })
+    return {"checked": True, "identical": not divergences, "divergent_prompts": len(divergences),
+            "divergences": divergences[:20]}
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # fp32 on CPU keeps batched (padded) and single-token passes bit-close: see docs/eval.md.
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[dtype]
+
+
+def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
+                attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
+    """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
+    from transformers import AutoModelForCausalLM
+
+    from .export import load_drafter
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
+        drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"cannot load the target {target_dir} with the drafter {drafter_dir}: {e}") from e
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if max(drafter.config.target_layer_ids) >= n_layers:
+        raise EvalError(
+            f"the drafter reads target layers {drafter.config.target_layer_ids} but the target has "
+            f"{n_layers}; it was trained for another model."
+        )
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except Exception:  # noqa: BLE001 - a tokenizer is optional: prompts are ids by default
+        tokenizer = None
+    return model.to(device).eval(), drafter.to(device).eval(), tokenizer
+
+
+def default_stop_tokens(model: Any) -> tuple[int, ...]:
+    """The target's eos ids (generation_config first, then config)."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def format_report(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [f"dflash-eval  device={s['device']} dtype={s['dtype']} block_size={s['block_size']} "
+             f"batch_size={s['batch_size']} temperature={s['temperature']} max_new_tokens={s['max_new_tokens']}"]
+    for r in report["prompt_sets"]:
+        lossless = r["lossless"]
+        check = ("identical to target" if lossless.get("identical") else
+                 f"DIVERGED on {lossless.get('divergent_prompts')} prompt(s)") if lossless["checked"] else "not checked (sampling)"
+        hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
+        lines += [
+            f"\n[{r['name']}] {r['num_prompts']} prompts, {r['new_tokens']} new tokens, {r['cycles']} cycles",
+            f"  tau (accepted+1 per cycle): {r['tau']:.3f}",
+            f"  histogram (length:cycles):  {hist}",
+            f"  target-only: {r['target_only']['tokens_per_second']:.1f} tok/s ({r['target_only']['seconds']:.2f} s)",
+            f"  speculative: {r['speculative']['tokens_per_second']:.1f} tok/s ({r['speculative']['seconds']:.2f} s)",
+            f"  speedup:     {r['speedup']:.2f}x",
+            f"  lossless:    {check}",
+        ]
+        for d in lossless.get("divergences", [])[:5]:
+            lines.append(f"    prompt {d['prompt']}: token {d['position']}: target {d['target']}, speculative {d['speculative']}")
+    return "\n".join(lines)
+
+
+def _load_config_file(ctx: click.Context, _param: Any, value: str | None) -> str | None:
+    """--config FILE (JSON, keys as flag names) sets defaults; flags on the command line win."""
+    if value:
+        try:
+            raw = json.loads(Path(value).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise click.BadParameter(f"cannot read {value} as JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise click.BadParameter(f"{value} must hold a JSON object of flag names to values.")
+        ctx.default_map = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    return value
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config_file, is_eager=True,
+              expose_value=False, help="JSON file of flag values (keys as the flag names).")
+@click.option("--target-model", required=True, type=click.Path(file_okay=False), help="HF target model directory.")
+@click.option("--drafter", required=True, type=click.Path(file_okay=False), help="Exported drafter directory.")
+@click.option("--prompts", "prompt_files", required=True, multiple=True, type=click.Path(dir_okay=False),
+              help="JSONL of prompts (input_ids / prompt_ids / text); repeat for several prompt sets.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts of each file.")
+@click.option("--block-size", default=None, type=int, help="Drafted block size (<= the trained one). [default: trained]")
+@click.option("--batch-size", default=1, show_default=True, type=int, help="Prompts decoded together.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy (lossless check).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
+@click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token(s). [default: eos]")
+@click.option("--ignore-eos", is_flag=True, help="Always generate --max-new-tokens tokens.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, ... (auto: cuda if available).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *DTYPES]),
+              help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).")
+@click.option("--attn-implementation", default=None, help="Target attention (sdpa, eager, ...).")
+@click.option("--strict", is_flag=True, help="Exit with status 1 if any greedy output diverges from the target's.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def main(target_model: str, drafter: str, prompt_files: tuple[str, ...], max_new_tokens: int,
+         max_prompts: int | None, block_size: int | None, batch_size: int, temperature: float, seed: int,
+         stop_token_ids: tuple[int, ...], ignore_eos: bool, device: str, dtype: str,
+         attn_implementation: str | None, strict: bool, as_json: bool) -> None:
+    """Speculative decoding of PROMPTS with DRAFTER and TARGET_MODEL: tau, speedup, lossless check."""
+    try:
+        report = run_eval(
+            target_model, drafter, list(prompt_files), max_new_tokens=max_new_tokens, max_prompts=max_prompts,
+            block_size=block_size, batch_size=batch_size, temperature=temperature, seed=seed,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, device=device, dtype=dtype,
+            attn_implementation=attn_implementation)
+    except DflashError as e:
+        click.echo(f"dflash-eval: error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    diverged = any(r["lossless"]["checked"] and not r["lossless"]["identical"] for r in report["prompt_sets"])
+    if diverged:
+        click.echo("dflash-eval: speculative output differs from the target's greedy output "
+                   "(see docs/eval.md, 'The lossless check').", err=True)
+        if strict:
+            sys.exit(1)
+
+
+def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, max_new_tokens: int = 128,
+             max_prompts: int | None = None, block_size: int | None = None, batch_size: int = 1,
+             temperature: float = 0.0, seed: int = 0, stop_token_ids: tuple[int, ...] = (),
+             ignore_eos: bool = False, device: str = "auto", dtype: str = "auto",
+             attn_implementation: str | None = None) -> dict[str, Any]:
+    """The whole evaluation as a function (the CLI and the demo call it); returns the report dict."""
+    if batch_size < 1:
+        raise EvalError(f"--batch-size must be >= 1, got {batch_size}.")
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    model, drafter, tokenizer = load_models(target_model, drafter_dir, device, torch_dtype, attn_implementation)
+    trained = drafter.config.block_size
+    if block_size is not None and not 2 <= block_size <= trained:
+        raise EvalError(f"--block-size {block_size} must be between 2 and the drafter's trained block size {trained}.")
+    stops = () if ignore_eos else (tuple(stop_token_ids) or default_stop_tokens(model))
+    try:
+        config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops,
+                              block_size=block_size or trained, seed=seed)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    vocab = model.config.get_text_config().vocab_size
+    sets = []
+    for path in prompt_files:
+        prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=max_prompts)
+        result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(batch_size=batch_size, device=device))
+        sets.append({"name": Path(path).stem, "path": str(path), **result})
+    return {
+        "settings": {"device": device, "dtype": str(torch_dtype).removeprefix("torch."), "block_size": config.block_size,
+                     "trained_block_size": trained, "batch_size": batch_size, "temperature": temperature,
+                     "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops)},
+        "prompt_sets": sets,
+    }
+
+
+if __name__ == "__main__":
+    main()

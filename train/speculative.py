@@ -1,0 +1,348 @@
+"""Speculative decoding with a DFlash drafter and a Hugging Face target, batched, lossless.
+
+One cycle, per sequence (the DFlash paper's engine loop):
+
+1. the drafter drafts a block `[anchor, MASK x (B-1)]` in one pass, where the anchor is the
+   last token the target produced and the drafter's context holds the target's captured
+   hidden states of every token before it;
+2. the target verifies the block in one pass over its KV cache: its prediction after block
+   slot k is compared with the drafted token in slot k+1;
+3. the longest matching prefix (a drafted tokens) is accepted, plus the target's own next
+   token (the bonus, the next anchor), so every cycle yields a+1 tokens;
+4. the KV entries and hidden states of the anchor and the accepted drafts are kept (they feed
+   the drafter's context); those of rejected drafts are dropped.
+
+Sequences of a batch accept different numbers of tokens per cycle. Instead of re-packing the
+caches, both the target's KV cache and the drafter's context keep a column per verified slot
+and a validity mask: rejected slots become holes that attention skips, and every token gets
+its true position through explicit `position_ids`. Columns that are holes in every row are
+cropped. A batch of one therefore never has holes and is exactly the textbook loop.
+
+Greedy decoding (temperature 0) is lossless: the output is the target's own greedy output
+token for token. With temperature > 0 the target samples a token at every verified position
+and a draft is accepted while it equals the target's sample ("sample-and-match"), so every
+emitted token is a sample of the target's distribution given the emitted prefix: the output
+distribution is exactly the target's, with lower acceptance than rejection-sampling schemes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .attention import AttentionMask
+from .model import DFlashDrafter
+
+
+@dataclass(kw_only=True)
+class DecodeConfig:
+    """How sequences are generated (shared by speculative and target-only decoding)."""
+
+    max_new_tokens: int = 128
+    """Tokens generated per prompt (fewer when a stop token comes first)."""
+    temperature: float = 0.0
+    """0: greedy (lossless check possible); > 0: sampling from the target's distribution."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sequence ends after any of these tokens (which is kept)."""
+    block_size: int | None = None
+    """Tokens per drafted block incl. the anchor; None: the drafter's trained block size."""
+    seed: int = 0
+    """Seed of the sampling generator (temperature > 0)."""
+    pad_token_id: int = 0
+    """Filler id for left padding; it is masked out, any valid id works."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {self.block_size}.")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
+class Generation:
+    """What one prompt produced."""
+
+    tokens: list[int]
+    """New tokens (prompt excluded), cut after a stop token or at max_new_tokens."""
+    acceptance_lengths: list[int] = field(default_factory=list)
+    """Per draft-verify cycle: accepted drafts + 1 (empty for target-only decoding)."""
+
+
+# -- target helpers ---------------------------------------------------------------------------
+
+
+def capture_hidden(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
+    """[B, n, K*D] concat of the captured layers (id l = HF `hidden_states[l + 1]`)."""
+    return torch.cat([hidden_states[i + 1] for i in target_layer_ids], dim=-1)
+
+
+def _crop_kv(cache: Any, remove: int) -> None:
+    """Drop the last `remove` columns of an HF cache.
+
+    `crop(-n)` removes n columns in transformers 4.57 and 5.x alike; `crop(0)` would empty
+    the cache in 4.57, so it is never called with 0.
+    """
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _forward(model: Any, cache: Any, **inputs: Any) -> Any:
+    """One target pass over `cache` (the keyword is `cache` in transformers >= 5.2x,
+    `past_key_values` before)."""
+    params = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    return model(**inputs, **{key: cache}, use_cache=True)
+
+
+def _new_kv_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x takes no config
+        return DynamicCache()
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, N] and 0/1 mask [B, N]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+class TokenChooser:
+    """Greedy argmax, or sampling at a temperature from a seeded generator."""
+
+    def __init__(self, temperature: float, seed: int, device: torch.device) -> None:
+        self.temperature = temperature
+        self.generator = None
+        if temperature > 0:
+            self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] from logits [..., V]."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
+
+
+def _finish(tokens: list[int], new: list[int], config: DecodeConfig) -> bool:
+    """Append `new` to `tokens`, cut at a stop token or the limit; True when the row is done."""
+    for token in new:
+        tokens.append(token)
+        if token in config.stop_token_ids or len(tokens) >= config.max_new_tokens:
+            return True
+    return False
+
+
+@torch.no_grad()
+def target_generate(model: Any, prompts: Sequence[Sequence[int]], config: DecodeConfig) -> list[Generation]:
+    """Target-only decoding with a KV cache, one token per forward pass, all prompts batched."""
+    device = next(model.parameters()).device
+    ids, mask = _left_pad(prompts, config.pad_token_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    choose = TokenChooser(config.temperature, config.seed, device)
+    cache = _new_kv_cache(model)
+    out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+    next_tokens = choose(out.logits[:, -1])
+    next_pos = mask.sum(-1)
+    results = [Generation(tokens=[]) for _ in prompts]
+    active = list(range(len(prompts)))
+    while True:
+        keep = [i for i, row in enumerate(active) if not _finish(results[row].tokens, [int(next_tokens[i])], config)]
+        if not keep:
+            return results
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, next_tokens, next_pos = mask[index], next_tokens[index], next_pos[index]
+            active = [active[i] for i in keep]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = _forward(model, cache, input_ids=next_tokens[:, None], attention_mask=mask,
+                       position_ids=next_pos[:, None])
+        next_tokens = choose(out.logits[:, -1])
+        next_pos = next_pos + 1
+
+
+# -- drafter context with holes ---------------------------------------------------------------
+
+
+class DraftContext:
+    """The drafter's per-layer context keys/values for a batch of sequences of any lengths.
+
+    Same content as `DFlashDrafter.new_context_cache()`, plus a validity mask [B, L] so that
+    rows can hold padding and rejected slots (holes); positions are given per token.
+    """
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.valid: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    @torch.no_grad()
+    def append(self, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Add captured states [B, n, K*D] at `positions` [B, n]; `valid` [B, n] bool."""
+        d = self.drafter
+        context = d.fuse_context(hidden)
+        cos, sin = d.rope(positions, context)
+        new = [layer.self_attn.project_kv(context, cos, sin) for layer in d.layers]
+        if self.valid is None:
+            self.keys, self.values, self.valid = [k for k, _ in new], [v for _, v in new], valid.bool()
+            return
+        self.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, new)]
+        self.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, new)]
+        self.valid = torch.cat([self.valid, valid.bool()], dim=1)
+
+    def crop(self, remove: int) -> None:
+        """Drop the last `remove` columns."""
+        if remove > 0 and self.valid is not None:
+            length = self.length - remove
+            self.keys = [k[:, :, :length] for k in self.keys]
+            self.values = [v[:, :, :length] for v in self.values]
+            self.valid = self.valid[:, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (finished sequences leave the batch)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        if self.valid is not None:
+            self.valid = self.valid[rows]
+
+    @torch.no_grad()
+    def draft(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Logits [B, block_size-1, V] of the block after `anchor_ids` [B] at `anchor_positions` [B].
+
+        Each block token sees the row's valid context (all of it lies before the anchor) and
+        its whole block, as in training.
+        """
+        d = self.drafter
+        if self.valid is None:
+            raise ValueError("append context before drafting a block.")
+        batch = anchor_ids.shape[0]
+        offsets = torch.arange(block_size, device=anchor_ids.device)
+        block_ids = torch.full((batch, block_size), d.config.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        block_ids[:, 0] = anchor_ids
+        positions = anchor_positions[:, None] + offsets
+        mask = None
+        if not bool(self.valid.all()):
+            sees = torch.cat([self.valid, torch.ones_like(self.valid[:, :1]).expand(-1, block_size)], dim=1)
+            mask = AttentionMask(backend="sdpa", dense=sees[:, None, None, :].expand(-1, 1, block_size, -1))
+        x = d.embed(block_ids)
+        rope = d.rope(positions, x)
+        for layer, k, v in zip(d.layers, self.keys, self.values):
+            x = layer(x, (k, v), rope, mask)
+        return d.logits(d.norm(x)[:, 1:])
+
+
+# -- the speculative loop ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def speculative_generate(
+    model: Any,
+    drafter: DFlashDrafter,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
+) -> list[Generation]:
+    """Speculative decoding of all `prompts` as one batch (see the module docstring)."""
+    device = next(model.parameters()).device
+    block_size = config.block_size or drafter.config.block_size
+    layer_ids = list(drafter.config.target_layer_ids)
+    choose = TokenChooser(config.temperature, config.seed, device)
+
+    # Prefill: the target reads every prompt; its states become the drafter's first context.
+    ids, mask = _left_pad(prompts, config.pad_token_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_kv_cache(model)
+    out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
+                   output_hidden_states=True, logits_to_keep=1)
+    context = DraftContext(drafter)
+    context.append(capture_hidden(out.hidden_states, layer_ids), positions, mask.bool())
+    anchors = choose(out.logits[:, -1])
+    next_pos = mask.sum(-1)  # position of each row's anchor = tokens known so far
+    results = [Generation(tokens=[]) for _ in prompts]
+    active = list(range(len(prompts)))
+    done = [_finish(results[row].tokens, [int(anchors[i])], config) for i, row in enumerate(active)]
+    offsets = torch.arange(block_size, device=device)
+
+    while True:
+        keep = [i for i, finished in enumerate(done) if not finished]
+        if not keep:
+            return results
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            context.select(index)
+            mask, anchors, next_pos = mask[index], anchors[index], next_pos[index]
+            active = [active[i] for i in keep]
+
+        # Draft: greedy proposals from the drafter's block logits.
+        drafts = context.draft(anchors, next_pos, block_size).argmax(dim=-1)
+        block = torch.cat([anchors[:, None], drafts], dim=1)
+        block_pos = next_pos[:, None] + offsets
+
+        # Verify: one target pass over the block; target choice after slot k checks slot k+1.
+        out = _forward(model, cache, input_ids=block, attention_mask=torch.cat([mask, torch.ones_like(block)], dim=1),
+                       position_ids=block_pos, output_hidden_states=True)
+        chosen = choose(out.logits)  # [B, block]
+        accepted = (drafts == chosen[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]
+
+        # Keep the anchor and accepted drafts (slots 0..a); the rest become holes.
+        kept = offsets[None, :] <= accepted[:, None]
+        context.append(capture_hidden(out.hidden_states, layer_ids), block_pos, kept)
+        mask = torch.cat([mask, kept.long()], dim=1)
+        unused = block_size - 1 - int(accepted.max())
+        _crop_kv(cache, unused)
+        context.crop(unused)
+        mask = mask[:, : mask.shape[1] - unused]
+
+        done = []
+        for i, row in enumerate(active):
+            a = int(accepted[i])
+            results[row].acceptance_lengths.append(a + 1)
+            done.append(_finish(results[row].tokens, chosen[i, : a + 1].tolist(), config))
+        anchors = chosen.gather(1, accepted[:, None]).squeeze(1)
+        next_pos = next_pos + accepted + 1
+
+
+# -- statistics -------------------------------------------------------------------------------
+
+
+def acceptance_summary(generations: Sequence[Generation]) -> dict[str, Any]:
+    """tau (mean of accepted+1 over all cycles of all sequences) and its histogram."""
+    lengths = [n for g in generations for n in g.acceptance_lengths]
+    histogram: dict[int, int] = {}
+    for n in lengths:
+        histogram[n] = histogram.get(n, 0) + 1
+    return {
+        "tau": sum(lengths) / len(lengths) if lengths else 0.0,
+        "cycles": len(lengths),
+        "histogram": {str(k): histogram[k] for k in sorted(histogram)},
+    }
+
+
+def first_divergence(expected: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts); None if equal."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
