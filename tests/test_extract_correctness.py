@@ -1,0 +1,143 @@
+"""The cache holds exactly what the target computes: per-sample HF hidden states, ids, masks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dflash.extract.batching import group_by_budget
+from dflash.extract.config import ExtractConfig, default_target_layer_ids
+from dflash.extract.pipeline import run_extraction
+from dflash.extract.target import LayerCapture
+from extract_utils import (
+    cache_contents,
+    expected_mask,
+    make_target,
+    random_records,
+    run_cli,
+    write_jsonl,
+)
+from transformers import AutoModelForCausalLM
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request, tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp(request.param) / "model", request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("qwen3-single") / "model", "qwen3")
+
+
+def reference_states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """HF's own per-sample (unpadded) hidden_states[l + 1], concatenated layer-major."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[lid + 1][0] for lid in layer_ids], dim=1)
+
+
+def test_default_layer_rule_matches_dflash():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(36, 1) == [18]
+
+
+def test_batches_respect_the_token_budget_and_cover_every_sample():
+    lengths = [5, 80, 17, 17, 3, 200, 64, 1]
+    groups = group_by_budget(lengths, 128)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert len(g) * longest <= 128 or len(g) == 1
+    assert groups == group_by_budget(lengths, 128)  # deterministic
+
+
+@pytest.mark.parametrize("token_budget", [1, 200], ids=["one-sample-batches", "padded-batches"])
+def test_cached_states_equal_hf_hidden_states(target, tmp_path, token_budget):
+    """fp32 compute: the cache equals HF's per-sample hidden_states[l+1] rounded to bf16.
+
+    Bit-exact when each sample runs alone. In padded batches CPU kernels (SDPA, BLAS) round
+    differently at the 1e-8 level, which flips a bf16 rounding in ~1e-4 of the values: those
+    may differ by one bf16 ulp, nothing more.
+    """
+    records = random_records(16, seed=1)
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    layer_ids = [0, 2, 3]
+    # token_budget 200 puts samples of different lengths into one right-padded batch.
+    res = run_cli(["--target-model", target, "--data", data, "--output", tmp_path / "cache",
+                   "--dtype", "fp32", "--target-layer-ids", "0,2,3", "--part-tokens", 400,
+                   "--token-budget", token_budget])
+    assert res.exit_code == 0, res.output
+    cached = cache_contents(tmp_path / "cache")
+    assert sorted(cached) == list(range(len(records)))  # every record once, ids = line order
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    differing = total = 0
+    for sid, rec in enumerate(records):
+        got = cached[sid]
+        np.testing.assert_array_equal(got["input_ids"], rec["input_ids"])
+        np.testing.assert_array_equal(got["loss_mask"], expected_mask(rec))
+        ref = reference_states(model, rec["input_ids"], layer_ids).to(torch.bfloat16)
+        ref_bits = ref.view(torch.int16).numpy().astype(np.int32)
+        ulps = np.abs(got["hidden"].astype(np.int32) - ref_bits)
+        if token_budget == 1:
+            assert ulps.max() == 0, f"sample {sid} is not bit-exact"
+        assert ulps.max() <= 1, f"sample {sid} differs by {ulps.max()} bf16 ulps"
+        differing += int((ulps > 0).sum())
+        total += ulps.size
+    assert differing <= total * 1e-3
+
+
+def test_bf16_compute_matches_within_bf16_rounding(qwen3_target, tmp_path):
+    target = qwen3_target
+    records = random_records(12, seed=2)
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    cfg = ExtractConfig(target_model=str(target), data=str(data), output=str(tmp_path / "c"),
+                        dtype="bf16", token_budget=160, progress=False)
+    run_extraction(cfg)
+    cached = cache_contents(tmp_path / "c")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    layer_ids = default_target_layer_ids(6, 5)
+    for sid, rec in enumerate(records):
+        ref = reference_states(model, rec["input_ids"], layer_ids).float()
+        got = torch.from_numpy(cached[sid]["hidden"]).view(torch.bfloat16).float()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_forward_stops_after_the_last_captured_layer(qwen3_target):
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
+    calls: list[str] = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_a, i=i: calls.append(f"layer{i}"))
+    model.model.norm.register_forward_hook(lambda *_a: calls.append("norm"))
+    model.lm_head.register_forward_hook(lambda *_a: calls.append("lm_head"))
+    capture = LayerCapture(model, [1, 2], need_last=False)
+    ids = torch.randint(0, 128, (2, 7))
+    cap = capture(ids, torch.ones_like(ids))
+    assert calls == ["layer0", "layer1", "layer2"]
+    assert [t.shape for t in cap.layers] == [torch.Size([2, 7, 64])] * 2
+
+
+def test_fp8_cache_with_last_hidden_and_topk(qwen3_target, tmp_path):
+    target = qwen3_target
+    records = random_records(8, seed=3)
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    cfg = ExtractConfig(target_model=str(target), data=str(data), output=str(tmp_path / "c"),
+                        dtype="fp32", codec="fp8", store_last_hidden=True, store_topk=4,
+                        target_layer_ids=[1, 3], token_budget=120, progress=False)
+    run_extraction(cfg)
+    cached = cache_contents(tmp_path / "c")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    last_pre_norm = {}
+    model.model.layers[-1].register_forward_hook(lambda _m, _i, o: last_pre_norm.update(h=o))
+    for sid, rec in enumerate(records):
+        with torch.inference_mode():
+            out = model(torch.tensor([rec["input_ids"]]), output_hidden_states=True)
+        ref = torch.cat([out.hidden_states[2][0], out.hidden_states[4][0]], dim=1)
+        got = torch.from_numpy(cached[sid]["hidden"]).view(torch.bfloat16).float()
+        assert torch.nn.functional.cosine_similarity(got, ref, dim=1).min() > 0.998
+        lh = cached[sid]["last_hidden"].float()
+        assert torch.nn.functional.cosine_similarity(lh, last_pre_norm["h"][0], dim=1).min() > 0.998
+        lp_ref, ids_ref = torch.log_softmax(out.logits[0].float(), -1).topk(4, dim=-1)
+        assert torch.equal(cached[sid]["topk_ids"], ids_ref)
+        torch.testing.assert_close(cached[sid]["topk_logprobs"], lp_ref, rtol=1e-4, atol=1e-4)
