@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
+from dflash.extract.pipeline import TEST_SLEEP_ENV
 
 VOCAB = 128
 
@@ -97,3 +102,30 @@ def assert_same_contents(a: dict[int, dict], b: dict[int, dict]) -> None:
     for sid in a:
         for key in ("hidden", "input_ids", "loss_mask"):
             np.testing.assert_array_equal(a[sid][key], b[sid][key], err_msg=f"sample {sid} {key}")
+
+
+ARGS = ["--dtype", "fp32", "--part-tokens", "120", "--token-budget", "128", "--no-progress",
+        "--num-writers", "0"]
+
+
+def start(target, data, out, *extra, sleep: float) -> subprocess.Popen:
+    env = {**os.environ, TEST_SLEEP_ENV: str(sleep)}
+    cmd = [sys.executable, "-c", "from dflash.extract.cli import main; main()",
+           "--target-model", str(target), "--data", str(data), "--output", str(out), *ARGS, *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def committed_parts(out) -> list[str]:
+    try:
+        lines = (out / "manifest.parts.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line.rsplit(" ", 1)[0])["part"] for line in lines if line.strip()]
+
+
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.05)

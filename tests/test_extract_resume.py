@@ -1,0 +1,105 @@
+"""Ranks, resume and identity: however the work is split or restarted, the cache is the same."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from dflash.cache_tools.errors import ConfigMismatchError
+from dflash.cache_tools.manifest import read_manifest
+from dflash.extract.config import ExtractConfig
+from dflash.extract.pipeline import run_extraction
+from extract_utils import (
+    assert_same_contents,
+    cache_contents,
+    committed_parts,
+    make_target,
+    random_records,
+    start,
+    wait_for,
+    write_jsonl,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    target = make_target(root / "model", "llama", layers=4)
+    data = write_jsonl(root / "data.jsonl", random_records(24, seed=5))
+    clean = root / "clean"
+    run_extraction(config(target, data, clean))
+    return target, data, clean
+
+
+def config(target, data, out, **kw) -> ExtractConfig:
+    base = dict(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
+                part_tokens=150, token_budget=128, progress=False, num_writers=0)
+    base.update(kw)
+    return ExtractConfig(**base)
+
+
+def test_parts_are_cut_from_the_data_alone(setup):
+    _target, _data, clean = setup
+    parts = read_manifest(clean).parts
+    assert len(parts) > 4
+    assert all(p.tokens <= 150 or p.samples == 1 for p in parts)
+
+
+def test_two_ranks_write_the_same_cache_as_one(setup, tmp_path):
+    target, data, clean = setup
+    out = tmp_path / "two"
+    s0 = run_extraction(config(target, data, out, rank=0, world_size=2))
+    s1 = run_extraction(config(target, data, out, rank=1, world_size=2))
+    assert s0.parts_written and s1.parts_written
+    assert s0.parts_written + s1.parts_written == s0.parts_total
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+
+
+def test_resume_with_other_world_size_finishes_without_duplicates(setup, tmp_path):
+    target, data, clean = setup
+    out = tmp_path / "resume"
+    first = run_extraction(config(target, data, out, rank=1, world_size=3))
+    again = run_extraction(config(target, data, out))  # one rank now
+    assert again.parts_done_before == first.parts_written
+    assert again.parts_written == again.parts_total - first.parts_written
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+    rerun = run_extraction(config(target, data, out))
+    assert rerun.parts_written == 0
+
+
+def test_writer_processes_write_the_same_cache(setup, tmp_path):
+    target, data, clean = setup
+    out = tmp_path / "procs"
+    run_extraction(config(target, data, out, num_writers=2))
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+
+
+@pytest.mark.parametrize("change", [
+    {"target_layer_ids": [0, 1]}, {"codec": "fp8"}, {"max_seq_len": 40}, {"dtype": "bf16"},
+])
+def test_resume_with_other_settings_refuses_unless_forced(setup, tmp_path, change):
+    target, data, _clean = setup
+    out = tmp_path / "c"
+    run_extraction(config(target, data, out, part_tokens=100000))
+    with pytest.raises(ConfigMismatchError, match="--force"):
+        run_extraction(config(target, data, out, part_tokens=100000, **change))
+    run_extraction(config(target, data, out, part_tokens=100000, force=True, **change))
+
+
+def test_resume_with_other_data_refuses(setup, tmp_path):
+    target, data, _clean = setup
+    out = tmp_path / "c"
+    run_extraction(config(target, data, out, part_tokens=100000))
+    other = write_jsonl(tmp_path / "other.jsonl", random_records(24, seed=6))
+    with pytest.raises(ConfigMismatchError, match="data"):
+        run_extraction(config(target, other, out, part_tokens=100000))
+
+
+def test_sigterm_stops_with_status_143_and_keeps_committed_parts(setup, tmp_path):
+    target, data, _clean = setup
+    out = tmp_path / "cache"
+    proc = start(target, data, out, sleep=1.0)
+    wait_for(lambda: len(committed_parts(out)) >= 1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143
+    assert read_manifest(out).parts
