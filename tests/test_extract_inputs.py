@@ -1,0 +1,126 @@
+"""Bad input gets one clear paragraph naming file and line, or a counted skip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dflash.cache_tools.manifest import read_manifest
+from extract_utils import cache_contents, make_target, random_records, run_cli, write_jsonl
+
+GOOD = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("inputs") / "model", "qwen3", layers=4)
+
+
+def extract(target, data, out, *extra):
+    return run_cli(["--target-model", target, "--data", data, "--output", out, "--dtype", "fp32",
+                    *extra])
+
+
+BAD_LINES = [
+    ("{not json", "the line is not valid JSON"),
+    ('{"input_ids": [1, 2], "loss_mask": [1, 1]', "the line is not valid JSON"),
+    ('"just a string"', "the record must be a JSON object"),
+    ('{"input_ids": "1 2 3", "loss_mask": [1, 1, 1]}', "input_ids must be a list of integers"),
+    ('{"input_ids": [1, 2.5], "loss_mask": [1, 1]}', "input_ids must be a flat list of integers"),
+    ('{"input_ids": [1, 128], "loss_mask": [1, 1]}',
+     "token id 128 is outside the target's vocabulary (128 entries)"),
+    ('{"input_ids": [1, -3], "loss_mask": [1, 1]}', "token id -3 is negative"),
+    ('{"input_ids": [], "loss_mask": []}', "the sample is empty"),
+    ('{"input_ids": [1, 2]}', "the record has no loss mask: give loss_mask, labels or prompt_len"),
+    ('{"loss_mask": [1, 1]}', "the record has no input_ids"),
+    ('{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}', "loss_mask has 2 entries but input_ids has 3"),
+    ('{"input_ids": [1, 2, 3], "loss_mask": [1, 2, 1]}', "loss_mask must hold only 0 and 1"),
+    ('{"input_ids": [1, 2, 3], "labels": [-100, 2]}', "labels has 2 entries but input_ids has 3"),
+    ('{"input_ids": [1, 2, 3], "prompt_len": 4}', "prompt_len must be an integer between 0 and 3"),
+]
+
+
+@pytest.mark.parametrize("line,message", BAD_LINES, ids=[m for _l, m in BAD_LINES])
+def test_malformed_record_names_file_and_line(target, tmp_path, line, message):
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n\n" + line + "\n" + json.dumps(GOOD) + "\n")
+    res = extract(target, data, tmp_path / "cache")
+    assert res.exit_code == 1
+    assert f"{data}, line 3: {message}" in res.output
+    assert "Fix the record or pass --skip-bad to skip it." in res.output
+    assert "Traceback" not in res.output
+
+
+def test_non_utf8_bytes_are_reported(target, tmp_path):
+    data = tmp_path / "a.jsonl"
+    data.write_bytes(json.dumps(GOOD).encode() + b'\n{"input_ids": [1], "id": "\xff\xfe"}\n')
+    res = extract(target, data, tmp_path / "cache")
+    assert res.exit_code == 1
+    assert f"{data}, line 2: the line is not valid UTF-8" in res.output
+
+
+def test_skip_bad_counts_skips_in_the_manifest(target, tmp_path):
+    lines = [json.dumps(GOOD)] + [line for line, _m in BAD_LINES[:6]] + [json.dumps(GOOD)]
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    res = extract(target, data, tmp_path / "cache", "--skip-bad")
+    assert res.exit_code == 0, res.output
+    assert "skipped 6 bad" in res.output
+    parts = read_manifest(tmp_path / "cache").parts
+    assert sum(p.stats["skipped_bad"] for p in parts) == 6
+    skips = [s for p in parts for s in p.stats["skips"]]
+    assert [s["where"] for s in skips] == [f"{data}, line {i}" for i in range(2, 8)]
+    assert sorted(cache_contents(tmp_path / "cache")) == [0, 7]  # ids still name the lines
+
+
+@pytest.mark.parametrize("policy,expected_lengths,key", [("truncate", [3, 5, 5], "truncated"),
+                                                          ("skip", [3], "skipped_long")])
+def test_long_samples_are_truncated_or_skipped_and_counted(target, tmp_path, policy,
+                                                           expected_lengths, key):
+    recs = [{"input_ids": [1] * n, "prompt_len": 0} for n in (3, 9, 6)]
+    data = write_jsonl(tmp_path / "a.jsonl", recs)
+    res = extract(target, data, tmp_path / "cache", "--max-seq-len", 5, "--long-samples", policy)
+    assert res.exit_code == 0, res.output
+    manifest = read_manifest(tmp_path / "cache")
+    assert [n for p in manifest.parts for n in p.lengths] == expected_lengths
+    assert sum(p.stats[key] for p in manifest.parts) == 2
+
+
+def test_directory_of_plain_and_gzip_files_in_sorted_order(target, tmp_path):
+    recs = random_records(6, seed=4)
+    write_jsonl(tmp_path / "d" / "b.jsonl.gz", recs[3:], gz=True)
+    write_jsonl(tmp_path / "d" / "a.jsonl", recs[:3])
+    res = extract(target, tmp_path / "d", tmp_path / "cache")
+    assert res.exit_code == 0, res.output
+    cached = cache_contents(tmp_path / "cache")
+    for sid, rec in enumerate(recs):
+        assert cached[sid]["input_ids"].tolist() == rec["input_ids"]
+
+
+def test_empty_directory_and_missing_paths_are_clear_errors(target, tmp_path):
+    (tmp_path / "empty").mkdir()
+    res = extract(target, tmp_path / "empty", tmp_path / "c1")
+    assert res.exit_code == 1 and "holds no data files" in res.output
+    res = extract(target, tmp_path / "nope.jsonl", tmp_path / "c2")
+    assert res.exit_code == 1 and "does not exist" in res.output
+    data = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text("{}")
+    res = extract(tmp_path / "noweights", data, tmp_path / "c3")
+    assert res.exit_code == 1 and "no weights" in res.output
+    res = extract(tmp_path, data, tmp_path / "c4")
+    assert res.exit_code == 1 and "no config.json" in res.output
+
+
+def test_config_file_sets_flags_and_rejects_unknown_keys(target, tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    cfg = tmp_path / "extract.json"
+    cfg.write_text(json.dumps({"target-model": str(target), "data": str(data),
+                               "output": str(tmp_path / "cache"), "dtype": "fp32",
+                               "target_layer_ids": [0, 2]}))
+    res = run_cli(["--config", cfg, "--target-layer-ids", "1,2"])  # the flag wins
+    assert res.exit_code == 0, res.output
+    assert read_manifest(tmp_path / "cache").target_layer_ids == [1, 2]
+    cfg.write_text(json.dumps({"data": str(data), "tokens_budget": 5}))
+    res = run_cli(["--config", cfg])
+    assert res.exit_code == 2 and "unknown setting(s) tokens_budget" in res.output
