@@ -1,15 +1,135 @@
-"""`dflash-train` command line (not built yet: see the README's status table)."""
+"""`dflash-train` command line.
+
+    dflash-train [run] --cache CACHE [--cache CACHE2 ...] --target-model DIR --output-dir RUN_DIR [options]
+    dflash-train export CHECKPOINT_DIR OUT_DIR
+
+Every run option is a TrainConfig field (train/config.py) of the same name; `--config FILE`
+reads them from JSON or YAML and flags given on the command line override the file. Errors of
+the DflashError family are caught once, in `TrainGroup.invoke`, and printed as one paragraph.
+Exit status: 0 done, 2 bad settings/data, 130 stopped by SIGINT, 143 by SIGTERM (a checkpoint
+of the last step was written), 1 an unexpected failure.
+"""
+
+from __future__ import annotations
 
 import sys
+import textwrap
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
 
 import click
+from dflash.cache_tools.errors import DflashError
+
+from .config import TrainConfig, field_help, flag, load_config_file, make_config
+
+EXIT_ERROR = 2
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+def _paragraph(text: str) -> str:
+    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
+
+
+class TrainGroup(click.Group):
+    """Runs `run` when the first argument is not a subcommand; errors become one paragraph."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DflashError as e:
+            click.echo(_paragraph(f"Error: {e}"), err=True)
+            ctx.exit(EXIT_ERROR)
+        except OSError as e:  # disk full, permission denied while writing a checkpoint
+            where = f" ({e.filename})" if e.filename else ""
+            click.echo(_paragraph(f"Error: {e.strerror or e}{where}. Check the path, its permissions and "
+                                  "the free disk space, then rerun the same command to resume."), err=True)
+            ctx.exit(EXIT_ERROR)
+
+
+def _option_for(f: Any, hints: dict[str, Any]) -> click.Option:
+    """A click option for one TrainConfig field; default None means 'not given'."""
+    name, hint = f.name, hints[f.name]
+    default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    help_text = field_help().get(name, "")
+    if default not in (None, [], "") and not isinstance(default, bool):
+        help_text += f"  [default: {default if not isinstance(default, tuple) else ' '.join(map(str, default))}]"
+    base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind = base[0]
+    if kind is bool:
+        return click.Option([f"--{flag(name)}/--no-{flag(name)}", name], default=None,
+                            help=help_text + f"  [default: {'on' if default else 'off'}]")
+    if typing.get_origin(kind) is list:
+        return click.Option([f"--{flag(name)}", name], multiple=True, default=None, help=help_text)
+    if typing.get_origin(kind) is tuple:
+        return click.Option([f"--{flag(name)}", name], nargs=2, type=float, default=None, help=help_text)
+    return click.Option([f"--{flag(name)}", name], type=kind, default=None, help=help_text)
+
+
+def _run_options(command: Any) -> Any:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in reversed(fields(TrainConfig)):
+        command.params.insert(0, _option_for(f, hints))
+    return command
+
+
+@click.group(cls=TrainGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Train a DFlash drafter from a hidden-state cache.
+    """Train a DFlash drafter from a hidden-state cache (written by dflash-extract).
 
-    Not implemented yet in this version: this command only says so and exits with status 2.
+    \b
+    Examples:
+      dflash-train --cache runs/cache --target-model Qwen/Qwen3-8B --output-dir runs/drafter
+      dflash-train --config train.yaml --lr 3e-4          # flags override the file
+      torchrun --nproc-per-node 8 -m dflash.train.cli --config train.yaml
+      dflash-train export runs/drafter/checkpoints/step-001000 runs/drafter-1000
+
+    `run` is the default command: `dflash-train --cache ...` is `dflash-train run --cache ...`.
+    Rerunning the same command in the same --output-dir resumes from its latest checkpoint.
+
+    Exit status: 0 done, 2 bad settings or data, 130/143 stopped by SIGINT/SIGTERM after
+    writing a checkpoint, 1 unexpected failure.
     """
-    click.echo("dflash-train is not implemented yet in this version.", err=True)
-    sys.exit(2)
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="JSON or YAML file of settings (keys as the flags, with - or _); flags override it.")
+def run(config_file: str | None, **flags: Any) -> None:
+    """Train (or resume) a drafter; see `dflash-train --help` for the overview."""
+    from .loop import train  # imported here so that --help stays fast
+
+    file_values = load_config_file(config_file) if config_file else {}
+    flags = {k: (list(v) if isinstance(v, tuple) and k in ("cache", "eval_cache") else v) for k, v in flags.items()}
+    config = make_config(file_values, flags)
+    result = train(config)
+    if result.exit_status:
+        sys.exit(result.exit_status)
+
+
+_run_options(run)
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True,
+              help="dtype of the exported weights.")
+def export(checkpoint_dir: str, out_dir: str, dtype: str) -> None:
+    """Export a checkpoint (RUN_DIR/checkpoints/step-N, or a run directory: its latest) as an HF
+    drafter directory that z-lab's DFlashDraftModel, SGLang and vLLM load."""
+    import torch
+
+    from .checkpoint import export_checkpoint
+
+    path = export_checkpoint(checkpoint_dir, out_dir, getattr(torch, _DTYPES[dtype]))
+    click.echo(f"exported drafter to {path}")
+
+
+if __name__ == "__main__":
+    main()

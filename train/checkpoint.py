@@ -1,0 +1,215 @@
+"""Checkpoints: a directory per step, written atomically, enough to continue bit-for-bit.
+
+RUN_DIR/checkpoints/step-000123/
+  model.safetensors  the drafter's trainable weights (float32, full, names as in the export)
+  optimizer.pt       the full AdamW state, keyed by parameter name (any world size loads it)
+  trainer.pt         scheduler, data position, RNG states (python, numpy, torch CPU and CUDA)
+  meta.json          step, epoch, data position, the run's identity (caches, target, batching,
+                     model shape), its full config and the drafter's config
+
+A checkpoint is staged in `.tmp-step-...` beside its final name, every file fsynced, then
+renamed into place: a directory named step-N is always complete. Only the last
+`keep_checkpoints` are kept. Rank 0 writes; other ranks wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from dflash.cache_tools.fsio import fsync_dir, fsync_tree, temp_name
+from dflash.cache_tools.manifest import diff_identity
+from safetensors.torch import load_file, save_file
+
+from .config import ResumeMismatchError, TrainConfigError
+from .export import export_drafter
+from .model import DrafterConfig
+
+CHECKPOINT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE = "model.safetensors", "optimizer.pt", "trainer.pt", "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how many checkpoints are kept."""
+
+    run_dir: Path
+    """The run directory; checkpoints go to run_dir/checkpoints."""
+    keep_checkpoints: int = 3
+    """Number of most recent checkpoints kept."""
+
+    def __post_init__(self) -> None:
+        if self.keep_checkpoints < 1:
+            raise TrainConfigError("--keep-checkpoints must be at least 1.")
+        self.run_dir = Path(self.run_dir)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back from disk."""
+
+    path: Path
+    meta: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    trainer: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def capture_rng() -> dict[str, Any]:
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {**np_state, "state": {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v
+                                        for k, v in np_state["state"].items()}},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np_state = dict(state["numpy"])
+    np_state["state"] = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in np_state["state"].items()}
+    np.random.set_state(np_state)
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"] and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Writes, lists, prunes and reads the checkpoints of one run directory."""
+
+    def __init__(self, config: CheckpointConfig):
+        self.config = config
+        self.dir = config.run_dir / CHECKPOINTS_DIR
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def remove_stale(self) -> None:
+        """Delete staging directories left by a killed run (call before writing, on rank 0)."""
+        if self.dir.is_dir():
+            for p in self.dir.iterdir():
+                if p.name.startswith(".tmp-"):
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
+             trainer_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"step-{step:06d}"
+        stage = temp_name(final)
+        stage.mkdir()
+        try:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+            save_file(tensors, str(stage / MODEL_FILE), metadata={"format": "pt"})
+            torch.save(optim_state, stage / OPTIMIZER_FILE)
+            torch.save(trainer_state, stage / TRAINER_FILE)
+            meta = {"version": CHECKPOINT_VERSION, "step": step, "time": time.time(), **meta}
+            (stage / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+            fsync_tree(stage)
+            if final.exists():  # the same step written again (e.g. a signal right after a resume)
+                old = temp_name(final)
+                os.replace(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(stage, final)
+            fsync_dir(self.dir)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        for old in self.complete()[:-self.config.keep_checkpoints]:
+            # Rename first: a half-deleted directory must never look like a complete checkpoint.
+            doomed = temp_name(old)
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def load(self, path: Path) -> Checkpoint:
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+            if meta.get("version") != CHECKPOINT_VERSION:
+                raise TrainConfigError(f"Checkpoint {path} has version {meta.get('version')}; this "
+                                       f"dflash-train reads version {CHECKPOINT_VERSION}.")
+            model = load_file(str(path / MODEL_FILE))
+            optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            trainer = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=False)
+        except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as e:
+            raise TrainConfigError(f"Checkpoint {path} cannot be read ({e}). Delete it to resume "
+                                   "from the one before, or start in a new --output-dir.") from e
+        return Checkpoint(path=path, meta=meta, model=model, optimizer=optimizer, trainer=trainer)
+
+
+def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> None:
+    """Refuse to continue a checkpoint whose data, target or model shape differ from this run's."""
+    current = json.loads(json.dumps(identity, default=str))
+    diffs = diff_identity(current, saved_identity)
+    if diffs:
+        shown = "; ".join(d.replace("cache has", "checkpoint has").replace("requested", "this run has")
+                          for d in diffs[:8]) + ("; ..." if len(diffs) > 8 else "")
+        raise ResumeMismatchError(
+            f"Cannot resume from {path}: it was trained with other data, target or batching/model "
+            f"settings: {shown}. Rerun with the checkpoint's settings, or start a new run with "
+            "another --output-dir."
+        )
+
+
+class _ExportView:
+    """The two things `export_drafter` reads from a drafter: its config and its weights."""
+
+    def __init__(self, config: DrafterConfig, state: dict[str, torch.Tensor]):
+        self.config, self._state = config, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+def export_from_state(drafter_config: DrafterConfig, model_state: dict[str, torch.Tensor], out_dir: Path,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Export full trainable weights (from a checkpoint or `full_state`) as an HF drafter directory."""
+    return export_drafter(_ExportView(drafter_config, model_state), out_dir, dtype=dtype)  # type: ignore[arg-type]
+
+
+def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`dflash-train export`: a checkpoint directory -> an HF drafter directory (no target needed)."""
+    path = Path(checkpoint_dir)
+    if not (path / META_FILE).is_file() and (path / CHECKPOINTS_DIR).is_dir():
+        latest = Checkpointer(CheckpointConfig(run_dir=path)).latest()
+        if latest is None:
+            raise TrainConfigError(f"{path} holds no complete checkpoint to export.")
+        path = latest
+    if not (path / META_FILE).is_file() or not (path / MODEL_FILE).is_file():
+        raise TrainConfigError(f"{path} is not a dflash-train checkpoint: it needs {META_FILE} and {MODEL_FILE} "
+                               "(pass RUN_DIR/checkpoints/step-N or the run directory).")
+    meta = json.loads((path / META_FILE).read_text())
+    config = DrafterConfig(**meta["drafter_config"])
+    return export_from_state(config, load_file(str(path / MODEL_FILE)), Path(out_dir), dtype)

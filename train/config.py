@@ -1,0 +1,305 @@
+"""Settings of one training run: every `dflash-train` flag, its config-file key and its field here
+share one name. The components take their own small configs from it (`loader_config()`,
+`objective_config()`, ...), so the training loop reads one object.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import textwrap
+from dataclasses import dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from dflash.cache_tools.errors import DflashError
+
+from .objective import NOISE_TYPES, ObjectiveConfig
+
+DTYPES = ("auto", "bf16", "fp32")
+PARALLEL_MODES = ("ddp", "fsdp")
+
+
+class TrainConfigError(DflashError):
+    """A setting of `dflash-train` is missing, unknown, out of range or inconsistent."""
+
+
+class ResumeMismatchError(TrainConfigError):
+    """A run directory holds checkpoints of a run with other data, target or model shape."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything `dflash-train` needs; the same names as its flags and config-file keys."""
+
+    # -- data ------------------------------------------------------------------------------
+    cache: list[str] = field(default_factory=list)
+    """Hidden-state cache directory (repeat for several caches of the same target and layers)."""
+    target_model: str = ""
+    """Target model directory: only its config.json, embedding and lm_head are read."""
+    output_dir: str = ""
+    """Run directory: checkpoints/, metrics.jsonl, final/ (the exported drafter)."""
+    eval_cache: list[str] = field(default_factory=list)
+    """Held-out cache(s) for evaluation (instead of --eval-fraction)."""
+    eval_fraction: float = 0.0
+    """Fraction of the training caches' samples held out for evaluation (chosen by sample index)."""
+    eval_max_batches: int = 0
+    """Evaluate on at most this many held-out batches per rank (0: all)."""
+    token_budget: int = 16384
+    """Padded tokens per micro-batch (batch size x longest sample)."""
+    max_batch_size: int = 64
+    """Most samples per micro-batch."""
+    max_seq_len: int = 8192
+    """Longer samples are truncated to this many tokens (counted and reported at startup)."""
+    shuffle_window: int = 8192
+    """Samples sorted by length together before batching (larger: less padding, less randomness)."""
+    num_workers: int = 4
+    """DataLoader worker processes reading and decoding the cache (0: in the main process)."""
+    prefetch_factor: int = 4
+    """Micro-batches each worker prepares ahead."""
+    verify_checksums: bool = True
+    """Check every chunk's crc32c while reading (turn off only for a trusted cache)."""
+    # -- model and objective ---------------------------------------------------------------
+    num_draft_layers: int = 5
+    """Decoder layers of the drafter."""
+    block_size: int = 16
+    """Tokens per drafted block: the anchor plus block_size-1 predictions."""
+    mask_token_id: int | None = None
+    """Embedding row used for masked block positions (default: vocab_size - 1)."""
+    attention_backend: str = "auto"
+    """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
+    max_anchors: int = 512
+    """Most anchors (blocks) drawn per sequence, redrawn every epoch."""
+    gamma: float | None = None
+    """Decay of the per-position loss weights (default: 7/5/4 for blocks of 16/10/8)."""
+    noise_type: str = "none"
+    """Noise on the cached hidden states: none, uniform or gaussian."""
+    noise_start: float = 0.0
+    """Noise amplitude at the start of training."""
+    noise_end: float | None = None
+    """Noise amplitude at the end of training (linear in between; default: noise_start)."""
+    soft_label_weight: float = 0.0
+    """Weight of KL to the target's distribution (needs last_hidden or top-k in the cache)."""
+    # -- optimization ----------------------------------------------------------------------
+    lr: float = 6e-4
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_ratio: float = 0.04
+    """Fraction of the optimizer steps spent in linear warmup."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: off)."""
+    epochs: int = 6
+    """Passes over the training samples."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: run all epochs); the schedule spans them."""
+    seed: int = 0
+    """Seed of the model init, the per-epoch shuffle and every batch's anchors and noise."""
+    # -- runtime ---------------------------------------------------------------------------
+    dtype: str = "auto"
+    """bf16 (autocast, float32 master weights), fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
+    compile: bool = False
+    """torch.compile each draft layer."""
+    gradient_checkpointing: bool = False
+    """Recompute each draft layer in the backward pass (less memory, ~30 % more compute)."""
+    parallel: str = "ddp"
+    """With several processes: ddp (replicated drafter) or fsdp (FSDP2, sharded drafter)."""
+    device: str | None = None
+    """Torch device (default: this rank's CUDA device, else cpu)."""
+    # -- logging, evaluation, checkpoints --------------------------------------------------
+    log_interval: int = 10
+    """Optimizer steps between metric logs (console, metrics.jsonl, TensorBoard)."""
+    eval_interval: int = 1000
+    """Optimizer steps between evaluations on the held-out split (0: only at the end)."""
+    profile_interval: int = 0
+    """Print a wall-time breakdown of a step every N steps (0: off; env DFLASH_PROFILE_INTERVAL)."""
+    progress: bool = True
+    """Show a progress bar (on rank 0, when the output is a terminal)."""
+    tensorboard: bool = True
+    """Also log to RUN_DIR/tensorboard when the tensorboard package is installed."""
+    save_interval: int = 1000
+    """Optimizer steps between checkpoints (0: only at the end and on a signal)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in RUN_DIR/checkpoints (older ones are deleted)."""
+    resume: bool = False
+    """Require a checkpoint to resume from (without it, a run resumes when one exists)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, str):
+            self.cache = [self.cache]
+        if isinstance(self.eval_cache, str):
+            self.eval_cache = [self.eval_cache]
+        self.cache, self.eval_cache = [str(c) for c in self.cache], [str(c) for c in self.eval_cache]
+        self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
+        if not self.cache:
+            raise TrainConfigError("--cache is required: the directory of a hidden-state cache.")
+        for name in ("target_model", "output_dir"):
+            if not getattr(self, name):
+                raise TrainConfigError(f"--{flag(name)} is required.")
+        positive = ("token_budget", "max_batch_size", "max_seq_len", "shuffle_window", "num_draft_layers",
+                    "max_anchors", "grad_accum", "epochs", "log_interval", "keep_checkpoints", "prefetch_factor")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise TrainConfigError(f"--{flag(name)} must be at least 1 (got {getattr(self, name)}).")
+        non_negative = ("num_workers", "max_steps", "eval_interval", "save_interval", "profile_interval",
+                        "eval_max_batches", "weight_decay", "grad_clip", "noise_start", "seed")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")
+        if self.block_size < 2:
+            raise TrainConfigError(f"--block-size must be at least 2 (got {self.block_size}).")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
+        if self.eval_fraction > 0 and self.eval_cache:
+            raise TrainConfigError("Use either --eval-fraction or --eval-cache, not both.")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise TrainConfigError("--warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1].")
+        if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise TrainConfigError(f"--lr must be > 0 and --adam-betas two numbers in [0, 1) "
+                                   f"(got {self.lr}, {self.adam_betas}).")
+        choices = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPES,
+                   "attention_backend": ("auto", "sdpa", "flex")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise TrainConfigError(f"--{flag(name)} {getattr(self, name)!r} is not one of {', '.join(allowed)}.")
+        if self.profile_interval == 0 and os.environ.get("DFLASH_PROFILE_INTERVAL"):
+            try:
+                self.profile_interval = int(os.environ["DFLASH_PROFILE_INTERVAL"])
+            except ValueError:
+                raise TrainConfigError("DFLASH_PROFILE_INTERVAL must be an integer.") from None
+        try:
+            self.objective_config()
+        except ValueError as e:
+            raise TrainConfigError(f"Invalid objective setting: {e}") from e
+
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig(
+            max_anchors=self.max_anchors, gamma=self.gamma, noise_type=self.noise_type,
+            noise_start=self.noise_start, noise_end=self.noise_end,
+            soft_label_weight=self.soft_label_weight,
+        )
+
+    def drafter_overrides(self) -> dict[str, Any]:
+        """DrafterConfig fields set by this run (the rest come from the target's config)."""
+        out: dict[str, Any] = {"num_hidden_layers": self.num_draft_layers, "block_size": self.block_size,
+                               "attention_backend": self.attention_backend}
+        if self.mask_token_id is not None:
+            out["mask_token_id"] = self.mask_token_id
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["adam_betas"] = list(self.adam_betas)
+        return out
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+CONFIG_KEYS = tuple(f.name for f in fields(TrainConfig))
+
+
+@cache
+def field_help() -> dict[str, str]:
+    """The docstring under each TrainConfig field (they double as the flags' --help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            out[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+    return out
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON (or YAML, when PyYAML is installed) file of settings; unknown keys are errors.
+
+    Keys may be written with dashes (as flags) or underscores (as fields).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TrainConfigError(f"Config file {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainConfigError(f"Cannot read config file {path}: {e}.") from e
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise TrainConfigError(f"{path} is YAML but PyYAML is not installed: `pip install pyyaml`, "
+                                   "or write the config as JSON.") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise TrainConfigError(f"{path} is not valid YAML: {e}") from e
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TrainConfigError(f"{path} is not valid JSON: {e}") from e
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise TrainConfigError(f"{path} must hold a mapping of setting names to values.")
+    out = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(out) - set(CONFIG_KEYS))
+    if unknown:
+        raise TrainConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: "
+                               f"{', '.join(CONFIG_KEYS)}.")
+    return out
+
+
+_SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
+def coerce_value(name: str, value: Any) -> Any:
+    """A config-file value converted to the field's type, or a TrainConfigError naming it."""
+    kind = {f.name: str(f.type) for f in fields(TrainConfig)}[name]
+    base = kind.replace(" | None", "")
+    try:
+        if value is None and kind.endswith("| None"):
+            return None
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
+                return str(value).lower() in ("true", "1", "yes")
+            raise ValueError("expected true or false")
+        if base in _SCALARS:
+            if isinstance(value, (list, dict, bool)):
+                raise ValueError(f"expected {base}")
+            converted = _SCALARS[base](value)
+            if base == "int" and isinstance(value, float) and value != converted:
+                raise ValueError("expected an integer")
+            return converted
+        if base == "list[str]":
+            return [str(v) for v in ([value] if isinstance(value, str) else value)]
+        if base == "tuple[float, float]":
+            out = tuple(float(v) for v in (value.split(",") if isinstance(value, str) else value))
+            if len(out) != 2:
+                raise ValueError("expected two numbers")
+            return out
+    except (TypeError, ValueError) as e:
+        raise TrainConfigError(f"Setting {name} = {value!r} is invalid: {e}.") from None
+    return value
+
+
+def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> TrainConfig:
+    """TrainConfig from a config file's values with flag values on top (flags win)."""
+    values = {k: coerce_value(k, v) for k, v in file_values.items()}
+    values.update({k: v for k, v in overrides.items() if v is not None and v != ()})
+    return TrainConfig(**values)

@@ -1,0 +1,156 @@
+"""Processes, devices and model wrapping for torchrun (one process per GPU, any number of nodes).
+
+Without torchrun's environment (RANK/WORLD_SIZE) the trainer runs as a single process and no
+process group is created. Backend: nccl on CUDA, gloo on CPU; a second gloo group carries the
+stop flag of a signal so that agreeing on it never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .config import TrainConfigError
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    control_group: Any = None
+    """A gloo group for small CPU-side agreements (the stop flag)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str | None = None) -> DistInfo:
+    """Join torchrun's process group when there is one, and pick this rank's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainConfigError(f"--device {device} was asked for but CUDA is not available.")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30), **kwargs)
+    if world_size > 1:
+        info.control_group = dist.new_group(backend="gloo") if dev.type == "cuda" else dist.group.WORLD
+    return info
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
+    """DDP (replicated) or FSDP2 (each draft layer and the root sharded); as is on one process."""
+    if not info.distributed:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # The frozen embedding and lm_head are buffers: identical on every rank, never re-broadcast.
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo, *,
+               with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full (unsharded) model and optimizer state dicts on the CPU, keyed by parameter name.
+
+    Under FSDP this is collective (every rank calls it; rank 0 gets the result). Replicated
+    models are copied by rank 0 only; other ranks get empty dicts. The keys do not depend on
+    the wrapping or the world size, so any run can load them.
+    """
+    sharded = _is_fsdp(model)
+    if not (sharded or info.is_main):
+        return {}, {}
+    model_state = get_model_state_dict(model, options=_FULL)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL) if with_optimizer else {}
+    return model_state, optim_state
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict[str, Any],
+                    optim_state: dict[str, Any] | None) -> None:
+    """Load full state dicts (from `full_state`) into a possibly wrapped or sharded model."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    if optimizer is not None and optim_state is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum a vector over ranks (returns a float64 CPU tensor)."""
+    t = torch.as_tensor(values, dtype=torch.float64)
+    if info.distributed:
+        work = t.to(info.device) if info.device.type == "cuda" else t
+        dist.all_reduce(work)
+        t = work.cpu()
+    return t
+
+
+def any_rank(flag: int, info: DistInfo) -> int:
+    """The largest of one small integer over ranks, through the CPU control group."""
+    if not info.distributed:
+        return flag
+    t = torch.tensor([flag], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control_group)
+    return int(t.item())
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier(group=info.control_group)

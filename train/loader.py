@@ -1,0 +1,384 @@
+"""Batches of cached samples for the trainer: length-bucketed, deterministic, resumable.
+
+Startup reads the caches' manifests only (every sample length is in the commit log). An
+epoch's batch list is a pure function of (seed, epoch, the manifests, the batching settings):
+the samples are shuffled, sorted by length inside windows of `shuffle_window` samples, packed
+greedily under the token budget, and the batches shuffled again. Rank r of W takes global batches
+r, r+W, r+2W, ...; one optimizer step consumes W x grad_accum consecutive global batches, so a
+run's batches do not depend on how they are spread over ranks. The position (epoch, global
+batches consumed) is checkpointed; a resumed loader yields exactly the batches the
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from dflash.cache_tools.errors import ConfigMismatchError
+from dflash.cache_tools.manifest import diff_identity
+from dflash.cache_tools.reader import CacheReader
+
+from .config import TrainConfigError
+
+LOADER_STATE_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """How samples become micro-batches."""
+
+    token_budget: int
+    """Padded tokens per micro-batch (batch size x longest sample in it)."""
+    max_batch_size: int
+    """Most samples per micro-batch."""
+    max_seq_len: int
+    """Samples are truncated to this many tokens."""
+    shuffle_window: int = 8192
+    """Samples sorted by length together before packing."""
+    seed: int = 0
+    """Seed of the per-epoch shuffles."""
+    num_workers: int = 4
+    """DataLoader worker processes (fork); 0 reads in the calling process."""
+    prefetch_factor: int = 4
+    """Micro-batches each worker prepares ahead."""
+    pin_memory: bool = False
+    """Collate into pinned host memory (for asynchronous host-to-device copies)."""
+
+    def __post_init__(self) -> None:
+        if min(self.token_budget, self.max_batch_size, self.max_seq_len, self.shuffle_window) < 1:
+            raise TrainConfigError("token_budget, max_batch_size, max_seq_len and shuffle_window must be >= 1.")
+
+
+# -- caches -----------------------------------------------------------------------------------
+
+# Header parts that must agree between caches trained on together (the codec may differ: every
+# codec decodes to the same bf16 states).
+def _compat_identity(reader: CacheReader) -> dict[str, Any]:
+    h = reader.manifest.header
+    return {"format_version": h.get("format_version"), "target": h.get("target"),
+            "target_layer_ids": h.get("target_layer_ids"), "hidden_size": h["hidden"].get("hidden_size"),
+            "extras": h.get("extras")}
+
+
+def check_compatible(first: CacheReader, other: CacheReader) -> None:
+    """Two caches can be trained on together: same target, layers, width and extras."""
+    diffs = diff_identity(_compat_identity(first), _compat_identity(other))
+    if diffs:
+        shown = "; ".join(d.replace("cache has", "second has").replace("requested", "first has") for d in diffs[:6])
+        raise ConfigMismatchError(
+            f"The caches {first.cache_dir} (first) and {other.cache_dir} (second) cannot be "
+            f"trained on together: {shown}. Train on caches extracted from the same target "
+            "model with the same layers."
+        )
+
+
+class CacheSet:
+    """One or more caches of the same target and layers, seen as one list of samples."""
+
+    def __init__(self, cache_dirs: list[str], *, max_seq_len: int, verify_checksums: bool = True):
+        self.readers = [CacheReader(d, verify_checksums=verify_checksums) for d in cache_dirs]
+        first = self.readers[0]
+        for other in self.readers[1:]:
+            check_compatible(first, other)
+        self.manifest = first.manifest
+        sizes = [len(r) for r in self.readers]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        full = np.concatenate([r.lengths for r in self.readers]) if sizes else np.zeros(0, np.int64)
+        self.full_lengths = full
+        self.lengths = np.minimum(full, max_seq_len)
+        self.max_seq_len = max_seq_len
+        self.truncated_samples = int((full > max_seq_len).sum())
+        self.truncated_tokens = int((full - self.lengths).sum())
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        cache = int(np.searchsorted(self.starts, index, side="right") - 1)
+        return cache, index - int(self.starts[cache])
+
+    def read(self, index: int) -> dict[str, Any]:
+        cache, local = self.locate(index)
+        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len)
+
+    def identity(self) -> list[dict[str, Any]]:
+        """What decides the samples: each cache's header identity and committed size (not its path)."""
+        return [{"identity": r.manifest.identity(), "samples": len(r), "tokens": r.num_tokens}
+                for r in self.readers]
+
+
+def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) sample indices; a sample's side depends only on its cache and local index."""
+    index = np.arange(len(caches), dtype=np.int64)
+    if fraction <= 0:
+        return index, index[:0]
+    cache_of = np.searchsorted(caches.starts, index, side="right") - 1
+    local = index - caches.starts[cache_of]
+    held_out = _unit_hash(cache_of.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + local.astype(np.uint64)) < fraction
+    return index[~held_out], index[held_out]
+
+
+def _unit_hash(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of each value, mapped to [0, 1)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+# -- batch plans ------------------------------------------------------------------------------
+
+
+def pack_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int, max_batch_size: int) -> list[np.ndarray]:
+    """Greedy packing of `order` (already sorted by descending length) under the budget."""
+    batches: list[np.ndarray] = []
+    start = 0
+    n = len(order)
+    while start < n:
+        longest = int(lengths[order[start]])
+        size = max(1, min(max_batch_size, token_budget // max(longest, 1), n - start))
+        batches.append(order[start:start + size])
+        start += size
+    return batches
+
+
+def plan_epoch(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig, epoch: int) -> list[np.ndarray]:
+    """The global batch list of one epoch: a pure function of its arguments."""
+    rng = np.random.default_rng([config.seed, epoch, 0x5EED])
+    shuffled = indices[rng.permutation(len(indices))]
+    batches: list[np.ndarray] = []
+    for w in range(0, len(shuffled), config.shuffle_window):
+        window = shuffled[w:w + config.shuffle_window]
+        window = window[np.argsort(-lengths[window], kind="stable")]
+        batches += pack_batches(window, lengths, config.token_budget, config.max_batch_size)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def plan_eval(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig) -> list[np.ndarray]:
+    """Held-out batches: sorted by length for the least padding, no shuffle."""
+    order = indices[np.argsort(-lengths[indices], kind="stable")]
+    return pack_batches(order, lengths, config.token_budget, config.max_batch_size)
+
+
+def check_budget(lengths: np.ndarray, indices: np.ndarray, config: LoaderConfig) -> None:
+    too_long = indices[lengths[indices] > config.token_budget]
+    if len(too_long):
+        raise TrainConfigError(
+            f"{len(too_long)} sample(s) are longer than --token-budget {config.token_budget} "
+            f"(the longest has {int(lengths[too_long].max())} tokens after truncation to "
+            f"--max-seq-len {config.max_seq_len}). Raise --token-budget to at least the longest "
+            "sample, or lower --max-seq-len to truncate them."
+        )
+
+
+# -- collation --------------------------------------------------------------------------------
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Right-pad samples into the batch dict of `objective.compute_loss`."""
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.long)
+    batch_size, seq_len = len(samples), int(lengths.max())
+    out: dict[str, torch.Tensor] = {"lengths": lengths}
+    for key in ("hidden", "input_ids", "loss_mask", "last_hidden", "topk_ids", "topk_logprobs"):
+        if key not in samples[0]:
+            continue
+        first = samples[0][key]
+        t = torch.empty((batch_size, seq_len, *first.shape[1:]), dtype=first.dtype)
+        for b, s in enumerate(samples):
+            n = s[key].shape[0]
+            t[b, :n] = s[key]
+            t[b, n:] = 0
+        out[key] = t
+    out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.long)
+    return out
+
+
+class _BatchList(torch.utils.data.Dataset):
+    """Map-style dataset whose item i is the collated batch `batches[i]` (read in a worker)."""
+
+    def __init__(self, caches: CacheSet, batches: list[np.ndarray]):
+        self.caches, self.batches = caches, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return collate([self.caches.read(int(j)) for j in self.batches[i]])
+
+
+def _worker_init(_: int) -> None:
+    # Ctrl-C reaches the whole process group: workers leave signals to the trainer, which
+    # finishes its step (needing their batches) before it stops them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(1)
+
+
+def data_loader(caches: CacheSet, batches: list[np.ndarray], config: LoaderConfig) -> torch.utils.data.DataLoader:
+    workers = config.num_workers if batches else 0
+    return torch.utils.data.DataLoader(
+        _BatchList(caches, batches), batch_size=None, shuffle=False, num_workers=workers,
+        pin_memory=config.pin_memory, worker_init_fn=_worker_init if workers else None,
+        prefetch_factor=config.prefetch_factor if workers else None,
+        multiprocessing_context="fork" if workers else None,
+    )
+
+
+class TrainLoader:
+    """This rank's micro-batches, epoch after epoch, from a resumable position."""
+
+    def __init__(self, caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, epochs: int,
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1):
+        self.caches, self.indices, self.config = caches, indices, config
+        self.rank, self.world_size = rank, world_size
+        self.batches_per_step = world_size * grad_accum
+        check_budget(caches.lengths, indices, config)
+        self._plans: dict[int, list[np.ndarray]] = {}
+        # Packing depends on each window's samples, so an epoch's batch count can vary a little.
+        self.steps_per_epoch = [len(self.epoch_batches(e)) // self.batches_per_step for e in range(epochs)]
+        self._plans.clear()
+        if min(self.steps_per_epoch) < 1:
+            raise TrainConfigError(
+                f"One optimizer step needs {self.batches_per_step} micro-batches (world size "
+                f"{world_size} x --grad-accum {grad_accum}) but an epoch has only "
+                f"{len(self.epoch_batches(0))}: lower --token-budget, --max-batch-size or --grad-accum."
+            )
+        self.epoch, self.consumed = 0, 0  # consumed: global batches of this epoch already used
+        self._iter: Iterator[dict[str, torch.Tensor]] | None = None
+        self.wait_seconds = 0.0
+        self.last_index = -1
+
+    @property
+    def total_steps(self) -> int:
+        return sum(self.steps_per_epoch)
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._plans:
+            self._plans = {epoch: plan_epoch(self.indices, self.caches.lengths, self.config, epoch)}
+        return self._plans[epoch]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": LOADER_STATE_VERSION, "epoch": self.epoch, "batches_consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise TrainConfigError(f"Loader state version {state.get('version')} is not {LOADER_STATE_VERSION}.")
+        if state["batches_consumed"] % self.batches_per_step:
+            raise TrainConfigError("The checkpoint's data position is not at a step boundary of this run.")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["batches_consumed"])
+        self._iter = None
+
+    def _usable(self) -> int:
+        """Global batches of the current epoch that fill whole steps (the tail is dropped)."""
+        return self.steps_per_epoch[min(self.epoch, len(self.steps_per_epoch) - 1)] * self.batches_per_step
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch of this rank (time spent waiting for it adds to wait_seconds)."""
+        if self.consumed >= self._usable():
+            self.epoch, self.consumed, self._iter = self.epoch + 1, 0, None
+        if self._iter is None:
+            mine = self.epoch_batches(self.epoch)[self.consumed + self.rank:self._usable():self.world_size]
+            self._iter = iter(data_loader(self.caches, mine, self.config))
+        start = time.perf_counter()
+        batch = next(self._iter)
+        self.wait_seconds += time.perf_counter() - start
+        self.last_index = self.consumed + self.rank  # its index in the epoch's global batch list
+        self.consumed += self.world_size
+        return batch
+
+    def close(self) -> None:
+        self._iter = None  # drops the iterator, which shuts its workers down
+
+
+def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, rank: int, world_size: int,
+                 max_batches: int = 0) -> torch.utils.data.DataLoader | None:
+    """A DataLoader over this rank's share of the held-out batches (None when there are none)."""
+    if len(indices) < world_size:
+        return None
+    check_budget(caches.lengths, indices, config)
+    batches = plan_eval(indices, caches.lengths, config)
+    # Every rank runs the same number of batches (FSDP's forward is collective).
+    batches = batches[:len(batches) // world_size * world_size][rank::world_size]
+    if max_batches:
+        batches = batches[:max_batches]
+    return data_loader(caches, batches, config)
+
+
+def check_cache_target(manifest: Any, target_config: Any, target_dir: str) -> None:
+    """Refuse a cache extracted from another model than the target given to the trainer."""
+    recorded = manifest.header.get("target", {})
+    archs = getattr(target_config, "architectures", None) or []
+    current = {"hidden_size": target_config.hidden_size, "num_hidden_layers": target_config.num_hidden_layers,
+               "vocab_size": target_config.vocab_size, "architecture": archs[0] if archs else None}
+    diffs = [f"{k}: cache has {recorded[k]!r}, target has {v!r}" for k, v in current.items()
+             if v is not None and recorded.get(k) is not None and recorded[k] != v]
+    if manifest.hidden_size != target_config.hidden_size:
+        diffs.append(f"hidden.hidden_size: cache has {manifest.hidden_size}, target has {target_config.hidden_size}")
+    bad_layers = [i for i in manifest.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
+    if bad_layers:
+        diffs.append(f"target_layer_ids {bad_layers} do not exist in a {target_config.num_hidden_layers}-layer target")
+    if diffs:
+        raise ConfigMismatchError(
+            f"The cache at {manifest.cache_dir} was not extracted from the target model at {target_dir}: "
+            f"{'; '.join(dict.fromkeys(diffs))}. Pass the --target-model the cache was extracted with."
+        )
+
+
+@dataclass
+class TrainingData:
+    """The caches, the split and the loaders of a run."""
+
+    caches: CacheSet
+    train_indices: np.ndarray
+    loader: TrainLoader
+    eval_caches: CacheSet | None
+    eval_indices: np.ndarray
+    config: LoaderConfig
+
+    def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
+        caches = self.eval_caches if self.eval_caches is not None else self.caches
+        return eval_batches(caches, self.eval_indices, self.config, rank=rank, world_size=world_size,
+                            max_batches=max_batches)
+
+    def summary(self) -> str:
+        c = self.caches
+        text = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
+                f"{len(self.train_indices)} for training, {len(self.eval_indices)} held out; "
+                f"{self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)")
+        if c.truncated_samples:
+            text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
+                     f"truncated ({c.truncated_tokens} tokens dropped)")
+        return text
+
+
+def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
+    """Open the caches (manifests only), split them and plan the batches of every epoch."""
+    loader_config = LoaderConfig(
+        token_budget=config.token_budget, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+        shuffle_window=config.shuffle_window, seed=config.seed, num_workers=config.num_workers,
+        prefetch_factor=config.prefetch_factor, pin_memory=pin_memory,
+    )
+    caches = CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums)
+    eval_caches = None
+    if config.eval_cache:
+        eval_caches = CacheSet(config.eval_cache, max_seq_len=config.max_seq_len,
+                               verify_checksums=config.verify_checksums)
+        check_compatible(caches.readers[0], eval_caches.readers[0])
+    train_indices, eval_indices = eval_split(caches, config.eval_fraction)
+    if eval_caches is not None:
+        eval_indices = np.arange(len(eval_caches), dtype=np.int64)
+    if len(train_indices) == 0:
+        raise TrainConfigError(f"No training samples: the caches {config.cache} hold {len(caches)} samples "
+                               f"and --eval-fraction {config.eval_fraction} holds out all of them.")
+    loader = TrainLoader(caches, train_indices, loader_config, epochs=config.epochs, rank=rank,
+                         world_size=world_size, grad_accum=config.grad_accum)
+    return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
+                        eval_indices=eval_indices, config=loader_config)

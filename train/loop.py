@@ -1,0 +1,359 @@
+"""The training loop: `train(config)` reads top to bottom; each piece it wires lives in its own module.
+
+data (loader.py) -> drafter (model.py) -> loss (objective.py) -> optimizer/schedule (here)
+-> metrics and logs (reporting.py) -> checkpoints (checkpoint.py), over any number of
+processes (distributed.py), stopped cleanly by SIGINT/SIGTERM (signals.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from .checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    capture_rng,
+    check_resume,
+    export_from_state,
+    restore_rng,
+)
+from .config import TrainConfig, TrainConfigError
+from .distributed import (
+    DistInfo,
+    any_rank,
+    barrier,
+    full_state,
+    init_distributed,
+    load_full_state,
+    unwrap,
+    wrap_model,
+)
+from .loader import TrainingData, check_cache_target, open_training_data
+from .model import DFlashDrafter
+from .objective import ObjectiveConfig, compute_loss
+from .reporting import RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
+from .signals import StopRequest
+from .target_weights import load_target_config
+
+
+@dataclass
+class TrainResult:
+    """How a run ended."""
+
+    step: int
+    exit_status: int
+    """0 finished, 130 stopped by SIGINT, 143 by SIGTERM (a checkpoint of `step` was written)."""
+    checkpoint: Path | None
+    final_dir: Path | None
+    metrics: dict[str, float]
+    eval_metrics: dict[str, float] | None
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    info = init_distributed(cfg.device)
+    run_dir = Path(cfg.output_dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = RunLogger(run_dir, enabled=info.is_main, progress=cfg.progress, tensorboard=cfg.tensorboard)
+    seed_everything(cfg.seed)
+
+    # Data: manifests only. Every epoch's batch list is planned here, before any part is read.
+    data = open_training_data(cfg, rank=info.rank, world_size=info.world_size,
+                              pin_memory=info.device.type == "cuda")
+    target_config = load_target_config_or_fail(cfg.target_model)
+    check_cache_target(data.caches.manifest, target_config, cfg.target_model)
+    log.info(data.summary())
+
+    # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
+    drafter = build_drafter(cfg, data).to(info.device)
+    model = wrap_model(drafter, cfg.parallel, info)
+    optimizer = build_optimizer(cfg, model, info.device)
+    total_steps = min(cfg.max_steps or math.inf, data.loader.total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio))
+    objective, autocast = cfg.objective_config(), autocast_context(cfg.dtype, info.device)
+    loss_model = LossModel(model, drafter)
+
+    # Resume from the latest complete checkpoint when there is one and it is this run's.
+    checkpoints = Checkpointer(CheckpointConfig(run_dir=run_dir, keep_checkpoints=cfg.keep_checkpoints))
+    identity = run_identity(cfg, data, drafter, target_config, info)
+    step = resume(cfg, checkpoints, identity, model, optimizer, scheduler, data, log)
+    if info.is_main:
+        checkpoints.remove_stale()
+
+    def save(step: int) -> Path | None:
+        # Full (gathered) state; collective under FSDP, so every rank calls it. Rank 0 writes.
+        model_state, optim_state = full_state(model, optimizer, info)
+        path = None
+        if info.is_main:
+            trainer_state = {"scheduler": scheduler.state_dict(), "loader": data.loader.state_dict(),
+                             "rng": capture_rng()}
+            meta = {"epoch": data.loader.epoch, "loader": data.loader.state_dict(), "identity": identity,
+                    "config": cfg.to_dict(), "drafter_config": dataclasses.asdict(drafter.config),
+                    "world_size": info.world_size}
+            path = checkpoints.save(step, model_state, optim_state, trainer_state, meta)
+            log.info(f"checkpoint: {path}")
+        barrier(info)
+        return path
+
+    metrics = RunningMetrics(drafter.config.block_size, info.device)
+    profiler = StepProfiler(cfg.profile_interval, info.device)
+    last, saved_step, last_checkpoint, eval_metrics = {}, step, checkpoints.latest(), None
+    log.start(total_steps, step)
+    with StopRequest() as stop:
+        while step < total_steps:
+            profiler.begin(step)
+            model.train()
+            wait_before = data.loader.wait_seconds
+            for micro in range(cfg.grad_accum):
+                with profiler.section("data_wait"):
+                    batch = data.loader.next_batch()
+                with profiler.section("host_to_device"):
+                    batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+                # Anchors and noise come from a generator seeded by this batch's place in the run:
+                # no stream state to carry over a resume, and the same draws on any world size.
+                generators = batch_generators(cfg.seed, data.loader.epoch, data.loader.last_index, info.device)
+                last_micro = micro == cfg.grad_accum - 1
+                with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
+                    with profiler.section("forward"), autocast:
+                        out = compute_loss(loss_model, batch, objective, generator=generators[0],
+                                           noise_generator=generators[1], progress=step / total_steps)
+                    with profiler.section("backward"):
+                        (out.loss / cfg.grad_accum).backward()
+                metrics.update(out, batch)
+            with profiler.section("optimizer"):
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            metrics.add_step(grad_norm, data.loader.wait_seconds - wait_before)
+            step += 1
+            log.advance(1)
+            if (report := profiler.report()) is not None:
+                log.info(f"[step {step}] {report}")
+
+            if step % cfg.log_interval == 0 or step == total_steps:
+                last = metrics.compute(info)  # CPU-GPU sync point: only every log_interval steps
+                last.update(lr=scheduler.get_last_lr()[0], epoch=data.loader.epoch,
+                            gpu_mem_gib=gpu_memory_gib(info.device))
+                log.log(step, "train", last)
+                log.advance(0, loss=last["loss"], tau=last["tau"], tok_s=last["context_tokens_per_second"])
+                metrics.reset()
+            if cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
+                if (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
+                    log.log(step, "eval", eval_metrics)
+            # A signal on any rank stops every rank after the same step (agreed on the CPU).
+            stopping = any_rank(stop.signum, info)
+            if (cfg.save_interval and step % cfg.save_interval == 0) or stopping:
+                last_checkpoint, saved_step = save(step), step
+            if stopping:
+                log.info(f"stopped at step {step}; rerun the same command to resume.")
+                log.close()
+                return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics)
+
+    if saved_step != step or last_checkpoint is None:
+        last_checkpoint = save(step)
+    if (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
+        log.log(step, "eval", eval_metrics)
+    final_dir = export_final(model, optimizer, drafter, run_dir / "final", info)
+    log.info(f"done: {step} steps; drafter exported to {final_dir}")
+    log.close()
+    return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics)
+
+
+# -- the pieces train() wires -------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_target_config_or_fail(target_dir: str) -> Any:
+    try:
+        return load_target_config(target_dir)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise TrainConfigError(f"Cannot read the target model's config: {e}") from e
+
+
+def build_drafter(cfg: TrainConfig, data: TrainingData) -> DFlashDrafter:
+    """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache."""
+    manifest = data.caches.manifest
+    if cfg.soft_label_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
+        raise TrainConfigError(
+            f"--soft-label-weight {cfg.soft_label_weight} needs soft labels in the cache, but "
+            f"{manifest.cache_dir} stores neither last_hidden nor top-k log-probs. Extract with "
+            "--store-last-hidden or --store-topk, or set --soft-label-weight 0."
+        )
+    torch.manual_seed(cfg.seed)
+    try:
+        drafter = DFlashDrafter.from_target(
+            cfg.target_model, with_final_norm=cfg.soft_label_weight > 0 and not manifest.topk,
+            target_layer_ids=manifest.target_layer_ids, **cfg.drafter_overrides())
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainConfigError(f"Cannot build the drafter from {cfg.target_model}: {e}") from e
+    if cfg.gradient_checkpointing:
+        for layer in drafter.layers:
+            layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
+    if cfg.compile:
+        for layer in drafter.layers:
+            layer.compile()
+    return drafter
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+
+
+def lr_multiplier(step: int, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine from 1 to min_lr_ratio."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def autocast_context(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast (float32 master weights) or nothing; the context is reusable."""
+    if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class LossModel:
+    """What compute_loss needs: calls go through the DDP/FSDP wrapper, attributes to the drafter."""
+
+    def __init__(self, wrapped: nn.Module, drafter: DFlashDrafter):
+        self.wrapped, self.drafter = wrapped, drafter
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.wrapped(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.drafter, name)
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def batch_generators(seed: int, epoch: int, batch_index: int, device: torch.device, *,
+                     split: int = 0) -> tuple[torch.Generator, torch.Generator]:
+    """(anchor generator on the CPU, noise generator on `device`) of one global batch
+    (split 0: training, 1: held-out)."""
+    entropy = [seed, split, epoch, batch_index]
+    anchor_seed, noise_seed = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint64)
+    anchors = torch.Generator().manual_seed(int(anchor_seed))
+    noise = torch.Generator(device=device).manual_seed(int(noise_seed))
+    return anchors, noise
+
+
+@torch.no_grad()
+def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConfig,
+             autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, float] | None:
+    """Metrics on the held-out batches (no noise, fixed anchors), reduced over ranks."""
+    loader = data.eval_loader(info.rank, info.world_size, cfg.eval_max_batches)
+    if loader is None:
+        return None
+    loss_model.wrapped.eval()
+    metrics = RunningMetrics(loss_model.drafter.config.block_size, info.device)
+    clean = dataclasses.replace(objective, noise_type="none")
+    for i, batch in enumerate(loader):
+        batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+        generator = batch_generators(cfg.seed, 0, i * info.world_size + info.rank, info.device, split=1)[0]
+        with autocast:
+            out = compute_loss(loss_model, batch, clean, generator=generator)
+        metrics.update(out, batch)
+    loss_model.wrapped.train()
+    result = metrics.compute(info)
+    return {k: v for k, v in result.items() if k in ("loss", "tau", "tau_from_acc", "blocks") or k.startswith("acc_")}
+
+
+def target_fingerprint(target_config: Any) -> dict[str, Any]:
+    config = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
+    config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    return {"config_sha256": digest, "hidden_size": target_config.hidden_size,
+            "num_hidden_layers": target_config.num_hidden_layers, "vocab_size": target_config.vocab_size}
+
+
+def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
+                 info: DistInfo) -> dict[str, Any]:
+    """What a resumed run must share with its checkpoint: the data, its batches, the model's shape."""
+    c = drafter.config
+    return {
+        "caches": data.caches.identity(),
+        "eval_caches": data.eval_caches.identity() if data.eval_caches is not None else [],
+        "eval_fraction": cfg.eval_fraction,
+        "target": target_fingerprint(target_config),
+        "batching": {"token_budget": cfg.token_budget, "max_batch_size": cfg.max_batch_size,
+                     "max_seq_len": cfg.max_seq_len, "shuffle_window": cfg.shuffle_window, "seed": cfg.seed,
+                     "batches_per_step (world_size x grad_accum)": info.world_size * cfg.grad_accum},
+        "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
+                  "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+    }
+
+
+def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any], model: nn.Module,
+           optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainingData, log: RunLogger) -> int:
+    """Load the latest checkpoint of this run directory; returns the step to continue from."""
+    latest = checkpoints.latest()
+    if latest is None:
+        if cfg.resume:
+            raise TrainConfigError(f"--resume was given but {checkpoints.dir} holds no complete checkpoint.")
+        return 0
+    ckpt = checkpoints.load(latest)
+    check_resume(ckpt.meta["identity"], identity, latest)
+    load_full_state(model, optimizer, ckpt.model, ckpt.optimizer)
+    scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    data.loader.load_state_dict(ckpt.trainer["loader"])
+    restore_rng(ckpt.trainer["rng"])
+    changed = {k: (v, getattr(cfg, k)) for k, v in ckpt.meta.get("config", {}).items()
+               if k in cfg.to_dict() and cfg.to_dict()[k] != v}
+    log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data.loader.epoch}). To start over, "
+             "use a new --output-dir.")
+    if changed:
+        log.info("settings changed since that checkpoint: " + ", ".join(
+            f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+    return ckpt.step
+
+
+def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,
+                 info: DistInfo) -> Path | None:
+    model_state, _ = full_state(model, optimizer, info, with_optimizer=False)
+    path = export_from_state(unwrap(drafter).config, model_state, out_dir) if info.is_main else None
+    barrier(info)
+    return path

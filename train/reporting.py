@@ -1,0 +1,171 @@
+"""What the trainer reports: running metrics (kept on the device between logs), their reduction
+over ranks, and where they go (console with a progress bar, RUN_DIR/metrics.jsonl, TensorBoard).
+
+Metrics per log interval: loss, acc_k (top-1 accuracy of block slot k), tau (expected
+acceptance length, see metrics.py), lr, grad_norm, context and block tokens/s, samples/s,
+data_wait (fraction of wall time spent waiting for batches), gpu_mem_gib (peak allocated).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .distributed import DistInfo, all_reduce_sum
+from .metrics import BlockMetrics, leading_correct
+from .objective import LossOutput
+
+
+class RunningMetrics:
+    """Sums over micro-batches, on the device: no host sync until `compute`."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size, self.device = block_size, device
+        self.reset()
+
+    def reset(self) -> None:
+        slots = self.block_size - 1
+        # [loss_sum, micro_batches, accepted_sum, blocks, context_tokens, block_tokens, samples,
+        #  grad_norm_sum, steps, data_wait_seconds]
+        self.scalars = torch.zeros(10, dtype=torch.float64, device=self.device)
+        self.correct = torch.zeros(slots, dtype=torch.float64, device=self.device)
+        self.scored = torch.zeros(slots, dtype=torch.float64, device=self.device)
+        self.started = time.perf_counter()
+
+    @torch.no_grad()
+    def update(self, out: LossOutput, batch: dict[str, torch.Tensor]) -> None:
+        correct, valid = out.correct, out.valid
+        counted = valid[..., 0]
+        self.correct += (correct & valid).flatten(0, -2).sum(0)
+        self.scored += valid.flatten(0, -2).sum(0)
+        self.scalars += torch.cat([torch.stack([
+            out.loss.detach().double(), torch.ones((), dtype=torch.float64, device=self.device),
+            # leading_correct is 0 for blocks whose first slot is not scored: no masking (no sync)
+            leading_correct(correct, valid).sum().double(), counted.sum().double(),
+            batch["lengths"].sum().double(), (out.anchor_valid.sum() * self.block_size).double(),
+            torch.full((), float(batch["lengths"].numel()), dtype=torch.float64, device=self.device),
+        ]), torch.zeros(3, dtype=torch.float64, device=self.device)])
+
+    @torch.no_grad()
+    def add_step(self, grad_norm: torch.Tensor | float, data_wait_seconds: float) -> None:
+        self.scalars[7] += torch.as_tensor(grad_norm, device=self.device).double()
+        self.scalars[8] += 1
+        self.scalars[9] += data_wait_seconds
+
+    def compute(self, info: DistInfo) -> dict[str, float]:
+        """Reduce over ranks and turn the sums into metrics (a host sync: call it at log time)."""
+        flat = all_reduce_sum(torch.cat([self.scalars, self.correct, self.scored]).cpu(), info)
+        n, slots = len(self.scalars), self.block_size - 1
+        s = flat[:n]
+        m = BlockMetrics(block_size=self.block_size)
+        m.correct_per_slot, m.scored_per_slot = flat[n:n + slots], flat[n + slots:]
+        m.accepted_sum, m.blocks = float(s[2]), int(s[3])
+        out = m.compute()
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        out["loss"] = float(s[0] / max(float(s[1]), 1.0))
+        out["grad_norm"] = float(s[7] / max(float(s[8]), 1.0))  # every rank adds the same global norm
+        out["context_tokens_per_second"] = float(s[4]) / elapsed
+        out["block_tokens_per_second"] = float(s[5]) / elapsed
+        out["samples_per_second"] = float(s[6]) / elapsed
+        out["seconds_per_step"] = elapsed / max(float(s[8]) / info.world_size, 1.0)
+        out["data_wait"] = float(s[9]) / info.world_size / elapsed
+        return out
+
+
+def gpu_memory_gib(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+class RunLogger:
+    """Console (tqdm bar + one line per log), metrics.jsonl and TensorBoard; rank 0 only."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, progress: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.bar: tqdm | None = None
+        self.progress = progress
+        self.writer = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional dependency
+                SummaryWriter = None  # noqa: N806
+            if SummaryWriter is not None:
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def start(self, total_steps: int, initial_step: int) -> None:
+        if self.enabled and self.progress:
+            self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                            disable=None, desc="train")
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else tqdm.write)(message)
+
+    def advance(self, steps: int = 1, **postfix: float) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+            if postfix:
+                self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+
+    def log(self, step: int, kind: str, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "kind": kind, "time": time.time(), **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.writer.add_scalar(f"{kind}/{k}", v, step)
+        keys = ("loss", "acc_1", "tau", "lr", "grad_norm", "context_tokens_per_second", "data_wait", "gpu_mem_gib")
+        shown = " ".join(f"{k.replace('context_tokens_per_second', 'ctx_tok/s')}={metrics[k]:.4g}"
+                         for k in keys if k in metrics)
+        self.info(f"[{kind} step {step}] {shown}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class StepProfiler:
+    """Wall-time breakdown of a step, measured only on profiled steps (it synchronizes CUDA)."""
+
+    def __init__(self, interval: int, device: torch.device):
+        self.interval, self.device = interval, device
+        self.active = False
+        self.times: dict[str, float] = {}
+
+    def begin(self, step: int) -> None:
+        self.active = self.interval > 0 and step % self.interval == 0
+        self.times = {}
+
+    @contextmanager
+    def section(self, name: str):
+        if not self.active:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def report(self) -> str | None:
+        if not self.active or not self.times:
+            return None
+        total = sum(self.times.values())
+        parts = " ".join(f"{k}={v * 1e3:.1f}ms({100 * v / total:.0f}%)" for k, v in self.times.items())
+        return f"profile: {parts} total={total * 1e3:.1f}ms"

@@ -1,0 +1,45 @@
+"""Ctrl-C and SIGTERM: the first one asks the trainer to stop after its step (and checkpoint),
+a second one exits at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class StopRequest:
+    """Installs SIGINT/SIGTERM handlers for the duration of a `with` block."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum:
+            sys.stderr.write(f"\nSecond {signal.Signals(signum).name}: exiting now without a checkpoint.\n")
+            sys.stderr.flush()
+            os._exit(EXIT_STATUS.get(signum, 128 + signum))
+        self.signum = signum
+        sys.stderr.write(f"\n{signal.Signals(signum).name} received: finishing this step, writing a "
+                         "checkpoint, then exiting (send it again to exit at once).\n")
+        sys.stderr.flush()
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS.get(self.signum, 128 + self.signum) if self.signum else 0
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in EXIT_STATUS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+        self._previous.clear()
