@@ -1,0 +1,187 @@
+"""Extraction throughput on one GPU: plain prefill vs stop-after-last-layer vs full extraction.
+
+Builds a randomly initialized Qwen3-8B-shaped target in bf16 directly on the GPU (no
+checkpoint), writes synthetic ~2K-token samples, and reports side by side:
+  prefill      model(ids, logits_to_keep=1)                      tokens/s
+  capture      the forward that stops after the last captured layer  tokens/s
+  extract bf16 full extraction into a cache (codec bf16)          tokens/s, GPU util, bytes/token
+  extract fp8  the same with codec fp8
+Each cache is deleted after it is measured. Target: extract >= 0.95x capture.
+
+    python bench/bench_extract.py --output /dev/shm/dflash-bench          # one H200
+    python bench/bench_extract.py --small --output /tmp/dflash-bench      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import torch
+from dflash.extract.config import ExtractConfig, default_target_layer_ids
+from dflash.extract.pipeline import run_extraction
+from dflash.extract.target import LayerCapture
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+FULL = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, intermediate_size=12288, vocab_size=151936)
+SMALL = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, intermediate_size=512, vocab_size=1024)
+
+
+class GpuSampler:
+    """Mean GPU utilisation (nvidia-smi, every 200 ms) while a block runs; None without a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _query(self) -> float | None:
+        try:
+            return float(torch.cuda.utilization(self.device))
+        except Exception:
+            pass
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 f"--id={self.device.index or 0}"], capture_output=True, text=True, timeout=5)
+            return float(out.stdout.strip().splitlines()[0])
+        except Exception:
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            v = self._query()
+            if v is not None:
+                self.samples.append(v)
+
+    def __enter__(self) -> GpuSampler:
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def build_model(shape: dict, device: torch.device) -> torch.nn.Module:
+    cfg = Qwen3Config(**shape, max_position_embeddings=32768, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    with torch.device(device):  # random init on the GPU directly: seconds, not minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def write_data(path: Path, tokens: int, seq_len: int, vocab: int) -> int:
+    rng = random.Random(0)
+    n = max(1, tokens // seq_len)
+    with open(path, "w") as f:
+        for _ in range(n):
+            length = rng.randint(seq_len * 3 // 4, seq_len * 5 // 4)
+            ids = [rng.randrange(vocab) for _ in range(length)]
+            f.write(json.dumps({"input_ids": ids, "prompt_len": length // 4}) + "\n")
+    return n
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(fn, batches: list[torch.Tensor], device: torch.device) -> float:
+    fn(batches[0])  # warm-up
+    sync(device)
+    t = time.perf_counter()
+    for ids in batches:
+        fn(ids)
+    sync(device)
+    return sum(b.numel() for b in batches) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output", required=True, help="Scratch directory for data and caches (e.g. /dev/shm/x).")
+    ap.add_argument("--small", action="store_true", help="Tiny model and data (CPU smoke run).")
+    ap.add_argument("--tokens", type=int, help="Tokens to extract [1M; small: 16K].")
+    ap.add_argument("--seq-len", type=int, help="Typical sample length [2048; small: 256].")
+    ap.add_argument("--forward-tokens", type=int, help="Tokens for the forward-only figures [256K].")
+    ap.add_argument("--token-budget", type=int, default=32768)
+    ap.add_argument("--part-tokens", type=int, default=32768)
+    ap.add_argument("--num-writers", type=int, help="Writer processes [default of dflash-extract].")
+    ap.add_argument("--codecs", default="bf16,fp8")
+    args = ap.parse_args()
+
+    small = args.small
+    shape = SMALL if small else FULL
+    tokens = args.tokens or (16384 if small else 1 << 20)
+    seq_len = args.seq_len or (256 if small else 2048)
+    fwd_tokens = args.forward_tokens or (8192 if small else 1 << 18)
+    budget = min(args.token_budget, 4096) if small else args.token_budget
+    device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t = time.perf_counter()
+    model = build_model(shape, device)
+    print(f"model: {shape} on {device}, built in {time.perf_counter() - t:.1f}s")
+    layer_ids = default_target_layer_ids(shape["num_hidden_layers"], 5)
+    data = out / "bench-data.jsonl"
+    n = write_data(data, tokens, seq_len, shape["vocab_size"])
+    print(f"data: {n} samples of ~{seq_len} tokens ({tokens} tokens), layers {layer_ids}")
+
+    per_batch = max(1, budget // seq_len)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, shape["vocab_size"], (per_batch, seq_len), generator=gen).to(device)
+               for _ in range(max(1, fwd_tokens // (per_batch * seq_len)))]
+    rows = []
+    with torch.inference_mode():
+        prefill = time_forward(lambda ids: model(ids, logits_to_keep=1), batches, device)
+        rows.append(("prefill model(ids, logits_to_keep=1)", prefill, None, None))
+        capture = LayerCapture(model, layer_ids, need_last=False)
+        ones = torch.ones_like(batches[0])
+        stop_fwd = time_forward(lambda ids: capture(ids, ones), batches, device)
+        capture.close()
+        rows.append((f"forward stopping after layer {max(layer_ids)}", stop_fwd, None, None))
+    del batches
+
+    for codec in args.codecs.split(","):
+        cache = out / f"bench-cache-{codec}"
+        shutil.rmtree(cache, ignore_errors=True)
+        cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(data),
+                            output=str(cache), codec=codec, target_layer_ids=layer_ids,
+                            token_budget=budget, part_tokens=args.part_tokens,
+                            max_seq_len=seq_len * 2, num_writers=args.num_writers,
+                            device=str(device), progress=False)
+        with GpuSampler(device) as gpu:
+            summary = run_extraction(cfg, model=model)
+        rows.append((f"full extraction, codec {codec}", summary.tokens_per_second, gpu.mean,
+                     summary.bytes / max(summary.tokens, 1)))
+        print(summary.format())
+        shutil.rmtree(cache, ignore_errors=True)
+
+    print(f"\n{'what':45s} {'tokens/s':>12s} {'vs stop-fwd':>11s} {'GPU util':>9s} {'bytes/token':>12s}")
+    for name, tps, util, bpt in rows:
+        util_s = f"{util:.0f}%" if util is not None else "-"
+        bpt_s = f"{bpt:,.0f}" if bpt is not None else "-"
+        print(f"{name:45s} {tps:12,.0f} {tps / stop_fwd:10.2f}x {util_s:>9s} {bpt_s:>12s}")
+    raw = len(layer_ids) * shape["hidden_size"] * 2
+    print(f"(raw bf16 would be {raw:,} bytes/token; target: full extraction >= 0.95x stop-fwd)")
+    data.unlink()
+
+
+if __name__ == "__main__":
+    main()
