@@ -554,10 +554,11 @@ def recompress_cache(
     return report
 
 
-def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) for every leaf where two identities differ."""
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for key in sorted(set(a) | set(b)) for d in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
-    return [] if a == b else [f"{prefix.rstrip('.')} ({a!r} vs {b!r})"]
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
 def merge_caches(
@@ -579,9 +580,9 @@ def merge_caches(
         other = {k: v for k, v in r.manifest.identity().items() if k != "data"}
         diffs = _diff(base, other)
         if diffs:
-            shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
+            shown = "; ".join(f"{key} ({a!r} in {paths[0]}, {b!r} in {p})" for key, a, b in diffs[:6])
             raise ConfigMismatchError(
-                f"Cannot merge {p} with {paths[0]}: they differ in {shown} (first vs second). Only caches "
+                f"Cannot merge {p} with {paths[0]}: they differ in {shown}{'; ...' if len(diffs) > 6 else ''}. Only caches "
                 "of the same target model, target_layer_ids, codec and extraction settings can be merged; "
                 "recompress one of them (for a codec difference) or train from them separately."
             )
