@@ -10,6 +10,8 @@ waits for the host.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,10 @@ from torch import nn
 
 from .batching import Batch
 from .target import LayerCapture, topk_logprobs
+
+# Test-only: seconds to sleep at the start of every forward, so that fault tests can signal a
+# run while a forward is in progress. Never set it in real runs.
+_TEST_SLEEP_PER_FORWARD = float(os.environ.get("DFLASH_TEST_SLEEP_PER_FORWARD", "0") or 0)
 
 _NP_OF = {torch.int16: np.uint16, torch.uint8: np.uint8, torch.float32: np.float32, torch.int32: np.int32}
 
@@ -65,6 +71,8 @@ class ExtractionEngine:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         mask = batch.attention_mask.to(self.device, non_blocking=True)
         gather = batch.gather_index.to(self.device, non_blocking=True)
+        if _TEST_SLEEP_PER_FORWARD:
+            time.sleep(_TEST_SLEEP_PER_FORWARD)
         cap = self.capture(ids, mask)
         # Only real tokens leave the device; index_select avoids the host sync of a bool mask.
         packed = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, gather.to(h.device))

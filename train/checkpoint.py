@@ -36,6 +36,9 @@ from .export import export_drafter
 from .model import DrafterConfig
 
 CHECKPOINT_VERSION = 1
+# Test-only: seconds to sleep after a checkpoint's files are staged and before it is renamed
+# into place, so that fault tests can signal or kill a run mid-save. Never set it in real runs.
+TEST_SLEEP_IN_CHECKPOINT_ENV = "DFLASH_TEST_SLEEP_IN_CHECKPOINT"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE = "model.safetensors", "optimizer.pt", "trainer.pt", "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -130,6 +133,8 @@ class Checkpointer:
             torch.save(trainer_state, stage / TRAINER_FILE)
             meta = {"version": CHECKPOINT_VERSION, "step": step, "time": time.time(), **meta}
             (stage / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+            if sleep := float(os.environ.get(TEST_SLEEP_IN_CHECKPOINT_ENV, "0") or 0):
+                time.sleep(sleep)
             fsync_tree(stage)
             if final.exists():  # the same step written again (e.g. a signal right after a resume)
                 old = temp_name(final)

@@ -12,6 +12,7 @@ uninterrupted one would have.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ from dflash.cache_tools.reader import CacheReader
 from .config import TrainConfigError
 
 LOADER_STATE_VERSION = 1
+# Test-only: seconds each batch read sleeps (in the DataLoader worker when there are workers),
+# so that fault tests can signal or kill a run while a worker is busy. Never set it in real runs.
+TEST_SLEEP_PER_BATCH_ENV = "DFLASH_TEST_SLEEP_PER_BATCH"
 
 
 @dataclass(kw_only=True)
@@ -211,6 +215,8 @@ class _BatchList(torch.utils.data.Dataset):
         return len(self.batches)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if sleep := float(os.environ.get(TEST_SLEEP_PER_BATCH_ENV, "0") or 0):
+            time.sleep(sleep)
         return collate([self.caches.read(int(j)) for j in self.batches[i]])
 
 
