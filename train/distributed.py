@@ -15,13 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from .config import TrainConfigError
 
@@ -96,9 +89,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo, *,
                with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full (unsharded) model and optimizer state dicts on the CPU, keyed by parameter name.
@@ -107,11 +97,19 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInf
     models are copied by rank 0 only; other ranks get empty dicts. The keys do not depend on
     the wrapping or the world size, so any run can load them.
     """
+    # (imported here: torch.distributed.checkpoint takes ~0.6 s to import)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     sharded = _is_fsdp(model)
     if not (sharded or info.is_main):
         return {}, {}
-    model_state = get_model_state_dict(model, options=_FULL)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL) if with_optimizer else {}
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=full)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=full) if with_optimizer else {}
     return model_state, optim_state
 
 
@@ -126,6 +124,12 @@ def _is_fsdp(model: nn.Module) -> bool:
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict[str, Any],
                     optim_state: dict[str, Any] | None) -> None:
     """Load full state dicts (from `full_state`) into a possibly wrapped or sharded model."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optim_state is not None:

@@ -3,6 +3,7 @@ a second one exits at once."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -23,6 +24,8 @@ class StopRequest:
         if self.signum:
             sys.stderr.write(f"\nSecond {signal.Signals(signum).name}: exiting now without a checkpoint.\n")
             sys.stderr.flush()
+            for child in multiprocessing.active_children():  # DataLoader workers ignore signals
+                child.kill()
             os._exit(EXIT_STATUS.get(signum, 128 + signum))
         self.signum = signum
         sys.stderr.write(f"\n{signal.Signals(signum).name} received: finishing this step, writing a "

@@ -1,0 +1,114 @@
+"""Resume is exact: a run killed (SIGKILL) or stopped (SIGINT/SIGTERM) at a random step and
+resumed ends with the same weights, bit for bit, as a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from dflash.train.cli import main
+from dflash.train.loop import train
+from test_train_support import assert_same_weights, final_weights, read_metrics, tiny_train_config
+
+pytest_plugins = ["test_train_support"]  # the tiny_world fixture
+
+STEPS = 30
+SETTINGS = dict(max_steps=STEPS, epochs=5, grad_accum=2, save_interval=3, keep_checkpoints=2, num_workers=1,
+                noise_type="uniform", noise_start=0.05, noise_end=0.0, eval_fraction=0.1)
+
+
+def config_file(world: dict[str, Path], path: Path) -> Path:
+    values = tiny_train_config(world["cache"], world["target"], Path("unused"), **SETTINGS).to_dict()
+    del values["output_dir"]
+    path.write_text(json.dumps(values))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_world, tmp_path_factory) -> dict:
+    """The uninterrupted run, trained in this process."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, **SETTINGS))
+    assert result.step == STEPS and result.exit_status == 0
+    return final_weights(out)
+
+
+def start_run(config: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash.train.cli", "--config", str(config), "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> int:
+    """Poll metrics.jsonl until the run logged `step`; returns the last logged step."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logged = [r["step"] for r in read_metrics(out) if r["kind"] == "train"] if (out / "metrics.jsonl").exists() else []
+        if logged and logged[-1] >= step:
+            return logged[-1]
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before step {step}: {proc.stderr.read()}")
+        time.sleep(0.002)
+    pytest.fail(f"the run did not reach step {step} in time")
+
+
+def test_resume_after_sigkill_at_a_random_step_gives_identical_weights(tiny_world, reference, tmp_path):
+    out = tmp_path / "run"
+    kill_at = random.Random(1234).randint(5, 15)
+    proc = start_run(config_file(tiny_world, tmp_path / "train.json"), out)
+    wait_for_step(proc, out, kill_at)
+    proc.kill()
+    proc.wait()
+    killed_at = max(r["step"] for r in read_metrics(out) if r["kind"] == "train")
+    assert killed_at < STEPS
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, resume=True, **SETTINGS))
+    assert result.step == STEPS and result.exit_status == 0
+    assert_same_weights(final_weights(out), reference)
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_sigint_stops_within_seconds_with_a_checkpoint_and_the_rerun_resumes_exactly(
+        tiny_world, reference, tmp_path):
+    signum, status = signal.SIGINT, 130
+    out = tmp_path / "run"
+    config = config_file(tiny_world, tmp_path / "train.json")
+    proc = start_run(config, out)
+    wait_for_step(proc, out, random.Random(int(signum)).randint(5, 15))
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == status, stderr
+    assert "finishing this step, writing a checkpoint" in stderr
+    last_logged = max(r["step"] for r in read_metrics(out) if r["kind"] == "train")
+    latest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    assert latest.name == f"step-{last_logged:06d}"  # the checkpoint is of the last finished step
+
+    # Rerunning the same command resumes (and says so), then finishes identically.
+    result = CliRunner().invoke(main, ["--config", str(config), "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"Resuming from {latest}" in result.output
+    assert_same_weights(final_weights(out), reference)
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_sigterm_then_a_second_signal_exits_at_once(tiny_world, tmp_path):
+    out = tmp_path / "run"
+    proc = start_run(config_file(tiny_world, tmp_path / "train.json"), out)
+    wait_for_step(proc, out, 2)
+    os.kill(proc.pid, signal.SIGSTOP)  # both signals arrive before the step can finish
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)  # (two pending SIGINTs would merge into one)
+    os.kill(proc.pid, signal.SIGCONT)
+    sent = time.monotonic()
+    _, stderr = proc.communicate(timeout=10)
+    assert time.monotonic() - sent < 2  # (its DataLoader workers are gone too: they held stderr)
+    assert proc.returncode == 143
+    assert "exiting now without a checkpoint" in stderr
