@@ -1,0 +1,289 @@
+"""`dflash-demo`: the whole pipeline on CPU in a few minutes, from a corpus the package ships.
+
+Steps (each writes into the work directory, see docs/demo.md):
+
+1. train a small character-level Qwen3 target on `demo_data/corpus.txt` and save it in HF format;
+2. let that target complete prompts from the corpus (greedy) and write them as tokenized JSONL
+   with loss masks (prompt 0, completion 1);
+3. `dflash-extract` the target's hidden states of those completions into a cache;
+4. `dflash-train` a drafter (block size 8, 2 draft layers) from the cache; it exports `run/final`;
+5. `dflash-eval` the exported drafter on held-out prompts: tau, speedup, lossless check.
+
+Everything is seeded; no network is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from dflash.cache_tools.errors import DflashError
+
+from .eval_cli import format_report, run_eval
+from .speculative import DecodeConfig, target_generate
+
+CORPUS = Path(__file__).parent / "demo_data" / "corpus.txt"
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<mask>"]
+CHARS = "\n !\"#'()*+,-./0123456789:;<=>?[]_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+PAD_ID, BOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3
+
+
+class DemoError(DflashError):
+    """A stage of the demo failed."""
+
+
+@dataclass(kw_only=True)
+class DemoSizes:
+    """How big each stage of the demo is."""
+
+    hidden_size: int = 128
+    """Target (and drafter) width."""
+    target_layers: int = 4
+    """Decoder layers of the target."""
+    target_steps: int = 400
+    """Optimizer steps of target training (batch_size x seq_len tokens each)."""
+    batch_size: int = 32
+    """Target training windows per step."""
+    seq_len: int = 128
+    """Target training window length (tokens)."""
+    num_completions: int = 1200
+    """Target-generated training samples for the drafter."""
+    completion_tokens: int = 96
+    """Longest completion the target writes per training sample."""
+    drafter_layers: int = 2
+    """Draft decoder layers."""
+    drafter_steps: int = 400
+    """dflash-train --max-steps."""
+    drafter_lr: float = 3e-3
+    """dflash-train --lr (a tiny drafter and few steps take a larger rate than the 6e-4 default)."""
+    max_anchors: int = 16
+    """dflash-train --max-anchors: blocks per sample per step (keeps a CPU step small)."""
+    drafter_batch_size: int = 32
+    """dflash-train --max-batch-size."""
+    block_size: int = 8
+    """Drafted block size."""
+    eval_prompts: int = 24
+    """Held-out prompts for dflash-eval."""
+    eval_new_tokens: int = 96
+    """dflash-eval --max-new-tokens."""
+
+
+SMALL = DemoSizes(hidden_size=96, target_layers=4, target_steps=300, batch_size=16, num_completions=300,
+                  completion_tokens=64, drafter_steps=250, eval_prompts=8, eval_new_tokens=64)
+TARGET_LAYER_IDS = (1, 3)
+
+
+# -- text -------------------------------------------------------------------------------------
+
+
+def vocab_size() -> int:
+    return 64 * math.ceil((len(SPECIALS) + len(CHARS)) / 64)
+
+
+def encode(text: str) -> list[int]:
+    """Characters -> ids (specials first, then CHARS)."""
+    table = {c: i + len(SPECIALS) for i, c in enumerate(CHARS)}
+    try:
+        return [table[c] for c in text]
+    except KeyError as e:
+        raise DemoError(f"character {e.args[0]!r} is not in the demo's alphabet.") from None
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(CHARS[i - len(SPECIALS)] if i >= len(SPECIALS) else "" for i in ids)
+
+
+def load_documents(path: Path = CORPUS) -> list[str]:
+    """The corpus: documents separated by blank lines."""
+    if not path.is_file():
+        raise DemoError(f"the demo corpus {path} is missing; reinstall the package (it ships demo_data/).")
+    return [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+
+
+# -- stage 1: the target ----------------------------------------------------------------------
+
+
+def build_target(sizes: DemoSizes) -> Any:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    heads = max(2, sizes.hidden_size // 32)
+    config = Qwen3Config(
+        vocab_size=vocab_size(), hidden_size=sizes.hidden_size, intermediate_size=3 * sizes.hidden_size,
+        num_hidden_layers=sizes.target_layers, num_attention_heads=heads, num_key_value_heads=heads // 2 or 1,
+        head_dim=sizes.hidden_size // heads, max_position_embeddings=1024, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def train_target(model: Any, documents: list[str], sizes: DemoSizes, seed: int, log: Any = print) -> float:
+    """Next-token training on random windows of `<bos> doc <eos> <bos> doc <eos> ...`; returns the last loss."""
+    stream = torch.tensor([t for d in documents for t in [BOS_ID, *encode(d), EOS_ID]], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, sizes.target_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / sizes.target_steps))))
+    model.train()
+    loss_value = float("nan")
+    for step in range(sizes.target_steps):
+        starts = torch.randint(0, len(stream) - sizes.seq_len, (sizes.batch_size,), generator=g)
+        window = torch.stack([stream[s : s + sizes.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=window, labels=window).loss  # the model shifts the labels
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        loss_value = float(loss.detach())
+        if step % 100 == 0 or step == sizes.target_steps - 1:
+            log(f"  target step {step:4d}/{sizes.target_steps}  loss {loss_value:.3f}")
+    return loss_value
+
+
+# -- stage 2: completions ---------------------------------------------------------------------
+
+
+def cut_prompt(document: str, r: random.Random) -> list[int]:
+    """`<bos>` + the start of a document: a random cut in its first 40 % (at least 3 characters)."""
+    cut = r.randint(3, max(3, int(0.4 * len(document))))
+    return [BOS_ID, *encode(document[:cut])]
+
+
+def write_completions(model: Any, documents: list[str], path: Path, sizes: DemoSizes, seed: int) -> dict[str, int]:
+    """Target-generated (greedy) samples: `input_ids` = prompt + completion, `loss_mask` 0/1."""
+    r = random.Random(seed)
+    prompts = [cut_prompt(d, r) for d in documents[: sizes.num_completions]]
+    config = DecodeConfig(max_new_tokens=sizes.completion_tokens, stop_token_ids=(EOS_ID,))
+    model.eval()
+    tokens = 0
+    with open(path, "w") as f:
+        for i in range(0, len(prompts), 64):
+            batch = prompts[i : i + 64]
+            for prompt, gen in zip(batch, target_generate(model, batch, config)):
+                ids = prompt + gen.tokens
+                tokens += len(ids)
+                f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(gen.tokens)}) + "\n")
+    return {"samples": len(prompts), "tokens": tokens}
+
+
+def write_prompts(documents: list[str], path: Path, seed: int) -> None:
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for d in documents:
+            f.write(json.dumps({"input_ids": cut_prompt(d, r)}) + "\n")
+
+
+# -- stages 3-5: the pipeline's own commands ---------------------------------------------------
+
+
+def run_stage(name: str, module: str, args: list[str], log_path: Path) -> None:
+    """Run the `main` of `module` (the console script's code) in a child process; output to log_path."""
+    command = [sys.executable, "-c", f"import sys; sys.argv[0] = {name!r}; from {module} import main; main()", *args]
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+        raise DemoError(f"{name} failed with status {done.returncode} (full log in {log_path}):\n{tail}")
+
+
+def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -> dict[str, Any]:
+    """All five stages; returns the report (also written to workdir/demo_report.json)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal start
+        timings[name] = round(time.perf_counter() - start, 1)
+        log(f"  ({timings[name]:.1f} s)")
+        start = time.perf_counter()
+
+    documents = load_documents()
+    held_out = documents[-max(sizes.eval_prompts, len(documents) // 20):]
+    train_docs = documents[: len(documents) - len(held_out)]
+    random.Random(seed).shuffle(train_docs)
+
+    log(f"[1/5] training a {sizes.target_layers}-layer, {sizes.hidden_size}-wide character-level target "
+        f"on {len(train_docs)} documents")
+    torch.manual_seed(seed)
+    target = build_target(sizes)
+    target_loss = train_target(target, train_docs, sizes, seed, log)
+    target_dir = workdir / "target"
+    target.save_pretrained(str(target_dir))
+    lap("target")
+
+    log(f"[2/5] target-generated completions for {sizes.num_completions} corpus prompts")
+    data = workdir / "completions.jsonl"
+    stats = write_completions(target, train_docs, data, sizes, seed)
+    prompts = workdir / "heldout_prompts.jsonl"
+    write_prompts(held_out[: sizes.eval_prompts], prompts, seed + 1)
+    log(f"  {stats['samples']} samples, {stats['tokens']} tokens -> {data}")
+    lap("completions")
+
+    log("[3/5] dflash-extract")
+    cache = workdir / "cache"
+    run_stage("dflash-extract", "dflash.extract.cli", [
+        "--target-model", str(target_dir), "--data", str(data), "--output", str(cache),
+        "--target-layer-ids", ",".join(map(str, TARGET_LAYER_IDS)), "--dtype", "fp32", "--device", "cpu",
+        "--codec", "bf16", "--num-writers", "0", "--force", "--no-progress"], workdir / "extract.log")
+    lap("extract")
+
+    log("[4/5] dflash-train")
+    run_dir = workdir / "run"
+    run_stage("dflash-train", "dflash.train.cli", [
+        "--cache", str(cache), "--target-model", str(target_dir), "--output-dir", str(run_dir),
+        "--max-steps", str(sizes.drafter_steps), "--block-size", str(sizes.block_size),
+        "--num-draft-layers", str(sizes.drafter_layers), "--seed", str(seed), "--epochs", "1000",
+        "--lr", str(sizes.drafter_lr), "--max-anchors", str(sizes.max_anchors),
+        "--max-batch-size", str(sizes.drafter_batch_size), "--num-workers", "0", "--dtype", "fp32",
+        "--device", "cpu", "--save-interval", "0", "--log-interval", "50", "--no-progress", "--no-tensorboard"],
+        workdir / "train.log")
+    lap("train")
+
+    log("[5/5] dflash-eval on held-out prompts")
+    report = run_eval(str(target_dir), str(run_dir / "final"), [str(prompts)],
+                      max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="float32")
+    log(format_report(report))
+    lap("eval")
+
+    result = {"sizes": asdict(sizes), "seed": seed, "target_final_loss": target_loss,
+              "completions": stats, "timings_s": timings, "eval": report}
+    (workdir / "demo_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--workdir", default="dflash-demo", show_default=True, type=click.Path(file_okay=False),
+              help="Where the target, data, cache, run and report go.")
+@click.option("--small", is_flag=True, help="A reduced run (about a minute) for tests.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def main(workdir: str, small: bool, seed: int) -> None:
+    """Train a small target on the shipped corpus, then extract, train and evaluate a DFlash drafter."""
+    sizes = SMALL if small else DemoSizes()
+    begin = time.perf_counter()
+    try:
+        result = run_demo(Path(workdir), sizes, seed)
+    except DflashError as e:
+        click.echo(f"dflash-demo: error: {e}", err=True)
+        sys.exit(2)
+    r = result["eval"]["prompt_sets"][0]
+    click.echo(f"\ndemo done in {time.perf_counter() - begin:.0f} s: tau {r['tau']:.2f} "
+               f"(block {result['eval']['settings']['block_size']}), speedup {r['speedup']:.2f}x, "
+               f"lossless {'yes' if r['lossless'].get('identical') else 'NO'}; report in {workdir}/demo_report.json")
+
+
+if __name__ == "__main__":
+    main()
