@@ -1,0 +1,84 @@
+"""Greedy speculative decoding outputs exactly the target's own greedy tokens (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash.train.speculative import (
+    DecodeConfig,
+    acceptance_summary,
+    speculative_generate,
+    target_generate,
+)
+from test_eval_support import PERIOD, periodic_ids, tiny_drafter, tiny_target
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    return {"untrained": tiny_drafter(target, steps=0), "trained": tiny_drafter(target, steps=150)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Periodic prompts of different lengths (the trained pair accepts a lot) and a random one."""
+    g = torch.Generator().manual_seed(11)
+    ids = periodic_ids(g, 3, 3 * PERIOD)
+    return [ids[0, :7].tolist(), ids[1, :12].tolist(), ids[2, :PERIOD].tolist(),
+            torch.randint(4, 32, (9,), generator=g).tolist()]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """The target's greedy output, one prompt at a time."""
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    return [target_generate(target, [p], config)[0].tokens for p in prompts]
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_speculative_output_equals_the_target_greedy_output(target, drafters, prompts, reference, which, batch_size):
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    gens = []
+    for i in range(0, len(prompts), batch_size):
+        gens += speculative_generate(target, drafters[which], prompts[i : i + batch_size], config)
+    assert [g.tokens for g in gens] == reference
+    tau = acceptance_summary(gens)["tau"]
+    if which == "trained":
+        assert tau > 2.0  # acceptance differs a lot between the drafters, the output does not
+    else:
+        assert tau < 1.5
+
+
+def test_batched_target_only_decoding_equals_one_prompt_at_a_time(target, prompts, reference):
+    gens = target_generate(target, prompts, DecodeConfig(max_new_tokens=NEW_TOKENS))
+    assert [g.tokens for g in gens] == reference
+    # The reference itself is the target's plain greedy continuation (no cache, no padding).
+    for prompt, want in zip(prompts, reference):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                ids = torch.cat([ids, target(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+        assert ids[0, len(prompt):].tolist() == want
+
+
+@pytest.mark.parametrize("block_size", [2, 3])
+def test_blocks_smaller_than_trained_stay_lossless(target, drafters, prompts, reference, block_size):
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, block_size=block_size)
+    gens = speculative_generate(target, drafters["trained"], prompts, config)
+    assert [g.tokens for g in gens] == reference
+    assert max(n for g in gens for n in g.acceptance_lengths) <= block_size
+
+
+def test_stop_tokens_end_each_sequence_where_the_target_would(target, drafters, prompts, reference):
+    stop = reference[1][6]
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, stop_token_ids=(stop,))
+    want = [r[: r.index(stop) + 1] if stop in r else r for r in reference]
+    assert [g.tokens for g in target_generate(target, prompts, config)] == want
+    assert [g.tokens for g in speculative_generate(target, drafters["trained"], prompts, config)] == want
