@@ -27,6 +27,7 @@ from .speculative import (
     target_generate,
 )
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -222,12 +223,13 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
             f"{n_layers}; it was trained for another model."
         )
     tokenizer = None
-    try:
-        from transformers import AutoTokenizer
+    if any((Path(target_dir) / name).is_file() for name in TOKENIZER_FILES):
+        try:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    except Exception:  # noqa: BLE001 - a tokenizer is optional: prompts are ids by default
-        tokenizer = None
+            tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+        except Exception:  # noqa: BLE001 - a tokenizer is optional: prompts are ids by default
+            tokenizer = None
     return model.to(device).eval(), drafter.to(device).eval(), tokenizer
 
 
