@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -12,6 +13,18 @@ from .config import ExtractConfig, ExtractConfigError, load_config_file, parse_l
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+
+
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM outside the extraction loop (which installs its own graceful handler)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, _frame) -> None:
+    raise _Interrupted(signum)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -57,6 +70,10 @@ def main(ctx: click.Context, config_file: str | None, **flags) -> None:
     (torchrun, or --rank/--world-size) can fill one cache. Exit status: 0 done, 1 error,
     2 usage error, 130 stopped by SIGINT, 143 stopped by SIGTERM.
     """
+    # Until the extraction loop takes over signals (and after it), SIGINT/SIGTERM stop the run at
+    # once: nothing is committed outside the loop, so there is nothing to finish.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _interrupt)
     try:
         config = build_config(ctx, config_file, flags)
         from .pipeline import run_extraction  # torch/transformers load only when needed
@@ -65,6 +82,11 @@ def main(ctx: click.Context, config_file: str | None, **flags) -> None:
     except DflashError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(EXIT_USAGE if isinstance(e, ExtractConfigError) else EXIT_ERROR)
+    except (_Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
+        click.echo(f"dflash-extract stopped by {signal.Signals(signum).name} outside the extraction "
+                   "loop; committed parts are kept. Rerun the same command to resume.", err=True)
+        sys.exit(128 + signum)
     click.echo(summary.format(), err=True)
     for skip in summary.skips[:20]:
         click.echo(f"  skipped {skip['where']}: {skip['reason']}", err=True)
