@@ -82,16 +82,23 @@ class CacheWriter:
                 f"Cannot create the cache directory {self.cache_dir}: {e.strerror}. Choose a "
                 "writable location with free space."
             ) from e
-        with file_lock(self.cache_dir / LOCK_FILE):
-            if (self.cache_dir / HEADER_FILE).exists():
-                if force:
-                    self._wipe()
-                else:
-                    manifest = read_manifest(self.cache_dir)
-                    check_identity(manifest, self.header, what="extraction")
-            if not (self.cache_dir / HEADER_FILE).exists():
-                atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
-            self._remove_orphans_locked()
+        try:
+            with file_lock(self.cache_dir / LOCK_FILE):
+                if (self.cache_dir / HEADER_FILE).exists():
+                    if force:
+                        self._wipe()
+                    else:
+                        manifest = read_manifest(self.cache_dir)
+                        check_identity(manifest, self.header, what="extraction")
+                if not (self.cache_dir / HEADER_FILE).exists():
+                    atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
+                self.removed_orphans = self._remove_orphans_locked()
+        except OSError as e:
+            raise CacheError(
+                f"Cannot write to the cache at {self.cache_dir}: {e.strerror or e}"
+                f"{f' ({e.filename})' if e.filename else ''}. Make the directory writable (or free "
+                "space), then rerun."
+            ) from e
 
     def _wipe(self) -> None:
         """--force: remove the old cache's manifest and parts (only cache files)."""
@@ -260,6 +267,48 @@ class PartWriter:
         self._sample_ids.append(int(sample_id))
         self._lengths.append(tokens)
 
+    def add_samples(
+        self,
+        sample_ids: Any,
+        lengths: Any,
+        input_ids: Any,
+        loss_mask: Any,
+        hidden: np.ndarray,
+        **extras: np.ndarray,
+    ) -> None:
+        """Add many consecutive samples at once from arrays already in storage form.
+
+        `hidden` (and each of `extras`: hidden_scale, last_hidden, ...) holds the rows of all
+        samples back to back, `lengths` their token counts. No per-sample copies are made:
+        this is the path that extraction's writer processes use for whole parts.
+        """
+        lengths = [int(n) for n in lengths]
+        sample_ids = [int(i) for i in sample_ids]
+        if len(lengths) != len(sample_ids) or any(n <= 0 for n in lengths):
+            raise CacheError(
+                f"Part {self.name}: {len(sample_ids)} sample ids for {len(lengths)} lengths, or "
+                "an empty sample; every sample needs at least one token."
+            )
+        tokens = sum(lengths)
+        cols = {"input_ids": _as_numpy(input_ids, np.int32), "loss_mask": _as_numpy(loss_mask, np.uint8),
+                "hidden": hidden, **extras}
+        width = self.cache.num_layers * self.cache.hidden_size
+        for key, arr in cols.items():
+            if arr.shape[0] != tokens:
+                raise CacheError(f"Part {self.name}: {key} has {arr.shape[0]} rows, the samples {tokens}.")
+        if hidden.dtype != self.cache.codec.storage_dtype or hidden.shape[1] != width:
+            raise CacheError(
+                f"Part {self.name}: hidden must be {self.cache.codec.storage_dtype} rows of width "
+                f"{width}, got {hidden.dtype} x {hidden.shape[1]}."
+            )
+        if self.cache.codec.has_scale and "hidden_scale" not in extras:
+            raise CacheError(f"Part {self.name}: fp8 rows need their hidden_scale array.")
+        self._check_extras(sample_ids[0] if sample_ids else -1, cols)
+        for key, arr in cols.items():
+            self._cols.setdefault(key, []).append(arr)
+        self._sample_ids += sample_ids
+        self._lengths += lengths
+
     def _check_extras(self, sample_id: int, cols: dict[str, np.ndarray]) -> None:
         extras = self.cache.header["extras"]
         if bool(extras.get("last_hidden")) != ("last_hidden" in cols):
@@ -321,7 +370,8 @@ def write_part_group(
     chunk_rows, shard_rows = int(hdr["chunk_rows"]), int(hdr["shard_rows"])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    arrays = {key: np.concatenate(parts) for key, parts in cols.items()}
+    # A part added in one piece (add_samples) is written from its buffer without a copy.
+    arrays = {key: parts[0] if len(parts) == 1 else np.concatenate(parts) for key, parts in cols.items()}
     arrays["offsets"] = offsets
     arrays["sample_ids"] = np.asarray(sample_ids, dtype=np.int64)
     big = {"hidden", "last_hidden", "topk_ids", "topk_logprobs"}

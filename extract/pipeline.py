@@ -208,7 +208,33 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     return summary
 
 
+class StageTimer:
+    """Wall time of the main loop's stages, printed at the end with DFLASH_PROFILE_EXTRACT=1."""
+
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("DFLASH_PROFILE_EXTRACT"))
+        self.totals: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.totals[name] = timer.totals.get(name, 0.0) + time.perf_counter() - self.t
+
+        return _Span()
+
+    def report(self) -> None:
+        if self.enabled:
+            print("main-loop stages (s): " + ", ".join(f"{k} {v:.2f}" for k, v in self.totals.items()),
+                  file=sys.stderr, flush=True)
+
+
 def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary) -> None:
+    timer = StageTimer()
     committed = cache.committed()
     sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
     written_bytes = 0
@@ -224,21 +250,26 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
                 summary.parts_done_before += 1
                 progress.skip(plan)
                 continue
-            buf = pool.new_buffer(plan)
+            with timer("new_buffer"):
+                buf = pool.new_buffer(plan)
             open_buffers.append(buf)
             for batch in make_batches(plan.samples, config.token_budget):
                 yield buf, batch
 
     def unpack(buf: PartBuffer, handle: Pending) -> None:
         nonlocal written_bytes
-        buf.put(handle.batch.members, engine.wait(handle))
+        with timer("wait"):
+            rows = engine.wait(handle)
+        with timer("put"):
+            buf.put(handle.batch.members, rows)
         summary.padded_tokens += handle.batch.padded_tokens
         if not buf.complete:
             return
         open_buffers.remove(buf)
         plan = buf.plan
-        pool.submit(buf)
-        pool.poll()
+        with timer("submit"):
+            pool.submit(buf)
+            pool.poll()
         summary.parts_written += 1
         summary.samples += len(plan.samples)
         summary.tokens += plan.num_tokens
@@ -255,7 +286,8 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
     for buf, batch in own_batches():
         if stop.signum is not None:
             break
-        handle = engine.launch(batch)  # enqueue batch i before unpacking batch i-1
+        with timer("launch"):
+            handle = engine.launch(batch)  # enqueue batch i before unpacking batch i-1
         if pending is not None:
             unpack(*pending)
         pending = (buf, handle)
@@ -264,3 +296,4 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
     for buf in open_buffers:  # stopped midway: the unfinished part is redone on resume
         pool.discard(buf)
     summary.interrupted_by = stop.signum
+    timer.report()

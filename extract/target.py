@@ -148,7 +148,7 @@ class LayerCapture:
         self._handles = []
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Captured:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Captured:
         self._out = {}
         try:
             self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
