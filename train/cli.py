@@ -102,12 +102,16 @@ def main() -> None:
               help="JSON or YAML file of settings (keys as the flags, with - or _); flags override it.")
 def run(config_file: str | None, **flags: Any) -> None:
     """Train (or resume) a drafter; see `dflash-train --help` for the overview."""
+    from .distributed import shutdown_distributed
     from .loop import train  # imported here so that --help stays fast
 
     file_values = load_config_file(config_file) if config_file else {}
     flags = {k: (list(v) if isinstance(v, tuple) and k in ("cache", "eval_cache") else v) for k, v in flags.items()}
     config = make_config(file_values, flags)
-    result = train(config)
+    try:
+        result = train(config)
+    finally:
+        shutdown_distributed()  # a rank that exits without it can break its peers' last collective
     if result.exit_status:
         sys.exit(result.exit_status)
 

@@ -64,18 +64,23 @@ def init_distributed(device: str | None = None) -> DistInfo:
 
 def shutdown_distributed() -> None:
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
-    """DDP (replicated) or FSDP2 (each draft layer and the root sharded); as is on one process."""
+    """DDP (replicated) or FSDP2 (sharded); as is on one process.
+
+    FSDP shards the whole drafter as one unit: its forward projects the fused context through
+    every layer's k/v before any layer runs, so a per-layer unit would be used outside its own
+    forward. Parameters are gathered for the forward and the backward; gradients and the AdamW
+    state (3/4 of the training memory of the weights) stay sharded.
+    """
     if not info.distributed:
         return model
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.layers:
-            fully_shard(layer)
         fully_shard(model)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -93,9 +98,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInf
                with_optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full (unsharded) model and optimizer state dicts on the CPU, keyed by parameter name.
 
-    Under FSDP this is collective (every rank calls it; rank 0 gets the result). Replicated
-    models are copied by rank 0 only; other ranks get empty dicts. The keys do not depend on
-    the wrapping or the world size, so any run can load them.
+    Collective: every rank calls it; rank 0 gets the result, other ranks empty dicts (with
+    cpu_offload only rank 0 keeps a copy). The keys do not depend on the wrapping or the world
+    size, so any run can load them.
     """
     # (imported here: torch.distributed.checkpoint takes ~0.6 s to import)
     from torch.distributed.checkpoint.state_dict import (
@@ -104,21 +109,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInf
         get_optimizer_state_dict,
     )
 
-    sharded = _is_fsdp(model)
-    if not (sharded or info.is_main):
-        return {}, {}
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=full)
     optim_state = get_optimizer_state_dict(model, optimizer, options=full) if with_optimizer else {}
     return model_state, optim_state
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule)
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict[str, Any],

@@ -112,7 +112,8 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     metrics = RunningMetrics(drafter.config.block_size, info.device)
     profiler = StepProfiler(cfg.profile_interval, info.device)
-    last, saved_step, last_checkpoint, eval_metrics = {}, step, checkpoints.latest(), None
+    # saved_step: the step of the newest checkpoint (the one resumed from, or none yet: -1)
+    last, saved_step, last_checkpoint, eval_metrics = {}, (step if step else -1), checkpoints.latest(), None
     log.start(total_steps, step)
     with StopRequest() as stop:
         while step < total_steps:
@@ -165,7 +166,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log.close()
                 return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics)
 
-    if saved_step != step or last_checkpoint is None:
+    if saved_step != step:
         last_checkpoint = save(step)
     if (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
         log.log(step, "eval", eval_metrics)

@@ -54,6 +54,8 @@ class RunningMetrics:
 
     @torch.no_grad()
     def add_step(self, grad_norm: torch.Tensor | float, data_wait_seconds: float) -> None:
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
         self.scalars[7] += torch.as_tensor(grad_norm, device=self.device).double()
         self.scalars[8] += 1
         self.scalars[9] += data_wait_seconds
