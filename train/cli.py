@@ -59,8 +59,8 @@ def _option_for(f: Any, hints: dict[str, Any]) -> click.Option:
     help_text = field_help().get(name, "")
     if default not in (None, [], "") and not isinstance(default, bool):
         help_text += f"  [default: {default if not isinstance(default, tuple) else ' '.join(map(str, default))}]"
-    base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    kind = base[0]
+    optional = type(None) in typing.get_args(hint)  # X | None
+    kind = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
     if kind is bool:
         return click.Option([f"--{flag(name)}/--no-{flag(name)}", name], default=None,
                             help=help_text + f"  [default: {'on' if default else 'off'}]")
