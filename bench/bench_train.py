@@ -1,0 +1,205 @@
+"""Training throughput of a Qwen3-8B-shaped drafter through the real trainer (loop, loader, workers).
+
+Writes a synthetic target (config.json + embed_tokens/lm_head/norm only, random bf16) and a
+synthetic bf16 cache under --workdir, runs `dflash.train.loop.train` on it, and prints context
+tokens/s, achieved model FLOP/s and its fraction of the bf16 peak, the data-wait fraction and
+peak GPU memory.
+
+    python bench/bench_train.py --workdir /dev/shm/dflash-bench            # one H200
+    python bench/bench_train.py --small --workdir /tmp/dflash-bench-small  # CPU smoke run
+
+Model FLOPs per sample (T context tokens, A anchors, B block size, Q = A*B block tokens, L draft
+layers, D hidden, K target layers, Hq/Hkv heads of width d, I MLP width, V vocab); forward
+counts, times 3 for a trained matmul (forward + input grad + weight grad), times 2 where one
+gradient is not needed:
+  fc         2*T*(K*D)*D                         x2 (its input, the cache, needs no grad)
+  context kv L * 2*T*D*(2*Hkv*d)                 x3
+  block qkvo L * 2*Q*D*(2*Hq*d + 2*Hkv*d)        x3
+  mlp        L * 2*Q*3*D*I                       x3
+  attention  L * 4*Q*Hq*d*(T/2 + B)              x3 (keys actually visible: the context before
+                                                     the anchor, T/2 on average, plus the block)
+  lm_head    2*A*(B-1)*D*V                       x2 (frozen: input grad only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PEAK_FLOPS = 790e12  # measured bf16 dense peak of one H200
+
+
+@dataclass
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    target_layers: int
+    draft_layers: int
+    block_size: int
+    anchors: int
+    seq_len: int
+
+
+FULL = Shape(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936,
+             target_layers=36, draft_layers=5, block_size=16, anchors=512, seq_len=3072)
+SMALL = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
+              target_layers=8, draft_layers=2, block_size=8, anchors=32, seq_len=256)
+LAYER_IDS = {36: [1, 9, 17, 25, 33], 8: [1, 2, 3, 4, 5]}
+
+
+def flops_per_sample(s: Shape, context: int, anchors: int) -> float:
+    k = len(LAYER_IDS[s.target_layers])
+    q = anchors * s.block_size
+    d, hq, hkv, hd = s.hidden, s.heads, s.kv_heads, s.head_dim
+    fc = 2 * context * k * d * d * 2
+    ctx_kv = s.draft_layers * 2 * context * d * 2 * hkv * hd * 3
+    block = s.draft_layers * 2 * q * d * (2 * hq * hd + 2 * hkv * hd) * 3
+    mlp = s.draft_layers * 2 * q * 3 * d * s.intermediate * 3
+    attention = s.draft_layers * 4 * q * hq * hd * (context / 2 + s.block_size) * 3
+    lm_head = 2 * anchors * (s.block_size - 1) * d * s.vocab * 2
+    return float(fc + ctx_kv + block + mlp + attention + lm_head)
+
+
+def write_target(path: Path, s: Shape) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    path.mkdir(parents=True, exist_ok=True)
+    Qwen3Config(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                head_dim=s.head_dim, intermediate_size=s.intermediate, vocab_size=s.vocab,
+                num_hidden_layers=s.target_layers, max_position_embeddings=40960,
+                tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"]).save_pretrained(str(path))
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(s.vocab, s.hidden, generator=g).to(torch.bfloat16),
+        "lm_head.weight": (torch.randn(s.vocab, s.hidden, generator=g) / s.hidden**0.5).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(s.hidden, dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _header(s: Shape) -> dict:
+    from dflash.cache_tools.codecs import HiddenCodec
+    from dflash.cache_tools.manifest import make_header
+
+    return make_header(
+        target={"path": "synthetic", "architecture": "Qwen3ForCausalLM", "hidden_size": s.hidden,
+                "num_hidden_layers": s.target_layers, "vocab_size": s.vocab},
+        target_layer_ids=LAYER_IDS[s.target_layers], hidden_size=s.hidden, codec=HiddenCodec(name="bf16"),
+        data={"name": "synthetic"},
+    )
+
+
+def _write_part(args: tuple[str, Shape, int, int]) -> int:
+    from dflash.cache_tools.writer import CacheWriter
+
+    cache, s, part, samples = args
+    torch.set_num_threads(1)
+    writer = CacheWriter(cache, _header(s))
+    g = torch.Generator().manual_seed(part)
+    width = len(LAYER_IDS[s.target_layers]) * s.hidden
+    base = torch.randn(s.seq_len + samples, width, generator=g).to(torch.bfloat16)
+    with writer.part_writer(f"part-{part:06d}") as pw:
+        for i in range(samples):
+            ids = torch.randint(0, s.vocab - 1, (s.seq_len,), generator=g)
+            mask = torch.ones(s.seq_len, dtype=torch.uint8)
+            mask[: s.seq_len // 10] = 0  # a prompt, then the completion
+            pw.add_sample(part * samples + i, ids, mask, base[i:i + s.seq_len])
+    return samples
+
+
+def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int) -> None:
+    from dflash.cache_tools.writer import CacheWriter
+
+    CacheWriter(path, _header(s))  # create it once, before the writers open it
+    jobs = [(str(path), s, p, per_part) for p in range(samples // per_part)]
+    with multiprocessing.get_context("fork").Pool(writers) as pool:
+        pool.map(_write_part, jobs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/dev/shm/dflash-bench", help="where the target, cache and run go")
+    parser.add_argument("--small", action="store_true", help="tiny shape on the CPU (a smoke run of the bench)")
+    parser.add_argument("--samples", type=int, default=None, help="cache samples (default 256; small: 32)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 100; small: 10)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="unmeasured first steps (default 20; small: 4)")
+    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; small: 2)")
+    parser.add_argument("--writers", type=int, default=min(14, os.cpu_count() or 1), help="cache writer processes")
+    parser.add_argument("--compile", action="store_true", help="also torch.compile the draft layers")
+    parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
+    a = parser.parse_args()
+
+    from dflash.train.config import TrainConfig
+    from dflash.train.loop import train
+
+    shape = SMALL if a.small else FULL
+    samples = a.samples or (32 if a.small else 256)
+    steps, warmup = a.steps or (10 if a.small else 100), a.warmup_steps or (4 if a.small else 20)
+    workers = a.num_workers if a.num_workers is not None else (2 if a.small else 8)
+    work = Path(a.workdir)
+    target, cache, run = work / "target", work / "cache", work / "run"
+    shutil.rmtree(run, ignore_errors=True)
+
+    start = time.perf_counter()
+    if not (target / "model.safetensors").exists():
+        write_target(target, shape)
+    if not (cache / "manifest.json").exists():
+        write_cache(cache, shape, samples, per_part=8 if not a.small else 4, writers=a.writers)
+    prepared = time.perf_counter() - start
+    print(f"target + cache ready in {prepared:.1f} s ({cache})", flush=True)
+
+    config = TrainConfig(
+        cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
+        block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len, max_batch_size=1,
+        max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
+        max_steps=warmup + steps, log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
+        progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
+    )
+    if warmup % config.log_interval or steps % config.log_interval:
+        config.log_interval = 1
+    train_start = time.perf_counter()
+    train(config)
+    trained = time.perf_counter() - train_start
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in records if r["kind"] == "train" and r["step"] > warmup]
+    seconds = sum(r["seconds_per_step"] * config.log_interval for r in measured)
+    n = len(measured) * config.log_interval
+    step_time = seconds / n
+    context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
+    anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.log_interval
+                  for r in measured) / n / shape.block_size
+    flops = flops_per_sample(shape, int(round(context)), int(round(anchors)))
+    wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
+    result = {
+        "shape": "small (CPU)" if a.small else "Qwen3-8B drafter (5 layers), K=5, B=16",
+        "context_tokens_per_step": context, "anchors_per_step": anchors,
+        "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
+        "model_tflop_per_step": flops / 1e12, "model_tflops": flops / step_time / 1e12,
+        "fraction_of_peak": flops / step_time / PEAK_FLOPS, "data_wait_fraction": wait,
+        "peak_gpu_memory_gib": max(r["gpu_mem_gib"] for r in measured),
+        "prepare_seconds": prepared, "train_seconds_incl_startup_and_final_checkpoint": trained,
+    }
+    print(json.dumps(result, indent=1))
+    if not a.keep:
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
