@@ -14,9 +14,12 @@ import pytest
 import torch
 from dflash.train.loop import train
 from safetensors.torch import load_file
-from test_train_support import read_metrics, tiny_train_config
+from test_train_support import build_tiny_world, read_metrics, tiny_train_config
 
-pytest_plugins = ["test_train_support"]  # the tiny_world fixture
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> dict[str, Path]:
+    return build_tiny_world(tmp_path_factory)
 
 SETTINGS = dict(max_steps=6, save_interval=3, keep_checkpoints=5, epochs=3)
 

@@ -16,9 +16,18 @@ import pytest
 from click.testing import CliRunner
 from dflash.train.cli import main
 from dflash.train.loop import train
-from test_train_support import assert_same_weights, final_weights, read_metrics, tiny_train_config
+from test_train_support import (
+    assert_same_weights,
+    build_tiny_world,
+    final_weights,
+    read_metrics,
+    tiny_train_config,
+)
 
-pytest_plugins = ["test_train_support"]  # the tiny_world fixture
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> dict[str, Path]:
+    return build_tiny_world(tmp_path_factory)
 
 STEPS = 30
 SETTINGS = dict(max_steps=STEPS, epochs=5, grad_accum=2, save_interval=3, keep_checkpoints=2, num_workers=1,

@@ -89,11 +89,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+_WORLD: dict[str, Path] = {}
+
+
+def build_tiny_world(tmp_path_factory) -> dict[str, Path]:
+    """One tiny target and one tiny cache, built once per test session (read-only for tests)."""
+    if not _WORLD:
+        root = tmp_path_factory.mktemp("tiny-world")
+        _WORLD.update(target=save_tiny_target(root / "target"), cache=write_tiny_cache(root / "cache"))
+    return dict(_WORLD)
+
+
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory) -> dict[str, Path]:
-    """One tiny target and one tiny cache shared by the trainer tests of a session."""
-    root = tmp_path_factory.mktemp("tiny-world")
-    return {"target": save_tiny_target(root / "target"), "cache": write_tiny_cache(root / "cache")}
+    return build_tiny_world(tmp_path_factory)
 
 
 # -- batch plans and the loader position --------------------------------------------------------

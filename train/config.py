@@ -301,5 +301,6 @@ def coerce_value(name: str, value: Any) -> Any:
 def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> TrainConfig:
     """TrainConfig from a config file's values with flag values on top (flags win)."""
     values = {k: coerce_value(k, v) for k, v in file_values.items()}
-    values.update({k: v for k, v in overrides.items() if v is not None and v != ()})
+    # None / empty: the flag was not given (click's default), so the file's value stands.
+    values.update({k: v for k, v in overrides.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
     return TrainConfig(**values)
