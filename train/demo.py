@@ -78,8 +78,9 @@ class DemoSizes:
     """dflash-eval --max-new-tokens."""
 
 
-SMALL = DemoSizes(hidden_size=96, target_layers=4, target_steps=300, batch_size=16, num_completions=300,
-                  completion_tokens=64, drafter_steps=250, eval_prompts=8, eval_new_tokens=64)
+SMALL = DemoSizes(hidden_size=96, target_steps=120, batch_size=16, num_completions=200, completion_tokens=48,
+                  drafter_steps=100, drafter_batch_size=16, eval_prompts=6, eval_new_tokens=48)
+"""The reduced run of `--small` (tests)."""
 TARGET_LAYER_IDS = (1, 3)
 
 

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The embedded demo: install the package and run the whole pipeline on CPU (a few minutes,
+# no network besides the install): a small target trained on the shipped corpus, target
+# completions, dflash-extract, dflash-train, dflash-eval. Extra arguments go to dflash-demo,
+# e.g. `bash demo.sh --workdir /tmp/demo` or `bash demo.sh --small`.
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 -m pip install torch==2.13.0
+python3 -m pip install -e .
+dflash-demo "$@"

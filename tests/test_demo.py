@@ -1,0 +1,45 @@
+"""The embedded demo: shipped corpus, and the whole pipeline at reduced size reaching tau >= 2."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import runpy
+
+import pytest
+from dflash.train import demo
+
+
+def test_corpus_is_shipped_small_reproducible_and_in_the_alphabet():
+    assert demo.CORPUS.is_file() and demo.CORPUS.stat().st_size < 1_000_000
+    documents = demo.load_documents()
+    assert len(documents) > 1000
+    for d in documents:
+        assert demo.decode(demo.encode(d)) == d
+    assert demo.vocab_size() >= len(demo.SPECIALS) + len(demo.CHARS)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(demo.CORPUS.parent / "make_corpus.py"), run_name="__main__")
+    assert out.getvalue() == demo.CORPUS.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path):
+    result = demo.run_demo(tmp_path, demo.SMALL, seed=0, log=lambda *_: None)
+
+    # (a) target saved in HF format; (b) completions with 0/1 loss masks; (c)-(e) cache, run, export.
+    assert (tmp_path / "target" / "config.json").is_file()
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == demo.SMALL.num_completions
+    for r in records[:20]:
+        mask = r["loss_mask"]
+        assert len(mask) == len(r["input_ids"]) and mask[0] == 0 and mask[-1] == 1
+        assert mask == sorted(mask)  # prompt zeros, then completion ones
+    assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+    # (f) held-out prompts: lossless, and the drafter accepts >= 2 tokens per cycle on average.
+    [report] = result["eval"]["prompt_sets"]
+    assert report["lossless"]["identical"]
+    assert report["tau"] >= 2.0, report
+    assert json.loads((tmp_path / "demo_report.json").read_text())["eval"]["prompt_sets"][0]["tau"] == report["tau"]
