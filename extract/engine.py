@@ -4,8 +4,8 @@
 layer, a gather of the real (unpadded) tokens, fp8 quantization when the codec asks for it,
 and asynchronous copies into pinned host buffers followed by an event. `wait(handle)`
 blocks on that event and returns numpy views of the host rows. Two sets of host buffers
-alternate, so the main loop can launch batch i+1 before it unpacks batch i and the GPU never
-waits for the host.
+rotate, so the main loop can launch batch i+1 while a copier thread unpacks batch i and
+the GPU never waits for the host.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class Pending:
 
 
 class ExtractionEngine:
+    # Host buffer sets in rotation: the batch being computed, the one being copied out, and
+    # one spare so that launching never waits for the copy of the batch before last.
+    NUM_SLOTS = 3
+
     def __init__(self, model: nn.Module, capture: LayerCapture, codec: HiddenCodec, *,
                  device: torch.device, topk: int, min_rows: int = 1024):
         self.model = model
@@ -47,7 +51,7 @@ class ExtractionEngine:
         self.topk = topk
         self.min_rows = min_rows
         self.cuda = device.type == "cuda"
-        self._slots: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
         self._launched = 0
 
     def _encode(self, h: torch.Tensor, num_layers: int, prefix: str) -> dict[str, torch.Tensor]:
@@ -87,7 +91,7 @@ class ExtractionEngine:
             if self.topk:
                 ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
                 out["topk_ids"], out["topk_logprobs"] = ids_k.to(self.device), lp_k.to(self.device)
-        slot = self._launched % 2
+        slot = self._launched % self.NUM_SLOTS
         self._launched += 1
         for name, t in out.items():
             self._host(slot, name, t).copy_(t, non_blocking=self.cuda)

@@ -11,7 +11,9 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -256,12 +258,18 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
             for batch in make_batches(plan.samples, config.token_budget):
                 yield buf, batch
 
-    def unpack(buf: PartBuffer, handle: Pending) -> None:
-        nonlocal written_bytes
+    def copy_rows(buf: PartBuffer, handle: Pending) -> None:
+        # Runs on the copier thread: waiting on the batch's event and numpy's copy both
+        # release the GIL, so the main thread keeps launching while rows move to the part.
         with timer("wait"):
             rows = engine.wait(handle)
         with timer("put"):
             buf.put(handle.batch.members, rows)
+
+    def finish(buf: PartBuffer, handle: Pending, copied: Future) -> None:
+        nonlocal written_bytes
+        copied.result()
+        buf.mark_filled(len(handle.batch.members))
         summary.padded_tokens += handle.batch.padded_tokens
         if not buf.complete:
             return
@@ -282,17 +290,19 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
             time.sleep(sleep_per_part)
 
     open_buffers: list[PartBuffer] = []
-    pending: tuple[PartBuffer, Pending] | None = None
-    for buf, batch in own_batches():
-        if stop.signum is not None:
-            break
-        with timer("launch"):
-            handle = engine.launch(batch)  # enqueue batch i before unpacking batch i-1
-        if pending is not None:
-            unpack(*pending)
-        pending = (buf, handle)
-    if pending is not None:
-        unpack(*pending)
+    in_flight: deque[tuple[PartBuffer, Pending, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy") as copier:
+        for buf, batch in own_batches():
+            if stop.signum is not None:
+                break
+            with timer("launch"):
+                handle = engine.launch(batch)
+            in_flight.append((buf, handle, copier.submit(copy_rows, buf, handle)))
+            # The next launch reuses the host slot of the batch launched NUM_SLOTS ago.
+            while len(in_flight) >= engine.NUM_SLOTS - 1:
+                finish(*in_flight.popleft())
+        while in_flight:
+            finish(*in_flight.popleft())
     for buf in open_buffers:  # stopped midway: the unfinished part is redone on resume
         pool.discard(buf)
     summary.interrupted_by = stop.signum

@@ -103,7 +103,10 @@ class PartBuffer:
             for name, arr in self.arrays.items():
                 arr[lo:hi] = rows[name][pos:pos + hi - lo]
             pos += hi - lo
-        self.filled += len(members)
+
+    def mark_filled(self, count: int) -> None:
+        """Count samples whose rows are in place (called by the loop, in batch order)."""
+        self.filled += count
 
     @property
     def complete(self) -> bool:
