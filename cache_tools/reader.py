@@ -313,43 +313,58 @@ class CacheReader:
             self._token_offsets[part_idx] = off
         return off
 
-    def read_sample(self, index: int, *, max_tokens: int | None = None) -> dict[str, Any]:
-        """Sample `index` (global order: parts in commit order), optionally its first max_tokens."""
+    def read_sample(
+        self, index: int, *, max_tokens: int | None = None, out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, Any]:
+        """Sample `index` (global order: parts in commit order), optionally its first max_tokens.
+
+        `out` may hold preallocated bf16 tensors for "hidden" (and "last_hidden") with exactly
+        the sample's rows, e.g. a slice of a padded batch: chunks are decoded straight into
+        them, which saves a copy and the page faults of a fresh buffer per sample.
+        """
         part_idx, local = self.locate(index)
         off = self._offsets(part_idx)
         start, stop = int(off[local]), int(off[local + 1])
         if max_tokens is not None:
             stop = min(stop, start + max_tokens)
-        out = self.read_tokens(part_idx, start, stop)
-        out["sample_id"] = int(self._part(part_idx).small_array("sample_ids")[local])
-        return out
+        result = self.read_tokens(part_idx, start, stop, out=out)
+        result["sample_id"] = int(self._part(part_idx).small_array("sample_ids")[local])
+        return result
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
 
-    def _read_hidden(self, pf: _PartFiles, array: str, start: int, stop: int, layers: int) -> torch.Tensor:
+    def _read_hidden(self, pf: _PartFiles, array: str, start: int, stop: int,
+                     out: torch.Tensor | None) -> torch.Tensor:
         meta = pf.array_meta(array)
-        width = meta.shape[1]
+        shape = (stop - start, meta.shape[1])
+        if out is not None and (tuple(out.shape) != shape or out.dtype != torch.bfloat16
+                                or not out.is_contiguous()):
+            raise ValueError(f"out[{array!r}] must be a contiguous bfloat16 tensor of shape {shape}")
         if self._codec.has_scale:
-            q = np.empty((stop - start, width), dtype=np.uint8)
+            q = np.empty(shape, dtype=np.uint8)
             pf.read_rows(array, start, stop, q)
             scale = pf.small_array(array + "_scale")[start:stop]
             h = dequantize_fp8(torch.from_numpy(q), torch.from_numpy(scale))
+            if out is not None:
+                return out.copy_(h)
             return h.pin_memory() if self.pin_memory else h
-        h = self._empty((stop - start, width), torch.bfloat16)
+        h = out if out is not None else self._empty(shape, torch.bfloat16)
         pf.read_rows(array, start, stop, h.view(torch.int16).numpy())
         return h
 
-    def read_tokens(self, part_idx: int, start: int, stop: int) -> dict[str, Any]:
+    def read_tokens(self, part_idx: int, start: int, stop: int,
+                    out: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Token rows [start, stop) of one part (any range, also across sample boundaries)."""
         pf = self._part(part_idx)
+        into = out or {}
         out: dict[str, Any] = {
-            "hidden": self._read_hidden(pf, "hidden", start, stop, self.manifest.num_layers),
+            "hidden": self._read_hidden(pf, "hidden", start, stop, into.get("hidden")),
             "input_ids": torch.from_numpy(pf.small_array("input_ids")[start:stop].astype(np.int64)),
             "loss_mask": torch.from_numpy(pf.small_array("loss_mask")[start:stop].copy()),
         }
         if self.manifest.store_last_hidden:
-            out["last_hidden"] = self._read_hidden(pf, "last_hidden", start, stop, 1)
+            out["last_hidden"] = self._read_hidden(pf, "last_hidden", start, stop, into.get("last_hidden"))
         if self.manifest.topk:
             k = self.manifest.topk
             ids = np.empty((stop - start, k), dtype=np.int32)

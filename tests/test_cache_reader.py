@@ -137,3 +137,17 @@ def test_open_of_10000_parts_reads_only_the_manifest(tmp_path):
     touched_parts = {p.split("/parts/")[1].split("/")[0] for p in during_read}
     assert touched_parts == {"part-007500"}
     assert elapsed < 1.0, elapsed
+
+
+@pytest.mark.parametrize("codec", ["bf16", "raw", "fp8"])
+def test_decoding_into_a_slice_of_a_padded_batch_equals_a_plain_read(tmp_path, codec):
+    cache = tmp_path / "c"
+    make_cache(cache, codec)
+    reader = CacheReader(cache)
+    batch = torch.full((2, 120, 64), 7.0, dtype=torch.bfloat16)
+    got = reader.read_sample(1, max_tokens=90, out={"hidden": batch[1, :90]})
+    assert got["hidden"].data_ptr() == batch[1, :90].data_ptr()
+    np.testing.assert_array_equal(bits(batch[1, :90]), bits(reader.read_sample(1, max_tokens=90)["hidden"]))
+    assert bool((batch[1, 90:] == 7.0).all()) and bool((batch[0] == 7.0).all())  # nothing else touched
+    with pytest.raises(ValueError, match="contiguous bfloat16 tensor of shape"):
+        reader.read_sample(1, out={"hidden": batch[1, :50]})

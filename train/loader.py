@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.errors import ConfigMismatchError
+from dflash.cache_tools.errors import ConfigMismatchError, DflashError
 from dflash.cache_tools.manifest import diff_identity
 from dflash.cache_tools.reader import CacheReader
 
@@ -107,9 +107,9 @@ class CacheSet:
         cache = int(np.searchsorted(self.starts, index, side="right") - 1)
         return cache, index - int(self.starts[cache])
 
-    def read(self, index: int) -> dict[str, Any]:
+    def read(self, index: int, out: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         cache, local = self.locate(index)
-        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len)
+        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out)
 
     def identity(self) -> list[dict[str, Any]]:
         """What decides the samples: each cache's header identity and committed size (not its path)."""
@@ -186,13 +186,17 @@ def check_budget(lengths: np.ndarray, indices: np.ndarray, config: LoaderConfig)
 # -- collation --------------------------------------------------------------------------------
 
 
-def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Right-pad samples into the batch dict of `objective.compute_loss`."""
+def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad samples into the batch dict of `objective.compute_loss`.
+
+    `padded` holds batch tensors already filled in place (see `read_batch`); they are used as
+    they are instead of being assembled from the samples.
+    """
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.long)
     batch_size, seq_len = len(samples), int(lengths.max())
-    out: dict[str, torch.Tensor] = {"lengths": lengths}
+    out: dict[str, torch.Tensor] = {"lengths": lengths, **(padded or {})}
     for key in ("hidden", "input_ids", "loss_mask", "last_hidden", "topk_ids", "topk_logprobs"):
-        if key not in samples[0]:
+        if key not in samples[0] or key in out:
             continue
         first = samples[0][key]
         t = torch.empty((batch_size, seq_len, *first.shape[1:]), dtype=first.dtype)
@@ -203,6 +207,39 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         out[key] = t
     out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.long)
     return out
+
+
+def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
+    """Read samples and collate them, decoding hidden states straight into the padded batch.
+
+    The hidden states are most of the bytes: decoding them in place saves a copy per sample
+    and a fresh (page-faulting) buffer per sample.
+    """
+    indices = [int(j) for j in indices]
+    lengths = [int(caches.lengths[j]) for j in indices]
+    manifest = caches.readers[0].manifest
+    shape = (len(indices), max(lengths))
+    padded = {"hidden": torch.empty((*shape, manifest.num_layers * manifest.hidden_size), dtype=torch.bfloat16)}
+    if manifest.store_last_hidden:
+        padded["last_hidden"] = torch.empty((*shape, manifest.hidden_size), dtype=torch.bfloat16)
+    samples = []
+    for b, (j, n) in enumerate(zip(indices, lengths)):
+        samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}))
+        for v in padded.values():
+            v[b, n:] = 0
+    return collate(samples, padded)
+
+
+class WorkerReadError(DflashError):
+    """A DflashError (e.g. a corrupt chunk) met by a DataLoader worker, re-raised in the trainer.
+
+    torch re-raises a worker's exception as `type(msg)` with the worker's whole traceback in
+    `msg`; this class keeps only the original sentence, so the CLI prints one clear paragraph.
+    """
+
+    def __init__(self, message: str):
+        marker = f"{type(self).__name__}: "
+        super().__init__(message.rsplit(marker, 1)[-1].strip() if marker in message else message)
 
 
 class _BatchList(torch.utils.data.Dataset):
@@ -217,7 +254,12 @@ class _BatchList(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if sleep := float(os.environ.get(TEST_SLEEP_PER_BATCH_ENV, "0") or 0):
             time.sleep(sleep)
-        return collate([self.caches.read(int(j)) for j in self.batches[i]])
+        try:
+            return read_batch(self.caches, self.batches[i])
+        except DflashError as e:
+            if torch.utils.data.get_worker_info() is None:
+                raise
+            raise WorkerReadError(str(e)) from None
 
 
 def _worker_init(_: int) -> None:
