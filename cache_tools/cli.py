@@ -270,3 +270,7 @@ def prune(cache: str, dry_run: bool) -> None:
     total = sum(n for _, n in removed)
     click.echo(f"{'Would remove' if dry_run else 'Removed'} {len(removed)} entries, {_human_bytes(total)}."
                if removed else "Nothing to remove.")
+
+
+if __name__ == "__main__":
+    main()

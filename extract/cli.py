@@ -112,3 +112,7 @@ def build_config(ctx: click.Context, config_file: str | None, flags: dict) -> Ex
         return ExtractConfig(**values)
     except TypeError as e:
         raise ExtractConfigError(f"Invalid settings: {e}.") from e
+
+
+if __name__ == "__main__":
+    main()
