@@ -5,6 +5,7 @@
 # e.g. `bash demo.sh --workdir /tmp/demo` or `bash demo.sh --small`.
 set -euo pipefail
 cd "$(dirname "$0")"
-python3 -m pip install torch==2.13.0
-python3 -m pip install -e .
+# Keep a torch that is already installed (e.g. a CUDA build); else take the pinned release.
+python3 -c "import torch" 2>/dev/null || python3 -m pip install torch==2.13.0
+python3 -m pip install -e ".[dev]"
 dflash-demo "$@"
