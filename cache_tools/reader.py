@@ -79,10 +79,22 @@ class ArrayMeta:
         return cls(shape, dtype, int(inner[0]), shard_rows, names, index_checked)
 
 
+class _Scratch:
+    """One reusable decode buffer per reader process, grown on demand."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self.buf.nbytes < nbytes:
+            self.buf = np.empty(nbytes, dtype=np.uint8)
+        return self.buf[:nbytes]
+
+
 class _PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
-    def __init__(self, part_dir: Path, record: PartRecord, verify: bool):
+    def __init__(self, part_dir: Path, record: PartRecord, verify: bool, scratch: _Scratch):
         self.dir = part_dir
         self.record = record
         self.verify = verify
@@ -90,6 +102,7 @@ class _PartFiles:
         self.maps: dict[str, mmap.mmap | None] = {}
         self.indexes: dict[str, np.ndarray] = {}
         self.small: dict[str, np.ndarray] = {}
+        self.scratch = scratch
 
     def close(self) -> None:
         for m in self.maps.values():
@@ -193,7 +206,6 @@ class _PartFiles:
         meta = self.array_meta(array)
         cr = meta.chunk_rows
         chunk_bytes = cr * meta.row_bytes
-        scratch = None
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
         for c in range(start // cr, (stop - 1) // cr + 1):
             lo, hi = max(start, c * cr), min(stop, (c + 1) * cr)
@@ -214,9 +226,14 @@ class _PartFiles:
                 # Decompress straight into the output rows: no intermediate copy.
                 self._decode(buf, meta, chunk_bytes, what, out=out_bytes[lo - start: hi - start])
                 continue
-            dec = self._decode(buf, meta, chunk_bytes, what)
-            scratch = np.frombuffer(dec, dtype=np.uint8).reshape(cr, meta.row_bytes)
-            out_bytes[lo - start: hi - start] = scratch[lo - c * cr: hi - c * cr]
+            if "blosc" in meta.codecs:
+                # A chunk that straddles the request: decode into a reused scratch buffer
+                # (a fresh one per chunk would page-fault its whole size every time).
+                dec = self._decode(buf, meta, chunk_bytes, what, out=self.scratch.get(chunk_bytes))
+            else:
+                dec = self._decode(buf, meta, chunk_bytes, what)
+            rows = np.frombuffer(dec, dtype=np.uint8, count=chunk_bytes).reshape(cr, meta.row_bytes)
+            out_bytes[lo - start: hi - start] = rows[lo - c * cr: hi - c * cr]
 
     def small_array(self, array: str) -> np.ndarray:
         """A per-part metadata array (ids, masks, scales), decoded whole once and kept."""
@@ -263,6 +280,7 @@ class CacheReader:
         )
         self._codec = self.manifest.codec
         self._open: OrderedDict[int, _PartFiles] = OrderedDict()
+        self._scratch = _Scratch()
         self._token_offsets: dict[int, np.ndarray] = {}
         self._pid = os.getpid()
 
@@ -270,16 +288,19 @@ class CacheReader:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
+        state["_scratch"] = _Scratch()
         return state
 
     def _part(self, part_idx: int) -> _PartFiles:
         if self._pid != os.getpid():
             self._open = OrderedDict()
+            self._scratch = _Scratch()
             self._pid = os.getpid()
         pf = self._open.get(part_idx)
         if pf is None:
             record = self.parts[part_idx]
-            pf = _PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums)
+            pf = _PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums,
+                            self._scratch)
             self._open[part_idx] = pf
             if len(self._open) > self.max_open_parts:
                 self._open.popitem(last=False)[1].close()
