@@ -92,7 +92,7 @@ class CacheWriter:
                         check_identity(manifest, self.header, what="extraction")
                 if not (self.cache_dir / HEADER_FILE).exists():
                     atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
-                self.removed_orphans = self._remove_orphans_locked()
+                self._remove_orphans_locked()
         except OSError as e:
             raise CacheError(
                 f"Cannot write to the cache at {self.cache_dir}: {e.strerror or e}"
