@@ -61,6 +61,7 @@ class CacheWriter:
         self.num_layers = len(header["target_layer_ids"])
         self.hidden_size = int(header["hidden"]["hidden_size"])
         self.parts_dir = self.cache_dir / PARTS_DIR
+        self.removed_orphans: list[str] = []  # leftovers of dead writers removed by this open
         self._open(force)
         self._log = CommitLog(self.cache_dir)
         self._log.refresh()
@@ -92,7 +93,7 @@ class CacheWriter:
                         check_identity(manifest, self.header, what="extraction")
                 if not (self.cache_dir / HEADER_FILE).exists():
                     atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
-                self._remove_orphans_locked()
+                self.removed_orphans = self._remove_orphans_locked()
         except OSError as e:
             raise CacheError(
                 f"Cannot write to the cache at {self.cache_dir}: {e.strerror or e}"

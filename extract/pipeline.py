@@ -52,6 +52,7 @@ class ExtractSummary:
     bytes: int = 0
     seconds: float = 0.0
     interrupted_by: int | None = None  # signal number when stopped by SIGINT/SIGTERM
+    leftovers_removed: int = 0  # temporary or unrecorded parts of dead writers, removed at open
     skips: list[dict] = field(default_factory=list)
 
     @property
@@ -72,6 +73,8 @@ class ExtractSummary:
             f"skipped {self.skipped_bad} bad and {self.skipped_long} long samples, truncated "
             f"{self.truncated}; {self.parts_done_before} parts were already committed; "
             f"this rank's parts: {self.parts_this_rank} of {self.parts_total}."
+            + (f" Removed {self.leftovers_removed} leftover(s) of interrupted writers."
+               if self.leftovers_removed else "")
         )
 
 
@@ -189,7 +192,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     engine = ExtractionEngine(model, capture, codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)
     num_writers = config.num_writers if config.num_writers is not None else default_num_writers(device)
-    summary = ExtractSummary()
+    summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans))
     progress = Progress(data_fp["records"], config.progress)
     pool = WriterPool(cache, fields, num_writers)
     t0 = time.perf_counter()
