@@ -78,7 +78,7 @@ def test_extract_signal_during_a_forward_keeps_committed_parts_and_resumes(zygot
     text = assert_stopped(run, signum, sent)
     assert f"dflash-extract stopped by {signal.Signals(signum).name}" in text
     done = committed_parts(out)
-    assert 1 <= len(done) < 16 and temp_parts(out) == []
+    assert 1 <= len(done) < len(committed_parts(world["cache"])) and temp_parts(out) == []
     finish_extraction(zygote, world, out)
 
 
@@ -92,7 +92,7 @@ def test_extract_signal_during_a_part_write_commits_that_part_then_stops(zygote,
     sent = run.signal(signum)
     assert_stopped(run, signum, sent)
     done = committed_parts(out)
-    assert writing in done and len(done) < 16  # that part was finished, then the run stopped
+    assert writing in done and len(done) < len(committed_parts(world["cache"]))  # then it stopped
     assert temp_parts(out) == []
     finish_extraction(zygote, world, out)
 

@@ -1,0 +1,250 @@
+"""Storage faults: a full disk mid-part, a read-only output, damaged parts and manifests, a
+stale temporary part, and two extractions started on one cache at once."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import zarr
+from click.testing import CliRunner
+from dflash.cache_tools.cli import main as cache_main
+from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
+from dflash.cache_tools.reader import CacheReader
+from dflash.extract.cli import main as extract_main
+from dflash.train.cli import main as train_main
+
+from .helpers import (
+    cache_hash,
+    committed_parts,
+    extract_argv,
+    temp_parts,
+    train_config_file,
+)
+
+
+def extract(world, out, *extra):
+    return CliRunner().invoke(extract_main, extract_argv(world["target"], world["data"], out, *extra))
+
+
+def train(world, cache, out, tmp_path, **overrides):
+    config = train_config_file(tmp_path / "train.json", cache, world["target"], **overrides)
+    return CliRunner().invoke(train_main, ["--config", str(config), "--output-dir", str(out)])
+
+
+def copy_cache(world, dst: Path) -> Path:
+    shutil.copytree(world["cache"], dst)
+    return dst
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *, read_only: bool = False):
+    """A small tmpfs at `path` (tests run as root, where chmod does not stop writes)."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if read_only else "")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); the injected-ENOSPC test covers it")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# -- a full disk -----------------------------------------------------------------------------
+
+
+def test_disk_full_mid_part_is_one_clear_error_and_a_rerun_completes(world, tmp_path, monkeypatch):
+    """An injected ENOSPC while the fourth part's arrays are being written."""
+    out = tmp_path / "cache"
+    real_create = zarr.create_array
+    calls = {"n": 0}
+
+    def create_array(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3 * 5 + 2:  # 5 arrays per part: the 2nd array of part-000003
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(zarr, "create_array", create_array)
+    res = extract(world, out)
+    assert res.exit_code == 1, res.output
+    assert (f"Error: Writing part part-000003 into {out} failed: [Errno 28] No space left on device. "
+            "Free space or fix the cause, then rerun the same command: committed parts are kept and "
+            "the rest is redone.") in res.output
+    assert "Traceback" not in res.output
+    assert committed_parts(out) == ["part-000000", "part-000001", "part-000002"]
+    assert temp_parts(out) == []  # the half-written part was discarded
+    monkeypatch.setattr(zarr, "create_array", real_create)
+    res = extract(world, out)
+    assert res.exit_code == 0, res.output
+    assert cache_hash(out) == world["cache_hash"]
+
+
+def test_real_full_tmpfs_stops_with_a_clear_error_and_resumes_after_space_is_freed(world, tmp_path):
+    with tmpfs(tmp_path / "small", "160k") as mnt:
+        out = mnt / "cache"
+        res = extract(world, out)
+        assert res.exit_code == 1, res.output
+        assert "No space left on device" in res.output and "Traceback" not in res.output
+        assert "then rerun the same command" in res.output
+        done = committed_parts(out)
+        assert 0 < len(done) < 16
+        reader = CacheReader(out)  # everything committed reads back clean
+        for i in range(len(reader)):
+            reader.read_sample(i)
+        subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)
+        res = extract(world, out)
+        assert res.exit_code == 0, res.output
+        assert cache_hash(out) == world["cache_hash"]
+
+
+# -- a read-only output ----------------------------------------------------------------------
+
+
+def test_extract_into_a_read_only_location_is_a_clear_error(world, tmp_path):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
+        res = extract(world, mnt / "cache")
+        assert res.exit_code == 1, res.output
+        assert (f"Error: Cannot create the cache directory {mnt / 'cache'}: Read-only file system. Choose a "
+                "writable location with free space.") in res.output
+
+
+def test_resume_of_a_cache_on_a_read_only_mount_is_a_clear_error_and_keeps_it(world, tmp_path):
+    cache = tmp_path / "cache"
+    extract(world, cache, "--part-tokens", "300")
+    log = cache / "manifest.parts.jsonl"  # keep 2 parts committed: the resume has work to do
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))
+    before = cache_hash(cache)
+    subprocess.run(["mount", "--bind", str(cache), str(cache)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(cache)], check=True)
+        res = extract(world, cache, "--part-tokens", "300")
+        assert res.exit_code == 1, res.output
+        assert "Traceback" not in res.output
+        assert f"Error: Cannot write to the cache at {cache}" in res.output
+        assert "Read-only file system" in res.output
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+    assert len(committed_parts(cache)) == 2 and cache_hash(cache) == before  # untouched
+
+
+def test_train_into_a_read_only_output_dir_is_a_clear_error(world, tmp_path):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
+        res = train(world, world["cache"], mnt / "run", tmp_path)
+        assert res.exit_code == 2, res.output
+        assert "Read-only file system" in res.output and "Traceback" not in res.output
+        assert "rerun the same command to resume" in res.output
+
+
+# -- damaged parts ---------------------------------------------------------------------------
+
+
+def shard_file(cache: Path, part: str = "part-000002") -> Path:
+    return cache / "parts" / part / "hidden" / "c" / "0" / "0"
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "truncation"])
+def test_damaged_part_is_named_by_verify_and_stops_the_trainer(world, tmp_path, damage):
+    cache = copy_cache(world, tmp_path / "cache")
+    shard = shard_file(cache)
+    data = bytearray(shard.read_bytes())
+    if damage == "bit-flip":
+        data[40] ^= 0x10
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    res = CliRunner().invoke(cache_main, ["verify", str(cache), "--no-progress"])
+    assert res.exit_code == 1 and "part-000002" in res.output, res.output
+    for workers in (0, 2):
+        run = train(world, cache, tmp_path / f"run-{workers}", tmp_path, num_workers=workers)
+        assert run.exit_code == 2, run.output
+        assert "Error: cache part 'part-000002' (array hidden" in run.output
+        assert "dflash-cache verify" in run.output
+        assert "Traceback" not in run.output, run.output
+
+
+# -- damaged or missing manifests ------------------------------------------------------------
+
+
+def damage_manifest(cache: Path, how: str) -> None:
+    if how == "header deleted":
+        (cache / "manifest.json").unlink()
+    elif how == "header corrupted":
+        (cache / "manifest.json").write_text('{"format_version": 1, "target": ')
+    elif how == "commit log corrupted":
+        log = cache / "manifest.parts.jsonl"
+        lines = log.read_text().splitlines(keepends=True)
+        lines[3] = lines[3].replace('"samples":', '"samples": 9, "x":')
+        log.write_text("".join(lines))
+
+
+MANIFEST_ERRORS = {
+    "header deleted": "is not a dflash cache: it has no manifest.json",
+    "header corrupted": "manifest.json is not valid JSON",
+    "commit log corrupted": "line 4: the commit record is damaged",
+}
+
+
+@pytest.mark.parametrize("how", list(MANIFEST_ERRORS))
+def test_damaged_manifest_is_a_clear_error_for_reader_verify_resume_and_trainer(world, tmp_path, how):
+    cache = copy_cache(world, tmp_path / "cache")
+    damage_manifest(cache, how)
+    expected = MANIFEST_ERRORS[how]
+    with pytest.raises((CacheNotFoundError, CacheCorruptError), match=expected.split(":")[0]):
+        CacheReader(cache)
+    res = CliRunner().invoke(cache_main, ["verify", str(cache), "--no-progress"])
+    assert res.exit_code != 0 and expected in res.output.replace("\n", " "), res.output
+    res = extract(world, cache)
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    if how == "header deleted":  # the parts are still there: resume refuses to write over them
+        assert "is not empty and holds no cache manifest: refusing" in res.output
+    else:
+        assert expected in res.output
+    run = train(world, cache, tmp_path / "run", tmp_path)
+    assert run.exit_code == 2 and "Traceback" not in run.output, run.output
+    assert expected in run.output.replace("\n", " ")
+    assert sorted(p.name for p in (cache / "parts").iterdir()) == sorted(
+        p.name for p in (world["cache"] / "parts").iterdir())  # nothing was deleted
+
+
+# -- a stale temporary part ------------------------------------------------------------------
+
+
+def test_stale_temporary_part_of_a_crashed_run_is_removed_and_counted_at_the_next_open(world, tmp_path):
+    cache = copy_cache(world, tmp_path / "cache")
+    log = cache / "manifest.parts.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(lines[:-1]))  # the last part was never committed ...
+    last = committed_parts(world["cache"])[-1]
+    stale = cache / "parts" / f".tmp-{last}.4242.deadbeef"
+    shutil.copytree(cache / "parts" / last, stale)  # ... its writer died mid-write
+    stale.with_name(stale.name + ".lock").touch()
+    shutil.rmtree(cache / "parts" / last)
+    assert CacheReader(cache).manifest.num_samples < 60  # readers never see it
+    res = extract(world, cache)
+    assert res.exit_code == 0, res.output
+    assert "Removed 1 leftover(s) of interrupted writers." in res.output
+    assert temp_parts(cache) == []
+    assert cache_hash(cache) == world["cache_hash"]
+
+
+# -- two extractions at once -----------------------------------------------------------------
+
+
+def test_two_extractions_started_on_one_cache_at_once_equal_a_single_run(zygote, world, tmp_path):
+    out = tmp_path / "cache"
+    env = {"DFLASH_TEST_SLEEP_BEFORE_COMMIT": "0.01"}
+    runs = [zygote.run("extract", extract_argv(world["target"], world["data"], out), env=env) for _ in range(2)]
+    for run in runs:
+        assert run.wait() == 0, run.output()
+    lines = (out / "manifest.parts.jsonl").read_text().splitlines()
+    names = [json.loads(line.rsplit(" ", 1)[0])["part"] for line in lines]
+    assert sorted(names) == committed_parts(world["cache"])  # each part committed once, by one run
+    assert temp_parts(out) == []
+    assert cache_hash(out) == world["cache_hash"]
