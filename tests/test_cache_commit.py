@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from cache_utils import bits, random_sample, tiny_header
 from dflash.cache_tools.fsio import file_lock
+from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.manifest import LOG_FILE, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter, remove_orphans
@@ -110,6 +111,8 @@ def test_sigkill_mid_part_keeps_earlier_parts_and_leaves_no_orphan(tmp_path):
     leftovers = [p.name for p in (cache / "parts").iterdir()]
     assert sorted(leftovers) == ["part-000000", "part-000001", "part-000002"]
     check_parts(cache, [0, 1, 2])
+    report = verify_cache(cache, progress=False)
+    assert report.ok and report.parts == 3, [str(p) for p in report.problems]
 
 
 def test_orphan_sweep_spares_a_live_writer(tmp_path):
