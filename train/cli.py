@@ -12,6 +12,7 @@ of the last step was written), 1 an unexpected failure.
 
 from __future__ import annotations
 
+import signal
 import sys
 import textwrap
 import typing
@@ -84,7 +85,7 @@ def main() -> None:
 
     \b
     Examples:
-      dflash-train --cache runs/cache --target-model Qwen/Qwen3-8B --output-dir runs/drafter
+      dflash-train --cache runs/cache --target-model /models/Qwen3-8B --output-dir runs/drafter
       dflash-train --config train.yaml --lr 3e-4          # flags override the file
       torchrun --nproc-per-node 8 -m dflash.train.cli --config train.yaml
       dflash-train export runs/drafter/checkpoints/step-001000 runs/drafter-1000
@@ -102,16 +103,25 @@ def main() -> None:
               help="JSON or YAML file of settings (keys as the flags, with - or _); flags override it.")
 def run(config_file: str | None, **flags: Any) -> None:
     """Train (or resume) a drafter; see `dflash-train --help` for the overview."""
-    from .distributed import shutdown_distributed
-    from .loop import train  # imported here so that --help stays fast
+    from .signals import EXIT_STATUS, Interrupted, stop_at_once_outside_the_loop
 
-    file_values = load_config_file(config_file) if config_file else {}
-    flags = {k: (list(v) if isinstance(v, tuple) and k in ("cache", "eval_cache") else v) for k, v in flags.items()}
-    config = make_config(file_values, flags)
+    stop_at_once_outside_the_loop()
     try:
-        result = train(config)
-    finally:
-        shutdown_distributed()  # a rank that exits without it can break its peers' last collective
+        from .distributed import shutdown_distributed
+        from .loop import train  # imported here so that --help stays fast
+
+        file_values = load_config_file(config_file) if config_file else {}
+        flags = {k: (list(v) if isinstance(v, tuple) and k in ("cache", "eval_cache") else v) for k, v in flags.items()}
+        config = make_config(file_values, flags)
+        try:
+            result = train(config)
+        finally:
+            shutdown_distributed()  # a rank that exits without it can break its peers' last collective
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        click.echo(_paragraph(f"dflash-train stopped by {signal.Signals(signum).name} outside a training "
+                              "step; complete checkpoints are kept. Rerun the same command to resume."), err=True)
+        sys.exit(EXIT_STATUS[signum])
     if result.exit_status:
         sys.exit(result.exit_status)
 
