@@ -46,3 +46,23 @@ class StopRequest:
         for s, handler in self._previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
         self._previous.clear()
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM outside the training loop (startup, the final save, export)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+def stop_at_once_outside_the_loop() -> None:
+    """Until StopRequest takes over (and after it), a signal stops the run at once: outside the
+    loop there is no step to finish, and a checkpoint being saved is discarded whole."""
+    if threading.current_thread() is threading.main_thread():
+        for s in EXIT_STATUS:
+            signal.signal(s, _raise_interrupted)
