@@ -267,7 +267,7 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         with timer("wait"):
             rows = engine.wait(handle)
         with timer("put"):
-            buf.put(handle.batch.members, rows)
+            buf.put(handle.batch.members, rows, slab_copiers if engine.cuda else None)
 
     def finish(buf: PartBuffer, handle: Pending, copied: Future) -> None:
         nonlocal written_bytes
@@ -294,7 +294,8 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
 
     open_buffers: list[PartBuffer] = []
     in_flight: deque[tuple[PartBuffer, Pending, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy") as copier:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy") as copier, \
+            ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
         for buf, batch in own_batches():
             if stop.signum is not None:
                 break
