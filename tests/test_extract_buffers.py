@@ -6,7 +6,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from dflash.extract.data import PartPlan, Sample
 from dflash.extract.writers import PartBuffer, part_fields
 
