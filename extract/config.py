@@ -3,13 +3,12 @@ default target-layer rule."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from dflash.cache_tools.codecs import CODEC_NAMES
+from dflash.cache_tools.configfile import read_config_file
 from dflash.cache_tools.errors import DflashError
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -144,45 +143,8 @@ CONFIG_KEYS = tuple(f.name for f in fields(ExtractConfig))
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON or YAML config file into {setting: value}; unknown keys are errors.
-
-    Keys may be written with dashes (as flags) or underscores (as here).
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ExtractConfigError(f"Config file {path} does not exist.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ExtractConfigError(f"Cannot read config file {path}: {e}.") from e
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ExtractConfigError(
-                f"{path} is YAML but PyYAML is not installed: `pip install pyyaml`, or write "
-                "the config as JSON."
-            ) from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ExtractConfigError(f"{path} is not valid YAML: {e}") from e
-    else:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ExtractConfigError(f"{path} is not valid JSON: {e}") from e
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ExtractConfigError(f"{path} must hold a mapping of setting names to values.")
-    out = {str(k).replace("-", "_"): v for k, v in raw.items()}
-    unknown = sorted(set(out) - set(CONFIG_KEYS))
-    if unknown:
-        raise ExtractConfigError(
-            f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: "
-            f"{', '.join(CONFIG_KEYS)}."
-        )
+    """Read a JSON or YAML config file into {setting: value}; unknown keys are errors."""
+    out = read_config_file(path, CONFIG_KEYS, ExtractConfigError)
     if isinstance(out.get("target_layer_ids"), str):
         out["target_layer_ids"] = parse_layer_ids(out["target_layer_ids"])
     return out

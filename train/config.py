@@ -8,14 +8,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import json
 import os
 import textwrap
 from dataclasses import dataclass, field, fields
 from functools import cache
-from pathlib import Path
 from typing import Any
 
+from dflash.cache_tools.configfile import read_config_file
 from dflash.cache_tools.errors import DflashError
 
 from .objective import NOISE_TYPES, ObjectiveConfig
@@ -225,41 +224,8 @@ def field_help() -> dict[str, str]:
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON (or YAML, when PyYAML is installed) file of settings; unknown keys are errors.
-
-    Keys may be written with dashes (as flags) or underscores (as fields).
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TrainConfigError(f"Config file {path} does not exist.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TrainConfigError(f"Cannot read config file {path}: {e}.") from e
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise TrainConfigError(f"{path} is YAML but PyYAML is not installed: `pip install pyyaml`, "
-                                   "or write the config as JSON.") from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise TrainConfigError(f"{path} is not valid YAML: {e}") from e
-    else:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TrainConfigError(f"{path} is not valid JSON: {e}") from e
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise TrainConfigError(f"{path} must hold a mapping of setting names to values.")
-    out = {str(k).replace("-", "_"): v for k, v in raw.items()}
-    unknown = sorted(set(out) - set(CONFIG_KEYS))
-    if unknown:
-        raise TrainConfigError(f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: "
-                               f"{', '.join(CONFIG_KEYS)}.")
+    """Read a JSON or YAML config file into {setting: value}; unknown keys are errors."""
+    out = read_config_file(path, CONFIG_KEYS, TrainConfigError)
     return out
 
 
