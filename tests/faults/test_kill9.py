@@ -100,3 +100,20 @@ def test_training_killed_20_times_at_random_moments_ends_with_identical_weights(
     orphans = {p for run in killed for p in run.seen_children}
     wait_until(lambda: not [p for run in killed for p in run.surviving_children()], timeout=15,
                what=f"the end of the killed runs' children {sorted(orphans)}")
+
+
+def test_kill9_of_extraction_leaves_no_writer_process_behind(zygote, world, tmp_path):
+    out = tmp_path / "cache"
+    run = zygote.run("extract", extract_argv(world["target"], world["data"], out, "--num-writers", "1"),
+                     env={"DFLASH_TEST_SLEEP_BEFORE_COMMIT": "0.5"})
+    wait_until(lambda: [p for p in (out / "parts").glob(".tmp-part-*") if p.is_dir()] if (out / "parts").is_dir()
+               else False, what="a writer process writing a part")
+    assert run.watch_children()
+    run.signal(signal.SIGKILL)
+    assert run.wait(timeout=10) == -signal.SIGKILL
+    # The writer notices its parent's death within about a second (it may first finish the
+    # part it holds: a complete part, committed by the protocol, is not damage).
+    assert run.surviving_children(grace=10) == []
+    final = zygote.run("extract", extract_argv(world["target"], world["data"], out))
+    assert final.wait() == 0, final.output()
+    assert cache_hash(out) == world["cache_hash"]

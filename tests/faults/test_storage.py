@@ -25,6 +25,7 @@ from .helpers import (
     extract_argv,
     temp_parts,
     train_config_file,
+    weights_hash,
 )
 
 
@@ -248,3 +249,29 @@ def test_two_extractions_started_on_one_cache_at_once_equal_a_single_run(zygote,
     assert sorted(names) == committed_parts(world["cache"])  # each part committed once, by one run
     assert temp_parts(out) == []
     assert cache_hash(out) == world["cache_hash"]
+
+
+def test_disk_full_during_a_checkpoint_save_is_a_clear_error_and_the_rerun_resumes(world, tmp_path, monkeypatch):
+    import dflash.train.checkpoint as checkpoint
+
+    out = tmp_path / "run"
+    real_save = checkpoint.torch.save
+    saves = {"n": 0}
+
+    def save(obj, path, *args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] == 2 * 2 + 1:  # two files per checkpoint: the third checkpoint's optimizer.pt
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    res = train(world, world["cache"], out, tmp_path)
+    assert res.exit_code == 2, res.output
+    text = res.output.replace("\n", " ")
+    assert "Error: No space left on device (" in text and "optimizer.pt" in text
+    assert "rerun the same command to resume" in text and "Traceback" not in text
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    res = train(world, world["cache"], out, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert weights_hash(out) == world["weights_hash"]
