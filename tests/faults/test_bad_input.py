@@ -1,7 +1,7 @@
-"""Bad input that tests/test_extract_inputs.py does not already cover (docs/RELIABILITY.md has
-the full table): samples without loss tokens and over-long samples through the trainer, a
-cache from another target, a target without weights, a missing cache, and a bad record in
-the middle of a run."""
+"""Bad input that tests/test_extract_inputs.py and tests/test_train_errors.py do not already
+cover (docs/RELIABILITY.md has the full table): samples without loss tokens and over-long
+samples through the trainer, a target without weights given to the trainer, a bad record in
+the middle of a run, an input file without records."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from .helpers import (
     committed_parts,
     extract_argv,
     make_records,
-    make_tiny_target,
     train_config_file,
     write_jsonl,
 )
@@ -66,21 +65,7 @@ def test_over_long_samples_are_truncated_by_the_trainer_and_reported(world, tmp_
     run = train(tmp_path / "cache", world["target"], tmp_path / "run", tmp_path, epochs=1, save_interval=0)
     assert run.exit_code == 0, run.output
     assert "1 sample(s) longer than --max-seq-len 64 are truncated (236 tokens dropped)" in run.output
-    run = train(tmp_path / "cache", world["target"], tmp_path / "run2", tmp_path, epochs=1, max_seq_len=512)
-    assert run.exit_code == 2
-    assert ("1 sample(s) are longer than --token-budget 128 (the longest has 300 tokens after truncation "
-            "to --max-seq-len 512). Raise --token-budget") in run.output.replace("\n", " ")
-
-
-def test_a_cache_from_another_target_is_refused_by_the_trainer(world, tmp_path):
-    other = make_tiny_target(tmp_path / "other-target", hidden=48, layers=3, vocab=96)
-    run = train(world["cache"], other, tmp_path / "run", tmp_path)
-    assert run.exit_code == 2 and "Traceback" not in run.output, run.output
-    text = run.output.replace("\n", " ")
-    assert f"The cache at {world['cache']} was not extracted from the target model at {other}" in text
-    assert "hidden_size: cache has 32, target has 48" in text
-    assert "Pass the --target-model the cache was extracted with." in text
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    # (a sample longer than --token-budget is refused: tests/test_train_errors.py)
 
 
 def test_a_target_directory_without_weights_is_refused_by_the_trainer(world, tmp_path):
@@ -90,12 +75,6 @@ def test_a_target_directory_without_weights_is_refused_by_the_trainer(world, tmp
     run = train(world["cache"], bare, tmp_path / "run", tmp_path)
     assert run.exit_code == 2 and "Traceback" not in run.output, run.output
     assert str(bare) in run.output.replace("\n", " ")
-
-
-def test_a_missing_cache_is_refused_by_the_trainer(world, tmp_path):
-    run = train(tmp_path / "nope", world["target"], tmp_path / "run", tmp_path)
-    assert run.exit_code == 2 and "Traceback" not in run.output
-    assert f"Cache directory {tmp_path / 'nope'} does not exist." in run.output.replace("\n", " ")
 
 
 def test_a_bad_record_midway_keeps_the_parts_before_it_and_the_fixed_data_needs_force(world, tmp_path):
