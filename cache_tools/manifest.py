@@ -13,6 +13,7 @@ Together the two manifest files tell a reader everything: it never lists the dir
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -115,14 +116,19 @@ def append_log_line(cache_dir: Path, record: PartRecord) -> None:
     path = cache_dir / LOG_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        size = os.fstat(fd).st_size
+        size = keep = os.fstat(fd).st_size
         if size:
             # Drop a torn tail left by a writer killed mid-append, so the new line starts clean.
             tail = os.pread(fd, min(size, 1 << 20), max(0, size - (1 << 20)))
             keep = size - len(tail) + tail.rfind(b"\n") + 1
             if keep != size:
                 os.ftruncate(fd, keep)
-        os.write(fd, encode_log_line(record))
+        line = encode_log_line(record)
+        written = os.write(fd, line)
+        if written != len(line):  # a full disk can write part of the line and return a short count
+            os.ftruncate(fd, keep)
+            raise OSError(errno.ENOSPC, f"short write of the commit record of {record.name} "
+                          f"({written} of {len(line)} bytes)", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)
