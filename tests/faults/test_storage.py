@@ -275,3 +275,39 @@ def test_disk_full_during_a_checkpoint_save_is_a_clear_error_and_the_rerun_resum
     res = train(world, world["cache"], out, tmp_path)
     assert res.exit_code == 0, res.output
     assert weights_hash(out) == world["weights_hash"]
+
+
+def test_a_short_write_of_a_commit_record_fails_the_commit_instead_of_tearing_the_log(world, tmp_path, monkeypatch):
+    """On a full disk os.write can write part of a line and return a short count: the commit
+    must fail (and the torn bytes go), not report a part that the log does not hold."""
+    import os
+
+    from dflash.cache_tools.writer import CacheWriter
+
+    cache = copy_cache(world, tmp_path / "cache")
+    log = cache / "manifest.parts.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(lines[:-1]))
+    before = log.read_bytes()
+    last = committed_parts(world["cache"])[-1]
+    writer = CacheWriter(cache, json.loads((cache / "manifest.json").read_text()))
+    shutil.rmtree(cache / "parts" / last, ignore_errors=True)
+    src = CacheReader(world["cache"])
+    real_write = os.write
+
+    def short_write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(log):
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", short_write)
+    with pytest.raises(OSError, match="commit record"), writer.part_writer(last) as pw:
+        for i in range(len(src) - src.parts[-1].samples, len(src)):
+            s = src.read_sample(i)
+            pw.add_sample(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])
+    monkeypatch.setattr(os, "write", real_write)
+    assert not pw.committed
+    assert log.read_bytes() == before  # no torn line left behind
+    res = extract(world, cache)  # the unrecorded part directory is an orphan: redone
+    assert res.exit_code == 0, res.output
+    assert cache_hash(cache) == world["cache_hash"]
