@@ -198,6 +198,15 @@ class Run:
         self.seen_children |= descendants_of(self.pid)
         return self.seen_children
 
+    def handles(self, signum: int) -> bool:
+        """Whether the run has installed a handler for `signum` (SigCgt in /proc/<pid>/status)."""
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        except (FileNotFoundError, StopIteration):
+            return False
+        return bool(caught >> (signum - 1) & 1)
+
     def signal(self, signum: int) -> float:
         self.watch_children()
         os.kill(self.pid, signum)
