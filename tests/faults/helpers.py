@@ -3,6 +3,7 @@ pre-imported zygote, process-tree checks, and content hashes of caches and draft
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -235,6 +236,7 @@ class Zygote:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self._count = 0
+        self._pids: list[int] = []
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py"))], stdin=subprocess.PIPE,
@@ -252,12 +254,17 @@ class Zygote:
         log = self.log_dir / f"run-{self._count:04d}-{prog}.log"
         pid = self._ask({"op": "run", "prog": prog, "argv": [str(a) for a in argv], "env": env or {},
                          "log": str(log)})["pid"]
+        self._pids.append(pid)
         return Run(self, pid, log)
 
     def wait(self, pid: int, timeout: float) -> int | None:
         return self._ask({"op": "wait", "pid": pid, "timeout": timeout})["status"]
 
     def close(self) -> None:
+        for pid in self._pids:  # runs a failed test left behind, with their process groups
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=10)

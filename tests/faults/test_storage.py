@@ -43,14 +43,19 @@ def copy_cache(world, dst: Path) -> Path:
     return dst
 
 
+def mount(*args: str) -> None:
+    """Run mount(8); skip when this machine does not allow it (tests and CI run as root, where
+    mounting works; chmod cannot be used instead, since root writes through it)."""
+    res = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"mount is not permitted here ({res.stderr.strip()}); the injected faults cover the rest")
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str, *, read_only: bool = False):
-    """A small tmpfs at `path` (tests run as root, where chmod does not stop writes)."""
+    """A small tmpfs at `path`."""
     path.mkdir(parents=True, exist_ok=True)
-    opts = f"size={size}" + (",ro" if read_only else "")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); the injected-ENOSPC test covers it")
+    mount("-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs", str(path))
     try:
         yield path
     finally:
@@ -99,7 +104,7 @@ def test_real_full_tmpfs_stops_with_a_clear_error_and_resumes_after_space_is_fre
         reader = CacheReader(out)  # everything committed reads back clean
         for i in range(len(reader)):
             reader.read_sample(i)
-        subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)
+        mount("-o", "remount,size=16m", str(mnt))
         res = extract(world, out)
         assert res.exit_code == 0, res.output
         assert cache_hash(out) == world["cache_hash"]
@@ -122,9 +127,9 @@ def test_resume_of_a_cache_on_a_read_only_mount_is_a_clear_error_and_keeps_it(wo
     log = cache / "manifest.parts.jsonl"  # keep 2 parts committed: the resume has work to do
     log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))
     before = cache_hash(cache)
-    subprocess.run(["mount", "--bind", str(cache), str(cache)], check=True)
+    mount("--bind", str(cache), str(cache))
     try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(cache)], check=True)
+        mount("-o", "remount,ro,bind", str(cache))
         res = extract(world, cache, "--part-tokens", "300")
         assert res.exit_code == 1, res.output
         assert "Traceback" not in res.output
