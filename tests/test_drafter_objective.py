@@ -159,3 +159,20 @@ def test_metrics_count_leading_correct_slots_per_block():
     running.update(correct[:, 2:], valid[:, 2:], 3.0)
     assert running.compute() == pytest.approx(m)
     assert tau_from_accuracies([1.0, 1.0]) == 3.0
+
+
+def test_anchors_drawn_by_the_caller_give_the_same_loss_as_drawn_inside():
+    """The trainer draws anchors on the host (no device sync); the result must not change."""
+    from dflash.train.loop import add_anchors
+
+    drafter = tiny_drafter()
+    config = ObjectiveConfig(max_anchors=2)
+    inside = compute_loss(drafter, hand_batch(), config, generator=torch.Generator().manual_seed(5))
+    batch = hand_batch()
+    add_anchors(batch, config.max_anchors, torch.Generator().manual_seed(5), pin=False)
+    outside = compute_loss(drafter, batch, config)
+    assert torch.equal(inside.anchor_positions, outside.anchor_positions)
+    assert torch.equal(inside.loss, outside.loss)
+    other = hand_batch()
+    add_anchors(other, config.max_anchors, torch.Generator().manual_seed(6), pin=False)
+    assert not torch.equal(compute_loss(drafter, other, config).anchor_positions, inside.anchor_positions)

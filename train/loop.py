@@ -44,7 +44,7 @@ from .distributed import (
 )
 from .loader import TrainingData, check_cache_target, open_training_data
 from .model import DFlashDrafter
-from .objective import ObjectiveConfig, compute_loss
+from .objective import ObjectiveConfig, compute_loss, sample_anchors
 from .reporting import RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .signals import StopRequest
 from .target_weights import load_target_config
@@ -123,11 +123,13 @@ def train(cfg: TrainConfig) -> TrainResult:
             for micro in range(cfg.grad_accum):
                 with profiler.section("data_wait"):
                     batch = data.loader.next_batch()
-                with profiler.section("host_to_device"):
-                    batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
                 # Anchors and noise come from a generator seeded by this batch's place in the run:
                 # no stream state to carry over a resume, and the same draws on any world size.
                 generators = batch_generators(cfg.seed, data.loader.epoch, data.loader.last_index, info.device)
+                with profiler.section("host_to_device"):
+                    # Drawn from the host copy of the batch, so the step never waits for the GPU.
+                    add_anchors(batch, objective.max_anchors, generators[0], pin=info.device.type == "cuda")
+                    batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
                 last_micro = micro == cfg.grad_accum - 1
                 with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
                     with profiler.section("forward"), autocast:
@@ -269,6 +271,12 @@ def _fsdp_no_sync(model: Any):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def add_anchors(batch: dict, max_anchors: int, generator: torch.Generator, *, pin: bool) -> None:
+    """Put the batch's anchors (drawn on the host) into it, pinned for an asynchronous copy."""
+    anchors = sample_anchors(batch["loss_mask"], batch["lengths"], max_anchors, generator)
+    batch["anchor_positions"], batch["anchor_valid"] = (t.pin_memory() if pin else t for t in anchors)
 
 
 def batch_generators(seed: int, epoch: int, batch_index: int, device: torch.device, *,

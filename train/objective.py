@@ -223,7 +223,10 @@ def compute_loss(
     lengths = batch["lengths"].long()
     block_size = c.block_size
 
-    anchors, anchor_valid = sample_anchors(loss_mask, lengths, config.max_anchors, generator)
+    if "anchor_positions" in batch:  # drawn by the caller on the host (no device sync here)
+        anchors, anchor_valid = batch["anchor_positions"], batch["anchor_valid"]
+    else:
+        anchors, anchor_valid = sample_anchors(loss_mask, lengths, config.max_anchors, generator)
     block_ids, block_positions = build_blocks(input_ids, anchors, c.mask_token_id, block_size)
     labels, valid = block_targets(input_ids, loss_mask, lengths, anchors, anchor_valid, block_size)
     mask = build_attention_mask(
