@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every GPU figure of docs/BENCHMARKS.md, in as few device calls as possible.
+# Usage (from the repository root, on a GPU host with the project installed):
+#   bash bench/gpu_benchmarks.sh extract   # ~4 min: prefill, stop-after-last-layer, bf16 and fp8 extraction, 1M tokens
+#   bash bench/gpu_benchmarks.sh train     # ~4 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
+#   bash bench/gpu_benchmarks.sh cache     # ~2 min: codec ratios and per-core throughput (CPU side of the host)
+#   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
+# SCRATCH (default /dev/shm/dflash-bench) holds the data; it is removed at the end.
+set -euo pipefail
+scratch=${SCRATCH:-/dev/shm/dflash-bench}
+mkdir -p "$scratch"
+trap 'rm -rf "$scratch"' EXIT
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch, transformers, zarr; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__)"
+git rev-parse --short HEAD 2>/dev/null || true
+for what in "$@"; do
+  case "$what" in
+    extract) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" ;;
+    train) python3 bench/bench_train.py --workdir "$scratch/train" ;;
+    cache) python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 ;;
+    eval)
+      dflash-demo --workdir "$scratch/demo"
+      for batch in 1 4; do
+        dflash-eval --target-model "$scratch/demo/target" --drafter "$scratch/demo/run/final" \
+          --prompts "$scratch/demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
+          --batch-size "$batch" --block-size 8
+      done ;;
+    *) echo "unknown benchmark '$what' (extract, train, cache, eval)" >&2; exit 2 ;;
+  esac
+done
