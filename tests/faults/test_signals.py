@@ -63,7 +63,8 @@ def test_extract_signal_during_startup_exits_cleanly_with_nothing_written(zygote
     wait_until(lambda: run.handles(signal.SIGTERM), what="the CLI's startup handler")  # in main()
     sent = run.signal(signum)  # (model loading takes longer than this)
     text = assert_stopped(run, signum, sent)
-    assert signal.Signals(signum).name in text
+    assert (f"dflash-extract stopped by {signal.Signals(signum).name} outside the extraction loop; committed "
+            "parts are kept. Rerun the same command to resume.") in text
     assert committed_parts(out) == []
     finish_extraction(zygote, world, out)
 
@@ -145,7 +146,9 @@ def test_train_signal_during_startup_exits_cleanly_without_a_checkpoint(zygote, 
     run = zygote.run("train", ["--config", config, "--output-dir", out])
     wait_until(lambda: run.handles(signal.SIGTERM), what="the CLI's startup handler")  # in main()
     sent = run.signal(signum)  # (opening the cache and building the drafter take longer)
-    assert_stopped(run, signum, sent)
+    text = " ".join(assert_stopped(run, signum, sent).split())
+    assert (f"dflash-train stopped by {signal.Signals(signum).name} outside a training step; complete "
+            "checkpoints are kept. Rerun the same command to resume.") in text
     assert complete_checkpoints(out) == []
     finish_training(zygote, world, config, out)
 
@@ -174,7 +177,8 @@ def test_train_signal_during_a_checkpoint_save_leaves_complete_checkpoints(zygot
                      env={"DFLASH_TEST_SLEEP_IN_CHECKPOINT": "0.5"})
     wait_until(lambda: not no_staging(out), what="a checkpoint being saved")
     sent = run.signal(signum)
-    assert_stopped(run, signum, sent)
+    text = assert_stopped(run, signum, sent)
+    assert "finishing this step, writing a checkpoint" in text
     assert no_staging(out)
     ckpts = complete_checkpoints(out)
     assert ckpts and ckpts[-1] == f"step-{logged_steps(out)[-1]:06d}"
