@@ -108,8 +108,8 @@ sys.addaudithook(_record_opens)
 
 
 def test_open_of_10000_parts_reads_only_the_manifest(tmp_path):
-    """10,000 committed parts: open + one sample well under a second, and opening touches no
-    file but the two manifest files."""
+    """10,000 committed parts: opening touches no file but the two manifest files, and reading
+    one sample touches only its own part."""
     cache = tmp_path / "c"
     make_cache(cache, parts=1, length=3)
     template = cache / "parts" / "part-000000"
@@ -136,7 +136,9 @@ def test_open_of_10000_parts_reads_only_the_manifest(tmp_path):
     # Reading one sample opens only that part's files.
     touched_parts = {p.split("/parts/")[1].split("/")[0] for p in during_read}
     assert touched_parts == {"part-007500"}
-    assert elapsed < 1.0, elapsed
+    # The figure itself is measured by bench/bench_open.py (docs/BENCHMARKS.md); this bound only
+    # catches a pathological regression (e.g. a directory scan) without timing the machine.
+    assert elapsed < 10.0, elapsed
 
 
 @pytest.mark.parametrize("codec", ["bf16", "raw", "fp8"])
