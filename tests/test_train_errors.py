@@ -126,5 +126,5 @@ def test_startup_on_10000_parts_reads_only_the_manifest_and_the_first_batch(tiny
     assert outside_parts == {"manifest.json", LOG_FILE}
     touched_parts = {p.split("/parts/")[1].split("/")[0] for p in opened if "/parts/" in p}
     assert 1 <= len(touched_parts) <= 4  # the parts of the one batch of 4 samples, nothing else
-    assert elapsed < 20, elapsed
+    assert elapsed < 60, elapsed  # only a guard against a pathological regression (a directory scan)
     shutil.rmtree(tmp_path / "run")
