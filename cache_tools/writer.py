@@ -70,7 +70,10 @@ class CacheWriter:
         if (
             self.cache_dir.is_dir()
             and not (self.cache_dir / HEADER_FILE).exists()
-            and any(p.name not in (PARTS_DIR, LOCK_FILE) for p in self.cache_dir.iterdir())
+            # Another writer may be creating this cache right now: its lock file, parts/ and
+            # the manifest's temporary file are ours, anything else is somebody else's data.
+            and any(p.name not in (PARTS_DIR, LOCK_FILE) and not p.name.startswith(TMP_PREFIX)
+                    for p in self.cache_dir.iterdir())
         ):
             raise CacheError(
                 f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "

@@ -164,3 +164,14 @@ def test_open_after_kill_during_commit_rename(tmp_path):
     with writer.part_writer("part-000005") as pw:
         pw.add_sample(5, *random_sample(gen, 7, 64))
     assert CacheReader(cache).read_sample(1)["sample_id"] == 5
+
+
+def test_opening_a_cache_another_writer_is_creating_does_not_refuse(tmp_path):
+    """Two ranks starting at once: one finds the other's lock file, parts/ and the manifest's
+    temporary file but no manifest yet. That is a cache being born, not foreign data."""
+    cache = tmp_path / "c"
+    (cache / "parts").mkdir(parents=True)
+    (cache / ".lock").touch()
+    (cache / ".tmp-manifest.json.4242.abcd1234").write_text("{")
+    CacheWriter(cache, tiny_header())
+    assert read_manifest(cache).header["target_layer_ids"] == [1, 3]
