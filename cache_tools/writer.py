@@ -158,11 +158,16 @@ def remove_orphans(cache_dir: Path) -> list[str]:
     Caller holds the cache lock, so no commit runs concurrently. Returns what was removed.
     """
     parts_dir = cache_dir / PARTS_DIR
+    removed = []
+    # Temporary manifest files are written under the cache lock: one seen here is stale.
+    for p in sorted(cache_dir.glob(TMP_PREFIX + "*")):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
     if not parts_dir.is_dir():
-        return []
+        return removed
     log = CommitLog(cache_dir)
     log.refresh()
-    removed = []
     entries = sorted(parts_dir.iterdir())
     live_tmp = set()
     for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(".lock")):

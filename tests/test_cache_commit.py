@@ -173,5 +173,8 @@ def test_opening_a_cache_another_writer_is_creating_does_not_refuse(tmp_path):
     (cache / "parts").mkdir(parents=True)
     (cache / ".lock").touch()
     (cache / ".tmp-manifest.json.4242.abcd1234").write_text("{")
-    CacheWriter(cache, tiny_header())
+    writer = CacheWriter(cache, tiny_header())
     assert read_manifest(cache).header["target_layer_ids"] == [1, 3]
+    # Under the lock, a manifest temp file is a crashed creator's leftover: swept.
+    assert writer.removed_orphans == [".tmp-manifest.json.4242.abcd1234"]
+    assert not (cache / ".tmp-manifest.json.4242.abcd1234").exists()
