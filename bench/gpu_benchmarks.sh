@@ -6,6 +6,8 @@
 #   bash bench/gpu_benchmarks.sh cache     # ~2 min: codec ratios and per-core throughput (CPU side of the host)
 #   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
 # SCRATCH (default /dev/shm/dflash-bench) holds the data; it is removed at the end.
+# DFLASH_SYNC_DEBUG=1 makes the extraction loop and the training step warn at every place
+# where the host waits for the GPU (torch.cuda.set_sync_debug_mode("warn")).
 set -euo pipefail
 scratch=${SCRATCH:-/dev/shm/dflash-bench}
 mkdir -p "$scratch"

@@ -240,6 +240,9 @@ class StageTimer:
 
 def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary) -> None:
     timer = StageTimer()
+    if os.environ.get("DFLASH_SYNC_DEBUG") and engine.cuda:
+        # Warn (once per code location) wherever the loop makes the host wait for the GPU.
+        torch.cuda.set_sync_debug_mode("warn")
     committed = cache.committed()
     sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
     written_bytes = 0

@@ -9,6 +9,7 @@ data_wait (fraction of wall time spent waiting for batches), gpu_mem_gib (peak a
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,6 +148,9 @@ class StepProfiler:
         self.interval, self.device = interval, device
         self.active = False
         self.times: dict[str, float] = {}
+        if os.environ.get("DFLASH_SYNC_DEBUG") and device.type == "cuda":
+            # Warn (once per code location) wherever the step makes the host wait for the GPU.
+            torch.cuda.set_sync_debug_mode("warn")
 
     def begin(self, step: int) -> None:
         self.active = self.interval > 0 and step % self.interval == 0
