@@ -9,6 +9,7 @@ Forked or pickled copies (DataLoader workers) drop the open maps and reopen lazi
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -33,6 +34,24 @@ numcodecs.blosc.use_threads = False
 
 _EMPTY = np.uint64(2**64 - 1)
 _ZSTD = Zstd()
+
+
+def _find_blosc_getitem():
+    """c-blosc's blosc_getitem from numcodecs' extension, or None where it is not exported.
+
+    It decompresses only the Blosc blocks (1 MiB) that hold the requested items, so a chunk
+    that straddles two samples is not decoded whole for each of them.
+    """
+    try:
+        fn = ctypes.CDLL(numcodecs.blosc.__file__).blosc_getitem
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_BLOSC_GETITEM = _find_blosc_getitem()
 
 
 @dataclass(frozen=True)
@@ -183,6 +202,19 @@ class _PartFiles:
             )
         return buf
 
+    def _decode_rows(self, buf: memoryview, offset: int, nbytes: int, out: np.ndarray, what: str) -> None:
+        """Decode bytes [offset, offset+nbytes) of a Blosc chunk (crc32c-checked) into `out`."""
+        body = self._checked(buf, what, True)
+        src = np.frombuffer(body, dtype=np.uint8)
+        if len(src) < 16:
+            raise CacheCorruptError(f"{what}: chunk is shorter than a Blosc header (truncated).")
+        typesize = int(src[3]) or 1
+        if offset % typesize or nbytes % typesize or not out.flags.c_contiguous:
+            raise CacheCorruptError(f"{what}: rows do not align with the chunk's item size {typesize}.")
+        got = _BLOSC_GETITEM(src.ctypes.data, offset // typesize, nbytes // typesize, out.ctypes.data)
+        if got != nbytes:
+            raise CacheCorruptError(f"{what}: chunk does not decompress (blosc_getitem returned {got}); the part is damaged.")
+
     def shard_index(self, array: str, shard: int, meta: ArrayMeta) -> tuple[mmap.mmap, np.ndarray]:
         key = f"c/{shard}" + "/0" * (len(meta.shape) - 1)
         m = self._map(array, key)
@@ -226,9 +258,14 @@ class _PartFiles:
                 # Decompress straight into the output rows: no intermediate copy.
                 self._decode(buf, meta, chunk_bytes, what, out=out_bytes[lo - start: hi - start])
                 continue
+            if meta.codecs == ("blosc", "crc32c") and _BLOSC_GETITEM is not None:
+                # A chunk that straddles the request: decode only the rows asked for.
+                self._decode_rows(buf, (lo - c * cr) * meta.row_bytes, (hi - lo) * meta.row_bytes,
+                                  out_bytes[lo - start: hi - start], what)
+                continue
             if "blosc" in meta.codecs:
-                # A chunk that straddles the request: decode into a reused scratch buffer
-                # (a fresh one per chunk would page-fault its whole size every time).
+                # Without blosc_getitem: decode into a reused scratch buffer (a fresh one per
+                # chunk would page-fault its whole size every time), then copy the rows.
                 dec = self._decode(buf, meta, chunk_bytes, what, out=self.scratch.get(chunk_bytes))
             else:
                 dec = self._decode(buf, meta, chunk_bytes, what)

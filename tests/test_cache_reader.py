@@ -153,3 +153,18 @@ def test_decoding_into_a_slice_of_a_padded_batch_equals_a_plain_read(tmp_path, c
     assert bool((batch[1, 90:] == 7.0).all()) and bool((batch[0] == 7.0).all())  # nothing else touched
     with pytest.raises(ValueError, match="contiguous bfloat16 tensor of shape"):
         reader.read_sample(1, out={"hidden": batch[1, :50]})
+
+
+def test_partial_chunk_decoding_equals_whole_chunk_decoding(tmp_path, monkeypatch):
+    """Chunks that straddle a sample are decoded block-wise (blosc_getitem) where numcodecs
+    exports it; the rows must equal those of a whole-chunk decode."""
+    import dflash.cache_tools.reader as reader_module
+
+    assert reader_module._BLOSC_GETITEM is not None  # exported by numcodecs' Blosc extension
+    cache = tmp_path / "c"
+    make_cache(cache, "bf16", parts=1, length=100)
+    fast = [CacheReader(cache).read_tokens(0, a, b)["hidden"] for a, b in [(3, 17), (20, 150), (99, 101)]]
+    monkeypatch.setattr(reader_module, "_BLOSC_GETITEM", None)
+    slow = [CacheReader(cache).read_tokens(0, a, b)["hidden"] for a, b in [(3, 17), (20, 150), (99, 101)]]
+    for f, s in zip(fast, slow):
+        np.testing.assert_array_equal(bits(f), bits(s))
