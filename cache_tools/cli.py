@@ -1,44 +1,26 @@
 """`dflash-cache`: inspect, check and maintain hidden-state caches.
 
 Thin click commands over `maintenance`; errors of the `DflashError` family are caught once,
-in `CacheGroup.invoke`, and printed as one paragraph with exit status 2.
+in the group (`cache_tools.cliutil.ErrorReportingGroup`), and printed as one paragraph with exit status 2.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from typing import Any
 
 import click
 
 from . import maintenance
+from .cliutil import ErrorReportingGroup
 from .codecs import CODEC_NAMES
-from .errors import DflashError
 
-EXIT_ERROR = 2
 EXIT_CORRUPT = 1
 
 
-def _paragraph(text: str) -> str:
-    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
-
-
-class CacheGroup(click.Group):
-    """A click group that turns pipeline errors into one paragraph on stderr, no traceback."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except DflashError as e:
-            click.echo(_paragraph(f"Error: {e}"), err=True)
-            ctx.exit(EXIT_ERROR)
-        except OSError as e:  # disk full, permission denied, ... while reading or writing a cache
-            where = f" ({e.filename})" if e.filename else ""
-            click.echo(_paragraph(f"Error: {e.strerror or e}{where}. Check the path, its permissions "
-                                  "and the free disk space, then rerun the command."), err=True)
-            ctx.exit(EXIT_ERROR)
+class CacheGroup(ErrorReportingGroup):
+    """dflash-cache's group: errors become one paragraph with exit status 2."""
 
 
 def _human_bytes(n: float) -> str:

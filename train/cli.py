@@ -5,7 +5,7 @@
 
 Every run option is a TrainConfig field (train/config.py) of the same name; `--config FILE`
 reads them from JSON or YAML and flags given on the command line override the file. Errors of
-the DflashError family are caught once, in `TrainGroup.invoke`, and printed as one paragraph.
+the DflashError family are caught once, in the group (`cache_tools.cliutil.ErrorReportingGroup`), and printed as one paragraph.
 Exit status: 0 done, 2 bad settings/data, 130 stopped by SIGINT, 143 by SIGTERM (a checkpoint
 of the last step was written), 1 an unexpected failure.
 """
@@ -14,43 +14,28 @@ from __future__ import annotations
 
 import signal
 import sys
-import textwrap
 import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
 import click
-from dflash.cache_tools.errors import DflashError
+from dflash.cache_tools.cliutil import ErrorReportingGroup, paragraph
 
 from .config import TrainConfig, field_help, flag, load_config_file, make_config
 
-EXIT_ERROR = 2
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _paragraph(text: str) -> str:
-    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
-
-
-class TrainGroup(click.Group):
+class TrainGroup(ErrorReportingGroup):
     """Runs `run` when the first argument is not a subcommand; errors become one paragraph."""
+
+    os_error_advice = ("Check the path, its permissions and the free disk space, then rerun the same "
+                       "command to resume.")
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except DflashError as e:
-            click.echo(_paragraph(f"Error: {e}"), err=True)
-            ctx.exit(EXIT_ERROR)
-        except OSError as e:  # disk full, permission denied while writing a checkpoint
-            where = f" ({e.filename})" if e.filename else ""
-            click.echo(_paragraph(f"Error: {e.strerror or e}{where}. Check the path, its permissions and "
-                                  "the free disk space, then rerun the same command to resume."), err=True)
-            ctx.exit(EXIT_ERROR)
 
 
 def _option_for(f: Any, hints: dict[str, Any]) -> click.Option:
@@ -119,7 +104,7 @@ def run(config_file: str | None, **flags: Any) -> None:
             shutdown_distributed()  # a rank that exits without it can break its peers' last collective
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        click.echo(_paragraph(f"dflash-train stopped by {signal.Signals(signum).name} outside a training "
+        click.echo(paragraph(f"dflash-train stopped by {signal.Signals(signum).name} outside a training "
                               "step; complete checkpoints are kept. Rerun the same command to resume."), err=True)
         sys.exit(EXIT_STATUS[signum])
     if result.exit_status:
