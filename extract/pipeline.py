@@ -136,13 +136,19 @@ class Progress:
 def resolve_device(config: ExtractConfig) -> torch.device:
     if config.device:
         return torch.device(config.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # Under torchrun each process on a host takes its own GPU.
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
 
 
 def default_num_writers(device: torch.device) -> int:
+    """Writer processes for this process: the host's cores shared by its local ranks."""
     if device.type == "cpu":
         return 0
-    return max(1, min((os.cpu_count() or 4) - 2, 12))
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min((os.cpu_count() or 4) // local_ranks - 2, 12))
 
 
 def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data_fp) -> dict:
