@@ -1,0 +1,36 @@
+"""The loader's batches: hidden states decoded in place equal per-sample reads, any codec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cache_utils import bits, random_sample, tiny_header
+from dflash.cache_tools.writer import CacheWriter
+from dflash.train.loader import CacheSet, collate, read_batch
+
+
+def write(path, codec, seed):
+    writer = CacheWriter(path, tiny_header(codec, hidden_size=32, store_last_hidden=True))
+    gen = torch.Generator().manual_seed(seed)
+    with writer.part_writer("part-000000") as pw:
+        for s, n in enumerate([5, 70, 33, 1]):
+            ids, mask, hidden = random_sample(gen, n, 64)
+            pw.add_sample(s, ids, mask, hidden, last_hidden=torch.randn(n, 32, generator=gen).bfloat16())
+    return path
+
+
+@pytest.mark.parametrize("max_seq_len", [64, 1000])
+def test_batches_decoded_in_place_equal_collated_samples(tmp_path, max_seq_len):
+    caches = CacheSet([str(write(tmp_path / "a", "bf16", 0)), str(write(tmp_path / "b", "fp8", 1))],
+                      max_seq_len=max_seq_len)
+    indices = [1, 6, 0, 3, 5]  # both caches, a truncated sample (70 > 64), a 1-token sample
+    got = read_batch(caches, indices)
+    want = collate([caches.read(i) for i in indices])
+    assert got.keys() == want.keys()
+    assert got["hidden"].shape == (5, min(70, max_seq_len), 64)
+    for key in ("hidden", "last_hidden"):
+        np.testing.assert_array_equal(bits(got[key]), bits(want[key]))  # padding rows are zero in both
+    for key in ("input_ids", "loss_mask", "lengths", "sample_ids"):
+        assert torch.equal(got[key], want[key])
+    assert got["lengths"].tolist() == [min(70, max_seq_len), 33, 5, 1, min(70, max_seq_len)]
