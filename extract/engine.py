@@ -72,8 +72,13 @@ class ExtractionEngine:
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> Pending:
-        ids = batch.input_ids.to(self.device, non_blocking=True)
-        gather = batch.gather_index.to(self.device, non_blocking=True)
+        ids, gather = batch.input_ids, batch.gather_index
+        if self.cuda:
+            # From pageable memory a copy to the GPU first waits for all queued work; from
+            # pinned memory it is queued like a kernel, so batch i+1 waits behind batch i.
+            ids, gather = ids.pin_memory(), gather.pin_memory()
+        ids = ids.to(self.device, non_blocking=True)
+        gather = gather.to(self.device, non_blocking=True)
         if _TEST_SLEEP_PER_FORWARD:
             time.sleep(_TEST_SLEEP_PER_FORWARD)
         # No attention mask: rows are right-padded and attention is causal, so a real token
