@@ -372,20 +372,24 @@ class CacheReader:
         return off
 
     def read_sample(
-        self, index: int, *, max_tokens: int | None = None, out: dict[str, torch.Tensor] | None = None
+        self, index: int, *, max_tokens: int | None = None, out: dict[str, torch.Tensor] | None = None,
+        dequantize: bool = True,
     ) -> dict[str, Any]:
         """Sample `index` (global order: parts in commit order), optionally its first max_tokens.
 
         `out` may hold preallocated bf16 tensors for "hidden" (and "last_hidden") with exactly
         the sample's rows, e.g. a slice of a padded batch: chunks are decoded straight into
         them, which saves a copy and the page faults of a fresh buffer per sample.
+        With dequantize=False an fp8 cache returns its stored e4m3 bytes ("hidden", uint8) and
+        scales ("hidden_scale", float32 [T, K]) for dequantization on the GPU
+        (`codecs.dequantize_fp8`); `out` then holds tensors of those dtypes.
         """
         part_idx, local = self.locate(index)
         off = self._offsets(part_idx)
         start, stop = int(off[local]), int(off[local + 1])
         if max_tokens is not None:
             stop = min(stop, start + max_tokens)
-        result = self.read_tokens(part_idx, start, stop, out=out)
+        result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
         result["sample_id"] = int(self._part(part_idx).small_array("sample_ids")[local])
         return result
 
@@ -393,36 +397,43 @@ class CacheReader:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
 
     def _read_hidden(self, pf: _PartFiles, array: str, start: int, stop: int,
-                     out: torch.Tensor | None) -> torch.Tensor:
+                     into: dict[str, torch.Tensor], dequantize: bool) -> dict[str, torch.Tensor]:
+        """{array: rows} (bf16), or for fp8 with dequantize=False {array: uint8 rows,
+        array_scale: float32 scales} so that the caller can dequantize on its GPU."""
         meta = pf.array_meta(array)
         shape = (stop - start, meta.shape[1])
-        if out is not None and (tuple(out.shape) != shape or out.dtype != torch.bfloat16
-                                or not out.is_contiguous()):
-            raise ValueError(f"out[{array!r}] must be a contiguous bfloat16 tensor of shape {shape}")
+        raw_fp8 = self._codec.has_scale and not dequantize
+        dtype = torch.uint8 if raw_fp8 else torch.bfloat16
+        out = into.get(array)
+        if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
+            kind = str(dtype).removeprefix("torch.")
+            raise ValueError(f"out[{array!r}] must be a contiguous {kind} tensor of shape {shape}")
         if self._codec.has_scale:
-            q = np.empty(shape, dtype=np.uint8)
-            pf.read_rows(array, start, stop, q)
-            scale = pf.small_array(array + "_scale")[start:stop]
-            h = dequantize_fp8(torch.from_numpy(q), torch.from_numpy(scale))
+            q = out if raw_fp8 and out is not None else self._empty(shape, torch.uint8)
+            pf.read_rows(array, start, stop, q.numpy())
+            scale = torch.from_numpy(pf.small_array(array + "_scale")[start:stop])
+            if raw_fp8:
+                scale_out = into.get(array + "_scale")
+                scale = scale_out.copy_(scale) if scale_out is not None else scale.clone()
+                return {array: q, array + "_scale": scale}
+            h = dequantize_fp8(q, scale)
             if out is not None:
-                return out.copy_(h)
-            return h.pin_memory() if self.pin_memory else h
+                return {array: out.copy_(h)}
+            return {array: h.pin_memory() if self.pin_memory else h}
         h = out if out is not None else self._empty(shape, torch.bfloat16)
         pf.read_rows(array, start, stop, h.view(torch.int16).numpy())
-        return h
+        return {array: h}
 
     def read_tokens(self, part_idx: int, start: int, stop: int,
-                    out: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                    out: dict[str, torch.Tensor] | None = None, *, dequantize: bool = True) -> dict[str, Any]:
         """Token rows [start, stop) of one part (any range, also across sample boundaries)."""
         pf = self._part(part_idx)
         into = out or {}
-        out: dict[str, Any] = {
-            "hidden": self._read_hidden(pf, "hidden", start, stop, into.get("hidden")),
-            "input_ids": torch.from_numpy(pf.small_array("input_ids")[start:stop].astype(np.int64)),
-            "loss_mask": torch.from_numpy(pf.small_array("loss_mask")[start:stop].copy()),
-        }
+        out: dict[str, Any] = self._read_hidden(pf, "hidden", start, stop, into, dequantize)
+        out["input_ids"] = torch.from_numpy(pf.small_array("input_ids")[start:stop].astype(np.int64))
+        out["loss_mask"] = torch.from_numpy(pf.small_array("loss_mask")[start:stop].copy())
         if self.manifest.store_last_hidden:
-            out["last_hidden"] = self._read_hidden(pf, "last_hidden", start, stop, into.get("last_hidden"))
+            out.update(self._read_hidden(pf, "last_hidden", start, stop, into, dequantize))
         if self.manifest.topk:
             k = self.manifest.topk
             ids = np.empty((stop - start, k), dtype=np.int32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from cache_utils import bits, random_sample, tiny_header
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.loader import CacheSet, collate, read_batch
+from dflash.train.loader import CacheSet, collate, dequantize_batch, read_batch
 
 
 def write(path, codec, seed):
@@ -34,3 +34,29 @@ def test_batches_decoded_in_place_equal_collated_samples(tmp_path, max_seq_len):
     for key in ("input_ids", "loss_mask", "lengths", "sample_ids"):
         assert torch.equal(got[key], want[key])
     assert got["lengths"].tolist() == [min(70, max_seq_len), 33, 5, 1, min(70, max_seq_len)]
+
+
+def test_fp8_batches_travel_as_bytes_and_dequantize_to_the_same_values(tmp_path):
+    caches = CacheSet([str(write(tmp_path / "a", "fp8", 0)), str(write(tmp_path / "b", "fp8", 1))],
+                      max_seq_len=64)
+    indices = [1, 6, 0, 3]
+    got = read_batch(caches, indices)
+    assert got["hidden"].dtype == torch.uint8 and got["hidden_scale"].shape == (4, 64, 2)
+    assert got["last_hidden"].dtype == torch.uint8 and got["last_hidden_scale"].shape == (4, 64, 1)
+    got = dequantize_batch(got)
+    assert "hidden_scale" not in got and got["hidden"].dtype == torch.bfloat16
+    want = collate([caches.read(i) for i in indices])  # dequantized per sample by the reader
+    for key in ("hidden", "last_hidden"):
+        np.testing.assert_array_equal(bits(got[key]), bits(want[key]))
+
+
+def test_training_from_an_fp8_cache_runs_to_the_end_and_exports(tmp_path_factory, tmp_path):
+    from dflash.cache_tools.maintenance import recompress_cache
+    from dflash.train.loop import train
+    from test_train_support import build_tiny_world, tiny_train_config
+
+    world = build_tiny_world(tmp_path_factory)
+    recompress_cache(world["cache"], tmp_path / "fp8", codec="fp8", progress=False)
+    result = train(tiny_train_config(tmp_path / "fp8", world["target"], tmp_path / "run", max_steps=3))
+    assert result.step == 3
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.cache_tools.codecs import dequantize_fp8
 from dflash.cache_tools.errors import ConfigMismatchError, DflashError
 from dflash.cache_tools.manifest import diff_identity
 from dflash.cache_tools.reader import CacheReader
@@ -107,9 +108,11 @@ class CacheSet:
         cache = int(np.searchsorted(self.starts, index, side="right") - 1)
         return cache, index - int(self.starts[cache])
 
-    def read(self, index: int, out: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    def read(self, index: int, out: dict[str, torch.Tensor] | None = None,
+             dequantize: bool = True) -> dict[str, Any]:
         cache, local = self.locate(index)
-        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out)
+        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,
+                                               dequantize=dequantize)
 
     def identity(self) -> list[dict[str, Any]]:
         """What decides the samples: each cache's header identity and committed size (not its path)."""
@@ -213,21 +216,40 @@ def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
     """Read samples and collate them, decoding hidden states straight into the padded batch.
 
     The hidden states are most of the bytes: decoding them in place saves a copy per sample
-    and a fresh (page-faulting) buffer per sample.
+    and a fresh (page-faulting) buffer per sample. When every cache is fp8 the batch keeps
+    the stored e4m3 bytes and their scales ("hidden_scale"), half the bytes to move, and
+    `dequantize_batch` turns them into bf16 on the training device.
     """
     indices = [int(j) for j in indices]
     lengths = [int(caches.lengths[j]) for j in indices]
     manifest = caches.readers[0].manifest
+    fp8 = all(r.manifest.codec.has_scale for r in caches.readers)
+    dtype = torch.uint8 if fp8 else torch.bfloat16
     shape = (len(indices), max(lengths))
-    padded = {"hidden": torch.empty((*shape, manifest.num_layers * manifest.hidden_size), dtype=torch.bfloat16)}
+    widths = {"hidden": (manifest.num_layers * manifest.hidden_size, manifest.num_layers)}
     if manifest.store_last_hidden:
-        padded["last_hidden"] = torch.empty((*shape, manifest.hidden_size), dtype=torch.bfloat16)
+        widths["last_hidden"] = (manifest.hidden_size, 1)
+    padded = {}
+    for name, (width, layers) in widths.items():
+        padded[name] = torch.empty((*shape, width), dtype=dtype)
+        if fp8:
+            padded[name + "_scale"] = torch.empty((*shape, layers), dtype=torch.float32)
     samples = []
     for b, (j, n) in enumerate(zip(indices, lengths)):
-        samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}))
+        samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}, dequantize=not fp8))
         for v in padded.values():
             v[b, n:] = 0
     return collate(samples, padded)
+
+
+def dequantize_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp8 rows + scales of `read_batch` -> bf16 rows, where the batch now lives (the GPU)."""
+    for name in ("hidden", "last_hidden"):
+        scale = batch.pop(name + "_scale", None)
+        if scale is not None:
+            q = batch[name]
+            batch[name] = dequantize_fp8(q.flatten(0, 1), scale.flatten(0, 1)).view(*q.shape)
+    return batch
 
 
 class WorkerReadError(DflashError):

@@ -42,7 +42,7 @@ from .distributed import (
     unwrap,
     wrap_model,
 )
-from .loader import TrainingData, check_cache_target, open_training_data
+from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
 from .model import DFlashDrafter
 from .objective import ObjectiveConfig, compute_loss, sample_anchors
 from .reporting import RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
@@ -129,7 +129,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 with profiler.section("host_to_device"):
                     # Drawn from the host copy of the batch, so the step never waits for the GPU.
                     add_anchors(batch, objective.max_anchors, generators[0], pin=info.device.type == "cuda")
-                    batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+                    batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
                 last_micro = micro == cfg.grad_accum - 1
                 with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
                     with profiler.section("forward"), autocast:
@@ -301,7 +301,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     metrics = RunningMetrics(loss_model.drafter.config.block_size, info.device)
     clean = dataclasses.replace(objective, noise_type="none")
     for i, batch in enumerate(loader):
-        batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+        batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
         generator = batch_generators(cfg.seed, 0, i * info.world_size + info.rank, info.device, split=1)[0]
         with autocast:
             out = compute_loss(loss_model, batch, clean, generator=generator)
