@@ -34,7 +34,7 @@ from .manifest import (
     read_manifest,
 )
 from .reader import _EMPTY, CacheReader, _PartFiles
-from .writer import TMP_PREFIX, CacheWriter, PartWriter, remove_orphans
+from .writer import CacheWriter, PartWriter, find_orphans, orphan_name, remove_orphans
 
 
 def _bar(total: int, desc: str, unit: str, progress: bool | None) -> tqdm:
@@ -607,28 +607,6 @@ def _tree_size(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def _list_orphans(cache_dir: Path) -> list[str]:
-    """What `writer.remove_orphans` would remove now (caller holds the cache lock)."""
-    parts_dir = cache_dir / PARTS_DIR
-    if not parts_dir.is_dir():
-        return []
-    committed = {r.name for r in read_manifest(cache_dir).parts}
-    entries = sorted(parts_dir.iterdir())
-    live, out = set(), []
-    for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(".lock")):
-        with file_lock(lock, blocking=False) as held:
-            if not held:
-                live.add(lock.name[: -len(".lock")])
-            else:
-                out.append(lock.with_suffix("").name)
-    for p in entries:
-        if p.name.endswith(".lock") or p.name in live or p.name in out:
-            continue
-        if p.name.startswith(TMP_PREFIX) or p.name not in committed:
-            out.append(p.name)
-    return out
-
-
 def prune_cache(cache_dir: str | os.PathLike, *, dry_run: bool = False) -> list[tuple[str, int]]:
     """Remove temporary parts of dead writers and part directories that no commit names.
 
@@ -638,8 +616,8 @@ def prune_cache(cache_dir: str | os.PathLike, *, dry_run: bool = False) -> list[
     cache_dir = Path(cache_dir)
     read_header(cache_dir)  # a clear error for a missing or non-cache directory
     with file_lock(cache_dir / LOCK_FILE):
-        found = _list_orphans(cache_dir)
-        sizes = {n: _tree_size(cache_dir / PARTS_DIR / n) if (cache_dir / PARTS_DIR / n).exists() else 0
-                 for n in found}
-        removed = found if dry_run else remove_orphans(cache_dir)
+        sizes: dict[str, int] = {}
+        for path in find_orphans(cache_dir):
+            sizes[orphan_name(path)] = sizes.get(orphan_name(path), 0) + _tree_size(path)
+        removed = list(sizes) if dry_run else remove_orphans(cache_dir)
     return [(n, sizes.get(n, 0)) for n in removed]

@@ -152,40 +152,52 @@ class CacheWriter:
         return True
 
 
-def remove_orphans(cache_dir: Path) -> list[str]:
-    """Delete temporary parts of dead writers and part directories no commit names.
+LOCK_SUFFIX = ".lock"
 
-    Caller holds the cache lock, so no commit runs concurrently. Returns what was removed.
+
+def find_orphans(cache_dir: Path) -> list[Path]:
+    """What no live writer owns and no commit names. Caller holds the cache lock.
+
+    A temporary manifest file (written only under that lock), the liveness lock and the
+    temporary directory of each dead writer, and part directories that no commit record names.
     """
     parts_dir = cache_dir / PARTS_DIR
-    removed = []
-    # Temporary manifest files are written under the cache lock: one seen here is stale.
-    for p in sorted(cache_dir.glob(TMP_PREFIX + "*")):
-        if p.is_file():
-            p.unlink(missing_ok=True)
-            removed.append(p.name)
+    found = [p for p in sorted(cache_dir.glob(TMP_PREFIX + "*")) if p.is_file()]
     if not parts_dir.is_dir():
-        return removed
+        return found
     log = CommitLog(cache_dir)
     log.refresh()
     entries = sorted(parts_dir.iterdir())
-    live_tmp = set()
-    for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(".lock")):
+    live = set()
+    for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(LOCK_SUFFIX)):
         with file_lock(lock, blocking=False) as held:
-            if not held:  # a live writer owns it
-                live_tmp.add(lock.name[: -len(".lock")])
-                continue
-            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
-            lock.unlink(missing_ok=True)
-            removed.append(lock.with_suffix("").name)
+            if held:
+                found.append(lock)
+            else:  # a live writer owns it
+                live.add(lock.name[: -len(LOCK_SUFFIX)])
     for p in entries:
-        if p.name.endswith(".lock") or p.name in live_tmp or not p.exists():
+        if p.name.endswith(LOCK_SUFFIX) or p.name in live:
             continue
         if p.name.startswith(TMP_PREFIX) or p.name not in log.records:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            removed.append(p.name)
-    if removed:
-        fsync_dir(parts_dir)
+            found.append(p)
+    return found
+
+
+def orphan_name(path: Path) -> str:
+    """How an orphan is reported: a dead writer's lock file stands for its temporary part."""
+    name = path.name
+    return name[: -len(LOCK_SUFFIX)] if name.startswith(TMP_PREFIX) and name.endswith(LOCK_SUFFIX) else name
+
+
+def remove_orphans(cache_dir: Path) -> list[str]:
+    """Delete what `find_orphans` finds. Caller holds the cache lock. Returns the names removed."""
+    removed: list[str] = []
+    for p in find_orphans(cache_dir):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if orphan_name(p) not in removed:
+            removed.append(orphan_name(p))
+    if removed and (cache_dir / PARTS_DIR).is_dir():
+        fsync_dir(cache_dir / PARTS_DIR)
     return removed
 
 
