@@ -89,6 +89,7 @@ def test_reader_in_a_forked_worker_reopens_its_maps(tmp_path):
         list(range(4)), batch_size=None, num_workers=2,
         collate_fn=lambda i: reader.read_sample(i)["hidden"],
         multiprocessing_context="fork",
+        timeout=120,  # a worker that deadlocks after fork fails this test instead of hanging the run
     )
     got = list(loader)
     for i, h in enumerate(got):
