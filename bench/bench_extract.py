@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -24,8 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from dflash.cache_tools.reader import CacheReader
 from dflash.extract.config import ExtractConfig, default_target_layer_ids
-from dflash.extract.pipeline import run_extraction
+from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -112,6 +114,30 @@ def time_forward(fn, batches: list[torch.Tensor], device: torch.device) -> float
     return sum(b.numel() for b in batches) / (time.perf_counter() - t)
 
 
+def check_cache(cache: Path, model, layer_ids: list[int], count: int, device: torch.device) -> float:
+    """Largest relative Frobenius error, per (sample, layer), of cached states against the same
+    sample run alone (bf16 compute: batched and single forwards differ by rounding, ~1e-3;
+    a row in the wrong place is off by ~1)."""
+    reader = CacheReader(cache)
+    capture = LayerCapture(model, layer_ids, need_last=False)
+    worst = 0.0
+    try:
+        for index in torch.linspace(0, len(reader) - 1, count).long().tolist():
+            sample = reader.read_sample(index)
+            ids = sample["input_ids"].long()[None].to(device)
+            with torch.inference_mode():
+                ref = torch.cat(capture(ids, None).layers, dim=-1)[0].float()
+            got = sample["hidden"].to(device).float()
+            for k in range(len(layer_ids)):
+                cols = slice(k * ref.shape[1] // len(layer_ids), (k + 1) * ref.shape[1] // len(layer_ids))
+                err = (got[:, cols] - ref[:, cols]).norm() / ref[:, cols].norm()
+                worst = max(worst, float(err))
+    finally:
+        capture.close()
+        reader.close()
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True, help="Scratch directory for data and caches (e.g. /dev/shm/x).")
@@ -122,7 +148,12 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=32768)
     ap.add_argument("--part-tokens", type=int, default=32768)
     ap.add_argument("--num-writers", type=int, help="Writer processes [default of dflash-extract].")
-    ap.add_argument("--codecs", default="bf16,fp8")
+    ap.add_argument("--codecs", default="bf16,fp8",
+                    help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
+                         "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison.")
+    ap.add_argument("--check-samples", type=int, default=4,
+                    help="Samples of each cache compared with a single-sample forward (catches rows "
+                         "landing in the wrong place).")
     args = ap.parse_args()
 
     small = args.small
@@ -158,19 +189,30 @@ def main() -> None:
         rows.append((f"forward stopping after layer {max(layer_ids)}", stop_fwd, None, None))
     del batches
 
-    for codec in args.codecs.split(","):
-        cache = out / f"bench-cache-{codec}"
+    for name in args.codecs.split(","):
+        codec, staged = name.removesuffix("-staged"), name.endswith("-staged")
+        cache = out / f"bench-cache-{name}"
         shutil.rmtree(cache, ignore_errors=True)
         cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(data),
                             output=str(cache), codec=codec, target_layer_ids=layer_ids,
                             token_budget=budget, part_tokens=args.part_tokens,
                             max_seq_len=seq_len * 2, num_writers=args.num_writers,
                             device=str(device), progress=False)
-        with GpuSampler(device) as gpu:
-            summary = run_extraction(cfg, model=model)
-        rows.append((f"full extraction, codec {codec}", summary.tokens_per_second, gpu.mean,
+        if staged:
+            os.environ[STAGED_COPY_ENV] = "1"
+        try:
+            with GpuSampler(device) as gpu:
+                summary = run_extraction(cfg, model=model)
+        finally:
+            os.environ.pop(STAGED_COPY_ENV, None)
+        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, gpu.mean,
                      summary.bytes / max(summary.tokens, 1)))
         print(summary.format())
+        err = check_cache(cache, model, layer_ids, args.check_samples, device)
+        print(f"check: {args.check_samples} samples of the {name} cache vs a single-sample forward: "
+              f"max relative error {err:.4f}", flush=True)
+        if err > (0.08 if codec == "fp8" else 0.03):
+            raise SystemExit(f"cache {name} does not match the target's states (error {err:.3f})")
         shutil.rmtree(cache, ignore_errors=True)
 
     print(f"\n{'what':45s} {'tokens/s':>12s} {'vs stop-fwd':>11s} {'GPU util':>9s} {'bytes/token':>12s}")

@@ -130,6 +130,45 @@ def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int)
         pool.map(_write_part, jobs)
 
 
+def traced_train(config, *, skip: int, warm: int, active: int) -> None:
+    """train(config) under torch.profiler: steps skip+warm+1 .. skip+warm+active are recorded."""
+    from dflash.train import loop
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = torch.cuda.is_available() and config.device != "cpu"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                   schedule=schedule(wait=skip, warmup=warm, active=active, repeat=1))
+    stamps: list[float] = []
+    advance = loop.RunLogger.advance
+
+    def stepping(self, n, **kw):
+        advance(self, n, **kw)
+        if n:
+            if cuda:
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            prof.step()
+
+    loop.RunLogger.advance = stepping
+    try:
+        with prof:
+            loop.train(config)
+    finally:
+        loop.RunLogger.advance = advance
+    wall = stamps[skip + warm + active - 1] - stamps[skip + warm - 1]
+    events = prof.key_averages()
+    def device_us(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+    busy = sum(device_us(e) for e in events) / 1e6
+    try:
+        table = events.table(sort_by="self_device_time_total", row_limit=30)
+    except Exception:
+        table = events.table(sort_by="self_cuda_time_total", row_limit=30)
+    print(table)
+    print(f"traced {active} steps: wall {wall / active * 1e3:.1f} ms/step, GPU kernels "
+          f"{busy / active * 1e3:.1f} ms/step, GPU busy {busy / wall:.1%} of the wall time", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/dev/shm/dflash-bench", help="where the target, cache and run go")
@@ -140,6 +179,9 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; small: 2)")
     parser.add_argument("--writers", type=int, default=min(14, os.cpu_count() or 1), help="cache writer processes")
     parser.add_argument("--compile", action="store_true", help="also torch.compile the draft layers")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="after the measured steps, profile this many more with torch.profiler and print "
+                             "the top GPU kernels and the fraction of wall time the GPU was busy")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
     a = parser.parse_args()
 
@@ -166,17 +208,20 @@ def main() -> None:
         cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
         block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len, max_batch_size=1,
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
-        max_steps=warmup + steps, log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
+        max_steps=warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
     )
     if warmup % config.log_interval or steps % config.log_interval:
         config.log_interval = 1
     train_start = time.perf_counter()
-    train(config)
+    if a.trace_steps:
+        traced_train(config, skip=warmup + steps, warm=2, active=a.trace_steps)
+    else:
+        train(config)
     trained = time.perf_counter() - train_start
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    measured = [r for r in records if r["kind"] == "train" and r["step"] > warmup]
+    measured = [r for r in records if r["kind"] == "train" and warmup < r["step"] <= warmup + steps]
     seconds = sum(r["seconds_per_step"] * config.log_interval for r in measured)
     n = len(measured) * config.log_interval
     step_time = seconds / n

@@ -1,15 +1,18 @@
 """The device side of one batch: forward, pack real tokens, encode, copy to the host.
 
-`launch(batch)` only enqueues work on a CUDA device: the forward up to the last captured
-layer, a gather of the real (unpadded) tokens, fp8 quantization when the codec asks for it,
-and asynchronous copies into pinned host buffers followed by an event. `wait(handle)`
-blocks on that event and returns numpy views of the host rows. Two sets of host buffers
-rotate, so the main loop can launch batch i+1 while a copier thread unpacks batch i and
-the GPU never waits for the host.
+`launch(batch, dest)` only enqueues work on a CUDA device: the forward up to the last
+captured layer, a gather of the real (unpadded) tokens, fp8 quantization when the codec asks
+for it, and asynchronous copies to the host on a separate stream (so they overlap the next
+batch's forward), followed by an event. When the destination part buffer is page-locked
+shared memory, each sample's rows are copied by DMA straight to their place in the part:
+the host touches no hidden state at all. Otherwise the rows go to rotating pinned host
+slots; `wait(handle)` blocks on the event and returns numpy views of them for the caller to
+place (a copier thread does, while the main thread keeps launching).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from torch import nn
 
 from .batching import Batch
 from .target import LayerCapture, topk_logprobs
+from .writers import PartBuffer
 
 # Test-only: seconds to sleep at the start of every forward, so that fault tests can signal a
 # run while a forward is in progress. Never set it in real runs.
@@ -35,6 +39,7 @@ class Pending:
     slot: int
     tokens: int
     event: torch.cuda.Event | None
+    direct: bool = False  # the rows were copied straight into the part buffer
 
 
 class ExtractionEngine:
@@ -53,6 +58,7 @@ class ExtractionEngine:
         self.cuda = device.type == "cuda"
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
         self._launched = 0
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def _encode(self, h: torch.Tensor, num_layers: int, prefix: str) -> dict[str, torch.Tensor]:
         if self.codec.has_scale:
@@ -71,7 +77,9 @@ class ExtractionEngine:
         return buf[:like.shape[0]]
 
     @torch.inference_mode()
-    def launch(self, batch: Batch) -> Pending:
+    def launch(self, batch: Batch, dest: PartBuffer | None = None) -> Pending:
+        """Queue one batch. With `dest` (page-locked on CUDA, any buffer on the CPU) the rows
+        land in the part directly; else in a host slot that `wait` returns."""
         ids, gather = batch.input_ids, batch.gather_index
         if self.cuda:
             # From pageable memory a copy to the GPU first waits for all queued work; from
@@ -96,20 +104,41 @@ class ExtractionEngine:
             if self.topk:
                 ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
                 out["topk_ids"], out["topk_logprobs"] = ids_k.to(self.device), lp_k.to(self.device)
+        direct = dest is not None and (dest.pinned or not self.cuda)
         slot = self._launched % self.NUM_SLOTS
         self._launched += 1
-        for name, t in out.items():
-            self._host(slot, name, t).copy_(t, non_blocking=self.cuda)
         event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return Pending(batch, slot, batch.real_tokens, event)
+        with self._on_copy_stream(out):
+            if direct:
+                dest.put_tensors(batch.members, out)
+            else:
+                for name, t in out.items():
+                    self._host(slot, name, t).copy_(t, non_blocking=self.cuda)
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()
+        return Pending(batch, slot, batch.real_tokens, event, direct)
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self, tensors: dict[str, torch.Tensor]):
+        """Run the device-to-host copies on the copy stream, after the batch's kernels and
+        overlapping the next batch's; the device tensors stay allocated until they are done."""
+        if self._copy_stream is None:
+            yield
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors.values():
+            t.record_stream(self._copy_stream)
+        with torch.cuda.stream(self._copy_stream):
+            yield
 
     def wait(self, pending: Pending) -> dict[str, np.ndarray]:
-        """Host rows of a launched batch; valid until the launch after next reuses the slot."""
+        """Host rows of a launched batch (nothing for a direct one, whose rows are in place
+        once this returns); valid until the launch after next reuses the slot."""
         if pending.event is not None:
             pending.event.synchronize()
+        if pending.direct:
+            return {}
         rows = pending.tokens
         return {
             name: buf[:rows].numpy().view(_NP_OF[buf.dtype])

@@ -28,11 +28,14 @@ from .config import ExtractConfig, default_target_layer_ids
 from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_parts
 from .engine import ExtractionEngine, Pending
 from .target import LayerCapture, decoder_layers, load_target, target_identity
-from .writers import PartBuffer, WriterPool, part_fields
+from .writers import PartBuffer, SegmentPinner, WriterPool, part_fields
 
 # Test-only: seconds to sleep after each part is handed to the writers, so that tests can
 # interrupt or kill a run midway. Never set it in real runs.
 TEST_SLEEP_ENV = "DFLASH_TEST_SLEEP_PER_PART"
+# Diagnostic: copy rows through the engine's pinned slots and a host-side copy, instead of
+# straight into the (page-locked) part buffers. For comparisons and as a fallback.
+STAGED_COPY_ENV = "DFLASH_EXTRACT_STAGED_COPY"
 
 
 @dataclass
@@ -200,11 +203,13 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     num_writers = config.num_writers if config.num_writers is not None else default_num_writers(device)
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans))
     progress = Progress(data_fp["records"], config.progress)
-    pool = WriterPool(cache, fields, num_writers)
+    direct = not os.environ.get(STAGED_COPY_ENV)
+    pinner = SegmentPinner(device) if engine.cuda and direct else None
+    pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens)
     t0 = time.perf_counter()
     try:
         with StopSignals(on_second=pool.kill) as stop:
-            _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary)
+            _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct)
             pool.drain()
         pool.close()
     except BaseException:
@@ -244,7 +249,7 @@ class StageTimer:
                   file=sys.stderr, flush=True)
 
 
-def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary) -> None:
+def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct) -> None:
     timer = StageTimer()
     if os.environ.get("DFLASH_SYNC_DEBUG") and engine.cuda:
         # Warn (once per code location) wherever the loop makes the host wait for the GPU.
@@ -275,6 +280,8 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         # release the GIL, so the main thread keeps launching while rows move to the part.
         with timer("wait"):
             rows = engine.wait(handle)
+        if handle.direct:
+            return
         with timer("put"):
             buf.put(handle.batch.members, rows, slab_copiers if engine.cuda else None)
 
@@ -303,13 +310,15 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
 
     open_buffers: list[PartBuffer] = []
     in_flight: deque[tuple[PartBuffer, Pending, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy") as copier, \
+    # The copier waits on CUDA events: its thread uses this process's GPU (not a stray GPU 0 context).
+    on_device = dict(initializer=torch.cuda.set_device, initargs=(engine.device,)) if engine.cuda else {}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy", **on_device) as copier, \
             ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
         for buf, batch in own_batches():
             if stop.signum is not None:
                 break
             with timer("launch"):
-                handle = engine.launch(batch)
+                handle = engine.launch(batch, buf if direct else None)
             in_flight.append((buf, handle, copier.submit(copy_rows, buf, handle)))
             # The next launch reuses the host slot of the batch launched NUM_SLOTS ago.
             while len(in_flight) >= engine.NUM_SLOTS - 1:

@@ -16,13 +16,14 @@ import pickle
 import queue
 import signal
 import traceback
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from dflash.cache_tools.errors import DflashError
 from dflash.cache_tools.writer import CacheWriter
 
@@ -74,27 +75,31 @@ def _views(buf, layout: dict[str, tuple[int, tuple, str]]) -> dict[str, np.ndarr
 
 
 class PartBuffer:
-    """The host-side rows of one part, filled batch by batch in any sample order."""
+    """The host-side rows of one part, filled batch by batch in any sample order.
 
-    def __init__(self, plan: PartPlan, fields: list[Field], shared: bool,
-                 reuse: SharedMemory | None = None):
+    The rows live in `segment` (shared memory the writer processes map) or, without one, in
+    process memory. `pinned` says the segment is registered with CUDA: the device then copies
+    rows straight into it (`put_tensors`), with no host-side copy at all.
+    """
+
+    def __init__(self, plan: PartPlan, fields: list[Field], segment: SharedMemory | None = None,
+                 *, pinned: bool = False):
         self.plan = plan
         lengths = np.array([s.length for s in plan.samples], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         self.layout, size = _layout(fields, int(self.offsets[-1]))
-        self.shm = None
-        if shared:
-            # Reuse a finished part's segment when it is large enough: its pages are already
-            # resident, so filling it is a plain memcpy instead of a page fault per 4 KiB.
-            if reuse is not None and reuse.size >= size:
-                self.shm = reuse
-            else:
-                if reuse is not None:
-                    _unlink(reuse)
-                self.shm = SharedMemory(create=True, size=size + size // 8)
-        self._local = None if shared else bytearray(size)
-        self.arrays = _views(self.shm.buf if shared else self._local, self.layout)
+        if segment is not None and segment.size < size:
+            raise ValueError(f"segment of {segment.size} bytes is too small for part {plan.name} ({size})")
+        self.shm = segment
+        self.pinned = pinned and segment is not None
+        self._local = None if segment is not None else bytearray(size)
+        self.arrays = _views(segment.buf if segment is not None else self._local, self.layout)
+        self._tensors: dict[str, torch.Tensor] | None = None
         self.filled = 0
+
+    @staticmethod
+    def nbytes_for(plan: PartPlan, fields: list[Field]) -> int:
+        return _layout(fields, plan.num_tokens)[1]
 
     def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
         """Copy one batch's packed rows (members in batch order) to their places in the part.
@@ -114,6 +119,21 @@ class PartBuffer:
         for future in [copiers.submit(np.copyto, dst, src) for dst, src in jobs]:
             future.result()
 
+    def put_tensors(self, members: list[int], packed: dict[str, torch.Tensor]) -> None:
+        """Copy one batch's packed rows from (device) tensors to their places in the part.
+
+        One copy per sample and array, queued on the current stream: asynchronous when the
+        segment is pinned (a DMA straight into shared memory), synchronous otherwise.
+        """
+        if self._tensors is None:
+            self._tensors = {name: torch.from_numpy(_signed(arr)) for name, arr in self.arrays.items()}
+        pos = 0
+        for i in members:
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            for name, dst in self._tensors.items():
+                dst[lo:hi].copy_(packed[name][pos:pos + hi - lo], non_blocking=self.pinned)
+            pos += hi - lo
+
     def mark_filled(self, count: int) -> None:
         """Count samples whose rows are in place (called by the loop, in batch order)."""
         self.filled += count
@@ -124,13 +144,56 @@ class PartBuffer:
 
     def release(self) -> SharedMemory | None:
         """Drop the views; returns the shared segment for reuse (or None)."""
-        self.arrays = {}
+        self.arrays, self._tensors = {}, None
         shm, self.shm, self._local = self.shm, None, None
         return shm
 
 
-def _unlink(shm: SharedMemory) -> None:
-    shm.close()
+def _signed(arr: np.ndarray) -> np.ndarray:
+    """torch has no uint16 copies: bf16 bits travel as int16 (same bytes)."""
+    return arr.view(np.int16) if arr.dtype == np.uint16 else arr
+
+
+class SegmentPinner:
+    """Registers shared-memory segments with CUDA (page-locked), so that device-to-host
+    copies land in them by DMA; a registration the driver refuses leaves the segment
+    unpinned (the engine then goes through its own pinned buffers)."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, whichever thread registers
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._ptrs: dict[str, int] = {}
+        self.failures = 0
+
+    def register(self, shm: SharedMemory) -> bool:
+        view = np.frombuffer(shm.buf, dtype=np.uint8)
+        ptr, size = view.ctypes.data, view.nbytes
+        del view  # no lasting export of shm.buf: the segment must stay closable
+        # On a helper thread the current device would default to GPU 0 (a stray context there).
+        with torch.cuda.device(self.device):
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, self.PORTABLE))
+        if err != 0:
+            self.failures += 1
+            return False
+        self._ptrs[shm.name] = ptr
+        return True
+
+    def is_pinned(self, shm: SharedMemory) -> bool:
+        return shm.name in self._ptrs
+
+    def unregister(self, shm: SharedMemory) -> None:
+        ptr = self._ptrs.pop(shm.name, None)
+        if ptr is not None:
+            with torch.cuda.device(self.device):
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _unlink(shm: SharedMemory, pinner: SegmentPinner | None = None, *, unmap: bool = True) -> None:
+    if pinner is not None and unmap:
+        pinner.unregister(shm)
+    if unmap:
+        shm.close()
     shm.unlink()
 
 
@@ -231,7 +294,8 @@ def _writer_main(cache_dir: str, header: dict, tasks, results, parent_pid: int) 
 class WriterPool:
     """Writes finished parts: inline (num_writers == 0) or in worker processes."""
 
-    def __init__(self, cache: CacheWriter, fields: list[Field], num_writers: int):
+    def __init__(self, cache: CacheWriter, fields: list[Field], num_writers: int, *,
+                 pinner: SegmentPinner | None = None, segment_tokens: int = 0):
         self.cache = cache
         self.fields = fields
         self.num_writers = num_writers
@@ -239,6 +303,14 @@ class WriterPool:
         self._buffers: dict[str, PartBuffer] = {}
         self._free: list[SharedMemory] = []  # segments of committed parts, kept for reuse
         self._procs: list[mp.Process] = []
+        # Page-locking a segment costs about as much as touching every page: it is done one
+        # segment ahead on a helper thread, while the GPU works, never in the launch path.
+        self.pinner = pinner if num_writers else None
+        self._segment_bytes = _layout(fields, segment_tokens)[1] if segment_tokens else 0
+        self._segments = 0  # segments that exist: free, filling, being written or the spare
+        self._spare: Future | None = None
+        self._preparer = (ThreadPoolExecutor(1, thread_name_prefix="dflash-segment")
+                          if self.pinner is not None else None)
         if num_writers:
             ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
             self._tasks = ctx.Queue()
@@ -259,8 +331,44 @@ class WriterPool:
         """A buffer for the next part; blocks while num_writers + 1 buffers are in use."""
         while self.num_writers and len(self._buffers) >= self.max_buffers:
             self._collect(block=True)
-        reuse = self._free.pop() if self._free else None
-        return PartBuffer(plan, self.fields, shared=bool(self.num_writers), reuse=reuse)
+        if not self.num_writers:
+            return PartBuffer(plan, self.fields)
+        shm = self._take_segment(PartBuffer.nbytes_for(plan, self.fields))
+        self._prepare_spare()
+        pinned = self.pinner is not None and self.pinner.is_pinned(shm)
+        return PartBuffer(plan, self.fields, shm, pinned=pinned)
+
+    def _take_segment(self, need: int) -> SharedMemory:
+        while self._free:
+            shm = self._free.pop()
+            if shm.size >= need:
+                return shm
+            self._drop(shm)  # a larger part than before: make a larger segment
+        if self._spare is not None:
+            shm, self._spare = self._spare.result(), None
+            if shm.size >= need:
+                return shm
+            self._drop(shm)
+        self._segments += 1
+        return self._make_segment(need)
+
+    def _make_segment(self, need: int) -> SharedMemory:
+        size = max(need, self._segment_bytes)
+        shm = SharedMemory(create=True, size=size + size // 8)
+        if self.pinner is not None:
+            self.pinner.register(shm)
+        return shm
+
+    def _prepare_spare(self) -> None:
+        if (self._preparer is None or self._free or self._spare is not None
+                or self._segments >= self.max_buffers + 1):
+            return
+        self._segments += 1
+        self._spare = self._preparer.submit(self._make_segment, self._segment_bytes)
+
+    def _drop(self, shm: SharedMemory) -> None:
+        _unlink(shm, self.pinner)
+        self._segments -= 1
 
     def _recycle(self, buf: PartBuffer) -> None:
         shm = buf.release()
@@ -333,21 +441,31 @@ class WriterPool:
         self.free_segments()
 
     def free_segments(self) -> None:
+        if self._spare is not None:
+            self._free.append(self._spare.result())
+            self._spare = None
         for shm in self._free:
-            _unlink(shm)
+            self._drop(shm)
         self._free.clear()
+        if self._preparer is not None:
+            self._preparer.shutdown(wait=True)
 
     def kill(self) -> None:
         """Second signal: end the workers at once (uncommitted parts are lost, as after kill -9)."""
         for p in self._procs:
             if p.is_alive():
                 p.kill()
+        # The process exits right after: only remove the names (a copy may still be landing).
         for buf in self._buffers.values():
             shm = buf.release()
             if shm is not None:
-                _unlink(shm)
+                _unlink(shm, unmap=False)
         self._buffers.clear()
-        self.free_segments()
+        if self._spare is not None and self._spare.done() and self._spare.exception() is None:
+            self._free.append(self._spare.result())
+        for shm in self._free:
+            _unlink(shm, unmap=False)
+        self._free.clear()
 
 
 def _write_error(name: str | None, cache_dir: Path, exc: BaseException) -> WriteError:

@@ -162,17 +162,21 @@ def test_metrics_count_leading_correct_slots_per_block():
 
 
 def test_anchors_drawn_by_the_caller_give_the_same_loss_as_drawn_inside():
-    """The trainer draws anchors on the host (no device sync); the result must not change."""
+    """The trainer draws anchors and lists the scored slots on the host (no device sync);
+    the result must not change."""
     from dflash.train.loop import add_anchors
 
     drafter = tiny_drafter()
+    bs = drafter.config.block_size
     config = ObjectiveConfig(max_anchors=2)
     inside = compute_loss(drafter, hand_batch(), config, generator=torch.Generator().manual_seed(5))
     batch = hand_batch()
-    add_anchors(batch, config.max_anchors, torch.Generator().manual_seed(5), pin=False)
+    add_anchors(batch, config.max_anchors, bs, torch.Generator().manual_seed(5), pin=False)
+    assert torch.equal(batch["scored_slots"], torch.stack(inside.valid.nonzero(as_tuple=True)))
     outside = compute_loss(drafter, batch, config)
     assert torch.equal(inside.anchor_positions, outside.anchor_positions)
     assert torch.equal(inside.loss, outside.loss)
+    assert torch.equal(inside.correct, outside.correct)
     other = hand_batch()
-    add_anchors(other, config.max_anchors, torch.Generator().manual_seed(6), pin=False)
+    add_anchors(other, config.max_anchors, bs, torch.Generator().manual_seed(6), pin=False)
     assert not torch.equal(compute_loss(drafter, other, config).anchor_positions, inside.anchor_positions)

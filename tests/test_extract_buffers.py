@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 from dflash.extract.data import PartPlan, Sample
 from dflash.extract.writers import PartBuffer, part_fields
 
@@ -22,7 +23,7 @@ def test_batches_in_any_order_fill_the_part_in_sample_order(threads):
     full = {"hidden": rng.integers(0, 255, (sum(lengths), 6), dtype=np.uint8),
             "hidden_scale": rng.random((sum(lengths), 2), dtype=np.float32)}
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    buf = PartBuffer(plan, fields, shared=False)
+    buf = PartBuffer(plan, fields)
     copiers = ThreadPoolExecutor(threads) if threads else None
     for members in ([2, 0], [4, 3, 1]):  # length-sorted batches, not in sample order
         rows = {k: np.concatenate([v[offsets[i]:offsets[i + 1]] for i in members]) for k, v in full.items()}
@@ -31,3 +32,91 @@ def test_batches_in_any_order_fill_the_part_in_sample_order(threads):
     assert buf.complete
     for key, ref in full.items():
         np.testing.assert_array_equal(buf.arrays[key], ref)
+
+
+def _plan(lengths: list[int], index: int = 0) -> PartPlan:
+    plan = PartPlan(index=index)
+    for i, n in enumerate(lengths):
+        plan.add(Sample(sample_id=100 * index + i, input_ids=np.zeros(n, np.int64),
+                        loss_mask=np.ones(n, np.uint8)))
+    return plan
+
+
+def test_tensor_rows_land_in_sample_order_and_bf16_bits_survive():
+    """put_tensors (the path the device copies take): uint16 bf16 bits go through int16."""
+    lengths = [4, 2, 6]
+    fields = part_fields(width=8, hidden_size=4, num_layers=2, storage_dtype="uint16",
+                         has_scale=False, last_hidden=True, topk=2)
+    buf = PartBuffer(_plan(lengths), fields)
+    g = torch.Generator().manual_seed(0)
+    full = {"hidden": torch.randn(12, 8, generator=g).to(torch.bfloat16).view(torch.int16),
+            "last_hidden": torch.randn(12, 4, generator=g).to(torch.bfloat16).view(torch.int16),
+            "topk_ids": torch.randint(0, 1000, (12, 2), generator=g, dtype=torch.int32),
+            "topk_logprobs": -torch.rand(12, 2, generator=g)}
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for members in ([2], [0, 1]):
+        rows = {k: torch.cat([v[offsets[i]:offsets[i + 1]] for i in members]) for k, v in full.items()}
+        buf.put_tensors(members, rows)
+    for key, ref in full.items():
+        got = buf.arrays[key]
+        np.testing.assert_array_equal(got.view(np.int16) if got.dtype == np.uint16 else got, ref.numpy())
+    assert buf.arrays["hidden"].dtype == np.uint16
+
+
+class FakePinner:
+    """Records registrations (the real one needs CUDA)."""
+
+    def __init__(self):
+        self.pinned: set[str] = set()
+        self.registered = self.unregistered = 0
+
+    def register(self, shm):
+        self.pinned.add(shm.name)
+        self.registered += 1
+        return True
+
+    def is_pinned(self, shm):
+        return shm.name in self.pinned
+
+    def unregister(self, shm):
+        self.pinned.discard(shm.name)
+        self.unregistered += 1
+
+
+def test_pool_prepares_pinned_segments_ahead_reuses_them_and_unpins_all(tmp_path):
+    from dflash.cache_tools.codecs import HiddenCodec
+    from dflash.cache_tools.manifest import make_header
+    from dflash.cache_tools.reader import CacheReader
+    from dflash.cache_tools.writer import CacheWriter
+    from dflash.extract.writers import WriterPool
+
+    header = make_header(target={"path": "t", "architecture": "X", "hidden_size": 4,
+                                 "num_hidden_layers": 2, "vocab_size": 10},
+                         target_layer_ids=[0, 1], hidden_size=4, codec=HiddenCodec(name="raw"),
+                         data={"name": "t"})
+    cache = CacheWriter(tmp_path / "cache", header)
+    fields = part_fields(width=8, hidden_size=4, num_layers=2, storage_dtype="uint16",
+                         has_scale=False, last_hidden=False, topk=0)
+    pinner = FakePinner()
+    pool = WriterPool(cache, fields, 1, pinner=pinner, segment_tokens=16)
+    try:
+        for p in range(6):
+            plan = _plan([3, 5] if p != 4 else [40, 2], index=p)  # part 4 outgrows the segments
+            buf = pool.new_buffer(plan)
+            assert buf.pinned and pinner.is_pinned(buf.shm)
+            buf.arrays["hidden"][...] = p
+            buf.mark_filled(2)
+            pool.submit(buf)
+            pool.drain()
+        # one segment at a time is in use: a second (the spare) is prepared ahead, never more
+        assert pinner.registered <= 4
+        pool.close()
+    finally:
+        pool.kill()
+    assert pinner.pinned == set() and pinner.unregistered == pinner.registered
+    reader = CacheReader(tmp_path / "cache")
+    assert len(reader) == 12
+    for i in range(12):
+        sample = reader.read_sample(i)
+        part = sample["sample_id"] // 100
+        assert (sample["hidden"].view(torch.int16) == part).all(), f"sample {i} has another part's rows"

@@ -8,7 +8,7 @@ import pytest
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.manifest import read_manifest
 from dflash.extract.config import ExtractConfig
-from dflash.extract.pipeline import run_extraction
+from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from extract_utils import (
     assert_same_contents,
     cache_contents,
@@ -71,6 +71,17 @@ def test_writer_processes_write_the_same_cache(setup, tmp_path):
     target, data, clean = setup
     out = tmp_path / "procs"
     run_extraction(config(target, data, out, num_writers=2))
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+
+
+@pytest.mark.parametrize("num_writers", [0, 2])
+def test_staged_host_copies_write_the_same_cache(setup, tmp_path, monkeypatch, num_writers):
+    """The fallback path (rows through the engine's host slots, then placed by the loop)
+    writes what the direct path (rows straight into the part buffers) writes."""
+    target, data, clean = setup
+    monkeypatch.setenv(STAGED_COPY_ENV, "1")
+    out = tmp_path / "staged"
+    run_extraction(config(target, data, out, num_writers=num_writers))
     assert_same_contents(cache_contents(out), cache_contents(clean))
 
 

@@ -44,7 +44,7 @@ from .distributed import (
 )
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
 from .model import DFlashDrafter
-from .objective import ObjectiveConfig, compute_loss, sample_anchors
+from .objective import ObjectiveConfig, compute_loss, sample_anchors, scored_slots
 from .reporting import RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .signals import StopRequest
 from .target_weights import load_target_config
@@ -128,7 +128,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 generators = batch_generators(cfg.seed, data.loader.epoch, data.loader.last_index, info.device)
                 with profiler.section("host_to_device"):
                     # Drawn from the host copy of the batch, so the step never waits for the GPU.
-                    add_anchors(batch, objective.max_anchors, generators[0], pin=info.device.type == "cuda")
+                    add_anchors(batch, objective.max_anchors, drafter.config.block_size, generators[0],
+                                pin=info.device.type == "cuda")
                     batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
                 last_micro = micro == cfg.grad_accum - 1
                 with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
@@ -273,10 +274,14 @@ def _fsdp_no_sync(model: Any):
         model.set_requires_gradient_sync(True)
 
 
-def add_anchors(batch: dict, max_anchors: int, generator: torch.Generator, *, pin: bool) -> None:
-    """Put the batch's anchors (drawn on the host) into it, pinned for an asynchronous copy."""
-    anchors = sample_anchors(batch["loss_mask"], batch["lengths"], max_anchors, generator)
-    batch["anchor_positions"], batch["anchor_valid"] = (t.pin_memory() if pin else t for t in anchors)
+def add_anchors(batch: dict, max_anchors: int, block_size: int, generator: torch.Generator, *,
+                pin: bool) -> None:
+    """Put the batch's anchors and its scored block slots (both worked out on the host, so
+    the step never waits for the GPU) into it, pinned for an asynchronous copy."""
+    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], max_anchors, generator)
+    slots = scored_slots(batch["input_ids"], batch["loss_mask"], batch["lengths"], anchors, valid, block_size)
+    for name, t in (("anchor_positions", anchors), ("anchor_valid", valid), ("scored_slots", slots)):
+        batch[name] = t.pin_memory() if pin else t
 
 
 def batch_generators(seed: int, epoch: int, batch_index: int, device: torch.device, *,

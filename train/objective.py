@@ -40,10 +40,21 @@ def default_gamma(block_size: int) -> float:
     return float(math.floor(1 + 3 * block_size / 8 + 0.5))
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+def position_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for block slots k = 1..block_size-1 (index 0 is k=1)."""
-    k = torch.arange(1, block_size, dtype=torch.float32)
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
+
+
+def scored_slots(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                 anchor_positions: torch.Tensor, anchor_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[3, N] long: (sequence, anchor, slot) of every scored block slot, in row-major order.
+
+    Computed where the batch's tensors live; from the host copy it spares the training step
+    the device-to-host synchronisation of a `nonzero()` on the GPU.
+    """
+    _labels, valid = block_targets(input_ids, loss_mask, lengths, anchor_positions, anchor_valid, block_size)
+    return torch.stack(valid.nonzero(as_tuple=True))
 
 
 @dataclass(kw_only=True)
@@ -236,12 +247,16 @@ def compute_loss(
     states = drafter(hidden, block_ids, block_positions, mask)  # [B, A*Bs, D]
     states = states.view(anchors.shape[0], anchors.shape[1], block_size, -1)[:, :, 1:]
 
-    # Only scored slots go through the (large) lm_head.
-    b, a, k = valid.nonzero(as_tuple=True)
+    # Only scored slots go through the (large) lm_head. Their indices come with the batch
+    # when the caller computed them on the host (no device sync); else from `valid`.
+    if "scored_slots" in batch:
+        b, a, k = batch["scored_slots"].to(valid.device, non_blocking=True).unbind(0)
+    else:
+        b, a, k = valid.nonzero(as_tuple=True)
     logprobs = torch.log_softmax(drafter.logits(states[b, a, k]).float(), dim=-1)
     target = labels[b, a, k]
     gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
-    weights = position_weights(block_size, gamma).to(logprobs.device)[k]
+    weights = position_weights(block_size, gamma, logprobs.device)[k]
     total_weight = weights.sum().clamp(min=1e-12)
     ce = (weights * -logprobs.gather(1, target[:, None]).squeeze(1)).sum() / total_weight
     loss, kl = ce, None
