@@ -5,6 +5,7 @@
 #   bash bench/gpu_benchmarks.sh train     # ~4 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh cache     # ~2 min: codec ratios and per-core throughput (CPU side of the host)
 #   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
+#                                          # (DEMO_DIR=<an earlier dflash-demo --workdir>: ~1 min, eval only)
 # SCRATCH (default /dev/shm/dflash-bench) holds the data; it is removed at the end.
 # DFLASH_SYNC_DEBUG=1 makes the extraction loop and the training step warn at every place
 # where the host waits for the GPU (torch.cuda.set_sync_debug_mode("warn")).
@@ -18,13 +19,14 @@ git rev-parse --short HEAD 2>/dev/null || true
 for what in "$@"; do
   case "$what" in
     extract) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" ;;
-    train) python3 bench/bench_train.py --workdir "$scratch/train" ;;
+    train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --trace-steps 3 ;;
     cache) python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 ;;
     eval)
-      dflash-demo --workdir "$scratch/demo"
+      demo=${DEMO_DIR:-$scratch/demo}
+      [ -d "$demo/run/final" ] || dflash-demo --workdir "$demo"
       for batch in 1 4; do
-        dflash-eval --target-model "$scratch/demo/target" --drafter "$scratch/demo/run/final" \
-          --prompts "$scratch/demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
+        dflash-eval --target-model "$demo/target" --drafter "$demo/run/final" \
+          --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
     *) echo "unknown benchmark '$what' (extract, train, cache, eval)" >&2; exit 2 ;;
