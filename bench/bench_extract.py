@@ -138,6 +138,44 @@ def check_cache(cache: Path, model, layer_ids: list[int], count: int, device: to
     return worst
 
 
+def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, args, device, model) -> None:
+    """A bf16 extraction of the first `tokens` tokens under torch.profiler (CPU + CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines, total = [], 0
+    for line in data.read_text().splitlines():
+        if total >= tokens:
+            break
+        lines.append(line)
+        total += len(json.loads(line)["input_ids"])
+    small = out / "trace-data.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    cache = out / "bench-cache-trace"
+    shutil.rmtree(cache, ignore_errors=True)
+    cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(small), output=str(cache),
+                        codec="bf16", target_layer_ids=layer_ids, token_budget=budget,
+                        part_tokens=args.part_tokens, max_seq_len=2 * max(len(json.loads(x)["input_ids"]) for x in lines),
+                        num_writers=args.num_writers, device=str(device), progress=False)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        summary = run_extraction(cfg, model=model)
+    wall = time.perf_counter() - t
+    print(summary.format())
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    try:
+        print(events.table(sort_by="self_device_time_total", row_limit=12))
+    except Exception:
+        print(events.table(sort_by="self_cuda_time_total", row_limit=12))
+    busy = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+               for e in events) / 1e6
+    print(f"traced extraction: {summary.tokens} tokens in {wall:.1f} s, GPU kernel+copy time {busy:.1f} s "
+          f"({busy / wall:.0%} of the wall time)", flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    small.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True, help="Scratch directory for data and caches (e.g. /dev/shm/x).")
@@ -151,6 +189,9 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8",
                     help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
                          "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison.")
+    ap.add_argument("--trace-tokens", type=int, default=0,
+                    help="Also extract this many tokens (bf16) under torch.profiler and print where the "
+                         "host and the GPU spend their time.")
     ap.add_argument("--check-samples", type=int, default=4,
                     help="Samples of each cache compared with a single-sample forward (catches rows "
                          "landing in the wrong place).")
@@ -214,6 +255,9 @@ def main() -> None:
         if err > (0.08 if codec == "fp8" else 0.03):
             raise SystemExit(f"cache {name} does not match the target's states (error {err:.3f})")
         shutil.rmtree(cache, ignore_errors=True)
+
+    if args.trace_tokens:
+        traced_extraction(out, data, args.trace_tokens, layer_ids, budget, args, device, model)
 
     print(f"\n{'what':45s} {'tokens/s':>12s} {'vs stop-fwd':>11s} {'GPU util':>9s} {'bytes/token':>12s}")
     for name, tps, util, bpt in rows:

@@ -218,6 +218,9 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     finally:
         capture.close()
         progress.close()
+    if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
+        print(f"page-locked {pinner.registered} part segments in {pinner.seconds:.2f} s "
+              f"({pinner.failures} refused)", file=sys.stderr, flush=True)
     for res in pool.results:
         summary.bytes += res.nbytes
     summary.seconds = time.perf_counter() - t0

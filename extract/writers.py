@@ -15,6 +15,7 @@ import os
 import pickle
 import queue
 import signal
+import time
 import traceback
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -165,14 +166,19 @@ class SegmentPinner:
         self.device = device
         self._ptrs: dict[str, int] = {}
         self.failures = 0
+        self.registered = 0
+        self.seconds = 0.0  # spent registering (on the pool's helper thread)
 
     def register(self, shm: SharedMemory) -> bool:
         view = np.frombuffer(shm.buf, dtype=np.uint8)
         ptr, size = view.ctypes.data, view.nbytes
         del view  # no lasting export of shm.buf: the segment must stay closable
         # On a helper thread the current device would default to GPU 0 (a stray context there).
+        start = time.perf_counter()
         with torch.cuda.device(self.device):
             err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, self.PORTABLE))
+        self.seconds += time.perf_counter() - start
+        self.registered += 1
         if err != 0:
             self.failures += 1
             return False
