@@ -48,6 +48,10 @@ def _interrupt(signum, _frame) -> None:
               help="Skip malformed records (counted in the manifest) instead of stopping.")
 @click.option("--part-tokens", type=int, default=65536, help="Tokens per cache part (the unit of resume).")
 @click.option("--token-budget", type=int, default=32768, help="Padded tokens per forward batch.")
+@click.option("--sort-window-tokens", type=int,
+              help="Length-sort samples of consecutive parts up to this many tokens together into "
+                   "batches (less padding; the window's parts are held in memory) "
+                   "[default: 4 x --token-budget; 0: each part alone].")
 @click.option("--codec", type=click.Choice(["bf16", "fp8", "raw"]), default="bf16",
               help="Hidden-state codec: bf16 lossless, fp8 e4m3 + scales, raw uncompressed.")
 @click.option("--chunk-rows", type=int, default=128, help="Rows per compressed chunk.")

@@ -69,6 +69,10 @@ class ExtractConfig:
     """A part closes before the sample that would take it past this many tokens."""
     token_budget: int = 32768
     """Padded tokens per forward batch (batch size x longest sample)."""
+    sort_window_tokens: int | None = None
+    """The samples of max(1, sort_window_tokens // part_tokens) consecutive parts are
+    length-sorted into batches together (less padding than batching each part alone; ranks
+    take whole windows); None: 4 x token_budget."""
     codec: str = "bf16"
     """Hidden-state codec: bf16 (lossless), fp8 (e4m3 + per-token scale) or raw."""
     chunk_rows: int = 128
@@ -110,6 +114,8 @@ class ExtractConfig:
                 raise bad(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
         if self.store_topk < 0:
             raise bad(f"--store-topk must be 0 (off) or positive (got {self.store_topk}).")
+        if self.sort_window_tokens is not None and self.sort_window_tokens < 0:
+            raise bad(f"--sort-window-tokens must be 0 or more (got {self.sort_window_tokens}).")
         if self.num_writers is not None and self.num_writers < 0:
             raise bad(f"--num-writers must be 0 or more (got {self.num_writers}).")
         if self.target_layer_ids is not None:
@@ -125,6 +131,11 @@ class ExtractConfig:
                 f"Rank {self.rank} of world size {self.world_size} is invalid: need "
                 "0 <= rank < world_size (set --rank/--world-size or RANK/WORLD_SIZE)."
             )
+
+    def sort_window_parts(self) -> int:
+        """Consecutive parts per sort window (fixed by the settings, never by the run's state)."""
+        tokens = self.sort_window_tokens if self.sort_window_tokens is not None else 4 * self.token_budget
+        return max(1, tokens // self.part_tokens)
 
     def content_settings(self) -> dict[str, Any]:
         """The settings that decide the cache's content (recorded in the header's `settings`)."""

@@ -28,7 +28,7 @@ from .config import ExtractConfig, default_target_layer_ids
 from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_parts
 from .engine import ExtractionEngine, Pending
 from .target import LayerCapture, decoder_layers, load_target, target_identity
-from .writers import PartBuffer, SegmentPinner, WriterPool, part_fields
+from .writers import PartBuffer, PartGroup, SegmentPinner, WriterPool, part_fields
 
 # Test-only: seconds to sleep after each part is handed to the writers, so that tests can
 # interrupt or kill a run midway. Never set it in real runs.
@@ -205,12 +205,23 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     progress = Progress(data_fp["records"], config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
     pinner = SegmentPinner(device) if engine.cuda and direct else None
-    pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens)
+    # Page-locked segments: a sort window of parts being filled while the previous window's
+    # parts are written, and one spare.
+    window_parts = config.sort_window_parts()
+    pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
+                      pinned_segments=min(2 * window_parts + 1, num_writers + 2))
+    if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
+        print(f"setup: {pinner.registered} page-locked part segments in {pool.setup_seconds:.2f} s "
+              f"(registering {pinner.seconds:.2f} s, {pinner.failures} refused)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         with StopSignals(on_second=pool.kill) as stop:
             _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct)
+            drain_start = time.perf_counter()
             pool.drain()
+            if os.environ.get("DFLASH_PROFILE_EXTRACT"):
+                print(f"drain: the last parts were written {time.perf_counter() - drain_start:.2f} s "
+                      "after the last batch", file=sys.stderr, flush=True)
         pool.close()
     except BaseException:
         pool.kill()
@@ -218,9 +229,6 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     finally:
         capture.close()
         progress.close()
-    if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
-        print(f"page-locked {pinner.registered} part segments in {pinner.seconds:.2f} s "
-              f"({pinner.failures} refused)", file=sys.stderr, flush=True)
     for res in pool.results:
         summary.bytes += res.nbytes
     summary.seconds = time.perf_counter() - t0
@@ -259,26 +267,45 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         torch.cuda.set_sync_debug_mode("warn")
     committed = cache.committed()
     sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
-    written_bytes = 0
 
-    def own_batches() -> Iterator[tuple[PartBuffer, Batch]]:
+    window_parts = config.sort_window_parts()
+
+    def own_groups() -> Iterator[PartGroup]:
+        # Windows of `window_parts` consecutive parts; each rank takes whole windows.
+        plans: list[PartPlan] = []
+        buffers: list[PartBuffer | None] = []
+        current = -1
         for plan in plan_parts(files, rules):
             summary.parts_total += 1
-            if plan.index % config.world_size != config.rank:
+            window = plan.index // window_parts
+            if window != current and plans:
+                if any(b is not None for b in buffers):
+                    yield PartGroup(plans, buffers)
+                plans, buffers = [], []
+            current = window
+            if window % config.world_size != config.rank:
                 progress.skip(plan)
                 continue
             summary.parts_this_rank += 1
+            plans.append(plan)
             if plan.name in committed:
                 summary.parts_done_before += 1
                 progress.skip(plan)
+                buffers.append(None)
                 continue
             with timer("new_buffer"):
                 buf = pool.new_buffer(plan)
             open_buffers.append(buf)
-            for batch in make_batches(plan.samples, config.token_budget):
-                yield buf, batch
+            buffers.append(buf)
+        if any(b is not None for b in buffers):
+            yield PartGroup(plans, buffers)
 
-    def copy_rows(buf: PartBuffer, handle: Pending) -> None:
+    def own_batches() -> Iterator[tuple[PartGroup, Batch]]:
+        for group in own_groups():
+            for batch in make_batches(group.samples, config.token_budget):
+                yield group, batch
+
+    def copy_rows(group: PartGroup, handle: Pending) -> None:
         # Runs on the copier thread: waiting on the batch's event and numpy's copy both
         # release the GIL, so the main thread keeps launching while rows move to the part.
         with timer("wait"):
@@ -286,15 +313,15 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         if handle.direct:
             return
         with timer("put"):
-            buf.put(handle.batch.members, rows, slab_copiers if engine.cuda else None)
+            group.put(handle.batch.members, rows, slab_copiers if engine.cuda else None)
 
-    def finish(buf: PartBuffer, handle: Pending, copied: Future) -> None:
-        nonlocal written_bytes
+    def finish(group: PartGroup, handle: Pending, copied: Future) -> None:
         copied.result()
-        buf.mark_filled(len(handle.batch.members))
         summary.padded_tokens += handle.batch.padded_tokens
-        if not buf.complete:
-            return
+        for buf in group.mark_filled(handle.batch.members):
+            submit(buf)
+
+    def submit(buf: PartBuffer) -> None:
         open_buffers.remove(buf)
         plan = buf.plan
         with timer("submit"):
@@ -306,23 +333,22 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         for key in ("skipped_bad", "skipped_long", "truncated"):
             setattr(summary, key, getattr(summary, key) + plan.stats[key])
         summary.skips += plan.stats["skips"]
-        written_bytes = sum(r.nbytes for r in pool.results)
-        progress.advance(plan, written_bytes)
+        progress.advance(plan, sum(r.nbytes for r in pool.results))
         if sleep_per_part:
             time.sleep(sleep_per_part)
 
     open_buffers: list[PartBuffer] = []
-    in_flight: deque[tuple[PartBuffer, Pending, Future]] = deque()
+    in_flight: deque[tuple[PartGroup, Pending, Future]] = deque()
     # The copier waits on CUDA events: its thread uses this process's GPU (not a stray GPU 0 context).
     on_device = dict(initializer=torch.cuda.set_device, initargs=(engine.device,)) if engine.cuda else {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy", **on_device) as copier, \
             ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
-        for buf, batch in own_batches():
+        for group, batch in own_batches():
             if stop.signum is not None:
                 break
             with timer("launch"):
-                handle = engine.launch(batch, buf if direct else None)
-            in_flight.append((buf, handle, copier.submit(copy_rows, buf, handle)))
+                handle = engine.launch(batch, group if direct else None)
+            in_flight.append((group, handle, copier.submit(copy_rows, group, handle)))
             # The next launch reuses the host slot of the batch launched NUM_SLOTS ago.
             while len(in_flight) >= engine.NUM_SLOTS - 1:
                 finish(*in_flight.popleft())

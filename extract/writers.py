@@ -17,7 +17,7 @@ import queue
 import signal
 import time
 import traceback
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -102,38 +102,31 @@ class PartBuffer:
     def nbytes_for(plan: PartPlan, fields: list[Field]) -> int:
         return _layout(fields, plan.num_tokens)[1]
 
-    def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
-        """Copy one batch's packed rows (members in batch order) to their places in the part.
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
 
-        With `copiers`, the per-sample copies run on several threads (numpy releases the GIL
-        while copying): one thread moves only a few GB/s, a batch of the 8B shape is ~1.3 GB.
-        """
-        jobs, pos = [], 0
-        for i in members:
-            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-            jobs += [(arr[lo:hi], rows[name][pos:pos + hi - lo]) for name, arr in self.arrays.items()]
-            pos += hi - lo
-        if copiers is None:
-            for dst, src in jobs:
-                dst[...] = src
-            return
-        for future in [copiers.submit(np.copyto, dst, src) for dst, src in jobs]:
-            future.result()
+    def row_jobs(self, i: int, pos: int, rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(destination, source) pairs placing sample i, found at rows[pos:], in the part."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return [(arr[lo:hi], rows[name][pos:pos + hi - lo]) for name, arr in self.arrays.items()]
 
-    def put_tensors(self, members: list[int], packed: dict[str, torch.Tensor]) -> None:
-        """Copy one batch's packed rows from (device) tensors to their places in the part.
-
-        One copy per sample and array, queued on the current stream: asynchronous when the
-        segment is pinned (a DMA straight into shared memory), synchronous otherwise.
-        """
+    def copy_sample(self, i: int, pos: int, packed: dict[str, torch.Tensor]) -> None:
+        """Copy sample i, found at packed[pos:] (device tensors), to its place in the part:
+        asynchronous on the current stream when the segment is pinned (a DMA straight into
+        shared memory), synchronous otherwise."""
         if self._tensors is None:
             self._tensors = {name: torch.from_numpy(_signed(arr)) for name, arr in self.arrays.items()}
-        pos = 0
-        for i in members:
-            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-            for name, dst in self._tensors.items():
-                dst[lo:hi].copy_(packed[name][pos:pos + hi - lo], non_blocking=self.pinned)
-            pos += hi - lo
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        for name, dst in self._tensors.items():
+            dst[lo:hi].copy_(packed[name][pos:pos + hi - lo], non_blocking=self.pinned)
+
+    def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
+        """Copy one batch's packed rows (members in batch order) to their places in the part."""
+        PartGroup([self.plan], [self]).put(members, rows, copiers)
+
+    def put_tensors(self, members: list[int], packed: dict[str, torch.Tensor]) -> None:
+        """Copy one batch's packed rows from (device) tensors to their places in the part."""
+        PartGroup([self.plan], [self]).put_tensors(members, packed)
 
     def mark_filled(self, count: int) -> None:
         """Count samples whose rows are in place (called by the loop, in batch order)."""
@@ -148,6 +141,64 @@ class PartBuffer:
         self.arrays, self._tensors = {}, None
         shm, self.shm, self._local = self.shm, None, None
         return shm
+
+
+class PartGroup:
+    """A window of consecutive parts whose samples are batched together: sorting more samples
+    by length wastes less padding than batching each part alone. Windows are cut from the
+    data alone (a fixed number of consecutive parts), so the batches, and with them every
+    value, are the same on any number of ranks and after any resume. A part already
+    committed by an earlier run comes without a buffer: its samples are still computed
+    (their batch mates must see the same batches) but their rows are dropped.
+
+    Sample j of the window is sample `where[j]` of one of the parts; a batch's members are
+    window indices."""
+
+    def __init__(self, plans: list[PartPlan], buffers: list[PartBuffer | None]):
+        self.buffers = [b for b in buffers if b is not None]
+        self.where = [(b, i) for plan, b in zip(plans, buffers, strict=True) for i in range(len(plan.samples))]
+        self.samples = [s for plan in plans for s in plan.samples]
+        self.pinned = all(b.pinned for b in self.buffers)
+
+    def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
+        """Place one batch's packed host rows (members in batch order) in their parts.
+
+        With `copiers`, the per-sample copies run on several threads (numpy releases the GIL
+        while copying): one thread moves only a few GB/s, a batch of the 8B shape is ~1.3 GB.
+        """
+        jobs, pos = [], 0
+        for m in members:
+            buf, i = self.where[m]
+            if buf is not None:
+                jobs += buf.row_jobs(i, pos, rows)
+            pos += self.samples[m].length
+        if copiers is None:
+            for dst, src in jobs:
+                dst[...] = src
+            return
+        for future in [copiers.submit(np.copyto, dst, src) for dst, src in jobs]:
+            future.result()
+
+    def put_tensors(self, members: list[int], packed: dict[str, torch.Tensor]) -> None:
+        """Place one batch's packed rows from (device) tensors in their parts, one copy per
+        sample and array, queued on the current stream."""
+        pos = 0
+        for m in members:
+            buf, i = self.where[m]
+            if buf is not None:
+                buf.copy_sample(i, pos, packed)
+            pos += self.samples[m].length
+
+    def mark_filled(self, members: list[int]) -> list[PartBuffer]:
+        """Count the batch's samples as in place; returns the parts this completed."""
+        done = []
+        for m in members:
+            buf, _i = self.where[m]
+            if buf is not None:
+                buf.mark_filled(1)
+                if buf.complete:
+                    done.append(buf)
+        return done
 
 
 def _signed(arr: np.ndarray) -> np.ndarray:
@@ -301,7 +352,7 @@ class WriterPool:
     """Writes finished parts: inline (num_writers == 0) or in worker processes."""
 
     def __init__(self, cache: CacheWriter, fields: list[Field], num_writers: int, *,
-                 pinner: SegmentPinner | None = None, segment_tokens: int = 0):
+                 pinner: SegmentPinner | None = None, segment_tokens: int = 0, pinned_segments: int = 0):
         self.cache = cache
         self.fields = fields
         self.num_writers = num_writers
@@ -309,14 +360,6 @@ class WriterPool:
         self._buffers: dict[str, PartBuffer] = {}
         self._free: list[SharedMemory] = []  # segments of committed parts, kept for reuse
         self._procs: list[mp.Process] = []
-        # Page-locking a segment costs about as much as touching every page: it is done one
-        # segment ahead on a helper thread, while the GPU works, never in the launch path.
-        self.pinner = pinner if num_writers else None
-        self._segment_bytes = _layout(fields, segment_tokens)[1] if segment_tokens else 0
-        self._segments = 0  # segments that exist: free, filling, being written or the spare
-        self._spare: Future | None = None
-        self._preparer = (ThreadPoolExecutor(1, thread_name_prefix="dflash-segment")
-                          if self.pinner is not None else None)
         if num_writers:
             ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
             self._tasks = ctx.Queue()
@@ -328,57 +371,66 @@ class WriterPool:
                 )
                 p.start()
                 self._procs.append(p)
+        # Page-locked segments are made once, here, before any forward: registering memory
+        # with CUDA takes ~0.5 s/GB and holds the driver's lock, which would stall every
+        # kernel launch of a running loop. Parts then cycle through this fixed set.
+        self.pinner = pinner if num_writers else None
+        self._pinned: set[str] = set()
+        self.setup_seconds = 0.0
+        if self.pinner is not None and pinned_segments:
+            start = time.perf_counter()
+            self._free = _touched_segments(pinned_segments, _layout(fields, segment_tokens)[1])
+            for shm in self._free:
+                if self.pinner.register(shm):
+                    self._pinned.add(shm.name)
+            self.setup_seconds = time.perf_counter() - start
 
     @property
     def max_buffers(self) -> int:
         return self.num_writers + 1
 
     def new_buffer(self, plan: PartPlan) -> PartBuffer:
-        """A buffer for the next part; blocks while num_writers + 1 buffers are in use."""
+        """A buffer for the next part; blocks while num_writers + 1 buffers are in use, or
+        (with page-locked segments) until one of them is free."""
         while self.num_writers and len(self._buffers) >= self.max_buffers:
             self._collect(block=True)
         if not self.num_writers:
             return PartBuffer(plan, self.fields)
-        shm = self._take_segment(PartBuffer.nbytes_for(plan, self.fields))
-        self._prepare_spare()
-        pinned = self.pinner is not None and self.pinner.is_pinned(shm)
-        return PartBuffer(plan, self.fields, shm, pinned=pinned)
+        need = PartBuffer.nbytes_for(plan, self.fields)
+        shm = self._take_segment(need)
+        return PartBuffer(plan, self.fields, shm, pinned=shm.name in self._pinned)
 
     def _take_segment(self, need: int) -> SharedMemory:
+        if self._pinned:
+            fits = [s for s in self._free if s.size >= need]
+            # Wait for a page-locked segment while parts are being written that will free one.
+            while not fits and self._buffers and any(s.size >= need for s in self._pinned_segments()):
+                self._collect(block=True)
+                fits = [s for s in self._free if s.size >= need]
+            if fits:
+                self._free.remove(fits[0])
+                return fits[0]
+            # A part larger than the segments (one long sample), or every segment is still
+            # being filled: a plain segment for this part (its rows go through host copies).
+            return SharedMemory(create=True, size=need)
         while self._free:
             shm = self._free.pop()
             if shm.size >= need:
                 return shm
-            self._drop(shm)  # a larger part than before: make a larger segment
-        if self._spare is not None:
-            shm, self._spare = self._spare.result(), None
-            if shm.size >= need:
-                return shm
-            self._drop(shm)
-        self._segments += 1
-        return self._make_segment(need)
+            _unlink(shm)  # a larger part than before: make a larger segment
+        return SharedMemory(create=True, size=need + need // 8)
 
-    def _make_segment(self, need: int) -> SharedMemory:
-        size = max(need, self._segment_bytes)
-        shm = SharedMemory(create=True, size=size + size // 8)
-        if self.pinner is not None:
-            self.pinner.register(shm)
-        return shm
-
-    def _prepare_spare(self) -> None:
-        if (self._preparer is None or self._free or self._spare is not None
-                or self._segments >= self.max_buffers + 1):
-            return
-        self._segments += 1
-        self._spare = self._preparer.submit(self._make_segment, self._segment_bytes)
-
-    def _drop(self, shm: SharedMemory) -> None:
-        _unlink(shm, self.pinner)
-        self._segments -= 1
+    def _pinned_segments(self) -> list[SharedMemory]:
+        return [s for s in self._free if s.name in self._pinned] + [
+            b.shm for b in self._buffers.values() if b.shm is not None and b.shm.name in self._pinned]
 
     def _recycle(self, buf: PartBuffer) -> None:
         shm = buf.release()
-        if shm is not None:
+        if shm is None:
+            return
+        if self._pinned and shm.name not in self._pinned:
+            _unlink(shm)  # an extra plain segment: not kept
+        else:
             self._free.append(shm)
 
     def submit(self, buf: PartBuffer) -> None:
@@ -447,14 +499,10 @@ class WriterPool:
         self.free_segments()
 
     def free_segments(self) -> None:
-        if self._spare is not None:
-            self._free.append(self._spare.result())
-            self._spare = None
         for shm in self._free:
-            self._drop(shm)
+            _unlink(shm, self.pinner if shm.name in self._pinned else None)
+            self._pinned.discard(shm.name)
         self._free.clear()
-        if self._preparer is not None:
-            self._preparer.shutdown(wait=True)
 
     def kill(self) -> None:
         """Second signal: end the workers at once (uncommitted parts are lost, as after kill -9)."""
@@ -467,11 +515,26 @@ class WriterPool:
             if shm is not None:
                 _unlink(shm, unmap=False)
         self._buffers.clear()
-        if self._spare is not None and self._spare.done() and self._spare.exception() is None:
-            self._free.append(self._spare.result())
         for shm in self._free:
             _unlink(shm, unmap=False)
         self._free.clear()
+
+
+def _touched_segments(count: int, size: int) -> list[SharedMemory]:
+    """`count` shared segments of `size` bytes with every page already faulted in (on
+    several threads), so that page-locking them only has to pin resident pages."""
+    segments = [SharedMemory(create=True, size=max(size, 1)) for _ in range(count)]
+
+    def touch(shm: SharedMemory) -> None:
+        view = np.frombuffer(shm.buf, dtype=np.uint8)
+        step = 64 << 20
+        for lo in range(0, view.size, step):
+            np.copyto(view[lo:lo + step], 0)
+        del view
+
+    with ThreadPoolExecutor(min(8, count)) as ex:
+        list(ex.map(touch, segments))
+    return segments
 
 
 def _write_error(name: str | None, cache_dir: Path, exc: BaseException) -> WriteError:

@@ -253,7 +253,7 @@ def test_two_extractions_started_on_one_cache_at_once_equal_a_single_run(zygote,
         assert run.wait() == 0, run.output()
     lines = (out / "manifest.parts.jsonl").read_text().splitlines()
     names = [json.loads(line.rsplit(" ", 1)[0])["part"] for line in lines]
-    assert sorted(names) == committed_parts(world["cache"])  # each part committed once, by one run
+    assert sorted(names) == sorted(committed_parts(world["cache"]))  # each part committed once, by one run
     assert temp_parts(out) == []
     assert cache_hash(out) == world["cache_hash"]
 
