@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
@@ -205,11 +206,14 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     progress = Progress(data_fp["records"], config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
     pinner = SegmentPinner(device) if engine.cuda and direct else None
-    # Page-locked segments: a sort window of parts being filled while the previous window's
-    # parts are written, and one spare.
+    # Page-locked segments: a sort window of parts being filled while the two before it are
+    # written, and one spare; at most a quarter of the host's memory.
     window_parts = config.sort_window_parts()
+    segment_bytes = config.part_tokens * sum(f.width * np.dtype(f.dtype).itemsize for f in fields)
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pinned = min(3 * window_parts + 1, num_writers + 2, max(1, host_bytes // 4 // max(segment_bytes, 1)))
     pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
-                      pinned_segments=min(2 * window_parts + 1, num_writers + 2))
+                      pinned_segments=pinned)
     if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
         print(f"setup: {pinner.registered} page-locked part segments in {pool.setup_seconds:.2f} s "
               f"(registering {pinner.seconds:.2f} s, {pinner.failures} refused)", file=sys.stderr, flush=True)
@@ -219,9 +223,12 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
             _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct)
             drain_start = time.perf_counter()
             pool.drain()
-            if os.environ.get("DFLASH_PROFILE_EXTRACT"):
+            if os.environ.get("DFLASH_PROFILE_EXTRACT") and pool.results:
+                per_part = sorted(r.seconds for r in pool.results)
                 print(f"drain: the last parts were written {time.perf_counter() - drain_start:.2f} s "
-                      "after the last batch", file=sys.stderr, flush=True)
+                      f"after the last batch; writer time per part: median {per_part[len(per_part) // 2]:.2f} s, "
+                      f"max {per_part[-1]:.2f} s, {len(pool.results)} parts, {num_writers} writers",
+                      file=sys.stderr, flush=True)
         pool.close()
     except BaseException:
         pool.kill()

@@ -275,6 +275,7 @@ class PartResult:
     samples: int
     tokens: int
     nbytes: int
+    seconds: float = 0.0  # the writer's time on it: compression, files, fsync, commit
 
 
 def make_task(buf: PartBuffer) -> PartTask:
@@ -290,6 +291,7 @@ def make_task(buf: PartBuffer) -> PartTask:
 def write_part(cache: CacheWriter, task: PartTask, arrays: dict[str, np.ndarray]) -> PartResult:
     """Commit one part through the cache's PartWriter (all-or-nothing)."""
     off = task.offsets
+    start = time.perf_counter()
     with cache.part_writer(task.name) as pw:
         pw.stats.update(task.stats)
         extras = {name: arr for name, arr in arrays.items() if name != "hidden"}
@@ -299,6 +301,7 @@ def write_part(cache: CacheWriter, task: PartTask, arrays: dict[str, np.ndarray]
     return PartResult(
         name=task.name, committed=pw.committed, samples=len(task.sample_ids),
         tokens=int(off[-1]), nbytes=record.nbytes if record is not None else 0,
+        seconds=time.perf_counter() - start,
     )
 
 
