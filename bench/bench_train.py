@@ -7,6 +7,9 @@ peak GPU memory.
 
     python bench/bench_train.py --workdir /dev/shm/dflash-bench            # one H200
     python bench/bench_train.py --small --workdir /tmp/dflash-bench-small  # CPU smoke run
+    torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir /dev/shm/b2   # 2 GPUs, DDP
+Under torchrun each process trains its own sequence per step; tokens/s are totals and the
+fraction of peak is per GPU.
 
 Model FLOPs per sample (T context tokens, A anchors, B block size, Q = A*B block tokens, L draft
 layers, D hidden, K target layers, Hq/Hkv heads of width d, I MLP width, V vocab); forward
@@ -194,13 +197,20 @@ def main() -> None:
     workers = a.num_workers if a.num_workers is not None else (2 if a.small else 8)
     work = Path(a.workdir)
     target, cache, run = work / "target", work / "cache", work / "run"
-    shutil.rmtree(run, ignore_errors=True)
-
+    # Under torchrun (DDP over the GPUs of one host) rank 0 prepares the data, the others wait.
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:
+        shutil.rmtree(run, ignore_errors=True)
+    ready = work / f"ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
     start = time.perf_counter()
-    if not (target / "model.safetensors").exists():
-        write_target(target, shape)
-    if not (cache / "manifest.json").exists():
-        write_cache(cache, shape, samples, per_part=8 if not a.small else 4, writers=a.writers)
+    if rank == 0:
+        if not (target / "model.safetensors").exists():
+            write_target(target, shape)
+        if not (cache / "manifest.json").exists():
+            write_cache(cache, shape, samples, per_part=8 if not a.small else 4, writers=a.writers)
+        ready.touch()
+    while not ready.exists():
+        time.sleep(0.5)
     prepared = time.perf_counter() - start
     print(f"target + cache ready in {prepared:.1f} s ({cache})", flush=True)
 
@@ -219,6 +229,9 @@ def main() -> None:
     else:
         train(config)
     trained = time.perf_counter() - train_start
+    if rank != 0:
+        return
+    ready.unlink(missing_ok=True)
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     measured = [r for r in records if r["kind"] == "train" and warmup < r["step"] <= warmup + steps]
@@ -228,14 +241,17 @@ def main() -> None:
     context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
     anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.log_interval
                   for r in measured) / n / shape.block_size
-    flops = flops_per_sample(shape, int(round(context)), int(round(anchors)))
+    # The logged counts are over all processes; each process trains its own sequence.
+    flops = world * flops_per_sample(shape, int(round(context / world)), int(round(anchors / world)))
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
         "shape": "small (CPU)" if a.small else "Qwen3-8B drafter (5 layers), K=5, B=16",
+        "processes": world,
         "context_tokens_per_step": context, "anchors_per_step": anchors,
         "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
         "model_tflop_per_step": flops / 1e12, "model_tflops": flops / step_time / 1e12,
-        "fraction_of_peak": flops / step_time / PEAK_FLOPS, "data_wait_fraction": wait,
+        "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
+        "context_tokens_per_second_per_process": context / step_time / world, "data_wait_fraction": wait,
         "peak_gpu_memory_gib": max(r["gpu_mem_gib"] for r in measured),
         "prepare_seconds": prepared, "train_seconds_incl_startup_and_final_checkpoint": trained,
     }
