@@ -138,6 +138,20 @@ def check_cache(cache: Path, model, layer_ids: list[int], count: int, device: to
     return worst
 
 
+def device_busy_seconds(prof) -> float:
+    """Seconds in which at least one GPU kernel or copy ran (union of their intervals)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / 1e6
+
+
 def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, args, device, model) -> None:
     """A bf16 extraction of the first `tokens` tokens under torch.profiler (CPU + CUDA)."""
     from torch.profiler import ProfilerActivity, profile
@@ -168,8 +182,7 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
         print(events.table(sort_by="self_device_time_total", row_limit=12))
     except Exception:
         print(events.table(sort_by="self_cuda_time_total", row_limit=12))
-    busy = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
-               for e in events) / 1e6
+    busy = device_busy_seconds(prof)
     print(f"traced extraction: {summary.tokens} tokens in {wall:.1f} s, GPU kernel+copy time {busy:.1f} s "
           f"({busy / wall:.0%} of the wall time)", flush=True)
     shutil.rmtree(cache, ignore_errors=True)

@@ -2,7 +2,8 @@
 # Every GPU figure of docs/BENCHMARKS.md, in as few device calls as possible.
 # Usage (from the repository root, on a GPU host with the project installed):
 #   bash bench/gpu_benchmarks.sh extract   # ~4 min: prefill, stop-after-last-layer, bf16 and fp8 extraction, 1M tokens
-#   bash bench/gpu_benchmarks.sh train     # ~4 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
+#   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
+#   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
 #   bash bench/gpu_benchmarks.sh cache     # ~2 min: codec ratios and per-core throughput (CPU side of the host)
 #   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
 #                                          # (DEMO_DIR=<an earlier dflash-demo --workdir>: ~1 min, eval only)
@@ -19,7 +20,11 @@ git rev-parse --short HEAD 2>/dev/null || true
 for what in "$@"; do
   case "$what" in
     extract) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" ;;
-    train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --trace-steps 3 ;;
+    train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --trace-steps 3 ;;
+    train2)
+      python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --keep
+      torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir "$scratch/train" --samples 96 \
+        --steps 40 --warmup-steps 8 --compile ;;
     cache) python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 ;;
     eval)
       demo=${DEMO_DIR:-$scratch/demo}
@@ -29,6 +34,6 @@ for what in "$@"; do
           --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
-    *) echo "unknown benchmark '$what' (extract, train, cache, eval)" >&2; exit 2 ;;
+    *) echo "unknown benchmark '$what' (extract, train, train2, cache, eval)" >&2; exit 2 ;;
   esac
 done
