@@ -207,11 +207,13 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     direct = not os.environ.get(STAGED_COPY_ENV)
     pinner = SegmentPinner(device) if engine.cuda and direct else None
     # Page-locked segments: a sort window of parts being filled while the two before it are
-    # written, and one spare; at most a quarter of the host's memory.
+    # written, and one spare; at most a quarter of the host's memory, shared by its ranks.
     window_parts = config.sort_window_parts()
     segment_bytes = config.part_tokens * sum(f.width * np.dtype(f.dtype).itemsize for f in fields)
     host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    pinned = min(3 * window_parts + 1, num_writers + 2, max(1, host_bytes // 4 // max(segment_bytes, 1)))
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    budget = host_bytes // 4 // local_ranks
+    pinned = min(3 * window_parts + 1, num_writers + 2, max(1, budget // max(segment_bytes, 1)))
     pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
                       pinned_segments=pinned)
     if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
