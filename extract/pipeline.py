@@ -214,8 +214,13 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     budget = host_bytes // 4 // local_ranks
     pinned = min(3 * window_parts + 1, num_writers + 2, max(1, budget // max(segment_bytes, 1)))
-    pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
-                      pinned_segments=pinned)
+    try:
+        pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
+                          pinned_segments=pinned, open_parts=window_parts)
+    except BaseException:
+        capture.close()
+        progress.close()
+        raise
     if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
         print(f"setup: {pinner.registered} page-locked part segments in {pool.setup_seconds:.2f} s "
               f"(registering {pinner.seconds:.2f} s, {pinner.failures} refused)", file=sys.stderr, flush=True)

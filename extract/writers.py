@@ -355,7 +355,10 @@ class WriterPool:
     """Writes finished parts: inline (num_writers == 0) or in worker processes."""
 
     def __init__(self, cache: CacheWriter, fields: list[Field], num_writers: int, *,
-                 pinner: SegmentPinner | None = None, segment_tokens: int = 0, pinned_segments: int = 0):
+                 pinner: SegmentPinner | None = None, segment_tokens: int = 0, pinned_segments: int = 0,
+                 open_parts: int = 1):
+        """`segment_tokens`: tokens of a full part; `open_parts`: parts filled at once (a sort
+        window), on top of the ones in the writers' hands."""
         self.cache = cache
         self.fields = fields
         self.num_writers = num_writers
@@ -363,6 +366,13 @@ class WriterPool:
         self._buffers: dict[str, PartBuffer] = {}
         self._free: list[SharedMemory] = []  # segments of committed parts, kept for reuse
         self._procs: list[mp.Process] = []
+        self._max_buffers = num_writers + 1
+        if num_writers and segment_tokens:
+            # Part buffers live in shared memory (a tmpfs): filling one past its free space
+            # kills the process with SIGBUS, so size everything to what is there, up front.
+            fit = _shm_capacity(_layout(fields, segment_tokens)[1], open_parts, segment_tokens)
+            self._max_buffers = max(1, min(self._max_buffers, fit - open_parts))
+            pinned_segments = min(pinned_segments, fit)
         if num_writers:
             ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
             self._tasks = ctx.Queue()
@@ -382,15 +392,20 @@ class WriterPool:
         self.setup_seconds = 0.0
         if self.pinner is not None and pinned_segments:
             start = time.perf_counter()
-            self._free = _touched_segments(pinned_segments, _layout(fields, segment_tokens)[1])
-            for shm in self._free:
-                if self.pinner.register(shm):
-                    self._pinned.add(shm.name)
+            try:
+                self._free = _touched_segments(pinned_segments, _layout(fields, segment_tokens)[1])
+                for shm in self._free:
+                    if self.pinner.register(shm):
+                        self._pinned.add(shm.name)
+            except BaseException:
+                self.close()
+                raise
             self.setup_seconds = time.perf_counter() - start
 
     @property
     def max_buffers(self) -> int:
-        return self.num_writers + 1
+        """Parts in the writers' hands at most (num_writers + 1, fewer when shared memory is short)."""
+        return self._max_buffers
 
     def new_buffer(self, plan: PartPlan) -> PartBuffer:
         """A buffer for the next part; blocks while num_writers + 1 buffers are in use, or
@@ -521,6 +536,36 @@ class WriterPool:
         for shm in self._free:
             _unlink(shm, unmap=False)
         self._free.clear()
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes of the shared-memory file system (None where there is none to ask)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _shm_capacity(part_bytes: int, open_parts: int, part_tokens: int) -> int:
+    """How many part buffers fit in shared memory (90 % of its free space); a clear error
+    when not even the parts filled at once plus one for a writer do."""
+    free = shm_free_bytes()
+    if free is None:
+        return 1 << 30
+    fit = int(free * 0.9) // max(part_bytes, 1)
+    if fit < open_parts + 1:
+        raise WriteError(
+            f"Shared memory ({SHM_DIR}) has {free / 1e9:.2f} GB free, but extraction needs "
+            f"{open_parts + 1} part buffers of {part_bytes / 1e9:.2f} GB there ({open_parts} filled "
+            f"at once by the sort window, one for a writer process; --part-tokens {part_tokens}). "
+            "Enlarge it (docker: --shm-size), lower --part-tokens or --sort-window-tokens, or write "
+            "from the main process with --num-writers 0."
+        )
+    return fit
 
 
 def _touched_segments(count: int, size: int) -> list[SharedMemory]:

@@ -126,3 +126,48 @@ def test_pool_cycles_parts_through_its_pinned_segments_and_unpins_them(tmp_path)
         sample = reader.read_sample(i)
         part = sample["sample_id"] // 100
         assert (sample["hidden"].view(torch.int16) == part).all(), f"sample {i} has another part's rows"
+
+
+def _tiny_cache(tmp_path):
+    from dflash.cache_tools.codecs import HiddenCodec
+    from dflash.cache_tools.manifest import make_header
+    from dflash.cache_tools.writer import CacheWriter
+
+    header = make_header(target={"path": "t", "architecture": "X", "hidden_size": 4,
+                                 "num_hidden_layers": 2, "vocab_size": 10},
+                         target_layer_ids=[0, 1], hidden_size=4, codec=HiddenCodec(name="raw"),
+                         data={"name": "t"})
+    fields = part_fields(width=8, hidden_size=4, num_layers=2, storage_dtype="uint16",
+                         has_scale=False, last_hidden=False, topk=0)
+    return CacheWriter(tmp_path / "cache", header), fields
+
+
+def test_too_little_shared_memory_is_one_clear_error_before_anything_starts(tmp_path, monkeypatch):
+    """A tmpfs filled past its size kills the process with SIGBUS: refuse up front instead."""
+    from dflash.extract import writers
+
+    cache, fields = _tiny_cache(tmp_path)
+    part = writers._layout(fields, 1000)[1]  # bytes of one 1000-token part buffer
+    monkeypatch.setattr(writers, "shm_free_bytes", lambda: 2 * part)  # 90 % of it: one buffer
+    with pytest.raises(writers.WriteError) as err:
+        writers.WriterPool(cache, fields, 4, segment_tokens=1000, open_parts=2)
+    msg = str(err.value)
+    assert "Shared memory (/dev/shm) has" in msg and "needs 3 part buffers" in msg
+    assert "--shm-size" in msg and "--num-writers 0" in msg
+
+
+def test_short_shared_memory_bounds_buffers_and_pinned_segments(tmp_path, monkeypatch):
+    from dflash.extract import writers
+
+    cache, fields = _tiny_cache(tmp_path)
+    part = writers._layout(fields, 1000)[1]
+    monkeypatch.setattr(writers, "shm_free_bytes", lambda: int(5.5 * part / 0.9))  # room for 5 buffers
+    pinner = FakePinner()
+    pool = writers.WriterPool(cache, fields, 8, pinner=pinner, segment_tokens=1000, pinned_segments=9,
+                              open_parts=2)
+    try:
+        assert pool.max_buffers == 3  # 5 fit, 2 are filled at once: 3 for the writers, not 9
+        assert pinner.registered == 5  # not the 9 asked for
+    finally:
+        pool.close()
+    assert pinner.unregistered == 5
