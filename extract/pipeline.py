@@ -221,9 +221,11 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
         capture.close()
         progress.close()
         raise
-    if pinner is not None and os.environ.get("DFLASH_PROFILE_EXTRACT"):
-        print(f"setup: {pinner.registered} page-locked part segments in {pool.setup_seconds:.2f} s "
-              f"(registering {pinner.seconds:.2f} s, {pinner.failures} refused)", file=sys.stderr, flush=True)
+    if num_writers and os.environ.get("DFLASH_PROFILE_EXTRACT"):
+        pinned_note = (f"{pinner.registered} page-locked part segments (registering {pinner.seconds:.2f} s, "
+                       f"{pinner.failures} refused) and " if pinner is not None else "")
+        print(f"setup: {pinned_note}{num_writers} writer processes ready in {pool.setup_seconds:.2f} s",
+              file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         with StopSignals(on_second=pool.kill) as stop:

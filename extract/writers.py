@@ -327,6 +327,7 @@ def _writer_main(cache_dir: str, header: dict, tasks, results, parent_pid: int) 
     except BaseException as e:  # noqa: BLE001 - reported to the main process
         results.put(("error", None, _portable(e)))
         return
+    results.put(("ready", None, None))
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -390,8 +391,9 @@ class WriterPool:
         self.pinner = pinner if num_writers else None
         self._pinned: set[str] = set()
         self.setup_seconds = 0.0
+        self._ready = 0
+        start = time.perf_counter()
         if self.pinner is not None and pinned_segments:
-            start = time.perf_counter()
             try:
                 self._free = _touched_segments(pinned_segments, _layout(fields, segment_tokens)[1])
                 for shm in self._free:
@@ -400,7 +402,19 @@ class WriterPool:
             except BaseException:
                 self.close()
                 raise
-            self.setup_seconds = time.perf_counter() - start
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+        self.setup_seconds = time.perf_counter() - start
+
+    def _wait_ready(self) -> None:
+        """Until every writer has started (imports, cache opened): started later, inside the
+        loop, their start-up would hold back the first parts' buffers while the GPU waits."""
+        deadline = time.monotonic() + 300
+        while self._ready < sum(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+            self._collect(block=True)  # raises if a writer failed to start, or all died
 
     @property
     def max_buffers(self) -> int:
@@ -487,6 +501,9 @@ class WriterPool:
                     "memory is short."
                 ) from None
             return False
+        if kind == "ready":
+            self._ready += 1
+            return True
         buf = self._buffers.pop(name, None) if name is not None else None
         if buf is not None:
             self._recycle(buf)

@@ -171,3 +171,28 @@ def test_short_shared_memory_bounds_buffers_and_pinned_segments(tmp_path, monkey
     finally:
         pool.close()
     assert pinner.unregistered == 5
+
+
+def test_writers_have_started_when_the_pool_is_built(tmp_path):
+    """Writer start-up (imports, cache open) happens before the loop, not while the GPU waits."""
+    from dflash.extract import writers
+
+    cache, fields = _tiny_cache(tmp_path)
+    pool = writers.WriterPool(cache, fields, 2, segment_tokens=16)
+    try:
+        assert pool._ready == 2
+        assert all(p.is_alive() for p in pool._procs)
+    finally:
+        pool.close()
+
+
+def test_a_writer_that_cannot_open_the_cache_fails_the_pool_at_once(tmp_path):
+    from dflash.extract import writers
+
+    cache, fields = _tiny_cache(tmp_path)
+    other = dict(cache.header, target_layer_ids=[0])  # the writers open the cache with another header
+    cache.header = other
+    from dflash.cache_tools.errors import ConfigMismatchError
+
+    with pytest.raises(ConfigMismatchError, match="target_layer_ids: cache has \\[0, 1\\], requested \\[0\\]"):
+        writers.WriterPool(cache, fields, 2, segment_tokens=16)
