@@ -29,6 +29,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.extract.config import ExtractConfig, default_target_layer_ids
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture
+from profiling import device_busy_seconds
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 FULL = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -137,19 +138,6 @@ def check_cache(cache: Path, model, layer_ids: list[int], count: int, device: to
         reader.close()
     return worst
 
-
-def device_busy_seconds(prof) -> float:
-    """Seconds in which at least one GPU kernel or copy ran (union of their intervals)."""
-    from torch.autograd import DeviceType
-
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for lo, hi in spans:
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    return busy / 1e6
 
 
 def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, args, device, model) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from profiling import device_busy_seconds
 
 PEAK_FLOPS = 790e12  # measured bf16 dense peak of one H200
 
@@ -132,19 +133,6 @@ def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int)
     with multiprocessing.get_context("fork").Pool(writers) as pool:
         pool.map(_write_part, jobs)
 
-
-def device_busy_seconds(prof) -> float:
-    """Seconds in which at least one GPU kernel or copy ran (union of their intervals)."""
-    from torch.autograd import DeviceType
-
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for lo, hi in spans:
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    return busy / 1e6
 
 
 def traced_train(config, *, skip: int, warm: int, active: int) -> None:
