@@ -24,7 +24,7 @@ from torch import nn
 
 from .batching import Batch
 from .target import LayerCapture, topk_logprobs
-from .writers import PartBuffer
+from .writers import PartGroup
 
 # Test-only: seconds to sleep at the start of every forward, so that fault tests can signal a
 # run while a forward is in progress. Never set it in real runs.
@@ -77,9 +77,9 @@ class ExtractionEngine:
         return buf[:like.shape[0]]
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, dest: PartBuffer | None = None) -> Pending:
-        """Queue one batch. With `dest` (page-locked on CUDA, any buffer on the CPU) the rows
-        land in the part directly; else in a host slot that `wait` returns."""
+    def launch(self, batch: Batch, dest: PartGroup | None = None) -> Pending:
+        """Queue one batch. With `dest` (page-locked on CUDA, any buffers on the CPU) the rows
+        land in their parts directly; else in a host slot that `wait` returns."""
         ids, gather = batch.input_ids, batch.gather_index
         if self.cuda:
             # From pageable memory a copy to the GPU first waits for all queued work; from
