@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import crc32c
+import numcodecs
 import numpy as np
 import torch
 import zarr
@@ -411,5 +414,69 @@ def write_part_group(
             compressors=compressors, filters=None, fill_value=0,
             config={"write_empty_chunks": True},
         )
-        arr[...] = data
+        if key in ("hidden", "last_hidden") and data.ndim == 2 and data.shape[0]:
+            # The large arrays: shard files written here, byte for byte what zarr writes for
+            # this metadata, without its per-chunk copies and task overhead (~2x faster).
+            write_shards(path / key, data, chunk_rows, shard_rows, cache.codec)
+        else:
+            arr[...] = data
 
+
+
+_EMPTY_CHUNK = 2**64 - 1  # a shard index entry of a chunk that is not stored
+
+
+def _chunk_encoder(codec: HiddenCodec, itemsize: int):
+    """bytes -> stored chunk: the codec's Blosc stage (none for raw), then the crc32c suffix,
+    as zarr's BloscCodec + Crc32cCodec produce them."""
+    blosc = None
+    if codec.name != "raw":
+        blosc = numcodecs.Blosc(
+            cname="zstd", clevel=codec.clevel, blocksize=codec.blocksize, typesize=itemsize,
+            shuffle=numcodecs.Blosc.SHUFFLE if itemsize > 1 else numcodecs.Blosc.NOSHUFFLE,
+        )
+
+    def encode(chunk: np.ndarray) -> list[bytes]:
+        body = blosc.encode(chunk) if blosc is not None else chunk.tobytes()
+        return [body, crc32c.crc32c(body).to_bytes(4, "little")]
+
+    return encode
+
+
+def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows: int,
+                 codec: HiddenCodec) -> None:
+    """The shard files of a 2-D zarr v3 array sharded along rows (`shard_rows` rows of
+    `chunk_rows`-row chunks, inner codecs = `codec`, index at the end: little-endian
+    (offset, nbytes) uint64 pairs + crc32c). Chunks are encoded on several threads (Blosc
+    releases the GIL); the last chunk is padded with the fill value 0 to full size, as zarr does."""
+    rows = data.shape[0]
+    per_shard = shard_rows // chunk_rows
+    encode = _chunk_encoder(codec, data.dtype.itemsize)
+
+    def chunk(c: int) -> list[bytes]:
+        block = data[c * chunk_rows:(c + 1) * chunk_rows]
+        if block.shape[0] < chunk_rows:
+            padded = np.zeros((chunk_rows, *data.shape[1:]), dtype=data.dtype)
+            padded[:block.shape[0]] = block
+            block = padded
+        return encode(np.ascontiguousarray(block))
+
+    num_chunks = -(-rows // chunk_rows)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for shard in range(-(-rows // shard_rows)):
+            first = shard * per_shard
+            encoded = list(pool.map(chunk, range(first, min(first + per_shard, num_chunks))))
+            index = np.full((per_shard, 2), _EMPTY_CHUNK, dtype="<u8")
+            pos = 0
+            for j, pieces in enumerate(encoded):
+                size = sum(len(p) for p in pieces)
+                index[j] = (pos, size)
+                pos += size
+            index_bytes = index.tobytes()
+            target = array_dir / "c" / str(shard) / "0"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as f:
+                for pieces in encoded:
+                    f.writelines(pieces)
+                f.write(index_bytes)
+                f.write(crc32c.crc32c(index_bytes).to_bytes(4, "little"))

@@ -1,0 +1,36 @@
+"""The writer's own shard files are byte for byte what zarr writes for the same array."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.writer import write_shards
+
+
+@pytest.mark.parametrize("codec_name,dtype", [("bf16", np.uint16), ("fp8", np.uint8), ("raw", np.uint16)])
+@pytest.mark.parametrize("rows", [1, 70, 256, 300])  # one row, partial chunk, whole shards, partial shard
+def test_shard_files_equal_zarrs_and_read_back(tmp_path, codec_name, dtype, rows):
+    codec = HiddenCodec(name=codec_name, blocksize=1 << 12)
+    rng = np.random.default_rng(rows)
+    if dtype == np.uint16:  # bf16-like bits: compressible high bytes, noisy low bytes
+        data = (rng.normal(size=(rows, 48)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        data = rng.integers(0, 256, size=(rows, 48), dtype=np.uint8)
+    arrays = {}
+    for name in ("by_zarr", "by_writer"):
+        arrays[name] = zarr.create_array(
+            zarr.storage.LocalStore(tmp_path / name), name="hidden", shape=data.shape, dtype=data.dtype,
+            chunks=(32, 48), shards=(128, 48), compressors=codec.zarr_compressors(), filters=None,
+            fill_value=0, config={"write_empty_chunks": True},
+        )
+    arrays["by_zarr"][...] = data
+    write_shards(tmp_path / "by_writer" / "hidden", data, 32, 128, codec)
+    ref = sorted(p.relative_to(tmp_path / "by_zarr") for p in (tmp_path / "by_zarr").rglob("*") if p.is_file())
+    got = sorted(p.relative_to(tmp_path / "by_writer") for p in (tmp_path / "by_writer").rglob("*") if p.is_file())
+    assert got == ref
+    for rel in ref:
+        assert (tmp_path / "by_writer" / rel).read_bytes() == (tmp_path / "by_zarr" / rel).read_bytes(), rel
+    back = zarr.open_array(zarr.storage.LocalStore(tmp_path / "by_writer"), path="hidden")[...]
+    np.testing.assert_array_equal(back, data)
