@@ -4,7 +4,7 @@
 #   bash bench/gpu_benchmarks.sh extract   # ~4 min: prefill, stop-after-last-layer, bf16 and fp8 extraction, 1M tokens
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
-#   bash bench/gpu_benchmarks.sh cache     # ~2 min: codec ratios and per-core throughput (CPU side of the host)
+#   bash bench/gpu_benchmarks.sh cache     # ~3 min: codec ratios, per-core decode vs the codec's ceiling, writer speed
 #   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
 #                                          # (DEMO_DIR=<an earlier dflash-demo --workdir>: ~1 min, eval only)
 # SCRATCH (default /dev/shm/dflash-bench) holds the data; it is removed at the end.
@@ -25,7 +25,10 @@ for what in "$@"; do
       python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --keep
       torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir "$scratch/train" --samples 96 \
         --steps 40 --warmup-steps 8 --compile ;;
-    cache) python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 ;;
+    cache)
+      python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 --train-steps 150
+      python3 bench/bench_decode.py --workdir "$scratch" --tokens 32768
+      python3 bench/bench_write.py --workdir "$scratch" ;;
     eval)
       demo=${DEMO_DIR:-$scratch/demo}
       [ -d "$demo/run/final" ] || dflash-demo --workdir "$demo"
