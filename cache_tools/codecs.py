@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numcodecs
 import numpy as np
 import torch
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
@@ -51,18 +52,29 @@ class HiddenCodec:
     def has_scale(self) -> bool:
         return self.name == "fp8"
 
+    @property
+    def shuffle(self) -> bool:
+        """Byte shuffle groups the high (sign/exponent) bytes of bf16 together; for 1-byte fp8
+        it would be a no-op, so it is left off there."""
+        return self.storage_dtype.itemsize > 1
+
     def zarr_compressors(self) -> list:
         if self.name == "raw":
             return [Crc32cCodec()]
-        typesize = self.storage_dtype.itemsize
-        # Byte shuffle groups the high (sign/exponent) bytes of bf16 together; for 1-byte fp8
-        # it would be a no-op, so it is left off there.
-        shuffle = "shuffle" if typesize > 1 else "noshuffle"
         blosc = BloscCodec(
-            typesize=typesize, cname="zstd", clevel=self.clevel, shuffle=shuffle,
-            blocksize=self.blocksize,
+            typesize=self.storage_dtype.itemsize, cname="zstd", clevel=self.clevel,
+            shuffle="shuffle" if self.shuffle else "noshuffle", blocksize=self.blocksize,
         )
         return [blosc, Crc32cCodec()]
+
+    def blosc(self) -> numcodecs.Blosc | None:
+        """The Blosc stage of `zarr_compressors` as numcodecs runs it (None for raw)."""
+        if self.name == "raw":
+            return None
+        return numcodecs.Blosc(
+            cname="zstd", clevel=self.clevel, blocksize=self.blocksize, typesize=self.storage_dtype.itemsize,
+            shuffle=numcodecs.Blosc.SHUFFLE if self.shuffle else numcodecs.Blosc.NOSHUFFLE,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

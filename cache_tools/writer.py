@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
-import numcodecs
 import numpy as np
 import torch
 import zarr
@@ -426,15 +425,10 @@ def write_part_group(
 _EMPTY_CHUNK = 2**64 - 1  # a shard index entry of a chunk that is not stored
 
 
-def _chunk_encoder(codec: HiddenCodec, itemsize: int):
+def _chunk_encoder(codec: HiddenCodec):
     """bytes -> stored chunk: the codec's Blosc stage (none for raw), then the crc32c suffix,
     as zarr's BloscCodec + Crc32cCodec produce them."""
-    blosc = None
-    if codec.name != "raw":
-        blosc = numcodecs.Blosc(
-            cname="zstd", clevel=codec.clevel, blocksize=codec.blocksize, typesize=itemsize,
-            shuffle=numcodecs.Blosc.SHUFFLE if itemsize > 1 else numcodecs.Blosc.NOSHUFFLE,
-        )
+    blosc = codec.blosc()
 
     def encode(chunk: np.ndarray) -> list[bytes]:
         body = blosc.encode(chunk) if blosc is not None else chunk.tobytes()
@@ -451,7 +445,7 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
     releases the GIL); the last chunk is padded with the fill value 0 to full size, as zarr does."""
     rows = data.shape[0]
     per_shard = shard_rows // chunk_rows
-    encode = _chunk_encoder(codec, data.dtype.itemsize)
+    encode = _chunk_encoder(codec)
 
     def chunk(c: int) -> list[bytes]:
         block = data[c * chunk_rows:(c + 1) * chunk_rows]

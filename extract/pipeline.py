@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
@@ -207,13 +206,9 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     direct = not os.environ.get(STAGED_COPY_ENV)
     pinner = SegmentPinner(device) if engine.cuda and direct else None
     # Page-locked segments: a sort window of parts being filled while the two before it are
-    # written, and one spare; at most a quarter of the host's memory, shared by its ranks.
+    # written, and one spare (the pool caps this by the free shared and host memory).
     window_parts = config.sort_window_parts()
-    segment_bytes = config.part_tokens * sum(f.width * np.dtype(f.dtype).itemsize for f in fields)
-    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    budget = host_bytes // 4 // local_ranks
-    pinned = min(3 * window_parts + 1, num_writers + 2, max(1, budget // max(segment_bytes, 1)))
+    pinned = min(3 * window_parts + 1, num_writers + 2)
     try:
         pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
                           pinned_segments=pinned, open_parts=window_parts)
@@ -245,8 +240,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     finally:
         capture.close()
         progress.close()
-    for res in pool.results:
-        summary.bytes += res.nbytes
+    summary.bytes = pool.nbytes
     summary.seconds = time.perf_counter() - t0
     return summary
 
@@ -349,7 +343,7 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         for key in ("skipped_bad", "skipped_long", "truncated"):
             setattr(summary, key, getattr(summary, key) + plan.stats[key])
         summary.skips += plan.stats["skips"]
-        progress.advance(plan, sum(r.nbytes for r in pool.results))
+        progress.advance(plan, pool.nbytes)
         if sleep_per_part:
             time.sleep(sleep_per_part)
 

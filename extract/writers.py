@@ -102,9 +102,6 @@ class PartBuffer:
     def nbytes_for(plan: PartPlan, fields: list[Field]) -> int:
         return _layout(fields, plan.num_tokens)[1]
 
-    def length(self, i: int) -> int:
-        return int(self.offsets[i + 1] - self.offsets[i])
-
     def row_jobs(self, i: int, pos: int, rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(destination, source) pairs placing sample i, found at rows[pos:], in the part."""
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -218,13 +215,13 @@ class SegmentPinner:
         self._ptrs: dict[str, int] = {}
         self.failures = 0
         self.registered = 0
-        self.seconds = 0.0  # spent registering (on the pool's helper thread)
+        self.seconds = 0.0  # spent registering
 
     def register(self, shm: SharedMemory) -> bool:
         view = np.frombuffer(shm.buf, dtype=np.uint8)
         ptr, size = view.ctypes.data, view.nbytes
         del view  # no lasting export of shm.buf: the segment must stay closable
-        # On a helper thread the current device would default to GPU 0 (a stray context there).
+        # This process's GPU, not the thread's default GPU 0 (a stray context there).
         start = time.perf_counter()
         with torch.cuda.device(self.device):
             err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, self.PORTABLE))
@@ -247,9 +244,11 @@ class SegmentPinner:
 
 
 def _unlink(shm: SharedMemory, pinner: SegmentPinner | None = None, *, unmap: bool = True) -> None:
-    if pinner is not None and unmap:
-        pinner.unregister(shm)
+    """Remove a segment (unpinning it first when `pinner` pinned it); without `unmap`, only
+    its name (the process is about to exit)."""
     if unmap:
+        if pinner is not None:
+            pinner.unregister(shm)
         shm.close()
     shm.unlink()
 
@@ -359,11 +358,13 @@ class WriterPool:
                  pinner: SegmentPinner | None = None, segment_tokens: int = 0, pinned_segments: int = 0,
                  open_parts: int = 1):
         """`segment_tokens`: tokens of a full part; `open_parts`: parts filled at once (a sort
-        window), on top of the ones in the writers' hands."""
+        window), on top of the ones in the writers' hands; `pinned_segments`: how many
+        page-locked segments to make (fewer when shared or host memory is short)."""
         self.cache = cache
         self.fields = fields
         self.num_writers = num_writers
         self.results: list[PartResult] = []
+        self.nbytes = 0  # stored bytes of the committed parts in `results`
         self._buffers: dict[str, PartBuffer] = {}
         self._free: list[SharedMemory] = []  # segments of committed parts, kept for reuse
         self._procs: list[mp.Process] = []
@@ -371,9 +372,10 @@ class WriterPool:
         if num_writers and segment_tokens:
             # Part buffers live in shared memory (a tmpfs): filling one past its free space
             # kills the process with SIGBUS, so size everything to what is there, up front.
-            fit = _shm_capacity(_layout(fields, segment_tokens)[1], open_parts, segment_tokens)
+            part_bytes = _layout(fields, segment_tokens)[1]
+            fit = _shm_capacity(part_bytes, open_parts, segment_tokens)
             self._max_buffers = max(1, min(self._max_buffers, fit - open_parts))
-            pinned_segments = min(pinned_segments, fit)
+            pinned_segments = min(pinned_segments, fit, max(1, _pinnable_bytes() // part_bytes))
         if num_writers:
             ctx = mp.get_context("spawn")  # never fork a process that holds CUDA state
             self._tasks = ctx.Queue()
@@ -389,16 +391,14 @@ class WriterPool:
         # with CUDA takes ~0.5 s/GB and holds the driver's lock, which would stall every
         # kernel launch of a running loop. Parts then cycle through this fixed set.
         self.pinner = pinner if num_writers else None
-        self._pinned: set[str] = set()
+        self._fixed = False  # parts cycle through a fixed set of page-locked segments
         self.setup_seconds = 0.0
         self._ready = 0
         start = time.perf_counter()
         if self.pinner is not None and pinned_segments:
             try:
                 self._free = _touched_segments(pinned_segments, _layout(fields, segment_tokens)[1])
-                for shm in self._free:
-                    if self.pinner.register(shm):
-                        self._pinned.add(shm.name)
+                self._fixed = sum(self.pinner.register(shm) for shm in self._free) > 0
             except BaseException:
                 self.close()
                 raise
@@ -430,10 +430,10 @@ class WriterPool:
             return PartBuffer(plan, self.fields)
         need = PartBuffer.nbytes_for(plan, self.fields)
         shm = self._take_segment(need)
-        return PartBuffer(plan, self.fields, shm, pinned=shm.name in self._pinned)
+        return PartBuffer(plan, self.fields, shm, pinned=self._is_pinned(shm))
 
     def _take_segment(self, need: int) -> SharedMemory:
-        if self._pinned:
+        if self._fixed:
             fits = [s for s in self._free if s.size >= need]
             # Wait for a page-locked segment while parts are being written that will free one.
             while not fits and self._buffers and any(s.size >= need for s in self._pinned_segments()):
@@ -452,15 +452,18 @@ class WriterPool:
             _unlink(shm)  # a larger part than before: make a larger segment
         return SharedMemory(create=True, size=need + need // 8)
 
+    def _is_pinned(self, shm: SharedMemory) -> bool:
+        return self.pinner is not None and self.pinner.is_pinned(shm)
+
     def _pinned_segments(self) -> list[SharedMemory]:
-        return [s for s in self._free if s.name in self._pinned] + [
-            b.shm for b in self._buffers.values() if b.shm is not None and b.shm.name in self._pinned]
+        held = [b.shm for b in self._buffers.values() if b.shm is not None]
+        return [s for s in self._free + held if self._is_pinned(s)]
 
     def _recycle(self, buf: PartBuffer) -> None:
         shm = buf.release()
         if shm is None:
             return
-        if self._pinned and shm.name not in self._pinned:
+        if self._fixed and not self._is_pinned(shm):
             _unlink(shm)  # an extra plain segment: not kept
         else:
             self._free.append(shm)
@@ -469,7 +472,7 @@ class WriterPool:
         task = make_task(buf)
         if not self.num_writers:
             try:
-                self.results.append(write_part(self.cache, task, buf.arrays))
+                self._add_result(write_part(self.cache, task, buf.arrays))
             except DflashError:
                 raise
             except OSError as e:
@@ -511,8 +514,12 @@ class WriterPool:
             if isinstance(payload, DflashError):
                 raise payload
             raise _write_error(name, self.cache.cache_dir, payload) from payload
-        self.results.append(payload)
+        self._add_result(payload)
         return True
+
+    def _add_result(self, result: PartResult) -> None:
+        self.results.append(result)
+        self.nbytes += result.nbytes
 
     def discard(self, buf: PartBuffer) -> None:
         """Drop a part that will not be finished (stop requested)."""
@@ -535,8 +542,7 @@ class WriterPool:
 
     def free_segments(self) -> None:
         for shm in self._free:
-            _unlink(shm, self.pinner if shm.name in self._pinned else None)
-            self._pinned.discard(shm.name)
+            _unlink(shm, self.pinner)
         self._free.clear()
 
     def kill(self) -> None:
@@ -583,6 +589,12 @@ def _shm_capacity(part_bytes: int, open_parts: int, part_tokens: int) -> int:
             "from the main process with --num-writers 0."
         )
     return fit
+
+
+def _pinnable_bytes() -> int:
+    """Page-locked memory this process may take: a quarter of the host's, shared by its ranks."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // 4 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _touched_segments(count: int, size: int) -> list[SharedMemory]:
