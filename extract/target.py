@@ -9,8 +9,10 @@ norm, no lm_head.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,33 @@ def target_identity(model: nn.Module, model_dir: str | Path | None) -> dict[str,
     }
 
 
+def _not_packed(position_ids: torch.Tensor) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _rows_not_packed():
+    """Skip transformers' packed-sequence detection during our forwards.
+
+    Without an attention mask, transformers' mask preparation inspects `position_ids` for
+    several sequences packed into one row, and the check ends in a host synchronisation
+    (`bool(tensor.all())`) in every forward: the host cannot queue the next forward before
+    the GPU has finished the previous one. Our rows never hold packed sequences (one sample
+    per row, positions 0..L-1, which is what the model builds itself when given none), so
+    the answer is known: "not packed" (None). Where transformers has no such check, nothing
+    is changed."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
 @dataclass
 class Captured:
     """One batch's captured states, each [B, L, D] on the compute device."""
@@ -151,7 +180,8 @@ class LayerCapture:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Captured:
         self._out = {}
         try:
-            self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with _rows_not_packed():
+                self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
         else:

@@ -118,6 +118,33 @@ def test_forward_stops_after_the_last_captured_layer(qwen3_target):
     assert [t.shape for t in cap.layers] == [torch.Size([2, 7, 64])] * 2
 
 
+def test_capture_skips_the_packed_sequence_check(qwen3_target, monkeypatch):
+    """transformers' packed-sequence check syncs the host with the GPU in every forward; our
+    rows are never packed, so the capture skips it, restores it, and the states are unchanged."""
+    import transformers.masking_utils as masking
+
+    calls = []
+    original = masking.find_packed_sequence_indices
+
+    def counting(position_ids):
+        calls.append(position_ids.shape)
+        return original(position_ids)
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", counting)
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (3, 9))
+    with torch.inference_mode():
+        ref = model(ids, output_hidden_states=True, use_cache=False).hidden_states
+    assert calls, "this transformers version no longer runs the check: the bypass is dead code"
+    calls.clear()
+    capture = LayerCapture(model, [0, 2], need_last=False)
+    cap = capture(ids, None)
+    assert calls == []
+    assert masking.find_packed_sequence_indices is counting
+    torch.testing.assert_close(cap.layers[0], ref[1], rtol=0, atol=0)
+    torch.testing.assert_close(cap.layers[1], ref[3], rtol=0, atol=0)
+
+
 def test_fp8_cache_with_last_hidden_and_topk(qwen3_target, tmp_path):
     target = qwen3_target
     records = random_records(8, seed=3)
