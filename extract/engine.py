@@ -59,6 +59,10 @@ class ExtractionEngine:
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
         self._launched = 0
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # DFLASH_PROFILE_EXTRACT=1: events around every forward, to tell GPU idle time apart.
+        self._timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = (
+            [] if self.cuda and os.environ.get("DFLASH_PROFILE_EXTRACT") else None)
+        self._origin: torch.cuda.Event | None = None
 
     def _encode(self, h: torch.Tensor, num_layers: int, prefix: str) -> dict[str, torch.Tensor]:
         if self.codec.has_scale:
@@ -89,6 +93,9 @@ class ExtractionEngine:
         gather = gather.to(self.device, non_blocking=True)
         if _TEST_SLEEP_PER_FORWARD:
             time.sleep(_TEST_SLEEP_PER_FORWARD)
+        if self._timeline is not None:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         # No attention mask: rows are right-padded and attention is causal, so a real token
         # never sees a pad. Without a padding mask the model takes its plain causal path,
         # which is faster and has no host synchronisation (mask checks) inside the forward.
@@ -104,6 +111,10 @@ class ExtractionEngine:
             if self.topk:
                 ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
                 out["topk_ids"], out["topk_logprobs"] = ids_k.to(self.device), lp_k.to(self.device)
+        if self._timeline is not None:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self._timeline.append((started, ended))
         direct = dest is not None and (dest.pinned or not self.cuda)
         slot = self._launched % self.NUM_SLOTS
         self._launched += 1
@@ -118,6 +129,31 @@ class ExtractionEngine:
                 event = torch.cuda.Event()
                 event.record()
         return Pending(batch, slot, batch.real_tokens, event, direct)
+
+    def mark_start(self) -> None:
+        """Profiling: the moment the loop starts, for `timeline_report`."""
+        if self._timeline is not None:
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+
+    def timeline_report(self) -> str | None:
+        """Profiling: where the GPU's time went between `mark_start` and now (synchronises)."""
+        if self._timeline is None or self._origin is None or not self._timeline:
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        busy = sum(a.elapsed_time(b) for a, b in self._timeline) / 1e3
+        gaps = [self._timeline[i][1].elapsed_time(self._timeline[i + 1][0]) / 1e3
+                for i in range(len(self._timeline) - 1)]
+        first = self._origin.elapsed_time(self._timeline[0][0]) / 1e3
+        tail = self._timeline[-1][1].elapsed_time(end) / 1e3
+        total = self._origin.elapsed_time(end) / 1e3
+        big = sorted(gaps, reverse=True)[:5]
+        return (f"GPU timeline: {total:.2f} s, forwards {busy:.2f} s ({len(self._timeline)}, "
+                f"{busy / len(self._timeline) * 1e3:.0f} ms each), before the first {first:.2f} s, "
+                f"gaps between forwards {sum(gaps):.2f} s (largest {', '.join(f'{g:.3f}' for g in big)}), "
+                f"after the last {tail:.2f} s")
 
     @contextlib.contextmanager
     def _on_copy_stream(self, tensors: dict[str, torch.Tensor]):

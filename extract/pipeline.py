@@ -222,6 +222,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
         print(f"setup: {pinned_note}{num_writers} writer processes ready in {pool.setup_seconds:.2f} s",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    engine.mark_start()
     try:
         with StopSignals(on_second=pool.kill) as stop:
             _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct)
@@ -233,6 +234,8 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
                       f"after the last batch; writer time per part: median {per_part[len(per_part) // 2]:.2f} s, "
                       f"max {per_part[-1]:.2f} s, {len(pool.results)} parts, {num_writers} writers",
                       file=sys.stderr, flush=True)
+            if (timeline := engine.timeline_report()) is not None:
+                print(timeline, file=sys.stderr, flush=True)
         pool.close()
     except BaseException:
         pool.kill()
