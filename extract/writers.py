@@ -322,6 +322,18 @@ def _writer_context():
     return ctx
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (writers are the fork server's children, not the
+    main process's, so the parent pid says nothing about it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _writer_main(cache_dir: str, header: dict, tasks, results, parent_pid: int,
                  env: dict[str, str] | None = None) -> None:
     # The fork server started with the environment of its time: take this run's settings.
@@ -345,7 +357,7 @@ def _writer_main(cache_dir: str, header: dict, tasks, results, parent_pid: int,
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:  # the main process died (kill -9): stop
+            if not _alive(parent_pid):  # the main process died (kill -9): stop
                 return
             continue
         if task is None:

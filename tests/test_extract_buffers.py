@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -184,6 +185,28 @@ def test_writers_have_started_when_the_pool_is_built(tmp_path):
         assert all(p.is_alive() for p in pool._procs)
     finally:
         pool.close()
+
+
+def test_idle_writers_stay_until_the_main_process_goes(tmp_path):
+    """Writers idle longer than their poll interval still take parts (they check that the
+    main process lives, not who their parent is: they are children of a fork server)."""
+    from dflash.cache_tools.reader import CacheReader
+    from dflash.extract import writers
+
+    cache, fields = _tiny_cache(tmp_path)
+    pool = writers.WriterPool(cache, fields, 2, segment_tokens=16)
+    try:
+        time.sleep(2.5)
+        assert all(p.is_alive() for p in pool._procs)
+        buf = pool.new_buffer(_plan([3, 5], index=0))
+        buf.arrays["hidden"][...] = 7
+        buf.mark_filled(2)
+        pool.submit(buf)
+        pool.drain()
+        pool.close()
+    finally:
+        pool.kill()
+    assert len(CacheReader(tmp_path / "cache")) == 2
 
 
 def test_a_writer_that_cannot_open_the_cache_fails_the_pool_at_once(tmp_path):
