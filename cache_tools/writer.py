@@ -456,7 +456,8 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
         return encode(np.ascontiguousarray(block))
 
     num_chunks = -(-rows // chunk_rows)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    # All cores: at the end of a run few parts are left, and they are what the run waits for.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for shard in range(-(-rows // shard_rows)):
             first = shard * per_shard
             encoded = list(pool.map(chunk, range(first, min(first + per_shard, num_chunks))))

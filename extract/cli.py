@@ -49,9 +49,10 @@ def _interrupt(signum, _frame) -> None:
 @click.option("--part-tokens", type=int, default=65536, help="Tokens per cache part (the unit of resume).")
 @click.option("--token-budget", type=int, default=32768, help="Padded tokens per forward batch.")
 @click.option("--sort-window-tokens", type=int,
-              help="Length-sort samples of consecutive parts up to this many tokens together into "
-                   "batches (less padding; the window's parts are held in memory) "
-                   "[default: 4 x --token-budget; 0: each part alone].")
+              help="Sort consecutive records up to this many tokens by length and cut them, in "
+                   "that order, into parts: batches of similar lengths, little padding. Changes "
+                   "which samples go to which part, so a resume must keep it "
+                   "[default: 16 x --part-tokens; 0: each part alone].")
 @click.option("--codec", type=click.Choice(["bf16", "fp8", "raw"]), default="bf16",
               help="Hidden-state codec: bf16 lossless, fp8 e4m3 + scales, raw uncompressed.")
 @click.option("--chunk-rows", type=int, default=128, help="Rows per compressed chunk.")

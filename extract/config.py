@@ -70,9 +70,9 @@ class ExtractConfig:
     token_budget: int = 32768
     """Padded tokens per forward batch (batch size x longest sample)."""
     sort_window_tokens: int | None = None
-    """The samples of max(1, sort_window_tokens // part_tokens) consecutive parts are
-    length-sorted into batches together (less padding than batching each part alone; ranks
-    take whole windows); None: 4 x token_budget."""
+    """Consecutive records up to this many tokens are sorted by length and cut, in that
+    order, into parts: batches of similar lengths waste little padding (ranks take whole
+    windows; at most part_tokens: each part alone); None: 16 x part_tokens."""
     codec: str = "bf16"
     """Hidden-state codec: bf16 (lossless), fp8 (e4m3 + per-token scale) or raw."""
     chunk_rows: int = 128
@@ -132,10 +132,10 @@ class ExtractConfig:
                 "0 <= rank < world_size (set --rank/--world-size or RANK/WORLD_SIZE)."
             )
 
-    def sort_window_parts(self) -> int:
-        """Consecutive parts per sort window (fixed by the settings, never by the run's state)."""
-        tokens = self.sort_window_tokens if self.sort_window_tokens is not None else 4 * self.token_budget
-        return max(1, tokens // self.part_tokens)
+    def window_tokens(self) -> int:
+        """Tokens of a sort window (fixed by the settings, never by the run's state)."""
+        tokens = self.sort_window_tokens if self.sort_window_tokens is not None else 16 * self.part_tokens
+        return max(tokens, self.part_tokens)
 
     def content_settings(self) -> dict[str, Any]:
         """The settings that decide the cache's content (recorded in the header's `settings`)."""
@@ -145,6 +145,7 @@ class ExtractConfig:
             "skip_bad": self.skip_bad,
             "dtype": self.dtype,
             "part_tokens": self.part_tokens,
+            "sort_window_tokens": self.window_tokens(),
             "store_last_hidden": self.store_last_hidden,
             "store_topk": self.store_topk,
         }

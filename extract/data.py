@@ -8,8 +8,11 @@ plus an optional "id". The first of loss_mask, labels, prompt_len present is use
 
 Every non-blank line is a record and gets the next sample id (0, 1, 2, ... over the files in
 sorted order), whether it is kept or skipped, so a cached sample id always names one line.
-Parts are cut from the data alone (consecutive records up to `part_tokens` tokens), so that
-the same data gives the same parts whatever the number of ranks.
+Parts are cut from the data alone, so that the same data gives the same parts whatever the
+number of ranks: consecutive records form sort windows of up to `window_tokens` tokens; the
+samples of a window are sorted by length (longest first) and cut, in that order, into parts
+of up to `part_tokens` tokens. Forward batches of similar lengths then waste little padding,
+and a batch spans at most the end of one part and the start of the next.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ class PartPlan:
     """The samples of one part, plus what was skipped or truncated on the way."""
 
     index: int
+    window: int = 0  # the sort window the part was cut from
     samples: list[Sample] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=lambda: {
         "records": 0, "skipped_bad": 0, "skipped_long": 0, "truncated": 0, "skips": [],
@@ -181,6 +185,7 @@ class PartRules:
     long_samples: str  # truncate | skip
     skip_bad: bool
     part_tokens: int
+    window_tokens: int = 0  # sort window; at most part_tokens: each window is one part
 
 
 def _iter_lines(files: list[Path]) -> Iterator[tuple[str, bytes]]:
@@ -196,53 +201,73 @@ def _iter_lines(files: list[Path]) -> Iterator[tuple[str, bytes]]:
 
 
 def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
-    """Stream the input as parts: consecutive kept samples up to `part_tokens` tokens each.
+    """Stream the input as parts, cut from length-sorted windows (see the module docstring).
 
-    A part closes before the sample that would take it past part_tokens (a single longer
-    sample forms a part of its own). Skipped records are counted in the part being filled;
-    trailing skips after the last sample go to the last part.
+    A window closes before the sample that would take it past `window_tokens` (at least
+    `part_tokens`); its samples, sorted longest first (ties in record order), are cut into
+    parts, each closing before the sample that would take it past `part_tokens` (a single
+    longer sample forms a part of its own). Skipped records are counted in the first part of
+    their window; trailing skips after the last sample go to the last window's first part.
     """
-    pending: PartPlan | None = None
-    current = PartPlan(0)
+    window_tokens = max(rules.window_tokens, rules.part_tokens)
+    held: list[PartPlan] = []  # the last window's parts, until we know whether input follows
+    window, tokens, first_index, number = [], 0, 0, 0
+    skips = PartPlan(-1)  # the current window's skipped records
     for sample_id, (where, line) in enumerate(_iter_lines(files)):
         try:
             ids, mask = parse_record(line, rules.vocab_size)
         except BadRecord as e:
             if not rules.skip_bad:
                 raise InputError(f"{where}: {e}. Fix the record or pass --skip-bad to skip it.") from None
-            current.stats["records"] += 1
-            current.record_skip(sample_id, where, str(e), "skipped_bad")
+            skips.stats["records"] += 1
+            skips.record_skip(sample_id, where, str(e), "skipped_bad")
             continue
         if ids.size > rules.max_seq_len:
             if rules.long_samples == "skip":
-                current.stats["records"] += 1
-                current.record_skip(
+                skips.stats["records"] += 1
+                skips.record_skip(
                     sample_id, where, f"{ids.size} tokens > max_seq_len {rules.max_seq_len}",
                     "skipped_long",
                 )
                 continue
             ids, mask = ids[: rules.max_seq_len], mask[: rules.max_seq_len]
-            current.stats["truncated"] += 1
-        if current.samples and current.num_tokens + ids.size > rules.part_tokens:
-            if pending is not None:
-                yield pending
-            pending, current = current, PartPlan(current.index + 1)
-        current.stats["records"] += 1
-        current.add(Sample(sample_id, ids, mask))
-    if current.samples:
-        if pending is not None:
-            yield pending
-        yield current
-    elif pending is not None:
-        _merge_skips(pending, current)
-        yield pending
+            skips.stats["truncated"] += 1
+        if window and tokens + ids.size > window_tokens:
+            yield from held
+            held = _cut_window(window, skips, first_index, number, rules.part_tokens)
+            first_index += len(held)
+            number += 1
+            window, tokens, skips = [], 0, PartPlan(-1)
+        window.append(Sample(sample_id, ids, mask))
+        tokens += ids.size
+    if window:
+        yield from held
+        held = _cut_window(window, skips, first_index, number, rules.part_tokens)
+    elif held:
+        _merge_skips(held[0], skips)
     else:
         raise InputError(
             f"The input ({', '.join(str(f) for f in files[:3])}{', ...' if len(files) > 3 else ''}) "
             "holds no usable sample"
-            + (f" ({current.stats['records']} records, all skipped)." if current.stats["records"] else ".")
+            + (f" ({skips.stats['records']} records, all skipped)." if skips.stats["records"] else ".")
             + " Check --data."
         )
+    yield from held
+
+
+def _cut_window(window: list[Sample], skips: PartPlan, first_index: int, number: int,
+                part_tokens: int) -> list[PartPlan]:
+    """A window's samples, longest first (stable), cut into consecutive parts."""
+    parts = [PartPlan(first_index, window=number)]
+    for sample in sorted(window, key=lambda s: -s.length):
+        current = parts[-1]
+        if current.samples and current.num_tokens + sample.length > part_tokens:
+            current = PartPlan(current.index + 1, window=number)
+            parts.append(current)
+        current.stats["records"] += 1
+        current.add(sample)
+    _merge_skips(parts[0], skips)
+    return parts
 
 
 def _merge_skips(into: PartPlan, tail: PartPlan) -> None:

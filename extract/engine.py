@@ -115,7 +115,7 @@ class ExtractionEngine:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
             self._timeline.append((started, ended))
-        direct = dest is not None and (dest.pinned or not self.cuda)
+        direct = dest is not None and (not self.cuda or dest.pinned_for(batch.members))
         slot = self._launched % self.NUM_SLOTS
         self._launched += 1
         event = None

@@ -53,7 +53,9 @@ class ExtractSummary:
     parts_total: int = 0
     parts_this_rank: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the first batch to the last part committed
+    setup_seconds: float = 0.0  # writers started, part segments page-locked (before the first batch)
+    teardown_seconds: float = 0.0  # writers stopped, segments released (after the last commit)
     interrupted_by: int | None = None  # signal number when stopped by SIGINT/SIGTERM
     leftovers_removed: int = 0  # temporary or unrecorded parts of dead writers, removed at open
     skips: list[dict] = field(default_factory=list)
@@ -72,7 +74,8 @@ class ExtractSummary:
         return (
             f"dflash-extract {state}: {self.samples} samples, {self.tokens} tokens in "
             f"{self.parts_written} parts ({self.bytes / 1e9:.2f} GB), "
-            f"{self.tokens_per_second:,.0f} tokens/s, padding waste {self.padding_waste:.1%}; "
+            f"{self.tokens_per_second:,.0f} tokens/s (start-up {self.setup_seconds:.1f} s and "
+            f"shutdown {self.teardown_seconds:.1f} s not counted), padding waste {self.padding_waste:.1%}; "
             f"skipped {self.skipped_bad} bad and {self.skipped_long} long samples, truncated "
             f"{self.truncated}; {self.parts_done_before} parts were already committed; "
             f"this rank's parts: {self.parts_this_rank} of {self.parts_total}."
@@ -197,6 +200,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     rules = PartRules(
         vocab_size=header["target"]["vocab_size"], max_seq_len=config.max_seq_len,
         long_samples=config.long_samples, skip_bad=config.skip_bad, part_tokens=config.part_tokens,
+        window_tokens=config.window_tokens(),
     )
     engine = ExtractionEngine(model, capture, codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)
@@ -205,13 +209,14 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     progress = Progress(data_fp["records"], config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
     pinner = SegmentPinner(device) if engine.cuda and direct else None
-    # Page-locked segments: a sort window of parts being filled while the two before it are
-    # written, and one spare (the pool caps this by the free shared and host memory).
-    window_parts = config.sort_window_parts()
-    pinned = min(3 * window_parts + 1, num_writers + 2)
+    # Parts open at once: those of the batches in flight (consecutive parts of a window);
+    # page-locked segments: those, plus a few in the writers' hands (the pool caps this by
+    # the free shared and host memory).
+    open_parts = 2 + -(-ExtractionEngine.NUM_SLOTS * config.token_budget // config.part_tokens)
+    pinned = open_parts + min(num_writers, 3)
     try:
         pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
-                          pinned_segments=pinned, open_parts=window_parts)
+                          pinned_segments=pinned, open_parts=open_parts)
     except BaseException:
         capture.close()
         progress.close()
@@ -236,6 +241,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
                       file=sys.stderr, flush=True)
             if (timeline := engine.timeline_report()) is not None:
                 print(timeline, file=sys.stderr, flush=True)
+        summary.seconds = time.perf_counter() - t0  # every part committed
         pool.close()
     except BaseException:
         pool.kill()
@@ -244,7 +250,8 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
         capture.close()
         progress.close()
     summary.bytes = pool.nbytes
-    summary.seconds = time.perf_counter() - t0
+    summary.setup_seconds = pool.setup_seconds
+    summary.teardown_seconds = time.perf_counter() - t0 - summary.seconds
     return summary
 
 
@@ -281,37 +288,38 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
     committed = cache.committed()
     sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
 
-    window_parts = config.sort_window_parts()
-
     def own_groups() -> Iterator[PartGroup]:
-        # Windows of `window_parts` consecutive parts; each rank takes whole windows.
+        # The parts of each sort window; each rank takes whole windows.
         plans: list[PartPlan] = []
-        buffers: list[PartBuffer | None] = []
-        current = -1
         for plan in plan_parts(files, rules):
             summary.parts_total += 1
-            window = plan.index // window_parts
-            if window != current and plans:
-                if any(b is not None for b in buffers):
-                    yield PartGroup(plans, buffers)
-                plans, buffers = [], []
-            current = window
-            if window % config.world_size != config.rank:
-                progress.skip(plan)
-                continue
-            summary.parts_this_rank += 1
+            if plans and plan.window != plans[0].window:
+                yield from window_group(plans)
+                plans = []
             plans.append(plan)
-            if plan.name in committed:
+        if plans:
+            yield from window_group(plans)
+
+    def window_group(plans: list[PartPlan]) -> Iterator[PartGroup]:
+        if plans[0].window % config.world_size != config.rank:
+            for plan in plans:
+                progress.skip(plan)
+            return
+        todo = []
+        for plan in plans:
+            summary.parts_this_rank += 1
+            todo.append(plan.name not in committed)
+            if not todo[-1]:
                 summary.parts_done_before += 1
                 progress.skip(plan)
-                buffers.append(None)
-                continue
-            with timer("new_buffer"):
-                buf = pool.new_buffer(plan)
-            open_buffers.append(buf)
-            buffers.append(buf)
-        if any(b is not None for b in buffers):
-            yield PartGroup(plans, buffers)
+        if any(todo):
+            yield PartGroup(plans, todo)
+
+    def new_buffer(plan: PartPlan) -> PartBuffer:
+        with timer("new_buffer"):
+            buf = pool.new_buffer(plan)
+        open_buffers.append(buf)
+        return buf
 
     def own_batches() -> Iterator[tuple[PartGroup, Batch]]:
         for group in own_groups():
@@ -359,6 +367,7 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
         for group, batch in own_batches():
             if stop.signum is not None:
                 break
+            group.open(batch.members, new_buffer)
             with timer("launch"):
                 handle = engine.launch(batch, group if direct else None)
             in_flight.append((group, handle, copier.submit(copy_rows, group, handle)))

@@ -119,11 +119,11 @@ class PartBuffer:
 
     def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
         """Copy one batch's packed rows (members in batch order) to their places in the part."""
-        PartGroup([self.plan], [self]).put(members, rows, copiers)
+        PartGroup.of(self).put(members, rows, copiers)
 
     def put_tensors(self, members: list[int], packed: dict[str, torch.Tensor]) -> None:
         """Copy one batch's packed rows from (device) tensors to their places in the part."""
-        PartGroup([self.plan], [self]).put_tensors(members, packed)
+        PartGroup.of(self).put_tensors(members, packed)
 
     def mark_filled(self, count: int) -> None:
         """Count samples whose rows are in place (called by the loop, in batch order)."""
@@ -141,21 +141,52 @@ class PartBuffer:
 
 
 class PartGroup:
-    """A window of consecutive parts whose samples are batched together: sorting more samples
-    by length wastes less padding than batching each part alone. Windows are cut from the
-    data alone (a fixed number of consecutive parts), so the batches, and with them every
-    value, are the same on any number of ranks and after any resume. A part already
-    committed by an earlier run comes without a buffer: its samples are still computed
-    (their batch mates must see the same batches) but their rows are dropped.
+    """The parts of one sort window, batched together. The window's samples are sorted by
+    length and cut into parts in that order (data.plan_parts), so batches move through the
+    parts one after the other: a part's buffer is taken when the first batch touches it
+    (`open`), and at most the parts of the batches in flight are open at once. Windows are
+    cut from the data alone, so the batches, and with them every value, are the same on any
+    number of ranks and after any resume. A part already committed by an earlier run gets
+    no buffer: its samples are still computed (their batch mates must see the same batches)
+    but their rows are dropped.
 
-    Sample j of the window is sample `where[j]` of one of the parts; a batch's members are
-    window indices."""
+    Sample j of the window is sample `where[j][1]` of part `where[j][0]`; a batch's members
+    are window indices."""
 
-    def __init__(self, plans: list[PartPlan], buffers: list[PartBuffer | None]):
-        self.buffers = [b for b in buffers if b is not None]
-        self.where = [(b, i) for plan, b in zip(plans, buffers, strict=True) for i in range(len(plan.samples))]
+    def __init__(self, plans: list[PartPlan], todo: list[bool],
+                 buffers: list[PartBuffer | None] | None = None):
+        self.plans = plans
+        self.todo = list(todo)
+        self.buffers: list[PartBuffer | None] = list(buffers) if buffers is not None else [None] * len(plans)
+        self.where = [(p, i) for p, plan in enumerate(plans) for i in range(len(plan.samples))]
         self.samples = [s for plan in plans for s in plan.samples]
-        self.pinned = all(b.pinned for b in self.buffers)
+
+    @classmethod
+    def of(cls, buffer: PartBuffer) -> PartGroup:
+        return cls([buffer.plan], [True], [buffer])
+
+    def open(self, members: list[int], new_buffer) -> list[PartBuffer]:
+        """Buffers (from `new_buffer(plan)`) for the parts to do that this batch touches
+        first; returns the new ones."""
+        opened = []
+        for m in members:
+            p = self.where[m][0]
+            if self.todo[p] and self.buffers[p] is None:
+                self.buffers[p] = new_buffer(self.plans[p])
+                opened.append(self.buffers[p])
+        return opened
+
+    def _buffer(self, member: int) -> tuple[PartBuffer | None, int]:
+        p, i = self.where[member]
+        buf = self.buffers[p]
+        if buf is None and self.todo[p]:
+            raise RuntimeError(f"{self.plans[p].name}: rows placed before its buffer was opened")
+        return buf, i
+
+    def pinned_for(self, members: list[int]) -> bool:
+        """Whether every part this batch writes to is page-locked (rows can go by DMA)."""
+        bufs = [self._buffer(m)[0] for m in members]
+        return all(b.pinned for b in bufs if b is not None)
 
     def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
         """Place one batch's packed host rows (members in batch order) in their parts.
@@ -165,7 +196,7 @@ class PartGroup:
         """
         jobs, pos = [], 0
         for m in members:
-            buf, i = self.where[m]
+            buf, i = self._buffer(m)
             if buf is not None:
                 jobs += buf.row_jobs(i, pos, rows)
             pos += self.samples[m].length
@@ -181,7 +212,7 @@ class PartGroup:
         sample and array, queued on the current stream."""
         pos = 0
         for m in members:
-            buf, i = self.where[m]
+            buf, i = self._buffer(m)
             if buf is not None:
                 buf.copy_sample(i, pos, packed)
             pos += self.samples[m].length
@@ -190,7 +221,7 @@ class PartGroup:
         """Count the batch's samples as in place; returns the parts this completed."""
         done = []
         for m in members:
-            buf, _i = self.where[m]
+            buf, _i = self._buffer(m)
             if buf is not None:
                 buf.mark_filled(1)
                 if buf.complete:
@@ -612,7 +643,7 @@ def _shm_capacity(part_bytes: int, open_parts: int, part_tokens: int) -> int:
             f"Shared memory ({SHM_DIR}) has {free / 1e9:.2f} GB free, but extraction needs "
             f"{open_parts + 1} part buffers of {part_bytes / 1e9:.2f} GB there ({open_parts} filled "
             f"at once by the sort window, one for a writer process; --part-tokens {part_tokens}). "
-            "Enlarge it (docker: --shm-size), lower --part-tokens or --sort-window-tokens, or write "
+            "Enlarge it (docker: --shm-size), lower --part-tokens or --token-budget, or write "
             "from the main process with --num-writers 0."
         )
     return fit

@@ -104,7 +104,7 @@ def assert_same_contents(a: dict[int, dict], b: dict[int, dict]) -> None:
             np.testing.assert_array_equal(a[sid][key], b[sid][key], err_msg=f"sample {sid} {key}")
 
 
-ARGS = ["--dtype", "fp32", "--part-tokens", "120", "--token-budget", "128", "--no-progress",
+ARGS = ["--dtype", "fp32", "--part-tokens", "120", "--token-budget", "128", "--sort-window-tokens", "0", "--no-progress",
         "--num-writers", "0"]
 
 

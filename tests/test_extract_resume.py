@@ -33,7 +33,8 @@ def setup(tmp_path_factory):
 
 def config(target, data, out, **kw) -> ExtractConfig:
     base = dict(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
-                part_tokens=150, token_budget=128, progress=False, num_writers=0)
+                part_tokens=150, token_budget=128, sort_window_tokens=300, progress=False,
+                num_writers=0)
     base.update(kw)
     return ExtractConfig(**base)
 
@@ -87,6 +88,7 @@ def test_staged_host_copies_write_the_same_cache(setup, tmp_path, monkeypatch, n
 
 @pytest.mark.parametrize("change", [
     {"target_layer_ids": [0, 1]}, {"codec": "fp8"}, {"max_seq_len": 40}, {"dtype": "bf16"},
+    {"sort_window_tokens": 300000},
 ])
 def test_resume_with_other_settings_refuses_unless_forced(setup, tmp_path, change):
     target, data, _clean = setup
