@@ -456,22 +456,32 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
         return encode(np.ascontiguousarray(block))
 
     num_chunks = -(-rows // chunk_rows)
-    # All cores: at the end of a run few parts are left, and they are what the run waits for.
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for shard in range(-(-rows // shard_rows)):
-            first = shard * per_shard
-            encoded = list(pool.map(chunk, range(first, min(first + per_shard, num_chunks))))
-            index = np.full((per_shard, 2), _EMPTY_CHUNK, dtype="<u8")
-            pos = 0
-            for j, pieces in enumerate(encoded):
-                size = sum(len(p) for p in pieces)
-                index[j] = (pos, size)
-                pos += size
-            index_bytes = index.tobytes()
-            target = array_dir / "c" / str(shard) / "0"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as f:
-                for pieces in encoded:
-                    f.writelines(pieces)
-                f.write(index_bytes)
-                f.write(crc32c.crc32c(index_bytes).to_bytes(4, "little"))
+    num_shards = -(-rows // shard_rows)
+
+    def write_shard(shard: int, encoded: list[list[bytes]]) -> None:
+        index = np.full((per_shard, 2), _EMPTY_CHUNK, dtype="<u8")
+        pos = 0
+        for j, pieces in enumerate(encoded):
+            size = sum(len(p) for p in pieces)
+            index[j] = (pos, size)
+            pos += size
+        index_bytes = index.tobytes()
+        target = array_dir / "c" / str(shard) / "0"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            for pieces in encoded:
+                f.writelines(pieces)
+            f.write(index_bytes)
+            f.write(crc32c.crc32c(index_bytes).to_bytes(4, "little"))
+
+    # Every chunk is queued for encoding on all cores at once (at the end of a run few parts
+    # are left, and they are what the run waits for); each shard file is written by its own
+    # thread as soon as its chunks are done, so files are written while later chunks encode.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as encoders, \
+            ThreadPoolExecutor(max_workers=max(1, min(4, num_shards))) as files:
+        chunks = [encoders.submit(chunk, c) for c in range(num_chunks)]
+        shards = [files.submit(lambda s: write_shard(
+            s, [f.result() for f in chunks[s * per_shard:(s + 1) * per_shard]]), s)
+            for s in range(num_shards)]
+        for done in shards:
+            done.result()
