@@ -168,3 +168,15 @@ def test_fp8_cache_with_last_hidden_and_topk(qwen3_target, tmp_path):
         lp_ref, ids_ref = torch.log_softmax(out.logits[0].float(), -1).topk(4, dim=-1)
         assert torch.equal(cached[sid]["topk_ids"], ids_ref)
         torch.testing.assert_close(cached[sid]["topk_logprobs"], lp_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
+    from dflash.cache_tools.codecs import quantize_fp8
+    from dflash.extract import engine
+
+    def broken(*_a, **_k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    assert engine._compiled_quantizer(torch.device("cpu"), [(2, 8)]) is quantize_fp8
+    assert "unfused" in capsys.readouterr().err
