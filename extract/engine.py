@@ -43,19 +43,25 @@ def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]]):
     the token count dynamic; where compiling fails the eager code is used."""
     try:
         compiled = torch.compile(quantize_fp8, dynamic=True)
-        for layers, hidden in widths:
-            for tokens in (7, 33):  # two sizes: the token count stays symbolic
-                probe = torch.randn(tokens, layers * hidden, device=device, dtype=torch.bfloat16)
-                q, scale = compiled(probe, layers)
-                ref_q, ref_scale = quantize_fp8(probe, layers)
-                ok = q.shape == ref_q.shape and torch.allclose(scale, ref_scale, rtol=1e-5)
-                if not ok:
-                    raise RuntimeError("compiled fp8 quantization differs from the eager code")
+        # Under inference mode, as in launch(): compiled outside it, the first batch would
+        # compile again (a guard on the grad mode) while the GPU waits.
+        with torch.inference_mode():
+            _probe(compiled, device, widths)
     except Exception as e:  # noqa: BLE001 - any compiler failure: stay correct, run eager
         print(f"note: fp8 quantization runs unfused ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
               file=sys.stderr, flush=True)
         return quantize_fp8
     return compiled
+
+
+def _probe(compiled, device: torch.device, widths: list[tuple[int, int]]) -> None:
+    for layers, hidden in widths:
+        for tokens in (7, 33):  # two sizes: the token count stays symbolic
+            probe = torch.randn(tokens, layers * hidden, device=device, dtype=torch.bfloat16)
+            q, scale = compiled(probe, layers)
+            ref_q, ref_scale = quantize_fp8(probe, layers)
+            if q.shape != ref_q.shape or not torch.allclose(scale, ref_scale, rtol=1e-5):
+                raise RuntimeError("compiled fp8 quantization differs from the eager code")
 
 
 _NP_OF = {torch.int16: np.uint16, torch.uint8: np.uint8, torch.float32: np.float32, torch.int32: np.int32}
