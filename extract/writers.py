@@ -353,6 +353,28 @@ def _writer_context():
     return ctx
 
 
+def _stop_fork_server() -> None:
+    """End the writers' fork server with the pool: left alone it lives until this process
+    exits, and for a moment after (tearing torch down), outliving the run. The next pool
+    starts a new one."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    stop = getattr(server, "_stop", None)  # closes its pipes, reaps it, forgets it
+    if stop is not None:
+        try:
+            stop()
+        except OSError:
+            pass
+
+
 def _alive(pid: int) -> bool:
     """Whether process `pid` still runs (writers are the fork server's children, not the
     main process's, so the parent pid says nothing about it)."""
@@ -593,6 +615,7 @@ class WriterPool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        _stop_fork_server()
         for buf in self._buffers.values():
             self._recycle(buf)
         self._buffers.clear()
@@ -608,6 +631,7 @@ class WriterPool:
         for p in self._procs:
             if p.is_alive():
                 p.kill()
+        _stop_fork_server()
         # The process exits right after: only remove the names (a copy may still be landing).
         for buf in self._buffers.values():
             shm = buf.release()

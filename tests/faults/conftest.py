@@ -47,7 +47,8 @@ def world(tmp_path_factory) -> dict:
     data = write_jsonl(root / "data.jsonl", make_records(60, seed=1))
     cache = root / "reference-cache"
     run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(cache), dtype="fp32",
-                                 target_layer_ids=[1, 2], part_tokens=100, token_budget=128, num_writers=0,
+                                 target_layer_ids=[1, 2], part_tokens=100, sort_window_tokens=200,
+                                 token_budget=128, num_writers=0,
                                  progress=False))
     run_dir = root / "reference-run"
     result = train(TrainConfig(cache=[str(cache)], target_model=str(target), output_dir=str(run_dir),

@@ -21,7 +21,7 @@ from dflash.cache_tools.reader import CacheReader
 
 HIDDEN, VOCAB, TARGET_LAYERS, LAYER_IDS = 32, 64, 4, "1,2"
 # Samples up to 40 tokens, parts of at most 100 tokens: ~16 parts for 60 records.
-EXTRACT_ARGS = ["--dtype", "fp32", "--target-layer-ids", LAYER_IDS, "--part-tokens", "100",
+EXTRACT_ARGS = ["--dtype", "fp32", "--target-layer-ids", LAYER_IDS, "--part-tokens", "100", "--sort-window-tokens", "200",
                 "--token-budget", "128", "--num-writers", "0", "--no-progress"]
 TRAIN_SETTINGS = dict(num_draft_layers=1, block_size=4, max_anchors=4, token_budget=128, max_batch_size=4,
                       max_seq_len=64, shuffle_window=16, num_workers=0, epochs=2, log_interval=1,
