@@ -28,7 +28,15 @@ from .config import ExtractConfig, default_target_layer_ids
 from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_parts
 from .engine import ExtractionEngine, Pending
 from .target import LayerCapture, decoder_layers, load_target, target_identity
-from .writers import PartBuffer, PartGroup, SegmentPinner, WriterPool, part_fields
+from .writers import (
+    PartBuffer,
+    PartGroup,
+    SegmentPinner,
+    WriterPool,
+    part_fields,
+    start_fork_server,
+    stop_fork_server,
+)
 
 # Test-only: seconds to sleep after each part is handed to the writers, so that tests can
 # interrupt or kill a run midway. Never set it in real runs.
@@ -173,6 +181,16 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     """Extract the hidden states of this rank's uncommitted parts into config.output."""
     files = list_data_files(config.data)
     device = resolve_device(config)
+    if (config.num_writers if config.num_writers is not None else default_num_writers(device)):
+        start_fork_server()  # the writers' imports then overlap loading the target
+    try:
+        return _run_extraction(config, files, device, model)
+    except BaseException:
+        stop_fork_server()  # (the writer pool stops it too, when it got that far)
+        raise
+
+
+def _run_extraction(config: ExtractConfig, files, device: torch.device, model: nn.Module | None) -> ExtractSummary:
     model_dir = None
     if model is None:
         model_dir = config.target_model

@@ -349,11 +349,22 @@ def _writer_context():
     then a fork of it (milliseconds) instead of a fresh interpreter importing torch and zarr
     (seconds each, 12 at once: ~15 s). Never a plain fork: the main process holds CUDA state."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    # '__main__' too: otherwise every writer runs the main script's imports again (a script
+    # importing transformers at the top: seconds per writer).
+    ctx.set_forkserver_preload(["__main__", __name__])
     return ctx
 
 
-def _stop_fork_server() -> None:
+def start_fork_server() -> None:
+    """Start the writers' fork server now (it imports the writer code in the background), so
+    that the writer pool, made later, only forks."""
+    from multiprocessing import forkserver
+
+    _writer_context()
+    forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
     """End the writers' fork server with the pool: left alone it lives until this process
     exits, and for a moment after (tearing torch down), outliving the run. The next pool
     starts a new one."""
@@ -615,7 +626,7 @@ class WriterPool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        _stop_fork_server()
+        stop_fork_server()
         for buf in self._buffers.values():
             self._recycle(buf)
         self._buffers.clear()
@@ -631,7 +642,7 @@ class WriterPool:
         for p in self._procs:
             if p.is_alive():
                 p.kill()
-        _stop_fork_server()
+        stop_fork_server()
         # The process exits right after: only remove the names (a copy may still be landing).
         for buf in self._buffers.values():
             shm = buf.release()

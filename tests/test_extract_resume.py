@@ -116,3 +116,37 @@ def test_sigterm_stops_with_status_143_and_keeps_committed_parts(setup, tmp_path
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143
     assert read_manifest(out).parts
+
+
+def _fork_server_pid():
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def test_writer_fork_server_starts_before_the_target_loads_and_ends_with_the_run(setup, tmp_path, monkeypatch):
+    """The writers' fork server imports the writer code while the target loads (the pool then
+    only forks), and it does not outlive the run, whether the run ends or fails."""
+    from dflash.extract import pipeline
+
+    target, data, clean = setup
+    seen = []
+    real_load = pipeline.load_target
+
+    def load(*a, **k):
+        seen.append(_fork_server_pid())
+        return real_load(*a, **k)
+
+    monkeypatch.setattr(pipeline, "load_target", load)
+    run_extraction(config(target, data, tmp_path / "a", num_writers=2))
+    assert seen and seen[0] is not None  # already running while the target loaded
+    assert _fork_server_pid() is None
+    assert_same_contents(cache_contents(tmp_path / "a"), cache_contents(clean))
+
+    def broken(*_a, **_k):
+        raise RuntimeError("cannot load")
+
+    monkeypatch.setattr(pipeline, "load_target", broken)
+    with pytest.raises(RuntimeError, match="cannot load"):
+        run_extraction(config(target, data, tmp_path / "b", num_writers=2))
+    assert _fork_server_pid() is None
