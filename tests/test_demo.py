@@ -26,7 +26,11 @@ def test_corpus_is_shipped_small_reproducible_and_in_the_alphabet():
 
 @pytest.mark.slow
 def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path):
+    stale = tmp_path / "run" / "checkpoints" / "step-00000099"  # an earlier demo's run (other sizes)
+    stale.mkdir(parents=True)
+    (stale / "trainer_state.json").write_text("{}")
     result = demo.run_demo(tmp_path, demo.SMALL, seed=0, log=lambda *_: None)
+    assert not stale.exists()  # a rerun of the demo starts its drafter run anew
 
     # (a) target saved in HF format; (b) completions with 0/1 loss masks; (c)-(e) cache, run, export.
     assert (tmp_path / "target" / "config.json").is_file()

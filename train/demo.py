@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -244,6 +245,9 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -
 
     log("[4/5] dflash-train")
     run_dir = workdir / "run"
+    # The demo's own run from an earlier demo (of other sizes, or a finished one): start anew,
+    # as the target and the cache were (resuming would refuse or train nothing).
+    shutil.rmtree(run_dir, ignore_errors=True)
     run_stage("dflash-train", "dflash.train.cli", [
         "--cache", str(cache), "--target-model", str(target_dir), "--output-dir", str(run_dir),
         "--max-steps", str(sizes.drafter_steps), "--block-size", str(sizes.block_size),
