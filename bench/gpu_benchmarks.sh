@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/BENCHMARKS.md, in as few device calls as possible.
 # Usage (from the repository root, on a GPU host with the project installed):
-#   bash bench/gpu_benchmarks.sh extract   # ~4 min: prefill, stop-after-last-layer, bf16 and fp8 extraction, 1M tokens
+#   bash bench/gpu_benchmarks.sh extract   # ~3 min: prefill, stop-after-last-layer, bf16 and fp8 extraction, 1M tokens
+#                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5 min)
+#   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
 #   bash bench/gpu_benchmarks.sh cache     # ~3 min: codec ratios, per-core decode vs the codec's ceiling, writer speed
@@ -19,7 +21,9 @@ python3 -c "import torch, transformers, zarr; print('torch', torch.__version__, 
 git rev-parse --short HEAD 2>/dev/null || true
 for what in "$@"; do
   case "$what" in
-    extract) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" ;;
+    extract) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" \
+      ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ;;
+    fp8) (cd bench && python3 bench_fp8.py) ;;
     train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --trace-steps 3 ;;
     train2)
       python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --keep
@@ -37,6 +41,6 @@ for what in "$@"; do
           --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
-    *) echo "unknown benchmark '$what' (extract, train, train2, cache, eval)" >&2; exit 2 ;;
+    *) echo "unknown benchmark '$what' (extract, fp8, train, train2, cache, eval)" >&2; exit 2 ;;
   esac
 done
