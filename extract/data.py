@@ -210,7 +210,6 @@ def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
     their window; trailing skips after the last sample go to the last window's first part.
     """
     window_tokens = max(rules.window_tokens, rules.part_tokens)
-    held: list[PartPlan] = []  # the last window's parts, until we know whether input follows
     window, tokens, first_index, number = [], 0, 0, 0
     skips = PartPlan(-1)  # the current window's skipped records
     for sample_id, (where, line) in enumerate(_iter_lines(files)):
@@ -233,26 +232,21 @@ def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
             ids, mask = ids[: rules.max_seq_len], mask[: rules.max_seq_len]
             skips.stats["truncated"] += 1
         if window and tokens + ids.size > window_tokens:
-            yield from held
-            held = _cut_window(window, skips, first_index, number, rules.part_tokens)
-            first_index += len(held)
+            parts = _cut_window(window, skips, first_index, number, rules.part_tokens)
+            yield from parts
+            first_index += len(parts)
             number += 1
             window, tokens, skips = [], 0, PartPlan(-1)
         window.append(Sample(sample_id, ids, mask))
         tokens += ids.size
-    if window:
-        yield from held
-        held = _cut_window(window, skips, first_index, number, rules.part_tokens)
-    elif held:
-        _merge_skips(held[0], skips)
-    else:
+    if not window:  # (a window always holds the sample that opened it: only an input without any ends empty)
         raise InputError(
             f"The input ({', '.join(str(f) for f in files[:3])}{', ...' if len(files) > 3 else ''}) "
             "holds no usable sample"
             + (f" ({skips.stats['records']} records, all skipped)." if skips.stats["records"] else ".")
             + " Check --data."
         )
-    yield from held
+    yield from _cut_window(window, skips, first_index, number, rules.part_tokens)
 
 
 def _cut_window(window: list[Sample], skips: PartPlan, first_index: int, number: int,
