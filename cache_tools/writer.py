@@ -480,8 +480,9 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as encoders, \
             ThreadPoolExecutor(max_workers=max(1, min(4, num_shards))) as files:
         chunks = [encoders.submit(chunk, c) for c in range(num_chunks)]
-        shards = [files.submit(lambda s: write_shard(
-            s, [f.result() for f in chunks[s * per_shard:(s + 1) * per_shard]]), s)
-            for s in range(num_shards)]
-        for done in shards:
+
+        def shard_file(shard: int) -> None:
+            write_shard(shard, [f.result() for f in chunks[shard * per_shard:(shard + 1) * per_shard]])
+
+        for done in [files.submit(shard_file, s) for s in range(num_shards)]:
             done.result()

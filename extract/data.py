@@ -200,8 +200,8 @@ def _iter_lines(files: list[Path]) -> Iterator[tuple[str, bytes]]:
             raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
 
 
-def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
-    """Stream the input as parts, cut from length-sorted windows (see the module docstring).
+def plan_windows(files: list[Path], rules: PartRules) -> Iterator[list[PartPlan]]:
+    """Stream the input as sort windows, each the list of its parts (see the module docstring).
 
     A window closes before the sample that would take it past `window_tokens` (at least
     `part_tokens`); its samples, sorted longest first (ties in record order), are cut into
@@ -233,7 +233,7 @@ def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
             skips.stats["truncated"] += 1
         if window and tokens + ids.size > window_tokens:
             parts = _cut_window(window, skips, first_index, number, rules.part_tokens)
-            yield from parts
+            yield parts
             first_index += len(parts)
             number += 1
             window, tokens, skips = [], 0, PartPlan(-1)
@@ -246,7 +246,7 @@ def plan_parts(files: list[Path], rules: PartRules) -> Iterator[PartPlan]:
             + (f" ({skips.stats['records']} records, all skipped)." if skips.stats["records"] else ".")
             + " Check --data."
         )
-    yield from _cut_window(window, skips, first_index, number, rules.part_tokens)
+    yield _cut_window(window, skips, first_index, number, rules.part_tokens)
 
 
 def _cut_window(window: list[Sample], skips: PartPlan, first_index: int, number: int,

@@ -98,7 +98,6 @@ class ExtractionEngine:
             [] if self.cuda and os.environ.get("DFLASH_PROFILE_EXTRACT") else None)
         self._origin: torch.cuda.Event | None = None
         self._quantize = quantize_fp8
-        self.compile_seconds = 0.0
         if self.cuda and codec.has_scale and not os.environ.get(EAGER_FP8_ENV):
             hidden = int(model.get_input_embeddings().weight.shape[1])
             widths = [(len(capture.target_layer_ids), hidden)] + ([(1, hidden)] if capture.need_last else [])

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .batching import Batch, make_batches
 from .config import ExtractConfig, default_target_layer_ids
-from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_parts
+from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_windows
 from .engine import ExtractionEngine, Pending
 from .target import LayerCapture, decoder_layers, load_target, target_identity
 from .writers import (
@@ -165,6 +165,10 @@ def default_num_writers(device: torch.device) -> int:
     return max(1, min((os.cpu_count() or 4) // local_ranks - 2, 12))
 
 
+def writer_count(config: ExtractConfig, device: torch.device) -> int:
+    return config.num_writers if config.num_writers is not None else default_num_writers(device)
+
+
 def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data_fp) -> dict:
     ident = target_identity(model, model_dir)
     return make_header(
@@ -181,7 +185,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     """Extract the hidden states of this rank's uncommitted parts into config.output."""
     files = list_data_files(config.data)
     device = resolve_device(config)
-    if (config.num_writers if config.num_writers is not None else default_num_writers(device)):
+    if writer_count(config, device):
         start_fork_server()  # the writers' imports then overlap loading the target
     try:
         return _run_extraction(config, files, device, model)
@@ -224,7 +228,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     engine = ExtractionEngine(model, capture, codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
-    num_writers = config.num_writers if config.num_writers is not None else default_num_writers(device)
+    num_writers = writer_count(config, device)
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans))
     progress = Progress(data_fp["records"], config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
@@ -310,30 +314,21 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
 
     def own_groups() -> Iterator[PartGroup]:
         # The parts of each sort window; each rank takes whole windows.
-        plans: list[PartPlan] = []
-        for plan in plan_parts(files, rules):
-            summary.parts_total += 1
-            if plans and plan.window != plans[0].window:
-                yield from window_group(plans)
-                plans = []
-            plans.append(plan)
-        if plans:
-            yield from window_group(plans)
-
-    def window_group(plans: list[PartPlan]) -> Iterator[PartGroup]:
-        if plans[0].window % config.world_size != config.rank:
+        for plans in plan_windows(files, rules):
+            summary.parts_total += len(plans)
+            if plans[0].window % config.world_size != config.rank:
+                for plan in plans:
+                    progress.skip(plan)
+                continue
+            todo = []
             for plan in plans:
-                progress.skip(plan)
-            return
-        todo = []
-        for plan in plans:
-            summary.parts_this_rank += 1
-            todo.append(plan.name not in committed)
-            if not todo[-1]:
-                summary.parts_done_before += 1
-                progress.skip(plan)
-        if any(todo):
-            yield PartGroup(plans, todo)
+                summary.parts_this_rank += 1
+                todo.append(plan.name not in committed)
+                if not todo[-1]:
+                    summary.parts_done_before += 1
+                    progress.skip(plan)
+            if any(todo):
+                yield PartGroup(plans, todo)
 
     def new_buffer(plan: PartPlan) -> PartBuffer:
         with timer("new_buffer"):

@@ -142,7 +142,7 @@ class PartBuffer:
 
 class PartGroup:
     """The parts of one sort window, batched together. The window's samples are sorted by
-    length and cut into parts in that order (data.plan_parts), so batches move through the
+    length and cut into parts in that order (data.plan_windows), so batches move through the
     parts one after the other: a part's buffer is taken when the first batch touches it
     (`open`), and at most the parts of the batches in flight are open at once. Windows are
     cut from the data alone, so the batches, and with them every value, are the same on any

@@ -6,7 +6,7 @@ import json
 import random
 
 from dflash.extract.batching import make_batches
-from dflash.extract.data import PartRules, plan_parts
+from dflash.extract.data import PartRules, plan_windows
 from dflash.extract.writers import PartGroup
 
 
@@ -18,6 +18,10 @@ def write_lengths(path, lengths, bad_at=()):
             else:
                 f.write(json.dumps({"input_ids": [1] * n, "prompt_len": 0}) + "\n")
     return path
+
+
+def plan_parts(files, rules):
+    return [part for parts in plan_windows(files, rules) for part in parts]
 
 
 def rules(part_tokens, window_tokens, **kw):
