@@ -365,7 +365,12 @@ class TrainLoader:
         return batch
 
     def close(self) -> None:
-        self._iter = None  # drops the iterator, which shuts its workers down
+        """Stop the worker processes now. Dropping the iterator is not enough after an error:
+        the traceback still holds it, its workers live on, and at exit Python waits for them."""
+        it, self._iter = self._iter, None
+        shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-process iterator
+        if shutdown is not None:
+            shutdown()
 
 
 def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, rank: int, world_size: int,

@@ -64,6 +64,11 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
+    with contextlib.ExitStack() as cleanup:
+        return _train(cfg, cleanup)
+
+
+def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     info = init_distributed(cfg.device)
     run_dir = Path(cfg.output_dir)
     if info.is_main:
@@ -74,6 +79,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # Data: manifests only. Every epoch's batch list is planned here, before any part is read.
     data = open_training_data(cfg, rank=info.rank, world_size=info.world_size,
                               pin_memory=info.device.type == "cuda")
+    cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
     target_config = load_target_config_or_fail(cfg.target_model)
     check_cache_target(data.caches.manifest, target_config, cfg.target_model)
     log.info(data.summary())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import multiprocessing
 import re
 import shutil
 import subprocess
@@ -180,6 +181,7 @@ def test_damaged_part_is_named_by_verify_and_stops_the_trainer(world, tmp_path, 
         assert "Error: cache part 'part-000002' (array hidden" in run.output
         assert "dflash-cache verify" in run.output
         assert "Traceback" not in run.output, run.output
+        assert multiprocessing.active_children() == []  # the failed run's loader workers are gone
 
 
 # -- damaged or missing manifests ------------------------------------------------------------
