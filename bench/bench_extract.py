@@ -157,7 +157,8 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
     shutil.rmtree(cache, ignore_errors=True)
     cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(small), output=str(cache),
                         codec="bf16", target_layer_ids=layer_ids, token_budget=budget,
-                        part_tokens=args.part_tokens, max_seq_len=2 * max(len(json.loads(x)["input_ids"]) for x in lines),
+                        part_tokens=args.part_tokens, sort_window_tokens=args.sort_window_tokens,
+                        max_seq_len=2 * max(len(json.loads(x)["input_ids"]) for x in lines),
                         num_writers=args.num_writers, device=str(device), progress=False)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t = time.perf_counter()
@@ -187,6 +188,9 @@ def main() -> None:
     ap.add_argument("--forward-tokens", type=int, help="Tokens for the forward-only figures [256K].")
     ap.add_argument("--token-budget", type=int, default=32768)
     ap.add_argument("--part-tokens", type=int, default=32768)
+    ap.add_argument("--sort-window-tokens", type=int, default=1 << 20,
+                    help="dflash-extract's sort window [1M: what the default 64K-token parts get; "
+                         "16 x --part-tokens would be 512K here]. Larger windows, less padding.")
     ap.add_argument("--num-writers", type=int, help="Writer processes [default of dflash-extract].")
     ap.add_argument("--codecs", default="bf16,fp8",
                     help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
@@ -215,7 +219,8 @@ def main() -> None:
     layer_ids = default_target_layer_ids(shape["num_hidden_layers"], 5)
     data = out / "bench-data.jsonl"
     n = write_data(data, tokens, seq_len, shape["vocab_size"])
-    print(f"data: {n} samples of ~{seq_len} tokens ({tokens} tokens), layers {layer_ids}")
+    print(f"data: {n} samples of ~{seq_len} tokens ({tokens} tokens), layers {layer_ids}; token budget "
+          f"{budget}, parts of {args.part_tokens} tokens, sort window {args.sort_window_tokens} tokens")
 
     per_batch = max(1, budget // seq_len)
     gen = torch.Generator().manual_seed(0)
@@ -247,7 +252,7 @@ def main() -> None:
         cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(data),
                             output=str(cache), codec=codec, target_layer_ids=layer_ids,
                             token_budget=budget, part_tokens=args.part_tokens,
-                            max_seq_len=seq_len * 2, num_writers=args.num_writers,
+                            sort_window_tokens=args.sort_window_tokens, max_seq_len=seq_len * 2, num_writers=args.num_writers,
                             device=str(device), progress=False)
         if staged:
             os.environ[STAGED_COPY_ENV] = "1"
