@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU figure of docs/BENCHMARKS.md, in as few device calls as possible.
 # Usage (from the repository root, on a GPU host with the project installed):
-#   bash bench/gpu_benchmarks.sh extract   # ~3 min: prefill, stop-after-last-layer, bf16 and fp8 extraction, 1M tokens
-#                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5 min)
+#   bash bench/gpu_benchmarks.sh extract   # ~3.5 min: prefill, stop-after-last-layer (also over the extraction's own batches), bf16 and fp8 extraction, 1M tokens
+#                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5.5 min, 59 GB of cache in SCRATCH)
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
