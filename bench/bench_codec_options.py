@@ -1,0 +1,102 @@
+"""What the bf16 codec setting costs on one core, against the Blosc settings around it.
+
+The cache format fixes the lossless codec (Blosc zstd level 1, byte shuffle, 1 MiB blocks).
+This bench shows where its decode speed comes from and what other Blosc settings would give,
+on the same synthetic activations as bench_cache.py (K=5, D=4096, outlier channels), one thread:
+  ratio         raw bytes / stored bytes
+  encode        GB/s of raw bf16 per core
+  decode        GB/s of decoded bf16 per core, into one chunk-sized buffer (best of --repeats)
+and, for the format's setting, the two streams of a byte-shuffled block decoded apart (zstd
+level 1 on the high bytes, sign and exponent, and on the low bytes, mantissa) to show which
+one bounds the decoder.
+
+    python bench/bench_codec_options.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numcodecs.blosc
+import numpy as np
+import torch
+from numcodecs import Blosc, Zstd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cache  # noqa: E402
+
+SETTINGS = [  # (cname, clevel, shuffle, blocksize)
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 20),  # the format's bf16 codec
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 18),
+    ("zstd", 1, Blosc.BITSHUFFLE, 1 << 20),
+    ("lz4", 1, Blosc.SHUFFLE, 1 << 20),
+    ("lz4", 1, Blosc.BITSHUFFLE, 1 << 20),
+    ("lz4hc", 5, Blosc.BITSHUFFLE, 1 << 20),
+    ("blosclz", 1, Blosc.BITSHUFFLE, 1 << 20),
+]
+
+
+def best_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=24, help="128-row chunks of [128, 5 x 4096] bf16 (5.2 MB each)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    numcodecs.blosc.use_threads = False
+    rows, k, d = 128, 5, 4096
+    acts = bench_cache.synthetic_activations(rows * args.chunks, k, d, 0)
+    data = acts.view(torch.int16).numpy().view(np.uint16)
+    chunks = [np.ascontiguousarray(data[i * rows:(i + 1) * rows]) for i in range(args.chunks)]
+    raw = sum(c.nbytes for c in chunks)
+    hot = np.empty(chunks[0].nbytes, dtype=np.uint8)
+    print(f"{args.chunks} chunks of {chunks[0].nbytes / 1e6:.2f} MB of synthetic bf16 activations; "
+          f"numcodecs {numcodecs.__version__}, one thread")
+    print(f"{'Blosc setting':40s} {'ratio':>6s} {'encode GB/s':>12s} {'decode GB/s':>12s}")
+    for cname, level, shuffle, blocksize in SETTINGS:
+        codec = Blosc(cname=cname, clevel=level, shuffle=shuffle, blocksize=blocksize)
+        t = time.perf_counter()
+        encoded = [codec.encode(c) for c in chunks]
+        t_enc = time.perf_counter() - t
+
+        def decode(encoded=encoded):
+            for e in encoded:
+                numcodecs.blosc.decompress(e, hot)
+
+        t_dec = best_seconds(decode, args.repeats)
+        name = (f"{cname}-{level} {'byte' if shuffle == Blosc.SHUFFLE else 'bit'} shuffle, "
+                f"{blocksize >> 10} KiB blocks" + ("  [format]" if (cname, shuffle, blocksize) == ("zstd", 1, 1 << 20) else ""))
+        stored = sum(len(e) for e in encoded)
+        print(f"{name:40s} {raw / stored:6.3f} {raw / t_enc / 1e9:12.2f} {raw / t_dec / 1e9:12.2f}", flush=True)
+
+    # The format's setting, its two byte streams apart: each 1 MiB block byte-shuffled, i.e.
+    # 512 KiB of low bytes then 512 KiB of high bytes, each compressed by zstd level 1.
+    zstd = Zstd(level=1)
+    block_values = (1 << 20) // 2
+    flat = np.concatenate([c.reshape(-1) for c in chunks])
+    lows, highs = [], []
+    for s in range(0, flat.size - block_values + 1, block_values):
+        pairs = flat[s:s + block_values].view(np.uint8).reshape(-1, 2)
+        lows.append(zstd.encode(np.ascontiguousarray(pairs[:, 0])))
+        highs.append(zstd.encode(np.ascontiguousarray(pairs[:, 1])))
+    out = np.empty(block_values, dtype=np.uint8)
+    for name, streams in (("high bytes (sign, exponent)", highs), ("low bytes (exponent bit, mantissa)", lows)):
+        t = best_seconds(lambda streams=streams: [zstd.decode(b, out) for b in streams], args.repeats)
+        size = len(streams) * block_values
+        print(f"zstd-1 on the {name:35s}: ratio {size / sum(len(b) for b in streams):5.2f}, "
+              f"decode {size / t / 1e9:5.2f} GB/s of its output")
+
+
+if __name__ == "__main__":
+    main()
