@@ -5,7 +5,8 @@ checkpoint), writes synthetic ~2K-token samples, and reports side by side:
   prefill      model(ids, logits_to_keep=1)                      tokens/s
   capture      the forward that stops after the last captured layer  tokens/s (measured before
                and after every extraction; each extraction is compared with the two around it)
-  extract bf16 full extraction into a cache (codec bf16)          tokens/s, GPU util, bytes/token
+  extract bf16 full extraction into a cache (codec bf16)          tokens/s, GPU util (NVML, over
+               the timed span: first batch to last commit), bytes/token
   extract fp8  the same with codec fp8
 Each cache is deleted after it is measured. Target: extract >= 0.95x capture.
 
@@ -42,11 +43,12 @@ SMALL = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_ke
 
 
 class GpuSampler:
-    """Mean GPU utilisation (nvidia-smi, every 200 ms) while a block runs; None without a GPU."""
+    """GPU utilisation (NVML / nvidia-smi, every 200 ms) while a block runs, each sample with its
+    time; `mean_between` averages a span of it. None without a GPU."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.samples: list[float] = []
+        self.samples: list[tuple[float, float]] = []  # (perf_counter, percent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -67,7 +69,7 @@ class GpuSampler:
         while not self._stop.wait(0.2):
             v = self._query()
             if v is not None:
-                self.samples.append(v)
+                self.samples.append((time.perf_counter(), v))
 
     def __enter__(self) -> GpuSampler:
         if self.device.type == "cuda":
@@ -79,9 +81,11 @@ class GpuSampler:
         if self._thread.is_alive():
             self._thread.join()
 
-    @property
-    def mean(self) -> float | None:
-        return sum(self.samples) / len(self.samples) if self.samples else None
+    def mean_between(self, start: float, end: float) -> float | None:
+        """Mean of the samples taken in [start, end] (perf_counter times). A sample covers the
+        driver's last sampling period (up to 1 s), so the first second of the span is left out."""
+        vals = [v for t, v in self.samples if start + 1.0 <= t <= end]
+        return sum(vals) / len(vals) if vals else None
 
 
 def build_model(shape: dict, device: torch.device) -> torch.nn.Module:
@@ -287,11 +291,16 @@ def main() -> None:
         try:
             with GpuSampler(device) as gpu:
                 summary = run_extraction(cfg, model=model)
+                returned = time.perf_counter()
         finally:
             os.environ.pop(STAGED_COPY_ENV, None)
         stop_rates.append(stop_forward_rate())
         around = (stop_rates[-2] + stop_rates[-1]) / 2
-        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, gpu.mean,
+        # GPU utilisation over the timed span only (first batch to last commit): start-up
+        # (writers, page-locking, compiling) and shutdown leave the GPU idle and are not timed.
+        end = returned - summary.teardown_seconds
+        util = gpu.mean_between(end - summary.seconds, end)
+        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, util,
                      summary.bytes / max(summary.tokens, 1), around))
         print(summary.format())
         err = check_cache(cache, model, layer_ids, args.check_samples, device)
