@@ -30,7 +30,7 @@ import torch
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.batching import make_batches
 from dflash.extract.config import ExtractConfig, default_target_layer_ids
-from dflash.extract.data import PartRules, plan_windows
+from dflash.extract.data import plan_windows
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture
 from profiling import device_busy_seconds
@@ -122,16 +122,13 @@ def time_forward(fn, batches: list[torch.Tensor], device: torch.device) -> float
     return sum(b.numel() for b in batches) / (time.perf_counter() - t)
 
 
-def extraction_batches(data: Path, vocab: int, args, budget: int, max_seq_len: int,
-                       device: torch.device) -> tuple[list[torch.Tensor], int]:
-    """The forward batches an extraction of `data` runs (same windows, parts, order, padding),
+def extraction_batches(cfg: ExtractConfig, vocab: int, device: torch.device) -> tuple[list[torch.Tensor], int]:
+    """The forward batches an extraction with `cfg` runs (same windows, parts, order, padding),
     on the device, and the number of real tokens in them."""
-    rules = PartRules(vocab_size=vocab, max_seq_len=max_seq_len, long_samples="truncate", skip_bad=False,
-                      part_tokens=args.part_tokens, window_tokens=max(args.sort_window_tokens, args.part_tokens))
     batches, real = [], 0
-    for plans in plan_windows([data], rules):
+    for plans in plan_windows([Path(cfg.data)], cfg.part_rules(vocab)):
         samples = [s for plan in plans for s in plan.samples]
-        for batch in make_batches(samples, budget):
+        for batch in make_batches(samples, cfg.token_budget):
             batches.append(batch.input_ids.to(device))
             real += batch.real_tokens
     return batches, real
@@ -249,6 +246,13 @@ def main() -> None:
                for _ in range(max(1, fwd_tokens // (per_batch * seq_len)))]
     rows = []
 
+    def bench_config(data_file: Path, cache: Path, codec: str) -> ExtractConfig:
+        return ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(data_file),
+                             output=str(cache), codec=codec, target_layer_ids=layer_ids,
+                             token_budget=budget, part_tokens=args.part_tokens,
+                             sort_window_tokens=args.sort_window_tokens, max_seq_len=seq_len * 2,
+                             num_writers=args.num_writers, device=str(device), progress=False)
+
     def stop_forward_rate() -> float:
         with torch.inference_mode():
             capture = LayerCapture(model, layer_ids, need_last=False)
@@ -267,7 +271,7 @@ def main() -> None:
     rows.append((f"forward stopping after layer {max(layer_ids)}", stop_rates[0], None, None, stop_rates[0]))
     # The same forward over the very batches the extraction runs (its windows, lengths and
     # padding), in real tokens/s: extraction / this is the part of the host side not hidden.
-    own, real = extraction_batches(data, shape["vocab_size"], args, budget, seq_len * 2, device)
+    own, real = extraction_batches(bench_config(data, out / "unused", "bf16"), shape["vocab_size"], device)
     with torch.inference_mode():
         capture = LayerCapture(model, layer_ids, need_last=False)
         try:
@@ -281,11 +285,7 @@ def main() -> None:
         codec, staged = name.removesuffix("-staged"), name.endswith("-staged")
         cache = out / f"bench-cache-{name}"
         shutil.rmtree(cache, ignore_errors=True)
-        cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(data),
-                            output=str(cache), codec=codec, target_layer_ids=layer_ids,
-                            token_budget=budget, part_tokens=args.part_tokens,
-                            sort_window_tokens=args.sort_window_tokens, max_seq_len=seq_len * 2, num_writers=args.num_writers,
-                            device=str(device), progress=False)
+        cfg = bench_config(data, cache, codec)
         if staged:
             os.environ[STAGED_COPY_ENV] = "1"
         try:

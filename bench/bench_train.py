@@ -134,7 +134,6 @@ def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int)
         pool.map(_write_part, jobs)
 
 
-
 def traced_train(config, *, skip: int, warm: int, active: int) -> None:
     """train(config) under torch.profiler: steps skip+warm+1 .. skip+warm+active are recorded."""
     from dflash.train import loop

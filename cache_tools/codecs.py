@@ -22,6 +22,7 @@ from .errors import CacheError
 
 CODEC_NAMES = ("bf16", "fp8", "raw")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+EMPTY_CHUNK = 2**64 - 1  # a zarr shard index entry (offset and size) of a chunk that is not stored
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numcodecs.zstd import Zstd
 
-from .codecs import dequantize_fp8
+from .codecs import EMPTY_CHUNK, dequantize_fp8
 from .errors import CacheCorruptError
 from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
 
@@ -32,7 +32,7 @@ from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
 # DataLoader workers safe and makes throughput per core a meaningful figure.
 numcodecs.blosc.use_threads = False
 
-_EMPTY = np.uint64(2**64 - 1)
+_EMPTY = np.uint64(EMPTY_CHUNK)
 _ZSTD = Zstd()
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import zarr
 
-from .codecs import HiddenCodec, encode_hidden, small_array_compressors
+from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden, small_array_compressors
 from .errors import CacheError
 from .fsio import atomic_write_json, file_lock, fsync_dir, fsync_tree, temp_name
 from .manifest import (
@@ -421,10 +421,6 @@ def write_part_group(
             arr[...] = data
 
 
-
-_EMPTY_CHUNK = 2**64 - 1  # a shard index entry of a chunk that is not stored
-
-
 def _chunk_encoder(codec: HiddenCodec):
     """bytes -> stored chunk: the codec's Blosc stage (none for raw), then the crc32c suffix,
     as zarr's BloscCodec + Crc32cCodec produce them."""
@@ -459,7 +455,7 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
     num_shards = -(-rows // shard_rows)
 
     def write_shard(shard: int, encoded: list[list[bytes]]) -> None:
-        index = np.full((per_shard, 2), _EMPTY_CHUNK, dtype="<u8")
+        index = np.full((per_shard, 2), EMPTY_CHUNK, dtype="<u8")
         pos = 0
         for j, pieces in enumerate(encoded):
             size = sum(len(p) for p in pieces)

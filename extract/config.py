@@ -11,6 +11,8 @@ from dflash.cache_tools.codecs import CODEC_NAMES
 from dflash.cache_tools.configfile import read_config_file
 from dflash.cache_tools.errors import DflashError
 
+from .data import PartRules
+
 DTYPES = ("bf16", "fp16", "fp32")
 LONG_SAMPLE_POLICIES = ("truncate", "skip")
 
@@ -136,6 +138,13 @@ class ExtractConfig:
         """Tokens of a sort window (fixed by the settings, never by the run's state)."""
         tokens = self.sort_window_tokens if self.sort_window_tokens is not None else 16 * self.part_tokens
         return max(tokens, self.part_tokens)
+
+    def part_rules(self, vocab_size: int) -> PartRules:
+        """How this run cuts the records into sort windows and parts (data.plan_windows)."""
+        return PartRules(
+            vocab_size=vocab_size, max_seq_len=self.max_seq_len, long_samples=self.long_samples,
+            skip_bad=self.skip_bad, part_tokens=self.part_tokens, window_tokens=self.window_tokens(),
+        )
 
     def content_settings(self) -> dict[str, Any]:
         """The settings that decide the cache's content (recorded in the header's `settings`)."""

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .batching import Batch, make_batches
 from .config import ExtractConfig, default_target_layer_ids
-from .data import PartPlan, PartRules, fingerprint_data, list_data_files, plan_windows
+from .data import PartPlan, fingerprint_data, list_data_files, plan_windows
 from .engine import ExtractionEngine, Pending
 from .target import LayerCapture, decoder_layers, load_target, target_identity
 from .writers import (
@@ -219,11 +219,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         storage_dtype=codec.storage_dtype.name, has_scale=codec.has_scale,
         last_hidden=config.store_last_hidden, topk=config.store_topk,
     )
-    rules = PartRules(
-        vocab_size=header["target"]["vocab_size"], max_seq_len=config.max_seq_len,
-        long_samples=config.long_samples, skip_bad=config.skip_bad, part_tokens=config.part_tokens,
-        window_tokens=config.window_tokens(),
-    )
+    rules = config.part_rules(header["target"]["vocab_size"])
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)

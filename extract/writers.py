@@ -447,8 +447,8 @@ class WriterPool:
     def __init__(self, cache: CacheWriter, fields: list[Field], num_writers: int, *,
                  pinner: SegmentPinner | None = None, segment_tokens: int = 0, pinned_segments: int = 0,
                  open_parts: int = 1):
-        """`segment_tokens`: tokens of a full part; `open_parts`: parts filled at once (a sort
-        window), on top of the ones in the writers' hands; `pinned_segments`: how many
+        """`segment_tokens`: tokens of a full part; `open_parts`: parts filled at once (those of
+        the batches in flight), on top of the ones in the writers' hands; `pinned_segments`: how many
         page-locked segments to make (fewer when shared or host memory is short)."""
         self.cache = cache
         self.fields = fields
@@ -677,7 +677,7 @@ def _shm_capacity(part_bytes: int, open_parts: int, part_tokens: int) -> int:
         raise WriteError(
             f"Shared memory ({SHM_DIR}) has {free / 1e9:.2f} GB free, but extraction needs "
             f"{open_parts + 1} part buffers of {part_bytes / 1e9:.2f} GB there ({open_parts} filled "
-            f"at once by the sort window, one for a writer process; --part-tokens {part_tokens}). "
+            f"at once by the batches in flight, one for a writer process; --part-tokens {part_tokens}). "
             "Enlarge it (docker: --shm-size), lower --part-tokens or --token-budget, or write "
             "from the main process with --num-writers 0."
         )
