@@ -2,7 +2,8 @@
 
 The cache format fixes the lossless codec (Blosc zstd level 1, byte shuffle, 1 MiB blocks).
 This bench shows where its decode speed comes from and what other Blosc settings would give,
-on the same synthetic activations as bench_cache.py (K=5, D=4096, outlier channels), one thread:
+on the same activations as bench_cache.py (synthetic: K=5, D=4096, outlier channels; with
+`--kinds synthetic,model` also those of a small Qwen3 it trains briefly), one thread:
   ratio         raw bytes / stored bytes
   encode        GB/s of raw bf16 per core
   decode        GB/s of decoded bf16 per core, into one chunk-sized buffer (best of --repeats)
@@ -10,12 +11,13 @@ and, for the format's setting, the two streams of a byte-shuffled block decoded 
 level 1 on the high bytes, sign and exponent, and on the low bytes, mantissa) to show which
 one bounds the decoder.
 
-    python bench/bench_codec_options.py
+    python bench/bench_codec_options.py --kinds synthetic,model
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,14 +30,15 @@ from numcodecs import Blosc, Zstd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cache  # noqa: E402
 
-SETTINGS = [  # (cname, clevel, shuffle, blocksize)
-    ("zstd", 1, Blosc.SHUFFLE, 1 << 20),  # the format's bf16 codec
-    ("zstd", 1, Blosc.SHUFFLE, 1 << 18),
-    ("zstd", 1, Blosc.BITSHUFFLE, 1 << 20),
-    ("lz4", 1, Blosc.SHUFFLE, 1 << 20),
-    ("lz4", 1, Blosc.BITSHUFFLE, 1 << 20),
-    ("lz4hc", 5, Blosc.BITSHUFFLE, 1 << 20),
-    ("blosclz", 1, Blosc.BITSHUFFLE, 1 << 20),
+SETTINGS = [  # (cname, clevel, shuffle, blocksize, streams split)
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 20, False),  # the format's bf16 codec
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 20, True),  # same, each byte stream compressed apart
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 18, False),
+    ("zstd", 1, Blosc.BITSHUFFLE, 1 << 20, False),
+    ("lz4", 1, Blosc.SHUFFLE, 1 << 20, False),
+    ("lz4", 1, Blosc.BITSHUFFLE, 1 << 20, False),
+    ("lz4hc", 5, Blosc.BITSHUFFLE, 1 << 20, False),
+    ("blosclz", 1, Blosc.BITSHUFFLE, 1 << 20, False),
 ]
 
 
@@ -48,26 +51,37 @@ def best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chunks", type=int, default=24, help="128-row chunks of [128, 5 x 4096] bf16 (5.2 MB each)")
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    numcodecs.blosc.use_threads = False
-    rows, k, d = 128, 5, 4096
-    acts = bench_cache.synthetic_activations(rows * args.chunks, k, d, 0)
-    data = acts.view(torch.int16).numpy().view(np.uint16)
-    chunks = [np.ascontiguousarray(data[i * rows:(i + 1) * rows]) for i in range(args.chunks)]
+def encode_split(codec: Blosc, chunks: list[np.ndarray]) -> list[bytes]:
+    """Encode with Blosc's streams split (typesize streams compressed apart in each block).
+
+    c-blosc reads BLOSC_SPLITMODE only on its global-context path (use_threads) and keeps the
+    mode afterwards, so it is set back to c-blosc's default before returning.
+    """
+    numcodecs.blosc.use_threads = True
+    os.environ["BLOSC_SPLITMODE"] = "ALWAYS"
+    try:
+        encoded = [codec.encode(c) for c in chunks]
+    finally:
+        os.environ["BLOSC_SPLITMODE"] = "FORWARD_COMPAT"
+        codec.encode(chunks[0][:1])
+        del os.environ["BLOSC_SPLITMODE"]
+        numcodecs.blosc.use_threads = False
+    assert not encoded[0][2] & 0x10, "Blosc did not split the streams"  # header flag: not split
+    return encoded
+
+
+def run_kind(label: str, data: np.ndarray, rows: int, args: argparse.Namespace) -> None:
+    """data: [tokens, K*D] bf16 bit patterns as uint16; chunks of `rows` rows as in a cache."""
+    nchunks = data.shape[0] // rows
+    chunks = [np.ascontiguousarray(data[i * rows:(i + 1) * rows]) for i in range(nchunks)]
     raw = sum(c.nbytes for c in chunks)
     hot = np.empty(chunks[0].nbytes, dtype=np.uint8)
-    print(f"{args.chunks} chunks of {chunks[0].nbytes / 1e6:.2f} MB of synthetic bf16 activations; "
-          f"numcodecs {numcodecs.__version__}, one thread")
-    print(f"{'Blosc setting':40s} {'ratio':>6s} {'encode GB/s':>12s} {'decode GB/s':>12s}")
-    for cname, level, shuffle, blocksize in SETTINGS:
+    print(f"\n{label}: {nchunks} chunks of {chunks[0].nbytes / 1e6:.2f} MB")
+    print(f"{'Blosc setting':48s} {'ratio':>6s} {'encode GB/s':>12s} {'decode GB/s':>12s}")
+    for cname, level, shuffle, blocksize, split in SETTINGS:
         codec = Blosc(cname=cname, clevel=level, shuffle=shuffle, blocksize=blocksize)
         t = time.perf_counter()
-        encoded = [codec.encode(c) for c in chunks]
+        encoded = encode_split(codec, chunks) if split else [codec.encode(c) for c in chunks]
         t_enc = time.perf_counter() - t
 
         def decode(encoded=encoded):
@@ -76,9 +90,10 @@ def main() -> None:
 
         t_dec = best_seconds(decode, args.repeats)
         name = (f"{cname}-{level} {'byte' if shuffle == Blosc.SHUFFLE else 'bit'} shuffle, "
-                f"{blocksize >> 10} KiB blocks" + ("  [format]" if (cname, shuffle, blocksize) == ("zstd", 1, 1 << 20) else ""))
+                f"{blocksize >> 10} KiB blocks" + (", split" if split else "")
+                + ("  [format]" if (cname, shuffle, blocksize, split) == ("zstd", 1, 1 << 20, False) else ""))
         stored = sum(len(e) for e in encoded)
-        print(f"{name:40s} {raw / stored:6.3f} {raw / t_enc / 1e9:12.2f} {raw / t_dec / 1e9:12.2f}", flush=True)
+        print(f"{name:48s} {raw / stored:6.3f} {raw / t_enc / 1e9:12.2f} {raw / t_dec / 1e9:12.2f}", flush=True)
 
     # The format's setting, its two byte streams apart: each 1 MiB block byte-shuffled, i.e.
     # 512 KiB of low bytes then 512 KiB of high bytes, each compressed by zstd level 1.
@@ -96,6 +111,35 @@ def main() -> None:
         size = len(streams) * block_values
         print(f"zstd-1 on the {name:35s}: ratio {size / sum(len(b) for b in streams):5.2f}, "
               f"decode {size / t / 1e9:5.2f} GB/s of its output")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=24, help="128-row chunks of [128, 5 x 4096] bf16 (5.2 MB each)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kinds", default="synthetic", help="comma list of synthetic, model (as in bench_cache.py)")
+    ap.add_argument("--model-hidden", type=int, default=1024, help="hidden size of the trained model (model kind)")
+    ap.add_argument("--train-steps", type=int, default=150, help="training steps of the model (model kind)")
+    args = ap.parse_args()
+    numcodecs.blosc.use_threads = False
+    print("\n".join(bench_cache.environment()) + "; one thread")
+    rows, k, d = 128, 5, 4096
+    for kind in [x for x in args.kinds.split(",") if x]:
+        if kind == "synthetic":
+            torch.set_num_threads(1)
+            acts = bench_cache.synthetic_activations(rows * args.chunks, k, d, 0)
+            run_kind("synthetic (K=5, D=4096, outlier channels)", acts.view(torch.int16).numpy().view(np.uint16),
+                     rows, args)
+        elif kind == "model":
+            torch.set_num_threads(os.cpu_count() or 1)  # training is not timed
+            # The same bytes per chunk as the synthetic kind: rows scaled to the model's width.
+            mrows = rows * d // args.model_hidden
+            acts, _, desc = bench_cache.model_activations(mrows * args.chunks, k, args.model_hidden,
+                                                          args.train_steps, 16, 256, 0)
+            torch.set_num_threads(1)
+            run_kind(f"model ({desc})", acts.view(torch.int16).numpy().view(np.uint16), mrows, args)
+        else:
+            raise SystemExit(f"unknown kind {kind!r}: use synthetic or model")
 
 
 if __name__ == "__main__":
