@@ -6,16 +6,26 @@ Three codecs, chosen per cache:
   fp8   lossy: e4m3 with one float32 scale per (token, layer), then Blosc zstd level 1.
   raw   no compression: bf16 bits as uint16, read zero-copy through the memory map.
 Every chunk of every array also carries a crc32c checksum (zarr's crc32c codec).
+
+The Blosc chunks are written by `blosc_zstd_compress` below rather than by c-blosc: the same
+Blosc format (any Blosc decoder, zarr's included, reads them), but zstd runs level 1 with a
+64-entry hash table and 7-byte minimum matches. On activations, whose exponent bytes are
+near-random symbols from a small alphabet, zstd's matches save little and are what its
+decoder is slow on; with few of them a chunk decodes ~1.3-1.4x faster for the same ratio
+on synthetic activations and ~3 % less on a trained model's (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import struct
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numcodecs
 import numpy as np
 import torch
+import zstandard
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import CacheError
@@ -35,6 +45,11 @@ class HiddenCodec:
     """zstd level inside Blosc; level 1 is near the best ratio at several times the speed."""
     blocksize: int = 1 << 20
     """Blosc block size in bytes; 1 MiB lets zstd see enough repetition to reach ~1.4x on bf16."""
+    zstd_hash_log: int = 6
+    """log2 of zstd's match-finder hash table (6, the smallest: few matches, fast decoding);
+    0 keeps the level's own. Changes how the bytes are packed, not what they decode to."""
+    zstd_min_match: int = 7
+    """zstd's shortest match in bytes (7, the longest allowed); 0 keeps the level's own."""
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -44,6 +59,12 @@ class HiddenCodec:
             )
         if not 0 <= self.clevel <= 22:
             raise CacheError(f"Codec level {self.clevel} is out of range: zstd takes 0..22.")
+        if self.zstd_hash_log and not 6 <= self.zstd_hash_log <= 30:
+            raise CacheError(f"zstd hash log {self.zstd_hash_log} is out of range: 6..30, or 0 for the level's own.")
+        if self.zstd_min_match and not 3 <= self.zstd_min_match <= 7:
+            raise CacheError(f"zstd minimum match {self.zstd_min_match} is out of range: 3..7, or 0 for the level's own.")
+        if self.blocksize < 1:
+            raise CacheError(f"Blosc block size {self.blocksize} must be positive.")
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -69,7 +90,8 @@ class HiddenCodec:
         return [blosc, Crc32cCodec()]
 
     def blosc(self) -> numcodecs.Blosc | None:
-        """The Blosc stage of `zarr_compressors` as numcodecs runs it (None for raw)."""
+        """The Blosc stage of `zarr_compressors` as numcodecs runs it (None for raw); decodes
+        what `compress` writes (its encoder is c-blosc's, with zstd's default parameters)."""
         if self.name == "raw":
             return None
         return numcodecs.Blosc(
@@ -77,15 +99,111 @@ class HiddenCodec:
             shuffle=numcodecs.Blosc.SHUFFLE if self.shuffle else numcodecs.Blosc.NOSHUFFLE,
         )
 
+    def compress(self, data: np.ndarray) -> bytes:
+        """One stored chunk's body (before its crc32c): a Blosc chunk, or the raw bytes for raw."""
+        if self.name == "raw":
+            return data.tobytes()
+        return blosc_zstd_compress(
+            data, typesize=self.storage_dtype.itemsize, shuffle=self.shuffle, blocksize=self.blocksize,
+            level=self.clevel, hash_log=self.zstd_hash_log, min_match=self.zstd_min_match,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HiddenCodec:
-        unknown = set(data) - {"name", "clevel", "blocksize"}
+        """Manifest form -> codec. Caches written before the zstd parameters were recorded
+        were packed with the level's own (0); they decode the same either way."""
+        unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise CacheError(f"Unknown codec parameters {sorted(unknown)} in the manifest.")
-        return cls(**data)
+        return cls(**{"zstd_hash_log": 0, "zstd_min_match": 0, **data})
+
+
+# Fields of HiddenCodec that change how chunks are packed but never what they decode to: a
+# cache may hold parts packed either way, so they are left out of its identity.
+PACKING_ONLY = ("zstd_hash_log", "zstd_min_match")
+
+
+# -- Blosc chunks (c-blosc 1.x format, version 2) ------------------------------------------
+# Header: version, compressor format version, flags, typesize (1 byte each), then uncompressed
+# size, block size, chunk size (int32 LE); then one int32 start offset per block; then, per
+# block, an int32 stream size and the stream (a zstd frame, or the block as is when the size
+# equals the block's). Flags: 0x1 byte shuffle, 0x2 the chunk is stored as is after the
+# header, 0x10 blocks not split into per-byte streams, compressor code in bits 5-7 (zstd = 4).
+_BLOSC_VERSION, _BLOSC_ZSTD_VERSION = 2, 1
+_FLAG_SHUFFLE, _FLAG_MEMCPYED, _FLAG_NOSPLIT, _FLAG_ZSTD = 0x1, 0x2, 0x10, 4 << 5
+_BLOSC_MIN_BUFFERSIZE = 128  # c-blosc stores smaller buffers as is
+_compressors = threading.local()
+
+
+def _zstd_compressor(level: int, hash_log: int, min_match: int) -> zstandard.ZstdCompressor:
+    """One compressor per thread and parameter set (a compressor is not thread-safe)."""
+    cache = _compressors.__dict__.setdefault("by_params", {})
+    key = (level, hash_log, min_match)
+    if key not in cache:
+        extra = {k: v for k, v in (("hash_log", hash_log), ("min_match", min_match)) if v}
+        if extra:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, write_content_size=True, write_checksum=False, **extra)
+            cache[key] = zstandard.ZstdCompressor(compression_params=params)
+        else:  # the level's own parameters, sized to each input as c-blosc's zstd call does
+            cache[key] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return cache[key]
+
+
+def _byte_shuffle(block: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Blosc's byte shuffle of a block of 2-byte items: all low bytes, then all high bytes."""
+    items = block.view("<u2")
+    n = items.size
+    np.copyto(out[:n], items, casting="unsafe")  # uint16 -> uint8 keeps the low byte
+    np.right_shift(items, 8, out=out[n:2 * n], casting="unsafe")
+    return out[:2 * n]
+
+
+def blosc_zstd_compress(data: np.ndarray, *, typesize: int, shuffle: bool, blocksize: int, level: int = 1,
+                        hash_log: int = 0, min_match: int = 0) -> bytes:
+    """A Blosc chunk of `data` (C-contiguous) with zstd at `level` and the given match-finder
+    limits (0: the level's own), readable by any Blosc decoder. Byte shuffle needs typesize 2."""
+    if shuffle and typesize != 2:
+        raise ValueError(f"byte shuffle is implemented for 2-byte items only, not {typesize}")
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    nbytes = raw.size
+    flags = _FLAG_NOSPLIT | _FLAG_ZSTD | (_FLAG_SHUFFLE if shuffle else 0)
+    if nbytes > 2**31 - 1 - 16:
+        raise ValueError(f"a Blosc chunk holds at most 2 GiB; this one is {nbytes} bytes")
+    # c-blosc's block size: at most the buffer, a multiple of the item size.
+    bsize = min(blocksize, nbytes)
+    if bsize > typesize:
+        bsize -= bsize % typesize
+
+    def stored_as_is() -> bytes:
+        header = struct.pack("<BBBBiii", _BLOSC_VERSION, _BLOSC_ZSTD_VERSION, flags | _FLAG_MEMCPYED, typesize,
+                             nbytes, bsize, nbytes + 16)
+        return header + raw.tobytes()
+
+    if nbytes < _BLOSC_MIN_BUFFERSIZE:
+        return stored_as_is()
+    zstd = _zstd_compressor(level, hash_log, min_match)
+    nblocks = -(-nbytes // bsize)
+    scratch = np.empty(bsize, dtype=np.uint8) if shuffle else None
+    pieces: list[bytes] = []
+    starts = np.empty(nblocks, dtype="<i4")
+    pos = 16 + 4 * nblocks
+    for b in range(nblocks):
+        block = raw[b * bsize:(b + 1) * bsize]
+        src = _byte_shuffle(block, scratch) if shuffle else block
+        stream = zstd.compress(src)
+        if len(stream) >= len(src):  # incompressible: the block as is (what c-blosc does)
+            stream = src.tobytes()
+        starts[b] = pos
+        pieces += [struct.pack("<i", len(stream)), stream]
+        pos += 4 + len(stream)
+    if pos > nbytes + 16:  # the chunk as a whole did not shrink
+        return stored_as_is()
+    header = struct.pack("<BBBBiii", _BLOSC_VERSION, _BLOSC_ZSTD_VERSION, flags, typesize, nbytes, bsize, pos)
+    return b"".join([header, starts.tobytes(), *pieces])
 
 
 def small_array_compressors() -> list:

@@ -22,7 +22,7 @@ from typing import Any
 
 import crc32c
 
-from .codecs import HiddenCodec
+from .codecs import PACKING_ONLY, HiddenCodec
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
 
 FORMAT_VERSION = 1
@@ -187,7 +187,18 @@ class Manifest:
         return sum(p.nbytes for p in self.parts)
 
     def identity(self) -> dict[str, Any]:
-        return {k: self.header.get(k) for k in IDENTITY_KEYS}
+        return header_identity(self.header)
+
+
+def header_identity(header: dict[str, Any]) -> dict[str, Any]:
+    """What makes two caches' contents the same: the identity keys of a header, less the
+    codec fields that only change how chunks are packed (they decode the same)."""
+    ident = {k: header.get(k) for k in IDENTITY_KEYS}
+    hidden = ident.get("hidden")
+    if isinstance(hidden, dict) and isinstance(hidden.get("codec"), dict):
+        codec = {k: v for k, v in hidden["codec"].items() if k not in PACKING_ONLY}
+        ident["hidden"] = {**hidden, "codec": codec}
+    return ident
 
 
 def make_header(
@@ -288,8 +299,7 @@ def diff_identity(expected: dict[str, Any], found: dict[str, Any], prefix: str =
 
 def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, what: str) -> None:
     """Raise ConfigMismatchError when `expected_header` would produce a different cache."""
-    expected = {k: expected_header.get(k) for k in IDENTITY_KEYS}
-    diffs = diff_identity(expected, manifest.identity())
+    diffs = diff_identity(header_identity(expected_header), manifest.identity())
     if diffs:
         shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
         raise ConfigMismatchError(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+import numcodecs.blosc
 import numpy as np
 import pytest
 import torch
 import zarr
 from cache_utils import bits, random_sample, tiny_header
+from dflash.cache_tools.codecs import HiddenCodec, blosc_zstd_compress
 from dflash.cache_tools.errors import CacheError, ConfigMismatchError
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
@@ -153,3 +157,78 @@ def test_sample_validation_errors_name_the_sample(tmp_path):
     # Failed parts leave nothing behind.
     assert read_manifest(tmp_path / "c").parts == []
     assert [p.name for p in (tmp_path / "c" / "parts").iterdir()] == []
+
+
+def _bf16_like(rng, n):
+    return (rng.normal(size=n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+CHUNK_CASES = [  # (items, data kind): tiny (stored as is), odd leftovers, multi-block, incompressible, constant
+    (1, "bf16"), (63, "bf16"), (64, "bf16"), (1000, "bf16"), (2049, "bf16"), (300_001, "bf16"),
+    (600_000, "bf16"), (5000, "random"), (600_000, "random"), (5000, "zeros"),
+]
+
+
+def _chunk_data(items, kind, seed=0):
+    rng = np.random.default_rng(seed)
+    if kind == "bf16":
+        return _bf16_like(rng, items)
+    if kind == "random":
+        return rng.integers(0, 1 << 16, items, dtype=np.uint16)
+    return np.zeros(items, dtype=np.uint16)
+
+
+@pytest.mark.parametrize("items,kind", CHUNK_CASES)
+@pytest.mark.parametrize("blocksize", [1 << 12, 1 << 20])
+def test_blosc_chunks_with_zstds_own_parameters_are_c_blosc_bytes(items, kind, blocksize):
+    """The chunk writer's Blosc framing (header, block starts, streams, stored-as-is cases)
+    is c-blosc's: with zstd's own level-1 parameters the bytes are identical."""
+    data = _chunk_data(items, kind)
+    for typesize, arr, shuffle, flag in ((2, data, True, numcodecs.blosc.SHUFFLE),
+                                         (1, data.view(np.uint8), False, numcodecs.blosc.NOSHUFFLE)):
+        ours = blosc_zstd_compress(arr, typesize=typesize, shuffle=shuffle, blocksize=blocksize, level=1)
+        assert ours == numcodecs.blosc.compress(arr, b"zstd", 1, flag, blocksize), (typesize, len(ours))
+
+
+@pytest.mark.parametrize("items,kind", CHUNK_CASES)
+def test_blosc_chunks_with_match_limits_decode_with_c_blosc(items, kind):
+    data = _chunk_data(items, kind, seed=1)
+    for codec in (HiddenCodec(name="bf16", blocksize=1 << 14), HiddenCodec(name="bf16")):
+        chunk = codec.compress(data)
+        assert numcodecs.blosc.decompress(chunk) == data.tobytes()
+        assert codec.blosc().decode(chunk) == data.tobytes()
+    fp8 = HiddenCodec(name="fp8", blocksize=1 << 14).compress(data.view(np.uint8))
+    assert numcodecs.blosc.decompress(fp8) == data.tobytes()
+
+
+def test_match_limits_keep_the_ratio_on_activations():
+    """The format's zstd match limits store bf16 activations at least as small as zstd's own
+    level-1 parameters (within 1 %), the trade docs/cache-format.md describes."""
+    gen = torch.Generator().manual_seed(0)
+    _, _, hidden = random_sample(gen, 1024, 512)
+    data = bits(hidden).view(np.uint16)
+    limited = len(HiddenCodec(name="bf16").compress(data))
+    own = len(HiddenCodec(name="bf16", zstd_hash_log=0, zstd_min_match=0).compress(data))
+    assert data.nbytes / limited > 1.3  # it compresses at all
+    assert limited <= own * 1.01
+
+
+def test_caches_packed_with_zstds_own_parameters_still_open_and_resume(tmp_path):
+    """A manifest written before the codec recorded its zstd parameters (packed with the
+    level's own) reads back, and extraction may add parts to it: the packing is not identity."""
+    written = write_cache(tmp_path / "c", "bf16", [10, 20])
+    path = tmp_path / "c" / "manifest.json"
+    header = json.loads(path.read_text())
+    for key in ("zstd_hash_log", "zstd_min_match"):
+        del header["hidden"]["codec"][key]
+    path.write_text(json.dumps(header))
+    assert read_manifest(tmp_path / "c").codec == HiddenCodec(name="bf16", zstd_hash_log=0, zstd_min_match=0)
+    writer = CacheWriter(tmp_path / "c", tiny_header("bf16"))  # no ConfigMismatchError
+    gen = torch.Generator().manual_seed(5)
+    ids, mask, hidden = random_sample(gen, 7, 64)
+    with writer.part_writer("part-new") as pw:
+        pw.add_sample(5, ids, mask, hidden)
+    reader = CacheReader(tmp_path / "c")
+    assert len(reader) == len(written) + 1
+    np.testing.assert_array_equal(bits(reader.read_sample(len(written))["hidden"]), bits(hidden))
+    np.testing.assert_array_equal(bits(reader.read_sample(0)["hidden"]), bits(written[0]["hidden"]))
