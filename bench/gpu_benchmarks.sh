@@ -31,8 +31,8 @@ for what in "$@"; do
         --steps 40 --warmup-steps 8 --compile ;;
     cache)
       python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 --train-steps 150
-      python3 bench/bench_decode.py --workdir "$scratch" --tokens 32768
-      python3 bench/bench_codec_options.py
+      python3 bench/bench_decode.py --workdir "$scratch" --tokens 32768 --kinds synthetic,model
+      python3 bench/bench_codec_options.py --kinds synthetic,model
       python3 bench/bench_write.py --workdir "$scratch" ;;
     eval)
       demo=${DEMO_DIR:-$scratch/demo}
