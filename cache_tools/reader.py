@@ -10,6 +10,7 @@ Forked or pickled copies (DataLoader workers) drop the open maps and reopen lazi
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -65,8 +66,8 @@ class ArrayMeta:
     codecs: tuple[str, ...]  # bytes-to-bytes codecs after the serializer, in encode order
     index_checked: bool
 
-    @property
-    def row_bytes(self) -> int:
+    @functools.cached_property
+    def row_bytes(self) -> int:  # cached: the hot path asks for it once per chunk
         return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
     @classmethod
