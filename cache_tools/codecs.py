@@ -11,8 +11,8 @@ The Blosc chunks are written by `blosc_zstd_compress` below rather than by c-blo
 Blosc format (any Blosc decoder, zarr's included, reads them), but zstd runs level 1 with a
 64-entry hash table and 7-byte minimum matches. On activations, whose exponent bytes are
 near-random symbols from a small alphabet, zstd's matches save little and are what its
-decoder is slow on; with few of them a chunk decodes ~1.3-1.4x faster for the same ratio
-on synthetic activations and ~3 % less on a trained model's (docs/BENCHMARKS.md).
+decoder is slow on; with few of them a chunk decodes 1.2-1.6x faster per core, for the same
+ratio on synthetic activations and ~3-4 % less on a trained model's (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
