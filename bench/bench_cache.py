@@ -21,7 +21,8 @@ For each kind and codec (bf16, fp8, raw) it prints, as a Markdown table:
                   thread, data hot in the page cache
   random read     GB/s of CacheReader.read_sample in a random sample order vs reading the same
                   samples from a flat uint16 np.memmap into a torch tensor, cold (page cache
-                  evicted with posix_fadvise DONTNEED, best effort) and hot (second pass)
+                  evicted with posix_fadvise DONTNEED, best effort) and hot (second pass), reader
+                  and memmap in turn for --read-rounds rounds (medians)
 
   python bench/bench_cache.py --small        # ~1-2 min on 2 cores, ~10 MB of disk
   python bench/bench_cache.py                # full size: see --help for the knobs
@@ -222,23 +223,27 @@ def write_cache(path: Path, stored: tuple[np.ndarray, np.ndarray | None], length
     return hidden.shape[0] * hidden.shape[1] * 2 / (time.perf_counter() - t0) / 1e9
 
 
-def read_reader(reader: CacheReader, order: list[int], reuse: bool = False) -> float:
+def read_reader(reader: CacheReader, order: list[int], reuse: bool = False, cpu: list | None = None) -> float:
     """GB/s of decoded bf16 through CacheReader.read_sample in the given sample order.
 
     reuse=True decodes into one preallocated buffer (`out=`), as the trainer's loader decodes
     into its batch tensor; otherwise every sample gets a fresh tensor (and its page faults).
+    With `cpu` a list, the same bytes over this thread's CPU time are appended to it.
     """
     nbytes = 0
     buf = None
     if reuse:
         width = reader.manifest.num_layers * reader.manifest.hidden_size
         buf = torch.zeros((int(reader.lengths.max()), width), dtype=torch.bfloat16)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for i in order:
         out = {"hidden": buf[: int(reader.lengths[i])]} if buf is not None else None
         h = reader.read_sample(i, out=out)["hidden"]
         nbytes += h.numel() * 2
-    return nbytes / (time.perf_counter() - t0) / 1e9
+    wall, used = time.perf_counter() - t0, time.thread_time() - c0
+    if cpu is not None:
+        cpu.append(nbytes / max(used, 1e-9) / 1e9)
+    return nbytes / wall / 1e9
 
 
 def read_memmap(mm: np.memmap, offsets: np.ndarray, order: list[int]) -> float:
@@ -251,6 +256,38 @@ def read_memmap(mm: np.memmap, offsets: np.ndarray, order: list[int]) -> float:
         h.view(torch.int16).numpy().view(np.uint16)[...] = rows
         nbytes += h.numel() * 2
     return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+class HostLoad:
+    """What else ran on the host during a timed section, from /proc/stat (Linux): the share of
+    all cores' time used by other processes, and the share stolen by the hypervisor. Per-core
+    figures of a shared host move with both; they are printed next to the results."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[list[int], int, float, float] | None:
+        try:
+            lines = Path("/proc/stat").read_text().splitlines()
+            fields = [int(x) for x in lines[0].split()[1:]]
+        except (OSError, ValueError, IndexError):
+            return None
+        cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+        return fields, cores, time.perf_counter(), time.process_time()
+
+    def summary(self) -> str:
+        end = self._read()
+        if self.start is None or end is None:
+            return "host load: unknown (no /proc/stat)"
+        (a, cores, t0, p0), (b, _, t1, p1) = self.start, end
+        d = [y - x for x, y in zip(a, b)]
+        hz = os.sysconf("SC_CLK_TCK")
+        total = sum(d[:8]) or 1  # user nice system idle iowait irq softirq steal, in ticks
+        others = (d[0] + d[1] + d[2] + d[5] + d[6]) / hz - (p1 - p0)  # less this process's own
+        return (f"host during the timed section ({t1 - t0:.0f} s): other processes used "
+                f"{max(others, 0.0) / ((t1 - t0) * max(cores, 1)):.0%} of its {cores} cores' time, "
+                f"the hypervisor stole {d[7] / total:.1%}")
 
 
 def du(path: Path) -> int:
@@ -293,24 +330,38 @@ def bench_kind(
         # the GPU).
         everything = list(range(len(lengths)))
         passes = 1 if codec.has_scale else args.decode_passes
+        load = HostLoad()
+        cpu: list[float] = []
         dec_fresh = statistics.median(read_reader(reader, everything) for _ in range(passes))
-        dec = statistics.median(read_reader(reader, everything, reuse=True) for _ in range(passes))
+        dec = statistics.median(read_reader(reader, everything, reuse=True, cpu=cpu) for _ in range(passes))
+        dec_cpu = statistics.median(cpu)
         reader.close()
-        # random reads: cold with a fresh reader / memmap (their open cost included), then hot
-        evict(path)
-        evict(flat)
-        reader = CacheReader(path)
-        mm = np.memmap(flat, dtype=np.uint16, mode="r", shape=tuple(acts.shape))
-        cold_r = read_reader(reader, order)
-        cold_m = read_memmap(mm, offsets, order)
-        hot_r = read_reader(reader, order)
-        hot_m = read_memmap(mm, offsets, order)
-        reader.close()
-        del mm
+        # Random reads, reader and memmap in turn for --read-rounds rounds (the order flips each
+        # round): a slow spell of a shared host then lands on both alike. Cold: page cache
+        # evicted and a fresh reader / memmap (their open cost included); hot: a second pass.
+        # Reported: medians, and the median of the rounds' reader/memmap ratios.
+        res: dict[str, list[float]] = {k: [] for k in ("cold_r", "cold_m", "hot_r", "hot_m")}
+        for rnd in range(args.read_rounds):
+            evict(path)
+            evict(flat)
+            reader = CacheReader(path)
+            mm = np.memmap(flat, dtype=np.uint16, mode="r", shape=tuple(acts.shape))
+            first, second = (("r", "m") if rnd % 2 == 0 else ("m", "r"))
+            for temp in ("cold", "hot"):
+                for who in (first, second):
+                    res[f"{temp}_{who}"].append(read_reader(reader, order) if who == "r"
+                                                else read_memmap(mm, offsets, order))
+            reader.close()
+            del mm
+        host = load.summary()
         torch.set_num_threads(args.threads)
         rows.append({"kind": name, "codec": codec_name, "ratio": acts.numel() * 2 / size, "bytes": size,
-                     "encode": enc, "write": wr, "decode": dec, "decode_fresh": dec_fresh, "cold_r": cold_r, "cold_m": cold_m,
-                     "hot_r": hot_r, "hot_m": hot_m})
+                     "encode": enc, "write": wr, "decode": dec, "decode_cpu": dec_cpu, "decode_fresh": dec_fresh,
+                     **{k: statistics.median(v) for k, v in res.items()},
+                     "cold_vs": statistics.median(r / m for r, m in zip(res["cold_r"], res["cold_m"])),
+                     "hot_vs": statistics.median(r / m for r, m in zip(res["hot_r"], res["hot_m"])),
+                     "host": host})
+        print(f"{name}, {codec_name}: {host}", flush=True)
         shutil.rmtree(path)
     flat.unlink()
     return rows
@@ -348,15 +399,19 @@ def target(value: float, goal: float | None, unit: str = "") -> str:
 
 def print_table(rows: list[dict]) -> None:
     print("| activations | codec | ratio vs raw bf16 | encode GB/s/core | write GB/s | decode GB/s/core "
-          "| decode, fresh buffers | random read cold: reader / memmap | hot: reader / memmap | reader vs memmap (hot) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| same, per CPU second | decode, fresh buffers | random read cold: reader / memmap "
+          "| hot: reader / memmap | reader vs memmap (hot) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        vs = r["hot_r"] / r["hot_m"]
         print(f"| {r['kind']} | {r['codec']} | {target(r['ratio'], TARGET_RATIO.get(r['codec']), 'x')} "
               f"| {r['encode']:.2f} | {r['write']:.2f} | {target(r['decode'], TARGET_DECODE.get(r['codec']))} "
-              f"| {r['decode_fresh']:.2f} | {r['cold_r']:.2f} / {r['cold_m']:.2f} (x{r['cold_r'] / r['cold_m']:.2f}) "
+              f"| {r['decode_cpu']:.2f} | {r['decode_fresh']:.2f} "
+              f"| {r['cold_r']:.2f} / {r['cold_m']:.2f} (x{r['cold_vs']:.2f}) "
               f"| {r['hot_r']:.2f} / {r['hot_m']:.2f} "
-              f"| {target(vs, TARGET_READ_VS_MEMMAP.get(r['codec']), 'x')} |")
+              f"| {target(r['hot_vs'], TARGET_READ_VS_MEMMAP.get(r['codec']), 'x')} |")
+    print("\nper CPU second: the decode figure over the reading thread's CPU time rather than "
+          "wall time (the two part when the host takes the core away); random reads: medians of "
+          "--read-rounds rounds, ratios the median of the rounds' ratios")
 
 
 def parse_args() -> argparse.Namespace:
@@ -377,6 +432,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shard-rows", type=int, default=8192)
     p.add_argument("--part-tokens", type=int, help="tokens per part (default 16384; small 1024)")
     p.add_argument("--read-samples", type=int, default=2000, help="random samples read per pass (at most all)")
+    p.add_argument("--read-rounds", type=int, default=5, help="rounds of random reads, reader and memmap in turn (median)")
     p.add_argument("--encode-tokens", type=int, default=4096, help="tokens timed for the encode figure")
     p.add_argument("--decode-passes", type=int, default=5, help="passes over every sample for the decode figures (median; fp8: one)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads outside timed sections")

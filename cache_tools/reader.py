@@ -111,6 +111,18 @@ class _Scratch:
         return self.buf[:nbytes]
 
 
+class _Where:
+    """Where a chunk is, for error messages: formatted only when one is raised."""
+
+    __slots__ = ("part", "array", "chunk")
+
+    def __init__(self, part: _PartFiles, array: str, chunk: int):
+        self.part, self.array, self.chunk = part, array, chunk
+
+    def __str__(self) -> str:
+        return self.part.where(self.array, f", chunk {self.chunk}")
+
+
 class _PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
@@ -122,9 +134,11 @@ class _PartFiles:
         self.maps: dict[str, mmap.mmap | None] = {}
         self.indexes: dict[str, np.ndarray] = {}
         self.small: dict[str, np.ndarray] = {}
+        self.views: dict[tuple[str, int], np.ndarray] = {}
         self.scratch = scratch
 
     def close(self) -> None:
+        self.views.clear()  # they hold the maps' buffers
         for m in self.maps.values():
             if m is not None:
                 m.close()
@@ -169,7 +183,7 @@ class _PartFiles:
             self.maps[name] = m
         return m
 
-    def _checked(self, buf: memoryview, what: str, has_crc: bool) -> memoryview:
+    def _checked(self, buf: memoryview, what: str | _Where, has_crc: bool) -> memoryview:
         if not has_crc:
             return buf
         if len(buf) < 4:
@@ -182,7 +196,7 @@ class _PartFiles:
             )
         return body
 
-    def _decode(self, buf: memoryview, meta: ArrayMeta, nbytes: int, what: str, out=None):
+    def _decode(self, buf: memoryview, meta: ArrayMeta, nbytes: int, what: str | _Where, out=None):
         """Decode one stored chunk; returns a buffer of `nbytes` (possibly `out` itself)."""
         names = list(meta.codecs)
         if names and names[-1] == "crc32c":
@@ -203,7 +217,7 @@ class _PartFiles:
             )
         return buf
 
-    def _decode_rows(self, buf: memoryview, offset: int, nbytes: int, out: np.ndarray, what: str) -> None:
+    def _decode_rows(self, buf: memoryview, offset: int, nbytes: int, out: np.ndarray, what: str | _Where) -> None:
         """Decode bytes [offset, offset+nbytes) of a Blosc chunk (crc32c-checked) into `out`."""
         body = self._checked(buf, what, True)
         src = np.frombuffer(body, dtype=np.uint8)
@@ -237,12 +251,13 @@ class _PartFiles:
     def read_rows(self, array: str, start: int, stop: int, out: np.ndarray) -> None:
         """Decode rows [start, stop) of a chunked array into `out` (shape [stop-start, ...])."""
         meta = self.array_meta(array)
-        cr = meta.chunk_rows
-        chunk_bytes = cr * meta.row_bytes
+        cr, rb = meta.chunk_rows, meta.row_bytes
+        chunk_bytes = cr * rb
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
+        raw = meta.codecs == ("crc32c",) and meta.shard_rows is not None
         for c in range(start // cr, (stop - 1) // cr + 1):
             lo, hi = max(start, c * cr), min(stop, (c + 1) * cr)
-            what = self.where(array, f", chunk {c}")
+            what = _Where(self, array, c)  # formatted only into an error message
             if meta.shard_rows is None:
                 m = self._map(array, f"c/{c}" + "/0" * (len(meta.shape) - 1))
                 buf = memoryview(m)
@@ -253,7 +268,23 @@ class _PartFiles:
                 if off == _EMPTY:
                     out_bytes[lo - start: hi - start] = 0
                     continue
-                buf = memoryview(m)[int(off): int(off + nb)]
+                off, nb = int(off), int(nb)
+                if raw:
+                    # Uncompressed: check the chunk's crc32c, then copy the rows asked for
+                    # straight from the map.
+                    if nb != chunk_bytes + 4:
+                        raise CacheCorruptError(f"{what}: stored chunk has {nb} bytes, expected "
+                                                f"{chunk_bytes + 4}; the part is damaged.")
+                    view = self._view(array, shard, m)
+                    if self.verify and crc32c.crc32c(view[off: off + chunk_bytes]) != int.from_bytes(
+                            view[off + chunk_bytes: off + nb], "little"):
+                        raise CacheCorruptError(
+                            f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
+                            "verify` to list every damaged chunk, then re-extract the part.")
+                    first = off + (lo - c * cr) * rb
+                    out_bytes[lo - start: hi - start] = view[first: first + (hi - lo) * rb].reshape(hi - lo, rb)
+                    continue
+                buf = memoryview(m)[off: off + nb]
             whole = lo == c * cr and hi == (c + 1) * cr
             if whole and "blosc" in meta.codecs:
                 # Decompress straight into the output rows: no intermediate copy.
@@ -261,8 +292,7 @@ class _PartFiles:
                 continue
             if meta.codecs == ("blosc", "crc32c") and _BLOSC_GETITEM is not None:
                 # A chunk that straddles the request: decode only the rows asked for.
-                self._decode_rows(buf, (lo - c * cr) * meta.row_bytes, (hi - lo) * meta.row_bytes,
-                                  out_bytes[lo - start: hi - start], what)
+                self._decode_rows(buf, (lo - c * cr) * rb, (hi - lo) * rb, out_bytes[lo - start: hi - start], what)
                 continue
             if "blosc" in meta.codecs:
                 # Without blosc_getitem: decode into a reused scratch buffer (a fresh one per
@@ -270,8 +300,16 @@ class _PartFiles:
                 dec = self._decode(buf, meta, chunk_bytes, what, out=self.scratch.get(chunk_bytes))
             else:
                 dec = self._decode(buf, meta, chunk_bytes, what)
-            rows = np.frombuffer(dec, dtype=np.uint8, count=chunk_bytes).reshape(cr, meta.row_bytes)
+            rows = np.frombuffer(dec, dtype=np.uint8, count=chunk_bytes).reshape(cr, rb)
             out_bytes[lo - start: hi - start] = rows[lo - c * cr: hi - c * cr]
+
+    def _view(self, array: str, shard: int, m: mmap.mmap) -> np.ndarray:
+        """A shard file's map as a flat uint8 array (one per file, kept with the map)."""
+        key = (array, shard)
+        v = self.views.get(key)
+        if v is None:
+            v = self.views[key] = np.frombuffer(m, dtype=np.uint8)
+        return v
 
     def small_array(self, array: str) -> np.ndarray:
         """A per-part metadata array (ids, masks, scales), decoded whole once and kept."""
