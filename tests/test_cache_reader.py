@@ -57,6 +57,29 @@ def test_truncated_shard_is_named(tmp_path):
         reader.read_sample(0)  # sample 0 spans rows 0..99: crosses into shard 1
 
 
+@pytest.mark.parametrize("codec", ["raw", "bf16"])
+def test_index_entry_with_a_wrong_chunk_size_is_named(tmp_path, codec):
+    # A shard index whose own checksum is intact but whose size for chunk 1 is off by 8 bytes
+    # (a writer bug, or a file patched by hand): the reader must refuse that chunk by name,
+    # never copy or decode a neighbouring chunk's bytes as rows.
+    import crc32c
+
+    cache = tmp_path / "c"
+    make_cache(cache, codec)
+    path = shard_file(cache, "part-000000")
+    data = bytearray(path.read_bytes())
+    header = tiny_header(codec)["hidden"]
+    n_inner = header["shard_rows"] // header["chunk_rows"]
+    start = len(data) - (n_inner * 16 + 4)
+    index = np.frombuffer(bytes(data[start:-4]), dtype="<u8").reshape(n_inner, 2).copy()
+    index[1, 1] -= 8
+    data[start:-4] = index.tobytes()
+    data[-4:] = crc32c.crc32c(bytes(data[start:-4])).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match=r"part 'part-000000' \(array hidden, chunk 1\)"):
+        CacheReader(cache).read_sample(0)
+
+
 def test_missing_shard_file_is_named(tmp_path):
     cache = tmp_path / "c"
     make_cache(cache)
