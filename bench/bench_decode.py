@@ -96,6 +96,7 @@ def measure(acts: torch.Tensor, k: int, d: int, args: argparse.Namespace, work: 
     gbs: dict[str, list[float]] = {n: [] for n in names}
     crc_s: list[float] = []
     reader_s: list[float] = []
+    load = bench_cache.HostLoad()
     for _ in range(args.repeats):
         r = bench_cache.read_reader(reader, order, reuse=True)
         gbs[names[0]].append(r)
@@ -105,6 +106,7 @@ def measure(acts: torch.Tensor, k: int, d: int, args: argparse.Namespace, work: 
         crc_s.append(timed(crc_all))
     print(f"\n{label}: {len(chunks)} chunks of {chunk_bytes / 1e6:.2f} MB, {len(lengths)} samples, ratio "
           f"{total / stored:.3f}x; {args.repeats} rounds")
+    print(load.summary())
     print(f"{'what':45s} {'GB/s decoded per core: median':>30s} {'best':>6s}")
     for name in names:
         v = sorted(gbs[name])
