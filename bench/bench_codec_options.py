@@ -1,8 +1,9 @@
 """What the bf16 codec setting costs on one core, against the Blosc settings around it.
 
 The cache format fixes the lossless codec (Blosc zstd level 1, byte shuffle, 1 MiB blocks);
-the cache writer packs it with zstd's match finder limited (64-entry hash table, 7-byte
-matches; cache_tools/codecs.py), first row, against c-blosc's own encoder, second row.
+the cache writer packs it as zstd frames of literals only (no matches; cache_tools/codecs.py),
+first row, or where that is not available with zstd's match finder limited (64-entry hash
+table, 7-byte matches), second row, against c-blosc's own encoder, third row.
 This bench shows where its decode speed comes from and what other Blosc settings would give,
 on the same activations as bench_cache.py (synthetic: K=5, D=4096, outlier channels; with
 `--kinds synthetic,model` also those of a small Qwen3 it trains briefly), one thread:
@@ -33,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cache  # noqa: E402
 from dflash.cache_tools.codecs import HiddenCodec  # noqa: E402
 
-SETTINGS = [  # (cname, clevel, shuffle, blocksize, streams split); "limits": the format's writer
-    ("zstd", 1, Blosc.SHUFFLE, 1 << 20, "limits"),  # the format's bf16 codec, as the cache writes it
+SETTINGS = [  # (cname, clevel, shuffle, blocksize, streams split); "literals"/"limits": the format's writer
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 20, "literals"),  # the format's bf16 codec, as the cache writes it
+    ("zstd", 1, Blosc.SHUFFLE, 1 << 20, "limits"),  # the same where literal-only frames are not available
     ("zstd", 1, Blosc.SHUFFLE, 1 << 20, False),  # same Blosc setting, c-blosc's encoder (zstd's own parameters)
     ("zstd", 1, Blosc.SHUFFLE, 1 << 20, True),  # same, each byte stream compressed apart
     ("zstd", 1, Blosc.SHUFFLE, 1 << 18, False),
@@ -85,8 +87,9 @@ def run_kind(label: str, data: np.ndarray, rows: int, args: argparse.Namespace) 
     for cname, level, shuffle, blocksize, split in SETTINGS:
         codec = Blosc(cname=cname, clevel=level, shuffle=shuffle, blocksize=blocksize)
         t = time.perf_counter()
-        if split == "limits":
-            encoded = [HiddenCodec(name="bf16").compress(c) for c in chunks]
+        if split in ("literals", "limits"):
+            packer = HiddenCodec(name="bf16", zstd_literals_only=split == "literals")
+            encoded = [packer.compress(c) for c in chunks]
         elif split:
             encoded = encode_split(codec, chunks)
         else:
@@ -100,7 +103,8 @@ def run_kind(label: str, data: np.ndarray, rows: int, args: argparse.Namespace) 
         t_dec = best_seconds(decode, args.repeats)
         name = (f"{cname}-{level} {'byte' if shuffle == Blosc.SHUFFLE else 'bit'} shuffle, "
                 f"{blocksize >> 10} KiB blocks"
-                + {"limits": ", match limits [format]", True: ", split", False: ""}[split])
+                + {"literals": ", literals only [format]", "limits": ", match limits [format, fallback]",
+                   True: ", split", False: ""}[split])
         stored = sum(len(e) for e in encoded)
         print(f"{name:60s} {raw / stored:6.3f} {raw / t_enc / 1e9:12.2f} {raw / t_dec / 1e9:12.2f}", flush=True)
 

@@ -23,8 +23,11 @@ class CacheGroup(ErrorReportingGroup):
     """dflash-cache's group: errors become one paragraph with exit status 2."""
 
 
-def _match_limits(codec: dict) -> str:
-    """', hash log 6, min match 7' for a codec packed with zstd match limits, else ''."""
+def _packing(codec: dict) -> str:
+    """How the chunks were asked to be packed: ', literals only' (no zstd matches), or
+    ', hash log 6, min match 7' for zstd with match limits, or '' for zstd's own parameters."""
+    if codec.get("zstd_literals_only"):
+        return ", literals only"
     parts = [f"{label} {codec[key]}" for key, label in (("zstd_hash_log", "hash log"), ("zstd_min_match", "min match"))
              if codec.get(key)]
     return "".join(f", {p}" for p in parts)
@@ -87,7 +90,7 @@ def info(cache: str, as_json: bool) -> None:
         f"cache            {s['cache_dir']} (format {s['format_version']})",
         f"target           {target}",
         f"target_layer_ids {s['target_layer_ids']} (K={s['num_layers']}), hidden_size {s['hidden_size']}",
-        f"codec            {codec['name']} (zstd level {codec['clevel']}{_match_limits(codec)}, "
+        f"codec            {codec['name']} (zstd level {codec['clevel']}{_packing(codec)}, "
         f"blocksize {codec['blocksize']}), "
         f"chunk_rows {s['chunk_rows']}, shard_rows {s['shard_rows']}",
         f"extras           last_hidden={s['extras'].get('last_hidden')}, topk={s['extras'].get('topk')}",

@@ -17,6 +17,7 @@ ratio on synthetic activations and ~3-4 % less on a trained model's (docs/BENCHM
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import threading
 from dataclasses import asdict, dataclass
@@ -50,6 +51,11 @@ class HiddenCodec:
     0 keeps the level's own. Changes how the bytes are packed, not what they decode to."""
     zstd_min_match: int = 7
     """zstd's shortest match in bytes (7, the longest allowed); 0 keeps the level's own."""
+    zstd_literals_only: bool = True
+    """Write zstd frames of Huffman-coded literals and no matches (the short matches zstd
+    finds in activations save ~0-3 % and slow its decoder). Needs the zstd library that
+    numcodecs bundles to expose ZSTD_compressSequences; where it does not, the chunks are
+    packed with zstd_hash_log / zstd_min_match instead. Packing only, like those two."""
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -106,6 +112,7 @@ class HiddenCodec:
         return blosc_zstd_compress(
             data, typesize=self.storage_dtype.itemsize, shuffle=self.shuffle, blocksize=self.blocksize,
             level=self.clevel, hash_log=self.zstd_hash_log, min_match=self.zstd_min_match,
+            literals_only=self.zstd_literals_only,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,16 +121,16 @@ class HiddenCodec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HiddenCodec:
         """Manifest form -> codec. Caches written before the zstd parameters were recorded
-        were packed with the level's own (0); they decode the same either way."""
+        were packed with the level's own (0) and with matches; they decode the same either way."""
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise CacheError(f"Unknown codec parameters {sorted(unknown)} in the manifest.")
-        return cls(**{"zstd_hash_log": 0, "zstd_min_match": 0, **data})
+        return cls(**{"zstd_hash_log": 0, "zstd_min_match": 0, "zstd_literals_only": False, **data})
 
 
 # Fields of HiddenCodec that change how chunks are packed but never what they decode to: a
 # cache may hold parts packed either way, so they are left out of its identity.
-PACKING_ONLY = ("zstd_hash_log", "zstd_min_match")
+PACKING_ONLY = ("zstd_hash_log", "zstd_min_match", "zstd_literals_only")
 
 
 # -- Blosc chunks (c-blosc 1.x format, version 2) ------------------------------------------
@@ -153,6 +160,109 @@ def _zstd_compressor(level: int, hash_log: int, min_match: int) -> zstandard.Zst
     return cache[key]
 
 
+class _LiteralsEncoder:
+    """zstd frames that hold only literals: ZSTD_compressSequences given no sequences, from
+    the zstd library compiled into numcodecs (the one its Blosc decodes with). Each 128 KiB
+    zstd block is then Huffman-coded literals (or stored as is when that does not pay), and
+    the decoder never runs a match. python-zstandard has no such call, hence ctypes; the
+    library is checked once (version, a round trip) and `get()` is None where it is not
+    usable, e.g. builds that do not export the symbol."""
+
+    _ZSTD_C_COMPRESSION_LEVEL, _ZSTD_C_CONTENT_SIZE_FLAG, _ZSTD_C_CHECKSUM_FLAG = 100, 200, 201
+    _instance: _LiteralsEncoder | None = None
+    _checked = False
+    _lock = threading.Lock()
+
+    class _Sequence(ctypes.Structure):  # ZSTD_Sequence (zstd >= 1.4.10)
+        _fields_ = [("offset", ctypes.c_uint), ("litLength", ctypes.c_uint),
+                    ("matchLength", ctypes.c_uint), ("rep", ctypes.c_uint)]
+
+    def __init__(self, lib: ctypes.CDLL):
+        size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
+        for name, res, args in (
+            ("ZSTD_versionNumber", ctypes.c_uint, []),
+            ("ZSTD_createCCtx", ptr, []),
+            ("ZSTD_freeCCtx", size_t, [ptr]),
+            ("ZSTD_CCtx_setParameter", size_t, [ptr, ctypes.c_int, ctypes.c_int]),
+            ("ZSTD_compressBound", size_t, [size_t]),
+            ("ZSTD_compressSequences", size_t, [ptr, ptr, size_t, ptr, size_t, ptr, size_t]),
+            ("ZSTD_isError", ctypes.c_uint, [size_t]),
+        ):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        self.lib = lib
+        self.no_sequences = (self._Sequence * 1)()
+        self.local = threading.local()
+
+    @classmethod
+    def get(cls) -> _LiteralsEncoder | None:
+        if not cls._checked:
+            with cls._lock:
+                if not cls._checked:
+                    cls._instance = cls._load()
+                    cls._checked = True
+        return cls._instance
+
+    @classmethod
+    def _load(cls) -> _LiteralsEncoder | None:
+        try:
+            import numcodecs.zstd
+
+            enc = cls(ctypes.CDLL(numcodecs.zstd.__file__))
+            if enc.lib.ZSTD_versionNumber() < 10500:
+                return None
+            probe = np.frombuffer(bytes(range(256)) * 64 + b"\0" * 4096, dtype=np.uint8)
+            frame = enc.compress(probe, 1)
+            if frame is None or zstandard.ZstdDecompressor().decompress(frame) != probe.tobytes():
+                return None
+            return enc
+        except (ImportError, OSError, AttributeError, zstandard.ZstdError):
+            return None
+
+    class _Context:
+        """A ZSTD_CCtx, freed with its holder (threads hold theirs in thread-local storage,
+        which is cleared when the thread ends)."""
+
+        def __init__(self, lib: ctypes.CDLL, level: int, params: tuple[tuple[int, int], ...]):
+            self.lib, self.ptr = lib, lib.ZSTD_createCCtx()
+            if self.ptr and any(lib.ZSTD_isError(lib.ZSTD_CCtx_setParameter(self.ptr, k, v)) for k, v in params):
+                lib.ZSTD_freeCCtx(self.ptr)
+                self.ptr = None
+
+        def __del__(self) -> None:
+            if self.ptr:
+                self.lib.ZSTD_freeCCtx(self.ptr)
+                self.ptr = None
+
+    def _cctx(self, level: int) -> int | None:
+        """This thread's compression context at `level` (a context is not thread-safe)."""
+        ctxs = self.local.__dict__.setdefault("by_level", {})
+        ctx = ctxs.get(level)
+        if ctx is None:
+            ctx = ctxs[level] = self._Context(self.lib, level, (
+                (self._ZSTD_C_COMPRESSION_LEVEL, level), (self._ZSTD_C_CONTENT_SIZE_FLAG, 1),
+                (self._ZSTD_C_CHECKSUM_FLAG, 0)))
+        return ctx.ptr
+
+    def compress(self, src: np.ndarray, level: int) -> bytes | None:
+        """One zstd frame of `src` (contiguous uint8) without matches; None on any failure."""
+        cctx = self._cctx(level)
+        if cctx is None:
+            return None
+        cap = self.lib.ZSTD_compressBound(src.size)
+        out = np.empty(cap, dtype=np.uint8)
+        n = self.lib.ZSTD_compressSequences(cctx, out.ctypes.data, cap, ctypes.addressof(self.no_sequences), 0,
+                                            src.ctypes.data, src.size)
+        if self.lib.ZSTD_isError(n):
+            return None
+        return out[:n].tobytes()
+
+
+def literals_only_available() -> bool:
+    """Whether chunks can be packed without zstd matches here (see HiddenCodec)."""
+    return _LiteralsEncoder.get() is not None
+
+
 def _byte_shuffle(block: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Blosc's byte shuffle of a block of 2-byte items: all low bytes, then all high bytes."""
     items = block.view("<u2")
@@ -163,9 +273,10 @@ def _byte_shuffle(block: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def blosc_zstd_compress(data: np.ndarray, *, typesize: int, shuffle: bool, blocksize: int, level: int = 1,
-                        hash_log: int = 0, min_match: int = 0) -> bytes:
-    """A Blosc chunk of `data` (C-contiguous) with zstd at `level` and the given match-finder
-    limits (0: the level's own), readable by any Blosc decoder. Byte shuffle needs typesize 2."""
+                        hash_log: int = 0, min_match: int = 0, literals_only: bool = False) -> bytes:
+    """A Blosc chunk of `data` (C-contiguous) with zstd at `level`, readable by any Blosc
+    decoder: frames of literals only when asked and possible, else zstd with the given
+    match-finder limits (0: the level's own). Byte shuffle needs typesize 2."""
     if shuffle and typesize != 2:
         raise ValueError(f"byte shuffle is implemented for 2-byte items only, not {typesize}")
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -186,6 +297,7 @@ def blosc_zstd_compress(data: np.ndarray, *, typesize: int, shuffle: bool, block
     if nbytes < _BLOSC_MIN_BUFFERSIZE:
         return stored_as_is()
     zstd = _zstd_compressor(level, hash_log, min_match)
+    literals = _LiteralsEncoder.get() if literals_only else None
     nblocks = -(-nbytes // bsize)
     scratch = np.empty(bsize, dtype=np.uint8) if shuffle else None
     pieces: list[bytes] = []
@@ -194,7 +306,9 @@ def blosc_zstd_compress(data: np.ndarray, *, typesize: int, shuffle: bool, block
     for b in range(nblocks):
         block = raw[b * bsize:(b + 1) * bsize]
         src = _byte_shuffle(block, scratch) if shuffle else block
-        stream = zstd.compress(src)
+        stream = literals.compress(src, level) if literals is not None else None
+        if stream is None:
+            stream = zstd.compress(src)
         if len(stream) >= len(src):  # incompressible: the block as is (what c-blosc does)
             stream = src.tobytes()
         starts[b] = pos

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+import sys
 
 import numcodecs.blosc
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 import torch
 import zarr
 from cache_utils import bits, random_sample, tiny_header
-from dflash.cache_tools.codecs import HiddenCodec, blosc_zstd_compress
+from dflash.cache_tools import codecs
+from dflash.cache_tools.codecs import HiddenCodec, blosc_zstd_compress, literals_only_available
 from dflash.cache_tools.errors import CacheError, ConfigMismatchError
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
@@ -191,26 +194,109 @@ def test_blosc_chunks_with_zstds_own_parameters_are_c_blosc_bytes(items, kind, b
 
 
 @pytest.mark.parametrize("items,kind", CHUNK_CASES)
-def test_blosc_chunks_with_match_limits_decode_with_c_blosc(items, kind):
+def test_blosc_chunks_as_the_format_packs_them_decode_with_c_blosc(items, kind):
     data = _chunk_data(items, kind, seed=1)
-    for codec in (HiddenCodec(name="bf16", blocksize=1 << 14), HiddenCodec(name="bf16")):
+    for codec in (HiddenCodec(name="bf16", blocksize=1 << 14), HiddenCodec(name="bf16"),
+                  HiddenCodec(name="bf16", zstd_literals_only=False)):
         chunk = codec.compress(data)
         assert numcodecs.blosc.decompress(chunk) == data.tobytes()
         assert codec.blosc().decode(chunk) == data.tobytes()
-    fp8 = HiddenCodec(name="fp8", blocksize=1 << 14).compress(data.view(np.uint8))
-    assert numcodecs.blosc.decompress(fp8) == data.tobytes()
+    for literals_only in (True, False):
+        fp8 = HiddenCodec(name="fp8", blocksize=1 << 14, zstd_literals_only=literals_only).compress(data.view(np.uint8))
+        assert numcodecs.blosc.decompress(fp8) == data.tobytes()
+
+
+def _zstd_sequence_counts(frame: bytes) -> list[int]:
+    """The number of sequences (matches) in each compressed block of a zstd frame (RFC 8878:
+    frame header, then blocks; a compressed block starts with its literals section)."""
+    descriptor = frame[4]
+    single_segment, dict_id_size = (descriptor >> 5) & 1, (0, 1, 2, 4)[descriptor & 3]
+    size_field = (single_segment, 2, 4, 8)[descriptor >> 6]
+    pos = 5 + (0 if single_segment else 1) + dict_id_size + size_field
+    counts = []
+    while True:
+        header = int.from_bytes(frame[pos:pos + 3], "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        pos += 3
+        if kind == 2:  # compressed: literals section, then the sequences section's count
+            b = frame[pos:pos + size]
+            lit_type, size_format = b[0] & 3, (b[0] >> 2) & 3
+            if lit_type in (0, 1):  # raw or RLE literals
+                header_len = (1, 2, 1, 3)[size_format]
+                regenerated = int.from_bytes(b[:header_len], "little") >> (3 if size_format in (0, 2) else 4)
+                lit_bytes = regenerated if lit_type == 0 else 1
+            else:  # Huffman-coded
+                header_len = (3, 3, 4, 5)[size_format]
+                value = int.from_bytes(b[:header_len], "little")
+                lit_bytes = value >> (14, 14, 18, 22)[size_format]
+            first = b[header_len + lit_bytes]
+            counts.append(first if first < 128 else -1)  # -1: 128 or more
+        pos += 1 if kind == 1 else size
+        if last:
+            return counts
+
+
+def _blosc_streams(chunk: bytes) -> list[bytes]:
+    """The zstd frames of a Blosc chunk's blocks (stored-as-is blocks left out)."""
+    nbytes, blocksize, _ = struct.unpack_from("<iii", chunk, 4)
+    if chunk[2] & 0x2:  # the whole chunk stored as is
+        return []
+    nblocks = -(-nbytes // blocksize)
+    frames = []
+    for b, start in enumerate(struct.unpack_from(f"<{nblocks}i", chunk, 16)):
+        (size,) = struct.unpack_from("<i", chunk, start)
+        if size != min(blocksize, nbytes - b * blocksize):
+            frames.append(chunk[start + 4: start + 4 + size])
+    return frames
+
+
+def test_literals_only_chunks_hold_no_zstd_matches():
+    """The packing that makes chunks fast to decode: every zstd block of a bf16 chunk is
+    literals only, where zstd's own level 1 (and the match limits) leave matches in the
+    exponent bytes. Available wherever numcodecs' zstd exports ZSTD_compressSequences, which
+    the Linux wheels do."""
+    if not literals_only_available():
+        assert not sys.platform.startswith("linux"), "numcodecs' zstd should allow literal-only frames on Linux"
+        pytest.skip("this numcodecs build does not export ZSTD_compressSequences")
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(256, 2048, generator=gen) * torch.linspace(0.1, 3.0, 2048)
+    hidden[:, ::97] *= 50.0
+    data = bits(hidden.to(torch.bfloat16)).view(np.uint16)
+    counts = {}
+    for name, codec in (("literals", HiddenCodec(name="bf16")),
+                        ("limits", HiddenCodec(name="bf16", zstd_literals_only=False)),
+                        ("own", HiddenCodec(name="bf16", zstd_literals_only=False, zstd_hash_log=0, zstd_min_match=0))):
+        chunk = codec.compress(data)
+        assert numcodecs.blosc.decompress(chunk) == data.tobytes()
+        frames = _blosc_streams(chunk)
+        assert frames, name
+        counts[name] = [c for f in frames for c in _zstd_sequence_counts(f)]
+    assert counts["literals"] and all(c == 0 for c in counts["literals"])
+    assert any(c != 0 for c in counts["own"])  # the parser sees matches where there are some
+
+
+def test_without_the_literal_encoder_chunks_fall_back_to_match_limits(monkeypatch):
+    data = _chunk_data(300_001, "bf16", seed=2)
+    with_limits = HiddenCodec(name="bf16", zstd_literals_only=False).compress(data)
+    monkeypatch.setattr(codecs._LiteralsEncoder, "get", classmethod(lambda cls: None))
+    chunk = HiddenCodec(name="bf16").compress(data)
+    assert chunk == with_limits
+    assert numcodecs.blosc.decompress(chunk) == data.tobytes()
 
 
 def test_match_limits_keep_the_ratio_on_activations():
     """The format's zstd match limits store bf16 activations at least as small as zstd's own
-    level-1 parameters (within 1 %), the trade docs/cache-format.md describes."""
+    level-1 parameters (within 1 %), and literal-only frames within 3 %: the trade
+    docs/cache-format.md describes."""
     gen = torch.Generator().manual_seed(0)
     _, _, hidden = random_sample(gen, 1024, 512)
     data = bits(hidden).view(np.uint16)
-    limited = len(HiddenCodec(name="bf16").compress(data))
-    own = len(HiddenCodec(name="bf16", zstd_hash_log=0, zstd_min_match=0).compress(data))
+    literals = len(HiddenCodec(name="bf16").compress(data))
+    limited = len(HiddenCodec(name="bf16", zstd_literals_only=False).compress(data))
+    own = len(HiddenCodec(name="bf16", zstd_literals_only=False, zstd_hash_log=0, zstd_min_match=0).compress(data))
     assert data.nbytes / limited > 1.3  # it compresses at all
     assert limited <= own * 1.01
+    assert literals <= own * 1.03
 
 
 def test_caches_packed_with_zstds_own_parameters_still_open_and_resume(tmp_path):
@@ -219,10 +305,11 @@ def test_caches_packed_with_zstds_own_parameters_still_open_and_resume(tmp_path)
     written = write_cache(tmp_path / "c", "bf16", [10, 20])
     path = tmp_path / "c" / "manifest.json"
     header = json.loads(path.read_text())
-    for key in ("zstd_hash_log", "zstd_min_match"):
+    for key in ("zstd_hash_log", "zstd_min_match", "zstd_literals_only"):
         del header["hidden"]["codec"][key]
     path.write_text(json.dumps(header))
-    assert read_manifest(tmp_path / "c").codec == HiddenCodec(name="bf16", zstd_hash_log=0, zstd_min_match=0)
+    assert read_manifest(tmp_path / "c").codec == HiddenCodec(name="bf16", zstd_hash_log=0, zstd_min_match=0,
+                                                              zstd_literals_only=False)
     writer = CacheWriter(tmp_path / "c", tiny_header("bf16"))  # no ConfigMismatchError
     gen = torch.Generator().manual_seed(5)
     ids, mask, hidden = random_sample(gen, 7, 64)

@@ -1,8 +1,9 @@
 """The writer's own shard files: laid out as zarr writes them, and readable by zarr.
 
 With zstd's own parameters for the level the files are byte for byte zarr's (c-blosc's)
-files, which pins the Blosc chunk format the writer produces; with the format's match limits
-(the default) they hold other zstd frames but the same layout, and decode to the same data.
+files, which pins the Blosc chunk format the writer produces; packed as the format packs
+them (literal-only zstd frames by default, or the match limits) they hold other zstd frames
+but the same layout, and decode to the same data.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from dflash.cache_tools.writer import write_shards
 
 @pytest.mark.parametrize("codec_name,dtype", [("bf16", np.uint16), ("fp8", np.uint8), ("raw", np.uint16)])
 @pytest.mark.parametrize("rows", [1, 70, 256, 300])  # one row, partial chunk, whole shards, partial shard
-@pytest.mark.parametrize("own_params", [True, False], ids=["zstd-own-params", "match-limits"])
-def test_shard_files_match_zarrs_and_read_back(tmp_path, codec_name, dtype, rows, own_params):
-    codec = HiddenCodec(name=codec_name, blocksize=1 << 12)
+@pytest.mark.parametrize("packing", ["zstd-own-params", "match-limits", "literals-only"])
+def test_shard_files_match_zarrs_and_read_back(tmp_path, codec_name, dtype, rows, packing):
+    own_params = packing == "zstd-own-params"
+    codec = HiddenCodec(name=codec_name, blocksize=1 << 12, zstd_literals_only=packing == "literals-only")
     if own_params:
-        codec = HiddenCodec(name=codec_name, blocksize=1 << 12, zstd_hash_log=0, zstd_min_match=0)
+        codec = HiddenCodec(name=codec_name, blocksize=1 << 12, zstd_hash_log=0, zstd_min_match=0,
+                            zstd_literals_only=False)
     rng = np.random.default_rng(rows)
     if dtype == np.uint16:  # bf16-like bits: compressible high bytes, noisy low bytes
         data = (rng.normal(size=(rows, 48)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
