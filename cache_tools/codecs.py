@@ -8,11 +8,13 @@ Three codecs, chosen per cache:
 Every chunk of every array also carries a crc32c checksum (zarr's crc32c codec).
 
 The Blosc chunks are written by `blosc_zstd_compress` below rather than by c-blosc: the same
-Blosc format (any Blosc decoder, zarr's included, reads them), but zstd runs level 1 with a
-64-entry hash table and 7-byte minimum matches. On activations, whose exponent bytes are
-near-random symbols from a small alphabet, zstd's matches save little and are what its
-decoder is slow on; with few of them a chunk decodes 1.2-1.6x faster per core, for the same
-ratio on synthetic activations and ~3-4 % less on a trained model's (docs/BENCHMARKS.md).
+Blosc format (any Blosc decoder, zarr's included, reads them), but each block's zstd frame
+holds Huffman-coded literals and no matches (or, where numcodecs' zstd cannot make such
+frames, zstd level 1 with a 64-entry hash table and 7-byte minimum matches). On activations,
+whose exponent bytes are near-random symbols from a small alphabet, zstd's matches save little
+and are what its decoder is slow on: without them a chunk decodes 1.2-1.6x faster per core than
+c-blosc's packing, for the same ratio on synthetic activations and ~5 % less on a trained
+model's (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
