@@ -222,11 +222,12 @@ class _LiteralsEncoder:
             return None
 
     class _Context:
-        """A ZSTD_CCtx, freed with its holder (threads hold theirs in thread-local storage,
-        which is cleared when the thread ends)."""
+        """A ZSTD_CCtx and an output buffer, freed with their holder (threads hold theirs in
+        thread-local storage, which is cleared when the thread ends)."""
 
-        def __init__(self, lib: ctypes.CDLL, level: int, params: tuple[tuple[int, int], ...]):
+        def __init__(self, lib: ctypes.CDLL, params: tuple[tuple[int, int], ...]):
             self.lib, self.ptr = lib, lib.ZSTD_createCCtx()
+            self.out = np.empty(0, dtype=np.uint8)
             if self.ptr and any(lib.ZSTD_isError(lib.ZSTD_CCtx_setParameter(self.ptr, k, v)) for k, v in params):
                 lib.ZSTD_freeCCtx(self.ptr)
                 self.ptr = None
@@ -236,28 +237,29 @@ class _LiteralsEncoder:
                 self.lib.ZSTD_freeCCtx(self.ptr)
                 self.ptr = None
 
-    def _cctx(self, level: int) -> int | None:
+    def _context(self, level: int) -> _LiteralsEncoder._Context:
         """This thread's compression context at `level` (a context is not thread-safe)."""
         ctxs = self.local.__dict__.setdefault("by_level", {})
         ctx = ctxs.get(level)
         if ctx is None:
-            ctx = ctxs[level] = self._Context(self.lib, level, (
+            ctx = ctxs[level] = self._Context(self.lib, (
                 (self._ZSTD_C_COMPRESSION_LEVEL, level), (self._ZSTD_C_CONTENT_SIZE_FLAG, 1),
                 (self._ZSTD_C_CHECKSUM_FLAG, 0)))
-        return ctx.ptr
+        return ctx
 
     def compress(self, src: np.ndarray, level: int) -> bytes | None:
         """One zstd frame of `src` (contiguous uint8) without matches; None on any failure."""
-        cctx = self._cctx(level)
-        if cctx is None:
+        ctx = self._context(level)
+        if not ctx.ptr:
             return None
         cap = self.lib.ZSTD_compressBound(src.size)
-        out = np.empty(cap, dtype=np.uint8)
-        n = self.lib.ZSTD_compressSequences(cctx, out.ctypes.data, cap, ctypes.addressof(self.no_sequences), 0,
-                                            src.ctypes.data, src.size)
+        if ctx.out.size < cap:  # reused: a fresh buffer per block would page-fault every time
+            ctx.out = np.empty(cap, dtype=np.uint8)
+        n = self.lib.ZSTD_compressSequences(ctx.ptr, ctx.out.ctypes.data, cap, ctypes.addressof(self.no_sequences),
+                                            0, src.ctypes.data, src.size)
         if self.lib.ZSTD_isError(n):
             return None
-        return out[:n].tobytes()
+        return ctx.out[:n].tobytes()
 
 
 def literals_only_available() -> bool:

@@ -134,11 +134,9 @@ class _PartFiles:
         self.maps: dict[str, mmap.mmap | None] = {}
         self.indexes: dict[str, np.ndarray] = {}
         self.small: dict[str, np.ndarray] = {}
-        self.views: dict[tuple[str, int], np.ndarray] = {}
         self.scratch = scratch
 
     def close(self) -> None:
-        self.views.clear()  # they hold the maps' buffers
         for m in self.maps.values():
             if m is not None:
                 m.close()
@@ -254,7 +252,6 @@ class _PartFiles:
         cr, rb = meta.chunk_rows, meta.row_bytes
         chunk_bytes = cr * rb
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
-        raw = meta.codecs == ("crc32c",) and meta.shard_rows is not None
         for c in range(start // cr, (stop - 1) // cr + 1):
             lo, hi = max(start, c * cr), min(stop, (c + 1) * cr)
             what = _Where(self, array, c)  # formatted only into an error message
@@ -269,21 +266,6 @@ class _PartFiles:
                     out_bytes[lo - start: hi - start] = 0
                     continue
                 off, nb = int(off), int(nb)
-                if raw:
-                    # Uncompressed: check the chunk's crc32c, then copy the rows asked for
-                    # straight from the map.
-                    if nb != chunk_bytes + 4:
-                        raise CacheCorruptError(f"{what}: stored chunk has {nb} bytes, expected "
-                                                f"{chunk_bytes + 4}; the part is damaged.")
-                    view = self._view(array, shard, m)
-                    if self.verify and crc32c.crc32c(view[off: off + chunk_bytes]) != int.from_bytes(
-                            view[off + chunk_bytes: off + nb], "little"):
-                        raise CacheCorruptError(
-                            f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
-                            "verify` to list every damaged chunk, then re-extract the part.")
-                    first = off + (lo - c * cr) * rb
-                    out_bytes[lo - start: hi - start] = view[first: first + (hi - lo) * rb].reshape(hi - lo, rb)
-                    continue
                 buf = memoryview(m)[off: off + nb]
             whole = lo == c * cr and hi == (c + 1) * cr
             if whole and "blosc" in meta.codecs:
@@ -302,14 +284,6 @@ class _PartFiles:
                 dec = self._decode(buf, meta, chunk_bytes, what)
             rows = np.frombuffer(dec, dtype=np.uint8, count=chunk_bytes).reshape(cr, rb)
             out_bytes[lo - start: hi - start] = rows[lo - c * cr: hi - c * cr]
-
-    def _view(self, array: str, shard: int, m: mmap.mmap) -> np.ndarray:
-        """A shard file's map as a flat uint8 array (one per file, kept with the map)."""
-        key = (array, shard)
-        v = self.views.get(key)
-        if v is None:
-            v = self.views[key] = np.frombuffer(m, dtype=np.uint8)
-        return v
 
     def small_array(self, array: str) -> np.ndarray:
         """A per-part metadata array (ids, masks, scales), decoded whole once and kept."""
