@@ -12,7 +12,10 @@ on the same activations as bench_cache.py (synthetic: K=5, D=4096, outlier chann
   decode        GB/s of decoded bf16 per core, into one chunk-sized buffer (best of --repeats)
 and, for the format's setting, the two streams of a byte-shuffled block decoded apart (zstd
 level 1 on the high bytes, sign and exponent, and on the low bytes, mantissa) to show which
-one bounds the decoder.
+one bounds the decoder. Last, for layer widths of common targets (`--widths`), the literal
+packing with zstd blocks cut where the high-byte stream begins (the writer's) against zstd's
+own cut every 128 KiB, which differ where a chunk's last Blosc block is not a multiple of
+256 KiB.
 
     python bench/bench_codec_options.py --kinds synthetic,model
 """
@@ -126,6 +129,49 @@ def run_kind(label: str, data: np.ndarray, rows: int, args: argparse.Namespace) 
               f"decode {size / t / 1e9:5.2f} GB/s of its output")
 
 
+def run_widths(widths: list[int], args: argparse.Namespace) -> None:
+    """The literal packing on chunks of 128 rows of K=5 layers of width D (synthetic
+    activations), with its zstd blocks cut at the byte streams' boundary (the format's
+    writer) and as zstd alone cuts them, every 128 KiB. They differ where a Blosc block's
+    streams are not a multiple of 128 KiB long, e.g. a chunk's last block; both rows decode
+    into one chunk-sized buffer, interleaved, best of --repeats."""
+    from dflash.cache_tools import codecs
+
+    literals = codecs._LiteralsEncoder.get()
+    if literals is None:
+        print("\nliteral-only frames are not available here: no width comparison")
+        return
+    print(f"\n{'width D (K=5)':>14s} {'chunk MiB':>10s} {'last block KiB':>15s} {'ratio cut / zstd':>18s} "
+          f"{'decode GB/s cut / zstd':>24s}")
+    codec = HiddenCodec(name="bf16")
+    own_cut = type("ZstdCut", (), {"compress": lambda self, src, level, streams=1: literals.compress(src, level)})()
+    for d in widths:
+        torch.set_num_threads(1)
+        data = bench_cache.synthetic_activations(128 * args.chunks, 5, d, 0).view(torch.int16).numpy().view(np.uint16)
+        chunks = [np.ascontiguousarray(data[i * 128:(i + 1) * 128]) for i in range(args.chunks)]
+        raw = sum(c.nbytes for c in chunks)
+        encoded = {"cut": [codec.compress(c) for c in chunks]}
+        codecs._LiteralsEncoder._instance = own_cut
+        try:
+            encoded["zstd"] = [codec.compress(c) for c in chunks]
+        finally:
+            codecs._LiteralsEncoder._instance = literals
+        hot = np.empty(chunks[0].nbytes, dtype=np.uint8)
+        best = {k: float("inf") for k in encoded}
+        for r in range(args.repeats):
+            for key in (("cut", "zstd") if r % 2 == 0 else ("zstd", "cut")):  # in turn: noise hits both
+                chunks_of = encoded[key]
+                t = time.perf_counter()
+                for e in chunks_of:
+                    numcodecs.blosc.decompress(e, hot)
+                best[key] = min(best[key], time.perf_counter() - t)
+        ratio = {k: raw / sum(len(e) for e in v) for k, v in encoded.items()}
+        last = chunks[0].nbytes % (1 << 20) or (1 << 20)
+        print(f"{d:14d} {chunks[0].nbytes / 2**20:10.3f} {last >> 10:15d} "
+              f"{ratio['cut']:8.3f} / {ratio['zstd']:.3f} {raw / best['cut'] / 1e9:13.2f} / {raw / best['zstd'] / 1e9:.2f}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=24, help="128-row chunks of [128, 5 x 4096] bf16 (5.2 MB each)")
@@ -133,6 +179,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="synthetic", help="comma list of synthetic, model (as in bench_cache.py)")
     ap.add_argument("--model-hidden", type=int, default=1024, help="hidden size of the trained model (model kind)")
     ap.add_argument("--train-steps", type=int, default=150, help="training steps of the model (model kind)")
+    ap.add_argument("--widths", default="896,1536,2560,3584,4096",
+                    help="comma list of layer widths D for the zstd block cut comparison ('' to skip)")
     args = ap.parse_args()
     numcodecs.blosc.use_threads = False
     print("\n".join(bench_cache.environment()) + "; one thread")
@@ -153,6 +201,7 @@ def main() -> None:
             run_kind(f"model ({desc})", acts.view(torch.int16).numpy().view(np.uint16), mrows, args)
         else:
             raise SystemExit(f"unknown kind {kind!r}: use synthetic or model")
+    run_widths([int(x) for x in args.widths.split(",") if x], args)
 
 
 if __name__ == "__main__":

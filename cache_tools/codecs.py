@@ -214,9 +214,10 @@ class _LiteralsEncoder:
             if enc.lib.ZSTD_versionNumber() < 10500:
                 return None
             probe = np.frombuffer(bytes(range(256)) * 64 + b"\0" * 4096, dtype=np.uint8)
-            frame = enc.compress(probe, 1)
-            if frame is None or zstandard.ZstdDecompressor().decompress(frame) != probe.tobytes():
-                return None
+            for streams in (1, 2):
+                frame = enc.compress(probe, 1, streams)
+                if frame is None or zstandard.ZstdDecompressor().decompress(frame) != probe.tobytes():
+                    return None
             return enc
         except (ImportError, OSError, AttributeError, zstandard.ZstdError):
             return None
@@ -247,8 +248,7 @@ class _LiteralsEncoder:
                 (self._ZSTD_C_CHECKSUM_FLAG, 0)))
         return ctx
 
-    def compress(self, src: np.ndarray, level: int) -> bytes | None:
-        """One zstd frame of `src` (contiguous uint8) without matches; None on any failure."""
+    def _frame(self, src: np.ndarray, level: int) -> bytes | None:
         ctx = self._context(level)
         if not ctx.ptr:
             return None
@@ -260,6 +260,63 @@ class _LiteralsEncoder:
         if self.lib.ZSTD_isError(n):
             return None
         return ctx.out[:n].tobytes()
+
+    def compress(self, src: np.ndarray, level: int, streams: int = 1) -> bytes | None:
+        """One zstd frame of `src` (contiguous uint8) without matches; None on any failure.
+
+        With streams > 1, `src` is that many equal byte streams (a byte-shuffled block) and
+        no zstd block spans two of them: each stream gets its own blocks, and so its own
+        Huffman table or none. zstd's 128 KiB blocks fall on the stream boundaries only when
+        the stream length is a multiple of 128 KiB; otherwise a block would mix exponent and
+        mantissa bytes and Huffman-code both, which costs ratio and decode speed (a 128 KiB
+        Blosc block, or a chunk's last, shorter block)."""
+        if streams <= 1 or src.size % streams:
+            return self._frame(src, level)
+        n = src.size // streams
+        pieces = [_zstd_frame_header(src.size)]
+        for i in range(streams):
+            frame = self._frame(src[i * n:(i + 1) * n], level)
+            if frame is None:
+                return None
+            try:
+                blocks, last = _zstd_blocks(frame)
+            except (ValueError, IndexError):
+                return None
+            if i < streams - 1:  # the stream's last block is not the frame's last any more
+                pieces += [blocks[:last], bytes([blocks[last] & 0xFE]), blocks[last + 1:]]
+            else:
+                pieces.append(blocks)
+        return b"".join(pieces)
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _zstd_frame_header(content_size: int) -> bytes:
+    """A zstd frame header (RFC 8878): single segment (the window is the content), content
+    size recorded, no dictionary, no checksum."""
+    if content_size < 256:
+        return _ZSTD_MAGIC + bytes([0x20, content_size])
+    if content_size < 65536 + 256:
+        return _ZSTD_MAGIC + bytes([0x60]) + struct.pack("<H", content_size - 256)
+    return _ZSTD_MAGIC + bytes([0xA0]) + struct.pack("<I", content_size)
+
+
+def _zstd_blocks(frame: bytes) -> tuple[memoryview, int]:
+    """The blocks of a zstd frame (without checksum) and the offset of its last block's header."""
+    view = memoryview(frame)
+    descriptor = frame[4]
+    if frame[:4] != _ZSTD_MAGIC or descriptor & 0x4:
+        raise ValueError("not a zstd frame without checksum")
+    single_segment = (descriptor >> 5) & 1
+    size_field = (single_segment, 2, 4, 8)[descriptor >> 6]
+    start = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3] + size_field
+    pos = start
+    while True:
+        header = int.from_bytes(view[pos:pos + 3], "little")
+        if header & 1:
+            return view[start:], pos - start
+        pos += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)
 
 
 def literals_only_available() -> bool:
@@ -310,7 +367,7 @@ def blosc_zstd_compress(data: np.ndarray, *, typesize: int, shuffle: bool, block
     for b in range(nblocks):
         block = raw[b * bsize:(b + 1) * bsize]
         src = _byte_shuffle(block, scratch) if shuffle else block
-        stream = literals.compress(src, level) if literals is not None else None
+        stream = literals.compress(src, level, typesize if shuffle else 1) if literals is not None else None
         if stream is None:
             stream = zstd.compress(src)
         if len(stream) >= len(src):  # incompressible: the block as is (what c-blosc does)
