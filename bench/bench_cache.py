@@ -18,7 +18,8 @@ For each kind and codec (bf16, fp8, raw) it prints, as a Markdown table:
                   (fp8 quantized beforehand, on the GPU when there is one, as extraction does),
                   for information
   decode          GB/s of decoded bf16 per core: CacheReader.read_sample over all samples, one
-                  thread, data hot in the page cache
+                  thread, data hot in the page cache; median of --decode-passes rounds, each
+                  round reading every cache once (so a slow spell of the host hits all alike)
   random read     GB/s of CacheReader.read_sample in a random sample order vs reading the same
                   samples from a flat uint16 np.memmap into a torch tensor, cold (page cache
                   evicted with posix_fadvise DONTNEED, best effort) and hot (second pass), reader
@@ -318,29 +319,15 @@ def bench_kind(
                          args.part_tokens)
         del stored
         size = du(path)
-        peak[0] = max(peak[0], size + flat.stat().st_size)
+        peak[1] += size  # caches kept for the decode rounds
+        peak[0] = max(peak[0], peak[1] + flat.stat().st_size)
         torch.set_num_threads(1)
-        # decode: data hot (just written), parts already open as in a running loader
-        reader = CacheReader(path)
-        for p in range(len(reader.parts)):
-            reader.read_tokens(p, 0, 1)
-        # Median of --decode-passes passes each: one pass is a fraction of a second, and a
-        # shared host's slow spells would otherwise decide the figure. fp8 gets one pass: its
-        # CPU decode (torch's fp8 cast) is slow and not the trainer's path (it dequantizes on
-        # the GPU).
-        everything = list(range(len(lengths)))
-        passes = 1 if codec.has_scale else args.decode_passes
-        load = HostLoad()
-        cpu: list[float] = []
-        dec_fresh = statistics.median(read_reader(reader, everything) for _ in range(passes))
-        dec = statistics.median(read_reader(reader, everything, reuse=True, cpu=cpu) for _ in range(passes))
-        dec_cpu = statistics.median(cpu)
-        reader.close()
         # Random reads, reader and memmap in turn for --read-rounds rounds (the order flips each
         # round): a slow spell of a shared host then lands on both alike. Cold: page cache
         # evicted and a fresh reader / memmap (their open cost included); hot: a second pass.
         # Reported: medians, and the median of the rounds' reader/memmap ratios.
         res: dict[str, list[float]] = {k: [] for k in ("cold_r", "cold_m", "hot_r", "hot_m")}
+        load = HostLoad()
         for rnd in range(args.read_rounds):
             evict(path)
             evict(flat)
@@ -356,15 +343,48 @@ def bench_kind(
         host = load.summary()
         torch.set_num_threads(args.threads)
         rows.append({"kind": name, "codec": codec_name, "ratio": acts.numel() * 2 / size, "bytes": size,
-                     "encode": enc, "write": wr, "decode": dec, "decode_cpu": dec_cpu, "decode_fresh": dec_fresh,
+                     "encode": enc, "write": wr, "path": path, "samples": len(lengths),
                      **{k: statistics.median(v) for k, v in res.items()},
                      "cold_vs": statistics.median(r / m for r, m in zip(res["cold_r"], res["cold_m"])),
                      "hot_vs": statistics.median(r / m for r, m in zip(res["hot_r"], res["hot_m"])),
                      "host": host})
-        print(f"{name}, {codec_name}: {host}", flush=True)
-        shutil.rmtree(path)
+        print(f"{name}, {codec_name}, random reads: {host}", flush=True)
     flat.unlink()
     return rows
+
+
+def decode_rounds(rows: list[dict], args) -> None:
+    """The decode figures of every cache, in --decode-passes rounds: each round reads every
+    cache once into fresh tensors and once into a reused buffer, starting one cache further on
+    each round. A slow spell of a shared host then lands on a round of every cache rather than
+    on all passes of one (the figure is the median over rounds). Data hot in the page cache,
+    parts already open as in a running loader. fp8 gets one pass: its CPU decode (torch's fp8
+    cast) is slow and not the trainer's path (it dequantizes on the GPU)."""
+    torch.set_num_threads(1)
+    readers = []
+    for row in rows:
+        reader = CacheReader(row["path"])
+        for i in range(row["samples"]):  # untimed: opens the parts, pages the data in
+            reader.read_sample(i, dequantize=False)
+        readers.append(reader)
+        row.update(fresh=[], reuse=[], cpu=[])
+    load = HostLoad()
+    for rnd in range(args.decode_passes):
+        for i in range(len(rows)):
+            j = (i + rnd) % len(rows)
+            row, reader = rows[j], readers[j]
+            if HiddenCodec(name=row["codec"]).has_scale and rnd > 0:
+                continue
+            everything = list(range(row["samples"]))
+            row["fresh"].append(read_reader(reader, everything))
+            row["reuse"].append(read_reader(reader, everything, reuse=True, cpu=row["cpu"]))
+    print(f"decode rounds: {load.summary()}", flush=True)
+    for row, reader in zip(rows, readers):
+        reader.close()
+        row.update(decode=statistics.median(row["reuse"]), decode_cpu=statistics.median(row["cpu"]),
+                   decode_fresh=statistics.median(row["fresh"]),
+                   decode_spread=(min(row["reuse"]), max(row["reuse"])))
+    torch.set_num_threads(args.threads)
 
 
 # -- report -------------------------------------------------------------------------------
@@ -399,12 +419,13 @@ def target(value: float, goal: float | None, unit: str = "") -> str:
 
 def print_table(rows: list[dict]) -> None:
     print("| activations | codec | ratio vs raw bf16 | encode GB/s/core | write GB/s | decode GB/s/core "
-          "| same, per CPU second | decode, fresh buffers | random read cold: reader / memmap "
-          "| hot: reader / memmap | reader vs memmap (hot) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| decode rounds min-max | same, per CPU second | decode, fresh buffers "
+          "| random read cold: reader / memmap | hot: reader / memmap | reader vs memmap (hot) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['codec']} | {target(r['ratio'], TARGET_RATIO.get(r['codec']), 'x')} "
               f"| {r['encode']:.2f} | {r['write']:.2f} | {target(r['decode'], TARGET_DECODE.get(r['codec']))} "
+              f"| {r['decode_spread'][0]:.2f}-{r['decode_spread'][1]:.2f} "
               f"| {r['decode_cpu']:.2f} | {r['decode_fresh']:.2f} "
               f"| {r['cold_r']:.2f} / {r['cold_m']:.2f} (x{r['cold_vs']:.2f}) "
               f"| {r['hot_r']:.2f} / {r['hot_m']:.2f} "
@@ -434,7 +455,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--read-samples", type=int, default=2000, help="random samples read per pass (at most all)")
     p.add_argument("--read-rounds", type=int, default=5, help="rounds of random reads, reader and memmap in turn (median)")
     p.add_argument("--encode-tokens", type=int, default=4096, help="tokens timed for the encode figure")
-    p.add_argument("--decode-passes", type=int, default=5, help="passes over every sample for the decode figures (median; fp8: one)")
+    p.add_argument("--decode-passes", type=int, default=5, help="rounds over every cache for the decode figures (median; fp8: one pass)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads outside timed sections")
     p.add_argument("--workdir", help="where to write the caches (default: the system temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -463,7 +484,7 @@ def main() -> None:
     print("page cache: cold columns after posix_fadvise(DONTNEED) on every file (best effort, not "
           "verified); decode and hot columns read data that is in the page cache.\n")
     rows: list[dict] = []
-    peak = [0]
+    peak = [0, 0]  # peak disk use, bytes of the caches kept
     t0 = time.perf_counter()
     try:
         for kind in args.kinds:
@@ -483,12 +504,13 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown kind {kind!r}: use synthetic and/or model")
             del acts
+        decode_rounds(rows, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print()
     print_table(rows)
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s; peak disk use {peak[0] / 1e6:.0f} MB (the flat file and "
-          "one cache at a time)")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; peak disk use {peak[0] / 1e6:.0f} MB (every cache, and "
+          "one kind's flat file)")
 
 
 if __name__ == "__main__":
