@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="synthetic", help="comma list of synthetic, model (as in bench_cache.py)")
     ap.add_argument("--model-hidden", type=int, default=1024, help="hidden size of the trained model (model kind)")
     ap.add_argument("--train-steps", type=int, default=150, help="training steps of the model (model kind)")
-    ap.add_argument("--widths", default="896,1536,2560,3584,4096",
+    ap.add_argument("--widths", default="128,256,896,1536,2560,3584,4096",
                     help="comma list of layer widths D for the zstd block cut comparison ('' to skip)")
     args = ap.parse_args()
     numcodecs.blosc.use_threads = False
