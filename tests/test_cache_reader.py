@@ -47,6 +47,27 @@ def test_flipped_byte_in_a_chunk_is_named(tmp_path, codec):
         reader.read_sample(2)
 
 
+@pytest.mark.parametrize("row,sample", [(98, 1), (105, 0)])
+def test_damage_outside_the_rows_read_of_a_raw_chunk_is_caught(tmp_path, row, sample):
+    """A raw chunk shared by two samples (rows 96-111: sample 0 ends at row 99) is checked
+    whole when only some of its rows are read: a flipped bit in the other sample's rows fails
+    the read."""
+    cache = tmp_path / "c"
+    make_cache(cache, "raw", parts=1)
+    header = tiny_header("raw")["hidden"]
+    cr, sr, row_bytes = header["chunk_rows"], header["shard_rows"], 2 * 32 * 2
+    path = shard_file(cache, "part-000000", shard=row // sr)
+    data = bytearray(path.read_bytes())
+    n_inner = sr // cr
+    index = np.frombuffer(bytes(data[len(data) - (n_inner * 16 + 4):-4]), dtype="<u8").reshape(n_inner, 2)
+    data[int(index[(row % sr) // cr, 0]) + (row % cr) * row_bytes + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match=r"part 'part-000000' \(array hidden, chunk 6\).*checksum mismatch"):
+        CacheReader(cache).read_sample(sample)
+    other = CacheReader(cache, verify_checksums=False).read_sample(sample)["hidden"]  # unchecked: the rows read are intact
+    np.testing.assert_array_equal(bits(other), bits(make_cache(tmp_path / "again", "raw", parts=1)[sample][2]))
+
+
 def test_truncated_shard_is_named(tmp_path):
     cache = tmp_path / "c"
     make_cache(cache)
