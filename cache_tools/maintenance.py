@@ -21,9 +21,10 @@ import torch
 from tqdm import tqdm
 
 from .codecs import HiddenCodec
-from .errors import CacheCorruptError, CacheError, ConfigMismatchError
+from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
 from .fsio import file_lock
 from .manifest import (
+    HEADER_FILE,
     LOCK_FILE,
     LOG_FILE,
     PARTS_DIR,
@@ -573,7 +574,18 @@ def merge_caches(
     if not paths:
         raise CacheError("merge needs at least one source cache.")
     _check_distinct(dst, paths)
-    readers = [CacheReader(p) for p in paths]
+    readers = []
+    for p in paths:
+        try:
+            readers.append(CacheReader(p))
+        except CacheNotFoundError as e:
+            if not (dst / HEADER_FILE).exists():
+                raise
+            raise CacheNotFoundError(
+                f"{e} Note that merge takes the new cache first (`dflash-cache merge DST SRC...`), and "
+                f"the first argument, {dst}, is an existing cache: if it is meant as a source, name the "
+                "new cache first."
+            ) from None
     first = readers[0].manifest
     base = {k: v for k, v in first.identity().items() if k != "data"}
     for p, r in zip(paths[1:], readers[1:]):

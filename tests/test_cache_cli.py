@@ -175,6 +175,17 @@ def test_merge_cli_merges_and_refuses_different_layers_with_a_clear_message(tmp_
         in flat(bad.output)
 
 
+def test_merge_with_the_destination_last_points_at_the_argument_order(tmp_path):
+    make_cache(tmp_path / "a", parts=1, seed=1)
+    make_cache(tmp_path / "b", parts=1, seed=2)
+    before = {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    res = run("merge", tmp_path / "a", tmp_path / "b", tmp_path / "new")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "merge takes the new cache first" in flat(res.output)
+    assert {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()} == before  # nothing touched
+    assert not (tmp_path / "new").exists()
+
+
 def test_prune_reports_and_removes_leftovers(tmp_path):
     make_cache(tmp_path / "c", parts=2)
     stale = tmp_path / "c/parts/.tmp-part-000009.123.abcd"
