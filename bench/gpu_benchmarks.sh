@@ -30,7 +30,7 @@ for what in "$@"; do
       torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir "$scratch/train" --samples 96 \
         --steps 40 --warmup-steps 8 --compile ;;
     cache)
-      python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 --train-steps 150
+      python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 --train-steps 150 --decode-passes 9
       python3 bench/bench_decode.py --workdir "$scratch" --tokens 32768 --kinds synthetic,model
       python3 bench/bench_codec_options.py --kinds synthetic,model
       python3 bench/bench_write.py --workdir "$scratch" ;;
