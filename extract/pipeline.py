@@ -112,9 +112,11 @@ class StopSignals:
 
     def _handle(self, signum, _frame) -> None:
         if self.signum is not None:
-            if self._on_second is not None:
-                self._on_second()
-            os._exit(128 + signum)
+            try:  # whatever stopping the workers raises (e.g. a SIGCHLD handler), exit at once
+                if self._on_second is not None:
+                    self._on_second()
+            finally:
+                os._exit(128 + signum)
         self.signum = signum
         print(
             f"\n{signal.Signals(signum).name}: finishing the parts in progress, then exiting "

@@ -24,9 +24,14 @@ class StopRequest:
         if self.signum:
             sys.stderr.write(f"\nSecond {signal.Signals(signum).name}: exiting now without a checkpoint.\n")
             sys.stderr.flush()
-            for child in multiprocessing.active_children():  # DataLoader workers ignore signals
-                child.kill()
-            os._exit(EXIT_STATUS.get(signum, 128 + signum))
+            try:
+                # torch's DataLoader watches its workers through SIGCHLD and raises when one dies;
+                # that handler would run inside this one and turn the exit into a traceback.
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for child in multiprocessing.active_children():  # DataLoader workers ignore signals
+                    child.kill()
+            finally:
+                os._exit(EXIT_STATUS.get(signum, 128 + signum))
         self.signum = signum
         sys.stderr.write(f"\n{signal.Signals(signum).name} received: finishing this step, writing a "
                          "checkpoint, then exiting (send it again to exit at once).\n")

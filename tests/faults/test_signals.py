@@ -202,3 +202,56 @@ def test_train_second_signal_exits_at_once_and_stops_the_workers(zygote, world, 
     assert "exiting now without a checkpoint" in text
     assert complete_checkpoints(out) == []  # the save in progress never became a checkpoint
     finish_training(zygote, world, config, out)
+
+
+_SECOND_SIGNAL_SCRIPT = r"""
+import multiprocessing, os, signal, sys, time
+from dflash.train.signals import StopRequest
+
+def sleeper():
+    time.sleep(60)
+
+class RaisingChild:
+    # What torch's DataLoader does when a worker dies: its SIGCHLD handler raises RuntimeError,
+    # and it may run in the middle of the kill loop.
+    def kill(self):
+        raise RuntimeError("DataLoader worker is killed by signal: Killed.")
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("fork").Process(target=sleeper)
+    child.start()
+    print(child.pid, flush=True)
+    signal.signal(signal.SIGCHLD, lambda *a: (_ for _ in ()).throw(RuntimeError("worker died")))
+    real = multiprocessing.active_children
+    multiprocessing.active_children = lambda: real() + [RaisingChild()]
+    with StopRequest():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    print("not reached", flush=True)
+"""
+
+
+def test_train_second_signal_exits_with_its_status_even_if_stopping_a_worker_raises(tmp_path):
+    """The second signal's exit must not turn into a traceback (status 1) when killing the
+    DataLoader workers raises, as torch's SIGCHLD handler does when it sees a worker die."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "second_signal.py"
+    script.write_text(_SECOND_SIGNAL_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout, proc.stderr
+    assert "Second SIGTERM: exiting now without a checkpoint." in proc.stderr
+    child = int(proc.stdout.split()[0])
+
+    def gone() -> bool:  # exited, or a zombie waiting for init to reap it
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_until(gone, what="the worker to be gone")
