@@ -14,7 +14,8 @@ frames, zstd level 1 with a 64-entry hash table and 7-byte minimum matches). On 
 whose exponent bytes are near-random symbols from a small alphabet, zstd's matches save little
 and are what its decoder is slow on: without them a chunk decodes 1.2-1.6x faster per core than
 c-blosc's packing, for the same ratio on synthetic activations and ~5 % less on a trained
-model's (docs/BENCHMARKS.md).
+model's (docs/BENCHMARKS.md). The frame's zstd blocks are cut where a shuffled block's high
+bytes begin, so that the near-random low bytes never share a Huffman table with the exponents.
 """
 
 from __future__ import annotations
