@@ -278,7 +278,10 @@ class _PartFiles:
         return m, idx
 
     def read_rows(self, array: str, start: int, stop: int, out: np.ndarray) -> None:
-        """Decode rows [start, stop) of a chunked array into `out` (shape [stop-start, ...])."""
+        """Decode rows [start, stop) of a chunked array into `out` (shape [stop-start, ...],
+        C-contiguous: the chunks are decoded into views of it)."""
+        if not out.flags.c_contiguous:
+            raise ValueError("read_rows needs a C-contiguous output array")
         meta = self.array_meta(array)
         cr, rb = meta.chunk_rows, meta.row_bytes
         chunk_bytes = cr * rb
