@@ -6,7 +6,7 @@
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
-#   bash bench/gpu_benchmarks.sh cache     # ~4 min: codec ratios, per-core decode vs the codec's ceiling, other Blosc settings, writer speed
+#   bash bench/gpu_benchmarks.sh cache     # ~6 min: codec ratios, per-core decode vs the codec's ceiling, raw reader vs memmap, other Blosc settings, writer speed
 #   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
 #                                          # (DEMO_DIR=<an earlier dflash-demo --workdir>: ~1 min, eval only)
 # SCRATCH (default /dev/shm/dflash-bench) holds the data; it is removed at the end.
@@ -32,6 +32,7 @@ for what in "$@"; do
     cache)
       python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 --train-steps 150 --decode-passes 9
       python3 bench/bench_decode.py --workdir "$scratch" --tokens 32768 --kinds synthetic,model
+      python3 bench/bench_raw.py --workdir "$scratch"
       python3 bench/bench_codec_options.py --kinds synthetic,model
       python3 bench/bench_write.py --workdir "$scratch" ;;
     eval)
