@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from . import maintenance
+from . import maintenance, rewrite
 from .cliutil import ErrorReportingGroup
 from .codecs import CODEC_NAMES
 
@@ -189,7 +189,7 @@ def stats(cache: str, num_tokens: int, seed: int, outlier_sigma: float, as_json:
         click.echo(f"  {h['min']:>7}-{h['max']:<7} {h['samples']:>8}  {bar}")
 
 
-def _echo_copy(report: maintenance.CopyReport, verb: str) -> None:
+def _echo_copy(report: rewrite.CopyReport, verb: str) -> None:
     ratio = report.raw_bf16_bytes / report.dst_bytes if report.dst_bytes else 0.0
     click.echo(f"{verb} {len(report.written)} parts, {len(report.skipped)} already present (skipped).")
     click.echo(f"{report.dst}: {report.dst_tokens} tokens, {_human_bytes(report.dst_bytes)} "
@@ -216,7 +216,7 @@ def recompress(src: str, dst: str, codec: str, clevel: int, force: bool, progres
     Example:
       dflash-cache recompress runs/cache runs/cache-fp8 --codec fp8
     """
-    report = maintenance.recompress_cache(src, dst, codec=codec, clevel=clevel, force=force, progress=progress)
+    report = rewrite.recompress_cache(src, dst, codec=codec, clevel=clevel, force=force, progress=progress)
     _echo_copy(report, "Recompressed")
 
 
@@ -237,7 +237,7 @@ def merge(dst: str, srcs: tuple[str, ...], force: bool, progress: bool | None) -
     Example:
       dflash-cache merge runs/cache-all runs/cache-math runs/cache-code
     """
-    report = maintenance.merge_caches(dst, list(srcs), force=force, progress=progress)
+    report = rewrite.merge_caches(dst, list(srcs), force=force, progress=progress)
     _echo_copy(report, "Merged")
 
 

@@ -51,7 +51,7 @@ def test_fp8_batches_travel_as_bytes_and_dequantize_to_the_same_values(tmp_path)
 
 
 def test_training_from_an_fp8_cache_runs_to_the_end_and_exports(tmp_path_factory, tmp_path):
-    from dflash.cache_tools.maintenance import recompress_cache
+    from dflash.cache_tools.rewrite import recompress_cache
     from dflash.train.loop import train
     from test_train_support import build_tiny_world, tiny_train_config
 

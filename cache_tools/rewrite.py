@@ -1,0 +1,195 @@
+"""Caches written anew from others: `recompress` (another codec) and `merge` (several
+caches of the same target and settings into one).
+
+Part of the logic behind `dflash-cache` (see `maintenance`): the functions raise `CacheError`
+subclasses for problems that stop them and return a `CopyReport` that the CLI prints. Both
+commit part by part through `CacheWriter`, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .codecs import HiddenCodec
+from .errors import CacheError, CacheNotFoundError, ConfigMismatchError
+from .maintenance import progress_bar, raw_bf16_bytes
+from .manifest import HEADER_FILE
+from .reader import CacheReader
+from .writer import CacheWriter, PartWriter
+
+
+def _same_storage(a: HiddenCodec, b: HiddenCodec) -> bool:
+    """Whether stored hidden arrays can be passed through unchanged (only re-compressed)."""
+    return a.has_scale == b.has_scale
+
+
+def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCodec) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(sample_id, add_sample keyword arguments) for every sample of one part, in order.
+
+    When both codecs store the same thing (bf16 bits, or fp8 bytes with their scales) the
+    stored arrays pass through untouched, so a copy is exact; otherwise samples are decoded
+    to bf16 and re-encoded by the writer.
+    """
+    m = reader.manifest
+    pf = reader.part_arrays(part_idx)
+    rec = reader.parts[part_idx]
+    passthrough = _same_storage(m.codec, dst_codec)
+    offsets = np.concatenate([[0], np.cumsum(rec.lengths, dtype=np.int64)])
+    sample_ids = pf.small_array("sample_ids")
+    for j, sid in enumerate(sample_ids.tolist()):
+        start, stop = int(offsets[j]), int(offsets[j + 1])
+        if passthrough:
+            kw: dict[str, Any] = {
+                "input_ids": pf.small_array("input_ids")[start:stop],
+                "loss_mask": pf.small_array("loss_mask")[start:stop],
+            }
+            for name in ("hidden", "last_hidden") if m.store_last_hidden else ("hidden",):
+                meta = pf.array_meta(name)
+                arr = np.empty((stop - start, meta.shape[1]), dtype=meta.dtype)
+                pf.read_rows(name, start, stop, arr)
+                kw[name] = arr
+                if m.codec.has_scale:
+                    kw[name + "_scale"] = pf.small_array(name + "_scale")[start:stop]
+            if m.topk:
+                for name, dt in (("topk_ids", np.int32), ("topk_logprobs", np.float32)):
+                    arr = np.empty((stop - start, m.topk), dtype=dt)
+                    pf.read_rows(name, start, stop, arr)
+                    kw[name] = arr
+        else:
+            got = reader.read_tokens(part_idx, start, stop)
+            kw = {"input_ids": got["input_ids"], "loss_mask": got["loss_mask"], "hidden": got["hidden"]}
+            for name in ("last_hidden", "topk_ids", "topk_logprobs"):
+                if name in got:
+                    kw[name] = got[name]
+        yield sid, kw
+
+
+def _copy_part(reader: CacheReader, part_idx: int, pw: PartWriter, dst_codec: HiddenCodec) -> None:
+    for sid, kw in _iter_part_samples(reader, part_idx, dst_codec):
+        pw.add_sample(sid, **kw)
+    pw.stats.update(reader.parts[part_idx].stats)
+
+
+@dataclass
+class CopyReport:
+    """What recompress or merge did: parts written now, parts already there, sizes."""
+
+    dst: Path
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    src_bytes: int = 0
+    dst_bytes: int = 0
+    dst_tokens: int = 0
+    raw_bf16_bytes: int = 0
+
+
+def _copy_parts(
+    jobs: list[tuple[CacheReader, int, str]], writer: CacheWriter, report: CopyReport, desc: str,
+    progress: bool | None,
+) -> None:
+    done = writer.committed()
+    with progress_bar(sum(r.parts[i].tokens for r, i, _ in jobs), desc, "tok", progress) as bar:
+        for reader, i, name in jobs:
+            if name in done:
+                report.skipped.append(name)
+            else:
+                with writer.part_writer(name) as pw:
+                    _copy_part(reader, i, pw, writer.codec)
+                (report.written if pw.committed else report.skipped).append(name)
+            reader.part_arrays(i).close()
+            bar.update(reader.parts[i].tokens)
+    final = writer.manifest()
+    report.dst_bytes, report.dst_tokens, report.raw_bf16_bytes = final.nbytes, final.num_tokens, raw_bf16_bytes(final)
+
+
+def _check_distinct(dst: Path, srcs: list[Path]) -> None:
+    for s in srcs:
+        if dst.resolve() == s.resolve():
+            raise CacheError(f"The destination {dst} is also a source: write into a new directory.")
+
+
+def recompress_cache(
+    src: str | os.PathLike, dst: str | os.PathLike, *, codec: str, clevel: int = 1, force: bool = False,
+    progress: bool | None = None,
+) -> CopyReport:
+    """Write a copy of `src` with another hidden-state codec: same parts, same sample ids.
+
+    Resumable: parts already committed in `dst` are skipped, so rerunning after an
+    interruption finishes the job. A `dst` written with other settings is refused.
+    """
+    src, dst = Path(src), Path(dst)
+    _check_distinct(dst, [src])
+    reader = CacheReader(src)
+    new_codec = HiddenCodec(name=codec, clevel=clevel)
+    header = copy.deepcopy(reader.manifest.header)
+    header["hidden"]["codec"] = new_codec.to_dict()
+    header["hidden"]["storage_dtype"] = new_codec.storage_dtype.name
+    header["producer"] = {**header.get("producer", {}), "recompressed_from": reader.manifest.codec.to_dict()}
+    writer = CacheWriter(dst, header, force=force)
+    report = CopyReport(dst=dst, src_bytes=reader.manifest.nbytes)
+    jobs = [(reader, i, p.name) for i, p in enumerate(reader.parts)]
+    _copy_parts(jobs, writer, report, "recompress", progress)
+    return report
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) for every leaf where two identities differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(set(a) | set(b)) for d in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
+
+
+def merge_caches(
+    dst: str | os.PathLike, srcs: list[str | os.PathLike], *, force: bool = False, progress: bool | None = None,
+) -> CopyReport:
+    """Merge caches of the same target, layers, codec and settings into one new cache.
+
+    Part `p` of the i-th source becomes `s{i}-p`; sample ids are kept (the part prefix tells
+    the source). The merged header's data section lists the sources. Resumable like recompress.
+    """
+    dst, paths = Path(dst), [Path(s) for s in srcs]
+    if not paths:
+        raise CacheError("merge needs at least one source cache.")
+    _check_distinct(dst, paths)
+    readers = []
+    for p in paths:
+        try:
+            readers.append(CacheReader(p))
+        except CacheNotFoundError as e:
+            if not (dst / HEADER_FILE).exists():
+                raise
+            raise CacheNotFoundError(
+                f"{e} Note that merge takes the new cache first (`dflash-cache merge DST SRC...`), and "
+                f"the first argument, {dst}, is an existing cache: if it is meant as a source, name the "
+                "new cache first."
+            ) from None
+    first = readers[0].manifest
+    base = {k: v for k, v in first.identity().items() if k != "data"}
+    for p, r in zip(paths[1:], readers[1:]):
+        other = {k: v for k, v in r.manifest.identity().items() if k != "data"}
+        diffs = _diff(base, other)
+        if diffs:
+            shown = "; ".join(f"{key} ({a!r} in {paths[0]}, {b!r} in {p})" for key, a, b in diffs[:6])
+            raise ConfigMismatchError(
+                f"Cannot merge {p} with {paths[0]}: they differ in {shown}{'; ...' if len(diffs) > 6 else ''}. Only caches "
+                "of the same target model, target_layer_ids, codec and extraction settings can be merged; "
+                "recompress one of them (for a codec difference) or train from them separately."
+            )
+    header = copy.deepcopy(first.header)
+    header["data"] = {"merged_from": [
+        {"prefix": f"s{i}", "source": str(p.resolve()), "data": r.manifest.header.get("data", {}),
+         "parts": len(r.parts), "samples": r.manifest.num_samples, "tokens": r.manifest.num_tokens}
+        for i, (p, r) in enumerate(zip(paths, readers))
+    ]}
+    writer = CacheWriter(dst, header, force=force)
+    report = CopyReport(dst=dst, src_bytes=sum(r.manifest.nbytes for r in readers))
+    jobs = [(r, j, f"s{i}-{rec.name}") for i, r in enumerate(readers) for j, rec in enumerate(r.parts)]
+    _copy_parts(jobs, writer, report, "merge", progress)
+    return report
