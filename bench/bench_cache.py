@@ -373,7 +373,7 @@ def decode_rounds(rows: list[dict], args) -> None:
         for i in range(len(rows)):
             j = (i + rnd) % len(rows)
             row, reader = rows[j], readers[j]
-            if HiddenCodec(name=row["codec"]).has_scale and rnd > 0:
+            if rnd > 0 and row["codec"] == "fp8":  # one pass (see above)
                 continue
             everything = list(range(row["samples"]))
             row["fresh"].append(read_reader(reader, everything))

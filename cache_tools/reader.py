@@ -124,6 +124,13 @@ class _Where:
         return self.part.where(self.array, f", chunk {self.chunk}")
 
 
+def _checksum_mismatch(what: str | _Where) -> CacheCorruptError:
+    return CacheCorruptError(
+        f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
+        "verify` to list every damaged chunk, then re-extract the part."
+    )
+
+
 class _PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
@@ -189,10 +196,7 @@ class _PartFiles:
             raise CacheCorruptError(f"{what}: chunk is shorter than its checksum (truncated).")
         body = buf[:-4]
         if self.verify and crc32c.crc32c(body) != int.from_bytes(buf[-4:], "little"):
-            raise CacheCorruptError(
-                f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
-                "verify` to list every damaged chunk, then re-extract the part."
-            )
+            raise _checksum_mismatch(what)
         return body
 
     def _decode(self, buf: memoryview, meta: ArrayMeta, nbytes: int, what: str | _Where, out=None):
@@ -254,10 +258,7 @@ class _PartFiles:
             if lo < hi:
                 out[lo - offset: hi - offset] = src[lo:hi]
         if crc != int.from_bytes(buf[chunk_bytes:], "little"):
-            raise CacheCorruptError(
-                f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
-                "verify` to list every damaged chunk, then re-extract the part."
-            )
+            raise _checksum_mismatch(what)
 
     def shard_index(self, array: str, shard: int, meta: ArrayMeta) -> tuple[mmap.mmap, np.ndarray]:
         key = f"c/{shard}" + "/0" * (len(meta.shape) - 1)
