@@ -45,11 +45,12 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-import crc32c
 import numcodecs
 import numcodecs.blosc
 import numpy as np
 import torch
+from dflash.cache_tools.checksum import IMPLEMENTATION as CHECKSUM
+from dflash.cache_tools.checksum import crc32c
 from dflash.cache_tools.codecs import HiddenCodec, quantize_fp8
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.reader import CacheReader
@@ -185,7 +186,7 @@ def encode_throughput(acts: torch.Tensor, codec: HiddenCodec, k: int, chunk_rows
             data = q.numpy()
         else:
             data = chunk.view(torch.int16).numpy().view(np.uint16)
-        crc32c.crc32c(codec.compress(data))
+        crc32c(codec.compress(data))
     return acts.numel() * 2 / (time.perf_counter() - t0) / 1e9
 
 
@@ -407,7 +408,7 @@ def environment() -> list[str]:
     return [
         f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"machine: {platform.node()}, {cpu}, {cores} usable cores, {platform.system()} {platform.release()}",
-        f"python {platform.python_version()}, {versions}; dflash-pipeline {commit}",
+        f"python {platform.python_version()}, {versions}; checksum {CHECKSUM}; dflash-pipeline {commit}",
     ]
 
 

@@ -25,13 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import crc32c
 import numcodecs.blosc
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cache  # noqa: E402
+from dflash.cache_tools.checksum import crc32c  # noqa: E402
 from dflash.cache_tools.codecs import HiddenCodec  # noqa: E402
 from dflash.cache_tools.reader import CacheReader  # noqa: E402
 
@@ -82,7 +82,7 @@ def measure(acts: torch.Tensor, k: int, d: int, args: argparse.Namespace, work: 
 
     def crc_all():
         for c in chunks:
-            crc32c.crc32c(c[:-4])
+            crc32c(c[:-4])
 
     def timed(fn) -> float:
         t = time.perf_counter()

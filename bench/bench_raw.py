@@ -3,14 +3,17 @@
 A raw chunk is copied as it is, so the reader's only work beyond the memmap's copy is the
 crc32c of every chunk it touches. The reader checks and copies a chunk in pieces of
 `reader._RAW_PIECE` bytes (256 KiB), so that each piece is copied while the checksum has just
-brought it into the CPU cache. This bench writes a raw cache of synthetic activations (K=5,
-widths --widths, 128-row chunks, the sample lengths of bench_cache.py) and reads every sample
-in a random order, in turn for --rounds rounds:
+brought it into the CPU cache, and computes crc32c with crc32c-rs (`cache_tools.checksum`).
+This bench writes a raw cache of synthetic activations (K=5, widths --widths, 128-row chunks,
+the sample lengths of bench_cache.py) and reads every sample in a random order, in turn for
+--rounds rounds:
   pieces        CacheReader.read_sample, as shipped
-  whole chunk   the same with the piece as large as the chunk: check all, then copy
+  crc32c pkg    the same with the crc32c package's checksum (SSE4.2 crc32 loop) instead
+  whole chunk   the same as shipped with the piece as large as the chunk: check all, then copy
   memmap        the same rows from a flat uint16 np.memmap into a torch tensor
 All one thread, data in the page cache, fresh tensors per sample on every side (as
-bench_cache.py's random reads). Printed: medians (GB/s) and the median of the rounds' ratios.
+bench_cache.py's random reads). Printed: medians (GB/s) and the medians of the rounds' ratios
+to the memmap.
 
     python bench/bench_raw.py --workdir /dev/shm
 """
@@ -22,13 +25,16 @@ import shutil
 import statistics
 import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cache  # noqa: E402
+from dflash.cache_tools import checksum  # noqa: E402
 from dflash.cache_tools import reader as reader_module  # noqa: E402
 from dflash.cache_tools.codecs import HiddenCodec  # noqa: E402
 
@@ -47,26 +53,32 @@ def run_width(d: int, args: argparse.Namespace, work: Path) -> None:
     acts.view(torch.int16).numpy().tofile(flat)
     mm = np.memmap(flat, dtype=np.uint16, mode="r", shape=tuple(acts.shape))
     reader = reader_module.CacheReader(path)
-    shipped = reader_module._RAW_PIECE
+    shipped, shipped_crc = reader_module._RAW_PIECE, reader_module.crc32c
     chunk_bytes = 128 * 5 * d * 2
     for _ in range(2):  # maps opened, pages in the page cache and mapped
         bench_cache.read_reader(reader, order)
-    res: dict[str, list[float]] = {"pieces": [], "whole chunk": [], "memmap": []}
+    variants = {  # name: (piece bytes, checksum function)
+        "pieces": (shipped, shipped_crc),
+        "crc32c pkg": (shipped, crc32c.crc32c),
+        "whole chunk": (chunk_bytes, shipped_crc),
+    }
+    res: dict[str, list[float]] = {k: [] for k in (*variants, "memmap")}
+    keys = list(res)
     try:
         for rnd in range(args.rounds):
-            for key in (("pieces", "whole chunk", "memmap") if rnd % 2 else ("memmap", "whole chunk", "pieces")):
+            for key in (keys if rnd % 2 else keys[::-1]):
                 if key == "memmap":
                     res[key].append(bench_cache.read_memmap(mm, offsets, order))
                     continue
-                reader_module._RAW_PIECE = shipped if key == "pieces" else chunk_bytes
+                reader_module._RAW_PIECE, reader_module.crc32c = variants[key]
                 res[key].append(bench_cache.read_reader(reader, order))
     finally:
-        reader_module._RAW_PIECE = shipped
+        reader_module._RAW_PIECE, reader_module.crc32c = shipped, shipped_crc
         reader.close()
-    ratio = {k: statistics.median(a / b for a, b in zip(res[k], res["memmap"])) for k in ("pieces", "whole chunk")}
-    print(f"{d:8d} {chunk_bytes / 2**20:10.2f} {statistics.median(res['pieces']):8.2f} "
-          f"{statistics.median(res['whole chunk']):12.2f} {statistics.median(res['memmap']):8.2f} "
-          f"{ratio['pieces']:16.3f} {ratio['whole chunk']:16.3f}", flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    ratio = {k: statistics.median(a / b for a, b in zip(res[k], res["memmap"])) for k in variants}
+    print(f"{d:8d} {chunk_bytes / 2**20:10.2f} " + " ".join(f"{med[k]:>12.2f}" for k in keys) + " "
+          + " ".join(f"{ratio[k]:>12.3f}" for k in variants), flush=True)
     del mm
     shutil.rmtree(path)
     flat.unlink()
@@ -81,8 +93,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print("\n".join(bench_cache.environment()) + "; one thread")
-    print(f"\n{'width D':>8s} {'chunk MiB':>10s} {'pieces':>8s} {'whole chunk':>12s} {'memmap':>8s} "
-          f"{'pieces/memmap':>16s} {'whole/memmap':>16s}   (GB/s, medians)")
+    names = ("pieces", "crc32c pkg", "whole chunk", "memmap")
+    print(f"checksum: {checksum.IMPLEMENTATION} (shipped) against crc32c {version('crc32c')}")
+    print(f"\n{'width D':>8s} {'chunk MiB':>10s} " + " ".join(f"{k:>12s}" for k in names) + " "
+          + " ".join(f"{k + '/mm':>12s}" for k in names[:3]) + "   (GB/s, medians; ratios to the memmap)")
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-raw-", dir=args.workdir))
     try:
         for d in [int(x) for x in args.widths.split(",") if x]:

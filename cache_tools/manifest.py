@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
+from .checksum import crc32c
 from .codecs import PACKING_ONLY, HiddenCodec
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
 
@@ -64,13 +63,13 @@ class PartRecord:
 
 def encode_log_line(record: PartRecord) -> bytes:
     body = json.dumps(record.to_json(), sort_keys=True, separators=(",", ":"))
-    return f"{body} {crc32c.crc32c(body.encode()):08x}\n".encode()
+    return f"{body} {crc32c(body.encode()):08x}\n".encode()
 
 
 def decode_log_line(line: bytes, where: str) -> PartRecord:
     try:
         body, crc = line.rstrip(b"\n").rsplit(b" ", 1)
-        ok = int(crc, 16) == crc32c.crc32c(body)
+        ok = int(crc, 16) == crc32c(body)
     except ValueError:
         ok = False
     if not ok:

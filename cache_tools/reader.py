@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numcodecs.blosc
 import numpy as np
 import torch
 from numcodecs.zstd import Zstd
 
+from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, dequantize_fp8
 from .errors import CacheCorruptError
 from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
@@ -195,7 +195,7 @@ class _PartFiles:
         if len(buf) < 4:
             raise CacheCorruptError(f"{what}: chunk is shorter than its checksum (truncated).")
         body = buf[:-4]
-        if self.verify and crc32c.crc32c(body) != int.from_bytes(buf[-4:], "little"):
+        if self.verify and crc32c(body) != int.from_bytes(buf[-4:], "little"):
             raise _checksum_mismatch(what)
         return body
 
@@ -253,7 +253,7 @@ class _PartFiles:
         crc, stop = 0, offset + nbytes
         for p in range(0, chunk_bytes, _RAW_PIECE):
             q = min(p + _RAW_PIECE, chunk_bytes)
-            crc = crc32c.crc32c(src[p:q], crc)
+            crc = crc32c(src[p:q], crc)
             lo, hi = max(p, offset), min(q, stop)
             if lo < hi:
                 out[lo - offset: hi - offset] = src[lo:hi]

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 import torch
 import zarr
 
+from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden, small_array_compressors
 from .errors import CacheError
 from .fsio import atomic_write_json, file_lock, fsync_dir, fsync_tree, temp_name
@@ -428,7 +428,7 @@ def _chunk_encoder(codec: HiddenCodec):
 
     def encode(chunk: np.ndarray) -> list[bytes]:
         body = codec.compress(chunk)
-        return [body, crc32c.crc32c(body).to_bytes(4, "little")]
+        return [body, crc32c(body).to_bytes(4, "little")]
 
     return encode
 
@@ -469,7 +469,7 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
             for pieces in encoded:
                 f.writelines(pieces)
             f.write(index_bytes)
-            f.write(crc32c.crc32c(index_bytes).to_bytes(4, "little"))
+            f.write(crc32c(index_bytes).to_bytes(4, "little"))
 
     # Every chunk is queued for encoding on all cores at once (at the end of a run few parts
     # are left, and they are what the run waits for); each shard file is written by its own
