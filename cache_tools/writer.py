@@ -69,14 +69,7 @@ class CacheWriter:
         self._log.refresh()
 
     def _open(self, force: bool) -> None:
-        if (
-            self.cache_dir.is_dir()
-            and not (self.cache_dir / HEADER_FILE).exists()
-            # Another writer may be creating this cache right now: its lock file, parts/ and
-            # the manifest's temporary file are ours, anything else is somebody else's data.
-            and any(p.name not in (PARTS_DIR, LOCK_FILE) and not p.name.startswith(TMP_PREFIX)
-                    for p in self.cache_dir.iterdir())
-        ):
+        if self._holds_foreign_files():
             raise CacheError(
                 f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
                 "write a cache into it. Choose an empty or new directory."
@@ -105,6 +98,20 @@ class CacheWriter:
                 f"{f' ({e.filename})' if e.filename else ''}. Make the directory writable (or free "
                 "space), then rerun."
             ) from e
+
+    def _holds_foreign_files(self) -> bool:
+        """Whether cache_dir holds files but no cache manifest.
+
+        Another writer may be creating this cache right now: its lock file, parts/ and the
+        manifest's temporary file are ours. The manifest is the first of its other files to
+        appear, so it is looked for again after the listing: a listing that caught the new
+        manifest (or the commit log after it) is of a cache, not of somebody else's data.
+        """
+        if not self.cache_dir.is_dir() or (self.cache_dir / HEADER_FILE).exists():
+            return False
+        others = [p.name for p in self.cache_dir.iterdir()
+                  if p.name not in (PARTS_DIR, LOCK_FILE) and not p.name.startswith(TMP_PREFIX)]
+        return bool(others) and not (self.cache_dir / HEADER_FILE).exists()
 
     def _wipe(self) -> None:
         """--force: remove the old cache's manifest and parts (only cache files)."""

@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from cache_utils import bits, random_sample, tiny_header
+from dflash.cache_tools.errors import CacheError
 from dflash.cache_tools.fsio import file_lock
 from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.manifest import LOG_FILE, read_manifest
@@ -178,3 +181,38 @@ def test_opening_a_cache_another_writer_is_creating_does_not_refuse(tmp_path):
     # Under the lock, a manifest temp file is a crashed creator's leftover: swept.
     assert writer.removed_orphans == [".tmp-manifest.json.4242.abcd1234"]
     assert not (cache / ".tmp-manifest.json.4242.abcd1234").exists()
+
+
+def test_a_manifest_written_while_the_directory_is_listed_is_a_cache_not_foreign_data(tmp_path, monkeypatch):
+    """The other rank renames its manifest into place (and opens the commit log) after this
+    writer looked for a manifest but before it listed the directory: the listing shows the
+    manifest, and the writer must join the cache rather than refuse it."""
+    cache = tmp_path / "c"
+    (cache / "parts").mkdir(parents=True)
+    (cache / ".lock").touch()
+    CacheWriter(tmp_path / "other", tiny_header())  # the manifest the other rank writes
+    listing = Path.iterdir
+
+    def iterdir_while_the_other_rank_commits(self):
+        if self == cache and not (cache / "manifest.json").exists():
+            shutil.copy(tmp_path / "other" / "manifest.json", cache / "manifest.json")
+            (cache / LOG_FILE).touch()
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir_while_the_other_rank_commits)
+    writer = CacheWriter(cache, tiny_header())
+    monkeypatch.undo()
+    with writer.part_writer("part-000000") as pw:
+        pw.add_sample(0, *random_sample(torch.Generator().manual_seed(0), 5, 64))
+    assert [p.name for p in read_manifest(cache).parts] == ["part-000000"]
+
+
+def test_a_directory_with_a_commit_log_but_no_manifest_is_refused(tmp_path):
+    """A cache whose manifest was deleted keeps its parts and commit log: no new manifest is
+    written over them."""
+    cache = tmp_path / "c"
+    (cache / "parts").mkdir(parents=True)
+    (cache / LOG_FILE).write_text("")
+    with pytest.raises(CacheError, match="is not empty and holds no cache manifest"):
+        CacheWriter(cache, tiny_header())
+    assert not (cache / "manifest.json").exists()
