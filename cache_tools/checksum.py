@@ -4,8 +4,8 @@ It is the checksum of zarr's `crc32c` codec, so caches stay readable by zarr. cr
 picks the fastest kernel the CPU offers (on x86-64 with AVX-512 and VPCLMULQDQ it folds
 64 bytes per step: ~3x the SSE4.2 `crc32` loop of the crc32c package on data in the CPU
 cache). The raw reader's only work beyond a copy is this checksum, so its speed is the
-reader's. Where crc32c-rs is not installed, the crc32c package (which zarr itself uses)
-computes the same values.
+reader's. Where crc32c-rs is not installed (it has wheels for Python >= 3.11), the crc32c
+package, which zarr itself uses, computes the same values.
 """
 
 from __future__ import annotations
