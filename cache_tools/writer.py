@@ -107,7 +107,7 @@ class CacheWriter:
         appear, so it is looked for again after the listing: a listing that caught the new
         manifest (or the commit log after it) is of a cache, not of somebody else's data.
         """
-        if not self.cache_dir.is_dir() or (self.cache_dir / HEADER_FILE).exists():
+        if not self.cache_dir.is_dir():
             return False
         others = [p.name for p in self.cache_dir.iterdir()
                   if p.name not in (PARTS_DIR, LOCK_FILE) and not p.name.startswith(TMP_PREFIX)]

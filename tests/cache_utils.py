@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
+from dflash.cache_tools.writer import CacheWriter
 
 
 def tiny_header(codec: str = "bf16", *, layers=(1, 3), hidden_size: int = 32, chunk_rows: int = 16,
@@ -30,3 +31,22 @@ def random_sample(gen: torch.Generator, length: int, width: int, *, outliers: bo
 
 def bits(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().view(torch.int16).numpy()
+
+
+def make_cache(path, codec="bf16", parts=2, length=100):
+    """A cache of `parts` parts of two samples of `length` rows (width 64, K=2 x D=32,
+    16-row chunks, 64-row shards); returns the samples written, in order."""
+    writer = CacheWriter(path, tiny_header(codec))
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for p in range(parts):
+        with writer.part_writer(f"part-{p:06d}") as pw:
+            for s in range(2):
+                sample = random_sample(gen, length, 64)
+                pw.add_sample(p * 10 + s, *sample)
+                samples.append(sample)
+    return samples
+
+
+def shard_file(cache, part, shard=0):
+    return cache / "parts" / part / "hidden" / "c" / str(shard) / "0"

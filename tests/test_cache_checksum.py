@@ -10,12 +10,10 @@ import sys
 import crc32c as crc32c_package
 import numpy as np
 import pytest
-import torch
-from cache_utils import bits, random_sample, tiny_header
+from cache_utils import bits, make_cache, shard_file
 from dflash.cache_tools import checksum, reader, writer
 from dflash.cache_tools.errors import CacheCorruptError
 from dflash.cache_tools.reader import CacheReader
-from dflash.cache_tools.writer import CacheWriter
 
 
 def test_the_installed_checksum_is_crc32c_rs_where_it_has_wheels():
@@ -41,24 +39,12 @@ def test_checksum_continues_across_pieces_as_over_the_whole():
     assert checksum.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
 
 
-def _write(path, codec):
-    cache = CacheWriter(path, tiny_header(codec))
-    gen = torch.Generator().manual_seed(1)
-    samples = []
-    with cache.part_writer("part-000000") as pw:
-        for sid, length in enumerate([1, 17, 100, 64]):
-            sample = random_sample(gen, length, 64)
-            pw.add_sample(sid, *sample)
-            samples.append(sample)
-    return samples
-
-
 @pytest.mark.parametrize("codec", ["bf16", "raw"])
 def test_caches_written_with_one_implementation_read_with_the_other(tmp_path, monkeypatch, codec):
     with monkeypatch.context() as m:
         m.setattr(writer, "crc32c", crc32c_package.crc32c)
-        samples = _write(tmp_path / "by-package", codec)
-    by_rs = _write(tmp_path / "by-rs", codec)
+        samples = make_cache(tmp_path / "by-package", codec, parts=1)
+    by_rs = make_cache(tmp_path / "by-rs", codec, parts=1)
     monkeypatch.setattr(reader, "crc32c", crc32c_package.crc32c)
     for name in ("by-package", "by-rs"):
         got = CacheReader(tmp_path / name)
@@ -75,10 +61,10 @@ def test_caches_written_with_one_implementation_read_with_the_other(tmp_path, mo
 
 
 def test_without_crc32c_rs_the_crc32c_package_checks_the_chunks(tmp_path):
-    _write(tmp_path / "c", "raw")
-    path = tmp_path / "c" / "parts" / "part-000000" / "hidden" / "c" / "0" / "0"
+    make_cache(tmp_path / "c", "raw", parts=1)
+    path = shard_file(tmp_path / "c", "part-000000", shard=2)
     data = bytearray(path.read_bytes())
-    data[3 * (16 * 128 + 4) + 200] ^= 0x10  # chunk 3: rows 48-63, all of sample 2 (rows 18-117)
+    data[200] ^= 0x10  # shard 2's first chunk: rows 128-143, all of sample 1 (rows 100-199)
     path.write_bytes(bytes(data))
     code = (
         "import sys; sys.modules['crc32c_rs'] = None\n"
@@ -88,10 +74,10 @@ def test_without_crc32c_rs_the_crc32c_package_checks_the_chunks(tmp_path):
         "print(checksum.IMPLEMENTATION)\n"
         f"r = CacheReader({str(tmp_path / 'c')!r})\n"
         "r.read_sample(0)\n"
-        "try:\n    r.read_sample(2)\nexcept CacheCorruptError as e:\n    print('caught', e)\n"
+        "try:\n    r.read_sample(1)\nexcept CacheCorruptError as e:\n    print('caught', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0] == "crc32c"
     assert "caught" in out and "checksum mismatch" in out
     with pytest.raises(CacheCorruptError, match="checksum mismatch"):
-        CacheReader(tmp_path / "c").read_sample(2)
+        CacheReader(tmp_path / "c").read_sample(1)

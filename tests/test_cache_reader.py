@@ -9,28 +9,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from cache_utils import bits, random_sample, tiny_header
+from cache_utils import bits, make_cache, shard_file, tiny_header
 from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
 from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line
 from dflash.cache_tools.reader import CacheReader
-from dflash.cache_tools.writer import CacheWriter
-
-
-def make_cache(path, codec="bf16", parts=2, length=100):
-    writer = CacheWriter(path, tiny_header(codec))
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for p in range(parts):
-        with writer.part_writer(f"part-{p:06d}") as pw:
-            for s in range(2):
-                sample = random_sample(gen, length, 64)
-                pw.add_sample(p * 10 + s, *sample)
-                samples.append(sample)
-    return samples
-
-
-def shard_file(cache, part, shard=0):
-    return cache / "parts" / part / "hidden" / "c" / str(shard) / "0"
 
 
 @pytest.mark.parametrize("codec", ["bf16", "raw", "fp8"])
