@@ -2,7 +2,9 @@
 
 For every prompt set it runs target-only decoding and speculative decoding on the same
 prompts in the same process, and reports the acceptance length tau, its histogram,
-tokens/s of both, the speedup, and (greedy) whether the outputs are identical.
+tokens/s of both, the speedup, and (greedy) whether the outputs are identical. Beside the
+drafter it runs prompt lookup (`lookup.py`, n-gram drafting without training) under the same
+verification, so a user sees at once whether the drafter beats the free baseline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import click
 import torch
 from dflash.cache_tools.errors import DflashError, InputError
 
+from .lookup import lookup_generate
 from .speculative import (
     DecodeConfig,
     Generation,
@@ -120,6 +123,10 @@ class EvalSettings:
     """Prompts decoded together (left-padded)."""
     device: str = "cpu"
     """Torch device of the target and the drafter."""
+    baseline: bool = True
+    """Also run prompt lookup (the free baseline) under the same verification."""
+    lookup_ngram: int = 4
+    """Longest n-gram prompt lookup matches (it falls back to shorter ones)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -127,12 +134,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_batches(fn: Any, prompts: list[list[int]], batch_size: int, device: torch.device) -> tuple[list[Generation], float]:
+def _timed_batches(decode: Any, prompts: list[list[int]], config: DecodeConfig, batch_size: int,
+                   device: torch.device) -> tuple[list[Generation], float]:
+    """`decode(batch, config)` over `prompts` in batches: the generations and the wall time."""
     out: list[Generation] = []
     _sync(device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        out.extend(fn(prompts[i : i + batch_size]))
+        out.extend(decode(prompts[i : i + batch_size], config))
     _sync(device)
     return out, time.perf_counter() - start
 
@@ -140,30 +149,48 @@ def _timed_batches(fn: Any, prompts: list[list[int]], batch_size: int, device: t
 def evaluate_prompt_set(
     model: Any, drafter: Any, prompts: list[list[int]], config: DecodeConfig, settings: EvalSettings
 ) -> dict[str, Any]:
-    """Target-only and speculative decoding of `prompts`; tau, speed and the lossless check."""
+    """Target-only and speculative decoding of `prompts` (and prompt lookup, the baseline, unless
+    `settings.baseline` is off); tau, speed and the lossless check of each."""
     device = torch.device(settings.device)
-    # Warm up both paths (kernels, allocator) so that neither timing pays for it.
+    decoders = {"speculative": lambda batch, cfg: speculative_generate(model, drafter, batch, cfg)}
+    if settings.baseline:
+        decoders["prompt_lookup"] = lambda batch, cfg: lookup_generate(model, batch, cfg, max_ngram=settings.lookup_ngram)
+    # Warm up every path (kernels, allocator) so that no timing pays for it.
     warm = DecodeConfig(**{**asdict(config), "max_new_tokens": min(4, config.max_new_tokens)})
     target_generate(model, prompts[:1], warm)
-    speculative_generate(model, drafter, prompts[:1], warm)
+    for decode in decoders.values():
+        decode(prompts[:1], warm)
 
     baseline, target_seconds = _timed_batches(
-        lambda batch: target_generate(model, batch, config), prompts, settings.batch_size, device)
-    speculative, spec_seconds = _timed_batches(
-        lambda batch: speculative_generate(model, drafter, batch, config), prompts, settings.batch_size, device)
+        lambda batch, cfg: target_generate(model, batch, cfg), prompts, config, settings.batch_size, device)
+    target_tps = sum(len(g.tokens) for g in baseline) / max(target_seconds, 1e-9)
+    runs = {}
+    for name, decode in decoders.items():
+        gens, seconds = _timed_batches(decode, prompts, config, settings.batch_size, device)
+        tps = sum(len(g.tokens) for g in gens) / max(seconds, 1e-9)
+        runs[name] = {"gens": gens, "seconds": seconds, "tokens_per_second": tps}
 
-    target_tokens = sum(len(g.tokens) for g in baseline)
-    spec_tokens = sum(len(g.tokens) for g in speculative)
+    spec = runs["speculative"]
     report: dict[str, Any] = {
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
-        "new_tokens": spec_tokens,
-        **acceptance_summary(speculative),
-        "speculative": {"seconds": spec_seconds, "tokens_per_second": spec_tokens / max(spec_seconds, 1e-9)},
-        "target_only": {"seconds": target_seconds, "tokens_per_second": target_tokens / max(target_seconds, 1e-9)},
+        "new_tokens": sum(len(g.tokens) for g in spec["gens"]),
+        **acceptance_summary(spec["gens"]),
+        "speculative": {"seconds": spec["seconds"], "tokens_per_second": spec["tokens_per_second"]},
+        "target_only": {"seconds": target_seconds, "tokens_per_second": target_tps},
+        "speedup": spec["tokens_per_second"] / max(target_tps, 1e-9),
+        "lossless": lossless_check(baseline, spec["gens"], config),
     }
-    report["speedup"] = report["speculative"]["tokens_per_second"] / max(report["target_only"]["tokens_per_second"], 1e-9)
-    report["lossless"] = lossless_check(baseline, speculative, config)
+    if "prompt_lookup" in runs:
+        lookup = runs["prompt_lookup"]
+        report["prompt_lookup"] = {
+            "max_ngram": settings.lookup_ngram,
+            **acceptance_summary(lookup["gens"]),
+            "seconds": lookup["seconds"], "tokens_per_second": lookup["tokens_per_second"],
+            "speedup": lookup["tokens_per_second"] / max(target_tps, 1e-9),
+            "lossless": lossless_check(baseline, lookup["gens"], config),
+        }
+        report["tau_vs_prompt_lookup"] = report["tau"] / max(report["prompt_lookup"]["tau"], 1e-9)
     return report
 
 
@@ -265,7 +292,26 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         for d in lossless.get("divergences", [])[:5]:
             lines.append(f"    prompt {d['prompt']}: token {d['position']}: target {d['target']}, speculative {d['speculative']}")
+        if "prompt_lookup" in r:
+            lines += format_lookup(r)
     return "\n".join(lines)
+
+
+def format_lookup(r: dict[str, Any]) -> list[str]:
+    """The baseline's lines of a prompt set's report: its tau and speedup, and who wins."""
+    p = r["prompt_lookup"]
+    lossless = p["lossless"]
+    check = ("identical to target" if lossless.get("identical") else
+             f"DIVERGED on {lossless.get('divergent_prompts')} prompt(s)") if lossless["checked"] else "not checked (sampling)"
+    ratio = r["tau_vs_prompt_lookup"]
+    verdict = ("the drafter beats the free baseline" if ratio > 1 else
+               "prompt lookup (no training) accepts as much or more: the drafter does not pay for itself")
+    return [
+        f"  prompt lookup (n-gram <= {p['max_ngram']}, the free baseline):",
+        f"    tau:       {p['tau']:.3f}   (drafter/lookup: {ratio:.2f}x, {verdict})",
+        f"    speed:     {p['tokens_per_second']:.1f} tok/s ({p['seconds']:.2f} s), speedup {p['speedup']:.2f}x",
+        f"    lossless:  {check}",
+    ]
 
 
 def _load_config_file(ctx: click.Context, _param: Any, value: str | None) -> str | None:
@@ -300,24 +346,29 @@ def _load_config_file(ctx: click.Context, _param: Any, value: str | None) -> str
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *DTYPES]),
               help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).")
 @click.option("--attn-implementation", default=None, help="Target attention (sdpa, eager, ...).")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Also run prompt lookup (n-gram drafting, no training) under the same verification.")
+@click.option("--lookup-ngram", default=4, show_default=True, type=int,
+              help="Longest suffix n-gram prompt lookup matches (falls back to shorter ones).")
 @click.option("--strict", is_flag=True, help="Exit with status 1 if any greedy output diverges from the target's.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def main(target_model: str, drafter: str, prompt_files: tuple[str, ...], max_new_tokens: int,
          max_prompts: int | None, block_size: int | None, batch_size: int, temperature: float, seed: int,
          stop_token_ids: tuple[int, ...], ignore_eos: bool, device: str, dtype: str,
-         attn_implementation: str | None, strict: bool, as_json: bool) -> None:
+         attn_implementation: str | None, baseline: bool, lookup_ngram: int, strict: bool, as_json: bool) -> None:
     """Speculative decoding of PROMPTS with DRAFTER and TARGET_MODEL: tau, speedup, lossless check."""
     try:
         report = run_eval(
             target_model, drafter, list(prompt_files), max_new_tokens=max_new_tokens, max_prompts=max_prompts,
             block_size=block_size, batch_size=batch_size, temperature=temperature, seed=seed,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, device=device, dtype=dtype,
-            attn_implementation=attn_implementation)
+            attn_implementation=attn_implementation, baseline=baseline, lookup_ngram=lookup_ngram)
     except DflashError as e:
         click.echo(f"dflash-eval: error: {e}", err=True)
         sys.exit(2)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
-    diverged = any(r["lossless"]["checked"] and not r["lossless"]["identical"] for r in report["prompt_sets"])
+    checks = [c for r in report["prompt_sets"] for c in (r["lossless"], r.get("prompt_lookup", {}).get("lossless")) if c]
+    diverged = any(c["checked"] and not c["identical"] for c in checks)
     if diverged:
         click.echo("dflash-eval: speculative output differs from the target's greedy output "
                    "(see docs/eval.md, 'The lossless check').", err=True)
@@ -329,10 +380,13 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
              max_prompts: int | None = None, block_size: int | None = None, batch_size: int = 1,
              temperature: float = 0.0, seed: int = 0, stop_token_ids: tuple[int, ...] = (),
              ignore_eos: bool = False, device: str = "auto", dtype: str = "auto",
-             attn_implementation: str | None = None) -> dict[str, Any]:
+             attn_implementation: str | None = None, baseline: bool = True,
+             lookup_ngram: int = 4) -> dict[str, Any]:
     """The whole evaluation as a function (the CLI and the demo call it); returns the report dict."""
     if batch_size < 1:
         raise EvalError(f"--batch-size must be >= 1, got {batch_size}.")
+    if lookup_ngram < 1:
+        raise EvalError(f"--lookup-ngram must be >= 1 (the longest suffix prompt lookup matches), got {lookup_ngram}.")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     model, drafter, tokenizer = load_models(target_model, drafter_dir, device, torch_dtype, attn_implementation)
@@ -349,12 +403,14 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
     sets = []
     for path in prompt_files:
         prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=max_prompts)
-        result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(batch_size=batch_size, device=device))
+        result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(
+            batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
         sets.append({"name": Path(path).stem, "path": str(path), **result})
     return {
         "settings": {"device": device, "dtype": str(torch_dtype).removeprefix("torch."), "block_size": config.block_size,
                      "trained_block_size": trained, "batch_size": batch_size, "temperature": temperature,
-                     "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops)},
+                     "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops), "baseline": baseline,
+                     "lookup_ngram": lookup_ngram},
         "prompt_sets": sets,
     }
 

@@ -18,6 +18,11 @@ and a validity mask: rejected slots become holes that attention skips, and every
 its true position through explicit `position_ids`. Columns that are holes in every row are
 cropped. A batch of one therefore never has holes and is exactly the textbook loop.
 
+The loop (`verify_generate`) takes its drafts from a `Proposer`: the DFlash drafter here,
+prompt lookup in `lookup.py`. A proposer may propose fewer than B-1 tokens for a row (filler
+after them is never accepted), and the verified block is only as wide as the longest
+proposal, so every method is measured under the same verification.
+
 Greedy decoding (temperature 0) is lossless: the output is the target's own greedy output
 token for token. With temperature > 0 the target samples a token at every verified position
 and a draft is accepted while it equals the target's sample ("sample-and-match"), so every
@@ -256,6 +261,64 @@ class DraftContext:
 # -- the speculative loop ---------------------------------------------------------------------
 
 
+class Proposer:
+    """What the verification loop asks of a drafting method (the DFlash drafter, prompt lookup).
+
+    The loop owns the target, its KV cache and the token bookkeeping; a proposer only turns
+    what is known so far into draft tokens and keeps whatever state it needs in step with the
+    verified columns. Every proposer runs under the same verification, so their acceptance
+    lengths compare like for like.
+    """
+
+    needs_hidden_states: bool = False
+    """True when the proposer reads the target's hidden states (the target then returns them)."""
+
+    def prefill(self, out: Any, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """The target's prefill output over the left-padded prompts (`positions`, `valid` [B, N])."""
+
+    def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
+                histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [B, m] after each row's anchor and how many of them are real ([B], <= m).
+
+        `histories[i]` is row i's (prompt, output so far); the output ends with the anchor.
+        Slots past a row's length are filler that verification never accepts.
+        """
+        raise NotImplementedError
+
+    def update(self, out: Any, block_positions: torch.Tensor, kept: torch.Tensor, unused: int) -> None:
+        """The verify pass's output over the block; `kept` [B, width] marks the verified slots,
+        and the last `unused` columns are dropped everywhere."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (finished sequences leave the batch)."""
+
+
+class DrafterProposer(Proposer):
+    """The DFlash drafter: one pass over `[anchor, MASK x (B-1)]`, the argmax of every slot."""
+
+    needs_hidden_states = True
+
+    def __init__(self, drafter: DFlashDrafter, block_size: int) -> None:
+        self.context = DraftContext(drafter)
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.block_size = block_size
+
+    def prefill(self, out: Any, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        self.context.append(capture_hidden(out.hidden_states, self.layer_ids), positions, valid.bool())
+
+    def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
+                histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts = self.context.draft(anchors, anchor_positions, self.block_size).argmax(dim=-1)
+        return drafts, torch.full_like(anchors, self.block_size - 1)
+
+    def update(self, out: Any, block_positions: torch.Tensor, kept: torch.Tensor, unused: int) -> None:
+        self.context.append(capture_hidden(out.hidden_states, self.layer_ids), block_positions, kept)
+        self.context.crop(unused)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.context.select(rows)
+
+
 @torch.no_grad()
 def speculative_generate(
     model: Any,
@@ -263,26 +326,35 @@ def speculative_generate(
     prompts: Sequence[Sequence[int]],
     config: DecodeConfig,
 ) -> list[Generation]:
-    """Speculative decoding of all `prompts` as one batch (see the module docstring)."""
-    device = next(model.parameters()).device
+    """Speculative decoding of all `prompts` as one batch with the DFlash drafter (see the module docstring)."""
     block_size = config.block_size or drafter.config.block_size
-    layer_ids = list(drafter.config.target_layer_ids)
-    choose = TokenChooser(config.temperature, config.seed, device)
+    return verify_generate(model, DrafterProposer(drafter, block_size), prompts, config)
 
-    # Prefill: the target reads every prompt; its states become the drafter's first context.
+
+@torch.no_grad()
+def verify_generate(
+    model: Any,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
+) -> list[Generation]:
+    """Draft-verify decoding of all `prompts` as one batch, the drafts coming from `proposer`."""
+    device = next(model.parameters()).device
+    choose = TokenChooser(config.temperature, config.seed, device)
+    hidden = proposer.needs_hidden_states
+
+    # Prefill: the target reads every prompt (its states become the drafter's first context).
     ids, mask = _left_pad(prompts, config.pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = _new_kv_cache(model)
     out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
-                   output_hidden_states=True, logits_to_keep=1)
-    context = DraftContext(drafter)
-    context.append(capture_hidden(out.hidden_states, layer_ids), positions, mask.bool())
+                   output_hidden_states=hidden, logits_to_keep=1)
+    proposer.prefill(out, positions, mask.bool())
     anchors = choose(out.logits[:, -1])
     next_pos = mask.sum(-1)  # position of each row's anchor = tokens known so far
     results = [Generation(tokens=[]) for _ in prompts]
     active = list(range(len(prompts)))
     done = [_finish(results[row].tokens, [int(anchors[i])], config) for i, row in enumerate(active)]
-    offsets = torch.arange(block_size, device=device)
 
     while True:
         keep = [i for i, finished in enumerate(done) if not finished]
@@ -291,28 +363,31 @@ def speculative_generate(
         if len(keep) < len(active):
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
-            context.select(index)
+            proposer.select(index)
             mask, anchors, next_pos = mask[index], anchors[index], next_pos[index]
             active = [active[i] for i in keep]
 
-        # Draft: greedy proposals from the drafter's block logits.
-        drafts = context.draft(anchors, next_pos, block_size).argmax(dim=-1)
+        # Draft: `lengths[i]` real proposals per row; filler past them is never accepted.
+        drafts, lengths = proposer.propose(anchors, next_pos, [(prompts[row], results[row].tokens) for row in active])
+        drafts, lengths = drafts.to(device), lengths.to(device)
         block = torch.cat([anchors[:, None], drafts], dim=1)
+        width = block.shape[1]
+        offsets = torch.arange(width, device=device)
         block_pos = next_pos[:, None] + offsets
 
         # Verify: one target pass over the block; target choice after slot k checks slot k+1.
         out = _forward(model, cache, input_ids=block, attention_mask=torch.cat([mask, torch.ones_like(block)], dim=1),
-                       position_ids=block_pos, output_hidden_states=True)
-        chosen = choose(out.logits)  # [B, block]
-        accepted = (drafts == chosen[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]
+                       position_ids=block_pos, output_hidden_states=hidden)
+        chosen = choose(out.logits)  # [B, width]
+        real = offsets[None, : width - 1] < lengths[:, None]
+        accepted = ((drafts == chosen[:, :-1]) & real).long().cumprod(dim=1).sum(dim=1)  # [B]
 
         # Keep the anchor and accepted drafts (slots 0..a); the rest become holes.
         kept = offsets[None, :] <= accepted[:, None]
-        context.append(capture_hidden(out.hidden_states, layer_ids), block_pos, kept)
         mask = torch.cat([mask, kept.long()], dim=1)
-        unused = block_size - 1 - int(accepted.max())
+        unused = width - 1 - int(accepted.max())
+        proposer.update(out, block_pos, kept, unused)
         _crop_kv(cache, unused)
-        context.crop(unused)
         mask = mask[:, : mask.shape[1] - unused]
 
         done = []
