@@ -57,6 +57,45 @@ def test_text_report_and_a_smaller_block(pair):
     assert "block_size=2" in result.stdout
 
 
+def test_prompt_lookup_runs_beside_the_drafter_under_the_same_lossless_check(pair):
+    result = run(pair, "--json", "--strict")
+    assert result.exit_code == 0, result.output
+    [r] = json.loads(result.stdout)["prompt_sets"]
+    lookup = r["prompt_lookup"]
+    assert lookup["max_ngram"] == 4
+    assert lookup["lossless"] == {"checked": True, "identical": True, "divergent_prompts": 0, "divergences": []}
+    assert lookup["tau"] > 1.5  # periodic prompts: lookup copies the period
+    assert sum(lookup["histogram"].values()) == lookup["cycles"]
+    assert lookup["tau"] == pytest.approx(sum(int(k) * v for k, v in lookup["histogram"].items()) / lookup["cycles"])
+    assert r["tau_vs_prompt_lookup"] == pytest.approx(r["tau"] / lookup["tau"])
+    assert lookup["speedup"] == pytest.approx(lookup["tokens_per_second"] / r["target_only"]["tokens_per_second"])
+
+    text = run(pair, "--lookup-ngram", "2").stdout
+    assert "tau (accepted+1 per cycle)" in text and "prompt lookup (n-gram <= 2, the free baseline):" in text
+    assert f"drafter/lookup: {r['tau'] / lookup['tau']:.2f}x" in run(pair).stdout
+    assert text.count("identical to target") == 2  # the drafter's check and the baseline's
+
+    result = run(pair, "--json", "--no-baseline")
+    [r] = json.loads(result.stdout)["prompt_sets"]
+    assert "prompt_lookup" not in r and "tau_vs_prompt_lookup" not in r
+    assert "prompt lookup" not in run(pair, "--no-baseline").stdout
+    assert run(pair, "--lookup-ngram", "0").exit_code == 2
+
+
+def test_strict_exits_1_when_prompt_lookup_output_diverges(pair, monkeypatch):
+    real = eval_cli.lookup_generate
+
+    def corrupted(*args, **kwargs):
+        gens = real(*args, **kwargs)
+        gens[0].tokens[2] += 1
+        return gens
+
+    monkeypatch.setattr(eval_cli, "lookup_generate", corrupted)
+    result = run(pair, "--strict", "--max-prompts", "1")
+    assert result.exit_code == 1
+    assert "DIVERGED on 1 prompt(s)" in result.stdout
+
+
 def test_strict_exits_1_when_speculative_output_diverges(pair, monkeypatch):
     real = eval_cli.speculative_generate
 
