@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import ATTENTION_BACKENDS, AttentionMask, attend
+from .attention import ATTENTION_BACKENDS, AttentionMask, attend, inference_mask
 from .target_weights import (
     TargetWeights,
     default_target_layer_ids,
@@ -29,27 +29,63 @@ from .target_weights import (
     load_target_weights,
 )
 
+# RoPE keys of a target that a drafter does not use. A drafter is a full-rotary Qwen3 block (as in
+# z-lab's model and SGLang); vLLM would rotate only `head_dim * partial_rotary_factor` (or
+# `rope_dim`) of the head and refuses M-RoPE keys for DFlash, so they are never carried over.
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "rope_dim", "mrope_section", "mrope_interleaved", "type")
+
+
+def drafter_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """`params` without the keys a full-rotary drafter does not use, with a rope_type."""
+    out = {k: v for k, v in dict(params).items() if k not in TARGET_ONLY_ROPE_KEYS}
+    out.setdefault("rope_type", params.get("type", "default"))
+    return out
+
 
 def rope_parameters_from_config(config: Any) -> dict[str, Any]:
-    """RoPE settings as one 5.x-style dict `{rope_type, rope_theta, ...}` from any config.
+    """The drafter's RoPE settings as one 5.x-style dict `{rope_type, rope_theta, ...}`.
 
     Accepts transformers 5.x configs (`rope_parameters`), 4.x ones (`rope_theta` +
-    `rope_scaling`) and plain dicts (an export's config.json).
+    `rope_scaling`) and plain dicts (an export's config.json); the target's partial-rotary and
+    M-RoPE keys are dropped (`TARGET_ONLY_ROPE_KEYS`).
     """
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     params = get("rope_parameters")
     if isinstance(params, dict) and "rope_type" not in params and "full_attention" in params:
         params = params["full_attention"]  # per-layer-type RoPE (e.g. Gemma 3): take the global one
     if isinstance(params, dict) and params.get("rope_theta") is not None:
-        out = dict(params)
-        out.setdefault("rope_type", "default")
-        return out
-    scaling = get("rope_scaling") or {}
-    out = {k: v for k, v in dict(scaling).items() if k != "type"}
-    out["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        return drafter_rope_parameters(params)
+    scaling = dict(get("rope_scaling") or {})
     theta = get("rope_theta")
-    out["rope_theta"] = float(theta if theta is not None else 10000.0)
-    return out
+    scaling["rope_theta"] = float(theta if theta is not None else 10000.0)
+    return drafter_rope_parameters(scaling)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
+                     "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
+
+
+def parse_layer_types(spec: str | list[str] | None, num_layers: int) -> list[str]:
+    """Per-draft-layer attention types from `full`, `sliding` or a comma-separated per-layer list
+    (`sliding,sliding,full`; `full_attention`/`sliding_attention` spell the same)."""
+    if spec is None:
+        return ["full_attention"] * num_layers
+    items = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
+    bad = [t for t in items if t not in _LAYER_TYPE_NAMES]
+    if bad or not items:
+        raise ValueError(
+            f"draft layer types {spec!r}: {bad or 'empty'} not one of full, sliding (or a comma-separated "
+            "list of them, one per draft layer)."
+        )
+    if len(items) == 1:
+        items = items * num_layers
+    if len(items) != num_layers:
+        raise ValueError(
+            f"draft layer types {spec!r} name {len(items)} layers but the drafter has {num_layers}; "
+            "give one type for all layers or one per layer."
+        )
+    return [_LAYER_TYPE_NAMES[t] for t in items]
 
 
 @dataclass(kw_only=True)
@@ -88,6 +124,15 @@ class DrafterConfig:
     """Longest position the RoPE settings are meant for (copied from the target)."""
     attention_backend: str = "auto"
     """"sdpa" (dense mask, any device), "flex" (block-sparse, compiled on CUDA) or "auto"."""
+    layer_types: list[str] | None = None
+    """Per draft layer "full_attention" or "sliding_attention" (None: all full)."""
+    sliding_window: int | None = None
+    """Keys a sliding layer's query sees: positions q - sliding_window < j <= q (context and block)."""
+    causal: bool | None = None
+    """Block tokens see only earlier block tokens; None follows the engines' convention: sliding
+    layers causal, full layers bidirectional."""
+    mask_token: str | None = None
+    """The mask token's string in the target tokenizer, when it has one (written to the export)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -120,11 +165,27 @@ class DrafterConfig:
             )
         if "rope_theta" not in self.rope_parameters:
             raise ValueError("rope_parameters must contain rope_theta (the target's RoPE base).")
-        self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
+        self.rope_parameters = drafter_rope_parameters(self.rope_parameters)
+        self.layer_types = parse_layer_types(self.layer_types, self.num_hidden_layers)
+        if "sliding_attention" in self.layer_types:
+            if self.sliding_window is None or int(self.sliding_window) < 1:
+                raise ValueError(
+                    f"sliding draft layers need sliding_window >= 1 (got {self.sliding_window}); "
+                    "pass --draft-sliding-window N."
+                )
+            self.sliding_window = int(self.sliding_window)
+        else:
+            self.sliding_window = None
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
             )
+
+    def layer_attention(self, index: int) -> tuple[int | None, bool]:
+        """(window or None, causal) of draft layer `index`, as the serving engines resolve it."""
+        sliding = self.layer_types[index] == "sliding_attention"
+        causal = sliding if self.causal is None else bool(self.causal)
+        return (self.sliding_window if sliding else None), causal
 
     @property
     def num_context_layers(self) -> int:
@@ -156,9 +217,21 @@ class DrafterConfig:
         return cls(**values)
 
     def to_hf_config(self) -> Any:
-        """A transformers Qwen3Config with the drafter's dimensions (RoPE tables are built from it)."""
+        """A transformers Qwen3Config with the drafter's dimensions (RoPE tables are built from it).
+
+        transformers 5.x reads `rope_parameters`; 4.57 reads `rope_theta` and `rope_scaling`.
+        """
+        import inspect
+
         from transformers import Qwen3Config
 
+        rope = dict(self.rope_parameters)
+        if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
+            rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
+        else:
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            rope_kwargs = {"rope_theta": rope["rope_theta"],
+                           "rope_scaling": scaling if scaling["rope_type"] != "default" else None}
         return Qwen3Config(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -168,9 +241,10 @@ class DrafterConfig:
             head_dim=self.head_dim,
             vocab_size=self.vocab_size,
             rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=dict(self.rope_parameters),
             max_position_embeddings=self.max_position_embeddings,
-            layer_types=["full_attention"] * self.num_hidden_layers,
+            layer_types=list(self.layer_types),
+            sliding_window=self.sliding_window,
+            **rope_kwargs,
         )
 
 
@@ -398,12 +472,26 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(positions, context)
         return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
 
-    def _run_layers(self, block_ids, block_positions, context_kv, mask) -> torch.Tensor:
+    def run_block(self, block_ids, block_positions, context_kv, masks) -> torch.Tensor:
+        """`masks`: one AttentionMask (or None: no mask) per draft layer, or one for all."""
+        if masks is None or isinstance(masks, AttentionMask):
+            masks = [masks] * len(self.layers)
         x = self.embed(block_ids)
         rope = self.rope(block_positions, x)
-        for layer, kv in zip(self.layers, context_kv):
+        for layer, kv, mask in zip(self.layers, context_kv, masks):
             x = layer(x, kv, rope, mask)
         return self.norm(x)
+
+    def block_masks(self, context_positions: torch.Tensor | None, context_valid: torch.Tensor | None,
+                    block_positions: torch.Tensor) -> list[AttentionMask | None]:
+        """Per-layer inference masks of one drafted block (`attention.inference_mask`)."""
+        built: dict[tuple[int | None, bool], AttentionMask | None] = {}
+        kinds = [self.config.layer_attention(i) for i in range(len(self.layers))]
+        for window, causal in kinds:
+            if (window, causal) not in built:
+                built[window, causal] = inference_mask(context_positions, context_valid, block_positions,
+                                                       window=window, causal=causal)
+        return [built[kind] for kind in kinds]
 
     # -- training path ----------------------------------------------------------------------
 
@@ -412,17 +500,17 @@ class DFlashDrafter(nn.Module):
         hidden: torch.Tensor,
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
-        mask: AttentionMask,
+        mask: AttentionMask | list[AttentionMask],
     ) -> torch.Tensor:
         """Normed drafter states [B, Q, D] of all blocks of a batch in one pass.
 
         `hidden` [B, T, K*D] is the context (token t at position t); `block_ids` and
         `block_positions` [B, Q] are the block tokens and their absolute positions; `mask`
-        comes from `attention.build_attention_mask`.
+        comes from `attention.build_layer_masks` (one per layer) or `build_attention_mask`.
         """
         context = self.fuse_context(hidden)
         positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-        return self._run_layers(block_ids, block_positions, self._layer_context_kv(context, positions), mask)
+        return self.run_block(block_ids, block_positions, self._layer_context_kv(context, positions), mask)
 
     # -- inference path ---------------------------------------------------------------------
 
@@ -455,5 +543,7 @@ class DFlashDrafter(nn.Module):
         block_ids = torch.full((batch, c.block_size), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
         block_ids[:, 0] = anchor_ids
         positions = cache.length + torch.arange(c.block_size, device=anchor_ids.device).expand(batch, -1)
-        h = self._run_layers(block_ids, positions, list(zip(cache.keys, cache.values)), None)
+        context_positions = torch.arange(cache.length, device=anchor_ids.device).expand(batch, -1)
+        masks = self.block_masks(context_positions, None, positions)
+        h = self.run_block(block_ids, positions, list(zip(cache.keys, cache.values)), masks)
         return self.logits(h[:, 1:])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import build_attention_mask
+from .attention import build_layer_masks
 from .model import DFlashDrafter
 
 NOISE_TYPES = ("none", "uniform", "gaussian")
@@ -240,9 +240,9 @@ def compute_loss(
         anchors, anchor_valid = sample_anchors(loss_mask, lengths, config.max_anchors, generator)
     block_ids, block_positions = build_blocks(input_ids, anchors, c.mask_token_id, block_size)
     labels, valid = block_targets(input_ids, loss_mask, lengths, anchors, anchor_valid, block_size)
-    mask = build_attention_mask(
-        anchors, hidden.shape[1], block_size, config.attention_backend or c.attention_backend
-    )
+    kinds = [c.layer_attention(i) for i in range(c.num_hidden_layers)]
+    mask = build_layer_masks(anchors, hidden.shape[1], block_size, kinds,
+                             config.attention_backend or c.attention_backend)
     hidden = add_hidden_noise(hidden, config, progress, noise_generator or generator)
     states = drafter(hidden, block_ids, block_positions, mask)  # [B, A*Bs, D]
     states = states.view(anchors.shape[0], anchors.shape[1], block_size, -1)[:, :, 1:]

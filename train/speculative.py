@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from .attention import AttentionMask
 from .model import DFlashDrafter
 
 
@@ -198,6 +197,7 @@ class DraftContext:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.valid: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [B, L] absolute position of every column
 
     @property
     def length(self) -> int:
@@ -212,10 +212,12 @@ class DraftContext:
         new = [layer.self_attn.project_kv(context, cos, sin) for layer in d.layers]
         if self.valid is None:
             self.keys, self.values, self.valid = [k for k, _ in new], [v for _, v in new], valid.bool()
+            self.positions = positions
             return
         self.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, new)]
         self.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, new)]
         self.valid = torch.cat([self.valid, valid.bool()], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
 
     def crop(self, remove: int) -> None:
         """Drop the last `remove` columns."""
@@ -224,20 +226,21 @@ class DraftContext:
             self.keys = [k[:, :, :length] for k in self.keys]
             self.values = [v[:, :, :length] for v in self.values]
             self.valid = self.valid[:, :length]
+            self.positions = self.positions[:, :length]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (finished sequences leave the batch)."""
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         if self.valid is not None:
-            self.valid = self.valid[rows]
+            self.valid, self.positions = self.valid[rows], self.positions[rows]
 
     @torch.no_grad()
     def draft(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """Logits [B, block_size-1, V] of the block after `anchor_ids` [B] at `anchor_positions` [B].
 
         Each block token sees the row's valid context (all of it lies before the anchor) and
-        its whole block, as in training.
+        its block, restricted per layer by its window and causality, as in training.
         """
         d = self.drafter
         if self.valid is None:
@@ -247,15 +250,9 @@ class DraftContext:
         block_ids = torch.full((batch, block_size), d.config.mask_token_id, dtype=torch.long, device=anchor_ids.device)
         block_ids[:, 0] = anchor_ids
         positions = anchor_positions[:, None] + offsets
-        mask = None
-        if not bool(self.valid.all()):
-            sees = torch.cat([self.valid, torch.ones_like(self.valid[:, :1]).expand(-1, block_size)], dim=1)
-            mask = AttentionMask(backend="sdpa", dense=sees[:, None, None, :].expand(-1, 1, block_size, -1))
-        x = d.embed(block_ids)
-        rope = d.rope(positions, x)
-        for layer, k, v in zip(d.layers, self.keys, self.values):
-            x = layer(x, (k, v), rope, mask)
-        return d.logits(d.norm(x)[:, 1:])
+        masks = d.block_masks(self.positions, self.valid, positions)
+        states = d.run_block(block_ids, positions, list(zip(self.keys, self.values)), masks)
+        return d.logits(states[:, 1:])
 
 
 # -- the speculative loop ---------------------------------------------------------------------
