@@ -1,12 +1,11 @@
 """One exception family for the cache.
 
 Every error carries a sentence that says what was wrong, where, and what to do; the CLIs
-catch `DflashError` once and print that sentence as one paragraph.
+catch `DflashError` (the family's base, `dflash.runtime.errors`) once and print that sentence
+as one paragraph.
 """
 
-
-class DflashError(Exception):
-    """Base of every error the pipeline raises on purpose (bad input, bad cache, bad config)."""
+from dflash.runtime.errors import DflashError, InputError  # noqa: F401 (the cache's family shares them)
 
 
 class CacheError(DflashError):
@@ -27,7 +26,3 @@ class ConfigMismatchError(CacheError):
 
 class CacheLockedError(CacheError):
     """Another process holds a lock that this operation needs."""
-
-
-class InputError(DflashError):
-    """A user-supplied file or record is malformed."""

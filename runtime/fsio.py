@@ -1,8 +1,10 @@
-"""Durable file-system helpers: atomic writes, fsync of trees, advisory locks.
+"""Durable file-system helpers: atomic files and directories, fsync, advisory locks.
 
-One place for the commit protocol's primitives so that manifests, parts and checkpoints
-all get the same guarantees: a reader sees either the old file or the new one, never a torn
-one, and a file that was renamed into place survives a power cut.
+One place for the commit protocol's primitives so that manifests, cache parts, checkpoints
+and exports all get the same guarantees: a reader sees either the old file (or directory) or
+the new one, never a torn one; what was renamed into place survives a power cut; what a
+killed process left half-written has a temporary name (`temp_name`) that `sweep_stale_temps`
+recognises and removes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,9 +42,13 @@ def fsync_tree(root: str | os.PathLike) -> None:
         fsync_dir(dirpath)
 
 
+TEMP_PREFIX = ".tmp-"
+LOCK_SUFFIX = ".lock"
+
+
 def temp_name(path: Path) -> Path:
     """A sibling name unique to this process and call, recognisable as temporary."""
-    return path.with_name(f".tmp-{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    return path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -87,3 +94,84 @@ def file_lock(path: str | os.PathLike, *, blocking: bool = True) -> Iterator[boo
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+# -- directories ----------------------------------------------------------------------------
+
+
+def remove_dir(path: str | os.PathLike) -> None:
+    """Delete a directory so that it never looks complete while half deleted: renamed to a
+    temporary name first (`sweep_stale_temps` finishes the job if this process dies)."""
+    path = Path(path)
+    doomed = temp_name(path)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: bool = False) -> None:
+    """Move the finished directory `stage` to `final` atomically and durably.
+
+    Every file below `stage` is fsynced first (unless the caller did: `synced`); an existing
+    `final` is swapped out (then deleted) only once the new one is complete, so a crash leaves
+    the old or the new directory at `final`, never a mix.
+    """
+    stage, final = Path(stage), Path(final)
+    if not synced:
+        fsync_tree(stage)
+    old = None
+    if final.exists():
+        old = temp_name(final)
+        os.replace(final, old)
+    os.replace(stage, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A new temporary directory beside `final` to fill: published to `final` when the block
+    ends cleanly (`publish_dir`), deleted when it raises."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    stage = temp_name(final)
+    stage.mkdir()
+    try:
+        yield stage
+        publish_dir(stage, final)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """The temporary entries (`temp_name`) in `directory` whose writer is gone, sorted.
+
+    A writer that may live long holds a liveness lock `<temporary name>.lock` (`file_lock`)
+    while it works; its entry and lock are kept. Every other temporary entry is stale, and so
+    is a lock that nobody holds. Call it where no writer starts meanwhile (under the
+    directory's own lock, or on the one process that writes there).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    entries = sorted(p for p in directory.iterdir() if p.name.startswith(TEMP_PREFIX))
+    live, stale = set(), []
+    for lock in (p for p in entries if p.name.endswith(LOCK_SUFFIX)):
+        with file_lock(lock, blocking=False) as held:
+            if held:
+                stale.append(lock)
+            else:  # a live writer owns it
+                live.add(lock.name[: -len(LOCK_SUFFIX)])
+    stale += [p for p in entries if not p.name.endswith(LOCK_SUFFIX) and p.name not in live]
+    return sorted(stale)
+
+
+def sweep_stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """Delete what `stale_temps` finds in `directory`; returns the entries removed."""
+    removed = stale_temps(directory)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+    if removed:
+        fsync_dir(directory)
+    return removed

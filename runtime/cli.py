@@ -1,0 +1,118 @@
+"""One command-line contract for every dflash command.
+
+Exit status, the same in every command:
+
+=====  ===================================================================================
+0      done
+1      a check the command ran found a problem (`dflash-cache verify`, `dflash-eval
+       --strict`), or an unexpected error: a bug, printed with its traceback
+2      bad usage, settings, input, data or cache: one paragraph says what was wrong, where,
+       and what to do
+130    stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM (what was committed is kept)
+=====  ===================================================================================
+
+`Command` and `Group` are click's classes with that contract: declare a command with
+`@click.command(cls=Command, name="dflash-x")` and every error class is reported the same way,
+in one paragraph on stderr that starts with "Error: ", never with a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from .errors import DflashError
+from .signals import Interrupted, exit_status, signal_name, stop_at_once
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+OS_ERROR_ADVICE = "Check the path, its permissions and the free disk space, then rerun the command."
+
+
+def paragraph(text: str) -> str:
+    """`text` as one paragraph: every run of whitespace (newlines included) becomes one space."""
+    return " ".join(str(text).split())
+
+
+def echo_error(text: str) -> None:
+    """The one error shape: "Error: ..." as one paragraph on stderr."""
+    click.echo(paragraph(f"Error: {text}"), err=True)
+
+
+def os_error_message(e: OSError, advice: str = OS_ERROR_ADVICE) -> str:
+    """An OSError (disk full, permission denied, missing file) as one sentence with its path."""
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}. {advice}"
+
+
+class _Contract:
+    """Runs a click command under the exit-status table (mixed into Command and Group).
+
+    `stop_note` completes "<command> stopped by SIGINT" (say what was kept and how to go
+    on); `os_error_advice` follows an OSError's message.
+    """
+
+    stop_note = "."
+    os_error_advice = OS_ERROR_ADVICE
+
+    def __init__(self, *args: Any, stop_note: str | None = None, os_error_advice: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if stop_note is not None:
+            self.stop_note = stop_note
+        if os_error_advice is not None:
+            self.os_error_advice = os_error_advice
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        parent = super()
+        if not standalone_mode:  # the caller handles errors itself
+            return parent.main(args, prog_name, complete_var, standalone_mode=False, **extra)  # type: ignore[misc]
+        with stop_at_once():
+            status = self.run_reporting_errors(
+                lambda: parent.main(args, prog_name, complete_var, standalone_mode=False, **extra))  # type: ignore[misc]
+        sys.exit(status)
+
+    def run_reporting_errors(self, invoke: Any) -> int:
+        """Call `invoke` and map what it raises to the exit-status table (SystemExit passes)."""
+        name = self.name  # type: ignore[attr-defined]
+        try:
+            returned = invoke()
+        except click.UsageError as e:
+            hint = f" See '{e.ctx.command_path} --help'." if e.ctx is not None else ""
+            echo_error(f"{e.format_message()}{hint}")
+            return EXIT_USAGE
+        except click.ClickException as e:  # e.g. a file click could not open
+            echo_error(e.format_message())
+            return EXIT_USAGE
+        except DflashError as e:
+            echo_error(str(e))
+            return EXIT_USAGE
+        except (Interrupted, KeyboardInterrupt, click.Abort) as e:
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT  # Ctrl-C
+            click.echo(paragraph(f"{name} stopped by {signal_name(signum)}{self.stop_note}"), err=True)
+            return exit_status(signum)
+        except OSError as e:  # disk full, permission denied, a file that vanished, ...
+            echo_error(os_error_message(e, self.os_error_advice))
+            return EXIT_USAGE
+        except Exception as e:  # a bug: keep the traceback, it is what a report needs
+            traceback.print_exc()
+            echo_error(f"unexpected {type(e).__name__} in {name}: {e}. This is a bug, not a problem "
+                       "with your input: please report it with the traceback above.")
+            return EXIT_FAILED
+        # click returns the status of --help (0) or ctx.exit(n); a command may return its own.
+        return returned if isinstance(returned, int) and not isinstance(returned, bool) else EXIT_OK
+
+
+class Command(_Contract, click.Command):
+    """A click command under the dflash exit-status and error-message contract."""
+
+
+class Group(_Contract, click.Group):
+    """A click group under the dflash exit-status and error-message contract."""

@@ -1,0 +1,121 @@
+"""SIGINT and SIGTERM, the same way in every command.
+
+Outside a unit of work that can be finished (startup, a final save, an export), a signal stops
+the command at once: `stop_at_once()` turns it into `Interrupted`, which the CLI reports with
+the signal's exit status (130 / 143). Inside one (a training step, the parts of an extraction
+in progress), `StopRequest` records the first signal so that the loop can finish its unit,
+save, and return; a second signal exits at once, stopping the worker processes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_status(signum: int) -> int:
+    """The status a command stopped by `signum` exits with: 128 + signum (130 SIGINT, 143 SIGTERM)."""
+    return 128 + int(signum)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM where there is no unit of work to finish: the command stops at once."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def stop_at_once() -> Iterator[None]:
+    """Within the block, SIGINT/SIGTERM raise `Interrupted`; the previous handlers come back after."""
+    if not _in_main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def kill_worker_processes() -> None:
+    """Kill this process's multiprocessing children (e.g. DataLoader workers, which ignore signals)."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+class StopRequest:
+    """Within a `with` block, the first SIGINT/SIGTERM asks the loop to stop (`requested`);
+    a second one calls `on_second` (default: kill the worker processes) and exits at once.
+
+    `finishing` says what the loop does before it stops, `abandoning` what a second signal
+    loses; both are printed to stderr when the signal arrives.
+    """
+
+    def __init__(self, *, finishing: str = "finishing the work in progress, then exiting",
+                 abandoning: str = "exiting now",
+                 on_second: Callable[[], None] | None = kill_worker_processes) -> None:
+        self.signum = 0  # the first stop signal received; 0: none yet
+        self.finishing = finishing
+        self.abandoning = abandoning
+        self.on_second = on_second
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    @property
+    def exit_status(self) -> int:
+        """0 when no stop was requested, else the signal's exit status."""
+        return exit_status(self.signum) if self.signum else 0
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum:
+            sys.stderr.write(f"\nSecond {signal_name(signum)}: {self.abandoning}.\n")
+            sys.stderr.flush()
+            try:
+                # torch's DataLoader watches its workers through SIGCHLD and raises when one dies;
+                # that handler would run inside this one and turn the exit into a traceback.
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                if self.on_second is not None:
+                    self.on_second()
+            finally:  # whatever stopping the workers raised, exit with the signal's status
+                os._exit(exit_status(signum))
+        self.signum = signum
+        sys.stderr.write(f"\n{signal_name(signum)} received: {self.finishing} "
+                         "(send it again to exit at once).\n")
+        sys.stderr.flush()
+
+    def __enter__(self) -> StopRequest:
+        if _in_main_thread():
+            for s in STOP_SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+        self._previous.clear()
