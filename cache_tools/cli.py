@@ -1,26 +1,25 @@
 """`dflash-cache`: inspect, check and maintain hidden-state caches.
 
-Thin click commands over `maintenance`; errors of the `DflashError` family are caught once,
-in the group (`cache_tools.cliutil.ErrorReportingGroup`), and printed as one paragraph with exit status 2.
+Thin click commands over `maintenance` and `rewrite`, imported when a command runs (they
+load torch and zarr; `--help` does not). Errors follow the contract of every dflash command
+(`dflash.runtime.cli`): one paragraph, exit status 2.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+from dflash.runtime.cli import EXIT_FAILED, Group
 
-from . import maintenance, rewrite
-from .cliutil import ErrorReportingGroup
-from .codecs import CODEC_NAMES
+if TYPE_CHECKING:
+    from .rewrite import CopyReport
 
-EXIT_CORRUPT = 1
-
-
-class CacheGroup(ErrorReportingGroup):
-    """dflash-cache's group: errors become one paragraph with exit status 2."""
+# The names of `codecs.CODEC_NAMES`, spelled here so that --help need not import the codecs
+# (torch); tests/test_cli_contract.py checks that the two agree.
+CODEC_CHOICES = ("bf16", "fp8", "raw")
 
 
 def _packing(codec: dict) -> str:
@@ -48,7 +47,8 @@ def _echo_json(obj: Any) -> None:
 CACHE_ARG = click.argument("cache", type=click.Path(file_okay=False, path_type=str))
 
 
-@click.group(cls=CacheGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, name="dflash-cache", context_settings={"help_option_names": ["-h", "--help"]},
+             stop_note="; committed parts are kept (recompress and merge resume when rerun).")
 def main() -> None:
     """Inspect, check and maintain dflash hidden-state caches.
 
@@ -61,7 +61,8 @@ def main() -> None:
       dflash-cache verify runs/cache          # re-read and checksum every chunk
       dflash-cache recompress runs/cache runs/cache-fp8 --codec fp8
 
-    Exit status: 0 success, 1 `verify` found damage, 2 any other error.
+    Exit status: 0 success, 1 `verify` found damage, 2 bad usage or a bad cache (one
+    paragraph says what and where), 130/143 stopped by SIGINT/SIGTERM.
     """
 
 
@@ -79,6 +80,8 @@ def info(cache: str, as_json: bool) -> None:
     Example:
       dflash-cache info runs/cache --json | jq .compression_ratio
     """
+    from . import maintenance
+
     s = maintenance.cache_info(cache)
     if as_json:
         _echo_json(s)
@@ -131,6 +134,8 @@ def verify(cache: str, fast: bool, progress: bool | None) -> None:
     Example:
       dflash-cache verify runs/cache && echo sound
     """
+    from . import maintenance
+
     report = maintenance.verify_cache(cache, fast=fast, progress=progress)
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -144,7 +149,7 @@ def verify(cache: str, fast: bool, progress: bool | None) -> None:
         f"FAILED: {len(report.problems)} problems in {len(report.bad_parts)} of {report.parts} parts "
         f"({', '.join(report.bad_parts) or 'the commit log'}); {mode} checked. Re-extract the damaged parts."
     )
-    sys.exit(EXIT_CORRUPT)
+    sys.exit(EXIT_FAILED)
 
 
 @main.command()
@@ -168,6 +173,8 @@ def stats(cache: str, num_tokens: int, seed: int, outlier_sigma: float, as_json:
     Example:
       dflash-cache stats runs/cache --num-tokens 20000 --seed 1
     """
+    from . import maintenance
+
     s = maintenance.cache_stats(cache, num_tokens=num_tokens, seed=seed, outlier_sigma=outlier_sigma,
                                 progress=progress)
     if as_json:
@@ -189,7 +196,7 @@ def stats(cache: str, num_tokens: int, seed: int, outlier_sigma: float, as_json:
         click.echo(f"  {h['min']:>7}-{h['max']:<7} {h['samples']:>8}  {bar}")
 
 
-def _echo_copy(report: rewrite.CopyReport, verb: str) -> None:
+def _echo_copy(report: CopyReport, verb: str) -> None:
     ratio = report.raw_bf16_bytes / report.dst_bytes if report.dst_bytes else 0.0
     click.echo(f"{verb} {len(report.written)} parts, {len(report.skipped)} already present (skipped).")
     click.echo(f"{report.dst}: {report.dst_tokens} tokens, {_human_bytes(report.dst_bytes)} "
@@ -199,7 +206,7 @@ def _echo_copy(report: rewrite.CopyReport, verb: str) -> None:
 @main.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=str))
 @click.argument("dst", type=click.Path(file_okay=False, path_type=str))
-@click.option("--codec", "codec", required=True, type=click.Choice(CODEC_NAMES),
+@click.option("--codec", "codec", required=True, type=click.Choice(CODEC_CHOICES),
               help="bf16 (lossless), fp8 (e4m3, one scale per token and layer; ~2-3 % error), raw (uncompressed).")
 @click.option("--clevel", default=1, show_default=True, type=click.IntRange(0, 22), help="zstd level inside Blosc.")
 @click.option("--force", is_flag=True, help="Delete a DST cache written with other settings and start anew.")
@@ -216,6 +223,8 @@ def recompress(src: str, dst: str, codec: str, clevel: int, force: bool, progres
     Example:
       dflash-cache recompress runs/cache runs/cache-fp8 --codec fp8
     """
+    from . import rewrite
+
     report = rewrite.recompress_cache(src, dst, codec=codec, clevel=clevel, force=force, progress=progress)
     _echo_copy(report, "Recompressed")
 
@@ -237,6 +246,8 @@ def merge(dst: str, srcs: tuple[str, ...], force: bool, progress: bool | None) -
     Example:
       dflash-cache merge runs/cache-all runs/cache-math runs/cache-code
     """
+    from . import rewrite
+
     report = rewrite.merge_caches(dst, list(srcs), force=force, progress=progress)
     _echo_copy(report, "Merged")
 
@@ -256,6 +267,8 @@ def prune(cache: str, dry_run: bool) -> None:
     Example:
       dflash-cache prune runs/cache --dry-run
     """
+    from . import maintenance
+
     removed = maintenance.prune_cache(cache, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for name, nbytes in removed:
