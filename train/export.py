@@ -2,8 +2,18 @@
 
 The directory holds `config.json` (a Qwen3 config plus the DFlash keys) and `model.safetensors`
 with the drafter's own weights only: the embedding and lm_head are the target's and are not
-written. RoPE settings are written both ways, `rope_theta`/`rope_scaling` for transformers 4.57
-and `rope_parameters` for 5.x, so that either version reads the same model.
+written. Every engine must read the same model from it (docs/serving.md):
+
+- RoPE is written both ways, `rope_theta`/`rope_scaling` for transformers 4.57 and
+  `rope_parameters` for 5.x, with only the keys a full-rotary drafter uses (no partial-rotary or
+  M-RoPE key of the target, which vLLM would apply);
+- `block_size` at the top level (z-lab) and in `dflash_config` (SGLang);
+- `layer_types` and `sliding_window` per draft layer, and the causality stated explicitly
+  (`is_causal` and `dflash_config.causal`, read first by vLLM) whenever all layers share it;
+  with mixed layers under the engines' convention (sliding causal, full bidirectional) it is
+  left to `layer_types`, which every engine resolves that way;
+- the mask token as `dflash_config.mask_token_id` and, when the tokenizer has a string for it,
+  `dflash_config.mask_token` (SGLang checks it against the tokenizer).
 """
 
 from __future__ import annotations
@@ -27,22 +37,35 @@ WEIGHTS_NAME = "model.safetensors"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _uniform_causality(config: DrafterConfig) -> bool | None:
+    """The one causality all draft layers share, or None when they differ."""
+    values = {config.layer_attention(i)[1] for i in range(config.num_hidden_layers)}
+    return values.pop() if len(values) == 1 else None
+
+
 def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """The config.json dict of an export."""
     rope = dict(config.rope_parameters)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     dtype_name = _DTYPE_NAMES[dtype]
-    return {
+    causal = _uniform_causality(config)
+    dflash: dict[str, Any] = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+    }
+    if config.mask_token is not None:
+        dflash["mask_token"] = config.mask_token
+    if causal is not None:
+        dflash["causal"] = causal
+    sliding = "sliding_attention" in config.layer_types
+    out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
         "num_hidden_layers": config.num_hidden_layers,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),
-            "block_size": config.block_size,
-        },
+        "dflash_config": dflash,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
@@ -60,15 +83,19 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        # Qwen3Config keeps sliding_window only with use_sliding_window; the layers that use it
+        # are named by layer_types (one entry per draft layer: Qwen3Config checks the length).
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window,
         "max_window_layers": config.num_hidden_layers,
-        # One entry per draft layer: Qwen3Config checks the length against num_hidden_layers.
-        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "layer_types": list(config.layer_types),
         "initializer_range": 0.02,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
     }
+    if causal is not None:
+        out["is_causal"] = causal
+    return out
 
 
 def _fsync_dir(path: Path) -> None:
@@ -145,9 +172,16 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
         rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
         rope_parameters=rope_parameters_from_config(hf_config),
         max_position_embeddings=hf_config.get("max_position_embeddings", 40960),
+        layer_types=hf_config.get("layer_types") or None,
+        sliding_window=hf_config.get("sliding_window"),
+        mask_token=dflash.get("mask_token"),
     )
     values.update(overrides)
-    return DrafterConfig(**values)
+    config = DrafterConfig(**values)
+    causal = hf_config.get("is_causal", dflash.get("causal"))
+    if causal is not None and causal != _uniform_causality(config) and "causal" not in overrides:
+        config = DrafterConfig(**{**values, "causal": bool(causal)})  # not the convention: keep it
+    return config
 
 
 def load_drafter(
