@@ -1,0 +1,210 @@
+"""Chat datasets in the common shapes, read into one form: a source id and a list of messages.
+
+Accepted record shapes (one JSON object per line, or one Parquet row):
+  messages       {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...,
+                  "tool_calls": [...], "reasoning_content": ...}, ...], "tools": [...]}
+  sharegpt       {"conversations": [{"from": "system"|"human"|"gpt"|"tool"|..., "value": ...}]}
+  prompt         {"prompt": "...", "response": "...", "system": "..."}  (also instruction/output)
+plus an optional "id". `detect_format` picks the shape from the keys of a record; `--format`
+forces one. Files are JSONL, JSONL.gz or Parquet (Parquet needs pyarrow: the `parquet` extra).
+A record without an id gets "<file name>:<line>" (Parquet: "<file name>:<row>"), which stays
+stable as long as the file does; that id is what `dflash-generate` resumes by.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.cache_tools.errors import InputError
+
+FORMATS = ("auto", "messages", "sharegpt", "prompt")
+CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
+SHAREGPT_ROLES = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
+    "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant",
+}
+ROLES = ("system", "user", "assistant", "tool")
+PROMPT_KEYS = (("prompt", "response"), ("instruction", "output"), ("question", "answer"))
+
+
+class BadChatRecord(Exception):
+    """A record is not a conversation in the expected shape; the message is the reason."""
+
+
+@dataclass
+class Conversation:
+    """One source record: its id, where it came from, its messages and tool schemas."""
+
+    id: str
+    where: str  # "file, line N" for error messages
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def assistant_turns(self) -> list[int]:
+        return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+
+
+def list_chat_files(data: str | Path) -> list[Path]:
+    """`data` itself, or the chat files of a directory (recursively, sorted)."""
+    path = Path(data)
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise InputError(f"Input data {path} does not exist. Pass a JSONL/Parquet file or a directory of them with --data.")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(CHAT_SUFFIXES))
+    if not files:
+        raise InputError(f"Input directory {path} holds no chat files (*.jsonl, *.jsonl.gz, *.parquet). Check --data.")
+    return files
+
+
+def detect_format(rec: dict[str, Any]) -> str:
+    if "messages" in rec:
+        return "messages"
+    if "conversations" in rec:
+        return "sharegpt"
+    if any(p in rec and r in rec for p, r in PROMPT_KEYS):
+        return "prompt"
+    raise BadChatRecord(
+        f"cannot tell the record's shape from its keys {sorted(rec)[:8]}: expected messages, "
+        "conversations, or prompt/response (pass --format to force one)"
+    )
+
+
+def _content(value: Any, what: str) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, str | list):
+        return value  # a list: OpenAI content parts, passed to the template as they are
+    raise BadChatRecord(f"{what} must be a string or a list of content parts, not {type(value).__name__}")
+
+
+def _normalize_message(m: Any, index: int) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise BadChatRecord(f"message {index} is not an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise BadChatRecord(f"message {index} has role {role!r}; expected one of {', '.join(ROLES)}")
+    out = {k: v for k, v in m.items() if v is not None}
+    out["content"] = _content(m.get("content"), f"message {index}'s content")
+    if "tool_calls" in out:
+        calls = out["tool_calls"]
+        if not isinstance(calls, list):
+            raise BadChatRecord(f"message {index}'s tool_calls must be a list")
+        for c in calls:  # templates read arguments as a mapping; datasets often store a JSON string
+            fn = c.get("function") if isinstance(c, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def to_messages(rec: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], list | None]:
+    """(messages, tools) of one record in format `fmt` (not "auto")."""
+    tools = rec.get("tools")
+    if isinstance(tools, str):  # Parquet exports often store nested fields as JSON text
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise BadChatRecord("tools is a string but not valid JSON") from None
+    if tools is not None and not isinstance(tools, list):
+        raise BadChatRecord("tools must be a list of tool schemas")
+    if fmt == "messages":
+        msgs = rec.get("messages")
+        if not isinstance(msgs, list):
+            raise BadChatRecord("messages must be a list of {role, content} objects")
+        return [_normalize_message(m, i) for i, m in enumerate(msgs)], tools
+    if fmt == "sharegpt":
+        conv = rec.get("conversations")
+        if not isinstance(conv, list):
+            raise BadChatRecord("conversations must be a list of {from, value} objects")
+        msgs = []
+        for i, turn in enumerate(conv):
+            if not isinstance(turn, dict) or "from" not in turn:
+                raise BadChatRecord(f"conversation turn {i} has no 'from'")
+            role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+            if role is None:
+                raise BadChatRecord(f"conversation turn {i} is from {turn['from']!r}, which is not a known ShareGPT role")
+            msgs.append({"role": role, "content": _content(turn.get("value"), f"turn {i}'s value")})
+        if isinstance(rec.get("system"), str) and not (msgs and msgs[0]["role"] == "system"):
+            msgs.insert(0, {"role": "system", "content": rec["system"]})
+        return msgs, tools
+    if fmt == "prompt":
+        for p, r in PROMPT_KEYS:
+            if p in rec and r in rec:
+                prompt, response = rec[p], rec[r]
+                if p == "instruction" and rec.get("input"):
+                    prompt = f"{prompt}\n\n{rec['input']}"
+                msgs = [{"role": "user", "content": _content(prompt, p)},
+                        {"role": "assistant", "content": _content(response, r)}]
+                if isinstance(rec.get("system"), str) and rec["system"]:
+                    msgs.insert(0, {"role": "system", "content": rec["system"]})
+                return msgs, tools
+        raise BadChatRecord("the record has no prompt/response (or instruction/output) pair")
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as fh:
+            for line_no, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield line_no, json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    yield line_no, BadChatRecord(f"the line is not valid JSON ({e})")
+    except (OSError, EOFError) as e:
+        raise InputError(f"{path}: cannot read the file ({e}). Check that it is complete and readable.") from e
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(
+            f"{path} is a Parquet file, and reading Parquet needs pyarrow, which is not installed. "
+            "Install it with `pip install 'dflash-pipeline[parquet]'` (or `pip install pyarrow`), "
+            "or convert the file to JSONL."
+        ) from None
+    try:
+        pf = pq.ParquetFile(path)
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                row += 1
+                yield row, rec
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the Parquet file ({e}). Check that it is complete.") from e
+
+
+def iter_conversations(files: list[Path], fmt: str = "auto") -> Iterator[Conversation | tuple[str, str]]:
+    """Every record of `files` in order: a Conversation, or (where, reason) for a bad record."""
+    for path in files:
+        rows = _iter_parquet(path) if path.name.endswith(".parquet") else _iter_jsonl(path)
+        unit = "row" if path.name.endswith(".parquet") else "line"
+        for number, rec in rows:
+            where = f"{path}, {unit} {number}"
+            try:
+                if isinstance(rec, BadChatRecord):
+                    raise rec
+                if not isinstance(rec, dict):
+                    raise BadChatRecord("the record must be a JSON object")
+                shape = detect_format(rec) if fmt == "auto" else fmt
+                messages, tools = to_messages(rec, shape)
+                rid = rec.get("id")
+                if rid is not None and not isinstance(rid, str | int):
+                    raise BadChatRecord("id must be a string or an integer")
+                yield Conversation(id=str(rid) if rid is not None else f"{path.name}:{number}",
+                                   where=where, messages=messages, tools=tools)
+            except BadChatRecord as e:
+                yield where, str(e)

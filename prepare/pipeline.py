@@ -1,0 +1,231 @@
+"""`dflash-prepare`'s work: chat records -> rendered, masked records in the extract input format.
+
+Output: one JSONL file of {"id", "input_ids", "loss_mask"} records, written under a temp name
+and renamed when complete (a stopped run leaves no half file), and its sidecar
+`<output>.meta.json` (meta.py). Samples that cannot be used are counted by reason; a
+malformed record or a refused rendering stops the run with its file and line unless
+--skip-bad is given, an empty or over-long sample is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.cache_tools.errors import DflashError, InputError
+
+from .formats import FORMATS, iter_conversations, list_chat_files
+from .meta import write_meta
+from .render import (
+    LOSS_ON,
+    ChatRenderer,
+    EmptySampleError,
+    RenderError,
+    end_of_turn_ids,
+    load_chat_template,
+)
+
+MAX_SKIPS_LISTED = 50
+
+
+class PrepareConfigError(DflashError):
+    """Settings of dflash-prepare / dflash-generate are inconsistent or incomplete."""
+
+
+@dataclass(kw_only=True)
+class RenderConfig:
+    """How conversations are rendered; shared by dflash-prepare and dflash-generate."""
+
+    target_model: str
+    """Local HF model directory whose tokenizer (and chat template) renders the data."""
+    chat_template: str | None = None
+    """A Jinja file (or JSON with chat_template) overriding the tokenizer's template."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the template, e.g. {"enable_thinking": false}."""
+    thinking: str | None = None
+    """on/off: sets enable_thinking in chat_template_kwargs (the serving engine's switch)."""
+    loss_on: str = "all-assistant"
+    """all-assistant or last-assistant."""
+    supervise_empty_reasoning: bool = False
+    """Also supervise an empty <think></think> block the template inserts."""
+    format: str = "auto"
+    """Record shape: auto, messages, sharegpt, prompt."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chat_template_kwargs, str):
+            try:
+                self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise PrepareConfigError(f"--chat-template-kwargs is not valid JSON ({e}); write e.g. '{{\"enable_thinking\": false}}'.") from None
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise PrepareConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'.")
+        if self.thinking not in (None, "on", "off"):
+            raise PrepareConfigError(f"--thinking must be on or off, not {self.thinking!r}.")
+        if self.thinking is not None:
+            self.chat_template_kwargs = {**self.chat_template_kwargs, "enable_thinking": self.thinking == "on"}
+        if self.loss_on not in LOSS_ON:
+            raise PrepareConfigError(f"--loss-on must be one of {', '.join(LOSS_ON)}, not {self.loss_on!r}.")
+        if self.format not in FORMATS:
+            raise PrepareConfigError(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}.")
+
+
+@dataclass(kw_only=True)
+class PrepareConfig(RenderConfig):
+    data: str
+    """A chat file (JSONL, JSONL.gz, Parquet) or a directory of them."""
+    output: str
+    """The JSONL file to write (its sidecar is <output>.meta.json)."""
+    max_seq_len: int = 8192
+    """Longest rendered sample kept whole."""
+    long_samples: str = "skip"
+    """skip or truncate samples longer than max_seq_len."""
+    skip_bad: bool = False
+    """Skip (and count) malformed records and refused renderings instead of stopping."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_seq_len <= 0:
+            raise PrepareConfigError(f"--max-seq-len must be positive, not {self.max_seq_len}.")
+        if self.long_samples not in ("skip", "truncate"):
+            raise PrepareConfigError(f"--long-samples must be skip or truncate, not {self.long_samples!r}.")
+
+
+def load_tokenizer(target_model: str):
+    path = Path(target_model)
+    if not path.is_dir():
+        raise InputError(f"--target-model {target_model} is not a local model directory. Pass the directory with the target's tokenizer files.")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise InputError(f"Cannot load the tokenizer of {path} ({e}). Check the model directory.") from e
+
+
+def build_renderer(config: RenderConfig, tokenizer=None) -> ChatRenderer:
+    tokenizer = tokenizer or load_tokenizer(config.target_model)
+    template = load_chat_template(config.chat_template) if config.chat_template else None
+    return ChatRenderer(
+        tokenizer, chat_template=template, chat_template_kwargs=config.chat_template_kwargs,
+        loss_on=config.loss_on, supervise_empty_reasoning=config.supervise_empty_reasoning,
+        eos_ids=end_of_turn_ids(tokenizer, config.target_model),
+    )
+
+
+def render_meta(config: RenderConfig, renderer: ChatRenderer, files: list[Path]) -> dict[str, Any]:
+    return {
+        **renderer.meta(),
+        "chat_template_source": "file" if config.chat_template else "tokenizer",
+        "tokenizer": Path(config.target_model).name,
+        "format": config.format,
+        "source_files": [f.name for f in files],
+    }
+
+
+@dataclass
+class PrepareSummary:
+    records: int = 0
+    written: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skips: list[dict[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def skip(self, key: str, where: str, reason: str) -> None:
+        self.skipped[key] += 1
+        if len(self.skips) < MAX_SKIPS_LISTED:
+            self.skips.append({"where": where, "reason": reason})
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["skipped"] = dict(self.skipped)
+        del d["skips"]
+        return d
+
+    def format(self) -> str:
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())) or "none"
+        return (f"dflash-prepare: {self.written} of {self.records} records written, {self.tokens} tokens "
+                f"({self.supervised_tokens} supervised), truncated {self.truncated}, skipped: {skipped} "
+                f"({self.seconds:.1f} s)")
+
+
+def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
+    files = list_chat_files(config.data)
+    renderer = build_renderer(config, tokenizer)
+    out = Path(config.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = PrepareSummary()
+    t0 = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            _prepare_into(fh, files, config, renderer, summary)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if not summary.written:
+            raise InputError(
+                f"No usable sample in {config.data} ({summary.records} records; skipped: "
+                f"{dict(summary.skipped)}). Check --data, --format and --max-seq-len."
+            )
+        summary.seconds = time.perf_counter() - t0
+        write_meta(out, {"producer": "dflash-prepare", **render_meta(config, renderer, files),
+                         "max_seq_len": config.max_seq_len, "long_samples": config.long_samples,
+                         "stats": summary.to_json()})
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return summary
+
+
+def _prepare_into(fh, files, config: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(desc="dflash-prepare", unit=" records", disable=not config.progress, dynamic_ncols=True)
+    seen: dict[str, str] = {}
+    for item in iter_conversations(files, config.format):
+        summary.records += 1
+        bar.update(1)
+        if isinstance(item, tuple):
+            where, reason = item
+            if not config.skip_bad:
+                raise InputError(f"{where}: {reason}. Fix the record or pass --skip-bad to skip it.")
+            summary.skip("bad_record", where, reason)
+            continue
+        if item.id in seen:
+            raise InputError(f"{item.where}: id {item.id!r} was already used at {seen[item.id]}. Ids must be unique.")
+        seen[item.id] = item.where
+        try:
+            r = renderer.render(item)
+        except EmptySampleError as e:
+            summary.skip("empty", item.where, str(e))
+            continue
+        except RenderError as e:
+            if not config.skip_bad:
+                raise InputError(f"{item.where} (id {item.id}): {e}. Or pass --skip-bad to skip such samples.") from None
+            summary.skip("refused", item.where, str(e))
+            continue
+        ids, mask = r.input_ids, r.loss_mask
+        if len(ids) > config.max_seq_len:
+            if config.long_samples == "skip":
+                summary.skip("long", item.where, f"{len(ids)} tokens > --max-seq-len {config.max_seq_len}")
+                continue
+            ids, mask = ids[: config.max_seq_len], mask[: config.max_seq_len]
+            summary.truncated += 1
+            if not any(mask):
+                summary.skip("empty", item.where, "no supervised token within --max-seq-len")
+                continue
+        fh.write(json.dumps({"id": item.id, "input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+        summary.written += 1
+        summary.tokens += len(ids)
+        summary.supervised_tokens += sum(mask)
+    bar.close()
