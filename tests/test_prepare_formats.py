@@ -1,0 +1,78 @@
+"""dflash-prepare reads the common chat shapes and file types into the same records."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from chat_utils import QWEN3_TEMPLATE, make_tokenizer, read_jsonl, write_jsonl
+from click.testing import CliRunner
+from dflash.prepare.cli import main as prepare_main
+
+MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2"}]
+SHAREGPT = {"id": "x", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"},
+                                         {"from": "gpt", "value": "A1"}, {"from": "human", "value": "Q2"},
+                                         {"from": "gpt", "value": "A2"}]}
+
+
+def prepare(tmp_path, data, *args):
+    tok_dir = tmp_path / "tok"
+    if not tok_dir.exists():
+        make_tokenizer(tok_dir, QWEN3_TEMPLATE)
+    out = tmp_path / f"out-{data.name}.jsonl"
+    result = CliRunner().invoke(prepare_main, ["--target-model", str(tok_dir), "--data", str(data),
+                                               "--output", str(out), "--no-progress", *args])
+    return result, (read_jsonl(out) if result.exit_code == 0 else None)
+
+
+def test_sharegpt_and_messages_give_the_same_record(tmp_path):
+    _, a = prepare(tmp_path, write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}]))
+    _, b = prepare(tmp_path, write_jsonl(tmp_path / "s.jsonl", [SHAREGPT]))
+    assert a == b and sum(a[0]["loss_mask"]) > 0
+
+
+def test_prompt_response_pairs_with_system(tmp_path):
+    rec = {"id": "x", "system": "S", "prompt": "Q2", "response": "A2"}
+    _, a = prepare(tmp_path, write_jsonl(tmp_path / "p.jsonl", [rec]))
+    _, b = prepare(tmp_path, write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": [MESSAGES[0], *MESSAGES[3:]]}]))
+    assert a == b
+
+
+def test_gzip_and_parquet_inputs(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    _, plain = prepare(tmp_path, write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}]))
+    gz = tmp_path / "m2.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(json.dumps({"id": "x", "messages": MESSAGES}) + "\n")
+    _, zipped = prepare(tmp_path, gz)
+    table = pa.Table.from_pylist([{"id": "x", "messages": MESSAGES}])
+    pq.write_table(table, tmp_path / "m3.parquet")
+    _, parquet = prepare(tmp_path, tmp_path / "m3.parquet")
+    assert plain == zipped == parquet
+
+
+def test_forced_format_mismatch_names_the_line(tmp_path):
+    data = write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}])
+    result, _ = prepare(tmp_path, data, "--format", "sharegpt")
+    assert result.exit_code == 1 and "m.jsonl, line 1" in result.output and "conversations" in result.output
+
+
+def test_missing_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *a, **k):
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    result, _ = prepare(tmp_path, tmp_path / "d.parquet")
+    assert result.exit_code == 1 and "pip install 'dflash-pipeline[parquet]'" in result.output
