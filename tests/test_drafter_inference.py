@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.attention import build_attention_mask
+from dflash.train.attention import build_layer_masks
 from dflash.train.objective import build_blocks
 from test_drafter_support import HIDDEN, tiny_drafter
 
@@ -13,17 +13,26 @@ def training_block_logits(drafter, hidden, input_ids, anchors) -> torch.Tensor:
     block = drafter.config.block_size
     block_ids, positions = build_blocks(input_ids, anchors, drafter.config.mask_token_id, block)
     with torch.no_grad():
-        states = drafter(hidden, block_ids, positions, build_attention_mask(anchors, hidden.shape[1], block, "sdpa"))
+        kinds = [drafter.config.layer_attention(i) for i in range(drafter.config.num_hidden_layers)]
+        masks = build_layer_masks(anchors, hidden.shape[1], block, kinds, "sdpa")
+        states = drafter(hidden, block_ids, positions, masks)
         return drafter.logits(states.view(*anchors.shape, block, -1)[:, :, 1:])
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("rope,layers", [
+    (DEFAULT_ROPE, {}),
+    (LLAMA3_ROPE, {}),
+    # Sliding-window layers (causal by convention) beside a full one; then both forced bidirectional.
+    (DEFAULT_ROPE, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}),
+    (DEFAULT_ROPE, {"layer_types": "sliding", "sliding_window": 3, "causal": False}),
 ])
-def test_incremental_context_drafts_the_same_block_logits_as_training(rope):
-    drafter = tiny_drafter(rope_parameters=rope)
+def test_incremental_context_drafts_the_same_block_logits_as_training(rope, layers):
+    drafter = tiny_drafter(rope_parameters=rope, **layers)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 20, 2 * HIDDEN, generator=g)
     input_ids = torch.randint(0, 100, (2, 20), generator=g)
@@ -56,3 +65,23 @@ def test_cropping_rejected_context_restores_the_draft():
     torch.testing.assert_close(drafter.draft_block(cache, anchor), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="append_context"):
         drafter.draft_block(drafter.new_context_cache(), anchor)
+
+
+def test_a_sliding_layer_ignores_context_outside_its_window():
+    drafter = tiny_drafter(layer_types="sliding", sliding_window=4)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, 12, 2 * HIDDEN, generator=g)
+    anchor = torch.tensor([5])
+
+    def draft(h):
+        cache = drafter.new_context_cache()
+        drafter.append_context(cache, h)
+        return drafter.draft_block(cache, anchor)
+
+    base = draft(hidden)
+    far, near = hidden.clone(), hidden.clone()
+    far[:, :8] += 5 * torch.randn(8, 2 * HIDDEN, generator=g)  # outside every block token's window
+    near[:, 11] += 5 * torch.randn(2 * HIDDEN, generator=g)  # the anchor's previous token
+    # The block sits at positions 12..15; with window 4 no block token sees context before 9.
+    torch.testing.assert_close(draft(far), base, rtol=0, atol=1e-6)
+    assert (draft(near) - base).abs().max() > 1e-3

@@ -2,44 +2,65 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from dflash.train.attention import build_attention_mask, build_dense_mask
+from dflash.train.attention import (
+    build_attention_mask,
+    build_dense_mask,
+    make_mask_mod,
+)
 from dflash.train.objective import build_blocks, sample_anchors
 from test_drafter_support import HIDDEN, tiny_drafter
 
 BLOCK = 4
 
 
-def loop_reference_mask(anchors: list[list[int]], context_len: int, block: int) -> list:
-    """The rule written out by hand: [seq][query][key] -> bool."""
+def loop_reference_mask(anchors: list[list[int]], context_len: int, block: int, *,
+                        window: int | None = None, causal: bool = False) -> list:
+    """The rule written out by hand: [seq][query][key] -> bool.
+
+    A query at position q = p + slot sees context j < p, and its own block's slots (only slots
+    <= its own when causal); with a window only keys at positions j > q - window.
+    """
     width = max(len(a) for a in anchors)
     out = []
     for seq_anchors in anchors:
         rows = []
         for a in range(width):
             real = a < len(seq_anchors)
-            p = seq_anchors[a] if real else None
-            for _slot in range(block):
+            p = seq_anchors[a] if real else 0
+            for slot in range(block):
+                q = p + slot
                 row = []
                 for key in range(context_len + width * block):
                     if key < context_len:
-                        row.append(real and key < p)
+                        allowed = real and key < p and (window is None or q - key < window)
                     else:
-                        row.append((key - context_len) // block == a)
+                        key_block, key_slot = divmod(key - context_len, block)
+                        allowed = key_block == a
+                        if causal:
+                            allowed = allowed and key_slot <= slot
+                        if window is not None:
+                            allowed = allowed and q - (p + key_slot) < window
+                    row.append(allowed)
                 rows.append(row)
         out.append(rows)
     return out
 
 
-def test_dense_mask_matches_a_loop_reference_for_two_sequences():
-    seq_len = 12
-    lengths = torch.tensor([12, 7])
+def _two_sequence_anchors(seq_len: int = 12):
+    lengths = torch.tensor([seq_len, 7])
     loss_mask = torch.zeros(2, seq_len)
-    loss_mask[0, 2:12] = 1
+    loss_mask[0, 2:seq_len] = 1
     loss_mask[1, 1:7] = 1
     g = torch.Generator().manual_seed(3)
     anchors, valid = sample_anchors(loss_mask, lengths, max_anchors=4, generator=g)
-    listed = [anchors[b][valid[b]].tolist() for b in range(2)]
+    return anchors, [anchors[b][valid[b]].tolist() for b in range(2)]
+
+
+def test_dense_mask_matches_a_loop_reference_for_two_sequences():
+    seq_len = 12
+    anchors, listed = _two_sequence_anchors(seq_len)
     assert len(listed[0]) == 4 and 1 <= len(listed[1]) <= 4
     assert all(2 <= p <= 10 for p in listed[0]) and all(1 <= p <= 5 for p in listed[1])
 
@@ -47,6 +68,32 @@ def test_dense_mask_matches_a_loop_reference_for_two_sequences():
     reference = torch.tensor(loop_reference_mask(listed, seq_len, BLOCK))
     assert dense.shape == reference.shape == (2, 4 * BLOCK, seq_len + 4 * BLOCK)
     assert torch.equal(dense, reference)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_and_causal_masks_match_the_loop_reference_element_by_element(window, causal):
+    seq_len = 12
+    anchors, listed = _two_sequence_anchors(seq_len)
+    dense = build_dense_mask(anchors, seq_len, BLOCK, window=window, causal=causal)
+    reference = torch.tensor(loop_reference_mask(listed, seq_len, BLOCK, window=window, causal=causal))
+    assert torch.equal(dense, reference)
+    if window is not None:  # the window removes context the full mask keeps
+        assert dense.sum() < build_dense_mask(anchors, seq_len, BLOCK, causal=causal).sum()
+    # Flex's mask_mod evaluates the same rule at every (query, key).
+    mod = make_mask_mod(anchors, seq_len, BLOCK, window=window, causal=causal)
+    b, q, k = torch.meshgrid(torch.arange(2), torch.arange(dense.shape[1]), torch.arange(dense.shape[2]),
+                             indexing="ij")
+    assert torch.equal(mod(b, None, q, k), dense)
+
+
+def test_window_keeps_exactly_the_last_positions_before_a_query():
+    anchors = torch.tensor([[6]])
+    dense = build_dense_mask(anchors, 10, 4, window=3, causal=True)
+    # Slot 0 (position 6) sees positions 4, 5 and itself; slot 2 (position 8) sees slots 0..2 only.
+    assert dense[0, 0, :10].nonzero().flatten().tolist() == [4, 5]
+    assert dense[0, 0, 10:].tolist() == [True, False, False, False]
+    assert dense[0, 2, :10].sum() == 0 and dense[0, 2, 10:].tolist() == [True, True, True, False]
 
 
 def test_hand_written_anchors_give_the_expected_rows():

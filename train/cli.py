@@ -4,31 +4,32 @@
     dflash-train export CHECKPOINT_DIR OUT_DIR
 
 Every run option is a TrainConfig field (train/config.py) of the same name; `--config FILE`
-reads them from JSON or YAML and flags given on the command line override the file. Errors of
-the DflashError family are caught once, in the group (`cache_tools.cliutil.ErrorReportingGroup`), and printed as one paragraph.
-Exit status: 0 done, 2 bad settings/data, 130 stopped by SIGINT, 143 by SIGTERM (a checkpoint
-of the last step was written), 1 an unexpected failure.
+reads them from JSON or YAML and flags given on the command line override the file. Errors and
+exit statuses follow the contract of every dflash command (`dflash.runtime.cli`): 0 done, 2 bad
+settings/data (one paragraph), 130 stopped by SIGINT, 143 by SIGTERM (a checkpoint of the last
+step was written), 1 an unexpected failure. torch loads when a command starts working, not for
+--help.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
 import click
-from dflash.cache_tools.cliutil import ErrorReportingGroup, paragraph
+from dflash.runtime.cli import Group
+from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice
 
-from .config import TrainConfig, field_help, flag, load_config_file, make_config
-
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from .config import CHOICES, TrainConfig, field_help, flag, load_config_file, make_config
 
 
-class TrainGroup(ErrorReportingGroup):
-    """Runs `run` when the first argument is not a subcommand; errors become one paragraph."""
+class TrainGroup(Group):
+    """Runs `run` when the first argument is not a subcommand."""
 
+    stop_note = (" outside a training step; complete checkpoints are kept. Rerun the same command "
+                 "to resume.")
     os_error_advice = ("Check the path, its permissions and the free disk space, then rerun the same "
                        "command to resume.")
 
@@ -54,6 +55,9 @@ def _option_for(f: Any, hints: dict[str, Any]) -> click.Option:
         return click.Option([f"--{flag(name)}", name], multiple=True, default=None, help=help_text)
     if typing.get_origin(kind) is tuple:
         return click.Option([f"--{flag(name)}", name], nargs=2, type=float, default=None, help=help_text)
+    if name in CHOICES:
+        choice = DtypeChoice(CHOICES[name]) if name == "dtype" else click.Choice(CHOICES[name])
+        return click.Option([f"--{flag(name)}", name], type=choice, default=None, help=help_text)
     return click.Option([f"--{flag(name)}", name], type=kind, default=None, help=help_text)
 
 
@@ -64,7 +68,7 @@ def _run_options(command: Any) -> Any:
     return command
 
 
-@click.group(cls=TrainGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=TrainGroup, name="dflash-train", context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Train a DFlash drafter from a hidden-state cache (written by dflash-extract).
 
@@ -88,25 +92,17 @@ def main() -> None:
               help="JSON or YAML file of settings (keys as the flags, with - or _); flags override it.")
 def run(config_file: str | None, **flags: Any) -> None:
     """Train (or resume) a drafter; see `dflash-train --help` for the overview."""
-    from .signals import EXIT_STATUS, Interrupted, stop_at_once_outside_the_loop
+    file_values = load_config_file(config_file) if config_file else {}
+    flags = {k: (list(v) if isinstance(v, tuple) and k in ("cache", "eval_cache") else v) for k, v in flags.items()}
+    config = make_config(file_values, flags)
 
-    stop_at_once_outside_the_loop()
+    from .distributed import shutdown_distributed
+    from .loop import train  # torch: only once the settings are known to be good
+
     try:
-        from .distributed import shutdown_distributed
-        from .loop import train  # imported here so that --help stays fast
-
-        file_values = load_config_file(config_file) if config_file else {}
-        flags = {k: (list(v) if isinstance(v, tuple) and k in ("cache", "eval_cache") else v) for k, v in flags.items()}
-        config = make_config(file_values, flags)
-        try:
-            result = train(config)
-        finally:
-            shutdown_distributed()  # a rank that exits without it can break its peers' last collective
-    except (Interrupted, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        click.echo(paragraph(f"dflash-train stopped by {signal.Signals(signum).name} outside a training "
-                              "step; complete checkpoints are kept. Rerun the same command to resume."), err=True)
-        sys.exit(EXIT_STATUS[signum])
+        result = train(config)
+    finally:
+        shutdown_distributed()  # a rank that exits without it can break its peers' last collective
     if result.exit_status:
         sys.exit(result.exit_status)
 
@@ -117,16 +113,16 @@ _run_options(run)
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True,
+@click.option("--dtype", type=DtypeChoice(DTYPE_NAMES), default="bf16", show_default=True,
               help="dtype of the exported weights.")
 def export(checkpoint_dir: str, out_dir: str, dtype: str) -> None:
     """Export a checkpoint (RUN_DIR/checkpoints/step-N, or a run directory: its latest) as an HF
     drafter directory that z-lab's DFlashDraftModel, SGLang and vLLM load."""
-    import torch
+    from dflash.runtime.devices import torch_dtype
 
     from .checkpoint import export_checkpoint
 
-    path = export_checkpoint(checkpoint_dir, out_dir, getattr(torch, _DTYPES[dtype]))
+    path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(dtype))
     click.echo(f"exported drafter to {path}")
 
 

@@ -1,6 +1,7 @@
 """Settings of one training run: every `dflash-train` flag, its config-file key and its field here
-share one name. The components take their own small configs from it (`loader_config()`,
-`objective_config()`, ...), so the training loop reads one object.
+share one name. The components take their own small configs from it (`objective_config()`,
+`drafter_overrides()`), so the training loop reads one object. Importing this module does not
+import torch: `dflash-train --help` builds its flags from it.
 """
 
 from __future__ import annotations
@@ -12,15 +13,22 @@ import os
 import textwrap
 from dataclasses import dataclass, field, fields
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dflash.cache_tools.configfile import read_config_file
-from dflash.cache_tools.errors import DflashError
+from dflash.runtime.config import read_config_file
+from dflash.runtime.devices import DTYPE_ALIASES
+from dflash.runtime.errors import DflashError
 
-from .objective import NOISE_TYPES, ObjectiveConfig
+if TYPE_CHECKING:  # the objective (torch) loads when a run starts, not for --help
+    from .objective import ObjectiveConfig
 
-DTYPES = ("auto", "bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.devices) training supports
 PARALLEL_MODES = ("ddp", "fsdp")
+NOISE_TYPES = ("none", "uniform", "gaussian")  # objective.NOISE_TYPES (a test checks they agree)
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+CHOICES = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPES,
+           "attention_backend": ATTENTION_BACKENDS}
+"""The settings that take one of a few names: checked here, shown as choices in --help."""
 
 
 class TrainConfigError(DflashError):
@@ -168,9 +176,8 @@ class TrainConfig:
         if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise TrainConfigError(f"--lr must be > 0 and --adam-betas two numbers in [0, 1) "
                                    f"(got {self.lr}, {self.adam_betas}).")
-        choices = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPES,
-                   "attention_backend": ("auto", "sdpa", "flex")}
-        for name, allowed in choices.items():
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)  # bfloat16 -> bf16, ...
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise TrainConfigError(f"--{flag(name)} {getattr(self, name)!r} is not one of {', '.join(allowed)}.")
         if self.profile_interval == 0 and os.environ.get("DFLASH_PROFILE_INTERVAL"):
@@ -184,6 +191,8 @@ class TrainConfig:
             raise TrainConfigError(f"Invalid objective setting: {e}") from e
 
     def objective_config(self) -> ObjectiveConfig:
+        from .objective import ObjectiveConfig
+
         return ObjectiveConfig(
             max_anchors=self.max_anchors, gamma=self.gamma, noise_type=self.noise_type,
             noise_start=self.noise_start, noise_end=self.noise_end,

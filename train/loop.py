@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.runtime.signals import StopRequest
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
@@ -46,7 +47,6 @@ from .loader import TrainingData, check_cache_target, dequantize_batch, open_tra
 from .model import DFlashDrafter
 from .objective import ObjectiveConfig, compute_loss, sample_anchors, scored_slots
 from .reporting import RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
-from .signals import StopRequest
 from .target_weights import load_target_config
 
 
@@ -121,7 +121,8 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     # saved_step: the step of the newest checkpoint (the one resumed from, or none yet: -1)
     last, saved_step, last_checkpoint, eval_metrics = {}, (step if step else -1), checkpoints.latest(), None
     log.start(total_steps, step)
-    with StopRequest() as stop:
+    with StopRequest(finishing="finishing this step, writing a checkpoint, then exiting",
+                     abandoning="exiting now without a checkpoint") as stop:
         while step < total_steps:
             profiler.begin(step)
             model.train()

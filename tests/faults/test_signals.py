@@ -206,7 +206,7 @@ def test_train_second_signal_exits_at_once_and_stops_the_workers(zygote, world, 
 
 _SECOND_SIGNAL_SCRIPT = r"""
 import multiprocessing, os, signal, sys, time
-from dflash.train.signals import StopRequest
+from dflash.runtime.signals import StopRequest
 
 def sleeper():
     time.sleep(60)
@@ -224,7 +224,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGCHLD, lambda *a: (_ for _ in ()).throw(RuntimeError("worker died")))
     real = multiprocessing.active_children
     multiprocessing.active_children = lambda: real() + [RaisingChild()]
-    with StopRequest():
+    with StopRequest(abandoning="exiting now without a checkpoint"):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGTERM)
