@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.cache_tools.errors import InputError
+from dflash.runtime.errors import InputError
 
 FORMATS = ("auto", "messages", "sharegpt", "prompt")
 CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")

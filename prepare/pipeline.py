@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.cache_tools.errors import DflashError, InputError
+from dflash.runtime.errors import InputError, SettingError
 
 from .formats import FORMATS, iter_conversations, list_chat_files
 from .meta import write_meta
@@ -34,7 +34,7 @@ from .render import (
 MAX_SKIPS_LISTED = 50
 
 
-class PrepareConfigError(DflashError):
+class PrepareConfigError(SettingError):
     """Settings of dflash-prepare / dflash-generate are inconsistent or incomplete."""
 
 

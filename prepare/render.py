@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dflash.cache_tools.errors import InputError
+from dflash.runtime.errors import InputError
 
 from .formats import Conversation
 

@@ -59,7 +59,7 @@ def test_gzip_and_parquet_inputs(tmp_path):
 def test_forced_format_mismatch_names_the_line(tmp_path):
     data = write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}])
     result, _ = prepare(tmp_path, data, "--format", "sharegpt")
-    assert result.exit_code == 1 and "m.jsonl, line 1" in result.output and "conversations" in result.output
+    assert result.exit_code == 2 and "m.jsonl, line 1" in result.output and "conversations" in result.output
 
 
 def test_missing_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
@@ -75,4 +75,4 @@ def test_missing_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     result, _ = prepare(tmp_path, tmp_path / "d.parquet")
-    assert result.exit_code == 1 and "pip install 'dflash-pipeline[parquet]'" in result.output
+    assert result.exit_code == 2 and "pip install 'dflash-pipeline[parquet]'" in result.output

@@ -160,7 +160,7 @@ def test_history_rewriting_template_is_refused_naming_the_sample(tmp_path):
     good = {"id": "ok", "messages": PLAIN_CONVERSATION[1:3]}
     bad = {"id": "multi", "messages": PLAIN_CONVERSATION[1:]}
     _, _, result = run_prepare(tmp_path, COUNTING_TEMPLATE, [good, bad], expect_ok=False)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "chat.jsonl, line 2 (id multi)" in result.output and "assistant turn 1" in result.output
     assert not (tmp_path / "prepared.jsonl").exists()  # nothing half-written
 
@@ -181,7 +181,7 @@ def test_refused_and_bad_records_are_counted_with_skip_bad(tmp_path):
     args = ["--target-model", str(tok_dir), "--data", str(data), "--output", str(out), "--no-progress",
             "--max-seq-len", "200"]
     stopped = CliRunner().invoke(prepare_main, args)
-    assert stopped.exit_code == 1 and "chat.jsonl, line 3" in stopped.output and "wizard" in stopped.output
+    assert stopped.exit_code == 2 and "chat.jsonl, line 3" in stopped.output and "wizard" in stopped.output
     result = CliRunner().invoke(prepare_main, args + ["--skip-bad"])
     assert result.exit_code == 0, result.output
     assert [r["id"] for r in read_jsonl(out)] == ["r0"]
