@@ -9,7 +9,8 @@ RUN_DIR/checkpoints/step-000123/
 
 A checkpoint is staged in `.tmp-step-...` beside its final name, every file fsynced, then
 renamed into place: a directory named step-N is always complete. Only the last
-`keep_checkpoints` are kept. Rank 0 writes; other ranks wait at a barrier.
+`keep_checkpoints` are kept, and the one of the best held-out evaluation. Rank 0 writes;
+other ranks wait at a barrier.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class Checkpoint:
         return int(self.meta["step"])
 
 
+def step_dir_name(step: int | None) -> str:
+    return f"step-{step:06d}" if step is not None else ""
+
+
 def capture_rng() -> dict[str, Any]:
     np_state = np.random.get_state(legacy=False)
     return {
@@ -101,6 +106,8 @@ class Checkpointer:
     def __init__(self, config: CheckpointConfig):
         self.config = config
         self.dir = config.run_dir / CHECKPOINTS_DIR
+        self.best_step: int | None = None
+        """The step of the best held-out evaluation: its checkpoint outlives the rotation."""
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -149,7 +156,10 @@ class Checkpointer:
         return final
 
     def prune(self) -> None:
+        """Delete all but the last `keep_checkpoints`, and never the best one (`best_step`)."""
         for old in self.complete()[:-self.config.keep_checkpoints]:
+            if old.name == step_dir_name(self.best_step):
+                continue
             # Rename first: a half-deleted directory must never look like a complete checkpoint.
             doomed = temp_name(old)
             os.replace(old, doomed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import textwrap
 from dataclasses import dataclass, field, fields
@@ -51,9 +52,11 @@ class TrainConfig:
     output_dir: str = ""
     """Run directory: checkpoints/, metrics.jsonl, final/ (the exported drafter)."""
     eval_cache: list[str] = field(default_factory=list)
-    """Held-out cache(s) for evaluation (instead of --eval-fraction)."""
-    eval_fraction: float = 0.0
-    """Fraction of the training caches' samples held out for evaluation (chosen by sample index)."""
+    """Held-out cache(s) for evaluation; when given, no training sample is held out (--eval-fraction is unused)."""
+    eval_fraction: float = 0.02
+    """Fraction of the training caches' samples held out for evaluation, chosen by a hash of each sample id (stable as caches grow; 0: no held-out split)."""
+    eval_max_samples: int = 2000
+    """Evaluate on at most this many held-out samples, the same ones every time (0: all)."""
     eval_max_batches: int = 0
     """Evaluate on at most this many held-out batches per rank (0: all)."""
     token_budget: int = 16384
@@ -128,8 +131,8 @@ class TrainConfig:
     # -- logging, evaluation, checkpoints --------------------------------------------------
     log_interval: int = 10
     """Optimizer steps between metric logs (console, metrics.jsonl, TensorBoard)."""
-    eval_interval: int = 1000
-    """Optimizer steps between evaluations on the held-out split (0: only at the end)."""
+    eval_interval: int | None = None
+    """Optimizer steps between evaluations on the held-out split (default: 10 per run; 0: only at the end)."""
     profile_interval: int = 0
     """Print a wall-time breakdown of a step every N steps (0: off; env DFLASH_PROFILE_INTERVAL)."""
     progress: bool = True
@@ -161,16 +164,14 @@ class TrainConfig:
             if int(getattr(self, name)) < 1:
                 raise TrainConfigError(f"--{flag(name)} must be at least 1 (got {getattr(self, name)}).")
         non_negative = ("num_workers", "max_steps", "eval_interval", "save_interval", "profile_interval",
-                        "eval_max_batches", "weight_decay", "grad_clip", "noise_start", "seed")
+                        "eval_max_samples", "eval_max_batches", "weight_decay", "grad_clip", "noise_start", "seed")
         for name in non_negative:
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")
         if self.block_size < 2:
             raise TrainConfigError(f"--block-size must be at least 2 (got {self.block_size}).")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
-        if self.eval_fraction > 0 and self.eval_cache:
-            raise TrainConfigError("Use either --eval-fraction or --eval-cache, not both.")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise TrainConfigError("--warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1].")
         if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
@@ -189,6 +190,12 @@ class TrainConfig:
             self.objective_config()
         except ValueError as e:
             raise TrainConfigError(f"Invalid objective setting: {e}") from e
+
+    def eval_every(self, total_steps: int) -> int:
+        """Steps between evaluations: --eval-interval, or 10 evaluations per run by default."""
+        if self.eval_interval is not None:
+            return self.eval_interval
+        return max(1, math.ceil(total_steps / 10))
 
     def objective_config(self) -> ObjectiveConfig:
         from .objective import ObjectiveConfig

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from dflash.cache_tools.codecs import dequantize_fp8
 from dflash.cache_tools.errors import ConfigMismatchError, DflashError
+from dflash.cache_tools.identity import Purpose, target_differences, target_identity
+from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import diff_identity
 from dflash.cache_tools.reader import CacheReader
 
@@ -63,17 +65,19 @@ class LoaderConfig:
 # -- caches -----------------------------------------------------------------------------------
 
 # Header parts that must agree between caches trained on together (the codec may differ: every
-# codec decodes to the same bf16 states).
+# codec decodes to the same bf16 states; the target is compared by cache_tools.identity).
 def _compat_identity(reader: CacheReader) -> dict[str, Any]:
     h = reader.manifest.header
-    return {"format_version": h.get("format_version"), "target": h.get("target"),
-            "target_layer_ids": h.get("target_layer_ids"), "hidden_size": h["hidden"].get("hidden_size"),
-            "extras": h.get("extras")}
+    return {"format_version": h.get("format_version"), "target_layer_ids": h.get("target_layer_ids"),
+            "hidden_size": h["hidden"].get("hidden_size"), "extras": h.get("extras")}
 
 
 def check_compatible(first: CacheReader, other: CacheReader) -> None:
     """Two caches can be trained on together: same target, layers, width and extras."""
-    diffs = diff_identity(_compat_identity(first), _compat_identity(other))
+    targets = target_differences(first.manifest.header.get("target"), other.manifest.header.get("target"),
+                                 Purpose.TRAIN_TOGETHER)
+    diffs = [f"target.{k}: cache has {b!r}, requested {a!r}" for k, a, b in targets]
+    diffs += diff_identity(_compat_identity(first), _compat_identity(other))
     if diffs:
         shown = "; ".join(d.replace("cache has", "second has").replace("requested", "first has") for d in diffs[:6])
         raise ConfigMismatchError(
@@ -100,6 +104,7 @@ class CacheSet:
         self.max_seq_len = max_seq_len
         self.truncated_samples = int((full > max_seq_len).sum())
         self.truncated_tokens = int((full - self.lengths).sum())
+        self._sample_ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -114,6 +119,15 @@ class CacheSet:
         return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,
                                                dequantize=dequantize)
 
+    def sample_ids(self) -> np.ndarray:
+        """The global sample id of every sample, in index order (read from each part once)."""
+        if self._sample_ids is None:
+            ids = [r.part_arrays(p).small_array("sample_ids") for r in self.readers for p in range(len(r.parts))]
+            self._sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
+            for r in self.readers:
+                r.close()  # DataLoader workers open their own maps
+        return self._sample_ids
+
     def identity(self) -> list[dict[str, Any]]:
         """What decides the samples: each cache's header identity and committed size (not its path)."""
         return [{"identity": r.manifest.identity(), "samples": len(r), "tokens": r.num_tokens}
@@ -121,14 +135,29 @@ class CacheSet:
 
 
 def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, eval) sample indices; a sample's side depends only on its cache and local index."""
+    """(train, held-out) sample indices. A sample is held out when the hash of its global
+    sample id (its source record) falls below `fraction`: its side depends on that id only,
+    so it stays put when a cache grows, is re-extracted as a superset, merged, or listed in
+    another order, and the same record in two caches lands on the same side."""
     index = np.arange(len(caches), dtype=np.int64)
     if fraction <= 0:
         return index, index[:0]
-    cache_of = np.searchsorted(caches.starts, index, side="right") - 1
-    local = index - caches.starts[cache_of]
-    held_out = _unit_hash(cache_of.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + local.astype(np.uint64)) < fraction
+    held_out = heldout_scores(caches.sample_ids()) < fraction
     return index[~held_out], index[held_out]
+
+
+def heldout_scores(sample_ids: np.ndarray) -> np.ndarray:
+    """A pseudo-random value in [0, 1) per sample id (the split and the evaluation cap use it)."""
+    return _unit_hash(sample_ids.astype(np.int64).view(np.uint64))
+
+
+def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> np.ndarray:
+    """The `max_samples` indices of lowest score (all of them for 0), in index order; the
+    chosen set only loses members as samples are added, never gains old ones."""
+    if not max_samples or len(indices) <= max_samples:
+        return indices
+    keep = np.argsort(scores[indices], kind="stable")[:max_samples]
+    return np.sort(indices[keep])
 
 
 def _unit_hash(x: np.ndarray) -> np.ndarray:
@@ -388,13 +417,11 @@ def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *,
 
 
 def check_cache_target(manifest: Any, target_config: Any, target_dir: str) -> None:
-    """Refuse a cache extracted from another model than the target given to the trainer."""
-    recorded = manifest.header.get("target", {})
-    archs = getattr(target_config, "architectures", None) or []
-    current = {"hidden_size": target_config.hidden_size, "num_hidden_layers": target_config.num_hidden_layers,
-               "vocab_size": target_config.vocab_size, "architecture": archs[0] if archs else None}
-    diffs = [f"{k}: cache has {recorded[k]!r}, target has {v!r}" for k, v in current.items()
-             if v is not None and recorded.get(k) is not None and recorded[k] != v]
+    """Refuse a cache extracted from another model than the target given to the trainer (the
+    identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use."""
+    current = target_identity(target_config, target_dir)
+    diffs = [f"{k}: cache has {b!r}, target has {a!r}"
+             for k, a, b in target_differences(current, manifest.header.get("target"), Purpose.TRAIN)]
     if manifest.hidden_size != target_config.hidden_size:
         diffs.append(f"hidden.hidden_size: cache has {manifest.hidden_size}, target has {target_config.hidden_size}")
     bad_layers = [i for i in manifest.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
@@ -405,6 +432,9 @@ def check_cache_target(manifest: Any, target_config: Any, target_dir: str) -> No
             f"The cache at {manifest.cache_dir} was not extracted from the target model at {target_dir}: "
             f"{'; '.join(dict.fromkeys(diffs))}. Pass the --target-model the cache was extracted with."
         )
+    validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers,
+                              where=f"the cache at {manifest.cache_dir}",
+                              fix="Re-extract the cache with --target-layer-ids such ids")
 
 
 @dataclass
@@ -416,7 +446,10 @@ class TrainingData:
     loader: TrainLoader
     eval_caches: CacheSet | None
     eval_indices: np.ndarray
+    """The samples evaluated (at most --eval-max-samples of the held-out ones)."""
     config: LoaderConfig
+    heldout_count: int = 0
+    """Samples kept out of training (of the training caches, or of --eval-cache)."""
 
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
         caches = self.eval_caches if self.eval_caches is not None else self.caches
@@ -425,9 +458,15 @@ class TrainingData:
 
     def summary(self) -> str:
         c = self.caches
+        where = "in --eval-cache" if self.eval_caches is not None else "held out"
         text = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
-                f"{len(self.train_indices)} for training, {len(self.eval_indices)} held out; "
-                f"{self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)")
+                f"{len(self.train_indices)} for training, {self.heldout_count} {where}")
+        if len(self.eval_indices) < self.heldout_count:
+            text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
+        text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
+        if not self.heldout_count:
+            text += ("; no held-out samples: the logged tau is measured on training batches only "
+                     "(set --eval-fraction or --eval-cache for an honest estimate)")
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
                      f"truncated ({c.truncated_tokens} tokens dropped)")
@@ -435,7 +474,8 @@ class TrainingData:
 
 
 def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
-    """Open the caches (manifests only), split them and plan the batches of every epoch."""
+    """Open the caches (manifests, and the sample ids for the split), split them and plan the
+    batches of every epoch. --eval-cache, when given, replaces the held-out split."""
     loader_config = LoaderConfig(
         token_budget=config.token_budget, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
         shuffle_window=config.shuffle_window, seed=config.seed, num_workers=config.num_workers,
@@ -447,13 +487,18 @@ def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: b
         eval_caches = CacheSet(config.eval_cache, max_seq_len=config.max_seq_len,
                                verify_checksums=config.verify_checksums)
         check_compatible(caches.readers[0], eval_caches.readers[0])
-    train_indices, eval_indices = eval_split(caches, config.eval_fraction)
-    if eval_caches is not None:
-        eval_indices = np.arange(len(eval_caches), dtype=np.int64)
+        train_indices = np.arange(len(caches), dtype=np.int64)
+        heldout, scored = np.arange(len(eval_caches), dtype=np.int64), eval_caches
+    else:
+        train_indices, heldout = eval_split(caches, config.eval_fraction)
+        scored = caches
     if len(train_indices) == 0:
         raise TrainConfigError(f"No training samples: the caches {config.cache} hold {len(caches)} samples "
                                f"and --eval-fraction {config.eval_fraction} holds out all of them.")
+    eval_indices = heldout
+    if config.eval_max_samples and len(heldout) > config.eval_max_samples:
+        eval_indices = cap_by_score(heldout, heldout_scores(scored.sample_ids()), config.eval_max_samples)
     loader = TrainLoader(caches, train_indices, loader_config, epochs=config.epochs, rank=rank,
                          world_size=world_size, grad_accum=config.grad_accum)
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
-                        eval_indices=eval_indices, config=loader_config)
+                        eval_indices=eval_indices, config=loader_config, heldout_count=len(heldout))

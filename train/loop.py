@@ -21,16 +21,19 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.runtime.signals import StopRequest
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from .checkpoint import (
+    MODEL_FILE,
     CheckpointConfig,
     Checkpointer,
     capture_rng,
     check_resume,
     export_from_state,
     restore_rng,
+    step_dir_name,
 )
 from .config import TrainConfig, TrainConfigError
 from .distributed import (
@@ -46,7 +49,7 @@ from .distributed import (
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
 from .model import DFlashDrafter
 from .objective import ObjectiveConfig, compute_loss, sample_anchors, scored_slots
-from .reporting import RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
+from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .target_weights import load_target_config
 
 
@@ -61,6 +64,8 @@ class TrainResult:
     final_dir: Path | None
     metrics: dict[str, float]
     eval_metrics: dict[str, float] | None
+    best_step: int | None = None
+    """The step of the best held-out evaluation: its checkpoint is kept and is what final_dir holds."""
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -97,7 +102,8 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     # Resume from the latest complete checkpoint when there is one and it is this run's.
     checkpoints = Checkpointer(CheckpointConfig(run_dir=run_dir, keep_checkpoints=cfg.keep_checkpoints))
     identity = run_identity(cfg, data, drafter, target_config, info)
-    step = resume(cfg, checkpoints, identity, model, optimizer, scheduler, data, log)
+    heldout = HeldoutTracker()  # best held-out evaluation so far: part of every checkpoint
+    step = resume(cfg, checkpoints, identity, model, optimizer, scheduler, data, log, heldout)
     if info.is_main:
         checkpoints.remove_stale()
 
@@ -107,10 +113,10 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         path = None
         if info.is_main:
             trainer_state = {"scheduler": scheduler.state_dict(), "loader": data.loader.state_dict(),
-                             "rng": capture_rng()}
+                             "rng": capture_rng(), "heldout": heldout.state_dict()}
             meta = {"epoch": data.loader.epoch, "loader": data.loader.state_dict(), "identity": identity,
                     "config": cfg.to_dict(), "drafter_config": dataclasses.asdict(drafter.config),
-                    "world_size": info.world_size}
+                    "world_size": info.world_size, "heldout": heldout.summary(step)}
             path = checkpoints.save(step, model_state, optim_state, trainer_state, meta)
             log.info(f"checkpoint: {path}")
         barrier(info)
@@ -120,6 +126,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     profiler = StepProfiler(cfg.profile_interval, info.device)
     # saved_step: the step of the newest checkpoint (the one resumed from, or none yet: -1)
     last, saved_step, last_checkpoint, eval_metrics = {}, (step if step else -1), checkpoints.latest(), None
+    eval_every = cfg.eval_every(total_steps)
     log.start(total_steps, step)
     with StopRequest(finishing="finishing this step, writing a checkpoint, then exiting",
                      abandoning="exiting now without a checkpoint") as stop:
@@ -157,33 +164,40 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
             if (report := profiler.report()) is not None:
                 log.info(f"[step {step}] {report}")
 
-            if step % cfg.log_interval == 0 or step == total_steps:
+            eval_due = (eval_every and step % eval_every == 0) or step == total_steps
+            if step % cfg.log_interval == 0 or step == total_steps or eval_due:
                 last = metrics.compute(info)  # CPU-GPU sync point: only every log_interval steps
                 last.update(lr=scheduler.get_last_lr()[0], epoch=data.loader.epoch,
                             gpu_mem_gib=gpu_memory_gib(info.device))
-                log.log(step, "train", last)
-                log.advance(0, loss=last["loss"], tau=last["tau"], tok_s=last["context_tokens_per_second"])
+                heldout.add_train(last)
+                log.log(step, "train", {**heldout.train_fields(), **last})
+                log.advance(0, **heldout.progress_fields(), train_tau=last["tau"], loss=last["loss"],
+                            tok_s=last["context_tokens_per_second"])
                 metrics.reset()
-            if cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
-                if (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
-                    log.log(step, "eval", eval_metrics)
+            new_best = False
+            if eval_due and (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
+                log.log(step, "eval", heldout.observe(step, eval_metrics))
+                new_best = heldout.best_step == step
+                checkpoints.best_step = heldout.best_step  # kept from now on, whatever keep_checkpoints says
             # A signal on any rank stops every rank after the same step (agreed on the CPU).
             stopping = any_rank(stop.signum, info)
-            if (cfg.save_interval and step % cfg.save_interval == 0) or stopping:
+            if (cfg.save_interval and step % cfg.save_interval == 0) or stopping or new_best:
                 last_checkpoint, saved_step = save(step), step
             if stopping:
                 log.info(f"stopped at step {step}; rerun the same command to resume.")
                 log.close()
-                return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics)
+                return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics,
+                                   heldout.best_step)
 
     if saved_step != step:
         last_checkpoint = save(step)
-    if (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
-        log.log(step, "eval", eval_metrics)
-    final_dir = export_final(model, optimizer, drafter, run_dir / "final", info)
-    log.info(f"done: {step} steps; drafter exported to {final_dir}")
+    # RUN_DIR/final is the best held-out checkpoint; the last step's stays in checkpoints/.
+    best = heldout.best_step if heldout.best_step not in (None, step) else None
+    final_dir = export_final(model, optimizer, drafter, run_dir / "final", info,
+                             best=checkpoints.dir / step_dir_name(best) if best is not None else None)
+    log.info(heldout.final_message(step, final_dir, last_checkpoint))
     log.close()
-    return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics)
+    return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics, heldout.best_step)
 
 
 # -- the pieces train() wires -------------------------------------------------------------------
@@ -338,7 +352,9 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
     return {
         "caches": data.caches.identity(),
         "eval_caches": data.eval_caches.identity() if data.eval_caches is not None else [],
-        "eval_fraction": cfg.eval_fraction,
+        # the held-out split (by sample id) decides the training samples; --eval-cache replaces it
+        "eval_fraction": 0.0 if cfg.eval_cache else cfg.eval_fraction,
+        "eval_split": "sample_id hash",
         "target": target_fingerprint(target_config),
         "batching": {"token_budget": cfg.token_budget, "max_batch_size": cfg.max_batch_size,
                      "max_seq_len": cfg.max_seq_len, "shuffle_window": cfg.shuffle_window, "seed": cfg.seed,
@@ -349,7 +365,8 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
 
 
 def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any], model: nn.Module,
-           optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainingData, log: RunLogger) -> int:
+           optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainingData, log: RunLogger,
+           heldout: HeldoutTracker) -> int:
     """Load the latest checkpoint of this run directory; returns the step to continue from."""
     latest = checkpoints.latest()
     if latest is None:
@@ -362,6 +379,9 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     scheduler.load_state_dict(ckpt.trainer["scheduler"])
     data.loader.load_state_dict(ckpt.trainer["loader"])
     restore_rng(ckpt.trainer["rng"])
+    if "heldout" in ckpt.trainer:  # the best held-out evaluation so far and the train-tau window
+        heldout.load_state_dict(ckpt.trainer["heldout"])
+        checkpoints.best_step = heldout.best_step
     changed = {k: (v, getattr(cfg, k)) for k, v in ckpt.meta.get("config", {}).items()
                if k in cfg.to_dict() and cfg.to_dict()[k] != v}
     log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data.loader.epoch}). To start over, "
@@ -373,7 +393,14 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
 
 
 def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,
-                 info: DistInfo) -> Path | None:
+                 info: DistInfo, *, best: Path | None = None) -> Path | None:
+    """Export the drafter as it is now or, given `best`, the weights of that checkpoint."""
+    if best is not None:
+        path = None
+        if info.is_main:
+            path = export_from_state(unwrap(drafter).config, load_file(str(best / MODEL_FILE)), out_dir)
+        barrier(info)
+        return path
     model_state, _ = full_state(model, optimizer, info, with_optimizer=False)
     path = export_from_state(unwrap(drafter).config, model_state, out_dir) if info.is_main else None
     barrier(info)

@@ -4,14 +4,18 @@ over ranks, and where they go (console with a progress bar, RUN_DIR/metrics.json
 Metrics per log interval: loss, acc_k (top-1 accuracy of block slot k), tau (expected
 acceptance length, see metrics.py), lr, grad_norm, context and block tokens/s, samples/s,
 data_wait (fraction of wall time spent waiting for batches), gpu_mem_gib (peak allocated).
+Training tau is measured on the batches being trained on, so it flatters a drafter that
+memorizes them; what the reports lead with is the held-out tau (`HeldoutTracker`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,94 @@ def gpu_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+# What the console line of each record shows, held-out tau first.
+_TRAIN_KEYS = ("heldout_tau", "tau", "loss", "acc_1", "lr", "grad_norm", "context_tokens_per_second", "data_wait",
+               "gpu_mem_gib")
+_EVAL_KEYS = ("heldout_tau", "train_tau", "tau_gap", "best_heldout_tau", "best_step", "loss", "acc_1")
+_SHORT = {"heldout_tau": "held-out_tau", "tau": "train_tau", "context_tokens_per_second": "ctx_tok/s",
+          "best_heldout_tau": "best", "best_step": "at_step"}
+
+
+@dataclass
+class HeldoutTracker:
+    """The held-out tau over a run: its best evaluation (whose checkpoint is kept and becomes
+    RUN_DIR/final), the training tau since the previous evaluation, and the warning when the
+    held-out tau stops improving. Its state goes into every checkpoint."""
+
+    best_step: int | None = None
+    best_tau: float = -math.inf
+    best_train_tau: float = math.nan
+    """Training tau over the evaluation interval that ended at the best step."""
+    last_tau: float | None = None
+    last_step: int | None = None
+    train_accepted: float = 0.0
+    """Accepted slots (tau - 1 summed over blocks) of the training logs since the last evaluation."""
+    train_blocks: float = 0.0
+
+    def add_train(self, metrics: dict[str, float]) -> None:
+        """Count one training log (its `tau` over its `blocks`) towards the next evaluation's train_tau."""
+        self.train_accepted += (metrics["tau"] - 1.0) * metrics["blocks"]
+        self.train_blocks += metrics["blocks"]
+
+    def train_fields(self) -> dict[str, float]:
+        """What a training record leads with: the latest held-out tau, once there is one."""
+        return {} if self.last_tau is None else {"heldout_tau": self.last_tau, "heldout_step": self.last_step}
+
+    def observe(self, step: int, heldout: dict[str, float]) -> dict[str, Any]:
+        """Record one evaluation; returns its record (held-out tau, train tau and gap first,
+        then the best so far, a warning when it did not improve, then the held-out metrics)."""
+        tau = heldout["tau"]
+        train_tau = 1.0 + self.train_accepted / self.train_blocks if self.train_blocks else math.nan
+        self.train_accepted, self.train_blocks = 0.0, 0.0
+        warning = None
+        if tau > self.best_tau:
+            self.best_step, self.best_tau, self.best_train_tau = step, tau, train_tau
+        else:
+            warning = self._warning(tau, train_tau)
+        self.last_tau, self.last_step = tau, step
+        record: dict[str, Any] = {"heldout_tau": tau, "train_tau": train_tau, "tau_gap": train_tau - tau,
+                                  "best_heldout_tau": self.best_tau, "best_step": self.best_step}
+        if warning:
+            record["warning"] = warning
+        return {**record, **heldout}
+
+    def _warning(self, tau: float, train_tau: float) -> str:
+        head = (f"held-out tau {tau:.3f} has not improved on {self.best_tau:.3f} (step {self.best_step})")
+        keep = f"final/ will be the step-{self.best_step} checkpoint, the best held-out one."
+        if train_tau > self.best_train_tau:
+            return (f"{head} while training tau rose {self.best_train_tau:.3f} -> {train_tau:.3f}: the drafter "
+                    "is fitting its training samples, not the target (overfitting). More data helps most; "
+                    f"fewer --epochs stop it earlier. {keep}")
+        return f"{head}: it has stopped improving. More data or a larger drafter may help. {keep}"
+
+    def progress_fields(self) -> dict[str, float]:
+        return {} if self.last_tau is None else {"heldout_tau": self.last_tau}
+
+    def summary(self, step: int) -> dict[str, Any]:
+        """For a checkpoint's meta.json: its own held-out tau (when evaluated there) and the best."""
+        return {"heldout_tau": self.last_tau if self.last_step == step else None,
+                "best_step": self.best_step, "best_heldout_tau": self.best_tau if self.best_step is not None else None}
+
+    def final_message(self, step: int, final_dir: Path | None, last_checkpoint: Path | None) -> str:
+        if self.best_step is None:
+            return (f"done: {step} steps; drafter exported to {final_dir} (no held-out samples: its quality "
+                    "was not measured)")
+        text = (f"done: {step} steps; {final_dir} holds the best held-out checkpoint, step {self.best_step} "
+                f"(held-out tau {self.best_tau:.3f})")
+        if self.best_step != step:
+            text += (f"; the last step's weights (held-out tau {self.last_tau:.3f}) are in {last_checkpoint} "
+                     "(dflash-train export exports them)")
+        return text
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, **asdict(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            if k != "version":
+                setattr(self, k, v)
+
+
 class RunLogger:
     """Console (tqdm bar + one line per log), metrics.jsonl and TensorBoard; rank 0 only."""
 
@@ -129,10 +221,12 @@ class RunLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
-        keys = ("loss", "acc_1", "tau", "lr", "grad_norm", "context_tokens_per_second", "data_wait", "gpu_mem_gib")
-        shown = " ".join(f"{k.replace('context_tokens_per_second', 'ctx_tok/s')}={metrics[k]:.4g}"
-                         for k in keys if k in metrics)
+        keys = _EVAL_KEYS if kind == "eval" else _TRAIN_KEYS
+        shown = " ".join(f"{_SHORT.get(k, k)}={metrics[k]:.4g}" for k in keys
+                         if isinstance(metrics.get(k), (int, float)) and not math.isnan(metrics[k]))
         self.info(f"[{kind} step {step}] {shown}")
+        if metrics.get("warning"):
+            self.info(f"warning: {metrics['warning']}")
 
     def close(self) -> None:
         if self.bar is not None:
