@@ -1,4 +1,5 @@
-"""HF export: exact config keys and weight names, reload with identical logits, atomic writes."""
+"""HF export: exact config keys and weight names, reload with identical logits (default, llama3 and yarn
+RoPE; sliding layers and causality), a partial-rotary target's full-rotary drafter, atomic writes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dflash.train.export as export_module
 import pytest
 import torch
 from dflash.train.export import export_drafter, load_drafter
-from dflash.train.model import DFlashDrafter
+from dflash.train.model import DFlashDrafter, DrafterConfig
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from safetensors import safe_open
 from test_drafter_support import (
@@ -18,6 +19,7 @@ from test_drafter_support import (
     KV_HEADS,
     TARGET_LAYERS,
     VOCAB,
+    random_target_weights,
     save_tiny_target,
 )
 from transformers import Qwen3Config
@@ -26,6 +28,9 @@ DRAFT_LAYERS = 3
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+# Keys of a partial-rotary / M-RoPE target that must never reach an export.
+PARTIAL_ROPE_KEYS = {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 
 
 def expected_weight_names(num_layers: int) -> set[str]:
@@ -70,7 +75,7 @@ def perturb(drafter: DFlashDrafter) -> DFlashDrafter:
     return drafter
 
 
-@pytest.mark.parametrize("family,rope", [("qwen3", None), ("llama", LLAMA3_ROPE)])
+@pytest.mark.parametrize("family,rope", [("qwen3", None), ("llama", LLAMA3_ROPE), ("qwen3", YARN_ROPE)])
 def test_export_writes_every_key_and_reloads_with_identical_logits(tmp_path, family, rope):
     extra = {"rope_theta": 500000.0, "rope_scaling": dict(rope)} if rope else {"rope_theta": 1e6}
     target = save_tiny_target(tmp_path / "target", family, **extra)
@@ -102,6 +107,9 @@ def test_export_writes_every_key_and_reloads_with_identical_logits(tmp_path, fam
         assert {k: config["rope_parameters"][k] for k in rope} == rope
     else:
         assert config["rope_scaling"] is None and config["rope_parameters"]["rope_type"] == "default"
+    # Stated for every engine: block size both ways, causality, all layers full attention.
+    assert config["dflash_config"]["block_size"] == 4 and config["sliding_window"] is None
+    assert config["is_causal"] is False and config["dflash_config"]["causal"] is False
     hf = Qwen3Config(**config)  # transformers accepts the file as a Qwen3 config
     assert hf.num_hidden_layers == DRAFT_LAYERS and len(hf.layer_types) == DRAFT_LAYERS
 
@@ -189,3 +197,117 @@ def test_load_refuses_a_target_of_another_size(tmp_path):
         load_drafter(tmp_path / "target", target)
     with pytest.raises(FileNotFoundError, match="not a drafter export"):
         load_drafter(tmp_path / "nowhere", target)
+
+
+@pytest.mark.parametrize("layers,causal_key", [
+    ({"layer_types": "sliding,full,sliding", "sliding_window": 6}, None),  # the convention, per layer
+    ({"layer_types": "sliding", "sliding_window": 5}, True),
+    ({"layer_types": "sliding", "sliding_window": 5, "causal": False}, False),  # non-causal SWA
+    ({"causal": True}, True),
+])
+def test_sliding_window_layers_and_causality_round_trip(tmp_path, layers, causal_key):
+    target = save_tiny_target(tmp_path / "target")
+    torch.manual_seed(0)
+    drafter = perturb(DFlashDrafter.from_target(target, num_hidden_layers=DRAFT_LAYERS, target_layer_ids=[1, 3, 5],
+                                                block_size=4, attention_backend="sdpa", **layers))
+    out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == drafter.config.layer_types
+    assert config["sliding_window"] == drafter.config.sliding_window
+    assert config["use_sliding_window"] == ("sliding_attention" in drafter.config.layer_types)
+    assert config.get("is_causal") == causal_key and config["dflash_config"].get("causal") == causal_key
+    hf = Qwen3Config(**config)
+    assert hf.layer_types == drafter.config.layer_types and hf.sliding_window == drafter.config.sliding_window
+
+    reloaded = load_drafter(out, target, attention_backend="sdpa")
+    assert reloaded.config == drafter.config
+    kinds = [reloaded.config.layer_attention(i) for i in range(DRAFT_LAYERS)]
+    assert kinds == [drafter.config.layer_attention(i) for i in range(DRAFT_LAYERS)]
+    batch = sample_batch(2)
+    torch.testing.assert_close(block_logits(reloaded, batch), block_logits(drafter, batch), rtol=0, atol=0)
+
+
+def qwen35_target_config(rope: dict):
+    """A tiny Qwen3.5 text config (hybrid linear attention, partial_rotary_factor 0.25, M-RoPE keys)."""
+    dims = dict(hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=TARGET_LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB,
+                max_position_embeddings=256, rms_norm_eps=1e-6)
+    params = {"rope_theta": 10000.0, **rope, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+              "mrope_interleaved": True}
+    try:
+        from transformers import Qwen3_5TextConfig
+    except ImportError:  # transformers 4.57 predates Qwen3.5: its config.json keys, 4.57-style RoPE
+        from types import SimpleNamespace
+
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        return SimpleNamespace(**dims, rope_theta=params["rope_theta"], partial_rotary_factor=0.25,
+                               rope_scaling=scaling if rope["rope_type"] != "default" else None)
+    return Qwen3_5TextConfig(**dims, rope_parameters=params)
+
+
+def full_rotary_qwen3_block(drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int, rope: dict) -> torch.Tensor:
+    """Block logits computed independently: transformers' own full-rotary Qwen3 RoPE, attention by hand."""
+    import inspect
+
+    from transformers.models.qwen3 import modeling_qwen3
+
+    c = drafter.config
+    rope_kwargs = ({"rope_parameters": {"rope_theta": 10000.0, **rope}}
+                   if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters
+                   else {"rope_theta": 10000.0, "rope_scaling": dict(rope) if rope["rope_type"] != "default" else None})
+    reference_config = Qwen3Config(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                   head_dim=HEAD_DIM, max_position_embeddings=256, **rope_kwargs)
+    rotary = modeling_qwen3.Qwen3RotaryEmbedding(reference_config)
+    w = {k: v.float() for k, v in drafter.state_dict().items()}
+
+    def norm(x, weight, eps=c.rms_norm_eps):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def heads(x, n):
+        return x.view(1, x.shape[1], n, HEAD_DIM).transpose(1, 2)
+
+    T, B = hidden.shape[1], c.block_size
+    context = norm(hidden @ w["fc.weight"].T, w["hidden_norm.weight"])
+    x = drafter.embed_weight[torch.tensor([[anchor] + [c.mask_token_id] * (B - 1)])].float()
+    positions = torch.arange(T + B)[None]
+    cos, sin = rotary(x, positions)
+    for i in range(c.num_hidden_layers):
+        pre = f"layers.{i}."
+        h = norm(x, w[pre + "input_layernorm.weight"])
+        kv_in = torch.cat([context, h], dim=1)
+        q = norm(heads(h @ w[pre + "self_attn.q_proj.weight"].T, HEADS), w[pre + "self_attn.q_norm.weight"])
+        k = norm(heads(kv_in @ w[pre + "self_attn.k_proj.weight"].T, KV_HEADS), w[pre + "self_attn.k_norm.weight"])
+        v = heads(kv_in @ w[pre + "self_attn.v_proj.weight"].T, KV_HEADS)
+        q, _ = modeling_qwen3.apply_rotary_pos_emb(q, q, cos[:, T:], sin[:, T:])
+        k, _ = modeling_qwen3.apply_rotary_pos_emb(k, k, cos, sin)
+        k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM**0.5, dim=-1) @ v  # the block sees everything
+        x = x + attn.transpose(1, 2).reshape(1, B, -1) @ w[pre + "self_attn.o_proj.weight"].T
+        h = norm(x, w[pre + "post_attention_layernorm.weight"])
+        gate, up = h @ w[pre + "mlp.gate_proj.weight"].T, h @ w[pre + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[pre + "mlp.down_proj.weight"].T
+    return norm(x, w["norm.weight"])[:, 1:] @ drafter.lm_head_weight.float().T
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, YARN_ROPE])
+def test_partial_rotary_target_exports_a_full_rotary_drafter(tmp_path, rope):
+    config = DrafterConfig.from_target_config(qwen35_target_config(rope), num_hidden_layers=2,
+                                              target_layer_ids=[1, 5], block_size=4, attention_backend="sdpa")
+    torch.manual_seed(0)
+    drafter = perturb(DFlashDrafter(config, random_target_weights()))
+    out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    exported = json.loads((out / "config.json").read_text())
+    for where in (exported, exported["rope_parameters"], exported["rope_scaling"] or {}):
+        assert not PARTIAL_ROPE_KEYS & set(where) and where.get("rope_dim", HEAD_DIM) == HEAD_DIM
+    assert exported["rope_parameters"] == {"rope_theta": 10000.0, **rope}
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 40, 2 * HIDDEN, generator=g)
+    cache = drafter.new_context_cache()
+    drafter.append_context(cache, hidden)
+    got = drafter.draft_block(cache, torch.tensor([3]))
+    expected = full_rotary_qwen3_block(drafter, hidden, 3, rope)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # The comparison has teeth: the same block under the other RoPE settings differs.
+    other = YARN_ROPE if rope["rope_type"] == "default" else {"rope_type": "default"}
+    assert (full_rotary_qwen3_block(drafter, hidden, 3, other) - got).abs().max() > 1e-3
