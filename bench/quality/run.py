@@ -1,0 +1,155 @@
+"""Drafter quality: a benchmark the project owns, from a fixed seed and no network.
+
+Stages (each resumable: a stage already recorded in WORKDIR/stages/ is skipped):
+
+  target    train a byte-level Qwen3 LM on the Python sources of installed packages (torch,
+            transformers, numpy), files split by a hash of their path; report its held-out loss
+  generate  its completions (greedy and sampled batches alternate) of prompts cut from training
+            files, and evaluation prompts cut from held-out files
+  extract   dflash-extract the completions' hidden states into a cache
+  train     dflash-train a drafter per --variant (its held-out split on: the estimate)
+  eval      dflash-eval each drafter at the block sizes (16 and 8), prompt lookup beside it
+  table     print the table (samples, epochs, GPU-seconds, held-out estimate, taus, speedups)
+
+    python bench/quality/run.py --workdir /dev/shm/dflash-quality                    # all, one H200
+    python bench/quality/run.py --workdir /dev/shm/dflash-quality --stages target,generate
+    python bench/quality/run.py --workdir /dev/shm/dflash-quality --variant 1 --variant 2
+    python bench/quality/run.py --small --workdir /tmp/quality-small --device cpu    # CPU smoke run
+
+A variant is `EPOCHS [dflash-train flags]`, e.g. `--variant "2 --soft-label-weight 0.5"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from stages import (
+    FULL,
+    SMALL,
+    BenchError,
+    Variant,
+    Work,
+    check_settings,
+    stage_eval,
+    stage_extract,
+    stage_generate,
+    stage_target,
+    stage_train,
+)
+
+STAGES = ("target", "generate", "extract", "train", "eval", "table")
+
+
+def parse_variant(text: str) -> Variant:
+    words = shlex.split(text)
+    try:
+        epochs = int(words[0])
+    except (IndexError, ValueError):
+        raise BenchError(f"--variant {text!r}: expected EPOCHS then dflash-train flags, e.g. '2 --lr 1e-3'.") from None
+    return Variant(epochs=epochs, train_args=tuple(words[1:]))
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def table(work: Work) -> str:
+    """One row per trained variant: samples, epochs, GPU-seconds, held-out estimate, eval taus."""
+    s = work.sizes
+    target, data = work.done("target") or {}, work.done("generate") or {}
+    blocks = list(s.eval_block_sizes)
+    head = ["variant", "samples", "epochs", "train GPU-s", "held-out tau (est.)"]
+    for b in blocks:
+        head += [f"B={b} tau", f"B={b} speedup", f"B={b} lookup tau", f"B={b} lookup speedup"]
+    head.append("lossless")
+    rows = []
+    for path in sorted((work.root / "stages").glob("train-*.json")):
+        train = json.loads(path.read_text())
+        ev = (work.done(f"eval-{train['variant']}") or {}).get("blocks", {})
+        row = [train["variant"] + (" " + " ".join(train["train_args"]) if train["train_args"] else ""),
+               str(data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
+               _fmt(train["heldout_tau"])]
+        for b in blocks:
+            e = ev.get(str(b), {})
+            row += [_fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
+                    _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" if e else "")]
+        checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
+        row.append("–" if not checks else ("yes" if all(checks) else "NO"))
+        rows.append(row)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    about = (f"target: {_fmt(target.get('parameters', 0) / 1e6, '.1f')}M parameters, {target.get('train_files')} "
+             f"training / {target.get('held_out_files')} held-out files (digest {target.get('corpus_digest')}), "
+             f"held-out loss {_fmt(target.get('held_out_loss'), '.3f')} nats/byte "
+             f"({_fmt(target.get('held_out_bits_per_byte'))} bits/byte; training windows "
+             f"{_fmt(target.get('train_loss'), '.3f')}); {data.get('samples', '–')} completions of "
+             f"{s.completion_tokens} tokens, {data.get('tokens', '–')} tokens; {data.get('eval_prompts', '–')} held-out "
+             f"prompts, greedy, {s.eval_new_tokens} new tokens, batch 1, prompt lookup n <= {s.lookup_ngram}")
+    return "\n".join([about, "", *lines])
+
+
+def run(work: Work, stages: list[str], variants: list[Variant]) -> str | None:
+    check_settings(work)
+    for stage in stages:
+        if stage == "table":
+            continue
+        jobs = [(f"{stage}-{v.name}", v) for v in variants] if stage in ("train", "eval") else [(stage, None)]
+        for name, variant in jobs:
+            if work.done(name) is not None:
+                work.log(f"[{name}] done earlier (remove {work.stage_path(name)} to redo)")
+                continue
+            work.log(f"[{name}]")
+            start = time.perf_counter()
+            fn = {"target": stage_target, "generate": stage_generate, "extract": stage_extract,
+                  "train": stage_train, "eval": stage_eval}[stage]
+            result = fn(work) if variant is None else fn(work, variant)
+            result["stage_seconds"] = time.perf_counter() - start
+            work.record(name, result)
+            work.log(f"[{name}] {result['stage_seconds']:.0f} s")
+    if "table" not in stages:
+        return None
+    text = table(work)
+    (work.root / "table.md").write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/dev/shm/dflash-quality", help="Where every artifact goes.")
+    parser.add_argument("--small", action="store_true", help="The CPU smoke run (tiny target, a few hundred samples).")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"Comma-separated subset of {','.join(STAGES)}.")
+    parser.add_argument("--variant", action="append", default=None,
+                        help="'EPOCHS [dflash-train flags]' (repeatable) [default: '2'].")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when available).")
+    args = parser.parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    stages = [x.strip() for x in args.stages.split(",") if x.strip()]
+    try:
+        unknown = [x for x in stages if x not in STAGES]
+        if unknown:
+            raise BenchError(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}.")
+        variants = [parse_variant(v) for v in (args.variant or ["2"])]
+        work = Work(Path(args.workdir), SMALL if args.small else FULL, device, log=lambda m: print(m, flush=True))
+        if work.sizes.cpu_threads and device == "cpu":
+            torch.set_num_threads(work.sizes.cpu_threads)  # tiny models: one thread beats contended ones
+        work.log(f"bench/quality on {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else platform.processor() or 'cpu'}), "
+                 f"torch {torch.__version__}, python {platform.python_version()}")
+        text = run(work, stages, variants)
+    except BenchError as e:
+        print(f"bench/quality: error: {e}", file=sys.stderr)
+        return 2
+    if text is not None:
+        print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

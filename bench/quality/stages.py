@@ -1,0 +1,289 @@
+"""The benchmark's stages. Each reads what the earlier ones left in the work directory and
+records its result in `stages/<name>.json` (written last), so that a stage already done is
+skipped on a rerun and one device call can do one or two stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from corpus import MASK_ID, Document, corpus_digest, cut_prompts, load_corpus, token_stream
+from target import build_target, complete, mean_loss, train_target
+
+
+@dataclass(kw_only=True)
+class Sizes:
+    """Everything that decides the benchmark's figures (recorded in settings.json)."""
+
+    packages: tuple[str, ...] = ("torch", "transformers", "numpy")
+    """Installed packages whose `*.py` files are the corpus."""
+    held_out_percent: int = 10
+    """Share of files (by a hash of their path) that only the evaluation sees."""
+    max_files: int = 0
+    """Keep only the first N training files (0: all)."""
+    target_hidden: int = 384
+    target_layers: int = 6
+    target_steps: int = 3000
+    target_batch: int = 64
+    target_seq_len: int = 512
+    target_lr: float = 2e-3
+    loss_windows: int = 256
+    """Held-out windows of target_seq_len bytes for the target's held-out loss."""
+    completions: int = 32768
+    """Target-generated drafter training samples (half greedy, half sampled)."""
+    sample_temperature: float = 0.8
+    prompt_lengths: tuple[int, ...] = (64, 96, 128, 160, 192)
+    """Prompt lengths in bytes (cycled over the batches of completions and the eval prompts)."""
+    completion_tokens: int = 160
+    generate_batch: int = 1024
+    target_layer_ids: tuple[int, ...] = (0, 2, 4)
+    """Captured target layers (at most N-2 for an N-layer target, as the serving engines need)."""
+    eval_prompts: int = 40
+    eval_new_tokens: int = 160
+    eval_block_sizes: tuple[int, ...] = (16, 8)
+    lookup_ngram: int = 4
+    train_args: tuple[str, ...] = ()
+    """Extra dflash-train flags every variant gets (sizes for a CPU run)."""
+    extract_args: tuple[str, ...] = ()
+    """Extra dflash-extract flags."""
+    seed: int = 0
+    cpu_threads: int = 0
+    """torch threads on CPU, also for the child commands (0: torch's default)."""
+
+
+FULL = Sizes()
+SMALL = Sizes(packages=("numpy",), max_files=40, target_hidden=64, target_layers=3, target_steps=30,
+              target_batch=8, target_seq_len=128, loss_windows=16, completions=256, prompt_lengths=(24, 32, 48),
+              completion_tokens=24, generate_batch=64, target_layer_ids=(0, 1), eval_prompts=3, eval_new_tokens=24,
+              eval_block_sizes=(8, 4),
+              train_args=("--num-draft-layers", "1", "--max-batch-size", "16", "--max-anchors", "16",
+                          "--num-workers", "0", "--dtype", "fp32", "--lr", "3e-3", "--block-size", "8"),
+              extract_args=("--dtype", "fp32", "--num-writers", "0"), cpu_threads=1)
+"""The CPU smoke run (seconds of compute; CI): the code path, not the figures."""
+
+
+class BenchError(RuntimeError):
+    """A stage failed or the work directory does not match the settings."""
+
+
+@dataclass
+class Work:
+    """The work directory and what is known of it."""
+
+    root: Path
+    sizes: Sizes
+    device: str
+    log: Any = print
+    _corpus: tuple[list[Document], list[Document]] | None = field(default=None, repr=False)
+
+    def stage_path(self, name: str) -> Path:
+        return self.root / "stages" / f"{name}.json"
+
+    def done(self, name: str) -> dict[str, Any] | None:
+        path = self.stage_path(name)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def record(self, name: str, result: dict[str, Any]) -> dict[str, Any]:
+        path = self.stage_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, path)
+        return result
+
+    def child_env(self) -> dict[str, str]:
+        threads = self.sizes.cpu_threads
+        return {"OMP_NUM_THREADS": str(threads)} if threads and self.device == "cpu" else {}
+
+    def corpus(self) -> tuple[list[Document], list[Document]]:
+        if self._corpus is None:
+            s = self.sizes
+            self._corpus = load_corpus(list(s.packages), s.held_out_percent, s.max_files)
+        return self._corpus
+
+
+def check_settings(work: Work) -> None:
+    """A work directory belongs to one set of sizes: a rerun with others would mix their data."""
+    path = work.root / "settings.json"
+    want = asdict(work.sizes)
+    want = json.loads(json.dumps(want))  # tuples as lists, as read back
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if have != want:
+            diff = sorted(k for k in want if have.get(k) != want[k])
+            raise BenchError(f"{work.root} holds a benchmark of other settings ({', '.join(diff)}); "
+                             "use another --workdir or remove it.")
+        return
+    work.root.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(want, indent=2) + "\n")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- stage 1: the target -------------------------------------------------------------------------
+
+
+def stage_target(work: Work) -> dict[str, Any]:
+    s, device = work.sizes, torch.device(work.device)
+    train, held = work.corpus()
+    work.log(f"corpus: {len(train)} training files ({sum(len(d.data) for d in train) / 1e6:.1f} MB), "
+             f"{len(held)} held-out files ({sum(len(d.data) for d in held) / 1e6:.1f} MB)")
+    start = time.perf_counter()
+    model = build_target(s.target_hidden, s.target_layers, s.seed)
+    params = sum(p.numel() for p in model.parameters())
+    trained = train_target(model, token_stream(train), steps=s.target_steps, batch_size=s.target_batch,
+                           seq_len=s.target_seq_len, lr=s.target_lr, seed=s.seed, device=device, log=work.log)
+    held_loss = mean_loss(model, token_stream(held), windows=s.loss_windows, seq_len=s.target_seq_len,
+                          seed=s.seed + 1, device=device)
+    train_loss = mean_loss(model, token_stream(train), windows=s.loss_windows, seq_len=s.target_seq_len,
+                           seed=s.seed + 2, device=device)
+    _sync(work.device)
+    seconds = time.perf_counter() - start
+    model.save_pretrained(str(work.root / "target"))
+    result = {"parameters": params, "train_files": len(train), "held_out_files": len(held),
+              "train_bytes": sum(len(d.data) for d in train), "held_out_bytes": sum(len(d.data) for d in held),
+              "corpus_digest": corpus_digest(train + held), "held_out_loss": held_loss,
+              "held_out_bits_per_byte": held_loss / 0.6931471805599453, "train_loss": train_loss,
+              "seconds": seconds, **trained}
+    work.log(f"target: {params / 1e6:.1f}M parameters, held-out loss {held_loss:.3f} nats/byte "
+             f"({result['held_out_bits_per_byte']:.2f} bits/byte), training windows {train_loss:.3f}, {seconds:.0f} s")
+    return result
+
+
+def _load_target(work: Work) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(work.root / "target"), local_files_only=True).to(work.device).eval()
+
+
+# -- stage 2: completions and evaluation prompts ---------------------------------------------------
+
+
+def stage_generate(work: Work) -> dict[str, Any]:
+    """Target completions of training-file prompts (batches alternate greedy and sampled), and
+    evaluation prompts from held-out files."""
+    s = work.sizes
+    train, held = work.corpus()
+    model = _load_target(work)
+    start = time.perf_counter()
+    batches = -(-s.completions // s.generate_batch)
+    tokens = 0
+    path = work.root / "completions.jsonl"
+    with open(path.with_suffix(".tmp"), "w") as f:
+        for b in range(batches):
+            count = min(s.generate_batch, s.completions - b * s.generate_batch)
+            length = s.prompt_lengths[b % len(s.prompt_lengths)]
+            prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=0)
+            temperature = 0.0 if b % 2 == 0 else s.sample_temperature
+            for prompt, new in zip(prompts, complete(model, prompts, s.completion_tokens, temperature,
+                                                     s.seed * 1000 + b, torch.device(work.device))):
+                tokens += len(prompt) + len(new)
+                f.write(json.dumps({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
+            work.log(f"  completions batch {b + 1}/{batches} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
+                     f"prompts of {length} bytes)  {time.perf_counter() - start:.0f} s")
+    os.replace(path.with_suffix(".tmp"), path)
+    prompts = cut_prompts(held, s.eval_prompts, list(s.prompt_lengths), seed=s.seed + 7, tail=s.eval_new_tokens)
+    with open(work.root / "eval_prompts.jsonl", "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"input_ids": p}) + "\n")
+    _sync(work.device)
+    return {"samples": s.completions, "tokens": tokens, "eval_prompts": len(prompts),
+            "seconds": time.perf_counter() - start}
+
+
+# -- stages 3-5: the pipeline's own commands --------------------------------------------------------
+
+
+def run_command(name: str, module: str, args: list[str], log_path: Path, stdout: Path | None = None,
+                env: dict[str, str] | None = None) -> float:
+    """`module`'s click `main` (the console script's code) in a child process; wall seconds.
+    Output goes to log_path (stdout to `stdout` when given)."""
+    command = [sys.executable, "-c", f"import sys; sys.argv[0] = {name!r}; from {module} import main; main()", *args]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        out = open(stdout, "w") if stdout else log
+        try:
+            done = subprocess.run(command, stdout=out, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        finally:
+            if stdout:
+                out.close()
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+        raise BenchError(f"{name} failed with status {done.returncode} (full log in {log_path}):\n{tail}")
+    return time.perf_counter() - start
+
+
+def stage_extract(work: Work) -> dict[str, Any]:
+    s = work.sizes
+    seconds = run_command("dflash-extract", "dflash.extract.cli", [
+        "--target-model", str(work.root / "target"), "--data", str(work.root / "completions.jsonl"),
+        "--output", str(work.root / "cache"), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
+        "--device", work.device, "--no-progress", *s.extract_args], work.root / "extract.log", env=work.child_env())
+    return {"seconds": seconds}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One drafter training run of the table."""
+
+    epochs: int
+    train_args: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        extra = "".join(a.lstrip("-").replace(".", "p") if a.startswith("-") else f"-{a}" for a in self.train_args)
+        return f"e{self.epochs}" + (f"-{extra}" if extra else "")
+
+
+def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
+    s = work.sizes
+    run_dir = work.root / f"run-{variant.name}"
+    seconds = run_command("dflash-train", "dflash.train.cli", [
+        "--cache", str(work.root / "cache"), "--target-model", str(work.root / "target"),
+        "--output-dir", str(run_dir), "--epochs", str(variant.epochs), "--seed", str(s.seed),
+        "--mask-token-id", str(MASK_ID), "--device", work.device, "--save-interval", "0",
+        "--no-progress", "--no-tensorboard", *s.train_args, *variant.train_args], work.root / f"train-{variant.name}.log",
+        env=work.child_env())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    trains = [r for r in records if r.get("kind") == "train"]
+    last = evals[-1] if evals else {}
+    heldout = last.get("best_heldout_tau", last.get("heldout_tau", last.get("tau")))
+    return {"variant": variant.name, "epochs": variant.epochs, "train_args": list(variant.train_args),
+            "seconds": seconds, "steps": trains[-1]["step"] if trains else None,
+            "heldout_tau": heldout, "train_tau": trains[-1].get("tau") if trains else None}
+
+
+def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
+    s = work.sizes
+    results = {}
+    for block in s.eval_block_sizes:
+        out = work.root / f"eval-{variant.name}-b{block}.json"
+        seconds = run_command("dflash-eval", "dflash.train.eval_cli", [
+            "--target-model", str(work.root / "target"), "--drafter", str(work.root / f"run-{variant.name}" / "final"),
+            "--prompts", str(work.root / "eval_prompts.jsonl"), "--max-new-tokens", str(s.eval_new_tokens),
+            "--ignore-eos", "--block-size", str(block), "--batch-size", "1", "--device", work.device,
+            "--dtype", "float32", "--lookup-ngram", str(s.lookup_ngram), "--json"],
+            work.root / f"eval-{variant.name}-b{block}.log", stdout=out, env=work.child_env())
+        [r] = json.loads(out.read_text())["prompt_sets"]
+        lookup = r["prompt_lookup"]
+        results[str(block)] = {
+            "tau": r["tau"], "speedup": r["speedup"], "lossless": r["lossless"].get("identical"),
+            "lookup_tau": lookup["tau"], "lookup_speedup": lookup["speedup"],
+            "lookup_lossless": lookup["lossless"].get("identical"), "seconds": seconds,
+        }
+        work.log(f"  block {block}: drafter tau {r['tau']:.2f} ({r['speedup']:.2f}x), "
+                 f"prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
+    return {"variant": variant.name, "blocks": results}
