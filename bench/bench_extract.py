@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 import torch
+from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.batching import make_batches
-from dflash.extract.config import ExtractConfig, default_target_layer_ids
+from dflash.extract.config import ExtractConfig
 from dflash.extract.data import plan_windows
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture

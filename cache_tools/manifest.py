@@ -23,6 +23,7 @@ from typing import Any
 from .checksum import crc32c
 from .codecs import PACKING_ONLY, HiddenCodec
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
+from .identity import Purpose, comparable, target_differences
 
 FORMAT_VERSION = 1
 HEADER_FILE = "manifest.json"
@@ -31,7 +32,9 @@ LOCK_FILE = ".lock"
 PARTS_DIR = "parts"
 
 # Header keys whose values decide the content of the cache: a writer resuming a cache, or a
-# trainer reading several caches together, must agree on them.
+# trainer reading several caches together, must agree on them. `target` holds the target's
+# identity (cache_tools.identity); `provenance` (where the target was read from) and
+# `producer` are records, never compared.
 IDENTITY_KEYS = ("format_version", "target", "target_layer_ids", "hidden", "extras", "data", "settings")
 
 
@@ -191,8 +194,10 @@ class Manifest:
 
 def header_identity(header: dict[str, Any]) -> dict[str, Any]:
     """What makes two caches' contents the same: the identity keys of a header, less the
-    codec fields that only change how chunks are packed (they decode the same)."""
+    codec fields that only change how chunks are packed (they decode the same), and less the
+    target's provenance (an older header's `target.path`)."""
     ident = {k: header.get(k) for k in IDENTITY_KEYS}
+    ident["target"] = comparable(ident.get("target"))
     hidden = ident.get("hidden")
     if isinstance(hidden, dict) and isinstance(hidden.get("codec"), dict):
         codec = {k: v for k, v in hidden["codec"].items() if k not in PACKING_ONLY}
@@ -213,6 +218,7 @@ def make_header(
     data: dict[str, Any] | None = None,
     settings: dict[str, Any] | None = None,
     producer: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build a format-1 header; raises CacheError on inconsistent values."""
     if not target_layer_ids:
@@ -239,6 +245,7 @@ def make_header(
         "data": dict(data or {}),
         "settings": dict(settings or {}),
         "producer": dict(producer or {"name": "dflash-pipeline"}),
+        "provenance": dict(provenance or {}),
     }
 
 
@@ -296,9 +303,30 @@ def diff_identity(expected: dict[str, Any], found: dict[str, Any], prefix: str =
     return out
 
 
+def identity_differences(expected: dict[str, Any], found: dict[str, Any], purpose: Purpose,
+                         *, keys: tuple[str, ...] = IDENTITY_KEYS) -> list[tuple[str, Any, Any]]:
+    """(dotted key, expected value, found value) wherever two headers' identities differ for
+    `purpose`, over the identity `keys`: the target by `identity.target_differences` (the
+    fields both record), the rest leaf by leaf."""
+    a, b = header_identity(expected), header_identity(found)
+    out = []
+    if "target" in keys:
+        out += [(f"target.{k}", x, y) for k, x, y in target_differences(a["target"], b["target"], purpose)]
+    for key in (k for k in keys if k != "target"):
+        out += _leaf_differences(a.get(key), b.get(key), key)
+    return out
+
+
+def _leaf_differences(a: Any, b: Any, key: str) -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _leaf_differences(a.get(k), b.get(k), f"{key}.{k}")]
+    return [] if a == b else [(key, a, b)]
+
+
 def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, what: str) -> None:
     """Raise ConfigMismatchError when `expected_header` would produce a different cache."""
-    diffs = diff_identity(header_identity(expected_header), manifest.identity())
+    diffs = [f"{key}: cache has {found!r}, requested {want!r}"
+             for key, want, found in identity_differences(expected_header, manifest.header, Purpose.RESUME)]
     if diffs:
         shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
         raise ConfigMismatchError(

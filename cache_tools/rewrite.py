@@ -19,8 +19,9 @@ import numpy as np
 
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheNotFoundError, ConfigMismatchError
+from .identity import Purpose
 from .maintenance import progress_bar, raw_bf16_bytes
-from .manifest import HEADER_FILE
+from .manifest import HEADER_FILE, IDENTITY_KEYS, identity_differences
 from .reader import CacheReader
 from .writer import CacheWriter, PartWriter
 
@@ -139,13 +140,6 @@ def recompress_cache(
     return report
 
 
-def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, value in a, value in b) for every leaf where two identities differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for key in sorted(set(a) | set(b)) for d in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
-    return [] if a == b else [(prefix.rstrip("."), a, b)]
-
-
 def merge_caches(
     dst: str | os.PathLike, srcs: list[str | os.PathLike], *, force: bool = False, progress: bool | None = None,
 ) -> CopyReport:
@@ -171,10 +165,9 @@ def merge_caches(
                 "new cache first."
             ) from None
     first = readers[0].manifest
-    base = {k: v for k, v in first.identity().items() if k != "data"}
+    keys = tuple(k for k in IDENTITY_KEYS if k != "data")  # each source has its own data
     for p, r in zip(paths[1:], readers[1:]):
-        other = {k: v for k, v in r.manifest.identity().items() if k != "data"}
-        diffs = _diff(base, other)
+        diffs = identity_differences(first.header, r.manifest.header, Purpose.MERGE, keys=keys)
         if diffs:
             shown = "; ".join(f"{key} ({a!r} in {paths[0]}, {b!r} in {p})" for key, a, b in diffs[:6])
             raise ConfigMismatchError(
@@ -183,6 +176,7 @@ def merge_caches(
                 "recompress one of them (for a codec difference) or train from them separately."
             )
     header = copy.deepcopy(first.header)
+    header["provenance"] = {"merged_from": [r.manifest.header.get("provenance", {}) for r in readers]}
     header["data"] = {"merged_from": [
         {"prefix": f"s{i}", "source": str(p.resolve()), "data": r.manifest.header.get("data", {}),
          "parts": len(r.parts), "samples": r.manifest.num_samples, "tokens": r.manifest.num_tokens}

@@ -1,5 +1,5 @@
-"""Settings of one extraction run: a small validated dataclass, a config-file loader, and the
-default target-layer rule."""
+"""Settings of one extraction run: a small validated dataclass and a config-file loader. The
+target-layer rule is part of the cache contract: `cache_tools.layers`."""
 
 from __future__ import annotations
 
@@ -19,24 +19,6 @@ LONG_SAMPLE_POLICIES = ("truncate", "skip")
 
 class ExtractConfigError(DflashError):
     """A setting of `dflash-extract` is missing, unknown or out of range."""
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list[int]:
-    """DFlash's layer rule: round(1 + i*(N-4)/(K-1)) for i in 0..K-1 (N//2 when K == 1).
-
-    Qwen3-8B (N=36, K=5) gives [1, 9, 17, 25, 33]. Python's round() (half to even) is what the
-    reference implementation uses, so it is used here too.
-    """
-    if num_target_layers < 1 or num_draft_layers < 1:
-        raise ExtractConfigError(
-            f"Cannot pick target layers for {num_target_layers} target layers and "
-            f"{num_draft_layers} draft layers: both must be at least 1."
-        )
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    ids = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-    return [min(max(x, 0), num_target_layers - 1) for x in ids]
 
 
 @dataclass(kw_only=True)

@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from dflash.cache_tools.identity import target_provenance
+from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.writer import CacheWriter
@@ -24,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .batching import Batch, make_batches
-from .config import ExtractConfig, default_target_layer_ids
+from .config import ExtractConfig
 from .data import PartPlan, fingerprint_data, list_data_files, plan_windows
 from .engine import ExtractionEngine, Pending
 from .target import LayerCapture, decoder_layers, load_target, target_identity
@@ -179,7 +181,7 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
         shard_rows=config.shard_rows, store_last_hidden=config.store_last_hidden,
         topk=config.store_topk,
         data={"files": data_fp["files"], "sha256": data_fp["sha256"]},
-        settings=config.content_settings(),
+        settings=config.content_settings(), provenance=target_provenance(model_dir),
     )
 
 

@@ -1,4 +1,4 @@
-"""The frozen target: loading it, its identity, and a forward that stops after the last
+"""The frozen target: loading it, its identity (`cache_tools.identity`), and a forward that stops after the last
 captured layer.
 
 Layer id l is the output of decoder layer l (HF's `hidden_states[l + 1]`), before the final
@@ -10,15 +10,15 @@ norm, no lm_head.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.cache_tools import identity
 from dflash.cache_tools.errors import DflashError
+from dflash.cache_tools.layers import validate_target_layer_ids
 from torch import nn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -77,35 +77,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def config_sha256(config: Any) -> str:
-    """sha256 of the canonical JSON of a model config (sorted keys, no whitespace)."""
-    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    data.pop("transformers_version", None)
-    data.pop("_name_or_path", None)
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
 def target_identity(model: nn.Module, model_dir: str | Path | None) -> dict[str, Any]:
-    """What identifies the target in the cache header."""
-    cfg = model.config
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        raw.pop("transformers_version", None)
-        digest = hashlib.sha256(
-            json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
-        ).hexdigest()
-    else:
-        digest = config_sha256(cfg)
-    return {
-        "path": str(Path(model_dir).resolve()) if model_dir is not None else "<in-memory model>",
-        "config_hash": digest,
-        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
-        "hidden_size": int(text_cfg.hidden_size),
-        "num_hidden_layers": len(decoder_layers(model)),
-        "vocab_size": int(text_cfg.vocab_size),
-    }
+    """The target's identity for the cache header (`cache_tools.identity`; its path is provenance)."""
+    return identity.target_identity(model.config, model_dir, num_hidden_layers=len(decoder_layers(model)),
+                                    architecture=type(model).__name__)
 
 
 def _not_packed(position_ids: torch.Tensor) -> None:
@@ -150,13 +125,7 @@ class LayerCapture:
         self.model = model
         layers = decoder_layers(model)
         n = len(layers)
-        bad = [i for i in target_layer_ids if not 0 <= i < n]
-        if bad:
-            raise TargetError(
-                f"--target-layer-ids {bad} are out of range: the target has {n} decoder layers "
-                f"(ids 0..{n - 1})."
-            )
-        self.target_layer_ids = list(target_layer_ids)
+        self.target_layer_ids = validate_target_layer_ids(target_layer_ids, n, where="this extraction")
         self.last_layer = n - 1
         wanted = set(target_layer_ids) | ({n - 1} if need_last else set())
         self.stop_after = max(wanted)

@@ -104,7 +104,10 @@ def assert_same_contents(a: dict[int, dict], b: dict[int, dict]) -> None:
             np.testing.assert_array_equal(a[sid][key], b[sid][key], err_msg=f"sample {sid} {key}")
 
 
-ARGS = ["--dtype", "fp32", "--part-tokens", "120", "--token-budget", "128", "--sort-window-tokens", "0", "--no-progress",
+# Valid ids for the 4-layer targets of these tests (strictly increasing, at most N-2): the
+# default layer rule refuses a target that shallow.
+LAYER_IDS = [1, 2]
+ARGS = ["--dtype", "fp32", "--target-layer-ids", "1,2", "--part-tokens", "120", "--token-budget", "128", "--sort-window-tokens", "0", "--no-progress",
         "--num-writers", "0"]
 
 

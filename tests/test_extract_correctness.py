@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.extract.batching import group_by_budget
-from dflash.extract.config import ExtractConfig, default_target_layer_ids
+from dflash.extract.config import ExtractConfig
 from dflash.extract.pipeline import run_extraction
 from dflash.extract.target import LayerCapture
 from extract_utils import (
@@ -92,12 +93,12 @@ def test_bf16_compute_matches_within_bf16_rounding(qwen3_target, tmp_path):
     target = qwen3_target
     records = random_records(12, seed=2)
     data = write_jsonl(tmp_path / "data.jsonl", records)
+    layer_ids = default_target_layer_ids(6, 3)  # [1, 2, 3]
     cfg = ExtractConfig(target_model=str(target), data=str(data), output=str(tmp_path / "c"),
-                        dtype="bf16", token_budget=160, progress=False)
+                        dtype="bf16", token_budget=160, progress=False, target_layer_ids=layer_ids)
     run_extraction(cfg)
     cached = cache_contents(tmp_path / "c")
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
-    layer_ids = default_target_layer_ids(6, 5)
     for sid, rec in enumerate(records):
         ref = reference_states(model, rec["input_ids"], layer_ids).float()
         got = torch.from_numpy(cached[sid]["hidden"]).view(torch.bfloat16).float()

@@ -18,7 +18,7 @@ def target(tmp_path_factory):
 
 def extract(target, data, out, *extra):
     return run_cli(["--target-model", target, "--data", data, "--output", out, "--dtype", "fp32",
-                    *extra])
+                    "--target-layer-ids", "1,2", *extra])
 
 
 BAD_LINES = [

@@ -10,6 +10,7 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.extract.config import ExtractConfig
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from extract_utils import (
+    LAYER_IDS,
     assert_same_contents,
     cache_contents,
     committed_parts,
@@ -33,7 +34,7 @@ def setup(tmp_path_factory):
 
 def config(target, data, out, **kw) -> ExtractConfig:
     base = dict(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
-                part_tokens=150, token_budget=128, sort_window_tokens=300, progress=False,
+                target_layer_ids=LAYER_IDS, part_tokens=150, token_budget=128, sort_window_tokens=300, progress=False,
                 num_writers=0)
     base.update(kw)
     return ExtractConfig(**base)

@@ -11,6 +11,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.extract.config import ExtractConfig
 from dflash.extract.pipeline import run_extraction
 from extract_utils import (
+    LAYER_IDS,
     assert_same_contents,
     cache_contents,
     committed_parts,
@@ -30,7 +31,8 @@ def setup(tmp_path_factory):
     data = write_jsonl(root / "data.jsonl", random_records(40, seed=9, max_len=60))
     clean = root / "clean"
     run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(clean),
-                                 dtype="fp32", part_tokens=120, token_budget=128, sort_window_tokens=0, progress=False))
+                                 dtype="fp32", target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
+                                 sort_window_tokens=0, progress=False))
     return target, data, clean
 
 
@@ -47,7 +49,8 @@ def test_kill9_of_one_rank_then_single_rank_resume_equals_clean_run(setup, tmp_p
     total = len(read_manifest(clean).parts)
     assert len(committed_parts(out)) < total  # rank 1's share is unfinished
     run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out),
-                                 dtype="fp32", part_tokens=120, token_budget=128, sort_window_tokens=0, progress=False))
+                                 dtype="fp32", target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
+                                 sort_window_tokens=0, progress=False))
     assert len(committed_parts(out)) == total
     assert_same_contents(cache_contents(out), cache_contents(clean))
     assert not [p for p in (out / "parts").iterdir() if p.name.startswith(".tmp-")]
@@ -69,6 +72,7 @@ def test_sigint_exits_130_within_seconds_and_rerun_completes(setup, tmp_path):
     for i in range(len(reader)):
         reader.read_sample(i)
     run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out),
-                                 dtype="fp32", part_tokens=120, token_budget=128, sort_window_tokens=0, progress=False))
+                                 dtype="fp32", target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
+                                 sort_window_tokens=0, progress=False))
     assert_same_contents(cache_contents(out), cache_contents(clean))
 

@@ -13,36 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.cache_tools.layers import default_target_layer_ids
 from safetensors import safe_open
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list[int]:
-    """z-lab's rule for which target layers feed the drafter.
-
-    K = `num_draft_layers` layers are spread evenly between layer 1 and layer N-3:
-    `round(1 + i * (N - 4) / (K - 1))` for i in 0..K-1 (Qwen3-8B, N=36, K=5 gives
-    [1, 9, 17, 25, 33]). Id `l` is the output of decoder layer `l` (HF
-    `output_hidden_states[l + 1]`). K=1 gives the middle layer.
-    """
-    n, k = int(num_target_layers), int(num_draft_layers)
-    if k < 1:
-        raise ValueError(f"num_draft_layers must be >= 1, got {k}.")
-    if n < 1:
-        raise ValueError(f"num_target_layers must be >= 1, got {n}.")
-    if k == 1:
-        return [n // 2]
-    if n - 4 < k - 1:
-        # The rule needs K distinct layers in [1, N-3]; below that it would repeat ids.
-        raise ValueError(
-            f"cannot pick {k} distinct target layers from a {n}-layer target with the default "
-            f"rule (it needs at least {k + 3} layers); pass target_layer_ids explicitly."
-        )
-    # Python's round (half to even) on purpose: exports that omit target_layer_ids are
-    # re-derived this way by the reference loaders, so the ids must match them exactly.
-    return [int(round(1 + i * (n - 4) / (k - 1))) for i in range(k)]
+# The layer rule is part of the cache contract; the drafter config reads it from here.
+__all__ = ["TargetWeights", "default_target_layer_ids", "load_target_config", "load_target_weights"]
 
 
 def load_target_config(target_dir: str | Path) -> Any:

@@ -1,0 +1,135 @@
+"""What makes two targets "the same": one definition, compared for an explicit purpose.
+
+A cache header's `target` section holds the target's identity:
+
+  architecture        the config's `architectures[0]` (the model class for in-memory models)
+  hidden_size, num_hidden_layers, vocab_size
+  config_hash         sha256 of the canonical JSON of its config.json (sorted keys, no
+                      whitespace, `transformers_version` left out)
+  tokenizer_hash      sha256 over the tokenizer files of the model directory (None: it has none)
+
+Where the model lay is provenance, not identity: it goes to the header's `provenance`
+section. The same files at two mount points, or a model directory moved between two runs,
+are the same target: their caches resume, merge and train together.
+
+Purposes (`Purpose`): `resume` (an extraction continues a cache), `merge` (caches become one),
+`train-together` (caches feed one training run) compare every identity field; `train` (a cache
+feeds a drafter of the target model given to the trainer) compares the same fields, read
+from that model's directory. Each comparison uses only the fields both sides record: a cache
+written before `tokenizer_hash` existed still resumes, merges and trains (its other fields
+must agree), and an older header's `target.path` is set aside as provenance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+IDENTITY_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size", "config_hash", "tokenizer_hash")
+# Keys older headers kept in `target` that are provenance: never compared.
+PROVENANCE_FIELDS = ("path",)
+# Tokenizer files whose bytes decide what the token ids mean. tokenizer_config.json is hashed
+# without its chat template: the template changes how text becomes a conversation, not the ids.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "special_tokens_map.json", "tokenizer_config.json")
+_CONFIG_LEFT_OUT = ("transformers_version",)
+
+
+class Purpose(StrEnum):
+    """Why two targets are compared (the message names it)."""
+
+    RESUME = "resume"
+    MERGE = "merge"
+    TRAIN_TOGETHER = "train-together"
+    TRAIN = "train"
+
+
+def _canonical_sha256(data: Any) -> str:
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def config_file_hash(model_dir: str | Path) -> str:
+    """sha256 of the canonical JSON of `model_dir/config.json` (its content, never its path)."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in _CONFIG_LEFT_OUT:
+        raw.pop(key, None)
+    return _canonical_sha256(raw)
+
+
+def config_object_hash(config: Any) -> str:
+    """sha256 of an in-memory config's canonical JSON (for a model given without a directory)."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    for key in (*_CONFIG_LEFT_OUT, "_name_or_path"):
+        data.pop(key, None)
+    return _canonical_sha256(data)
+
+
+def tokenizer_hash(model_dir: str | Path) -> str | None:
+    """sha256 over the tokenizer files of a model directory (name and content); None without any."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        found = True
+        data = path.read_bytes()
+        if name == "tokenizer_config.json":
+            try:
+                parsed = json.loads(data)
+                parsed.pop("chat_template", None)
+                data = json.dumps(parsed, sort_keys=True, separators=(",", ":")).encode()
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                pass  # hashed as it is
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest() if found else None
+
+
+def target_identity(config: Any, model_dir: str | Path | None, *, num_hidden_layers: int | None = None,
+                    architecture: str | None = None) -> dict[str, Any]:
+    """The identity fields of a target from its (text) config and, when it has one, its directory.
+
+    `num_hidden_layers` overrides the config's count (the decoder layers actually found);
+    `architecture` is the fallback name when the config lists none.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    has_dir = model_dir is not None and (Path(model_dir) / "config.json").is_file()
+    archs = getattr(config, "architectures", None) or []
+    return {
+        "architecture": archs[0] if archs else architecture,
+        "hidden_size": int(text.hidden_size),
+        "num_hidden_layers": int(num_hidden_layers if num_hidden_layers is not None else text.num_hidden_layers),
+        "vocab_size": int(text.vocab_size),
+        "config_hash": config_file_hash(model_dir) if has_dir else config_object_hash(config),
+        "tokenizer_hash": tokenizer_hash(model_dir) if has_dir else None,
+    }
+
+
+def target_provenance(model_dir: str | Path | None) -> dict[str, Any]:
+    """Where the target was read from (recorded, never compared)."""
+    return {"target_path": str(Path(model_dir).resolve()) if model_dir is not None else "<in-memory model>"}
+
+
+def comparable(target: dict[str, Any] | None) -> dict[str, Any]:
+    """The identity fields a target section records (provenance and unset fields left out)."""
+    target = target or {}
+    return {k: target[k] for k in IDENTITY_FIELDS if target.get(k) is not None}
+
+
+# The fields each purpose compares. All of them today: the purposes are explicit so that a rule
+# for one of them (say, training accepting a re-saved config) changes here and nowhere else.
+PURPOSE_FIELDS: dict[Purpose, tuple[str, ...]] = {p: IDENTITY_FIELDS for p in Purpose}
+
+
+def target_differences(expected: dict[str, Any] | None, found: dict[str, Any] | None,
+                       purpose: Purpose) -> list[tuple[str, Any, Any]]:
+    """(field, expected value, found value) for each field of the purpose that both target
+    sections record and that differs; empty: the same target for that purpose."""
+    first, second = comparable(expected), comparable(found)
+    fields = [k for k in PURPOSE_FIELDS[Purpose(purpose)] if k in first and k in second]
+    return [(k, first[k], second[k]) for k in fields if first[k] != second[k]]

@@ -1,0 +1,122 @@
+"""Which target layers a cache captures and a drafter fuses: the one rule both stages use.
+
+Id `l` is the output of decoder layer `l` (HF `hidden_states[l + 1]`), before the final norm.
+The serving engines capture the layers named in `dflash_config.target_layer_ids` in ascending
+order by membership, so the ids must be
+
+- strictly increasing: an unsorted list permutes the features against `fc.weight` silently;
+- unique: a repeated id fails at run time in the engines;
+- at most N-2 for an N-layer target: layer N-1 is pre-norm in vLLM and in the extractor but
+  post-norm in HF's `hidden_states[N]`, and SGLang cannot capture it at all.
+
+`validate_target_layer_ids` is the one check; extraction runs it before the first forward and
+training before it builds the drafter. `default_target_layer_ids` is z-lab's rule; it never
+returns ids the check refuses: for a target too shallow to give K distinct ids by the rule it
+refuses too (naming what to pass instead) rather than repeat or shift ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import DflashError
+
+
+class LayerIdsError(DflashError, ValueError):
+    """Target layer ids that the serving engines cannot capture, or a rule that cannot pick them."""
+
+
+ENGINE_CONSTRAINT = (
+    "The serving engines (vLLM, SGLang) capture target layers in ascending order and cannot "
+    "capture the last one, so ids must be strictly increasing, unique and at most N-2 for an "
+    "N-layer target"
+)
+
+
+def max_layer_id(num_target_layers: int) -> int:
+    """The deepest layer id a drafter may read from an N-layer target: N-2."""
+    return int(num_target_layers) - 2
+
+
+def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int, *, where: str = "",
+                              fix: str = "Pass --target-layer-ids with such ids") -> list[int]:
+    """`ids` as a list of ints, or a LayerIdsError naming what is wrong and the constraint.
+
+    `where` says whose ids these are in the message (e.g. "the cache at X"), `fix` what to do
+    (a cache's ids are fixed: it is re-extracted).
+    """
+    n = int(num_target_layers)
+    try:
+        out = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise LayerIdsError(f"target_layer_ids {list(ids)!r}{_of(where)} are not integers.") from None
+    problems = []
+    if not out:
+        problems.append("the list is empty")
+    if n < 2:
+        problems.append(f"a {n}-layer target has no layer a drafter can read (N-2 < 0)")
+    dups = sorted({i for i in out if out.count(i) > 1})
+    if dups:
+        problems.append(f"{dups} appear more than once")
+    elif out != sorted(out):
+        problems.append("they are not in ascending order")
+    low = [i for i in out if i < 0]
+    if low:
+        problems.append(f"{low} are negative")
+    high = [i for i in out if i > n - 2]
+    if high and n >= 2:
+        problems.append(f"{high} are above N-2 = {n - 2} for this {n}-layer target")
+    if problems:
+        raise LayerIdsError(
+            f"target_layer_ids {out}{_of(where)} cannot be used: {'; '.join(problems)}. "
+            f"{ENGINE_CONSTRAINT}. {fix} (e.g. {_example(n, len(out))})."
+        )
+    return out
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list[int]:
+    """z-lab's rule: K = `num_draft_layers` ids `round(1 + i * (N - 4) / (K - 1))`, i in 0..K-1
+    (the reference names K after the draft layers; it is the number of target layers fused).
+
+    Qwen3-8B (N=36, K=5) gives [1, 9, 17, 25, 33]; K=1 gives the middle layer N//2. The ids
+    lie in [1, N-3]; the rule needs N >= K + 3 to give K distinct ones (N >= 3 for K=1), and
+    refuses a shallower target instead of repeating ids. Python's round (half to even) on
+    purpose: the reference loaders re-derive omitted ids this way, so they must match exactly.
+    """
+    n, k = int(num_target_layers), int(num_draft_layers)
+    if k < 1 or n < 1:
+        raise LayerIdsError(
+            f"Cannot pick {k} target layers from a {n}-layer target: num_draft_layers (K) and the "
+            "target's layer count must both be at least 1."
+        )
+    if k == 1:
+        ids = [n // 2]
+    elif n - 4 >= k - 1:
+        ids = [int(round(1 + i * (n - 4) / (k - 1))) for i in range(k)]
+    else:
+        ids = []
+    if not ids or ids[-1] > n - 2:
+        most = max(n - 3, 1 if n >= 3 else 0)
+        raise LayerIdsError(
+            f"The default layer rule cannot pick {k} distinct target layer(s) from a {n}-layer "
+            f"target: it needs at least {k + 3 if k > 1 else 3} layers, and repeating ids would give "
+            "a drafter the engines cannot serve. Pass target_layer_ids explicitly (--target-layer-ids: "
+            f"strictly increasing, at most N-2 = {n - 2}, e.g. {_example(n, k)})"
+            + (f", or ask for fewer layers (at most {most} with this rule)." if most >= 1 else ".")
+        )
+    return validate_target_layer_ids(ids, n)
+
+
+def _of(where: str) -> str:
+    return f" of {where}" if where else ""
+
+
+def _example(n: int, k: int) -> str:
+    """A valid id list for the message: up to k evenly spread ids in [0, N-2]."""
+    top = n - 2
+    if top < 0:
+        return "none: use a target with at least 2 layers"
+    k = max(1, min(k, top + 1))
+    if k == 1:
+        return str(top // 2)
+    return ",".join(str(round(i * top / (k - 1))) for i in range(k))

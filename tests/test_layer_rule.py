@@ -1,0 +1,88 @@
+"""One layer rule for both stages: ids the engines can capture, or a clear refusal."""
+
+from __future__ import annotations
+
+import pytest
+from dflash.cache_tools.layers import (
+    LayerIdsError,
+    default_target_layer_ids,
+    validate_target_layer_ids,
+)
+from dflash.train.loop import train
+from extract_utils import make_target, random_records, run_cli, write_jsonl
+from test_train_support import tiny_train_config, write_tiny_cache
+
+CONSTRAINT = "strictly increasing, unique and at most N-2"
+
+
+def test_the_rule_matches_the_reference_for_real_targets():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]  # Llama-3.1-8B
+    assert default_target_layer_ids(36, 1) == [18]
+
+
+def test_the_rule_never_returns_ids_the_check_refuses():
+    for n in range(1, 70):
+        for k in range(1, 9):
+            try:
+                ids = default_target_layer_ids(n, k)
+            except LayerIdsError as e:
+                assert "--target-layer-ids" in str(e)
+                assert n < k + 3 or (k == 1 and n < 3), (n, k)  # only targets too shallow for it
+                continue
+            assert len(ids) == k
+            assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] <= n - 2, (n, k, ids)
+            assert validate_target_layer_ids(ids, n) == ids
+
+
+@pytest.mark.parametrize("n, k", [(6, 5), (4, 5), (2, 1)])
+def test_the_rule_refuses_targets_too_shallow_to_repeat_no_id(n, k):
+    """Before, a 6-layer target gave [1, 2, 2, 2, 3] and a 2-layer one [1] (its last layer)."""
+    with pytest.raises(LayerIdsError, match="cannot pick"):
+        default_target_layer_ids(n, k)
+
+
+@pytest.mark.parametrize("ids, problem", [
+    ([2, 1], "not in ascending order"), ([1, 1, 2], "more than once"), ([1, 5], "above N-2 = 4"),
+    ([-1, 2], "negative"), ([], "empty"),
+])
+def test_the_check_names_the_problem_and_the_engine_constraint(ids, problem):
+    with pytest.raises(LayerIdsError) as err:
+        validate_target_layer_ids(ids, 6)
+    assert problem in str(err.value) and CONSTRAINT in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("layers") / "model", "qwen3", layers=4)
+
+
+@pytest.mark.parametrize("ids, problem", [("2,1", "ascending"), ("1,1", "more than once"),
+                                          ("1,3", "above N-2 = 2")])
+def test_extraction_refuses_ids_the_engines_cannot_capture(target, tmp_path, ids, problem):
+    data = write_jsonl(tmp_path / "data.jsonl", random_records(2, seed=0, max_len=10))
+    res = run_cli(["--target-model", target, "--data", data, "--output", tmp_path / "cache", "--dtype", "fp32",
+                   "--target-layer-ids", ids])
+    assert res.exit_code != 0
+    assert problem in res.output and CONSTRAINT in res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "cache" / "manifest.json").exists()  # refused before anything is written
+
+
+def test_extraction_refuses_the_default_rule_on_a_shallow_target(target, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", random_records(2, seed=0, max_len=10))
+    res = run_cli(["--target-model", target, "--data", data, "--output", tmp_path / "cache", "--dtype", "fp32"])
+    assert res.exit_code != 0 and "--target-layer-ids" in res.output and "cannot pick 5" in res.output
+
+
+@pytest.mark.parametrize("layers, problem", [((2, 1), "ascending"), ((1, 1), "more than once"),
+                                             ((1, 3), "above N-2 = 2")])
+def test_training_refuses_a_cache_with_such_ids(tmp_path, layers, problem):
+    """Caches written before the check (e.g. the old rule's repeated ids) are refused by the trainer."""
+    from test_train_support import save_tiny_target
+
+    model = save_tiny_target(tmp_path / "target")  # 4 layers, like the cache's header
+    cache = write_tiny_cache(tmp_path / "cache", samples=4, parts=1, layers=layers)
+    with pytest.raises(LayerIdsError) as err:
+        train(tiny_train_config(cache, model, tmp_path / "run", max_steps=1))
+    assert problem in str(err.value) and CONSTRAINT in str(err.value) and "Re-extract" in str(err.value)
