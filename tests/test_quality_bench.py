@@ -1,0 +1,63 @@
+"""bench/quality at its CPU size: the code path end to end (its figures are measured on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
+
+import corpus  # noqa: E402
+import run as quality  # noqa: E402
+import stages  # noqa: E402
+
+
+def test_the_split_is_by_path_and_prompts_start_at_line_starts():
+    assert corpus.is_held_out("numpy/a.py", 10) == corpus.is_held_out("numpy/a.py", 10)
+    names = [f"pkg/m{i}.py" for i in range(2000)]
+    share = sum(corpus.is_held_out(n, 10) for n in names) / len(names)
+    assert 0.07 < share < 0.13
+    docs = [corpus.Document("a.py", b"import os\nx = 1\ny = 2\n" * 20)]
+    for p in corpus.cut_prompts(docs, 20, [8, 12], seed=3, tail=4):
+        assert len(p) in (8, 12) and bytes(p).startswith((b"import o", b"x = 1\n", b"y = 2\n"))
+    assert corpus.token_stream(docs)[0] == corpus.BOS_ID and corpus.token_stream(docs)[-1] == corpus.EOS_ID
+
+
+@pytest.mark.slow
+def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, capsys):
+    work = tmp_path / "q"
+    assert quality.main(["--small", "--workdir", str(work), "--device", "cpu", "--stages", "target,generate"]) == 0
+    assert {p.stem for p in (work / "stages").glob("*.json")} == {"target", "generate"}
+    target = json.loads((work / "stages" / "target.json").read_text())
+    assert target["held_out_loss"] > 0 and target["held_out_files"] > 0
+    records = [json.loads(line) for line in (work / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == stages.SMALL.completions
+    assert all(len(r["input_ids"]) == len(r["loss_mask"]) == sum(r["loss_mask"]) + r["loss_mask"].index(1)
+               for r in records)
+    assert all(sum(r["loss_mask"]) == stages.SMALL.completion_tokens for r in records)
+    capsys.readouterr()
+
+    # The rest resumes from what the first call left (the target is not retrained).
+    assert quality.main(["--small", "--workdir", str(work), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "[target] done earlier" in out and "[generate] done earlier" in out
+    header = next(line for line in out.splitlines() if line.startswith("| variant"))
+    for column in ("samples", "epochs", "train GPU-s", "held-out tau (est.)", "B=8 tau", "B=8 speedup",
+                   "B=8 lookup tau", "B=4 tau", "B=4 lookup tau", "lossless"):
+        assert column in header
+    [row] = [line for line in out.splitlines() if line.startswith("| e2 ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == header.count("|") - 1
+    assert cells[1] == str(stages.SMALL.completions) and cells[2] == "2"
+    assert "–" not in cells and cells[-1] == "yes"  # every figure present, both decoders lossless
+    assert (work / "table.md").read_text().strip() in out
+
+
+def test_a_workdir_of_other_settings_is_refused(tmp_path, capsys):
+    (tmp_path / "settings.json").write_text(json.dumps({"target_steps": 1}))
+    assert quality.main(["--small", "--workdir", str(tmp_path), "--device", "cpu", "--stages", "table"]) == 2
+    assert "holds a benchmark of other settings" in capsys.readouterr().err
+    assert quality.main(["--small", "--workdir", str(tmp_path / "new"), "--stages", "bogus"]) == 2
