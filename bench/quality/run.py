@@ -22,6 +22,7 @@ A variant is `EPOCHS [dflash-train flags]`, e.g. `--variant "2 --soft-label-weig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import shlex
@@ -35,6 +36,7 @@ from stages import (
     FULL,
     SMALL,
     BenchError,
+    Sizes,
     Variant,
     Work,
     check_settings,
@@ -46,6 +48,26 @@ from stages import (
 )
 
 STAGES = ("target", "generate", "extract", "train", "eval", "table")
+
+
+def apply_overrides(sizes: Sizes, items: list[str]) -> Sizes:
+    """`--set key=value` on a copy of `sizes` (tuples as comma-separated values)."""
+    fields = {f.name: f for f in dataclasses.fields(Sizes)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in fields or not _:
+            raise BenchError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}.")
+        current = getattr(sizes, key)
+        try:
+            if isinstance(current, tuple):
+                kind = type(current[0]) if current else str
+                changes[key] = tuple(kind(v) for v in value.split(",") if v)
+            else:
+                changes[key] = type(current)(value)
+        except ValueError:
+            raise BenchError(f"--set {item!r}: {value!r} is not a {type(current).__name__}.") from None
+    return dataclasses.replace(sizes, **changes)
 
 
 def parse_variant(text: str) -> Variant:
@@ -86,8 +108,8 @@ def table(work: Work) -> str:
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    about = (f"target: {_fmt(target.get('parameters', 0) / 1e6, '.1f')}M parameters, {target.get('train_files')} "
-             f"training / {target.get('held_out_files')} held-out files (digest {target.get('corpus_digest')}), "
+    about = (f"target: {_fmt(target.get('parameters', 0) / 1e6, '.1f')}M parameters, {target.get('train_files', '–')} "
+             f"training / {target.get('held_out_files', '–')} held-out files (digest {target.get('corpus_digest', '–')}), "
              f"held-out loss {_fmt(target.get('held_out_loss'), '.3f')} nats/byte "
              f"({_fmt(target.get('held_out_bits_per_byte'))} bits/byte; training windows "
              f"{_fmt(target.get('train_loss'), '.3f')}); {data.get('samples', '–')} completions of "
@@ -129,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=None,
                         help="'EPOCHS [dflash-train flags]' (repeatable) [default: '2'].")
     parser.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when available).")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="Change one of the sizes (see stages.Sizes), e.g. --set completions=4096.")
     args = parser.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     stages = [x.strip() for x in args.stages.split(",") if x.strip()]
@@ -137,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise BenchError(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}.")
         variants = [parse_variant(v) for v in (args.variant or ["2"])]
-        work = Work(Path(args.workdir), SMALL if args.small else FULL, device, log=lambda m: print(m, flush=True))
+        sizes = apply_overrides(SMALL if args.small else FULL, args.overrides)
+        work = Work(Path(args.workdir), sizes, device, log=lambda m: print(m, flush=True))
         if work.sizes.cpu_threads and device == "cpu":
             torch.set_num_threads(work.sizes.cpu_threads)  # tiny models: one thread beats contended ones
         work.log(f"bench/quality on {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else platform.processor() or 'cpu'}), "
