@@ -25,7 +25,7 @@ def build_settings(flags: dict[str, Any], cls: type, required: tuple[str, ...]) 
     return cls(**flags)
 
 
-def render_options(f: Callable) -> Callable:
+def render_options(loss_on_default: str = "all-assistant") -> Callable[[Callable], Callable]:
     """The rendering flags dflash-prepare and dflash-generate share (same names, same meaning)."""
     options = [
         config_file_option(),
@@ -40,19 +40,23 @@ def render_options(f: Callable) -> Callable:
         click.option("--chat-template-kwargs", default="{}", help="JSON object of template variables, e.g. '{\"enable_thinking\": false}'."),
         click.option("--thinking", type=click.Choice(["on", "off"]),
                      help="Sets enable_thinking in the template kwargs; match the serving setting."),
-        click.option("--loss-on", type=click.Choice(["all-assistant", "last-assistant"]), default="all-assistant",
+        click.option("--loss-on", type=click.Choice(["all-assistant", "last-assistant"]), default=loss_on_default,
                      help="Which assistant turns are supervised."),
         click.option("--supervise-empty-reasoning/--no-supervise-empty-reasoning", default=False,
                      help="Also supervise an empty <think></think> block the template inserts."),
     ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+
+    def decorate(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
 
 
 @click.command(cls=Command, name="dflash-prepare", context_settings=CONTEXT,
                stop_note="; nothing was written (the output appears only when complete).")
-@render_options
+@render_options()
 @click.option("--max-seq-len", type=int, default=8192, help="Longest rendered sample kept.")
 @click.option("--long-samples", type=click.Choice(["skip", "truncate"]), default="skip",
               help="What to do with samples longer than --max-seq-len.")

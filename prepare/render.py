@@ -21,6 +21,7 @@ target produces at serving: prompt + its answer + its end-of-turn token.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from dataclasses import dataclass
@@ -119,6 +120,14 @@ class ChatRenderer:
         self.has_generation_mask = bool(GENERATION_TAG.search(template))
         vocab = tokenizer.get_vocab()
         self.think_ids = next(((vocab[a], vocab[b]) for a, b in THINK_PAIRS if a in vocab and b in vocab), None)
+
+    def with_loss_on(self, loss_on: str) -> ChatRenderer:
+        """The same renderer supervising other turns."""
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {LOSS_ON}, not {loss_on!r}")
+        clone = copy.copy(self)
+        clone.loss_on = loss_on
+        return clone
 
     @property
     def sha256(self) -> str:

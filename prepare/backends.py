@@ -1,0 +1,232 @@
+"""The two ways dflash-generate asks the target for an answer, behind one interface.
+
+`ServerBackend.complete(request)` sends one chat completion to an OpenAI-compatible server
+(vLLM, SGLang, `transformers serve`), spreading requests over several URLs, retrying
+connection errors, timeouts, 429 and 5xx with exponential backoff (on the next server).
+`HFBackend.complete_batch(requests)` runs batched greedy or sampled `generate()` in-process.
+Both return `Completion`s: the answer's text, its token ids where known, why it ended.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash.runtime.errors import DflashError
+
+
+class RequestFailed(Exception):
+    """A request failed for good (after its retries, or with an error a retry cannot fix)."""
+
+
+class ServerMismatchError(DflashError):
+    """The server renders prompts with other tokens than the local chat template."""
+
+
+@dataclass
+class Request:
+    messages: list[dict[str, Any]]
+    tools: list | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str  # stop | length | tool_calls | ...
+    token_ids: list[int] | None = None  # the answer's ids, when the backend knows them
+    prompt_token_ids: list[int] | None = None  # the prompt as the server tokenized it
+    tool_calls: list | None = None
+    reasoning_content: str | None = None
+
+
+@dataclass(kw_only=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 2048
+    stop: list[str] | None = None
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ServerStats:
+    requests: int = 0
+    retries: int = 0
+    errors: Counter = field(default_factory=Counter)  # "URL: reason" -> count
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def error(self, url: str, reason: str) -> None:
+        with self.lock:
+            self.errors[f"{url}: {reason}"] += 1
+
+
+class ServerBackend:
+    """Chat completions over HTTP; thread-safe (one call per worker thread)."""
+
+    def __init__(self, urls: list[str], sampling: Sampling, *, model: str | None = None,
+                 request_timeout: float = 600.0, max_retries: int = 5, backoff: float = 0.5,
+                 token_ids: str = "auto"):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.sampling = sampling
+        self.model = model
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.token_ids = token_ids  # auto: ask for ids, fall back to text where refused; text; server
+        self.text_only: set[str] = set() if token_ids != "text" else set(self.urls)
+        self.stats = ServerStats()
+        self._next = itertools.count()
+
+    def body(self, request: Request, url: str) -> dict[str, Any]:
+        s = self.sampling
+        body: dict[str, Any] = {"messages": request.messages, "max_tokens": s.max_tokens,
+                                "temperature": s.temperature, "top_p": s.top_p, "stream": False}
+        if self.model:
+            body["model"] = self.model
+        if request.tools:
+            body["tools"] = request.tools
+        if s.stop:
+            body["stop"] = s.stop
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.chat_template_kwargs:
+            body["chat_template_kwargs"] = s.chat_template_kwargs
+        if url not in self.text_only:
+            body["return_token_ids"] = True  # vLLM: prompt_token_ids and choices[].token_ids
+        return body
+
+    def complete(self, request: Request) -> Completion:
+        last = ""
+        start = next(self._next)
+        for attempt in range(self.max_retries + 1):
+            url = self.urls[(start + attempt) % len(self.urls)]
+            if attempt:
+                with self.stats.lock:
+                    self.stats.retries += 1
+                time.sleep(min(30.0, self.backoff * 2 ** (attempt - 1)) * (0.5 + random.random()))
+            try:
+                return self._post(url, request)
+            except _Retryable as e:
+                last = f"{url}: {e}"
+                self.stats.error(url, str(e))
+        raise RequestFailed(f"failed after {self.max_retries + 1} attempts; last error {last}")
+
+    def _post(self, url: str, request: Request) -> Completion:
+        with self.stats.lock:
+            self.stats.requests += 1
+        data = json.dumps(self.body(request, url)).encode()
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout) as resp:
+                payload = json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode("utf-8", "replace")[:500]
+            if e.code in (400, 422) and "return_token_ids" in detail and self.token_ids == "auto":
+                self.text_only.add(url)  # this server does not return ids: use the text
+                return self._post(url, request)
+            if e.code == 429 or e.code >= 500:
+                raise _Retryable(f"HTTP {e.code}") from None
+            raise RequestFailed(f"{url} answered HTTP {e.code}: {detail}") from None
+        except TimeoutError:
+            raise _Retryable("timed out") from None
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, TimeoutError | socket.timeout):
+                raise _Retryable("timed out") from None
+            raise _Retryable(f"connection failed ({getattr(reason, 'strerror', None) or reason})") from None
+        except (ConnectionError, json.JSONDecodeError, OSError) as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        return _parse_choice(payload, url)
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _parse_choice(payload: dict, url: str) -> Completion:
+    try:
+        choice = payload["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise RequestFailed(f"{url} answered without a choice: {str(payload)[:300]}") from None
+    ids = choice.get("token_ids")
+    return Completion(
+        text=message.get("content") or "", finish_reason=choice.get("finish_reason") or "stop",
+        token_ids=list(ids) if ids is not None else None,
+        prompt_token_ids=payload.get("prompt_token_ids") or choice.get("prompt_token_ids"),
+        tool_calls=message.get("tool_calls"), reasoning_content=message.get("reasoning_content"),
+    )
+
+
+class HFBackend:
+    """Batched `generate()` of a local HF model (left padding; greedy when temperature is 0)."""
+
+    def __init__(self, model_dir: str, renderer: Any, sampling: Sampling, *, device: str | None = None,
+                 dtype: str = "bf16", stop_flag: Any = None):
+        import torch
+        from transformers import AutoModelForCausalLM, StoppingCriteria
+
+        self.torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(self.device).eval()
+        self.renderer = renderer
+        self.tokenizer = renderer.tokenizer
+        self.sampling = sampling
+        self.eos_ids = sorted(renderer.eos_ids)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+        class _Stop(StoppingCriteria):  # Ctrl-C ends a batch within one decoding step
+            def __call__(self, input_ids, scores, **kwargs):
+                stop = bool(stop_flag and stop_flag.requested)
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+        self.stopping = _Stop()
+
+    def complete_batch(self, requests: list[Request]) -> list[Completion]:
+        torch = self.torch
+        prompts = [self.renderer.prompt_ids(r.messages, r.tools) for r in requests]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for k, p in enumerate(prompts):
+            ids[k, width - len(p):] = torch.tensor(p)
+            attn[k, width - len(p):] = 1
+        s = self.sampling
+        kwargs: dict[str, Any] = {"max_new_tokens": s.max_tokens, "eos_token_id": self.eos_ids,
+                                  "pad_token_id": self.pad_id, "stopping_criteria": [self.stopping]}
+        if s.temperature > 0:
+            kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if s.stop:
+            kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
+        if s.seed is not None:
+            torch.manual_seed(s.seed)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        out = out[:, width:].tolist()
+        results = []
+        for k, row in enumerate(out):
+            gen = []
+            for t in row:
+                gen.append(t)
+                if t in self.renderer.eos_ids:
+                    break
+            stopped = bool(gen) and gen[-1] in self.renderer.eos_ids
+            results.append(Completion(
+                text=self.tokenizer.decode(gen, skip_special_tokens=True),
+                finish_reason="stop" if stopped or len(gen) < s.max_tokens else "length",
+                token_ids=gen, prompt_token_ids=prompts[k]))
+        return results

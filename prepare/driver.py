@@ -1,0 +1,256 @@
+"""Driving `regenerate()` over a dataset: server worker threads or in-process batches.
+
+Server: `concurrency` daemon threads each take a conversation, run its requests, and hand the
+outcome to the main thread, the only writer. In-process: the main thread advances up to
+`batch_size` conversations at a time, batching their pending requests into one `generate()`.
+A first SIGINT/SIGTERM stops feeding new work and returns within a second (server; in-process
+within one decoding step), abandoning what is in flight; a rerun regenerates it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from dflash.runtime.errors import InputError
+from dflash.runtime.signals import StopRequest
+
+from .backends import HFBackend, RequestFailed, Sampling, ServerBackend, ServerMismatchError
+from .formats import Conversation, iter_conversations, list_chat_files
+from .generate import GenerateMismatchError, GenerateSummary, Outcome, OutputLog, regenerate
+from .meta import read_meta, write_meta
+from .pipeline import PrepareConfigError, RenderConfig, build_renderer, render_meta
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(RenderConfig):
+    data: str
+    """The chat dataset whose assistant turns are regenerated."""
+    output: str
+    """The JSONL file to append to (resumable; sidecars <output>.meta.json, <output>.skipped.jsonl)."""
+    server: str | None = None
+    """Comma-separated base URLs of OpenAI-compatible servers; none: the in-process backend."""
+    model: str | None = None
+    """The model name sent in requests (what the server serves it as)."""
+    concurrency: int = 64
+    """Requests in flight over all servers."""
+    max_retries: int = 5
+    request_timeout: float = 600.0
+    """Seconds one request may take before it is retried."""
+    token_ids: str = "auto"
+    """auto (ask the server for ids, else re-tokenize the text), server, text."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 2048
+    stop: str | None = None
+    """Comma-separated stop strings."""
+    seed: int | None = None
+    regenerate: str = "last"
+    """last: the last assistant turn; all: every assistant turn in order, on the target's own earlier answers."""
+    drop_truncated: bool = False
+    """Leave out answers cut by --max-tokens (finish_reason length)."""
+    batch_size: int = 16
+    """In-process backend: conversations per generate() call."""
+    device: str | None = None
+    dtype: str = "bf16"
+    loss_on: str = "last-assistant"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.regenerate not in ("last", "all"):
+            raise PrepareConfigError(f"--regenerate must be last or all, not {self.regenerate!r}.")
+        if self.token_ids not in ("auto", "server", "text"):
+            raise PrepareConfigError(f"--token-ids must be auto, server or text, not {self.token_ids!r}.")
+        for name in ("concurrency", "max_tokens", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise PrepareConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}.")
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                        stop=[s for s in (self.stop or "").split(",") if s] or None, seed=self.seed,
+                        chat_template_kwargs=self.chat_template_kwargs)
+
+    def content_settings(self) -> dict[str, Any]:
+        """Settings that change what a record holds: a resume must keep them."""
+        return {"regenerate": self.regenerate, "temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_tokens, "stop": self.stop, "seed": self.seed,
+                "drop_truncated": self.drop_truncated, "loss_on": self.loss_on}
+
+
+@dataclass
+class _Progress:
+    total: int
+    enabled: bool
+    start: float = field(default_factory=time.perf_counter)
+    bar: Any = None
+
+    def __post_init__(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, desc="dflash-generate", unit=" req", disable=not self.enabled,
+                        dynamic_ncols=True)
+
+    def update(self, summary: GenerateSummary) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{summary.completion_tokens / elapsed:.0f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> None:
+    old = read_meta(config.output)
+    if old is None or not Path(config.output).exists():
+        write_meta(config.output, meta)
+        return
+    keys = ("chat_template_sha256", "chat_template_kwargs", "generation")
+    diffs = [k for k in keys if old.get(k) != meta.get(k)]
+    if diffs:
+        raise GenerateMismatchError(
+            f"{config.output} was generated with other settings ({', '.join(diffs)} differ: was "
+            f"{ {k: old.get(k) for k in diffs} }). Rerun with those settings, or write to a new --output."
+        )
+
+
+def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
+    files = list_chat_files(config.data)
+    renderer = build_renderer(config, tokenizer)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    meta = {"producer": "dflash-generate", **render_meta(config, renderer, files),
+            "generation": config.content_settings()}
+    if rank == 0:
+        _check_resume(config, meta)
+    log = OutputLog(config.output)
+    summary = GenerateSummary(done_before=len(log.done))
+    todo = []
+    for n, item in enumerate(iter_conversations(files, config.format)):
+        if isinstance(item, tuple):
+            raise InputError(f"{item[0]}: {item[1]}. Fix the record (dflash-prepare --skip-bad lists them all).")
+        if n % world == rank and item.id not in log.done:
+            todo.append(item)
+    t0 = time.perf_counter()
+    progress = _Progress(len(todo), config.progress)
+    stop = StopRequest(finishing="abandoning the requests in flight, keeping every finished record")
+    try:
+        with stop:
+            if config.server:
+                _drive_server(config, renderer, todo, log, summary, progress, stop)
+            else:
+                _drive_local(config, renderer, todo, log, summary, progress, stop)
+    finally:
+        progress.close()
+        log.close()
+        summary.seconds = time.perf_counter() - t0
+    summary.stopped_by = stop.signum
+    return summary
+
+
+def _drive_server(config, renderer, todo: list[Conversation], log: OutputLog, summary: GenerateSummary,
+                  progress: _Progress, stop: StopRequest) -> None:
+    urls = [u for u in config.server.split(",") if u]
+    backend = ServerBackend(urls, config.sampling(), model=config.model, request_timeout=config.request_timeout,
+                            max_retries=config.max_retries, token_ids=config.token_ids)
+    jobs: queue.Queue = queue.Queue()
+    for conv in todo:
+        jobs.put(conv)
+    results: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        while not stop.requested:
+            try:
+                conv = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put(_run_one(conv, renderer, config, backend.complete))
+            except (RequestFailed, ServerMismatchError) as e:
+                results.put((conv, e))
+            except Exception as e:  # a bug: hand it to the main thread, which re-raises it
+                results.put((conv, e))
+
+    for _ in range(min(config.concurrency, len(todo))):
+        threading.Thread(target=work, daemon=True).start()
+    for _ in range(len(todo)):
+        while True:
+            if stop.requested:
+                return
+            try:
+                item = results.get(timeout=0.2)
+                break
+            except queue.Empty:
+                continue
+        if isinstance(item, tuple):
+            conv, e = item
+            if not isinstance(e, RequestFailed):
+                raise e
+            summary.failed += 1
+            summary.failures.append(f"{conv.where} (id {conv.id}): {e}")
+        else:
+            log.append(item)
+            summary.add(item)
+        summary.retries = backend.stats.retries
+        summary.request_errors = dict(backend.stats.errors)
+        progress.update(summary)
+
+
+def _run_one(conv: Conversation, renderer, config: GenerateConfig, complete) -> Outcome:
+    gen = regenerate(conv, renderer, mode=config.regenerate, drop_truncated=config.drop_truncated,
+                     loss_on=config.loss_on)
+    try:
+        request = next(gen)
+        while True:
+            request = gen.send(complete(request))
+    except StopIteration as done:
+        return done.value
+
+
+def _drive_local(config, renderer, todo: list[Conversation], log: OutputLog, summary: GenerateSummary,
+                 progress: _Progress, stop: StopRequest) -> None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    import torch
+
+    device = config.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    backend = HFBackend(config.target_model, renderer, config.sampling(), device=device, dtype=config.dtype,
+                        stop_flag=stop)
+    it = iter(todo)
+    while not stop.requested:
+        batch = list(islice(it, config.batch_size))
+        if not batch:
+            return
+        gens = {}
+        pending = {}
+        for conv in batch:
+            g = regenerate(conv, renderer, mode=config.regenerate, drop_truncated=config.drop_truncated,
+                           loss_on=config.loss_on)
+            gens[conv.id] = g
+            pending[conv.id] = _advance(g, None, log, summary, progress)
+        while pending and not stop.requested:
+            ids = [k for k, v in pending.items() if v is not None]
+            for k in [k for k, v in pending.items() if v is None]:
+                del pending[k]
+            if not ids:
+                break
+            completions = backend.complete_batch([pending[k] for k in ids])
+            if stop.requested:
+                return  # the batch was cut short: its answers are not the target's whole answers
+            for k, c in zip(ids, completions):
+                pending[k] = _advance(gens[k], c, log, summary, progress)
+
+
+def _advance(gen, completion, log: OutputLog, summary: GenerateSummary, progress: _Progress):
+    """Send `completion` (None: start) to a conversation; its next request, or None once done."""
+    try:
+        return next(gen) if completion is None else gen.send(completion)
+    except StopIteration as done:
+        log.append(done.value)
+        summary.add(done.value)
+        progress.update(summary)
+        return None

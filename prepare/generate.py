@@ -1,0 +1,234 @@
+"""`dflash-generate`'s work: regenerate the assistant turns of a chat dataset with the target.
+
+Each conversation becomes one record in dflash-extract's input format, keyed by its source id:
+the prompt as the local chat template renders it, then the target's answer with its
+end-of-turn token, loss on the answer (and, under --loss-on all-assistant with
+--regenerate all, on every regenerated turn). `regenerate()` is a coroutine that yields the
+requests of one conversation turn by turn and returns its outcome, so that the server
+backend (one per worker thread) and the batched in-process backend drive the same logic.
+
+The output is append-only: every finished record is one line, flushed at once (a kill loses
+only the requests in flight), and `<output>.skipped.jsonl` records the ids dropped for good
+(truncated under --drop-truncated, answers that do not re-tokenize); a rerun reads both and
+skips those ids, so records are never duplicated. Failed requests are not recorded: a rerun
+retries them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.runtime.errors import DflashError
+
+from .backends import Completion, Request, ServerMismatchError
+from .formats import Conversation
+from .render import ChatRenderer, RenderError
+
+SKIPPED_SUFFIX = ".skipped.jsonl"
+FSYNC_SECONDS = 2.0
+
+
+class GenerateMismatchError(DflashError):
+    """An existing output was generated with other settings."""
+
+
+@dataclass
+class Outcome:
+    id: str
+    record: dict[str, Any] | None = None
+    drop_reason: str | None = None  # recorded as skipped for good
+    finish_reason: str = "stop"
+    completion_tokens: int = 0
+
+
+def regenerate(conv: Conversation, renderer: ChatRenderer, *, mode: str, drop_truncated: bool,
+               loss_on: str) -> Generator[Request, Completion, Outcome]:
+    """Yield the conversation's requests (the last assistant turn, or every one in order)."""
+    turns = conv.assistant_turns()
+    if not turns or turns[0] == 0:
+        return Outcome(conv.id, drop_reason="no assistant turn with a prompt to answer")
+    todo = turns[-1:] if mode == "last" else turns
+    messages = list(conv.messages[: todo[0]])
+    completion: Completion | None = None
+    tokens = 0
+    for n, i in enumerate(todo):
+        if n:  # the source messages between the previous turn and this one (user, tool)
+            messages += conv.messages[todo[n - 1] + 1: i]
+        completion = yield Request(messages=list(messages), tools=conv.tools)
+        tokens += len(completion.token_ids or []) or len(renderer.tokenize(completion.text))
+        if completion.finish_reason == "length":
+            break
+        messages.append(_assistant_message(completion))
+    if completion.finish_reason == "length" and drop_truncated:
+        return Outcome(conv.id, drop_reason="truncated (finish_reason length)", finish_reason="length")
+    try:
+        record = build_record(conv, messages, completion, renderer, loss_on=loss_on)
+    except RenderError as e:
+        return Outcome(conv.id, drop_reason=str(e), finish_reason=completion.finish_reason)
+    return Outcome(conv.id, record=record, finish_reason=completion.finish_reason, completion_tokens=tokens)
+
+
+def _assistant_message(c: Completion) -> dict[str, Any]:
+    m: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        m["tool_calls"] = c.tool_calls
+    if c.reasoning_content:
+        m["reasoning_content"] = c.reasoning_content
+    return m
+
+
+def build_record(conv: Conversation, messages: list[dict], last: Completion, renderer: ChatRenderer,
+                 *, loss_on: str) -> dict[str, Any]:
+    """The record of a regenerated conversation: the prompt as the local template renders it,
+    then the answer's tokens (the backend's ids, or the text re-tokenized and checked)."""
+    prompt_messages = messages if last.finish_reason == "length" else messages[:-1]
+    prompt = renderer.prompt_ids(prompt_messages, conv.tools)
+    if last.prompt_token_ids is not None and list(last.prompt_token_ids) != prompt:
+        raise ServerMismatchError(
+            f"{conv.where} (id {conv.id}): the server tokenized the prompt differently from the local "
+            "chat template (the template, its kwargs or the tokenizer differ). Pass the template the "
+            "server uses with --chat-template and the same --chat-template-kwargs / --thinking."
+        )
+    if last.token_ids is not None:
+        answer = list(last.token_ids)
+        ends = [k for k, t in enumerate(answer) if t in renderer.eos_ids]
+        answer = answer[: ends[0] + 1] if ends else answer
+    else:
+        answer = _answer_from_text(conv, messages, last, renderer, prompt)
+    mask = _prompt_mask(conv, prompt_messages, prompt, renderer, loss_on)
+    return {"id": conv.id, "input_ids": prompt + answer, "loss_mask": mask + [1] * len(answer),
+            "finish_reason": last.finish_reason}
+
+
+def _answer_from_text(conv, messages, last: Completion, renderer: ChatRenderer, prompt: list[int]) -> list[int]:
+    """The answer's tokens when the server gave only text: re-tokenized, and checked to
+    round-trip (decode(encode(text)) == text, and the template renders exactly those tokens
+    after the prompt, closed by one end-of-turn token, which is added)."""
+    answer = renderer.tokenize(last.text)
+    if renderer.tokenizer.decode(answer) != last.text:
+        raise RenderError("the answer's text does not re-tokenize to itself (decode(encode(text)) differs)")
+    if last.finish_reason == "length":
+        return answer
+    rendered = renderer.with_loss_on("last-assistant").render(
+        Conversation(id=conv.id, where=conv.where, messages=messages, tools=conv.tools))
+    span = rendered.input_ids[rendered.prompt_len:]
+    if rendered.input_ids[: rendered.prompt_len] != prompt or span[: len(answer)] != answer \
+            or len(span) != len(answer) + 1 or span[-1] not in renderer.eos_ids:
+        raise RenderError("the chat template does not render the answer's text as its tokens right "
+                          "after the prompt (the answer does not round-trip through the template)")
+    return span
+
+
+def _prompt_mask(conv, prompt_messages, prompt: list[int], renderer: ChatRenderer, loss_on: str) -> list[int]:
+    """Zeros, or under all-assistant the masks of the assistant turns inside the prompt."""
+    earlier = [i for i, m in enumerate(prompt_messages) if m["role"] == "assistant"]
+    if loss_on != "all-assistant" or not earlier:
+        return [0] * len(prompt)
+    r = renderer.with_loss_on("all-assistant").render(Conversation(
+        id=conv.id, where=conv.where, messages=prompt_messages[: earlier[-1] + 1], tools=conv.tools))
+    if prompt[: len(r.input_ids)] != r.input_ids:
+        raise RenderError("the earlier turns render differently inside the last turn's prompt; use --loss-on last-assistant")
+    return r.loss_mask + [0] * (len(prompt) - len(r.input_ids))
+
+
+class OutputLog:
+    """The append-only output and its skipped-ids log; safe for several processes (flock)."""
+
+    def __init__(self, output: str | Path):
+        self.path = Path(output)
+        self.skipped_path = self.path.with_name(self.path.name + SKIPPED_SUFFIX)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.done: set[str] = set()
+        for p in (self.path, self.skipped_path):
+            self.done |= _read_ids(p)
+        self._files = {p: open(p, "ab") for p in (self.path, self.skipped_path)}
+        self._synced = time.monotonic()
+
+    def append(self, outcome: Outcome) -> None:
+        if outcome.record is not None:
+            line, path = json.dumps(outcome.record, separators=(",", ":")), self.path
+        else:
+            line, path = json.dumps({"id": outcome.id, "reason": outcome.drop_reason}), self.skipped_path
+        f = self._files[path]
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.write(line.encode() + b"\n")
+            f.flush()  # in the page cache now: a killed process loses nothing written
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+        self.done.add(outcome.id)
+        if time.monotonic() - self._synced > FSYNC_SECONDS:
+            self.sync()
+
+    def sync(self) -> None:
+        for f in self._files.values():
+            os.fsync(f.fileno())
+        self._synced = time.monotonic()
+
+    def close(self) -> None:
+        self.sync()
+        for f in self._files.values():
+            f.close()
+
+
+def _read_ids(path: Path) -> set[str]:
+    """Ids of the complete lines of `path`; a torn last line (a kill mid-write) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    ids = set()
+    for line in data[:end].splitlines():
+        if line.strip():
+            ids.add(str(json.loads(line)["id"]))
+    return ids
+
+
+@dataclass
+class GenerateSummary:
+    done_before: int = 0
+    written: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    failed: int = 0
+    failures: list[str] = field(default_factory=list)
+    finish_reasons: Counter = field(default_factory=Counter)
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    request_errors: dict[str, int] = field(default_factory=dict)
+    stopped_by: int = 0
+
+    def add(self, o: Outcome) -> None:
+        self.finish_reasons[o.finish_reason] += 1
+        self.completion_tokens += o.completion_tokens
+        if o.record is not None:
+            self.written += 1
+        else:
+            self.dropped[o.drop_reason.split(" (")[0][:60]] += 1
+
+    def format(self) -> str:
+        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
+        lines = [f"dflash-generate: {self.written} records written ({self.done_before} done before), "
+                 f"{self.failed} failed, {sum(self.dropped.values())} dropped; {self.completion_tokens} "
+                 f"generated tokens in {self.seconds:.1f} s ({rate:.1f} tokens/s)",
+                 "  finish reasons: " + (", ".join(f"{k} {v}" for k, v in sorted(self.finish_reasons.items())) or "none")]
+        if self.dropped:
+            lines.append("  dropped: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items())))
+        if self.retries or self.request_errors:
+            lines.append(f"  retries: {self.retries}; request errors: "
+                         + ", ".join(f"{k} x{v}" for k, v in sorted(self.request_errors.items())))
+        lines += [f"  failed: {f}" for f in self.failures[:10]]
+        if self.failed:
+            lines.append("  Rerun the same command to retry the failed records (finished ones are kept).")
+        return "\n".join(lines)
