@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .model import DFlashDrafter, DrafterConfig, rope_parameters_from_config
+from .target_head import load_target_head
 from .target_weights import load_target_config, load_target_weights
 
 CONFIG_NAME = "config.json"
@@ -217,11 +218,10 @@ def load_drafter(
             f"{target_config.vocab_size}; load it with the target it was trained for."
         )
     weights = load_target_weights(
-        target_dir,
-        tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
-        with_final_norm=with_final_norm,
+        target_dir, tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
     )
-    drafter = DFlashDrafter(config, weights, target_norm_eps=getattr(target_config, "rms_norm_eps", None))
+    head = load_target_head(target_dir) if with_final_norm else None
+    drafter = DFlashDrafter(config, weights, target_head=head)
     with safe_open(str(weights_path), framework="pt") as f:
         state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     if dtype is None:
@@ -229,7 +229,6 @@ def load_drafter(
     drafter.to(dtype)
     # Keep the frozen target tensors in their checkpoint dtype (drafter.to cast them too).
     drafter.embed_weight, drafter.lm_head_weight = weights.embed_tokens, weights.lm_head
-    drafter.target_norm_weight = weights.final_norm
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import ATTENTION_BACKENDS, AttentionMask, attend, inference_mask
+from .target_head import TargetHead, announce_mask_token, choose_mask_token, load_target_head
 from .target_weights import (
     TargetWeights,
     default_target_layer_ids,
@@ -113,7 +114,8 @@ class DrafterConfig:
     block_size: int = 16
     """Tokens per drafted block: the anchor plus block_size-1 predictions."""
     mask_token_id: int | None = None
-    """Embedding row used for the masked block positions; None means vocab_size - 1."""
+    """Embedding row used for the masked block positions; None means vocab_size - 1
+    (`from_target` picks it from the tokenizer instead: `target_head.choose_mask_token`)."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     rope_parameters: dict[str, Any] = field(
@@ -391,7 +393,8 @@ class DFlashDrafter(nn.Module):
     trained and not exported (loaders take them from the target again).
     """
 
-    def __init__(self, config: DrafterConfig, target: TargetWeights, *, target_norm_eps: float | None = None) -> None:
+    def __init__(self, config: DrafterConfig, target: TargetWeights, *, target_norm_eps: float | None = None,
+                 target_head: TargetHead | None = None) -> None:
         super().__init__()
         c = self.config = config
         rows, width = target.embed_tokens.shape
@@ -410,20 +413,28 @@ class DFlashDrafter(nn.Module):
         norm = target.final_norm
         self.register_buffer("target_norm_weight", None if norm is None else norm.detach(), persistent=False)
         self.target_norm_eps = c.rms_norm_eps if target_norm_eps is None else target_norm_eps
+        self.target_head = target_head  # not a submodule: never in state_dict, never trained
         self.rotary = RotaryEmbedding(c)
         self.reset_parameters()
 
     @classmethod
     def from_target(cls, target_dir: str | Path, *, with_final_norm: bool = False, **overrides: Any) -> DFlashDrafter:
-        """A freshly initialized drafter for the checkpoint in `target_dir` (reads only 2-3 tensors)."""
+        """A freshly initialized drafter for the checkpoint in `target_dir` (reads only a few tensors).
+
+        Without a `mask_token_id` override the mask token comes from the target's tokenizer
+        (printed); `with_final_norm` loads the target's own final norm for soft labels.
+        """
         target_config = load_target_config(target_dir)
+        if overrides.get("mask_token_id") is None:
+            choice = choose_mask_token(target_dir, target_config.vocab_size)
+            announce_mask_token(choice)
+            overrides = {**overrides, "mask_token_id": choice.token_id, "mask_token": choice.token}
         config = DrafterConfig.from_target_config(target_config, **overrides)
         weights = load_target_weights(
-            target_dir,
-            tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
-            with_final_norm=with_final_norm,
+            target_dir, tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
         )
-        return cls(config, weights, target_norm_eps=getattr(target_config, "rms_norm_eps", None))
+        head = load_target_head(target_dir) if with_final_norm else None
+        return cls(config, weights, target_head=head)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():
@@ -459,7 +470,13 @@ class DFlashDrafter(nn.Module):
         return F.linear(h, weight)
 
     def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's own logits from its final pre-norm hidden state (for soft labels)."""
+        """The target's own logits from its final pre-norm hidden state (for soft labels).
+
+        Through the target's own final norm module (`target_head`); a drafter built from bare
+        tensors (`TargetWeights.final_norm`) applies a Qwen3/Llama RMSNorm with that weight.
+        """
+        if self.target_head is not None:
+            return self.target_head(last_hidden, self.logits)
         if self.target_norm_weight is None:
             raise ValueError(
                 "soft labels from last_hidden need the target's final norm: build the drafter "
