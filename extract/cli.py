@@ -1,33 +1,29 @@
-"""`dflash-extract`: run the frozen target over tokenized completions and fill the cache."""
+"""`dflash-extract`: run the frozen target over tokenized completions and fill the cache.
+
+Errors, signals and exit statuses follow the contract of every dflash command
+(`dflash.runtime.cli`); torch and transformers load when the settings are known to be good.
+"""
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import click
 from click.core import ParameterSource
-from dflash.cache_tools.errors import DflashError
+from dflash.cache_tools.cli import CODEC_CHOICES
+from dflash.runtime.cli import Command
+from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice
+from dflash.runtime.signals import exit_status
 
 from .config import ExtractConfig, ExtractConfigError, load_config_file, parse_layer_ids
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
+GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
-class _Interrupted(BaseException):
-    """SIGINT/SIGTERM outside the extraction loop (which installs its own graceful handler)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _interrupt(signum, _frame) -> None:
-    raise _Interrupted(signum)
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=Command, name="dflash-extract",
+               context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+               stop_note=(" outside the extraction loop; committed parts are kept. Rerun the same "
+                          "command to resume."))
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="JSON or YAML file with any of these settings (same names); flags override it.")
 @click.option("--target-model", help="Local Hugging Face model directory (config.json + safetensors).")
@@ -35,8 +31,11 @@ def _interrupt(signum, _frame) -> None:
 @click.option("--output", help="Cache directory to create or resume.")
 @click.option("--target-layer-ids", help="Comma-separated decoder layers to capture "
               "[default: DFlash rule round(1 + i*(N-4)/(K-1))].")
-@click.option("--num-draft-layers", type=int, default=5, help="K for the default layer rule.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16",
+@click.option("--num-captured-layers", type=int, default=5,
+              help="With no --target-layer-ids: how many target layers the default rule captures (K).")
+@click.option("--num-draft-layers", "num_draft_layers", type=int, hidden=True,
+              help="Deprecated name of --num-captured-layers.")
+@click.option("--dtype", type=DtypeChoice(DTYPE_NAMES), default="bf16",
               help="Compute dtype of the target.")
 @click.option("--attn-implementation", help="Attention kernel passed to from_pretrained (sdpa, eager, ...).")
 @click.option("--device", help="Torch device [default: cuda if available, else cpu].")
@@ -53,7 +52,7 @@ def _interrupt(signum, _frame) -> None:
                    "that order, into parts: batches of similar lengths, little padding. Changes "
                    "which samples go to which part, so a resume must keep it "
                    "[default: 16 x --part-tokens; 0: each part alone].")
-@click.option("--codec", type=click.Choice(["bf16", "fp8", "raw"]), default="bf16",
+@click.option("--codec", type=click.Choice(CODEC_CHOICES), default="bf16",
               help="Hidden-state codec: bf16 lossless, fp8 e4m3 + scales, raw uncompressed.")
 @click.option("--chunk-rows", type=int, default=128, help="Rows per compressed chunk.")
 @click.option("--shard-rows", type=int, default=8192, help="Rows per shard file.")
@@ -72,38 +71,35 @@ def main(ctx: click.Context, config_file: str | None, **flags) -> None:
     """Run the frozen target model over tokenized completions and write the hidden-state cache.
 
     Rerunning the same command resumes: committed parts are skipped. Several processes
-    (torchrun, or --rank/--world-size) can fill one cache. Exit status: 0 done, 1 error,
-    2 usage error, 130 stopped by SIGINT, 143 stopped by SIGTERM.
+    (torchrun, or --rank/--world-size) can fill one cache. Exit status: 0 done, 2 bad settings
+    or input (one paragraph says what and where), 130/143 stopped by SIGINT/SIGTERM (committed
+    parts are kept), 1 an unexpected failure.
     """
-    # Until the extraction loop takes over signals (and after it), SIGINT/SIGTERM stop the run at
-    # once: nothing is committed outside the loop, so there is nothing to finish.
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _interrupt)
-    try:
-        config = build_config(ctx, config_file, flags)
-        from .pipeline import run_extraction  # torch/transformers load only when needed
+    config = build_config(ctx, config_file, flags)
+    from .pipeline import run_extraction  # torch/transformers: only once the settings are good
 
-        summary = run_extraction(config)
-    except DflashError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(EXIT_USAGE if isinstance(e, ExtractConfigError) else EXIT_ERROR)
-    except (_Interrupted, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
-        click.echo(f"dflash-extract stopped by {signal.Signals(signum).name} outside the extraction "
-                   "loop; committed parts are kept. Rerun the same command to resume.", err=True)
-        sys.exit(128 + signum)
+    summary = run_extraction(config)
     click.echo(summary.format(), err=True)
     for skip in summary.skips[:20]:
         click.echo(f"  skipped {skip['where']}: {skip['reason']}", err=True)
     if summary.interrupted_by:
-        sys.exit(128 + summary.interrupted_by)
+        sys.exit(exit_status(summary.interrupted_by))
 
 
 def build_config(ctx: click.Context, config_file: str | None, flags: dict) -> ExtractConfig:
     """File values, overridden by flags given on the command line; dataclass defaults otherwise."""
     values = load_config_file(config_file) if config_file else {}
+    deprecated = flags.pop("num_draft_layers")
+    if ctx.get_parameter_source("num_draft_layers") in GIVEN:
+        if ctx.get_parameter_source("num_captured_layers") in GIVEN:
+            raise ExtractConfigError("--num-draft-layers is the deprecated name of --num-captured-layers: "
+                                     "give only --num-captured-layers.")
+        click.echo("Warning: --num-draft-layers is deprecated in dflash-extract: it is "
+                   "--num-captured-layers (how many target layers are captured, not the drafter's depth).",
+                   err=True)
+        values["num_captured_layers"] = deprecated
     for name, value in flags.items():
-        if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+        if ctx.get_parameter_source(name) in GIVEN:
             values[name] = value
     if isinstance(values.get("target_layer_ids"), str):
         values["target_layer_ids"] = parse_layer_ids(values["target_layer_ids"])

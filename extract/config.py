@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from dflash.cache_tools.codecs import CODEC_NAMES
-from dflash.cache_tools.configfile import read_config_file
-from dflash.cache_tools.errors import DflashError
+from dflash.runtime.config import read_config_file
+from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES
+from dflash.runtime.errors import DflashError
 
 from .data import PartRules
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = DTYPE_NAMES  # the runtime's dtype names (long torch names are accepted as aliases)
 LONG_SAMPLE_POLICIES = ("truncate", "skip")
 
 
@@ -33,8 +33,9 @@ class ExtractConfig:
     """Cache directory to create, or to resume when it already holds this extraction."""
     target_layer_ids: list[int] | None = None
     """Decoder layers to capture (id l = output of layer l, before the final norm)."""
-    num_draft_layers: int = 5
-    """With no target_layer_ids: how many layers the DFlash rule picks."""
+    num_captured_layers: int = 5
+    """With no target_layer_ids: how many target layers the DFlash rule picks (its K; the
+    reference calls it num_draft_layers, the deprecated name of this setting)."""
     dtype: str = "bf16"
     """Compute dtype of the target: bf16, fp16 or fp32. The cache always stores bf16 (or fp8)."""
     attn_implementation: str | None = None
@@ -86,13 +87,16 @@ class ExtractConfig:
         for name in ("target_model", "data", "output"):
             if not getattr(self, name):
                 raise bad(f"--{name.replace('_', '-')} is required.")
+        from dflash.cache_tools.codecs import CODEC_NAMES  # (torch: not needed for --help)
+
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise bad(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")
         if self.codec not in CODEC_NAMES:
             raise bad(f"--codec {self.codec!r} is not one of {', '.join(CODEC_NAMES)}.")
         if self.long_samples not in LONG_SAMPLE_POLICIES:
             raise bad(f"--long-samples {self.long_samples!r} is not one of truncate, skip.")
-        for name in ("max_seq_len", "part_tokens", "token_budget", "num_draft_layers",
+        for name in ("max_seq_len", "part_tokens", "token_budget", "num_captured_layers",
                      "chunk_rows", "shard_rows"):
             if int(getattr(self, name)) < 1:
                 raise bad(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
@@ -143,11 +147,13 @@ class ExtractConfig:
 
 
 CONFIG_KEYS = tuple(f.name for f in fields(ExtractConfig))
+DEPRECATED_KEYS = {"num_draft_layers": "num_captured_layers"}
+"""Old setting names still accepted (with a warning) as flags and config-file keys."""
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a JSON or YAML config file into {setting: value}; unknown keys are errors."""
-    out = read_config_file(path, CONFIG_KEYS, ExtractConfigError)
+    out = read_config_file(path, CONFIG_KEYS, ExtractConfigError, aliases=DEPRECATED_KEYS)
     if isinstance(out.get("target_layer_ids"), str):
         out["target_layer_ids"] = parse_layer_ids(out["target_layer_ids"])
     return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -22,6 +21,8 @@ from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.writer import CacheWriter
+from dflash.runtime.devices import resolve_device
+from dflash.runtime.signals import StopRequest
 from torch import nn
 from tqdm import tqdm
 
@@ -94,39 +95,6 @@ class ExtractSummary:
         )
 
 
-class StopSignals:
-    """SIGINT/SIGTERM: the first asks the loop to stop; a second exits at once."""
-
-    def __init__(self, on_second=None):
-        self.signum: int | None = None
-        self._on_second = on_second
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signum is not None:
-            try:  # whatever stopping the workers raises (e.g. a SIGCHLD handler), exit at once
-                if self._on_second is not None:
-                    self._on_second()
-            finally:
-                os._exit(128 + signum)
-        self.signum = signum
-        print(
-            f"\n{signal.Signals(signum).name}: finishing the parts in progress, then exiting "
-            "(send it again to exit at once; unfinished parts are redone on resume).",
-            file=sys.stderr, flush=True,
-        )
-
-
 class Progress:
     """Samples done of this rank's share; postfix with tokens/s and GB written."""
 
@@ -149,16 +117,6 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def resolve_device(config: ExtractConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # Under torchrun each process on a host takes its own GPU.
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
 
 
 def default_num_writers(device: torch.device) -> int:
@@ -188,7 +146,7 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
 def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> ExtractSummary:
     """Extract the hidden states of this rank's uncommitted parts into config.output."""
     files = list_data_files(config.data)
-    device = resolve_device(config)
+    device = resolve_device(config.device)  # under torchrun each process of a host takes its own GPU
     if writer_count(config, device):
         start_fork_server()  # the writers' imports then overlap loading the target
     try:
@@ -209,7 +167,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     device = model.get_input_embeddings().weight.device
     num_target_layers = len(decoder_layers(model))
     layer_ids = config.target_layer_ids or default_target_layer_ids(
-        num_target_layers, config.num_draft_layers
+        num_target_layers, config.num_captured_layers
     )
     capture = LayerCapture(model, layer_ids,
                            need_last=config.store_last_hidden or config.store_topk > 0)
@@ -253,7 +211,9 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     t0 = time.perf_counter()
     engine.mark_start()
     try:
-        with StopSignals(on_second=pool.kill) as stop:
+        with StopRequest(finishing="finishing the parts in progress, then exiting",
+                         abandoning="exiting now (unfinished parts are redone on resume)",
+                         on_second=pool.kill) as stop:
             _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct)
             drain_start = time.perf_counter()
             pool.drain()
@@ -380,7 +340,7 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy", **on_device) as copier, \
             ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
         for group, batch in own_batches():
-            if stop.signum is not None:
+            if stop.requested:
                 break
             group.open(batch.members, new_buffer)
             with timer("launch"):
@@ -393,5 +353,5 @@ def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, sum
             finish(*in_flight.popleft())
     for buf in open_buffers:  # stopped midway: the unfinished part is redone on resume
         pool.discard(buf)
-    summary.interrupted_by = stop.signum
+    summary.interrupted_by = stop.signum or None
     timer.report()

@@ -45,7 +45,7 @@ def test_malformed_record_names_file_and_line(target, tmp_path, line, message):
     data = tmp_path / "a.jsonl"
     data.write_text(json.dumps(GOOD) + "\n\n" + line + "\n" + json.dumps(GOOD) + "\n")
     res = extract(target, data, tmp_path / "cache")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert f"{data}, line 3: {message}" in res.output
     assert "Fix the record or pass --skip-bad to skip it." in res.output
     assert "Traceback" not in res.output
@@ -55,7 +55,7 @@ def test_non_utf8_bytes_are_reported(target, tmp_path):
     data = tmp_path / "a.jsonl"
     data.write_bytes(json.dumps(GOOD).encode() + b'\n{"input_ids": [1], "id": "\xff\xfe"}\n')
     res = extract(target, data, tmp_path / "cache")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert f"{data}, line 2: the line is not valid UTF-8" in res.output
 
 
@@ -102,16 +102,16 @@ def test_directory_of_plain_and_gzip_files_in_sorted_order(target, tmp_path):
 def test_empty_directory_and_missing_paths_are_clear_errors(target, tmp_path):
     (tmp_path / "empty").mkdir()
     res = extract(target, tmp_path / "empty", tmp_path / "c1")
-    assert res.exit_code == 1 and "holds no data files" in res.output
+    assert res.exit_code == 2 and "holds no data files" in res.output
     res = extract(target, tmp_path / "nope.jsonl", tmp_path / "c2")
-    assert res.exit_code == 1 and "does not exist" in res.output
+    assert res.exit_code == 2 and "does not exist" in res.output
     data = write_jsonl(tmp_path / "a.jsonl", [GOOD])
     (tmp_path / "noweights").mkdir()
     (tmp_path / "noweights" / "config.json").write_text("{}")
     res = extract(tmp_path / "noweights", data, tmp_path / "c3")
-    assert res.exit_code == 1 and "no weights" in res.output
+    assert res.exit_code == 2 and "no weights" in res.output
     res = extract(tmp_path, data, tmp_path / "c4")
-    assert res.exit_code == 1 and "no config.json" in res.output
+    assert res.exit_code == 2 and "no config.json" in res.output
 
 
 def test_config_file_sets_flags_and_rejects_unknown_keys(target, tmp_path):

@@ -86,7 +86,7 @@ def test_a_bad_record_midway_keeps_the_parts_before_it_and_the_fixed_data_needs_
     data = write_jsonl(tmp_path / "data.jsonl", records)
     out = tmp_path / "cache"
     res = extract(world["target"], data, out)
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert (f"Error: {data}, line 31: token id 999 is outside the target's vocabulary (64 entries). "
             "Fix the record or pass --skip-bad to skip it.") in res.output
     kept = committed_parts(out)
@@ -94,7 +94,7 @@ def test_a_bad_record_midway_keeps_the_parts_before_it_and_the_fixed_data_needs_
     records[30] = {"input_ids": [1, 2, 3], "prompt_len": 1}
     write_jsonl(data, records)
     res = extract(world["target"], data, out)
-    assert res.exit_code == 1 and "data.sha256" in res.output and "--force" in res.output
+    assert res.exit_code == 2 and "data.sha256" in res.output and "--force" in res.output
     assert committed_parts(out) == kept
     res = extract(world["target"], data, out, "--force")
     assert res.exit_code == 0, res.output
@@ -105,5 +105,5 @@ def test_an_input_file_without_records_is_a_clear_error(world, tmp_path, content
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)
     res = extract(world["target"], data, tmp_path / "cache")
-    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert res.exit_code == 2 and "Traceback" not in res.output
     assert f"The input ({data}) holds no usable sample. Check --data." in res.output

@@ -85,7 +85,7 @@ def test_disk_full_mid_part_is_one_clear_error_and_a_rerun_completes(world, tmp_
 
     monkeypatch.setattr(zarr, "create_array", create_array)
     res = extract(world, out)
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output
     assert (f"Error: Writing part {started[3]} into {out} failed: [Errno 28] No space left on device. "
             "Free space or fix the cause, then rerun the same command: committed parts are kept and "
             "the rest is redone.") in res.output
@@ -102,7 +102,7 @@ def test_real_full_tmpfs_stops_with_a_clear_error_and_resumes_after_space_is_fre
     with tmpfs(tmp_path / "small", "160k") as mnt:
         out = mnt / "cache"
         res = extract(world, out)
-        assert res.exit_code == 1, res.output
+        assert res.exit_code == 2, res.output
         assert "No space left on device" in res.output and "Traceback" not in res.output
         assert "then rerun the same command" in res.output
         done = committed_parts(out)
@@ -122,7 +122,7 @@ def test_real_full_tmpfs_stops_with_a_clear_error_and_resumes_after_space_is_fre
 def test_extract_into_a_read_only_location_is_a_clear_error(world, tmp_path):
     with tmpfs(tmp_path / "ro", "1m", read_only=True) as mnt:
         res = extract(world, mnt / "cache")
-        assert res.exit_code == 1, res.output
+        assert res.exit_code == 2, res.output
         assert (f"Error: Cannot create the cache directory {mnt / 'cache'}: Read-only file system. Choose a "
                 "writable location with free space.") in res.output
 
@@ -137,7 +137,7 @@ def test_resume_of_a_cache_on_a_read_only_mount_is_a_clear_error_and_keeps_it(wo
     try:
         mount("-o", "remount,ro,bind", str(cache))
         res = extract(world, cache, "--part-tokens", "300")
-        assert res.exit_code == 1, res.output
+        assert res.exit_code == 2, res.output
         assert "Traceback" not in res.output
         assert f"Error: Cannot write to the cache at {cache}" in res.output
         assert "Read-only file system" in res.output
@@ -216,7 +216,7 @@ def test_damaged_manifest_is_a_clear_error_for_reader_verify_resume_and_trainer(
     res = CliRunner().invoke(cache_main, ["verify", str(cache), "--no-progress"])
     assert res.exit_code != 0 and expected in res.output.replace("\n", " "), res.output
     res = extract(world, cache)
-    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     if how == "header deleted":  # the parts are still there: resume refuses to write over them
         assert "is not empty and holds no cache manifest: refusing" in res.output
     else:
