@@ -39,7 +39,7 @@ def test_json_report_gives_tau_histogram_speedup_and_a_passed_lossless_check(pai
     result = run(pair, "--json", "--batch-size", "2", "--strict")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["settings"] | {"device": "cpu", "dtype": "float32", "block_size": 4, "batch_size": 2} == report["settings"]
+    assert report["settings"] | {"device": "cpu", "dtype": "fp32", "block_size": 4, "batch_size": 2} == report["settings"]
     [r] = report["prompt_sets"]
     assert r["num_prompts"] == 5 and r["new_tokens"] == 5 * 16
     assert r["lossless"] == {"checked": True, "identical": True, "divergent_prompts": 0, "divergences": []}

@@ -1,24 +1,24 @@
-"""`dflash-eval`: measure a drafter by real speculative decoding against its target.
+"""`dflash-eval`'s measurement: a drafter by real speculative decoding against its target.
 
 For every prompt set it runs target-only decoding and speculative decoding on the same
 prompts in the same process, and reports the acceptance length tau, its histogram,
 tokens/s of both, the speedup, and (greedy) whether the outputs are identical. Beside the
 drafter it runs prompt lookup (`lookup.py`, n-gram drafting without training) under the same
-verification, so a user sees at once whether the drafter beats the free baseline.
+verification, so a user sees at once whether the drafter beats the free baseline. The command
+line is `eval_command` (it loads this module, and torch, only when it runs).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
-from dflash.cache_tools.errors import DflashError, InputError
+from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
+from dflash.runtime.errors import DflashError, InputError
 
 from .lookup import lookup_generate
 from .speculative import (
@@ -31,7 +31,6 @@ from .speculative import (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EvalError(DflashError):
@@ -215,19 +214,6 @@ def lossless_check(baseline: list[Generation], speculative: list[Generation], co
 # -- loading ----------------------------------------------------------------------------------
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        # fp32 on CPU keeps batched (padded) and single-token passes bit-close: see docs/eval.md.
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return DTYPES[dtype]
-
-
 def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
                 attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
@@ -314,68 +300,6 @@ def format_lookup(r: dict[str, Any]) -> list[str]:
     ]
 
 
-def _load_config_file(ctx: click.Context, _param: Any, value: str | None) -> str | None:
-    """--config FILE (JSON, keys as flag names) sets defaults; flags on the command line win."""
-    if value:
-        try:
-            raw = json.loads(Path(value).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise click.BadParameter(f"cannot read {value} as JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise click.BadParameter(f"{value} must hold a JSON object of flag names to values.")
-        ctx.default_map = {str(k).replace("-", "_"): v for k, v in raw.items()}
-    return value
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config_file, is_eager=True,
-              expose_value=False, help="JSON file of flag values (keys as the flag names).")
-@click.option("--target-model", required=True, type=click.Path(file_okay=False), help="HF target model directory.")
-@click.option("--drafter", required=True, type=click.Path(file_okay=False), help="Exported drafter directory.")
-@click.option("--prompts", "prompt_files", required=True, multiple=True, type=click.Path(dir_okay=False),
-              help="JSONL of prompts (input_ids / prompt_ids / text); repeat for several prompt sets.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts of each file.")
-@click.option("--block-size", default=None, type=int, help="Drafted block size (<= the trained one). [default: trained]")
-@click.option("--batch-size", default=1, show_default=True, type=int, help="Prompts decoded together.")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy (lossless check).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
-@click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop token(s). [default: eos]")
-@click.option("--ignore-eos", is_flag=True, help="Always generate --max-new-tokens tokens.")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, ... (auto: cuda if available).")
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *DTYPES]),
-              help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA).")
-@click.option("--attn-implementation", default=None, help="Target attention (sdpa, eager, ...).")
-@click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also run prompt lookup (n-gram drafting, no training) under the same verification.")
-@click.option("--lookup-ngram", default=4, show_default=True, type=int,
-              help="Longest suffix n-gram prompt lookup matches (falls back to shorter ones).")
-@click.option("--strict", is_flag=True, help="Exit with status 1 if any greedy output diverges from the target's.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def main(target_model: str, drafter: str, prompt_files: tuple[str, ...], max_new_tokens: int,
-         max_prompts: int | None, block_size: int | None, batch_size: int, temperature: float, seed: int,
-         stop_token_ids: tuple[int, ...], ignore_eos: bool, device: str, dtype: str,
-         attn_implementation: str | None, baseline: bool, lookup_ngram: int, strict: bool, as_json: bool) -> None:
-    """Speculative decoding of PROMPTS with DRAFTER and TARGET_MODEL: tau, speedup, lossless check."""
-    try:
-        report = run_eval(
-            target_model, drafter, list(prompt_files), max_new_tokens=max_new_tokens, max_prompts=max_prompts,
-            block_size=block_size, batch_size=batch_size, temperature=temperature, seed=seed,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, device=device, dtype=dtype,
-            attn_implementation=attn_implementation, baseline=baseline, lookup_ngram=lookup_ngram)
-    except DflashError as e:
-        click.echo(f"dflash-eval: error: {e}", err=True)
-        sys.exit(2)
-    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
-    checks = [c for r in report["prompt_sets"] for c in (r["lossless"], r.get("prompt_lookup", {}).get("lossless")) if c]
-    diverged = any(c["checked"] and not c["identical"] for c in checks)
-    if diverged:
-        click.echo("dflash-eval: speculative output differs from the target's greedy output "
-                   "(see docs/eval.md, 'The lossless check').", err=True)
-        if strict:
-            sys.exit(1)
-
-
 def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, max_new_tokens: int = 128,
              max_prompts: int | None = None, block_size: int | None = None, batch_size: int = 1,
              temperature: float = 0.0, seed: int = 0, stop_token_ids: tuple[int, ...] = (),
@@ -387,9 +311,10 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
         raise EvalError(f"--batch-size must be >= 1, got {batch_size}.")
     if lookup_ngram < 1:
         raise EvalError(f"--lookup-ngram must be >= 1 (the longest suffix prompt lookup matches), got {lookup_ngram}.")
-    device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-    model, drafter, tokenizer = load_models(target_model, drafter_dir, device, torch_dtype, attn_implementation)
+    device = str(resolve_device(device))
+    # fp32 on CPU keeps batched (padded) and single-token passes bit-close: see docs/eval.md.
+    dtype = resolve_dtype_name(dtype, device)
+    model, drafter, tokenizer = load_models(target_model, drafter_dir, device, torch_dtype(dtype), attn_implementation)
     trained = drafter.config.block_size
     if block_size is not None and not 2 <= block_size <= trained:
         raise EvalError(f"--block-size {block_size} must be between 2 and the drafter's trained block size {trained}.")
@@ -407,7 +332,7 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
             batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
         sets.append({"name": Path(path).stem, "path": str(path), **result})
     return {
-        "settings": {"device": device, "dtype": str(torch_dtype).removeprefix("torch."), "block_size": config.block_size,
+        "settings": {"device": device, "dtype": dtype, "block_size": config.block_size,
                      "trained_block_size": trained, "batch_size": batch_size, "temperature": temperature,
                      "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops), "baseline": baseline,
                      "lookup_ngram": lookup_ngram},
@@ -415,5 +340,4 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
     }
 
 
-if __name__ == "__main__":
-    main()
+from .eval_command import main  # noqa: E402, F401 (the command, where it used to be)
