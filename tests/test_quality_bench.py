@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert {p.stem for p in (work / "stages").glob("*.json")} == {"target", "generate"}
     target = json.loads((work / "stages" / "target.json").read_text())
     assert target["held_out_loss"] > 0 and target["held_out_files"] > 0
-    records = [json.loads(line) for line in (work / "completions.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for part in sorted((work / "completions").glob("part-*.jsonl.gz"))
+               for line in gzip.open(part, "rt")]
     assert len(records) == stages.SMALL.completions
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) == sum(r["loss_mask"]) + r["loss_mask"].index(1)
                for r in records)

@@ -4,8 +4,10 @@ skipped on a rerun and one device call can do one or two stages."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +45,8 @@ class Sizes:
     """Prompt lengths in bytes (cycled over the batches of completions and the eval prompts)."""
     completion_tokens: int = 160
     generate_batch: int = 1024
+    batches_per_part: int = 8
+    """Batches of completions per `completions/part-NNN.jsonl.gz` file."""
     target_layer_ids: tuple[int, ...] = (0, 2, 4)
     """Captured target layers (at most N-2 for an N-layer target, as the serving engines need)."""
     eval_prompts: int = 40
@@ -143,6 +147,10 @@ def stage_target(work: Work) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     trained = train_target(model, token_stream(train), steps=s.target_steps, batch_size=s.target_batch,
                            seq_len=s.target_seq_len, lr=s.target_lr, seed=s.seed, device=device, log=work.log)
+    if device.type == "cuda":
+        # The saved weights are bf16 (half the bytes to move) and they are the model measured
+        # and sampled below: the drafter's data comes from exactly the target it is evaluated on.
+        model.to(torch.bfloat16)
     held_loss = mean_loss(model, token_stream(held), windows=s.loss_windows, seq_len=s.target_seq_len,
                           seed=s.seed + 1, device=device)
     train_loss = mean_loss(model, token_stream(train), windows=s.loss_windows, seq_len=s.target_seq_len,
@@ -178,20 +186,23 @@ def stage_generate(work: Work) -> dict[str, Any]:
     start = time.perf_counter()
     batches = -(-s.completions // s.generate_batch)
     tokens = 0
-    path = work.root / "completions.jsonl"
-    with open(path.with_suffix(".tmp"), "w") as f:
-        for b in range(batches):
-            count = min(s.generate_batch, s.completions - b * s.generate_batch)
-            length = s.prompt_lengths[b % len(s.prompt_lengths)]
-            prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=0)
-            temperature = 0.0 if b % 2 == 0 else s.sample_temperature
-            for prompt, new in zip(prompts, complete(model, prompts, s.completion_tokens, temperature,
-                                                     s.seed * 1000 + b, torch.device(work.device))):
-                tokens += len(prompt) + len(new)
-                f.write(json.dumps({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
-            work.log(f"  completions batch {b + 1}/{batches} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
-                     f"prompts of {length} bytes)  {time.perf_counter() - start:.0f} s")
-    os.replace(path.with_suffix(".tmp"), path)
+    parts = work.root / "completions"
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir()
+    for first in range(0, batches, s.batches_per_part):
+        with gzip.open(parts / f"part-{first // s.batches_per_part:03d}.jsonl.gz", "wt", compresslevel=6) as f:
+            for b in range(first, min(batches, first + s.batches_per_part)):
+                count = min(s.generate_batch, s.completions - b * s.generate_batch)
+                length = s.prompt_lengths[b % len(s.prompt_lengths)]
+                prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=0)
+                temperature = 0.0 if b % 2 == 0 else s.sample_temperature
+                for prompt, new in zip(prompts, complete(model, prompts, s.completion_tokens, temperature,
+                                                         s.seed * 1000 + b, torch.device(work.device))):
+                    tokens += len(prompt) + len(new)
+                    record = {"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}
+                    f.write(json.dumps(record) + "\n")
+                work.log(f"  completions batch {b + 1}/{batches} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
+                         f"prompts of {length} bytes)  {time.perf_counter() - start:.0f} s")
     prompts = cut_prompts(held, s.eval_prompts, list(s.prompt_lengths), seed=s.seed + 7, tail=s.eval_new_tokens)
     with open(work.root / "eval_prompts.jsonl", "w") as f:
         for p in prompts:
@@ -228,7 +239,7 @@ def run_command(name: str, module: str, args: list[str], log_path: Path, stdout:
 def stage_extract(work: Work) -> dict[str, Any]:
     s = work.sizes
     seconds = run_command("dflash-extract", "dflash.extract.cli", [
-        "--target-model", str(work.root / "target"), "--data", str(work.root / "completions.jsonl"),
+        "--target-model", str(work.root / "target"), "--data", str(work.root / "completions"),
         "--output", str(work.root / "cache"), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
         "--device", work.device, "--no-progress", *s.extract_args], work.root / "extract.log", env=work.child_env())
     return {"seconds": seconds}
