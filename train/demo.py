@@ -26,9 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
-from dflash.cache_tools.errors import DflashError
+from dflash.runtime.errors import DflashError
 
 from .eval_cli import format_report, run_eval
 from .speculative import DecodeConfig, target_generate
@@ -198,7 +197,9 @@ def run_stage(name: str, module: str, args: list[str], log_path: Path) -> None:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if done.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
-        raise DemoError(f"{name} failed with status {done.returncode} (full log in {log_path}):\n{tail}")
+        sys.stderr.write(f"--- the last lines of {log_path} ---\n{tail}\n")
+        raise DemoError(f"{name} failed with status {done.returncode}; the last lines of its log are "
+                        f"above, the whole log is {log_path}.")
 
 
 def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -> dict[str, Any]:
@@ -260,7 +261,7 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -
 
     log("[5/5] dflash-eval on held-out prompts")
     report = run_eval(str(target_dir), str(run_dir / "final"), [str(prompts)],
-                      max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="float32")
+                      max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="fp32")
     log(format_report(report))
     lap("eval")
 
@@ -268,27 +269,3 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -
               "completions": stats, "timings_s": timings, "eval": report}
     (workdir / "demo_report.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--workdir", default="dflash-demo", show_default=True, type=click.Path(file_okay=False),
-              help="Where the target, data, cache, run and report go.")
-@click.option("--small", is_flag=True, help="A reduced run (about a minute) for tests.")
-@click.option("--seed", default=0, show_default=True, type=int)
-def main(workdir: str, small: bool, seed: int) -> None:
-    """Train a small target on the shipped corpus, then extract, train and evaluate a DFlash drafter."""
-    sizes = SMALL if small else DemoSizes()
-    begin = time.perf_counter()
-    try:
-        result = run_demo(Path(workdir), sizes, seed)
-    except DflashError as e:
-        click.echo(f"dflash-demo: error: {e}", err=True)
-        sys.exit(2)
-    r = result["eval"]["prompt_sets"][0]
-    click.echo(f"\ndemo done in {time.perf_counter() - begin:.0f} s: tau {r['tau']:.2f} "
-               f"(block {result['eval']['settings']['block_size']}), speedup {r['speedup']:.2f}x, "
-               f"lossless {'yes' if r['lossless'].get('identical') else 'NO'}; report in {workdir}/demo_report.json")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,36 @@
+"""The `dflash-demo` command line; the demo itself is `demo.run_demo` (loaded, with torch, when it runs)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from dflash.runtime.cli import Command
+
+
+@click.command(cls=Command, name="dflash-demo", context_settings={"help_option_names": ["-h", "--help"]},
+               stop_note="; rerun it to start the demo again (each stage rewrites its outputs).")
+@click.option("--workdir", default="dflash-demo", show_default=True, type=click.Path(file_okay=False),
+              help="Where the target, data, cache, run and report go.")
+@click.option("--small", is_flag=True, help="A reduced run (about a minute) for tests.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def main(workdir: str, small: bool, seed: int) -> None:
+    """Train a small target on the shipped corpus, then extract, train and evaluate a DFlash drafter.
+
+    Exit status: 0 done, 2 a stage failed (one paragraph names it and its log), 130/143
+    stopped by SIGINT/SIGTERM, 1 an unexpected failure.
+    """
+    from .demo import SMALL, DemoSizes, run_demo  # torch and transformers load here
+
+    sizes = SMALL if small else DemoSizes()
+    begin = time.perf_counter()
+    result = run_demo(Path(workdir), sizes, seed)
+    r = result["eval"]["prompt_sets"][0]
+    click.echo(f"\ndemo done in {time.perf_counter() - begin:.0f} s: tau {r['tau']:.2f} "
+               f"(block {result['eval']['settings']['block_size']}), speedup {r['speedup']:.2f}x, "
+               f"lossless {'yes' if r['lossless'].get('identical') else 'NO'}; report in {workdir}/demo_report.json")
+
+
+if __name__ == "__main__":
+    main()
