@@ -19,9 +19,9 @@ import torch
 from dflash.cache_tools import identity
 from dflash.cache_tools.errors import DflashError
 from dflash.cache_tools.layers import validate_target_layer_ids
+from dflash.runtime.devices import torch_dtype
 from torch import nn
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -51,7 +51,7 @@ def load_target(
             f"{path} has a config.json but no weights (*.safetensors). Download or copy the "
             "model's weight files into that directory."
         )
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "local_files_only": True}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "local_files_only": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map:

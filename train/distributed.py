@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dflash.runtime.devices import resolve_device
 from torch import nn
-
-from .config import TrainConfigError
 
 
 @dataclass
@@ -43,14 +42,8 @@ def init_distributed(device: str | None = None) -> DistInfo:
     """Join torchrun's process group when there is one, and pick this rank's device."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device)  # None: this rank's GPU (LOCAL_RANK) when CUDA is available, else cpu
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainConfigError(f"--device {device} was asked for but CUDA is not available.")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
     if world_size > 1 and not dist.is_initialized():
