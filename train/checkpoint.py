@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -79,12 +80,24 @@ def step_dir_name(step: int | None) -> str:
     return f"step-{step:06d}" if step is not None else ""
 
 
+def _plain(value: Any) -> Any:
+    """numpy arrays and scalars as tensors and Python numbers: what `torch.load(weights_only=True)` reads."""
+    if isinstance(value, np.ndarray):
+        return torch.as_tensor(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 def capture_rng() -> dict[str, Any]:
-    np_state = np.random.get_state(legacy=False)
+    """The RNG states as plain data (tensors, numbers, str, tuples, dicts)."""
     return {
         "python": random.getstate(),
-        "numpy": {**np_state, "state": {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v
-                                        for k, v in np_state["state"].items()}},
+        "numpy": _plain(np.random.get_state(legacy=False)),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -137,7 +150,7 @@ class Checkpointer:
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
             save_file(tensors, str(stage / MODEL_FILE), metadata={"format": "pt"})
             torch.save(optim_state, stage / OPTIMIZER_FILE)
-            torch.save(trainer_state, stage / TRAINER_FILE)
+            torch.save(_plain(trainer_state), stage / TRAINER_FILE)  # read back with weights_only
             meta = {"version": CHECKPOINT_VERSION, "step": step, "time": time.time(), **meta}
             (stage / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
             if sleep := float(os.environ.get(TEST_SLEEP_IN_CHECKPOINT_ENV, "0") or 0):
@@ -172,12 +185,27 @@ class Checkpointer:
                 raise TrainConfigError(f"Checkpoint {path} has version {meta.get('version')}; this "
                                        f"dflash-train reads version {CHECKPOINT_VERSION}.")
             model = load_file(str(path / MODEL_FILE))
-            optimizer = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-            trainer = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=False)
+            optimizer = _load_plain(path / OPTIMIZER_FILE)
+            trainer = _load_plain(path / TRAINER_FILE)
         except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as e:
             raise TrainConfigError(f"Checkpoint {path} cannot be read ({e}). Delete it to resume "
                                    "from the one before, or start in a new --output-dir.") from e
         return Checkpoint(path=path, meta=meta, model=model, optimizer=optimizer, trainer=trainer)
+
+
+def _load_plain(file: Path) -> Any:
+    """`torch.load` of plain data only: a pickled object (which could run code) is refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"a pickled {found.group(1)}" if found else "pickled objects"
+        raise TrainConfigError(
+            f"Checkpoint file {file} holds {what}, not plain data (tensors, numbers, strings, lists, "
+            "dicts), so it is not loaded: unpickling it could run code. dflash-train writes only plain "
+            "data there, so this file was written by another program or altered. Delete its directory "
+            f"{file.parent} to resume from the checkpoint before it, or start in a new --output-dir."
+        ) from None
 
 
 def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> None:
