@@ -20,6 +20,8 @@ from dflash.runtime.config import read_config_file
 from dflash.runtime.devices import DTYPE_ALIASES
 from dflash.runtime.errors import DflashError
 
+from .layer_types import parse_layer_types
+
 if TYPE_CHECKING:  # the objective (torch) loads when a run starts, not for --help
     from .objective import ObjectiveConfig
 
@@ -79,7 +81,15 @@ class TrainConfig:
     block_size: int = 16
     """Tokens per drafted block: the anchor plus block_size-1 predictions."""
     mask_token_id: int | None = None
-    """Embedding row used for masked block positions (default: vocab_size - 1)."""
+    """Embedding row used for masked block positions (default: the tokenizer's mask token, else an
+    unused or reserved row; the choice is kept in checkpoints and the export)."""
+    draft_layer_types: str = "full"
+    """Attention of the draft layers: full, sliding, or one per layer (e.g. sliding,sliding,full)."""
+    draft_sliding_window: int | None = None
+    """Window of the sliding draft layers in tokens (required with sliding layers)."""
+    draft_causal: bool | None = None
+    """Block tokens see only earlier block tokens (default: causal for sliding layers, bidirectional
+    for full ones, as vLLM and SGLang serve them)."""
     attention_backend: str = "auto"
     """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
     max_anchors: int = 512
@@ -190,6 +200,13 @@ class TrainConfig:
             self.objective_config()
         except ValueError as e:
             raise TrainConfigError(f"Invalid objective setting: {e}") from e
+        try:
+            types = parse_layer_types(self.draft_layer_types, self.num_draft_layers)
+        except ValueError as e:
+            raise TrainConfigError(f"--draft-layer-types: {e}") from e
+        if "sliding_attention" in types and (self.draft_sliding_window or 0) < 1:
+            raise TrainConfigError(f"--draft-layer-types {self.draft_layer_types} has sliding layers: pass "
+                                   "--draft-sliding-window N (N >= 1 tokens).")
 
     def eval_every(self, total_steps: int) -> int:
         """Steps between evaluations: --eval-interval, or 10 evaluations per run by default."""
@@ -212,6 +229,8 @@ class TrainConfig:
                                "attention_backend": self.attention_backend}
         if self.mask_token_id is not None:
             out["mask_token_id"] = self.mask_token_id
+        out.update(layer_types=self.draft_layer_types, sliding_window=self.draft_sliding_window,
+                   causal=self.draft_causal)
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ vLLM, so an export behaves the same there.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import ATTENTION_BACKENDS, AttentionMask, attend, inference_mask
-from .target_head import TargetHead, announce_mask_token, choose_mask_token, load_target_head
+from .layer_types import parse_layer_types
+from .target_head import TargetHead, choose_mask_token, load_target_head
 from .target_weights import (
     TargetWeights,
     default_target_layer_ids,
@@ -60,33 +62,6 @@ def rope_parameters_from_config(config: Any) -> dict[str, Any]:
     theta = get("rope_theta")
     scaling["rope_theta"] = float(theta if theta is not None else 10000.0)
     return drafter_rope_parameters(scaling)
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-_LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
-                     "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
-
-
-def parse_layer_types(spec: str | list[str] | None, num_layers: int) -> list[str]:
-    """Per-draft-layer attention types from `full`, `sliding` or a comma-separated per-layer list
-    (`sliding,sliding,full`; `full_attention`/`sliding_attention` spell the same)."""
-    if spec is None:
-        return ["full_attention"] * num_layers
-    items = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
-    bad = [t for t in items if t not in _LAYER_TYPE_NAMES]
-    if bad or not items:
-        raise ValueError(
-            f"draft layer types {spec!r}: {bad or 'empty'} not one of full, sliding (or a comma-separated "
-            "list of them, one per draft layer)."
-        )
-    if len(items) == 1:
-        items = items * num_layers
-    if len(items) != num_layers:
-        raise ValueError(
-            f"draft layer types {spec!r} name {len(items)} layers but the drafter has {num_layers}; "
-            "give one type for all layers or one per layer."
-        )
-    return [_LAYER_TYPE_NAMES[t] for t in items]
 
 
 @dataclass(kw_only=True)
@@ -418,16 +393,20 @@ class DFlashDrafter(nn.Module):
         self.reset_parameters()
 
     @classmethod
-    def from_target(cls, target_dir: str | Path, *, with_final_norm: bool = False, **overrides: Any) -> DFlashDrafter:
+    def from_target(cls, target_dir: str | Path, *, with_final_norm: bool = False,
+                    announce: Callable[[str], None] | None = None, **overrides: Any) -> DFlashDrafter:
         """A freshly initialized drafter for the checkpoint in `target_dir` (reads only a few tensors).
 
-        Without a `mask_token_id` override the mask token comes from the target's tokenizer
-        (printed); `with_final_norm` loads the target's own final norm for soft labels.
+        Without a `mask_token_id` override the mask token comes from the target's tokenizer; the
+        choice is passed to `announce` (e.g. the run log's `info`) and kept in the config (and so
+        in checkpoints and exports). `with_final_norm` loads the target's own final norm for
+        soft labels.
         """
         target_config = load_target_config(target_dir)
         if overrides.get("mask_token_id") is None:
             choice = choose_mask_token(target_dir, target_config.vocab_size)
-            announce_mask_token(choice)
+            if announce is not None:
+                announce(choice.describe())
             overrides = {**overrides, "mask_token_id": choice.token_id, "mask_token": choice.token}
         config = DrafterConfig.from_target_config(target_config, **overrides)
         weights = load_target_weights(

@@ -11,8 +11,6 @@ copy of the target's head, and the post-head steps are read from the config.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +125,10 @@ class MaskTokenChoice:
     """Its string in the tokenizer (written to the export), None for a row beyond the tokenizer."""
     reason: str
 
+    def describe(self) -> str:
+        token = f" {self.token!r}" if self.token else ""
+        return f"mask token: id {self.token_id}{token} ({self.reason})"
+
 
 def _is_mask_like(token: str) -> bool:
     core = token.strip("<>[]|_ ").lower()
@@ -175,10 +177,3 @@ def _load_tokenizer(target_dir: str | Path) -> Any | None:
             f"cannot read the tokenizer in {target_dir} to choose the mask token ({e}); fix the "
             "tokenizer files or pass --mask-token-id."
         ) from e
-
-
-def announce_mask_token(choice: MaskTokenChoice) -> None:
-    """Print the choice once (rank 0 of a torchrun job), so that a run's log says which row it is."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        token = f" {choice.token!r}" if choice.token else ""
-        print(f"mask token: id {choice.token_id}{token} ({choice.reason})", file=sys.stderr)
