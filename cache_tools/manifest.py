@@ -192,6 +192,17 @@ class Manifest:
         return header_identity(self.header)
 
 
+def chat_templates(header: dict[str, Any]) -> list[dict[str, Any]]:
+    """The distinct renderings (chat template sha256, kwargs, ...) the cache's input files were
+    made with, as dflash-prepare / dflash-generate recorded them (data.files[].rendering)."""
+    out: list[dict[str, Any]] = []
+    for entry in (header.get("data") or {}).get("files", []):
+        rendering = entry.get("rendering") if isinstance(entry, dict) else None
+        if rendering and rendering not in out:
+            out.append(rendering)
+    return out
+
+
 def header_identity(header: dict[str, Any]) -> dict[str, Any]:
     """What makes two caches' contents the same: the identity keys of a header, less the
     codec fields that only change how chunks are packed (they decode the same), and less the

@@ -29,6 +29,11 @@ import numpy as np
 from dflash.cache_tools.errors import InputError
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
+# Sidecars dflash-prepare / dflash-generate write beside their output (docs/prepare.md): not data.
+SIDECAR_SUFFIXES = (".meta.json", ".skipped.jsonl")
+# What a prepared file's sidecar says about its rendering, copied into the manifest per file.
+RENDERING_KEYS = ("producer", "chat_template_sha256", "chat_template_kwargs", "chat_template_source",
+                  "loss_on", "supervise_empty_reasoning", "tokenizer", "generation")
 MAX_SKIPS_LISTED = 50  # per part, in the manifest's part stats
 
 
@@ -43,7 +48,8 @@ def list_data_files(data: str | Path) -> list[Path]:
         return [path]
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL file or a directory of them with --data.")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES)
+                   and not p.name.endswith(SIDECAR_SUFFIXES))
     if not files:
         raise InputError(
             f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz). Point --data "
@@ -76,9 +82,26 @@ def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
         except (OSError, EOFError) as e:
             raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
         name = f.name if f == root else str(f.relative_to(root))
-        entries.append({"path": name, "bytes": f.stat().st_size, "sha256": h.hexdigest()})
+        entry = {"path": name, "bytes": f.stat().st_size, "sha256": h.hexdigest()}
+        rendering = read_rendering(f)
+        if rendering:
+            entry["rendering"] = rendering
+        entries.append(entry)
     total = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
     return {"files": entries, "sha256": total, "records": records}
+
+
+def read_rendering(f: Path) -> dict[str, Any] | None:
+    """The rendering keys of `f`'s sidecar `<f>.meta.json` (chat template sha256, kwargs, ...)."""
+    side = f.with_name(f.name + ".meta.json")
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{side}: cannot read the sidecar of {f.name} ({e}). Restore it, or rerun "
+                         "dflash-prepare / dflash-generate to write it again.") from e
+    return {k: meta[k] for k in RENDERING_KEYS if k in meta} if isinstance(meta, dict) else None
 
 
 def _int_array(value: Any, name: str) -> np.ndarray:

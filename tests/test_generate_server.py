@@ -17,7 +17,7 @@ from chat_utils import QWEN3_TEMPLATE, make_chat_target, read_jsonl, write_jsonl
 from click.testing import CliRunner
 from dflash.prepare.generate_cli import main as generate_main
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 THINKING_OFF = ["--thinking", "off"]  # passed to the server through chat_template_kwargs
 
 
@@ -45,7 +45,7 @@ def served(tmp_path_factory):
     pytest.importorskip("fastapi", reason="transformers serve needs the serving extra (dev dependencies)")
     root = tmp_path_factory.mktemp("served")
     model = make_chat_target(root / "model", QWEN3_TEMPLATE)
-    data = write_jsonl(root / "chat.jsonl", conversations(24))
+    data = write_jsonl(root / "chat.jsonl", conversations(12))
     port = _free_port()
     log = open(root / "serve.log", "wb")
     proc = subprocess.Popen(
@@ -99,19 +99,20 @@ def test_kill_midway_then_rerun_has_every_record_once_equal_to_generate(served, 
            *generate_args(served, out, "--server", served["url"], "--concurrency", "2")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while not (out.exists() and out.read_text().count("\n") >= 4) and time.monotonic() < deadline:
+    while not (out.exists() and out.read_text().count("\n") >= 3) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read().decode()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     first = out.read_text().count("\n")
-    assert 4 <= first < 24, "the kill must come midway"
+    assert 3 <= first < 12, "the kill must come midway"
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
-    assert f"({first} done before)" in rerun.stderr or f"({first + 0} done before)" in rerun.stderr
+    assert f"({first} done before)" in rerun.stderr
     records = read_jsonl(out)
     ids = [r["id"] for r in records]
-    assert sorted(ids) == sorted(f"c{i}" for i in range(24)) and len(ids) == len(set(ids))
+    assert sorted(ids) == sorted(f"c{i}" for i in range(12)) and len(ids) == len(set(ids))
+    assert {r["finish_reason"] for r in records} == {"stop", "length"}  # both endings covered
     reference = reference_records(served)
     for r in records:
         prompt_len, seq = reference[r["id"]]
