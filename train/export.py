@@ -19,13 +19,11 @@ written. Every engine must read the same model from it (docs/serving.md):
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.fsio import staged_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -99,54 +97,21 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write `drafter` as an HF directory at `out_dir`, atomically.
+    """Write `drafter` as an HF directory at `out_dir`, atomically (`runtime.fsio.staged_dir`).
 
-    Files are staged in a unique sibling temp folder, fsynced, and the folder is renamed into
-    place; an existing export at `out_dir` is swapped out only after the new one is complete,
-    so a crash leaves either the old or the new export, never a mix.
+    Files are staged in a unique sibling temporary folder, fsynced, and the folder is renamed
+    into place; an existing export at `out_dir` is swapped out only after the new one is
+    complete, so a crash leaves either the old or the new export, never a mix.
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}.")
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stage = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
-    stage.mkdir()
-    try:
+    with staged_dir(out_dir) as stage:
         tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
         save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
-        with open(stage / WEIGHTS_NAME, "rb+") as f:
-            os.fsync(f.fileno())
-        _write_json(stage / CONFIG_NAME, drafter_hf_config(drafter.config, dtype))
-        _fsync_dir(stage)
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex}"
-            os.replace(out_dir, old)
-        os.replace(stage, out_dir)
-        _fsync_dir(out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return out_dir
+        config = drafter_hf_config(drafter.config, dtype)
+        (stage / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return Path(out_dir)
 
 
 def config_from_export(hf_config: dict[str, Any], target_config: Any | None = None, **overrides: Any) -> DrafterConfig:
