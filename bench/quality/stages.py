@@ -32,7 +32,7 @@ class Sizes:
     """Keep only the first N training files (0: all)."""
     target_hidden: int = 384
     target_layers: int = 6
-    target_steps: int = 3000
+    target_steps: int = 4000
     target_batch: int = 64
     target_seq_len: int = 512
     target_lr: float = 2e-3
@@ -44,12 +44,12 @@ class Sizes:
     prompt_lengths: tuple[int, ...] = (64, 96, 128, 160, 192)
     """Prompt lengths in bytes (cycled over the batches of completions and the eval prompts)."""
     completion_tokens: int = 160
-    generate_batch: int = 1024
-    batches_per_part: int = 8
+    generate_batch: int = 4096
+    batches_per_part: int = 2
     """Batches of completions per `completions/part-NNN.jsonl.gz` file."""
     target_layer_ids: tuple[int, ...] = (0, 2, 4)
     """Captured target layers (at most N-2 for an N-layer target, as the serving engines need)."""
-    eval_prompts: int = 40
+    eval_prompts: int = 20
     eval_new_tokens: int = 160
     eval_block_sizes: tuple[int, ...] = (16, 8)
     lookup_ngram: int = 4
