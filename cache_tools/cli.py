@@ -81,6 +81,7 @@ def info(cache: str, as_json: bool) -> None:
       dflash-cache info runs/cache --json | jq .compression_ratio
     """
     from . import maintenance
+    from .manifest import chat_templates
 
     s = maintenance.cache_info(cache)
     if as_json:
@@ -107,6 +108,10 @@ def info(cache: str, as_json: bool) -> None:
     ]
     if s["part_stats"]:
         lines.append("part stats       " + ", ".join(f"{k}={v}" for k, v in sorted(s["part_stats"].items())))
+    for rendering in chat_templates({"data": s["data"]}):
+        lines.append(f"chat template    sha256 {rendering.get('chat_template_sha256')}, kwargs "
+                     f"{json.dumps(rendering.get('chat_template_kwargs', {}))}, loss_on "
+                     f"{rendering.get('loss_on')} ({rendering.get('producer')})")
     if s["data"]:
         lines.append(f"data             {json.dumps(s['data'], default=str)[:300]}")
     click.echo("\n".join(lines))
