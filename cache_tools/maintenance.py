@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.runtime.fsio import file_lock
 from tqdm import tqdm
 
 from .errors import CacheCorruptError
-from .fsio import file_lock
 from .manifest import (
     LOCK_FILE,
     LOG_FILE,

@@ -22,11 +22,21 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from dflash.runtime.fsio import (
+    LOCK_SUFFIX,
+    TEMP_PREFIX,
+    atomic_write_json,
+    file_lock,
+    fsync_dir,
+    fsync_tree,
+    publish_dir,
+    stale_temps,
+    temp_name,
+)
 
 from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden, small_array_compressors
 from .errors import CacheError
-from .fsio import atomic_write_json, file_lock, fsync_dir, fsync_tree, temp_name
 from .manifest import (
     HEADER_FILE,
     LOCK_FILE,
@@ -40,7 +50,7 @@ from .manifest import (
     read_manifest,
 )
 
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = TEMP_PREFIX  # what runtime.fsio.temp_name starts with
 
 # Test-only: seconds to sleep between writing a part's files and committing it, so that fault
 # tests can signal or kill a writer in that window. Never set it in real runs.
@@ -152,16 +162,12 @@ class CacheWriter:
             if record.name in self._log.records:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
                 return False
-            if final.exists():  # renamed by a writer that died before recording it
-                shutil.rmtree(final)
-            os.rename(tmp_dir, final)
-            fsync_dir(self.parts_dir)
+            # A `final` already there was renamed by a writer that died before recording it:
+            # replaced. The part writer fsynced the part (outside this lock).
+            publish_dir(tmp_dir, final, synced=True)
             append_log_line(self.cache_dir, record)
             self._log.refresh()
         return True
-
-
-LOCK_SUFFIX = ".lock"
 
 
 def find_orphans(cache_dir: Path) -> list[Path]:
@@ -171,25 +177,14 @@ def find_orphans(cache_dir: Path) -> list[Path]:
     temporary directory of each dead writer, and part directories that no commit record names.
     """
     parts_dir = cache_dir / PARTS_DIR
-    found = [p for p in sorted(cache_dir.glob(TMP_PREFIX + "*")) if p.is_file()]
+    found = [p for p in stale_temps(cache_dir) if p.is_file()]
     if not parts_dir.is_dir():
         return found
     log = CommitLog(cache_dir)
     log.refresh()
-    entries = sorted(parts_dir.iterdir())
-    live = set()
-    for lock in (p for p in entries if p.name.startswith(TMP_PREFIX) and p.name.endswith(LOCK_SUFFIX)):
-        with file_lock(lock, blocking=False) as held:
-            if held:
-                found.append(lock)
-            else:  # a live writer owns it
-                live.add(lock.name[: -len(LOCK_SUFFIX)])
-    for p in entries:
-        if p.name.endswith(LOCK_SUFFIX) or p.name in live:
-            continue
-        if p.name.startswith(TMP_PREFIX) or p.name not in log.records:
-            found.append(p)
-    return found
+    found += stale_temps(parts_dir)  # a live writer holds its temporary part's liveness lock
+    return found + [p for p in sorted(parts_dir.iterdir())
+                    if not p.name.startswith(TMP_PREFIX) and p.name not in log.records]
 
 
 def orphan_name(path: Path) -> str:
@@ -232,7 +227,7 @@ class PartWriter:
         # Taken under the cache lock so that an orphan sweep never sees the lock file
         # between its creation and its flock.
         with file_lock(self.cache.cache_dir / LOCK_FILE):
-            self._lock_ctx = file_lock(tmp.with_name(tmp.name + ".lock"))
+            self._lock_ctx = file_lock(tmp.with_name(tmp.name + LOCK_SUFFIX))
             self._lock_ctx.__enter__()
         self._tmp = tmp
         return self

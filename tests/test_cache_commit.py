@@ -15,11 +15,11 @@ import pytest
 import torch
 from cache_utils import bits, random_sample, tiny_header
 from dflash.cache_tools.errors import CacheError
-from dflash.cache_tools.fsio import file_lock
 from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.manifest import LOG_FILE, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter, remove_orphans
+from dflash.runtime.fsio import file_lock
 
 WRITER_SCRIPT = textwrap.dedent("""
     import sys, time, torch
