@@ -112,8 +112,9 @@ def test_startup_on_10000_parts_reads_only_the_manifest_and_the_first_batch(tiny
     with open(cache / LOG_FILE, "ab") as f:
         f.write(b"".join(lines))
 
+    # Without the held-out split, which reads each part's sample ids (test_train_heldout.py).
     config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", max_steps=1, epochs=1,
-                               max_batch_size=4)
+                               max_batch_size=4, eval_fraction=0)
     _OPENED.clear()
     _OPENED.append("recording")
     start = time.perf_counter()

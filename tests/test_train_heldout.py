@@ -1,0 +1,196 @@
+"""Honest training metrics: the held-out split (on by default, stable as caches grow), the
+reports that lead with held-out tau, and the best held-out checkpoint as the exported drafter."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line, read_manifest
+from dflash.train.config import TrainConfig
+from dflash.train.loader import CacheSet, eval_split, open_training_data
+from dflash.train.loop import train
+from extract_utils import make_target, random_records, run_cli, write_jsonl
+from safetensors.torch import load_file
+from test_train_support import build_tiny_world, read_metrics, tiny_train_config, write_tiny_cache
+
+EXTRACT = ["--dtype", "fp32", "--target-layer-ids", "1,2", "--token-budget", "128", "--sort-window-tokens", "0",
+           "--num-writers", "0"]
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> dict[str, Path]:
+    return build_tiny_world(tmp_path_factory)
+
+
+def heldout_ids(cache_dirs: list[Path], fraction: float) -> tuple[set[int], set[int]]:
+    """(held-out, training) global sample ids of the caches read together."""
+    caches = CacheSet([str(c) for c in cache_dirs], max_seq_len=512)
+    train_idx, held_idx = eval_split(caches, fraction)
+    ids = caches.sample_ids()
+    return set(ids[held_idx].tolist()), set(ids[train_idx].tolist())
+
+
+# -- the split ----------------------------------------------------------------------------------
+
+
+def test_heldout_split_is_stable_when_a_cache_grows(tmp_path):
+    target = make_target(tmp_path / "target", layers=4)
+    records = random_records(120, seed=5, min_len=4, max_len=40)
+    # The same first 60 records, then a superset of 120, extracted with other part sizes (so the
+    # samples sit at other positions in other parts).
+    small = tmp_path / "small"
+    grown = tmp_path / "grown"
+    for data, out, part_tokens in ((records[:60], small, "150"), (records, grown, "400")):
+        result = run_cli(["--target-model", target, "--data", write_jsonl(tmp_path / f"{out.name}.jsonl", data),
+                          "--output", out, "--part-tokens", part_tokens, *EXTRACT])
+        assert result.exit_code == 0, result.output
+    assert len(read_manifest(small).parts) != len(read_manifest(grown).parts)
+
+    old_held, old_train = heldout_ids([small], 0.2)
+    new_held, new_train = heldout_ids([grown], 0.2)
+    assert len(old_held) >= 5 and len(old_train) >= 30 and len(old_held | old_train) == 60
+    assert old_held <= new_held, "a sample once held out went into training"
+    assert not old_train & new_held, "a sample trained on became held out"
+    assert new_held - old_held, "the new samples are split too"
+    # The order in which the caches are listed does not move a sample either.
+    both_held, _ = heldout_ids([grown, small], 0.2)
+    assert both_held == heldout_ids([small, grown], 0.2)[0] == new_held
+
+    # The trainer's own split (the default settings) and its evaluation cap agree.
+    def data(cache: Path, **kw):
+        cfg = TrainConfig(cache=[str(cache)], target_model=str(target), output_dir=str(tmp_path / "unused"),
+                          num_workers=0, max_seq_len=64, token_budget=128, max_batch_size=4, **kw)
+        d = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+        ids = d.caches.sample_ids()
+        return set(ids[d.train_indices].tolist()), set(ids[d.eval_indices].tolist())
+
+    small_train, small_eval = data(small, eval_fraction=0.2, eval_max_samples=6)
+    grown_train, grown_eval = data(grown, eval_fraction=0.2, eval_max_samples=6)
+    assert len(small_eval) == len(grown_eval) == 6
+    assert small_train == old_train and small_train <= grown_train
+    assert grown_eval & old_held <= small_eval, "the cap never brings an old sample into evaluation"
+
+
+def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, tmp_path):
+    def data(**kw):
+        cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "unused", **kw)
+        return open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+
+    defaults = TrainConfig(cache=["c"], target_model="t", output_dir="o")
+    assert defaults.eval_fraction > 0 and defaults.eval_interval is None
+    assert defaults.eval_every(1000) == 100 and defaults.eval_every(7) == 1
+    on = data(eval_fraction=0.25)
+    assert on.heldout_count == len(on.eval_indices) > 0
+    assert len(on.train_indices) + on.heldout_count == len(on.caches)
+    off = data(eval_fraction=0)
+    assert off.heldout_count == 0 and len(off.train_indices) == len(off.caches)
+    assert "no held-out samples" in off.summary()
+    other = write_tiny_cache(tmp_path / "other", samples=8, parts=2, seed=9)
+    separate = data(eval_fraction=0.25, eval_cache=[str(other)])
+    assert len(separate.train_indices) == len(separate.caches) and separate.heldout_count == 8
+
+
+def test_startup_with_the_split_reads_only_the_sample_ids_of_10000_parts(tiny_world, tmp_path):
+    cache = write_tiny_cache(tmp_path / "cache", samples=2, parts=1, min_len=20, max_len=24)
+    template = cache / "parts" / "part-000000"
+    record = read_manifest(cache).parts[0]
+    with open(cache / LOG_FILE, "ab") as f:
+        for p in range(1, 10_000):
+            name = f"part-{p:06d}"
+            os.symlink(template, cache / "parts" / name)
+            f.write(encode_log_line(PartRecord(**{**record.__dict__, "name": name})))
+    config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", max_steps=1, epochs=1)
+    opened: list[str] = []
+    _RECORDING.append(opened)
+    start = time.perf_counter()
+    try:
+        data = open_training_data(config, rank=0, world_size=1, pin_memory=False)
+    finally:
+        _RECORDING.clear()
+    elapsed = time.perf_counter() - start
+    assert len(data.caches) == 20_000
+    inside = {p.split("/parts/")[1].split("/", 1)[1] for p in opened if "/parts/" in p}
+    assert inside == {"sample_ids/zarr.json", "sample_ids/c/0"}, "only the sample ids are read at startup"
+    print(f"split of 10,000 parts: {elapsed:.2f} s")
+    assert elapsed < 120, elapsed  # a guard against a pathological regression, not a speed target
+
+
+_RECORDING: list[list[str]] = []
+
+
+def _record_opens(event, args):
+    if _RECORDING and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _RECORDING[0].append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_record_opens)
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_world, tmp_path):
+    # 8 training samples of random tokens, 24 epochs: the drafter can only memorize them, so
+    # training tau climbs while held-out tau stays at the floor.
+    cache = write_tiny_cache(tmp_path / "cache", samples=12, parts=1)
+    out = tmp_path / "run"
+    result = train(tiny_train_config(cache, tiny_world["target"], out, epochs=24, eval_fraction=0.34,
+                                     eval_interval=4, log_interval=4, keep_checkpoints=1, lr=3e-2, max_anchors=16))
+    records = read_metrics(out)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) >= 10 and evals[-1]["step"] == result.step
+    best = max(evals, key=lambda r: r["heldout_tau"])  # the first of equals: only a rise is an improvement
+    assert result.best_step == best["step"] == evals[-1]["best_step"] < result.step, "the scenario overfits"
+    assert evals[-1]["train_tau"] > best["train_tau"] + 0.2, "training tau kept rising"
+    after = [r for r in evals if r["step"] > best["step"]]
+    assert all("has not improved" in r.get("warning", "") for r in after)  # every evaluation past the best
+    assert "overfitting" in after[-1]["warning"] and "More data" in after[-1]["warning"]
+    assert "--epochs" in after[-1]["warning"]
+    assert not any("warning" in r for r in evals if r["step"] == best["step"])
+
+    # The best checkpoint outlived keep_checkpoints=1; the last one is there too; final/ is the best.
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == [f"step-{best['step']:06d}", f"step-{result.step:06d}"]
+    exported = load_file(str(out / "final" / "model.safetensors"))
+    best_w = load_file(str(out / "checkpoints" / ckpts[0] / "model.safetensors"))
+    last_w = load_file(str(out / "checkpoints" / ckpts[1] / "model.safetensors"))
+    assert exported.keys() == best_w.keys()
+    assert all(torch.equal(exported[k], best_w[k].to(torch.bfloat16)) for k in exported)
+    assert not all(torch.equal(exported[k], last_w[k].to(torch.bfloat16)) for k in exported)
+    meta = json.loads((out / "checkpoints" / ckpts[1] / "meta.json").read_text())
+    assert meta["heldout"]["best_step"] == best["step"]
+
+
+def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=12,
+                                     eval_fraction=0.25, eval_interval=5, log_interval=2))
+    records = read_metrics(out)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [5, 10, 12]  # every --eval-interval steps and at the end
+    for r in evals:
+        assert list(r)[3:6] == ["heldout_tau", "train_tau", "tau_gap"]  # after step, kind, time
+        assert r["heldout_tau"] == r["tau"] and 1.0 <= r["heldout_tau"] <= 4.0
+        assert math.isclose(r["tau_gap"], r["train_tau"] - r["heldout_tau"])
+    # train_tau of an evaluation is the training tau of the steps since the one before.
+    trains = [r for r in records if r["kind"] == "train"]
+    window = [r for r in trains if 5 < r["step"] <= 10]
+    expected = 1 + sum((r["tau"] - 1) * r["blocks"] for r in window) / sum(r["blocks"] for r in window)
+    assert math.isclose(evals[1]["train_tau"], expected)
+    # Training records lead with the latest held-out tau once there is one (an evaluation step
+    # logs its training record first).
+    for r in trains:
+        latest = [e for e in evals if e["step"] < r["step"]]
+        if latest:
+            assert list(r)[3] == "heldout_tau" and r["heldout_tau"] == latest[-1]["heldout_tau"]
+        else:
+            assert "heldout_tau" not in r
+    assert result.eval_metrics is not None and np.isclose(result.eval_metrics["tau"], evals[-1]["heldout_tau"])
