@@ -1,28 +1,21 @@
-"""crc32c (Castagnoli, RFC 3720): the checksum of every chunk, shard index and manifest.
+"""crc32c (Castagnoli, RFC 3720): the checksum of every chunk, shard index and commit record.
 
-It is the checksum of zarr's `crc32c` codec, so caches stay readable by zarr. crc32c-rs
-picks the fastest kernel the CPU offers (on x86-64 with AVX-512 and VPCLMULQDQ it folds
-64 bytes per step: ~3x the SSE4.2 `crc32` loop of the crc32c package on data in the CPU
-cache). The raw reader's only work beyond a copy is this checksum, so its speed is the
-reader's. Where crc32c-rs is not installed (it has wheels for Python >= 3.11), the crc32c
-package, which zarr itself uses, computes the same values.
+It is the checksum of zarr's `crc32c` codec, computed by the library zarr computes it with
+(google-crc32c), so caches stay readable and checkable by zarr, and the values are those of
+every earlier version of the cache format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import google_crc32c
+import numpy as np
 
-try:
-    from crc32c_rs import crc32c as _crc32c
+__all__ = ["crc32c"]
 
-    IMPLEMENTATION = "crc32c-rs"
-except ImportError:  # pragma: no cover - exercised on installs without the wheel
-    from crc32c import crc32c as _crc32c
 
-    IMPLEMENTATION = "crc32c"
-
-crc32c: Callable[..., int] = _crc32c
-"""crc32c(data, value=0) -> int: the checksum of a C-contiguous buffer, continued from
-`value` (the checksum of the bytes before it), as in the crc32c package."""
-
-__all__ = ["IMPLEMENTATION", "crc32c"]
+def crc32c(data: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """The checksum of a C-contiguous buffer (google-crc32c takes bytes and numpy arrays:
+    other buffers are looked at as a numpy view of their bytes, without a copy)."""
+    if not isinstance(data, (bytes, np.ndarray)):
+        data = np.frombuffer(data, dtype=np.uint8)
+    return google_crc32c.value(data)

@@ -1,15 +1,15 @@
 """The hot read path: decode exactly the chunks that cover a sample, straight from mmaps.
 
-zarr writes the parts; this module reads them without zarr's machinery (1.5-2x faster for
-random samples): it parses each array's zarr.json and shard index once per process, maps
-shard files with mmap, checks each chunk's crc32c, and decompresses into the output buffer.
+zarr writes the parts; this module reads them without zarr's per-call machinery (metadata
+parsing, asyncio tasks and copies for every read of a few rows): it parses each array's
+zarr.json and shard index once per process, maps shard files with mmap, checks each chunk's
+crc32c, and decompresses whole chunks straight into the output buffer.
 Only the manifest is read at open; parts are touched when a sample of theirs is requested.
 Forked or pickled copies (DataLoader workers) drop the open maps and reopen lazily.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import mmap
@@ -35,25 +35,6 @@ numcodecs.blosc.use_threads = False
 
 _EMPTY = np.uint64(EMPTY_CHUNK)
 _ZSTD = Zstd()
-
-
-def _find_blosc_getitem():
-    """c-blosc's blosc_getitem from numcodecs' extension, or None where it is not exported.
-
-    It decompresses only the Blosc blocks (1 MiB) that hold the requested items, so a chunk
-    that straddles two samples is not decoded whole for each of them.
-    """
-    try:
-        fn = ctypes.CDLL(numcodecs.blosc.__file__).blosc_getitem
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_BLOSC_GETITEM = _find_blosc_getitem()
-_RAW_PIECE = 256 << 10  # raw chunks are checked and copied in pieces that stay in the L2 cache
 
 
 @dataclass(frozen=True)
@@ -220,46 +201,6 @@ class _PartFiles:
             )
         return buf
 
-    def _decode_rows(self, buf: memoryview, offset: int, nbytes: int, out: np.ndarray, what: str | _Where) -> None:
-        """Decode bytes [offset, offset+nbytes) of a Blosc chunk (crc32c-checked) into `out`."""
-        body = self._checked(buf, what, True)
-        src = np.frombuffer(body, dtype=np.uint8)
-        if len(src) < 16:
-            raise CacheCorruptError(f"{what}: chunk is shorter than a Blosc header (truncated).")
-        typesize = int(src[3]) or 1
-        if offset % typesize or nbytes % typesize or not out.flags.c_contiguous:
-            raise CacheCorruptError(f"{what}: rows do not align with the chunk's item size {typesize}.")
-        got = _BLOSC_GETITEM(src.ctypes.data, offset // typesize, nbytes // typesize, out.ctypes.data)
-        if got != nbytes:
-            raise CacheCorruptError(f"{what}: chunk does not decompress (blosc_getitem returned {got}); the part is damaged.")
-
-    def _copy_raw(self, buf: memoryview, offset: int, nbytes: int, chunk_bytes: int, out: np.ndarray,
-                  what: str | _Where) -> None:
-        """Copy bytes [offset, offset+nbytes) of an uncompressed crc32c-checked chunk into
-        `out` (flat uint8), checking the whole chunk's crc32c.
-
-        The chunk goes in pieces of _RAW_PIECE bytes: each piece is checksummed (which reads
-        it from memory) and then copied while it is still in the CPU cache. Checking the
-        whole chunk first would have evicted its start by the time of the copy. Nothing
-        decodes these bytes, so copying before the comparison hands nothing unchecked on: a
-        mismatch raises before `out` is returned."""
-        if len(buf) != chunk_bytes + 4:
-            raise CacheCorruptError(
-                f"{what}: chunk has {len(buf)} bytes, expected {chunk_bytes + 4} (truncated or damaged).")
-        src = np.frombuffer(buf, dtype=np.uint8, count=chunk_bytes)
-        if not self.verify:
-            out[:] = src[offset: offset + nbytes]
-            return
-        crc, stop = 0, offset + nbytes
-        for p in range(0, chunk_bytes, _RAW_PIECE):
-            q = min(p + _RAW_PIECE, chunk_bytes)
-            crc = crc32c(src[p:q], crc)
-            lo, hi = max(p, offset), min(q, stop)
-            if lo < hi:
-                out[lo - offset: hi - offset] = src[lo:hi]
-        if crc != int.from_bytes(buf[chunk_bytes:], "little"):
-            raise _checksum_mismatch(what)
-
     def shard_index(self, array: str, shard: int, meta: ArrayMeta) -> tuple[mmap.mmap, np.ndarray]:
         key = f"c/{shard}" + "/0" * (len(meta.shape) - 1)
         m = self._map(array, key)
@@ -302,25 +243,15 @@ class _PartFiles:
                     continue
                 off, nb = int(off), int(nb)
                 buf = memoryview(m)[off: off + nb]
-            whole = lo == c * cr and hi == (c + 1) * cr
-            if whole and "blosc" in meta.codecs:
+            blosc = "blosc" in meta.codecs
+            if blosc and lo == c * cr and hi == (c + 1) * cr:
                 # Decompress straight into the output rows: no intermediate copy.
                 self._decode(buf, meta, chunk_bytes, what, out=out_bytes[lo - start: hi - start])
                 continue
-            if meta.codecs == ("crc32c",):
-                self._copy_raw(buf, (lo - c * cr) * rb, (hi - lo) * rb, chunk_bytes,
-                               out_bytes[lo - start: hi - start].reshape(-1), what)
-                continue
-            if meta.codecs == ("blosc", "crc32c") and _BLOSC_GETITEM is not None:
-                # A chunk that straddles the request: decode only the rows asked for.
-                self._decode_rows(buf, (lo - c * cr) * rb, (hi - lo) * rb, out_bytes[lo - start: hi - start], what)
-                continue
-            if "blosc" in meta.codecs:
-                # Without blosc_getitem: decode into a reused scratch buffer (a fresh one per
-                # chunk would page-fault its whole size every time), then copy the rows.
-                dec = self._decode(buf, meta, chunk_bytes, what, out=self.scratch.get(chunk_bytes))
-            else:
-                dec = self._decode(buf, meta, chunk_bytes, what)
+            # A chunk that straddles the request (decoded into a reused scratch buffer: a fresh
+            # one per chunk would page-fault its whole size every time), or a raw chunk (its
+            # checked bytes in the map): copy the rows asked for.
+            dec = self._decode(buf, meta, chunk_bytes, what, out=self.scratch.get(chunk_bytes) if blosc else None)
             rows = np.frombuffer(dec, dtype=np.uint8, count=chunk_bytes).reshape(cr, rb)
             out_bytes[lo - start: hi - start] = rows[lo - c * cr: hi - c * cr]
 

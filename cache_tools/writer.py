@@ -416,9 +416,9 @@ def write_part_group(
             config={"write_empty_chunks": True},
         )
         if key in ("hidden", "last_hidden") and data.ndim == 2 and data.shape[0]:
-            # The large arrays: shard files written here, laid out as zarr writes them for this
-            # metadata (byte for byte with zstd's own parameters: tests/test_cache_shards.py),
-            # without its per-chunk copies and task overhead (~2x faster).
+            # The large arrays: shard files written here, byte for byte as zarr writes them for
+            # this metadata (tests/test_cache_shards.py), without its per-chunk copies and task
+            # overhead (docs/BENCHMARKS.md).
             write_shards(path / key, data, chunk_rows, shard_rows, cache.codec)
         else:
             arr[...] = data
@@ -439,8 +439,8 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
                  codec: HiddenCodec) -> None:
     """The shard files of a 2-D zarr v3 array sharded along rows (`shard_rows` rows of
     `chunk_rows`-row chunks, inner codecs = `codec`, index at the end: little-endian
-    (offset, nbytes) uint64 pairs + crc32c). Chunks are encoded on several threads (zstd and
-    numpy release the GIL); the last chunk is padded with the fill value 0 to full size, as
+    (offset, nbytes) uint64 pairs + crc32c). Chunks are encoded on several threads (Blosc,
+    the checksum and numpy release the GIL); the last chunk is padded with the fill value 0 to full size, as
     zarr does."""
     rows = data.shape[0]
     per_shard = shard_rows // chunk_rows

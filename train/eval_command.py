@@ -19,9 +19,11 @@ from dflash.runtime.devices import AUTO, DTYPE_NAMES, DtypeChoice
 @click.command(cls=Command, name="dflash-eval", context_settings={"help_option_names": ["-h", "--help"]})
 @config_file_option(help="JSON or YAML file of settings, keys as the flags (target_model, drafter, prompts "
                          "(a file or a list), max_new_tokens, ...); flags override it.")
-@click.option("--target-model", required=True, type=click.Path(file_okay=False), help="HF target model directory.")
-@click.option("--drafter", required=True, type=click.Path(file_okay=False), help="Exported drafter directory.")
-@click.option("--prompts", "prompt_files", required=True, multiple=True, type=click.Path(dir_okay=False),
+@click.option("--target-model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="HF target model directory.")
+@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Exported drafter directory.")
+@click.option("--prompts", "prompt_files", required=True, multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL of prompts (input_ids / prompt_ids / text); repeat for several prompt sets.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--max-prompts", default=None, type=int, help="Use only the first N prompts of each file.")

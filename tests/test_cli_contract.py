@@ -1,0 +1,243 @@
+"""The contract every dflash command keeps (dflash.runtime): the same error class gives the same
+exit status and one paragraph without a traceback; --config refuses unknown keys with the list
+of valid ones; --help never imports torch."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+from dflash.cache_tools.cli import main as cache_main
+from dflash.extract.cli import main as extract_main
+from dflash.runtime.cli import Command
+from dflash.runtime.errors import InputError
+from dflash.runtime.signals import Interrupted
+from dflash.train.cli import main as train_main
+from dflash.train.eval_command import main as eval_main
+
+
+def invoke(command: click.Command, *args: object) -> click.testing.Result:
+    return CliRunner().invoke(command, [str(a) for a in args])
+
+
+def assert_one_paragraph_error(result: click.testing.Result, *fragments: str) -> None:
+    """Status 2 and one paragraph ("Error: ...", a single line) on stderr, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    err = result.stderr.strip()
+    assert err.startswith("Error: ") and "\n" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+# -- a missing input --------------------------------------------------------------------------
+
+
+def _data_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2, 3], "prompt_len": 1}) + "\n")
+    return path
+
+
+MISSING_INPUT_CASES = {
+    "extract --data": lambda t: (extract_main, ["--target-model", t / "model", "--data", t / "none.jsonl",
+                                                "--output", t / "cache"], "none.jsonl"),
+    "extract --target-model": lambda t: (extract_main, ["--target-model", t / "no-model", "--data", _data_file(t),
+                                                        "--output", t / "cache", "--no-progress"], "no-model"),
+    "train --cache": lambda t: (train_main, ["--cache", t / "no-cache", "--target-model", t / "model",
+                                             "--output-dir", t / "run"], "no-cache"),
+    "train export": lambda t: (train_main, ["export", t / "no-checkpoint", t / "out"], "no-checkpoint"),
+    "cache info": lambda t: (cache_main, ["info", t / "no-cache"], "no-cache"),
+    "cache verify": lambda t: (cache_main, ["verify", t / "no-cache"], "no-cache"),
+    "cache stats": lambda t: (cache_main, ["stats", t / "no-cache"], "no-cache"),
+    "cache prune": lambda t: (cache_main, ["prune", t / "no-cache"], "no-cache"),
+    "cache recompress": lambda t: (cache_main, ["recompress", t / "no-cache", t / "dst", "--codec", "fp8"], "no-cache"),
+    "cache merge": lambda t: (cache_main, ["merge", t / "dst", t / "no-cache"], "no-cache"),
+    "eval --target-model": lambda t: (eval_main, ["--target-model", t / "no-model", "--drafter", t,
+                                                  "--prompts", _data_file(t)], "no-model"),
+    "eval --prompts": lambda t: (eval_main, ["--target-model", t, "--drafter", t, "--prompts", t / "none.jsonl"],
+                                 "none.jsonl"),
+}
+
+
+@pytest.mark.parametrize("case", MISSING_INPUT_CASES)
+def test_a_missing_input_is_status_2_and_one_paragraph_in_every_command(tmp_path, case):
+    command, args, where = MISSING_INPUT_CASES[case](tmp_path)
+    assert_one_paragraph_error(invoke(command, *args), where)
+
+
+@pytest.mark.parametrize("command,args,missing", [
+    (extract_main, ["--data", "x.jsonl"], "--target-model"),
+    (train_main, ["--target-model", "m"], "--cache"),
+    (cache_main, ["info"], "CACHE"),
+    (eval_main, ["--drafter", "."], "--target-model"),
+])
+def test_a_missing_required_flag_is_status_2_and_one_paragraph(command, args, missing):
+    assert_one_paragraph_error(invoke(command, *args), missing)
+
+
+# -- --config ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command,args,valid", [
+    (extract_main, [], "target_model"),
+    (train_main, [], "output_dir"),
+    (train_main, ["run"], "max_steps"),
+    (eval_main, [], "prompts"),
+])
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_config_files_refuse_unknown_keys_listing_the_valid_ones(tmp_path, command, args, valid, suffix):
+    pytest.importorskip("yaml") if suffix == ".yaml" else None
+    path = tmp_path / f"settings{suffix}"
+    path.write_text('{"no_such_setting": 1}\n' if suffix == ".json" else "no-such-setting: 1\n")
+    result = invoke(command, *args, "--config", path)
+    assert_one_paragraph_error(result, "unknown setting(s) no_such_setting", "Known settings:", valid)
+
+
+@pytest.fixture
+def captured_eval(monkeypatch):
+    """dflash-eval with the measurement replaced: what the command asked for."""
+    from dflash.train import eval_cli
+
+    calls = []
+
+    def fake_run_eval(target_model, drafter_dir, prompt_files, **settings):
+        calls.append({"target_model": target_model, "drafter": drafter_dir, "prompts": prompt_files, **settings})
+        return {"settings": {}, "prompt_sets": []}
+
+    monkeypatch.setattr(eval_cli, "run_eval", fake_run_eval)
+    return calls
+
+
+def test_eval_config_accepts_its_documented_keys_and_flags_override_them(tmp_path, captured_eval):
+    prompts = [_data_file(tmp_path), tmp_path / "more.jsonl"]
+    prompts[1].write_text(prompts[0].read_text())
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"target_model": str(tmp_path), "drafter": str(tmp_path),
+                                "prompts": [str(p) for p in prompts], "max-new-tokens": 7, "dtype": "float32",
+                                "baseline": False, "stop_token_id": [2]}))
+    result = invoke(eval_main, "--config", path, "--max-new-tokens", 9, "--json")
+    assert result.exit_code == 0, result.output
+    (call,) = captured_eval
+    assert call["prompts"] == [str(p) for p in prompts]
+    assert call["max_new_tokens"] == 9  # the flag wins over the file
+    assert call["dtype"] == "fp32" and call["baseline"] is False and call["stop_token_ids"] == (2,)
+
+
+def test_eval_config_takes_one_prompt_file_as_a_string(tmp_path, captured_eval):
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"target_model": str(tmp_path), "drafter": str(tmp_path),
+                                "prompts": str(_data_file(tmp_path))}))
+    assert invoke(eval_main, "--config", path, "--json").exit_code == 0
+    assert captured_eval[0]["prompts"] == [str(tmp_path / "data.jsonl")]
+
+
+def test_eval_config_values_are_checked_like_flags(tmp_path, captured_eval):
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"target_model": str(tmp_path), "drafter": str(tmp_path),
+                                "prompts": str(_data_file(tmp_path)), "max_new_tokens": "many"}))
+    assert_one_paragraph_error(invoke(eval_main, "--config", path), "--max-new-tokens")
+    assert captured_eval == []
+
+
+# -- renamed and listed flags -----------------------------------------------------------------
+
+
+class _Summary:
+    skips: list = []
+    interrupted_by = None
+
+    def format(self) -> str:
+        return "done"
+
+
+@pytest.fixture
+def captured_extract(monkeypatch):
+    from dflash.extract import pipeline
+
+    configs = []
+    monkeypatch.setattr(pipeline, "run_extraction", lambda config: configs.append(config) or _Summary())
+    return configs
+
+
+def test_extract_num_draft_layers_is_a_deprecated_alias_of_num_captured_layers(tmp_path, captured_extract):
+    base = ["--target-model", tmp_path, "--data", _data_file(tmp_path), "--output", tmp_path / "c"]
+    result = invoke(extract_main, *base, "--num-draft-layers", 3)
+    assert result.exit_code == 0, result.output
+    assert captured_extract[0].num_captured_layers == 3
+    assert "deprecated" in result.stderr and "--num-captured-layers" in result.stderr
+    config = tmp_path / "extract.json"
+    config.write_text(json.dumps({"num_draft_layers": 4}))
+    assert invoke(extract_main, *base, "--config", config).exit_code == 0
+    assert captured_extract[1].num_captured_layers == 4
+    both = invoke(extract_main, *base, "--num-draft-layers", 3, "--num-captured-layers", 3)
+    assert_one_paragraph_error(both, "--num-captured-layers")
+
+
+def test_generated_train_flags_list_their_choices_in_help():
+    text = invoke(train_main, "run", "--help").output
+    for choices in ("[auto|bf16|fp32]", "[ddp|fsdp]", "[none|uniform|gaussian]", "[auto|sdpa|flex]"):
+        assert choices in text
+
+
+def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
+    from dflash.cache_tools import cli as cache_cli
+    from dflash.cache_tools.codecs import CODEC_NAMES
+    from dflash.train import config, objective
+
+    assert cache_cli.CODEC_CHOICES == CODEC_NAMES
+    assert config.NOISE_TYPES == objective.NOISE_TYPES
+
+
+# -- --help does not import torch -------------------------------------------------------------
+
+HELP_SCRIPT = """
+import contextlib, io, json, sys
+from dflash.cache_tools.cli import main as cache
+from dflash.extract.cli import main as extract
+from dflash.train.cli import main as train
+from dflash.train.demo_command import main as demo
+from dflash.train.eval_command import main as evaluate
+for command, args in [(extract, []), (train, []), (train, ["run"]), (train, ["export"]), (cache, []),
+                      (cache, ["verify"]), (cache, ["merge"]), (evaluate, []), (demo, [])]:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        command([*args, "--help"])
+print(json.dumps(sorted(m for m in ("torch", "transformers", "zarr") if m in sys.modules)))
+"""
+
+
+def test_help_of_every_command_imports_neither_torch_nor_transformers():
+    out = subprocess.run([sys.executable, "-c", HELP_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "torch" not in loaded and "transformers" not in loaded, loaded
+
+
+# -- the exit-status table itself -------------------------------------------------------------
+
+
+def _command_raising(error: BaseException) -> click.Command:
+    @click.command(cls=Command, name="dflash-x", stop_note="; nothing was lost.")
+    def main() -> None:
+        raise error
+
+    return main
+
+
+@pytest.mark.parametrize("error,status,fragment", [
+    (InputError("data.jsonl, line 3: not JSON."), 2, "Error: data.jsonl, line 3: not JSON."),
+    (FileNotFoundError(2, "No such file or directory", "/x/y"), 2, "Error: No such file or directory (/x/y)."),
+    (Interrupted(signal.SIGTERM), 143, "dflash-x stopped by SIGTERM; nothing was lost."),
+    (KeyboardInterrupt(), 130, "dflash-x stopped by SIGINT; nothing was lost."),
+    (RuntimeError("boom"), 1, "This is a bug"),
+])
+def test_every_error_class_maps_to_its_exit_status(error, status, fragment):
+    result = invoke(_command_raising(error))
+    assert result.exit_code == status, result.output
+    assert fragment in result.stderr
+    assert ("Traceback" in result.stderr) == (status == 1)  # only a bug shows its traceback
