@@ -32,6 +32,7 @@ distribution is exactly the target's, with lower acceptance than rejection-sampl
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,47 @@ def _new_kv_cache(model: Any) -> Any:
         return DynamicCache(config=model.config)
     except TypeError:  # transformers 4.x takes no config
         return DynamicCache()
+
+
+class _TargetStateRollback:
+    """Undoing a verify pass in target caches that cropping alone cannot undo.
+
+    Sliding-window layers keep only their window unless asked to record the past (then a crop
+    works); linear-attention layers (Qwen3.5's gated delta rule) fold every token into a
+    recurrent state, so their state from before the verify pass is kept aside and restored, and
+    the accepted tokens are run through the target again. Both count a window or a recurrence
+    in cache columns, which holes would break: such targets are decoded one sequence per batch.
+    """
+
+    def __init__(self, cache: Any, batch: int) -> None:
+        layers = list(getattr(cache, "layers", []))
+        self.recurrent = [i for i, layer in enumerate(layers) if hasattr(layer, "recurrent_states")]
+        sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
+        if (sliding or self.recurrent) and batch > 1:
+            kind = "linear-attention" if self.recurrent else "sliding-window"
+            raise ValueError(
+                f"the target has {kind} layers, whose state counts cache columns: batched speculative "
+                "decoding (rejected drafts leave holes) would change its output. Decode one prompt per "
+                "batch (--batch-size 1)."
+            )
+        for layer in sliding:
+            if not hasattr(layer, "activate_past_recording"):
+                raise ValueError(
+                    "the target has sliding-window layers and this transformers cannot roll their cache "
+                    "back after rejected drafts; speculative decoding of it needs transformers >= 5.x."
+                )
+            layer.activate_past_recording()
+
+    def snapshot(self, cache: Any) -> dict[int, Any] | None:
+        return {i: copy.deepcopy(cache.layers[i]) for i in self.recurrent} if self.recurrent else None
+
+    def restore(self, cache: Any, snapshot: dict[int, Any], width: int) -> None:
+        """The cache as before a verify pass over `width` tokens."""
+        for i, layer in enumerate(cache.layers):
+            if i in snapshot:
+                cache.layers[i] = snapshot[i]
+            else:
+                layer.crop(-width)
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,6 +386,7 @@ def verify_generate(
     ids, mask = _left_pad(prompts, config.pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = _new_kv_cache(model)
+    rollback = _TargetStateRollback(cache, len(prompts))
     out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
                    output_hidden_states=hidden, logits_to_keep=1)
     proposer.prefill(out, positions, mask.bool())
@@ -373,6 +416,7 @@ def verify_generate(
         block_pos = next_pos[:, None] + offsets
 
         # Verify: one target pass over the block; target choice after slot k checks slot k+1.
+        snapshot = rollback.snapshot(cache)
         out = _forward(model, cache, input_ids=block, attention_mask=torch.cat([mask, torch.ones_like(block)], dim=1),
                        position_ids=block_pos, output_hidden_states=hidden)
         chosen = choose(out.logits)  # [B, width]
@@ -381,10 +425,18 @@ def verify_generate(
 
         # Keep the anchor and accepted drafts (slots 0..a); the rest become holes.
         kept = offsets[None, :] <= accepted[:, None]
-        mask = torch.cat([mask, kept.long()], dim=1)
         unused = width - 1 - int(accepted.max())
-        proposer.update(out, block_pos, kept, unused)
-        _crop_kv(cache, unused)
+        if snapshot is not None and unused > 0:  # one row: rerun the target over what it accepted
+            rollback.restore(cache, snapshot, width)
+            n = width - unused
+            out = _forward(model, cache, input_ids=block[:, :n], position_ids=block_pos[:, :n],
+                           attention_mask=torch.cat([mask, torch.ones_like(block[:, :n])], dim=1),
+                           output_hidden_states=hidden)
+            proposer.update(out, block_pos[:, :n], kept[:, :n], 0)
+        else:
+            proposer.update(out, block_pos, kept, unused)
+            _crop_kv(cache, unused)
+        mask = torch.cat([mask, kept.long()], dim=1)
         mask = mask[:, : mask.shape[1] - unused]
 
         done = []
