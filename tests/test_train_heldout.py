@@ -13,13 +13,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line, read_manifest
+from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.manifest import (
+    LOG_FILE,
+    PartRecord,
+    encode_log_line,
+    make_header,
+    read_manifest,
+)
+from dflash.cache_tools.writer import CacheWriter
 from dflash.train.config import TrainConfig
 from dflash.train.loader import CacheSet, eval_split, open_training_data
 from dflash.train.loop import train
+from dflash.train.metrics import block_metrics, greedy_replay
+from dflash.train.objective import LossOutput
 from extract_utils import make_target, random_records, run_cli, write_jsonl
 from safetensors.torch import load_file
-from test_train_support import build_tiny_world, read_metrics, tiny_train_config, write_tiny_cache
+from test_train_support import (
+    HIDDEN,
+    TARGET_LAYERS,
+    VOCAB,
+    build_tiny_world,
+    read_metrics,
+    tiny_train_config,
+    write_tiny_cache,
+)
 
 EXTRACT = ["--dtype", "fp32", "--target-layer-ids", "1,2", "--token-budget", "128", "--sort-window-tokens", "0",
            "--num-writers", "0"]
@@ -194,3 +212,59 @@ def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp
         else:
             assert "heldout_tau" not in r
     assert result.eval_metrics is not None and np.isclose(result.eval_metrics["tau"], evals[-1]["heldout_tau"])
+    assert evals[-1]["estimator"] == "labels"  # no top-k in this cache: checked against its tokens
+
+
+# -- the estimator ------------------------------------------------------------------------------
+
+
+def test_greedy_replay_checks_each_slot_against_the_targets_top1():
+    # One sequence, blocks of 4 at anchors 0 and 3. Row t of top-1 is the target's greedy
+    # choice for token t+1; at row 2 it differs from the sample (99, not 13).
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    top1 = torch.tensor([[11, 12, 99, 14, 15, 16, 17, 0]])
+    anchors = torch.tensor([[0, 3]])
+    predicted = torch.tensor([[[11, 12, 13], [14, 99, 16]]])
+    labels = torch.tensor([[[11, 12, 13], [14, 15, 16]]])
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    out = LossOutput(loss=torch.zeros(()), ce=torch.zeros(()), kl=None, correct=(predicted == labels) & valid,
+                     valid=valid, anchor_positions=anchors, anchor_valid=torch.ones(1, 2, dtype=torch.bool),
+                     predicted=predicted)
+    batch = {"input_ids": input_ids, "topk_ids": torch.stack([top1, torch.zeros_like(top1)], -1)}
+    replayed = greedy_replay(out, batch)
+    # Block 1: the labels accept all 3 slots, greedy verification stops at the target's 99.
+    assert replayed.correct.tolist() == [[[True, True, False], [True, False, True]]]
+    assert block_metrics(out.correct, out.valid)["tau"] == 1 + (3 + 1) / 2
+    assert block_metrics(replayed.correct, replayed.valid)["tau"] == 1 + (2 + 1) / 2
+    assert greedy_replay(out, {"input_ids": input_ids}) is out  # no top-k: the labels
+
+
+def write_topk_cache(path: Path, *, samples: int = 24, k: int = 2) -> Path:
+    """Greedy completions: the target's top-1 at every row is the sample's next token."""
+    header = make_header(
+        target={"path": "tiny-target", "architecture": "Qwen3ForCausalLM", "hidden_size": HIDDEN,
+                "num_hidden_layers": TARGET_LAYERS, "vocab_size": VOCAB},
+        target_layer_ids=[1, 2], hidden_size=HIDDEN, codec=HiddenCodec(name="bf16"), chunk_rows=16,
+        shard_rows=64, data={"name": "greedy"}, topk=k)
+    gen = torch.Generator().manual_seed(3)
+    writer = CacheWriter(path, header)
+    with writer.part_writer("part-000000") as pw:
+        for s in range(samples):
+            n = int(torch.randint(12, 40, (1,), generator=gen))
+            ids = torch.randint(0, VOCAB - 1, (n,), generator=gen)
+            top = torch.stack([torch.roll(ids, -1), (torch.roll(ids, -1) + 1) % VOCAB], -1)
+            mask = torch.ones(n, dtype=torch.uint8)
+            mask[: n // 4] = 0
+            pw.add_sample(s, ids, mask, torch.randn(n, 2 * HIDDEN, generator=gen).to(torch.bfloat16),
+                          topk_ids=top.to(torch.int32), topk_logprobs=torch.log_softmax(torch.randn(n, k), -1))
+    return path
+
+
+def test_heldout_tau_is_the_greedy_replay_when_the_cache_holds_topk(tiny_world, tmp_path):
+    cache = write_topk_cache(tmp_path / "cache")
+    out = tmp_path / "run"
+    train(tiny_train_config(cache, tiny_world["target"], out, max_steps=6, eval_fraction=0.3, eval_interval=3))
+    evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert evals and all(r["estimator"] == "greedy replay" for r in evals)
+    # On greedy completions the target's choice is the sample's token: both estimates agree.
+    assert all(r["heldout_tau"] == r["tau_labels"] for r in evals)

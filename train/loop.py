@@ -47,6 +47,7 @@ from .distributed import (
     wrap_model,
 )
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
+from .metrics import greedy_replay
 from .model import DFlashDrafter
 from .objective import ObjectiveConfig, compute_loss, sample_anchors, scored_slots
 from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
@@ -318,23 +319,32 @@ def batch_generators(seed: int, epoch: int, batch_index: int, device: torch.devi
 
 @torch.no_grad()
 def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConfig,
-             autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, float] | None:
+             autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, Any] | None:
     """Metrics on the held-out batches (no noise, fixed anchors), reduced over ranks."""
     loader = data.eval_loader(info.rank, info.world_size, cfg.eval_max_batches)
     if loader is None:
         return None
     loss_model.wrapped.eval()
-    metrics = RunningMetrics(loss_model.drafter.config.block_size, info.device)
+    # Against the samples' tokens, and (when the cache holds the target's top-k) replayed as
+    # greedy verification: the replay is the held-out tau then (docs/train.md, "Estimator").
+    labels = RunningMetrics(loss_model.drafter.config.block_size, info.device)
+    greedy = RunningMetrics(loss_model.drafter.config.block_size, info.device)
+    replay = (data.eval_caches if data.eval_caches is not None else data.caches).manifest.topk > 0
     clean = dataclasses.replace(objective, noise_type="none")
     for i, batch in enumerate(loader):
         batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
         generator = batch_generators(cfg.seed, 0, i * info.world_size + info.rank, info.device, split=1)[0]
         with autocast:
             out = compute_loss(loss_model, batch, clean, generator=generator)
-        metrics.update(out, batch)
+        labels.update(out, batch)
+        if replay:
+            greedy.update(greedy_replay(out, batch), batch)
     loss_model.wrapped.train()
-    result = metrics.compute(info)
-    return {k: v for k, v in result.items() if k in ("loss", "tau", "tau_from_acc", "blocks") or k.startswith("acc_")}
+    by_labels = labels.compute(info)
+    result = greedy.compute(info) if replay else by_labels
+    kept = {k: v for k, v in result.items() if k in ("tau", "tau_from_acc", "blocks") or k.startswith("acc_")}
+    return {"loss": by_labels["loss"], **kept, "tau_labels": by_labels["tau"],
+            "estimator": "greedy replay" if replay else "labels"}
 
 
 def target_fingerprint(target_config: Any) -> dict[str, Any]:

@@ -7,13 +7,20 @@
   nothing there can be checked; blocks whose first slot is not scored are not counted.
 - `tau_from_acc`: the estimate 1 + sum_k prod_{j<=k} acc_j from the per-slot accuracies
   (it assumes independent errors, so it differs from `tau`).
+
+On held-out samples of a cache that stores the target's top-k, `greedy_replay` checks each
+slot against the target's own greedy choice (top-1) instead of the sample's next token: what
+greedy verification accepts, so the estimate tracks what speculative decoding measures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from .objective import LossOutput
 
 
 def leading_correct(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -77,3 +84,18 @@ def block_metrics(correct: torch.Tensor, valid: torch.Tensor, loss: float | torc
     m = BlockMetrics(block_size=correct.shape[-1] + 1)
     m.update(correct, valid, loss)
     return m.compute()
+
+
+def greedy_replay(out: LossOutput, batch: dict[str, torch.Tensor]) -> LossOutput:
+    """`out` with `correct` replayed as greedy verification: slot k of the block at anchor p is
+    accepted when the drafter's top-1 equals the target's top-1 at cache row p+k-1 (its greedy
+    choice for token p+k after the sample's tokens up to p+k-1). Without top-k in the batch,
+    `out` as it is (checked against the sample's tokens)."""
+    if "topk_ids" not in batch or out.predicted is None:
+        return out
+    top1 = batch["topk_ids"][..., 0].to(out.predicted.device)  # [B, T]; topk is sorted, best first
+    slots = out.predicted.shape[-1]
+    rows = out.anchor_positions[:, :, None] + torch.arange(slots, device=top1.device)
+    rows = rows.clamp(max=top1.shape[1] - 1)  # only unscored slots reach past the end
+    greedy = top1.gather(1, rows.flatten(1)).view_as(rows)
+    return dataclasses.replace(out, correct=(out.predicted == greedy) & out.valid)

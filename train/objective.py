@@ -197,6 +197,8 @@ class LossOutput:
     """[B, A] long."""
     anchor_valid: torch.Tensor
     """[B, A] bool."""
+    predicted: torch.Tensor | None = None
+    """[B, A, block_size-1] long: the drafter's top-1 token of each scored slot (-1 elsewhere)."""
 
 
 def _soft_label_kl(drafter: DFlashDrafter, batch: dict, b: torch.Tensor, rows: torch.Tensor,
@@ -272,9 +274,10 @@ def compute_loss(
         loss = (1 - config.soft_label_weight) * ce + config.soft_label_weight * kl
         kl = kl.detach()
 
-    correct = torch.zeros_like(valid)
-    correct[b, a, k] = logprobs.argmax(-1) == target
+    predicted = torch.full_like(labels, -1)
+    predicted[b, a, k] = logprobs.argmax(-1)
+    correct = predicted == labels  # False where not scored (-1 is no token)
     return LossOutput(
         loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,
-        anchor_positions=anchors, anchor_valid=anchor_valid,
+        anchor_positions=anchors, anchor_valid=anchor_valid, predicted=predicted,
     )
