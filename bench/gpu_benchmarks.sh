@@ -6,7 +6,9 @@
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
-#   bash bench/gpu_benchmarks.sh cache     # ~6 min: codec ratios, per-core decode vs the codec's ceiling, raw reader vs memmap, other Blosc settings, writer speed
+#   bash bench/gpu_benchmarks.sh cache     # ~1 min: bytes/token and speeds of zstd levels and block sizes on a trained model's
+#                                          # activations, the shipped codecs end to end (BASELINE=<an older cache_tools
+#                                          # directory> adds that version's codecs: bench/bench_codecs.py says how)
 #   bash bench/gpu_benchmarks.sh eval      # ~6 min: demo target + drafter on CPU, then dflash-eval on the GPU
 #                                          # (DEMO_DIR=<an earlier dflash-demo --workdir>: ~1 min, eval only)
 # SCRATCH (default /dev/shm/dflash-bench) holds the data; it is removed at the end.
@@ -30,11 +32,9 @@ for what in "$@"; do
       torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir "$scratch/train" --samples 96 \
         --steps 40 --warmup-steps 8 --compile ;;
     cache)
-      python3 bench/bench_cache.py --workdir "$scratch" --tokens 32768 --train-steps 150 --decode-passes 9
-      python3 bench/bench_decode.py --workdir "$scratch" --tokens 32768 --kinds synthetic,model
-      python3 bench/bench_raw.py --workdir "$scratch"
-      python3 bench/bench_codec_options.py --kinds synthetic,model
-      python3 bench/bench_write.py --workdir "$scratch" ;;
+      base=${BASELINE:+--compare-with "$BASELINE"}
+      python3 bench/bench_codecs.py --workdir "$scratch" --tokens 32768 --train-steps 200 --levels 1,2,3,4,5 \
+        --blocksizes 1048576,4194304 --timed-tokens 4096 $base ;;
     eval)
       demo=${DEMO_DIR:-$scratch/demo}
       [ -d "$demo/run/final" ] || dflash-demo --workdir "$demo"
