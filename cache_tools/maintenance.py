@@ -31,6 +31,18 @@ from .manifest import (
     read_manifest,
 )
 from .reader import _EMPTY, CacheReader, _PartFiles
+from .schema import (
+    HIDDEN,
+    HIDDEN_ARRAYS,
+    INPUT_IDS,
+    LOSS_MASK,
+    OFFSETS,
+    SAMPLE_IDS,
+    PartSchema,
+    sample_offsets,
+    scale_of,
+    shard_key,
+)
 from .writer import find_orphans, orphan_name, remove_orphans
 
 
@@ -42,9 +54,7 @@ def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> tqd
 
 def raw_bf16_bytes(manifest: Manifest) -> int:
     """Size the stored activations would have as plain bf16 (the reference for ratios)."""
-    per_token = manifest.num_layers * manifest.hidden_size * 2
-    if manifest.store_last_hidden:
-        per_token += manifest.hidden_size * 2
+    per_token = sum(spec.width * 2 for spec in PartSchema.from_header(manifest.header).hidden_arrays())
     return manifest.num_tokens * per_token
 
 
@@ -131,25 +141,9 @@ class _Expected:
 
 
 def expected_arrays(m: Manifest, rec: PartRecord) -> dict[str, _Expected]:
-    """The arrays a part must hold, with their shapes and dtypes (docs/cache-format.md)."""
-    k, d, t, sd = m.num_layers, m.hidden_size, rec.tokens, m.codec.storage_dtype
-    out = {
-        "hidden": _Expected(t, (k * d,), sd, True),
-        "input_ids": _Expected(t, (), np.dtype(np.int32), False),
-        "loss_mask": _Expected(t, (), np.dtype(np.uint8), False),
-        "offsets": _Expected(rec.samples + 1, (), np.dtype(np.int64), False),
-        "sample_ids": _Expected(rec.samples, (), np.dtype(np.int64), False),
-    }
-    if m.codec.has_scale:
-        out["hidden_scale"] = _Expected(t, (k,), np.dtype(np.float32), False)
-    if m.store_last_hidden:
-        out["last_hidden"] = _Expected(t, (d,), sd, True)
-        if m.codec.has_scale:
-            out["last_hidden_scale"] = _Expected(t, (1,), np.dtype(np.float32), False)
-    if m.topk:
-        out["topk_ids"] = _Expected(t, (m.topk,), np.dtype(np.int32), True)
-        out["topk_logprobs"] = _Expected(t, (m.topk,), np.dtype(np.float32), True)
-    return out
+    """The arrays a part must hold, with their shapes and dtypes (the part schema)."""
+    return {spec.name: _Expected(spec.rows(rec.tokens, rec.samples), spec.row_shape, spec.dtype, spec.chunked)
+            for spec in PartSchema.from_header(m.header)}
 
 
 def _reason(e: Exception, pf: _PartFiles) -> str:
@@ -182,10 +176,6 @@ def _read_log_tolerant(cache_dir: Path, report: VerifyReport) -> list[PartRecord
     return list(records.values())
 
 
-def _shard_key(s: int, ndim: int) -> str:
-    return f"c/{s}" + "/0" * (ndim - 1)
-
-
 def _check_structure(
     pf: _PartFiles, m: Manifest, name: str, exp: _Expected, report: VerifyReport
 ) -> tuple[Any, set[int]]:
@@ -202,9 +192,9 @@ def _check_structure(
         bad("metadata", f"shape {tuple(meta.shape)} {meta.dtype}, expected {shape} {exp.dtype} from the manifest")
         return None, set()
     if not exp.chunked:
-        path = pf.dir / name / _shard_key(0, len(shape))
+        path = pf.dir / name / shard_key(0, len(shape))
         if not path.is_file() or path.stat().st_size == 0:
-            bad(f"file {name}/{_shard_key(0, len(shape))}", "missing or empty")
+            bad(f"file {name}/{shard_key(0, len(shape))}", "missing or empty")
             return None, set()
         return meta, set()
     if meta.chunk_rows != m.chunk_rows or meta.shard_rows != m.shard_rows:
@@ -213,7 +203,7 @@ def _check_structure(
         return None, set()
     bad_shards = set()
     for s in range(math.ceil(exp.rows / m.shard_rows)):
-        key = _shard_key(s, len(shape))
+        key = shard_key(s, len(shape))
         try:
             _, idx = pf.shard_index(name, s, meta)
         except CacheCorruptError as e:
@@ -245,14 +235,14 @@ def _check_chunks(
         bar.update(1)
         if shard in bad_shards:
             continue
-        where = f"chunk {c} (rows {lo}-{hi - 1}) in shard file {name}/{_shard_key(shard, len(meta.shape))}"
+        where = f"chunk {c} (rows {lo}-{hi - 1}) in shard file {name}/{shard_key(shard, len(meta.shape))}"
         try:
             pf.read_rows(name, lo, hi, scratch[: hi - lo])
         except CacheCorruptError as e:
             report.problems.append(Problem(pf.record.name, name, where, _reason(e, pf)))
             continue
         report.chunks += 1
-        if name in ("hidden", "last_hidden"):
+        if name in HIDDEN_ARRAYS:
             block = scratch[: hi - lo]
             nonfinite = int(np.count_nonzero((block & 0x7F) == 0x7F)) if block.dtype == np.uint8 \
                 else int(np.count_nonzero((block & 0x7F80) == 0x7F80))
@@ -268,30 +258,28 @@ def _check_contents(pf: _PartFiles, m: Manifest, arrays: dict[str, _Expected], o
         try:
             small[name] = pf.small_array(name)
         except CacheCorruptError as e:
-            report.problems.append(Problem(rec.name, name, f"file {name}/c/0", _reason(e, pf)))
+            report.problems.append(Problem(rec.name, name, f"file {name}/{shard_key(0, 1)}", _reason(e, pf)))
 
     def bad(array: str, msg: str) -> None:
         report.problems.append(Problem(rec.name, array, "", msg))
 
-    if "offsets" in small:
-        expect = np.concatenate([[0], np.cumsum(rec.lengths, dtype=np.int64)])
-        if not np.array_equal(small["offsets"], expect):
-            bad("offsets", "sample offsets disagree with the sample lengths in the commit log")
-    if "sample_ids" in small:
-        ids, counts = np.unique(small["sample_ids"], return_counts=True)
+    if OFFSETS in small and not np.array_equal(small[OFFSETS], sample_offsets(rec.lengths)):
+        bad(OFFSETS, "sample offsets disagree with the sample lengths in the commit log")
+    if SAMPLE_IDS in small:
+        ids, counts = np.unique(small[SAMPLE_IDS], return_counts=True)
         if np.any(counts > 1):
-            bad("sample_ids", f"sample ids {ids[counts > 1][:10].tolist()} appear more than once")
+            bad(SAMPLE_IDS, f"sample ids {ids[counts > 1][:10].tolist()} appear more than once")
     vocab = m.header["target"].get("vocab_size")
-    for name in ("input_ids",):
+    for name in (INPUT_IDS,):
         if name in small and vocab is not None:
             x = small[name]
             wrong = np.flatnonzero((x < 0) | (x >= int(vocab)))
             if wrong.size:
                 bad(name, f"{wrong.size} token ids are outside the vocabulary [0, {vocab}) "
                           f"(first at token row {int(wrong[0])}: {int(x[wrong[0]])})")
-    if "loss_mask" in small and np.any(small["loss_mask"] > 1):
-        bad("loss_mask", "loss_mask holds values other than 0 and 1")
-    for name in ("hidden_scale", "last_hidden_scale"):
+    if LOSS_MASK in small and np.any(small[LOSS_MASK] > 1):
+        bad(LOSS_MASK, "loss_mask holds values other than 0 and 1")
+    for name in map(scale_of, HIDDEN_ARRAYS):
         if name in small and not np.all(np.isfinite(small[name]) & (small[name] >= 0)):
             bad(name, "fp8 scales are negative, NaN or infinite")
 
@@ -401,8 +389,8 @@ def cache_stats(
             lo, hi = c * cr, min((c + 1) * cr, m.parts[p].tokens)
             got = reader.read_tokens(p, lo, hi)
             sel = torch.as_tensor(rows) - lo
-            x = got["hidden"][sel].float().reshape(len(rows), k, d).numpy().astype(np.float64)
-            mask_on += int(got["loss_mask"][sel].sum())
+            x = got[HIDDEN][sel].float().reshape(len(rows), k, d).numpy().astype(np.float64)
+            mask_on += int(got[LOSS_MASK][sel].sum())
             sums += x.sum(axis=(0, 2))
             sumsq += (x * x).sum(axis=(0, 2))
             absmax = np.maximum(absmax, np.abs(x).max(axis=(0, 2)))

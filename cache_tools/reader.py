@@ -28,6 +28,7 @@ from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, dequantize_fp8
 from .errors import CacheCorruptError
 from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
+from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
 
 # Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
 # DataLoader workers safe and makes throughput per core a meaningful figure.
@@ -202,7 +203,7 @@ class _PartFiles:
         return buf
 
     def shard_index(self, array: str, shard: int, meta: ArrayMeta) -> tuple[mmap.mmap, np.ndarray]:
-        key = f"c/{shard}" + "/0" * (len(meta.shape) - 1)
+        key = shard_key(shard, len(meta.shape))
         m = self._map(array, key)
         idx = self.indexes.get(f"{array}/{key}")
         if idx is None:
@@ -232,7 +233,7 @@ class _PartFiles:
             lo, hi = max(start, c * cr), min(stop, (c + 1) * cr)
             what = _Where(self, array, c)  # formatted only into an error message
             if meta.shard_rows is None:
-                m = self._map(array, f"c/{c}" + "/0" * (len(meta.shape) - 1))
+                m = self._map(array, shard_key(c, len(meta.shape)))
                 buf = memoryview(m)
             else:
                 shard, inner = divmod(c * cr, meta.shard_rows)
@@ -299,6 +300,7 @@ class CacheReader:
             if self.parts else np.zeros(0, dtype=np.int64)
         )
         self._codec = self.manifest.codec
+        self.schema = PartSchema.from_header(self.manifest.header)
         self._open: OrderedDict[int, _PartFiles] = OrderedDict()
         self._scratch = _Scratch()
         self._token_offsets: dict[int, np.ndarray] = {}
@@ -350,7 +352,7 @@ class CacheReader:
     def _offsets(self, part_idx: int) -> np.ndarray:
         off = self._token_offsets.get(part_idx)
         if off is None:
-            off = np.concatenate([[0], np.cumsum(self.parts[part_idx].lengths)]).astype(np.int64)
+            off = sample_offsets(self.parts[part_idx].lengths)
             self._token_offsets[part_idx] = off
         return off
 
@@ -373,7 +375,7 @@ class CacheReader:
         if max_tokens is not None:
             stop = min(stop, start + max_tokens)
         result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
-        result["sample_id"] = int(self._part(part_idx).small_array("sample_ids")[local])
+        result["sample_id"] = int(self._part(part_idx).small_array(SAMPLE_IDS)[local])
         return result
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -394,11 +396,11 @@ class CacheReader:
         if self._codec.has_scale:
             q = out if raw_fp8 and out is not None else self._empty(shape, torch.uint8)
             pf.read_rows(array, start, stop, q.numpy())
-            scale = torch.from_numpy(pf.small_array(array + "_scale")[start:stop])
+            scale = torch.from_numpy(pf.small_array(scale_of(array))[start:stop])
             if raw_fp8:
-                scale_out = into.get(array + "_scale")
+                scale_out = into.get(scale_of(array))
                 scale = scale_out.copy_(scale) if scale_out is not None else scale.clone()
-                return {array: q, array + "_scale": scale}
+                return {array: q, scale_of(array): scale}
             h = dequantize_fp8(q, scale)
             if out is not None:
                 return {array: out.copy_(h)}
@@ -412,20 +414,18 @@ class CacheReader:
         """Token rows [start, stop) of one part (any range, also across sample boundaries)."""
         pf = self._part(part_idx)
         into = out or {}
-        out: dict[str, Any] = self._read_hidden(pf, "hidden", start, stop, into, dequantize)
-        out["input_ids"] = torch.from_numpy(pf.small_array("input_ids")[start:stop].astype(np.int64))
-        out["loss_mask"] = torch.from_numpy(pf.small_array("loss_mask")[start:stop].copy())
-        if self.manifest.store_last_hidden:
-            out.update(self._read_hidden(pf, "last_hidden", start, stop, into, dequantize))
-        if self.manifest.topk:
-            k = self.manifest.topk
-            ids = np.empty((stop - start, k), dtype=np.int32)
-            lps = np.empty((stop - start, k), dtype=np.float32)
-            pf.read_rows("topk_ids", start, stop, ids)
-            pf.read_rows("topk_logprobs", start, stop, lps)
-            out["topk_ids"] = torch.from_numpy(ids.astype(np.int64))
-            out["topk_logprobs"] = torch.from_numpy(lps)
-        return out
+        rows: dict[str, Any] = {}
+        for spec in self.schema:  # ids come out as int64 (what embeddings and losses index with)
+            if spec.name in HIDDEN_ARRAYS:  # their fp8 scales are read with them
+                rows.update(self._read_hidden(pf, spec.name, start, stop, into, dequantize))
+            elif spec.per == "token" and spec.chunked:  # top-k
+                arr = np.empty((stop - start, *spec.row_shape), dtype=spec.dtype)
+                pf.read_rows(spec.name, start, stop, arr)
+                rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype == np.int32 else arr)
+            elif spec.source == DATA:
+                arr = pf.small_array(spec.name)[start:stop]
+                rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype == np.int32 else arr.copy())
+        return rows
 
     def part_arrays(self, part_idx: int) -> _PartFiles:
         """Low-level access for tools (verify, stats)."""

@@ -23,6 +23,7 @@ from .identity import Purpose
 from .maintenance import progress_bar, raw_bf16_bytes
 from .manifest import HEADER_FILE, IDENTITY_KEYS, identity_differences
 from .reader import CacheReader
+from .schema import SAMPLE_IDS, sample_offsets
 from .writer import CacheWriter, PartWriter
 
 
@@ -38,37 +39,23 @@ def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCode
     stored arrays pass through untouched, so a copy is exact; otherwise samples are decoded
     to bf16 and re-encoded by the writer.
     """
-    m = reader.manifest
     pf = reader.part_arrays(part_idx)
     rec = reader.parts[part_idx]
-    passthrough = _same_storage(m.codec, dst_codec)
-    offsets = np.concatenate([[0], np.cumsum(rec.lengths, dtype=np.int64)])
-    sample_ids = pf.small_array("sample_ids")
-    for j, sid in enumerate(sample_ids.tolist()):
+    passthrough = _same_storage(reader.manifest.codec, dst_codec)
+    per_token = [spec for spec in reader.schema if spec.per == "token"]
+    offsets = sample_offsets(rec.lengths)
+    for j, sid in enumerate(pf.small_array(SAMPLE_IDS).tolist()):
         start, stop = int(offsets[j]), int(offsets[j + 1])
         if passthrough:
-            kw: dict[str, Any] = {
-                "input_ids": pf.small_array("input_ids")[start:stop],
-                "loss_mask": pf.small_array("loss_mask")[start:stop],
-            }
-            for name in ("hidden", "last_hidden") if m.store_last_hidden else ("hidden",):
-                meta = pf.array_meta(name)
-                arr = np.empty((stop - start, meta.shape[1]), dtype=meta.dtype)
-                pf.read_rows(name, start, stop, arr)
-                kw[name] = arr
-                if m.codec.has_scale:
-                    kw[name + "_scale"] = pf.small_array(name + "_scale")[start:stop]
-            if m.topk:
-                for name, dt in (("topk_ids", np.int32), ("topk_logprobs", np.float32)):
-                    arr = np.empty((stop - start, m.topk), dtype=dt)
-                    pf.read_rows(name, start, stop, arr)
-                    kw[name] = arr
-        else:
-            got = reader.read_tokens(part_idx, start, stop)
-            kw = {"input_ids": got["input_ids"], "loss_mask": got["loss_mask"], "hidden": got["hidden"]}
-            for name in ("last_hidden", "topk_ids", "topk_logprobs"):
-                if name in got:
-                    kw[name] = got[name]
+            kw: dict[str, Any] = {}
+            for spec in per_token:
+                if spec.chunked:
+                    kw[spec.name] = np.empty((stop - start, *spec.row_shape), dtype=spec.dtype)
+                    pf.read_rows(spec.name, start, stop, kw[spec.name])
+                else:
+                    kw[spec.name] = pf.small_array(spec.name)[start:stop]
+        else:  # decoded to bf16 (no scales), re-encoded by the writer
+            kw = dict(reader.read_tokens(part_idx, start, stop))
         yield sid, kw
 
 

@@ -35,7 +35,7 @@ from dflash.runtime.fsio import (
 )
 
 from .checksum import crc32c
-from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden, small_array_compressors
+from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden
 from .errors import CacheError
 from .manifest import (
     HEADER_FILE,
@@ -48,6 +48,21 @@ from .manifest import (
     append_log_line,
     check_identity,
     read_manifest,
+)
+from .schema import (
+    HIDDEN,
+    HIDDEN_CHUNKS,
+    INPUT_IDS,
+    LAST_HIDDEN,
+    LOSS_MASK,
+    OFFSETS,
+    SAMPLE_IDS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    PartSchema,
+    sample_offsets,
+    scale_of,
+    shard_key,
 )
 
 TMP_PREFIX = TEMP_PREFIX  # what runtime.fsio.temp_name starts with
@@ -70,8 +85,9 @@ class CacheWriter:
         self.cache_dir = Path(cache_dir)
         self.header = header
         self.codec = HiddenCodec.from_dict(header["hidden"]["codec"])
-        self.num_layers = len(header["target_layer_ids"])
-        self.hidden_size = int(header["hidden"]["hidden_size"])
+        self.schema = PartSchema.from_header(header)
+        self.num_layers = self.schema.num_layers
+        self.hidden_size = self.schema.hidden_size
         self.parts_dir = self.cache_dir / PARTS_DIR
         self.removed_orphans: list[str] = []  # leftovers of dead writers removed by this open
         self._open(force)
@@ -259,38 +275,18 @@ class PartWriter:
         """Add one sample. `hidden` is [T, K*D]: a float/bf16 tensor (encoded here) or an
         array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8)."""
         ids = _as_numpy(input_ids, np.int32)
-        tokens = ids.shape[0]
-        if tokens == 0:
+        if ids.shape[0] == 0:
             raise CacheError(f"Sample {sample_id} is empty: a cached sample needs at least one token.")
-        width = self.cache.num_layers * self.cache.hidden_size
-        cols = {"input_ids": ids, "loss_mask": _as_numpy(loss_mask, np.uint8)}
-        h, hs = self._encode(hidden, hidden_scale, self.cache.num_layers)
-        cols["hidden"] = h
-        if hs is not None:
-            cols["hidden_scale"] = hs
-        if last_hidden is not None:
-            lh, lhs = self._encode(last_hidden, last_hidden_scale, 1)
-            cols["last_hidden"] = lh
-            if lhs is not None:
-                cols["last_hidden_scale"] = lhs
+        cols = {INPUT_IDS: ids, LOSS_MASK: _as_numpy(loss_mask, np.uint8)}
+        for name, x, scale in ((HIDDEN, hidden, hidden_scale), (LAST_HIDDEN, last_hidden, last_hidden_scale)):
+            if x is not None:
+                cols[name], scale = self._encode(x, scale, self.cache.schema.scale_width(name))
+                if scale is not None:
+                    cols[scale_of(name)] = scale
         if topk_ids is not None:
-            cols["topk_ids"] = _as_numpy(topk_ids, np.int32)
-            cols["topk_logprobs"] = _as_numpy(topk_logprobs, np.float32)
-        for key, arr in cols.items():
-            if arr.shape[0] != tokens:
-                raise CacheError(
-                    f"Sample {sample_id}: {key} has {arr.shape[0]} rows but input_ids has {tokens}."
-                )
-        if cols["hidden"].shape[1] != width:
-            raise CacheError(
-                f"Sample {sample_id}: hidden has width {cols['hidden'].shape[1]}, the cache "
-                f"expects {self.cache.num_layers} layers x {self.cache.hidden_size} = {width}."
-            )
-        self._check_extras(sample_id, cols)
-        for key, arr in cols.items():
-            self._cols.setdefault(key, []).append(arr)
-        self._sample_ids.append(int(sample_id))
-        self._lengths.append(tokens)
+            cols[TOPK_IDS] = _as_numpy(topk_ids, np.int32)
+            cols[TOPK_LOGPROBS] = _as_numpy(topk_logprobs, np.float32)
+        self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]])
 
     def add_samples(
         self,
@@ -314,35 +310,38 @@ class PartWriter:
                 f"Part {self.name}: {len(sample_ids)} sample ids for {len(lengths)} lengths, or "
                 "an empty sample; every sample needs at least one token."
             )
-        tokens = sum(lengths)
-        cols = {"input_ids": _as_numpy(input_ids, np.int32), "loss_mask": _as_numpy(loss_mask, np.uint8),
-                "hidden": hidden, **extras}
-        width = self.cache.num_layers * self.cache.hidden_size
-        for key, arr in cols.items():
-            if arr.shape[0] != tokens:
-                raise CacheError(f"Part {self.name}: {key} has {arr.shape[0]} rows, the samples {tokens}.")
-        if hidden.dtype != self.cache.codec.storage_dtype or hidden.shape[1] != width:
+        cols = {INPUT_IDS: _as_numpy(input_ids, np.int32), LOSS_MASK: _as_numpy(loss_mask, np.uint8),
+                HIDDEN: hidden, **extras}
+        self._add(f"Part {self.name}", cols, sample_ids, lengths)
+
+    def _add(self, where: str, cols: dict[str, np.ndarray], sample_ids: list[int], lengths: list[int]) -> None:
+        """Check per-token rows against the part schema, then keep them for the commit."""
+        schema, tokens = self.cache.schema, sum(lengths)
+        wanted = [spec for spec in schema if spec.per == "token"]
+        missing = [spec.name for spec in wanted if spec.name not in cols]
+        unknown = [name for name in cols if name not in schema or schema[name].per != "token"]
+        if missing or unknown:
             raise CacheError(
-                f"Part {self.name}: hidden must be {self.cache.codec.storage_dtype} rows of width "
-                f"{width}, got {hidden.dtype} x {hidden.shape[1]}."
+                f"{where}: the cache stores the arrays {[spec.name for spec in wanted]}; "
+                f"{'missing ' + str(missing) if missing else ''}{'; ' if missing and unknown else ''}"
+                f"{'not stored ' + str(unknown) if unknown else ''}. Pass exactly the arrays the cache "
+                "was created with (store_last_hidden, store_topk, the scales of an fp8 codec)."
             )
-        if self.cache.codec.has_scale and "hidden_scale" not in extras:
-            raise CacheError(f"Part {self.name}: fp8 rows need their hidden_scale array.")
-        self._check_extras(sample_ids[0] if sample_ids else -1, cols)
+        for spec in wanted:
+            arr = cols[spec.name]
+            if arr.shape[0] != tokens:
+                raise CacheError(f"{where}: {spec.name} has {arr.shape[0]} rows, input_ids {tokens}.")
+            if tuple(arr.shape[1:]) != spec.row_shape:
+                got = " x ".join(map(str, arr.shape[1:])) or "none (1-D)"
+                expect = (f"{schema.num_layers} layers x {schema.hidden_size} = {spec.width}" if spec.name == HIDDEN
+                          else str(spec.width or "none (1-D)"))
+                raise CacheError(f"{where}: {spec.name} has width {got}, the cache expects {expect}.")
+            if arr.dtype != spec.dtype:
+                raise CacheError(f"{where}: {spec.name} must be {spec.dtype} rows, got {arr.dtype}.")
         for key, arr in cols.items():
             self._cols.setdefault(key, []).append(arr)
         self._sample_ids += sample_ids
         self._lengths += lengths
-
-    def _check_extras(self, sample_id: int, cols: dict[str, np.ndarray]) -> None:
-        extras = self.cache.header["extras"]
-        if bool(extras.get("last_hidden")) != ("last_hidden" in cols):
-            raise CacheError(
-                f"Sample {sample_id}: the cache {'needs' if extras.get('last_hidden') else 'does not store'} "
-                "last_hidden; pass it exactly when the cache was created with store_last_hidden."
-            )
-        if bool(extras.get("topk")) != ("topk_ids" in cols):
-            raise CacheError(f"Sample {sample_id}: top-k data must be given exactly when the cache stores it.")
 
     def _encode(self, x, scale, num_layers) -> tuple[np.ndarray, np.ndarray | None]:
         codec = self.cache.codec
@@ -391,35 +390,24 @@ def write_part_group(
     zarr.create_group(store, zarr_format=3, attributes={
         "dflash_part": {"format_version": 1, "name": name, "samples": len(sample_ids), "tokens": tokens}
     })
-    hdr = cache.header["hidden"]
-    chunk_rows, shard_rows = int(hdr["chunk_rows"]), int(hdr["shard_rows"])
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    schema = cache.schema
     # A part added in one piece (add_samples) is written from its buffer without a copy.
     arrays = {key: parts[0] if len(parts) == 1 else np.concatenate(parts) for key, parts in cols.items()}
-    arrays["offsets"] = offsets
-    arrays["sample_ids"] = np.asarray(sample_ids, dtype=np.int64)
-    big = {"hidden", "last_hidden", "topk_ids", "topk_logprobs"}
-    for key, data in arrays.items():
-        if key in big:
-            compressors = (
-                cache.codec.zarr_compressors() if key in ("hidden", "last_hidden")
-                else small_array_compressors()
-            )
-            chunks = (chunk_rows, *data.shape[1:])
-            shards = (shard_rows, *data.shape[1:])
-        else:  # small per-token metadata: one chunk per part, read whole once per part
-            compressors, chunks, shards = small_array_compressors(), data.shape, None
+    arrays[OFFSETS] = sample_offsets(lengths)
+    arrays[SAMPLE_IDS] = np.asarray(sample_ids, dtype=np.int64)
+    for spec in schema:
+        data = arrays[spec.name]
+        chunks, shards = schema.chunking(spec, data.shape[0])
         arr = zarr.create_array(
-            store, name=key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
-            compressors=compressors, filters=None, fill_value=0,
+            store, name=spec.name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards,
+            compressors=schema.compressors(spec, cache.codec), filters=None, fill_value=0,
             config={"write_empty_chunks": True},
         )
-        if key in ("hidden", "last_hidden") and data.ndim == 2 and data.shape[0]:
+        if spec.storage == HIDDEN_CHUNKS and data.shape[0]:
             # The large arrays: shard files written here, byte for byte as zarr writes them for
             # this metadata (tests/test_cache_shards.py), without its per-chunk copies and task
             # overhead (docs/BENCHMARKS.md).
-            write_shards(path / key, data, chunk_rows, shard_rows, cache.codec)
+            write_shards(path / spec.name, data, schema.chunk_rows, schema.shard_rows, cache.codec)
         else:
             arr[...] = data
 
@@ -465,7 +453,7 @@ def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows:
             index[j] = (pos, size)
             pos += size
         index_bytes = index.tobytes()
-        target = array_dir / "c" / str(shard) / "0"
+        target = array_dir / shard_key(shard, data.ndim)
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as f:
             for pieces in encoded:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
-from dflash.extract.pipeline import TEST_SLEEP_ENV
+from dflash.extract.loop import TEST_SLEEP_ENV
 
 VOCAB = 128
 

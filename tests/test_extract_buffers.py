@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from dflash.cache_tools.schema import PartSchema
+from dflash.extract.buffers import PartBuffer, part_layout
 from dflash.extract.data import PartPlan, Sample
-from dflash.extract.writers import PartBuffer, part_fields
 
 
 @pytest.mark.parametrize("threads", [0, 3])
@@ -19,8 +20,8 @@ def test_batches_in_any_order_fill_the_part_in_sample_order(threads):
     plan = PartPlan(index=0)
     for i, n in enumerate(lengths):
         plan.add(Sample(sample_id=i, input_ids=np.zeros(n, np.int64), loss_mask=np.ones(n, np.uint8)))
-    fields = part_fields(width=6, hidden_size=3, num_layers=2, storage_dtype="uint8",
-                         has_scale=True, last_hidden=False, topk=0)
+    fields = PartSchema(hidden_size=3, num_layers=2, storage_dtype="uint8",
+                         has_scale=True, last_hidden=False, topk=0).from_target()
     full = {"hidden": rng.integers(0, 255, (sum(lengths), 6), dtype=np.uint8),
             "hidden_scale": rng.random((sum(lengths), 2), dtype=np.float32)}
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -46,8 +47,8 @@ def _plan(lengths: list[int], index: int = 0) -> PartPlan:
 def test_tensor_rows_land_in_sample_order_and_bf16_bits_survive():
     """put_tensors (the path the device copies take): uint16 bf16 bits go through int16."""
     lengths = [4, 2, 6]
-    fields = part_fields(width=8, hidden_size=4, num_layers=2, storage_dtype="uint16",
-                         has_scale=False, last_hidden=True, topk=2)
+    fields = PartSchema(hidden_size=4, num_layers=2, storage_dtype="uint16",
+                         has_scale=False, last_hidden=True, topk=2).from_target()
     buf = PartBuffer(_plan(lengths), fields)
     g = torch.Generator().manual_seed(0)
     full = {"hidden": torch.randn(12, 8, generator=g).to(torch.bfloat16).view(torch.int16),
@@ -99,8 +100,8 @@ def test_pool_cycles_parts_through_its_pinned_segments_and_unpins_them(tmp_path)
                          target_layer_ids=[0, 1], hidden_size=4, codec=HiddenCodec(name="raw"),
                          data={"name": "t"})
     cache = CacheWriter(tmp_path / "cache", header)
-    fields = part_fields(width=8, hidden_size=4, num_layers=2, storage_dtype="uint16",
-                         has_scale=False, last_hidden=False, topk=0)
+    fields = PartSchema(hidden_size=4, num_layers=2, storage_dtype="uint16",
+                         has_scale=False, last_hidden=False, topk=0).from_target()
     pinner = FakePinner()
     pool = WriterPool(cache, fields, 1, pinner=pinner, segment_tokens=16, pinned_segments=2)
     assert pinner.registered == 2  # up front, before any part
@@ -138,8 +139,8 @@ def _tiny_cache(tmp_path):
                                  "num_hidden_layers": 2, "vocab_size": 10},
                          target_layer_ids=[0, 1], hidden_size=4, codec=HiddenCodec(name="raw"),
                          data={"name": "t"})
-    fields = part_fields(width=8, hidden_size=4, num_layers=2, storage_dtype="uint16",
-                         has_scale=False, last_hidden=False, topk=0)
+    fields = PartSchema(hidden_size=4, num_layers=2, storage_dtype="uint16",
+                         has_scale=False, last_hidden=False, topk=0).from_target()
     return CacheWriter(tmp_path / "cache", header), fields
 
 
@@ -148,7 +149,7 @@ def test_too_little_shared_memory_is_one_clear_error_before_anything_starts(tmp_
     from dflash.extract import writers
 
     cache, fields = _tiny_cache(tmp_path)
-    part = writers._layout(fields, 1000)[1]  # bytes of one 1000-token part buffer
+    part = part_layout(fields, 1000)[1]  # bytes of one 1000-token part buffer
     monkeypatch.setattr(writers, "shm_free_bytes", lambda: 2 * part)  # 90 % of it: one buffer
     with pytest.raises(writers.WriteError) as err:
         writers.WriterPool(cache, fields, 4, segment_tokens=1000, open_parts=2)
@@ -161,7 +162,7 @@ def test_short_shared_memory_bounds_buffers_and_pinned_segments(tmp_path, monkey
     from dflash.extract import writers
 
     cache, fields = _tiny_cache(tmp_path)
-    part = writers._layout(fields, 1000)[1]
+    part = part_layout(fields, 1000)[1]
     monkeypatch.setattr(writers, "shm_free_bytes", lambda: int(5.5 * part / 0.9))  # room for 5 buffers
     pinner = FakePinner()
     pool = writers.WriterPool(cache, fields, 8, pinner=pinner, segment_tokens=1000, pinned_segments=9,

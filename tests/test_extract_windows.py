@@ -6,8 +6,8 @@ import json
 import random
 
 from dflash.extract.batching import make_batches
+from dflash.extract.buffers import PartGroup
 from dflash.extract.data import PartRules, plan_windows
-from dflash.extract.writers import PartGroup
 
 
 def write_lengths(path, lengths, bad_at=()):
