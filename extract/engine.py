@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec, quantize_fp8
+from dflash.cache_tools.schema import HIDDEN, LAST_HIDDEN, TOPK_IDS, TOPK_LOGPROBS, scale_of
 from torch import nn
 
 from .batching import Batch
+from .buffers import PartGroup
 from .target import LayerCapture, topk_logprobs
-from .writers import PartGroup
 
 # Test-only: seconds to sleep at the start of every forward, so that fault tests can signal a
 # run while a forward is in progress. Never set it in real runs.
@@ -103,11 +104,11 @@ class ExtractionEngine:
             widths = [(len(capture.target_layer_ids), hidden)] + ([(1, hidden)] if capture.need_last else [])
             self._quantize = _compiled_quantizer(device, widths)
 
-    def _encode(self, h: torch.Tensor, num_layers: int, prefix: str) -> dict[str, torch.Tensor]:
+    def _encode(self, h: torch.Tensor, num_layers: int, name: str) -> dict[str, torch.Tensor]:
         if self.codec.has_scale:
             q, scale = self._quantize(h, num_layers)
-            return {prefix: q, prefix + "_scale": scale}
-        return {prefix: h.to(torch.bfloat16).view(torch.int16)}
+            return {name: q, scale_of(name): scale}
+        return {name: h.to(torch.bfloat16).view(torch.int16)}
 
     def _host(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
         """A host buffer of at least like's rows (grown on demand, pinned on CUDA)."""
@@ -142,14 +143,14 @@ class ExtractionEngine:
         # Only real tokens leave the device; index_select avoids the host sync of a bool mask.
         packed = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, gather.to(h.device))
                             for h in cap.layers], dim=1).to(self.device)
-        out = self._encode(packed, len(cap.layers), "hidden")
+        out = self._encode(packed, len(cap.layers), HIDDEN)
         if cap.last_hidden is not None:
             last = cap.last_hidden.reshape(-1, cap.last_hidden.shape[-1])
             last = last.index_select(0, gather.to(last.device))
-            out.update(self._encode(last.to(self.device), 1, "last_hidden"))
+            out.update(self._encode(last.to(self.device), 1, LAST_HIDDEN))
             if self.topk:
                 ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
-                out["topk_ids"], out["topk_logprobs"] = ids_k.to(self.device), lp_k.to(self.device)
+                out[TOPK_IDS], out[TOPK_LOGPROBS] = ids_k.to(self.device), lp_k.to(self.device)
         if self._timeline is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()

@@ -10,15 +10,12 @@ import os
 import signal
 import sys
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.identity import target_provenance
 from dflash.cache_tools.layers import default_target_layer_ids
-from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
@@ -26,24 +23,14 @@ from dflash.runtime.signals import StopRequest
 from torch import nn
 from tqdm import tqdm
 
-from .batching import Batch, make_batches
 from .config import ExtractConfig
-from .data import PartPlan, fingerprint_data, list_data_files, plan_windows
-from .engine import ExtractionEngine, Pending
+from .data import PartPlan, fingerprint_data, list_data_files
+from .engine import ExtractionEngine
+from .loop import ExtractionLoop
+from .pinned import SegmentPinner
 from .target import LayerCapture, decoder_layers, load_target, target_identity
-from .writers import (
-    PartBuffer,
-    PartGroup,
-    SegmentPinner,
-    WriterPool,
-    part_fields,
-    start_fork_server,
-    stop_fork_server,
-)
+from .writers import WriterPool, start_fork_server, stop_fork_server
 
-# Test-only: seconds to sleep after each part is handed to the writers, so that tests can
-# interrupt or kill a run midway. Never set it in real runs.
-TEST_SLEEP_ENV = "DFLASH_TEST_SLEEP_PER_PART"
 # Diagnostic: copy rows through the engine's pinned slots and a host-side copy, instead of
 # straight into the (page-locked) part buffers. For comparisons and as a fallback.
 STAGED_COPY_ENV = "DFLASH_EXTRACT_STAGED_COPY"
@@ -165,64 +152,41 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
             attn_implementation=config.attn_implementation, device_map=config.device_map,
         )
     device = model.get_input_embeddings().weight.device
-    num_target_layers = len(decoder_layers(model))
     layer_ids = config.target_layer_ids or default_target_layer_ids(
-        num_target_layers, config.num_captured_layers
+        len(decoder_layers(model)), config.num_captured_layers
     )
-    capture = LayerCapture(model, layer_ids,
+    capture = LayerCapture(model, layer_ids,  # checks the ids (cache_tools.layers)
                            need_last=config.store_last_hidden or config.store_topk > 0)
     data_fp = fingerprint_data(files, config.data)
     header = build_header(config, model, model_dir, layer_ids, data_fp)
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0)
-    codec = HiddenCodec(name=config.codec)
-    fields = part_fields(
-        width=len(layer_ids) * header["hidden"]["hidden_size"],
-        hidden_size=header["hidden"]["hidden_size"], num_layers=len(layer_ids),
-        storage_dtype=codec.storage_dtype.name, has_scale=codec.has_scale,
-        last_hidden=config.store_last_hidden, topk=config.store_topk,
-    )
-    rules = config.part_rules(header["target"]["vocab_size"])
     built = time.perf_counter()
-    engine = ExtractionEngine(model, capture, codec, device=device, topk=config.store_topk,
+    engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
-    num_writers = writer_count(config, device)
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans))
     progress = Progress(data_fp["records"], config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
-    pinner = SegmentPinner(device) if engine.cuda and direct else None
-    # Parts open at once: those of the batches in flight (consecutive parts of a window);
-    # page-locked segments: those, plus a few in the writers' hands (the pool caps this by
-    # the free shared and host memory).
-    open_parts = 2 + -(-ExtractionEngine.NUM_SLOTS * config.token_budget // config.part_tokens)
-    pinned = open_parts + min(num_writers, 3)
     try:
-        pool = WriterPool(cache, fields, num_writers, pinner=pinner, segment_tokens=config.part_tokens,
-                          pinned_segments=pinned, open_parts=open_parts)
+        pool = _writer_pool(config, cache, engine, direct)
     except BaseException:
         capture.close()
         progress.close()
         raise
-    if num_writers and os.environ.get("DFLASH_PROFILE_EXTRACT"):
-        pinned_note = (f"{pinner.registered} page-locked part segments (registering {pinner.seconds:.2f} s, "
-                       f"{pinner.failures} refused) and " if pinner is not None else "")
-        print(f"setup: {pinned_note}{num_writers} writer processes ready in {pool.setup_seconds:.2f} s",
-              file=sys.stderr, flush=True)
+    loop = ExtractionLoop(files=files, rules=config.part_rules(header["target"]["vocab_size"]), rank=config.rank,
+                          world_size=config.world_size, token_budget=config.token_budget,
+                          committed=set(cache.committed()), engine=engine, pool=pool, progress=progress,
+                          summary=summary, direct=direct)
     t0 = time.perf_counter()
     engine.mark_start()
     try:
         with StopRequest(finishing="finishing the parts in progress, then exiting",
                          abandoning="exiting now (unfinished parts are redone on resume)",
                          on_second=pool.kill) as stop:
-            _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct)
+            loop.run(stop)
             drain_start = time.perf_counter()
             pool.drain()
-            if os.environ.get("DFLASH_PROFILE_EXTRACT") and pool.results:
-                per_part = sorted(r.seconds for r in pool.results)
-                print(f"drain: the last parts were written {time.perf_counter() - drain_start:.2f} s "
-                      f"after the last batch; writer time per part: median {per_part[len(per_part) // 2]:.2f} s, "
-                      f"max {per_part[-1]:.2f} s, {len(pool.results)} parts, {num_writers} writers",
-                      file=sys.stderr, flush=True)
+            _profile_drain(pool, drain_start)
             if (timeline := engine.timeline_report()) is not None:
                 print(timeline, file=sys.stderr, flush=True)
         summary.seconds = time.perf_counter() - t0  # every part committed
@@ -239,119 +203,29 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     return summary
 
 
-class StageTimer:
-    """Wall time of the main loop's stages, printed at the end with DFLASH_PROFILE_EXTRACT=1."""
-
-    def __init__(self) -> None:
-        self.enabled = bool(os.environ.get("DFLASH_PROFILE_EXTRACT"))
-        self.totals: dict[str, float] = {}
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.totals[name] = timer.totals.get(name, 0.0) + time.perf_counter() - self.t
-
-        return _Span()
-
-    def report(self) -> None:
-        if self.enabled:
-            print("main-loop stages (s): " + ", ".join(f"{k} {v:.2f}" for k, v in self.totals.items()),
-                  file=sys.stderr, flush=True)
+def _writer_pool(config: ExtractConfig, cache: CacheWriter, engine: ExtractionEngine, direct: bool) -> WriterPool:
+    """The writer processes and their part segments (page-locked ones for direct copies on CUDA)."""
+    num_writers = writer_count(config, engine.device)
+    pinner = SegmentPinner(engine.device) if engine.cuda and direct else None
+    # Parts open at once: those of the batches in flight (consecutive parts of a window);
+    # page-locked segments: those, plus a few in the writers' hands (the pool caps this by
+    # the free shared and host memory).
+    open_parts = 2 + -(-ExtractionEngine.NUM_SLOTS * config.token_budget // config.part_tokens)
+    pool = WriterPool(cache, cache.schema.from_target(), num_writers, pinner=pinner,
+                      segment_tokens=config.part_tokens, pinned_segments=open_parts + min(num_writers, 3),
+                      open_parts=open_parts)
+    if num_writers and os.environ.get("DFLASH_PROFILE_EXTRACT"):
+        pinned_note = (f"{pinner.registered} page-locked part segments (registering {pinner.seconds:.2f} s, "
+                       f"{pinner.failures} refused) and " if pinner is not None else "")
+        print(f"setup: {pinned_note}{num_writers} writer processes ready in {pool.setup_seconds:.2f} s",
+              file=sys.stderr, flush=True)
+    return pool
 
 
-def _extract_loop(config, files, rules, cache, engine, pool, stop, progress, summary, direct) -> None:
-    timer = StageTimer()
-    if os.environ.get("DFLASH_SYNC_DEBUG") and engine.cuda:
-        # Warn (once per code location) wherever the loop makes the host wait for the GPU.
-        torch.cuda.set_sync_debug_mode("warn")
-    committed = cache.committed()
-    sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
-
-    def own_groups() -> Iterator[PartGroup]:
-        # The parts of each sort window; each rank takes whole windows.
-        for plans in plan_windows(files, rules):
-            summary.parts_total += len(plans)
-            if plans[0].window % config.world_size != config.rank:
-                for plan in plans:
-                    progress.skip(plan)
-                continue
-            todo = []
-            for plan in plans:
-                summary.parts_this_rank += 1
-                todo.append(plan.name not in committed)
-                if not todo[-1]:
-                    summary.parts_done_before += 1
-                    progress.skip(plan)
-            if any(todo):
-                yield PartGroup(plans, todo)
-
-    def new_buffer(plan: PartPlan) -> PartBuffer:
-        with timer("new_buffer"):
-            buf = pool.new_buffer(plan)
-        open_buffers.append(buf)
-        return buf
-
-    def own_batches() -> Iterator[tuple[PartGroup, Batch]]:
-        for group in own_groups():
-            for batch in make_batches(group.samples, config.token_budget):
-                yield group, batch
-
-    def copy_rows(group: PartGroup, handle: Pending) -> None:
-        # Runs on the copier thread: waiting on the batch's event and numpy's copy both
-        # release the GIL, so the main thread keeps launching while rows move to the part.
-        with timer("wait"):
-            rows = engine.wait(handle)
-        if handle.direct:
-            return
-        with timer("put"):
-            group.put(handle.batch.members, rows, slab_copiers if engine.cuda else None)
-
-    def finish(group: PartGroup, handle: Pending, copied: Future) -> None:
-        copied.result()
-        summary.padded_tokens += handle.batch.padded_tokens
-        for buf in group.mark_filled(handle.batch.members):
-            submit(buf)
-
-    def submit(buf: PartBuffer) -> None:
-        open_buffers.remove(buf)
-        plan = buf.plan
-        with timer("submit"):
-            pool.submit(buf)
-            pool.poll()
-        summary.parts_written += 1
-        summary.samples += len(plan.samples)
-        summary.tokens += plan.num_tokens
-        for key in ("skipped_bad", "skipped_long", "truncated"):
-            setattr(summary, key, getattr(summary, key) + plan.stats[key])
-        summary.skips += plan.stats["skips"]
-        progress.advance(plan, pool.nbytes)
-        if sleep_per_part:
-            time.sleep(sleep_per_part)
-
-    open_buffers: list[PartBuffer] = []
-    in_flight: deque[tuple[PartGroup, Pending, Future]] = deque()
-    # The copier waits on CUDA events: its thread uses this process's GPU (not a stray GPU 0 context).
-    on_device = dict(initializer=torch.cuda.set_device, initargs=(engine.device,)) if engine.cuda else {}
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy", **on_device) as copier, \
-            ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
-        for group, batch in own_batches():
-            if stop.requested:
-                break
-            group.open(batch.members, new_buffer)
-            with timer("launch"):
-                handle = engine.launch(batch, group if direct else None)
-            in_flight.append((group, handle, copier.submit(copy_rows, group, handle)))
-            # The next launch reuses the host slot of the batch launched NUM_SLOTS ago.
-            while len(in_flight) >= engine.NUM_SLOTS - 1:
-                finish(*in_flight.popleft())
-        while in_flight:
-            finish(*in_flight.popleft())
-    for buf in open_buffers:  # stopped midway: the unfinished part is redone on resume
-        pool.discard(buf)
-    summary.interrupted_by = stop.signum or None
-    timer.report()
+def _profile_drain(pool: WriterPool, drain_start: float) -> None:
+    if os.environ.get("DFLASH_PROFILE_EXTRACT") and pool.results:
+        per_part = sorted(r.seconds for r in pool.results)
+        print(f"drain: the last parts were written {time.perf_counter() - drain_start:.2f} s "
+              f"after the last batch; writer time per part: median {per_part[len(per_part) // 2]:.2f} s, "
+              f"max {per_part[-1]:.2f} s, {len(pool.results)} parts, {pool.num_writers} writers",
+              file=sys.stderr, flush=True)

@@ -1,0 +1,170 @@
+"""The main loop of one rank: its windows' batches through the engine into part buffers.
+
+`ExtractionLoop.run(stop)` launches batches on the device, hands each launched batch to a
+copier thread that places its rows in the part buffers, and submits every completed part to
+the writer pool, until the data ends or `stop.requested`. Its state is explicit: the parts
+committed before (`committed`), the buffers being filled (`open_buffers`), the batches
+launched and not yet finished (`in_flight`), and the counters of `summary`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .batching import Batch, make_batches
+from .buffers import PartBuffer, PartGroup
+from .data import PartPlan, PartRules, plan_windows
+from .engine import ExtractionEngine, Pending
+from .writers import WriterPool
+
+# Test-only: seconds to sleep after each part is handed to the writers, so that tests can
+# interrupt or kill a run midway. Never set it in real runs.
+TEST_SLEEP_ENV = "DFLASH_TEST_SLEEP_PER_PART"
+
+
+class StageTimer:
+    """Wall time of the main loop's stages, printed at the end with DFLASH_PROFILE_EXTRACT=1."""
+
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("DFLASH_PROFILE_EXTRACT"))
+        self.totals: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.totals[name] = timer.totals.get(name, 0.0) + time.perf_counter() - self.t
+
+        return _Span()
+
+    def report(self) -> None:
+        if self.enabled:
+            print("main-loop stages (s): " + ", ".join(f"{k} {v:.2f}" for k, v in self.totals.items()),
+                  file=sys.stderr, flush=True)
+
+
+class ExtractionLoop:
+    """One rank's share of the windows, batched, computed and handed to the writers.
+
+    `direct`: rows go from the device straight into the (page-locked) part buffers; else
+    through the engine's pinned slots and a host-side copy (DFLASH_EXTRACT_STAGED_COPY).
+    """
+
+    def __init__(self, *, files: list, rules: PartRules, rank: int, world_size: int, token_budget: int,
+                 committed: set[str], engine: ExtractionEngine, pool: WriterPool, progress: Any,
+                 summary: Any, direct: bool):
+        self.files, self.rules = files, rules
+        self.rank, self.world_size, self.token_budget = rank, world_size, token_budget
+        self.committed = committed
+        self.engine, self.pool, self.progress, self.summary = engine, pool, progress, summary
+        self.direct = direct
+        self.timer = StageTimer()
+        self.sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
+        self.open_buffers: list[PartBuffer] = []  # parts being filled
+        self.in_flight: deque[tuple[PartGroup, Pending, Future]] = deque()  # launched, not finished
+        self._slab_copiers: ThreadPoolExecutor | None = None
+
+    # -- what this rank does -------------------------------------------------------------------
+    def own_groups(self) -> Iterator[PartGroup]:
+        """The parts of each sort window this rank takes (whole windows), less committed ones."""
+        for plans in plan_windows(self.files, self.rules):
+            self.summary.parts_total += len(plans)
+            if plans[0].window % self.world_size != self.rank:
+                for plan in plans:
+                    self.progress.skip(plan)
+                continue
+            todo = []
+            for plan in plans:
+                self.summary.parts_this_rank += 1
+                todo.append(plan.name not in self.committed)
+                if not todo[-1]:
+                    self.summary.parts_done_before += 1
+                    self.progress.skip(plan)
+            if any(todo):
+                yield PartGroup(plans, todo)
+
+    def own_batches(self) -> Iterator[tuple[PartGroup, Batch]]:
+        for group in self.own_groups():
+            for batch in make_batches(group.samples, self.token_budget):
+                yield group, batch
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self, stop: Any) -> None:
+        """Until the data ends or `stop.requested`; then drops the unfinished parts (they are
+        redone on resume) and records the signal in the summary."""
+        engine = self.engine
+        if os.environ.get("DFLASH_SYNC_DEBUG") and engine.cuda:
+            # Warn (once per code location) wherever the loop makes the host wait for the GPU.
+            torch.cuda.set_sync_debug_mode("warn")
+        # The copier waits on CUDA events: its thread uses this process's GPU (not a stray GPU 0 context).
+        on_device = dict(initializer=torch.cuda.set_device, initargs=(engine.device,)) if engine.cuda else {}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy", **on_device) as copier, \
+                ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
+            self._slab_copiers = slab_copiers if engine.cuda else None
+            for group, batch in self.own_batches():
+                if stop.requested:
+                    break
+                group.open(batch.members, self._new_buffer)
+                with self.timer("launch"):
+                    handle = engine.launch(batch, group if self.direct else None)
+                self.in_flight.append((group, handle, copier.submit(self._copy_rows, group, handle)))
+                # The next launch reuses the host slot of the batch launched NUM_SLOTS ago.
+                while len(self.in_flight) >= engine.NUM_SLOTS - 1:
+                    self._finish(*self.in_flight.popleft())
+            while self.in_flight:
+                self._finish(*self.in_flight.popleft())
+        for buf in self.open_buffers:  # stopped midway: the unfinished part is redone on resume
+            self.pool.discard(buf)
+        self.open_buffers.clear()
+        self.summary.interrupted_by = stop.signum or None
+        self.timer.report()
+
+    def _new_buffer(self, plan: PartPlan) -> PartBuffer:
+        with self.timer("new_buffer"):
+            buf = self.pool.new_buffer(plan)
+        self.open_buffers.append(buf)
+        return buf
+
+    def _copy_rows(self, group: PartGroup, handle: Pending) -> None:
+        # Runs on the copier thread: waiting on the batch's event and numpy's copy both
+        # release the GIL, so the main thread keeps launching while rows move to the part.
+        with self.timer("wait"):
+            rows = self.engine.wait(handle)
+        if handle.direct:
+            return
+        with self.timer("put"):
+            group.put(handle.batch.members, rows, self._slab_copiers)
+
+    def _finish(self, group: PartGroup, handle: Pending, copied: Future) -> None:
+        copied.result()
+        self.summary.padded_tokens += handle.batch.padded_tokens
+        for buf in group.mark_filled(handle.batch.members):
+            self._submit(buf)
+
+    def _submit(self, buf: PartBuffer) -> None:
+        self.open_buffers.remove(buf)
+        plan, summary = buf.plan, self.summary
+        with self.timer("submit"):
+            self.pool.submit(buf)
+            self.pool.poll()
+        summary.parts_written += 1
+        summary.samples += len(plan.samples)
+        summary.tokens += plan.num_tokens
+        for key in ("skipped_bad", "skipped_long", "truncated"):
+            setattr(summary, key, getattr(summary, key) + plan.stats[key])
+        summary.skips += plan.stats["skips"]
+        self.progress.advance(plan, self.pool.nbytes)
+        if self.sleep_per_part:
+            time.sleep(self.sleep_per_part)
