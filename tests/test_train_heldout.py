@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -160,8 +161,9 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
     # training tau climbs while held-out tau stays at the floor.
     cache = write_tiny_cache(tmp_path / "cache", samples=12, parts=1)
     out = tmp_path / "run"
-    result = train(tiny_train_config(cache, tiny_world["target"], out, epochs=24, eval_fraction=0.34,
-                                     eval_interval=4, log_interval=4, keep_checkpoints=1, lr=3e-2, max_anchors=16))
+    settings = dict(epochs=24, eval_fraction=0.34, eval_interval=4, log_interval=4, keep_checkpoints=1, lr=3e-2,
+                    max_anchors=16)
+    result = train(tiny_train_config(cache, tiny_world["target"], out, **settings))
     records = read_metrics(out)
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) >= 10 and evals[-1]["step"] == result.step
@@ -185,6 +187,18 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
     assert not all(torch.equal(exported[k], last_w[k].to(torch.bfloat16)) for k in exported)
     meta = json.loads((out / "checkpoints" / ckpts[1] / "meta.json").read_text())
     assert meta["heldout"]["best_step"] == best["step"]
+
+    # Resumed from the best checkpoint, the run knows it is the best so far: no later
+    # evaluation replaces it, and it ends bit for bit as the uninterrupted run did.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / ckpts[0], resumed / "checkpoints" / ckpts[0])
+    again = train(tiny_train_config(cache, tiny_world["target"], resumed, **settings))
+    assert again.best_step == result.best_step
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ckpts
+    for name in ("final/model.safetensors", f"checkpoints/{ckpts[1]}/model.safetensors"):
+        a, b = load_file(str(out / name)), load_file(str(resumed / name))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert [r["warning"] for r in read_metrics(resumed) if r["kind"] == "eval"] == [r["warning"] for r in after]
 
 
 def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp_path):
