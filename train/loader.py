@@ -27,6 +27,14 @@ from dflash.cache_tools.identity import Purpose, target_differences, target_iden
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import diff_identity
 from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.schema import (
+    HIDDEN_ARRAYS,
+    INPUT_IDS,
+    LOSS_MASK,
+    SAMPLE_IDS,
+    TOPK_ARRAYS,
+    scale_of,
+)
 
 from .config import TrainConfigError
 
@@ -122,7 +130,7 @@ class CacheSet:
     def sample_ids(self) -> np.ndarray:
         """The global sample id of every sample, in index order (read from each part once)."""
         if self._sample_ids is None:
-            ids = [r.part_arrays(p).small_array("sample_ids") for r in self.readers for p in range(len(r.parts))]
+            ids = [r.part_arrays(p).small_array(SAMPLE_IDS) for r in self.readers for p in range(len(r.parts))]
             self._sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
             for r in self.readers:
                 r.close()  # DataLoader workers open their own maps
@@ -224,10 +232,10 @@ def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | Non
     `padded` holds batch tensors already filled in place (see `read_batch`); they are used as
     they are instead of being assembled from the samples.
     """
-    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples], dtype=torch.long)
+    lengths = torch.tensor([s[INPUT_IDS].shape[0] for s in samples], dtype=torch.long)
     batch_size, seq_len = len(samples), int(lengths.max())
     out: dict[str, torch.Tensor] = {"lengths": lengths, **(padded or {})}
-    for key in ("hidden", "input_ids", "loss_mask", "last_hidden", "topk_ids", "topk_logprobs"):
+    for key in (*HIDDEN_ARRAYS, INPUT_IDS, LOSS_MASK, *TOPK_ARRAYS):  # the part schema's per-token arrays
         if key not in samples[0] or key in out:
             continue
         first = samples[0][key]
@@ -237,7 +245,7 @@ def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | Non
             t[b, :n] = s[key]
             t[b, n:] = 0
         out[key] = t
-    out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.long)
+    out[SAMPLE_IDS] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.long)
     return out
 
 
@@ -251,18 +259,15 @@ def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
     """
     indices = [int(j) for j in indices]
     lengths = [int(caches.lengths[j]) for j in indices]
-    manifest = caches.readers[0].manifest
+    schema = caches.readers[0].schema
     fp8 = all(r.manifest.codec.has_scale for r in caches.readers)
     dtype = torch.uint8 if fp8 else torch.bfloat16
     shape = (len(indices), max(lengths))
-    widths = {"hidden": (manifest.num_layers * manifest.hidden_size, manifest.num_layers)}
-    if manifest.store_last_hidden:
-        widths["last_hidden"] = (manifest.hidden_size, 1)
     padded = {}
-    for name, (width, layers) in widths.items():
-        padded[name] = torch.empty((*shape, width), dtype=dtype)
+    for spec in schema.hidden_arrays():
+        padded[spec.name] = torch.empty((*shape, spec.width), dtype=dtype)
         if fp8:
-            padded[name + "_scale"] = torch.empty((*shape, layers), dtype=torch.float32)
+            padded[scale_of(spec.name)] = torch.empty((*shape, schema.scale_width(spec.name)), dtype=torch.float32)
     samples = []
     for b, (j, n) in enumerate(zip(indices, lengths)):
         samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}, dequantize=not fp8))
@@ -273,8 +278,8 @@ def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
 
 def dequantize_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fp8 rows + scales of `read_batch` -> bf16 rows, where the batch now lives (the GPU)."""
-    for name in ("hidden", "last_hidden"):
-        scale = batch.pop(name + "_scale", None)
+    for name in HIDDEN_ARRAYS:
+        scale = batch.pop(scale_of(name), None)
         if scale is not None:
             q = batch[name]
             batch[name] = dequantize_fp8(q.flatten(0, 1), scale.flatten(0, 1)).view(*q.shape)
