@@ -103,7 +103,7 @@ def build_record(conv: Conversation, messages: list[dict], last: Completion, ren
         answer = answer[: ends[0] + 1] if ends else answer
     else:
         answer = _answer_from_text(conv, messages, last, renderer, prompt)
-    mask = _prompt_mask(conv, prompt_messages, prompt, renderer, loss_on)
+    mask = _prompt_mask(conv, prompt_messages, last, prompt, renderer, loss_on)
     return {"id": conv.id, "input_ids": prompt + answer, "loss_mask": mask + [1] * len(answer),
             "finish_reason": last.finish_reason}
 
@@ -127,16 +127,19 @@ def _answer_from_text(conv, messages, last: Completion, renderer: ChatRenderer, 
     return span
 
 
-def _prompt_mask(conv, prompt_messages, prompt: list[int], renderer: ChatRenderer, loss_on: str) -> list[int]:
-    """Zeros, or under all-assistant the masks of the assistant turns inside the prompt."""
-    earlier = [i for i, m in enumerate(prompt_messages) if m["role"] == "assistant"]
-    if loss_on != "all-assistant" or not earlier:
+def _prompt_mask(conv, prompt_messages, last: Completion, prompt: list[int], renderer: ChatRenderer,
+                 loss_on: str) -> list[int]:
+    """Zeros, or under all-assistant the masks of the assistant turns inside the prompt, taken
+    from the rendering of the whole conversation (the history as the template renders it there)."""
+    if loss_on != "all-assistant" or not any(m["role"] == "assistant" for m in prompt_messages):
         return [0] * len(prompt)
-    r = renderer.with_loss_on("all-assistant").render(Conversation(
-        id=conv.id, where=conv.where, messages=prompt_messages[: earlier[-1] + 1], tools=conv.tools))
-    if prompt[: len(r.input_ids)] != r.input_ids:
-        raise RenderError("the earlier turns render differently inside the last turn's prompt; use --loss-on last-assistant")
-    return r.loss_mask + [0] * (len(prompt) - len(r.input_ids))
+    whole = [*prompt_messages, _assistant_message(last)]
+    r = renderer.with_loss_on("all-assistant").render(
+        Conversation(id=conv.id, where=conv.where, messages=whole, tools=conv.tools))
+    if r.input_ids[: len(prompt)] != prompt:
+        raise RenderError("the conversation renders its history differently from the last turn's prompt; "
+                          "use --loss-on last-assistant")
+    return r.loss_mask[: len(prompt)]
 
 
 class OutputLog:

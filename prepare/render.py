@@ -4,7 +4,9 @@ A mask is derived from renderings of prefixes of the conversation, never from se
 text for role markers:
 - the prompt of assistant turn i is the rendering of messages[:i] with the generation prompt;
   it must be a token prefix of the whole rendering (the tokens the model saw before it spoke),
-  otherwise the sample is refused with the turn named;
+  or differ from it only inside the generation prompt (a template that drops its empty think
+  block from past turns; the turn then starts where the two part); otherwise the sample is
+  refused with the turn named;
 - the turn ends where the rendering of messages[:i+1] ends, when that rendering is a token
   prefix of the whole; a template that rewrites a turn once later turns follow (Qwen3 drops the
   reasoning of earlier turns) makes it not one, and the turn then ends at its first end-of-turn
@@ -188,16 +190,23 @@ class ChatRenderer:
         return Rendered(input_ids=full[:last], loss_mask=mask[:last].tolist(), prompt_len=starts[-1])
 
     def _prompt_len(self, msgs, tools, i: int, full: list[int], t: int) -> int:
+        """Where assistant turn i starts in the whole rendering (see the module docstring)."""
         prompt = self.prompt_ids(msgs[:i], tools)
-        if full[: len(prompt)] != prompt:
-            at = _first_difference(prompt, full)
-            raise RenderError(
-                f"the chat template renders the prompt of assistant turn {t + 1} (message {i}) "
-                f"differently from the same tokens in the whole conversation (they differ at "
-                f"token {at}), so no mask can say what the target saw before that turn; "
-                "use --loss-on last-assistant, or a template that does not rewrite history"
-            )
-        return len(prompt)
+        if full[: len(prompt)] == prompt:
+            return len(prompt)
+        # Once the turn is history, some templates drop part of their generation prompt (Qwen3's
+        # empty think block under enable_thinking=False): the turn then starts where the two
+        # renderings part, provided the history before the generation prompt is unchanged.
+        at = _first_difference(prompt, full)
+        history = self.tokenize(self.render_text(msgs[:i], tools, add_generation_prompt=False))
+        if full[: len(history)] == history and at >= len(history):
+            return at
+        raise RenderError(
+            f"the chat template renders the conversation before assistant turn {t + 1} (message {i}) "
+            f"differently from the same part of the whole conversation (they differ at token {at}), "
+            "so no mask can say where that turn starts; use --loss-on last-assistant, or a template "
+            "that does not rewrite history"
+        )
 
     def _turn_end(self, msgs, tools, i: int, full: list[int], start: int, t: int) -> int:
         through = self.tokenize(self.render_text(msgs[: i + 1], tools, add_generation_prompt=False))

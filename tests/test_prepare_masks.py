@@ -86,19 +86,23 @@ def test_qwen3_empty_reasoning_block_is_supervised_when_asked(tmp_path):
     assert recs[0]["id"] == "chat.jsonl:1"
 
 
-def test_qwen3_thinking_off_puts_the_empty_block_in_the_prompt(tmp_path):
+@pytest.mark.parametrize("loss_on", ["all-assistant", "last-assistant"])
+def test_qwen3_thinking_off_puts_the_empty_block_in_the_prompt(tmp_path, loss_on):
+    # The generation prompt of every turn ends with the empty think block, which the template
+    # drops from past turns: the first answer starts right after its header in the history.
     tok, recs, _ = run_prepare(tmp_path, QWEN3_TEMPLATE, [{"messages": PLAIN_CONVERSATION}],
-                               "--thinking", "off", "--loss-on", "last-assistant")
+                               "--thinking", "off", "--loss-on", loss_on)
     ids, mask = pieces_reference(tok, [
         ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nOne?<|im_end|>\n"
-         "<|im_start|>assistant\nTwo.<|im_end|>\n<|im_start|>user\nThree?<|im_end|>\n"
-         "<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+         "<|im_start|>assistant\n", 0),
+        ("Two.<|im_end|>", int(loss_on == "all-assistant")),
+        ("\n<|im_start|>user\nThree?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
         ("Four.<|im_end|>", 1),
     ])
     assert recs[0]["input_ids"] == ids and recs[0]["loss_mask"] == mask
     meta = json.loads((tmp_path / "prepared.jsonl.meta.json").read_text())
     assert meta["chat_template_kwargs"] == {"enable_thinking": False}
-    assert meta["loss_on"] == "last-assistant"
+    assert meta["loss_on"] == loss_on
     import hashlib
 
     assert meta["chat_template_sha256"] == hashlib.sha256(QWEN3_TEMPLATE.encode()).hexdigest()

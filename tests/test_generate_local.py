@@ -1,0 +1,112 @@
+"""dflash-generate's in-process backend: multi-turn regeneration, truncation, resume rules, Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from chat_utils import QWEN3_TEMPLATE, make_chat_target, read_jsonl, write_jsonl
+from click.testing import CliRunner
+from dflash.prepare.generate_cli import main as generate_main
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_chat_target(tmp_path_factory.mktemp("local") / "model", QWEN3_TEMPLATE, seed=0)
+
+
+def run(target, data, out, *extra):
+    return CliRunner().invoke(generate_main, [
+        "--target-model", str(target), "--data", str(data), "--output", str(out), "--no-progress",
+        "--dtype", "fp32", "--thinking", "off", *extra])
+
+
+def greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)[0, len(prompt):].tolist()
+
+
+def test_regenerate_all_answers_every_turn_on_the_targets_own_earlier_answers(target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    conv = [{"role": "user", "content": "go 0"}, {"role": "assistant", "content": "old one"},
+            {"role": "user", "content": "second?"}, {"role": "assistant", "content": "old two"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "m", "messages": conv}])
+    out = tmp_path / "gen.jsonl"
+    result = run(target, data, out, "--regenerate", "all", "--loss-on", "all-assistant", "--max-tokens", "12")
+    assert result.exit_code == 0, result.output
+    [rec] = read_jsonl(out)
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    render = lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
+                                                  enable_thinking=False, return_dict=True)["input_ids"]
+    p1 = render(conv[:1])
+    g1 = greedy(model, p1, 12)
+    assert g1[-1] == tok.eos_token_id, "the first answer must finish for a second turn to follow"
+    first = {"role": "assistant", "content": tok.decode(g1, skip_special_tokens=True)}
+    p2 = render([conv[0], first, conv[2]])
+    g2 = greedy(model, p2, 12)
+    assert rec["input_ids"] == p2 + g2
+    # The first answer as the template renders it in the history (its text and end-of-turn),
+    # right after the assistant header: the empty think block of its prompt is not kept there.
+    start = len(tok(tok.apply_chat_template(conv[:1], tokenize=False) + "<|im_start|>assistant\n",
+                    add_special_tokens=False)["input_ids"])
+    expected_mask = [0] * len(p2) + [1] * len(g2)
+    for k in range(start, start + len(g1)):
+        expected_mask[k] = 1
+    assert p2[start:start + len(g1)] == g1
+    assert rec["loss_mask"] == expected_mask
+
+
+def test_drop_truncated_records_the_ids_so_a_rerun_skips_them(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": f"t{i}", "messages": [{"role": "user", "content": f"go {i}"}, {"role": "assistant", "content": "x"}]}
+        for i in range(6)])
+    out = tmp_path / "gen.jsonl"
+    result = run(target, data, out, "--max-tokens", "3", "--drop-truncated")
+    assert result.exit_code == 0, result.output
+    written = {r["id"] for r in read_jsonl(out)}
+    dropped = {r["id"] for r in read_jsonl(tmp_path / "gen.jsonl.skipped.jsonl")}
+    assert dropped and not written & dropped and written | dropped == {f"t{i}" for i in range(6)}
+    assert f"length {len(dropped)}" in result.output and "dropped: truncated" in result.output
+    again = run(target, data, out, "--max-tokens", "3", "--drop-truncated")
+    assert "0 records written (6 done before)" in again.output
+
+
+def test_a_resume_with_other_sampling_settings_is_refused(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]}])
+    out = tmp_path / "gen.jsonl"
+    assert run(target, data, out, "--max-tokens", "4").exit_code == 0
+    refused = run(target, data, out, "--max-tokens", "8")
+    assert refused.exit_code == 2 and "generation differ" in refused.output and "new --output" in refused.output
+    assert run(target, data, out, "--max-tokens", "4", "--thinking", "on").exit_code == 2
+
+
+def test_ctrl_c_stops_within_seconds_and_keeps_the_finished_records(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": f"s{i}", "messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": "x"}]}
+        for i in range(10)])
+    out = tmp_path / "gen.jsonl"
+    cmd = [sys.executable, "-m", "dflash.prepare.generate_cli", "--target-model", str(target), "--data", str(data),
+           "--output", str(out), "--no-progress", "--dtype", "fp32", "--batch-size", "2", "--max-tokens", "200"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    output = proc.communicate(timeout=30)[0].decode()
+    assert time.monotonic() - sent < 5, "the stop took too long"
+    assert proc.returncode == 130, output
+    kept = [r["id"] for r in read_jsonl(out)]
+    assert 2 <= len(kept) < 10 and len(kept) == len(set(kept))
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    ids = [r["id"] for r in read_jsonl(out)]
+    assert sorted(ids) == sorted(f"s{i}" for i in range(10))
