@@ -171,7 +171,8 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
     assert result.best_step == best["step"] == evals[-1]["best_step"] < result.step, "the scenario overfits"
     assert evals[-1]["train_tau"] > best["train_tau"] + 0.2, "training tau kept rising"
     after = [r for r in evals if r["step"] > best["step"]]
-    assert all("has not improved" in r.get("warning", "") for r in after)  # every evaluation past the best
+    assert "warning" not in after[0]  # one evaluation below the best may be noise
+    assert all("has not improved" in r.get("warning", "") for r in after[1:])  # two in a row are not
     assert "overfitting" in after[-1]["warning"] and "More data" in after[-1]["warning"]
     assert "--epochs" in after[-1]["warning"]
     assert not any("warning" in r for r in evals if r["step"] == best["step"])
@@ -198,7 +199,7 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
     for name in ("final/model.safetensors", f"checkpoints/{ckpts[1]}/model.safetensors"):
         a, b = load_file(str(out / name)), load_file(str(resumed / name))
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    assert [r["warning"] for r in read_metrics(resumed) if r["kind"] == "eval"] == [r["warning"] for r in after]
+    assert [r.get("warning") for r in read_metrics(resumed) if r["kind"] == "eval"] == [r.get("warning") for r in after]
 
 
 def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp_path):

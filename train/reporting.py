@@ -99,6 +99,10 @@ _SHORT = {"heldout_tau": "held-out_tau", "tau": "train_tau", "context_tokens_per
           "best_heldout_tau": "best", "best_step": "at_step"}
 
 
+PATIENCE = 2
+"""Evaluations in a row without a new best held-out tau before the run warns."""
+
+
 @dataclass
 class HeldoutTracker:
     """The held-out tau over a run: its best evaluation (whose checkpoint is kept and becomes
@@ -111,6 +115,7 @@ class HeldoutTracker:
     """Training tau over the evaluation interval that ended at the best step."""
     last_tau: float | None = None
     last_step: int | None = None
+    evals_since_best: int = 0
     train_accepted: float = 0.0
     """Accepted slots (tau - 1 summed over blocks) of the training logs since the last evaluation."""
     train_blocks: float = 0.0
@@ -133,8 +138,12 @@ class HeldoutTracker:
         warning = None
         if tau > self.best_tau:
             self.best_step, self.best_tau, self.best_train_tau = step, tau, train_tau
+            self.evals_since_best = 0
         else:
-            warning = self._warning(tau, train_tau)
+            self.evals_since_best += 1
+            # One evaluation below the best can be noise (or a flat start); two in a row are a trend.
+            if self.evals_since_best >= PATIENCE:
+                warning = self._warning(tau, train_tau)
         self.last_tau, self.last_step = tau, step
         record: dict[str, Any] = {"heldout_tau": tau, "train_tau": train_tau, "tau_gap": train_tau - tau,
                                   "best_heldout_tau": self.best_tau, "best_step": self.best_step}
@@ -143,7 +152,8 @@ class HeldoutTracker:
         return {**record, **heldout}
 
     def _warning(self, tau: float, train_tau: float) -> str:
-        head = (f"held-out tau {tau:.3f} has not improved on {self.best_tau:.3f} (step {self.best_step})")
+        head = (f"held-out tau {tau:.3f} has not improved on {self.best_tau:.3f} (step {self.best_step}) "
+                f"for {self.evals_since_best} evaluations")
         keep = f"final/ will be the step-{self.best_step} checkpoint, the best held-out one."
         if train_tau > self.best_train_tau:
             return (f"{head} while training tau rose {self.best_train_tau:.3f} -> {train_tau:.3f}: the drafter "
