@@ -27,7 +27,7 @@ from extract_utils import (
     wait_for,
     write_jsonl,
 )
-from test_train_support import tiny_train_config
+from test_train_support import read_metrics, tiny_train_config
 from transformers import AutoConfig
 
 
@@ -153,3 +153,18 @@ def test_the_tokenizer_is_part_of_the_identity(tmp_path):
     # A side that records no tokenizer hash (an older cache) is compared on the other fields.
     older = {k: v for k, v in first.items() if k != "tokenizer_hash"}
     assert target_differences(older, second, Purpose.MERGE) == []
+
+
+def test_training_resumes_after_the_model_directory_moved(two_copies, tmp_path):
+    """A training run's checkpoint records the target's identity, not its path."""
+    root = two_copies["root"]
+    model = shutil.copytree(two_copies["first"], tmp_path / "before" / "model")
+    settings = dict(epochs=1, save_interval=1, eval_fraction=0.0)
+    first = train(tiny_train_config([root / "cache-a"], model, tmp_path / "run", max_steps=1, **settings))
+    assert first.step == 1
+    moved = shutil.move(model, tmp_path / "renamed")
+    resumed = train(tiny_train_config([root / "cache-a"], moved, tmp_path / "run", max_steps=2, resume=True,
+                                      **settings))
+    assert resumed.step == 2
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert steps == [1, 2]  # step 1 ran once: the second run continued from its checkpoint

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.cache_tools.identity import comparable, target_identity
 from dflash.runtime.signals import StopRequest
 from safetensors.torch import load_file
 from torch import nn
@@ -347,14 +346,6 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             "estimator": "greedy replay" if replay else "labels"}
 
 
-def target_fingerprint(target_config: Any) -> dict[str, Any]:
-    config = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
-    config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-    return {"config_sha256": digest, "hidden_size": target_config.hidden_size,
-            "num_hidden_layers": target_config.num_hidden_layers, "vocab_size": target_config.vocab_size}
-
-
 def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
                  info: DistInfo) -> dict[str, Any]:
     """What a resumed run must share with its checkpoint: the data, its batches, the model's shape."""
@@ -365,7 +356,8 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
         # the held-out split (by sample id) decides the training samples; --eval-cache replaces it
         "eval_fraction": 0.0 if cfg.eval_cache else cfg.eval_fraction,
         "eval_split": "sample_id hash",
-        "target": target_fingerprint(target_config),
+        # the target's identity (cache_tools.identity): its files, never its path
+        "target": comparable(target_identity(target_config, cfg.target_model)),
         "batching": {"token_budget": cfg.token_budget, "max_batch_size": cfg.max_batch_size,
                      "max_seq_len": cfg.max_seq_len, "shuffle_window": cfg.shuffle_window, "seed": cfg.seed,
                      "batches_per_step (world_size x grad_accum)": info.world_size * cfg.grad_accum},
