@@ -132,8 +132,10 @@ class ServerBackend:
                 payload = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:500]
-            if e.code in (400, 422) and "return_token_ids" in detail and self.token_ids == "auto":
-                self.text_only.add(url)  # this server does not return ids: use the text
+            if e.code in (400, 422) and self.token_ids == "auto" and url not in self.text_only:
+                # A server that refuses the return_token_ids field (transformers serve) gets the
+                # request again without it; its answers are then re-tokenized and checked.
+                self.text_only.add(url)
                 return self._post(url, request)
             if e.code == 429 or e.code >= 500:
                 raise _Retryable(f"HTTP {e.code}") from None
