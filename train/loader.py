@@ -1,9 +1,10 @@
 """Batches of cached samples for the trainer: length-bucketed, deterministic, resumable.
 
-Startup reads the caches' manifests only (every sample length is in the commit log). An
-epoch's batch list is a pure function of (seed, epoch, the manifests, the batching settings):
-the samples are shuffled, sorted by length inside windows of `shuffle_window` samples, packed
-greedily under the token budget, and the batches shuffled again. Rank r of W takes global batches
+Startup reads the caches' manifests (every sample length is in the commit log) and, for the
+held-out split (heldout.py), each part's sample ids. An epoch's batch list is a pure function
+of (seed, epoch, the manifests, the batching settings): the samples are shuffled, sorted by
+length inside windows of `shuffle_window` samples, packed greedily under the token budget, and
+the batches shuffled again. Rank r of W takes global batches
 r, r+W, r+2W, ...; one optimizer step consumes W x grad_accum consecutive global batches, so a
 run's batches do not depend on how they are spread over ranks. The position (epoch, global
 batches consumed) is checkpointed; a resumed loader yields exactly the batches the
@@ -37,6 +38,7 @@ from dflash.cache_tools.schema import (
 )
 
 from .config import TrainConfigError
+from .heldout import cap_by_score, eval_split, heldout_scores
 
 LOADER_STATE_VERSION = 1
 # Test-only: seconds each batch read sleeps (in the DataLoader worker when there are workers),
@@ -140,42 +142,6 @@ class CacheSet:
         """What decides the samples: each cache's header identity and committed size (not its path)."""
         return [{"identity": r.manifest.identity(), "samples": len(r), "tokens": r.num_tokens}
                 for r in self.readers]
-
-
-def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) sample indices. A sample is held out when the hash of its global
-    sample id (its source record) falls below `fraction`: its side depends on that id only,
-    so it stays put when a cache grows, is re-extracted as a superset, merged, or listed in
-    another order, and the same record in two caches lands on the same side."""
-    index = np.arange(len(caches), dtype=np.int64)
-    if fraction <= 0:
-        return index, index[:0]
-    held_out = heldout_scores(caches.sample_ids()) < fraction
-    return index[~held_out], index[held_out]
-
-
-def heldout_scores(sample_ids: np.ndarray) -> np.ndarray:
-    """A pseudo-random value in [0, 1) per sample id (the split and the evaluation cap use it)."""
-    return _unit_hash(sample_ids.astype(np.int64).view(np.uint64))
-
-
-def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> np.ndarray:
-    """The `max_samples` indices of lowest score (all of them for 0), in index order; the
-    chosen set only loses members as samples are added, never gains old ones."""
-    if not max_samples or len(indices) <= max_samples:
-        return indices
-    keep = np.argsort(scores[indices], kind="stable")[:max_samples]
-    return np.sort(indices[keep])
-
-
-def _unit_hash(x: np.ndarray) -> np.ndarray:
-    """splitmix64 of each value, mapped to [0, 1)."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 # -- batch plans ------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""The held-out split: which samples a run never trains on, decided by their global sample id.
+
+A sample is held out when a hash of its sample id (its source record, stored per part in the
+cache) falls below the held-out fraction. Its side depends on that id only, so it does not
+move when a cache grows, is extracted again as a superset, merged, or listed in another order;
+the evaluation cap keeps the held-out samples of lowest hash, a set that only loses members as
+samples are added.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .loader import CacheSet
+
+
+def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) sample indices. A sample is held out when the hash of its global
+    sample id (its source record) falls below `fraction`: its side depends on that id only,
+    so it stays put when a cache grows, is re-extracted as a superset, merged, or listed in
+    another order, and the same record in two caches lands on the same side."""
+    index = np.arange(len(caches), dtype=np.int64)
+    if fraction <= 0:
+        return index, index[:0]
+    held_out = heldout_scores(caches.sample_ids()) < fraction
+    return index[~held_out], index[held_out]
+
+
+def heldout_scores(sample_ids: np.ndarray) -> np.ndarray:
+    """A pseudo-random value in [0, 1) per sample id (the split and the evaluation cap use it)."""
+    return _unit_hash(sample_ids.astype(np.int64).view(np.uint64))
+
+
+def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> np.ndarray:
+    """The `max_samples` indices of lowest score (all of them for 0), in index order; the
+    chosen set only loses members as samples are added, never gains old ones."""
+    if not max_samples or len(indices) <= max_samples:
+        return indices
+    keep = np.argsort(scores[indices], kind="stable")[:max_samples]
+    return np.sort(indices[keep])
+
+
+def _unit_hash(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of each value, mapped to [0, 1)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
