@@ -152,7 +152,7 @@ class TrainConfig:
     save_interval: int = 1000
     """Optimizer steps between checkpoints (0: only at the end and on a signal)."""
     keep_checkpoints: int = 3
-    """Checkpoints kept in RUN_DIR/checkpoints (older ones are deleted)."""
+    """Most recent checkpoints kept in RUN_DIR/checkpoints (older ones are deleted, except the best held-out one)."""
     resume: bool = False
     """Require a checkpoint to resume from (without it, a run resumes when one exists)."""
 
