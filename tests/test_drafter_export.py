@@ -311,3 +311,41 @@ def test_partial_rotary_target_exports_a_full_rotary_drafter(tmp_path, rope):
     # The comparison has teeth: the same block under the other RoPE settings differs.
     other = YARN_ROPE if rope["rope_type"] == "default" else {"rope_type": "default"}
     assert (full_rotary_qwen3_block(drafter, hidden, 3, other) - got).abs().max() > 1e-3
+
+
+def save_tokenizer(path, words: int, special: list[str], mask_token: str | None = None) -> None:
+    """A word-level tokenizer of `words` tokens plus `special` ones, saved beside a target."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    if mask_token:
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+    tokenizer.save_pretrained(str(path))
+
+
+@pytest.mark.parametrize("words,special,mask,expected", [
+    (VOCAB - 8, ["<|reserved_special_token_0|>", "<|MASK|>"], None, (VOCAB - 7, "<|MASK|>")),  # a mask-like token
+    (VOCAB - 8, ["<s>"], "[MASK]", (VOCAB - 7, "[MASK]")),  # the tokenizer's mask_token
+    (VOCAB - 8, ["<s>"], None, (VOCAB - 7, None)),  # the first row the tokenizer never produces
+    (VOCAB - 2, ["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"], None,
+     (VOCAB - 2, "<|reserved_special_token_0|>")),  # a full vocabulary: a reserved token
+])
+def test_mask_token_comes_from_the_tokenizer_and_reaches_the_export(tmp_path, words, special, mask, expected):
+    target = save_tiny_target(tmp_path / "target")
+    save_tokenizer(target, words, special, mask)
+    notes = []
+    drafter = DFlashDrafter.from_target(target, num_hidden_layers=2, block_size=4, announce=notes.append)
+    assert (drafter.config.mask_token_id, drafter.config.mask_token) == expected
+    assert len(notes) == 1 and f"id {expected[0]}" in notes[0]
+    config = json.loads((export_drafter(drafter, tmp_path / "export") / "config.json").read_text())
+    assert config["dflash_config"]["mask_token_id"] == expected[0]
+    assert config["dflash_config"].get("mask_token") == expected[1]
+    assert load_drafter(tmp_path / "export", target).config.mask_token_id == expected[0]
+    # An explicit id wins and nothing is chosen.
+    notes.clear()
+    assert DFlashDrafter.from_target(target, num_hidden_layers=2, mask_token_id=5, announce=notes.append).config.mask_token_id == 5
+    assert not notes
