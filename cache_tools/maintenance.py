@@ -74,6 +74,9 @@ def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
         "cache_dir": str(m.cache_dir),
         "format_version": m.header["format_version"],
         "target": m.header["target"],
+        # where the target was read from; older headers kept it as target.path
+        "provenance": m.header.get("provenance") or ({"target_path": m.header["target"]["path"]}
+                                                     if "path" in m.header["target"] else {}),
         "target_layer_ids": m.target_layer_ids,
         "num_layers": m.num_layers,
         "hidden_size": m.hidden_size,
