@@ -21,7 +21,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.fsio import fsync_dir, fsync_tree, temp_name
 from dflash.cache_tools.manifest import diff_identity
+from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
 from safetensors.torch import load_file, save_file
 
 from .config import ResumeMismatchError, TrainConfigError
@@ -135,18 +134,14 @@ class Checkpointer:
 
     def remove_stale(self) -> None:
         """Delete staging directories left by a killed run (call before writing, on rank 0)."""
-        if self.dir.is_dir():
-            for p in self.dir.iterdir():
-                if p.name.startswith(".tmp-"):
-                    shutil.rmtree(p, ignore_errors=True)
+        sweep_stale_temps(self.dir)
 
     def save(self, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
              trainer_state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"step-{step:06d}"
-        stage = temp_name(final)
-        stage.mkdir()
-        try:
+        # Staged beside its final name, fsynced, renamed into place (`runtime.fsio.staged_dir`);
+        # the same step written again (e.g. a signal right after a resume) replaces it.
+        with staged_dir(final) as stage:
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
             save_file(tensors, str(stage / MODEL_FILE), metadata={"format": "pt"})
             torch.save(optim_state, stage / OPTIMIZER_FILE)
@@ -155,16 +150,6 @@ class Checkpointer:
             (stage / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
             if sleep := float(os.environ.get(TEST_SLEEP_IN_CHECKPOINT_ENV, "0") or 0):
                 time.sleep(sleep)
-            fsync_tree(stage)
-            if final.exists():  # the same step written again (e.g. a signal right after a resume)
-                old = temp_name(final)
-                os.replace(final, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(stage, final)
-            fsync_dir(self.dir)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
         self.prune()
         return final
 
@@ -173,10 +158,7 @@ class Checkpointer:
         for old in self.complete()[:-self.config.keep_checkpoints]:
             if old.name == step_dir_name(self.best_step):
                 continue
-            # Rename first: a half-deleted directory must never look like a complete checkpoint.
-            doomed = temp_name(old)
-            os.replace(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            remove_dir(old)  # renamed first: a half-deleted one never looks like a complete checkpoint
 
     def load(self, path: Path) -> Checkpoint:
         try:
