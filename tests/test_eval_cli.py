@@ -82,29 +82,27 @@ def test_prompt_lookup_runs_beside_the_drafter_under_the_same_lossless_check(pai
     assert run(pair, "--lookup-ngram", "0").exit_code == 2
 
 
-def test_strict_exits_1_when_prompt_lookup_output_diverges(pair, monkeypatch):
-    real = eval_cli.lookup_generate
+def corrupt_output(monkeypatch, decoder: str, position: int) -> None:
+    """Make `eval_cli.<decoder>` change token `position` of the first prompt of every batch."""
+    real = getattr(eval_cli, decoder)
 
     def corrupted(*args, **kwargs):
         gens = real(*args, **kwargs)
-        gens[0].tokens[2] += 1
+        gens[0].tokens[position] += 1
         return gens
 
-    monkeypatch.setattr(eval_cli, "lookup_generate", corrupted)
+    monkeypatch.setattr(eval_cli, decoder, corrupted)
+
+
+def test_strict_exits_1_when_prompt_lookup_output_diverges(pair, monkeypatch):
+    corrupt_output(monkeypatch, "lookup_generate", 2)
     result = run(pair, "--strict", "--max-prompts", "1")
     assert result.exit_code == 1
     assert "DIVERGED on 1 prompt(s)" in result.stdout
 
 
 def test_strict_exits_1_when_speculative_output_diverges(pair, monkeypatch):
-    real = eval_cli.speculative_generate
-
-    def corrupted(*args, **kwargs):
-        gens = real(*args, **kwargs)
-        gens[0].tokens[3] += 1
-        return gens
-
-    monkeypatch.setattr(eval_cli, "speculative_generate", corrupted)
+    corrupt_output(monkeypatch, "speculative_generate", 3)
     result = run(pair, "--strict", "--max-prompts", "2")
     assert result.exit_code == 1
     assert "DIVERGED on 2 prompt(s)" in result.stdout  # the warm-up call is not counted; both batches are
