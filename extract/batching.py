@@ -1,7 +1,8 @@
-"""Forward batches of one part: length-sorted, right-padded, under a padded-token budget.
+"""Forward batches of one sort window: length-sorted, right-padded, under a padded-token budget.
 
-Padding is on the right with an attention mask; under causal attention a real token never
-attends to a later (padded) position, so its hidden states do not depend on the padding.
+Padding is on the right and no attention mask is passed: under causal attention a real token
+never attends to a later (padded) position, so its hidden states do not depend on the padding
+(and the model takes its plain causal path, with no host synchronisation for mask checks).
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from .data import Sample
 
 @dataclass
 class Batch:
-    """One forward batch: which samples of the part, and the tensors to run."""
+    """One forward batch: which samples of the window, and the tensors to run."""
 
-    members: list[int]  # indices into the part's sample list, in batch-row order
+    members: list[int]  # indices into the window's sample list, in batch-row order
     input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
-    attention_mask: torch.Tensor  # int64 [B, L]
     gather_index: torch.Tensor  # int64 [T_real]: flat positions (b * L + t) of real tokens
     lengths: list[int]
 
@@ -53,18 +53,15 @@ def make_batch(samples: list[Sample], members: list[int]) -> Batch:
     lengths = [samples[i].length for i in members]
     width = max(lengths)
     ids = np.zeros((len(members), width), dtype=np.int64)
-    mask = np.zeros((len(members), width), dtype=np.int64)
     gather = np.empty(sum(lengths), dtype=np.int64)
     pos = 0
     for row, i in enumerate(members):
         n = lengths[row]
         ids[row, :n] = samples[i].input_ids
-        mask[row, :n] = 1
         gather[pos:pos + n] = np.arange(row * width, row * width + n)
         pos += n
     return Batch(
-        members=list(members), input_ids=torch.from_numpy(ids),
-        attention_mask=torch.from_numpy(mask), gather_index=torch.from_numpy(gather),
+        members=list(members), input_ids=torch.from_numpy(ids), gather_index=torch.from_numpy(gather),
         lengths=lengths,
     )
 

@@ -153,7 +153,7 @@ class PartGroup:
         """Place one batch's packed host rows (members in batch order) in their parts.
 
         With `copiers`, the per-sample copies run on several threads (numpy releases the GIL
-        while copying): one thread moves only a few GB/s, a batch of the 8B shape is ~1.3 GB.
+        while copying): one thread alone would hold the loop back on a large batch.
         """
         jobs, pos = [], 0
         for m in members:

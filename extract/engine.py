@@ -37,9 +37,9 @@ EAGER_FP8_ENV = "DFLASH_EXTRACT_EAGER_FP8"
 
 
 def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]]):
-    """quantize_fp8 fused by torch.compile: the scale search makes ~10 passes over a float32
-    copy of the batch per candidate scale in eager mode (~70 ms per 32K-token batch of the 8B
-    shape on an H200, 7 % of the forward); fused, each candidate reads the batch once.
+    """quantize_fp8 fused by torch.compile: in eager mode the scale search makes several passes
+    over a float32 copy of the batch per candidate scale, a visible share of the forward on a
+    GPU (docs/BENCHMARKS.md, extraction runs); fused, each candidate reads the batch once.
     Compiled here, before the loop, for every (layers, hidden) width the loop will use, with
     the token count dynamic; where compiling fails the eager code is used."""
     try:

@@ -2,7 +2,7 @@
 
 Registering memory with CUDA (`cudaHostRegister`) lets the GPU copy a batch's rows straight
 into the shared segment a writer process will compress, with no host-side copy at all; it
-costs ~0.5 s/GB and holds the driver's lock, so the writer pool registers a fixed set of
+takes a while per GB and holds the driver's lock, so the writer pool registers a fixed set of
 segments once, before the first forward (extract/writers.py).
 """
 

@@ -98,7 +98,8 @@ def _portable(exc: BaseException) -> BaseException:
 def _writer_context():
     """Writers start from a fork server that has imported this module once: each writer is
     then a fork of it (milliseconds) instead of a fresh interpreter importing torch and zarr
-    (seconds each, 12 at once: ~15 s). Never a plain fork: the main process holds CUDA state."""
+    (seconds each, and a dozen of them start at once). Never a plain fork: the main process
+    holds CUDA state."""
     ctx = mp.get_context("forkserver")
     # '__main__' too: otherwise every writer runs the main script's imports again (a script
     # importing transformers at the top: seconds per writer).
@@ -230,7 +231,7 @@ class WriterPool:
                 p.start()
                 self._procs.append(p)
         # Page-locked segments are made once, here, before any forward: registering memory
-        # with CUDA takes ~0.5 s/GB and holds the driver's lock, which would stall every
+        # with CUDA takes a while per GB and holds the driver's lock, which would stall every
         # kernel launch of a running loop. Parts then cycle through this fixed set.
         self.pinner = pinner if num_writers else None
         self._fixed = False  # parts cycle through a fixed set of page-locked segments
