@@ -124,7 +124,8 @@ class ServerBackend:
     def _post(self, url: str, request: Request) -> Completion:
         with self.stats.lock:
             self.stats.requests += 1
-        data = json.dumps(self.body(request, url)).encode()
+        body = self.body(request, url)
+        data = json.dumps(body).encode()
         req = urllib.request.Request(f"{url}/v1/chat/completions", data=data,
                                      headers={"Content-Type": "application/json"})
         try:
@@ -132,7 +133,7 @@ class ServerBackend:
                 payload = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:500]
-            if e.code in (400, 422) and self.token_ids == "auto" and url not in self.text_only:
+            if e.code in (400, 422) and self.token_ids == "auto" and "return_token_ids" in body:
                 # A server that refuses the return_token_ids field (transformers serve) gets the
                 # request again without it; its answers are then re-tokenized and checked.
                 self.text_only.add(url)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError, SettingError
+from dflash.runtime.fsio import fsync_dir, temp_name
 
 from .formats import FORMATS, iter_conversations, list_chat_files
 from .meta import write_meta
@@ -165,9 +165,9 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = PrepareSummary()
     t0 = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    tmp = temp_name(out)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with open(tmp, "w", encoding="utf-8") as fh:
             _prepare_into(fh, files, config, renderer, summary)
             fh.flush()
             os.fsync(fh.fileno())
@@ -181,6 +181,7 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
                          "max_seq_len": config.max_seq_len, "long_samples": config.long_samples,
                          "stats": summary.to_json()})
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
