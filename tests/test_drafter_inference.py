@@ -85,3 +85,43 @@ def test_a_sliding_layer_ignores_context_outside_its_window():
     # The block sits at positions 12..15; with window 4 no block token sees context before 9.
     torch.testing.assert_close(draft(far), base, rtol=0, atol=1e-6)
     assert (draft(near) - base).abs().max() > 1e-3
+
+
+def test_batched_draft_context_with_holes_keeps_each_row_window_by_position():
+    # The window counts positions, not cache columns: a row with padding and holes sees the
+    # same context as the same row drafted alone.
+    from dflash.train.speculative import DraftContext
+
+    drafter = tiny_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 9, 2 * HIDDEN, generator=g)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[0, :2] = False  # left padding
+    valid[0, 5] = False  # a rejected slot
+    valid[1, 8] = False
+    positions = torch.stack([(valid[0].long().cumsum(0) - 1).clamp(min=0), torch.arange(9)])
+    anchors = torch.tensor([7, 9])
+    context = DraftContext(drafter)
+    context.append(hidden[:, :4], positions[:, :4], valid[:, :4])
+    context.append(hidden[:, 4:], positions[:, 4:], valid[:, 4:])
+    got = context.draft(anchors, valid.sum(1), 4)
+    for row in range(2):
+        cache = drafter.new_context_cache()
+        drafter.append_context(cache, hidden[row : row + 1, valid[row]])
+        torch.testing.assert_close(got[row], drafter.draft_block(cache, anchors[row : row + 1])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_with_a_sliding_window_drafter_is_lossless_in_batches():
+    from dflash.train.speculative import DecodeConfig, speculative_generate, target_generate
+    from test_eval_support import VOCAB, tiny_target
+    from test_eval_support import tiny_drafter as eval_drafter
+
+    target = tiny_target(steps=0)
+    drafter = eval_drafter(target)
+    drafter.config.layer_types, drafter.config.sliding_window = ["sliding_attention"], 4
+    assert drafter.config.layer_attention(0) == (4, True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 8)]
+    config = DecodeConfig(max_new_tokens=16)
+    expected = [target_generate(target, [p], config)[0].tokens for p in prompts]
+    assert [gen.tokens for gen in speculative_generate(target, drafter, prompts, config)] == expected
