@@ -179,6 +179,20 @@ def test_extract_num_draft_layers_is_a_deprecated_alias_of_num_captured_layers(t
     assert_one_paragraph_error(both, "--num-captured-layers")
 
 
+def test_every_command_takes_the_same_dtype_names(tmp_path, captured_extract, captured_eval):
+    from dflash.train.config import TrainConfig
+
+    base = ["--target-model", tmp_path, "--data", _data_file(tmp_path), "--output", tmp_path / "c"]
+    assert invoke(extract_main, *base, "--dtype", "float32").exit_code == 0
+    assert captured_extract[0].dtype == "fp32"
+    assert TrainConfig(cache=["c"], target_model="m", output_dir="o", dtype="bfloat16").dtype == "bf16"
+    evaluated = invoke(eval_main, "--target-model", tmp_path, "--drafter", tmp_path, "--prompts",
+                       _data_file(tmp_path), "--dtype", "bfloat16", "--json")
+    assert evaluated.exit_code == 0 and captured_eval[0]["dtype"] == "bf16"
+    for command, args in [(extract_main, []), (train_main, ["export"]), (eval_main, [])]:
+        assert "fp32]" in invoke(command, *args, "--help").output
+
+
 def test_generated_train_flags_list_their_choices_in_help():
     text = invoke(train_main, "run", "--help").output
     for choices in ("[auto|bf16|fp32]", "[ddp|fsdp]", "[none|uniform|gaussian]", "[auto|sdpa|flex]"):
