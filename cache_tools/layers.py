@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import DflashError
+from dflash.runtime.errors import SettingError
 
 
-class LayerIdsError(DflashError, ValueError):
+class LayerIdsError(SettingError):
     """Target layer ids that the serving engines cannot capture, or a rule that cannot pick them."""
 
 

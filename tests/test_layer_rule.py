@@ -63,7 +63,7 @@ def test_extraction_refuses_ids_the_engines_cannot_capture(target, tmp_path, ids
     data = write_jsonl(tmp_path / "data.jsonl", random_records(2, seed=0, max_len=10))
     res = run_cli(["--target-model", target, "--data", data, "--output", tmp_path / "cache", "--dtype", "fp32",
                    "--target-layer-ids", ids])
-    assert res.exit_code != 0
+    assert res.exit_code == 2  # bad input
     assert problem in res.output and CONSTRAINT in res.output
     assert "Traceback" not in res.output
     assert not (tmp_path / "cache" / "manifest.json").exists()  # refused before anything is written
@@ -72,7 +72,7 @@ def test_extraction_refuses_ids_the_engines_cannot_capture(target, tmp_path, ids
 def test_extraction_refuses_the_default_rule_on_a_shallow_target(target, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", random_records(2, seed=0, max_len=10))
     res = run_cli(["--target-model", target, "--data", data, "--output", tmp_path / "cache", "--dtype", "fp32"])
-    assert res.exit_code != 0 and "--target-layer-ids" in res.output and "cannot pick 5" in res.output
+    assert res.exit_code == 2 and "--target-layer-ids" in res.output and "cannot pick 5" in res.output
 
 
 @pytest.mark.parametrize("layers, problem", [((2, 1), "ascending"), ((1, 1), "more than once"),
