@@ -89,26 +89,24 @@ def test_a_sliding_layer_ignores_context_outside_its_window():
 
 def test_batched_draft_context_with_holes_keeps_each_row_window_by_position():
     # The window counts positions, not cache columns: a row with padding and holes sees the
-    # same context as the same row drafted alone.
+    # same context as the same row drafted alone, whose columns are its positions.
     from dflash.train.speculative import DraftContext
 
     drafter = tiny_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(2, 9, 2 * HIDDEN, generator=g)
-    valid = torch.ones(2, 9, dtype=torch.bool)
-    valid[0, :2] = False  # left padding
-    valid[0, 5] = False  # a rejected slot
-    valid[1, 8] = False
-    positions = torch.stack([(valid[0].long().cumsum(0) - 1).clamp(min=0), torch.arange(9)])
-    anchors = torch.tensor([7, 9])
+    hidden = torch.randn(3, 10, 2 * HIDDEN, generator=torch.Generator().manual_seed(1))
+    holes = {0: [0, 1, 6], 1: [4, 5], 2: []}  # left padding and rejected slots
+    valid = torch.tensor([[c not in holes[r] for c in range(10)] for r in range(3)])
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     context = DraftContext(drafter)
-    context.append(hidden[:, :4], positions[:, :4], valid[:, :4])
-    context.append(hidden[:, 4:], positions[:, 4:], valid[:, 4:])
-    got = context.draft(anchors, valid.sum(1), 4)
-    for row in range(2):
-        cache = drafter.new_context_cache()
-        drafter.append_context(cache, hidden[row : row + 1, valid[row]])
-        torch.testing.assert_close(got[row], drafter.draft_block(cache, anchors[row : row + 1])[0], rtol=1e-5, atol=1e-5)
+    for lo, hi in ((0, 3), (3, 7), (7, 10)):  # context arrives cycle by cycle
+        context.append(hidden[:, lo:hi], positions[:, lo:hi], valid[:, lo:hi])
+    anchors = torch.tensor([5, 9, 2])
+    drafted = context.draft(anchors, valid.sum(1), 4)
+    for row in range(3):
+        alone = drafter.new_context_cache()
+        drafter.append_context(alone, hidden[row : row + 1, valid[row]])
+        expected = drafter.draft_block(alone, anchors[row : row + 1])[0]
+        torch.testing.assert_close(drafted[row], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_decoding_with_a_sliding_window_drafter_is_lossless_in_batches():
