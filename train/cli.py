@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 from dflash.runtime.cli import Group
-from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice
+from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice, torch_dtype
 
 from .config import CHOICES, TrainConfig, field_help, flag, load_config_file, make_config
 
@@ -118,9 +118,7 @@ _run_options(run)
 def export(checkpoint_dir: str, out_dir: str, dtype: str) -> None:
     """Export a checkpoint (RUN_DIR/checkpoints/step-N, or a run directory: its latest) as an HF
     drafter directory that z-lab's DFlashDraftModel, SGLang and vLLM load."""
-    from dflash.runtime.devices import torch_dtype
-
-    from .checkpoint import export_checkpoint
+    from .checkpoint import export_checkpoint  # torch
 
     path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(dtype))
     click.echo(f"exported drafter to {path}")
