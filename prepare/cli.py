@@ -62,6 +62,8 @@ def render_options(loss_on_default: str = "all-assistant") -> Callable[[Callable
               help="What to do with samples longer than --max-seq-len.")
 @click.option("--skip-bad/--no-skip-bad", default=False,
               help="Skip (and count) malformed records and refused renderings instead of stopping.")
+@click.option("--num-workers", type=int, default=0,
+              help="Processes rendering in parallel (0: in this process); the output is the same.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def main(**flags: Any) -> None:
     """Render a chat dataset with the target's chat template into dflash-extract's input format.

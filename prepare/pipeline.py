@@ -13,6 +13,7 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,8 @@ class PrepareConfig(RenderConfig):
     """skip or truncate samples longer than max_seq_len."""
     skip_bad: bool = False
     """Skip (and count) malformed records and refused renderings instead of stopping."""
+    num_workers: int = 0
+    """Processes rendering in parallel (0: in this process); the output is the same."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -188,44 +191,75 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
     return summary
 
 
+_WORKER_RENDERER: ChatRenderer | None = None
+
+
+def _init_worker(config: PrepareConfig) -> None:
+    global _WORKER_RENDERER
+    _WORKER_RENDERER = build_renderer(config)
+
+
+def _render_one(item: Any, renderer: ChatRenderer | None = None) -> tuple:
+    """("ok", id, where, ids, mask) | ("empty" | "refused", id, where, reason) | ("bad", None, where, reason)."""
+    if isinstance(item, tuple):
+        return ("bad", None, *item)
+    try:
+        r = (renderer or _WORKER_RENDERER).render(item)
+    except EmptySampleError as e:
+        return ("empty", item.id, item.where, str(e))
+    except RenderError as e:
+        return ("refused", item.id, item.where, str(e))
+    return ("ok", item.id, item.where, r.input_ids, r.loss_mask)
+
+
+def _rendered(files, config: PrepareConfig, renderer: ChatRenderer) -> Iterator[tuple]:
+    """The outcome of every record in input order, rendered here or by --num-workers processes."""
+    items = iter_conversations(files, config.format)
+    if config.num_workers <= 0:
+        yield from (_render_one(item, renderer) for item in items)
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    with ctx.Pool(config.num_workers, initializer=_init_worker, initargs=(config,)) as pool:
+        yield from pool.imap(_render_one, items, chunksize=32)
+
+
 def _prepare_into(fh, files, config: PrepareConfig, renderer: ChatRenderer, summary: PrepareSummary) -> None:
     from tqdm import tqdm
 
     bar = tqdm(desc="dflash-prepare", unit=" records", disable=not config.progress, dynamic_ncols=True)
     seen: dict[str, str] = {}
-    for item in iter_conversations(files, config.format):
+    for kind, rid, where, *rest in _rendered(files, config, renderer):
         summary.records += 1
         bar.update(1)
-        if isinstance(item, tuple):
-            where, reason = item
+        if kind == "bad":
             if not config.skip_bad:
-                raise InputError(f"{where}: {reason}. Fix the record or pass --skip-bad to skip it.")
-            summary.skip("bad_record", where, reason)
+                raise InputError(f"{where}: {rest[0]}. Fix the record or pass --skip-bad to skip it.")
+            summary.skip("bad_record", where, rest[0])
             continue
-        if item.id in seen:
-            raise InputError(f"{item.where}: id {item.id!r} was already used at {seen[item.id]}. Ids must be unique.")
-        seen[item.id] = item.where
-        try:
-            r = renderer.render(item)
-        except EmptySampleError as e:
-            summary.skip("empty", item.where, str(e))
+        if rid in seen:
+            raise InputError(f"{where}: id {rid!r} was already used at {seen[rid]}. Ids must be unique.")
+        seen[rid] = where
+        if kind == "empty":
+            summary.skip("empty", where, rest[0])
             continue
-        except RenderError as e:
+        if kind == "refused":
             if not config.skip_bad:
-                raise InputError(f"{item.where} (id {item.id}): {e}. Or pass --skip-bad to skip such samples.") from None
-            summary.skip("refused", item.where, str(e))
+                raise InputError(f"{where} (id {rid}): {rest[0]}. Or pass --skip-bad to skip such samples.")
+            summary.skip("refused", where, rest[0])
             continue
-        ids, mask = r.input_ids, r.loss_mask
+        ids, mask = rest
         if len(ids) > config.max_seq_len:
             if config.long_samples == "skip":
-                summary.skip("long", item.where, f"{len(ids)} tokens > --max-seq-len {config.max_seq_len}")
+                summary.skip("long", where, f"{len(ids)} tokens > --max-seq-len {config.max_seq_len}")
                 continue
             ids, mask = ids[: config.max_seq_len], mask[: config.max_seq_len]
             summary.truncated += 1
             if not any(mask):
-                summary.skip("empty", item.where, "no supervised token within --max-seq-len")
+                summary.skip("empty", where, "no supervised token within --max-seq-len")
                 continue
-        fh.write(json.dumps({"id": item.id, "input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+        fh.write(json.dumps({"id": rid, "input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
         summary.written += 1
         summary.tokens += len(ids)
         summary.supervised_tokens += sum(mask)

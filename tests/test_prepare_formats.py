@@ -76,3 +76,14 @@ def test_missing_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     result, _ = prepare(tmp_path, tmp_path / "d.parquet")
     assert result.exit_code == 2 and "pip install 'dflash-pipeline[parquet]'" in result.output
+
+
+def test_worker_processes_write_the_same_output(tmp_path):
+    records = [{"id": f"r{i}", "messages": MESSAGES[: 3 + 2 * (i % 2)]} for i in range(40)]
+    records[7] = {"id": "r7", "messages": [{"role": "user", "content": "unanswered"}]}
+    data = write_jsonl(tmp_path / "m.jsonl", records)
+    _, serial = prepare(tmp_path, data)
+    (tmp_path / "out-m.jsonl.jsonl").rename(tmp_path / "serial.jsonl")
+    result, parallel = prepare(tmp_path, data, "--num-workers", "2")
+    assert result.exit_code == 0, result.output
+    assert parallel == serial and len(serial) == 39
