@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -87,6 +88,7 @@ def test_a_resume_with_other_sampling_settings_is_refused(target, tmp_path):
     assert run(target, data, out, "--max-tokens", "4", "--thinking", "on").exit_code == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_within_seconds_and_keeps_the_finished_records(target, tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", [
         {"id": f"s{i}", "messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": "x"}]}
@@ -110,3 +112,22 @@ def test_ctrl_c_stops_within_seconds_and_keeps_the_finished_records(target, tmp_
     assert rerun.returncode == 0, rerun.stderr
     ids = [r["id"] for r in read_jsonl(out)]
     assert sorted(ids) == sorted(f"s{i}" for i in range(10))
+
+
+@pytest.mark.slow
+def test_ranks_share_one_output_and_each_record_is_written_once(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": f"d{i}", "messages": [{"role": "user", "content": f"go {i}"}, {"role": "assistant", "content": "x"}]}
+        for i in range(8)])
+    out = tmp_path / "gen.jsonl"
+    cmd = [sys.executable, "-m", "dflash.prepare.generate_cli", "--target-model", str(target), "--data", str(data),
+           "--output", str(out), "--no-progress", "--dtype", "fp32", "--max-tokens", "16", "--thinking", "off"]
+    procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("4 records written" in o for o in outputs)
+    single = tmp_path / "single.jsonl"
+    assert run(target, data, single, "--max-tokens", "16").exit_code == 0
+    by_id = {r["id"]: r for r in read_jsonl(out)}
+    assert len(read_jsonl(out)) == 8 and by_id == {r["id"]: r for r in read_jsonl(single)}

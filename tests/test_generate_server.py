@@ -93,6 +93,7 @@ def reference_records(served) -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.slow
 def test_kill_midway_then_rerun_has_every_record_once_equal_to_generate(served, tmp_path):
     out = tmp_path / "gen.jsonl"
     cmd = [sys.executable, "-m", "dflash.prepare.generate_cli",
