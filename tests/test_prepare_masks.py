@@ -137,11 +137,10 @@ def test_llama3_multi_turn_with_system_prompt(tmp_path, loss_on):
 
 @pytest.mark.parametrize("loss_on", ["all-assistant", "last-assistant"])
 def test_generation_markers_give_the_templates_own_mask(tmp_path, loss_on):
-    conv = PLAIN_CONVERSATION[1:]
-    tok, recs, _ = run_prepare(tmp_path, GENERATION_TEMPLATE, [{"messages": conv}], "--loss-on", loss_on)
+    tok, recs, _ = run_prepare(tmp_path, GENERATION_TEMPLATE, [{"messages": PLAIN_CONVERSATION}], "--loss-on", loss_on)
     first = 1 if loss_on == "all-assistant" else 0
     ids, mask = pieces_reference(tok, [
-        ("<|im_start|>user\nOne?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nOne?<|im_end|>\n<|im_start|>assistant\n", 0),
         ("Two.<|im_end|>", first),
         ("\n<|im_start|>user\nThree?<|im_end|>\n<|im_start|>assistant\n", 0),
         ("Four.<|im_end|>", 1),
