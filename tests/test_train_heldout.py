@@ -156,7 +156,7 @@ sys.addaudithook(_record_opens)
 # -- the run ------------------------------------------------------------------------------------
 
 
-def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_world, tmp_path):
+def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_world, tmp_path, capsys):
     # 8 training samples of random tokens, 24 epochs: the drafter can only memorize them, so
     # training tau climbs while held-out tau stays at the floor.
     cache = write_tiny_cache(tmp_path / "cache", samples=12, parts=1)
@@ -200,6 +200,15 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
         a, b = load_file(str(out / name)), load_file(str(resumed / name))
         assert all(torch.equal(a[k], b[k]) for k in a), name
     assert [r.get("warning") for r in read_metrics(resumed) if r["kind"] == "eval"] == [r.get("warning") for r in after]
+
+    # A best checkpoint deleted by hand: rerunning the finished run exports the last step's
+    # weights, and says so.
+    shutil.rmtree(resumed / "checkpoints" / ckpts[0])
+    shutil.rmtree(resumed / "final")
+    train(tiny_train_config(cache, tiny_world["target"], resumed, **settings))
+    exported = load_file(str(resumed / "final" / "model.safetensors"))
+    assert all(torch.equal(exported[k], last_w[k].to(torch.bfloat16)) for k in exported)
+    assert "is gone" in capsys.readouterr().out
 
 
 def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp_path):

@@ -30,6 +30,7 @@ from .checkpoint import (
     Checkpointer,
     capture_rng,
     check_resume,
+    compute_changes,
     export_from_state,
     restore_rng,
     step_dir_name,
@@ -63,7 +64,7 @@ class TrainResult:
     checkpoint: Path | None
     final_dir: Path | None
     metrics: dict[str, float]
-    eval_metrics: dict[str, float] | None
+    eval_metrics: dict[str, Any] | None
     best_step: int | None = None
     """The step of the best held-out evaluation: its checkpoint is kept and is what final_dir holds."""
 
@@ -193,7 +194,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         last_checkpoint = save(step)
     # RUN_DIR/final is the best held-out checkpoint; the last step's stays in checkpoints/.
     best = heldout.best_step if heldout.best_step not in (None, step) else None
-    final_dir = export_final(model, optimizer, drafter, run_dir / "final", info,
+    final_dir = export_final(model, optimizer, drafter, run_dir / "final", info, log,
                              best=checkpoints.dir / step_dir_name(best) if best is not None else None)
     log.info(heldout.final_message(step, final_dir, last_checkpoint))
     log.close()
@@ -391,12 +392,19 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     if changed:
         log.info("settings changed since that checkpoint: " + ", ".join(
             f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+    if note := compute_changes(ckpt.meta.get("compute")):
+        log.info(note)
     return ckpt.step
 
 
 def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,
-                 info: DistInfo, *, best: Path | None = None) -> Path | None:
-    """Export the drafter as it is now or, given `best`, the weights of that checkpoint."""
+                 info: DistInfo, log: RunLogger, *, best: Path | None = None) -> Path | None:
+    """Export the drafter as it is now or, given `best`, the weights of that checkpoint (rank 0
+    reads it; if it is gone, every rank falls back to the current weights, and the log says so)."""
+    if best is not None and any_rank(int(info.is_main and not (best / MODEL_FILE).is_file()), info):
+        log.info(f"warning: the best held-out checkpoint {best} is gone; exporting the last step's "
+                 "weights instead.")
+        best = None
     if best is not None:
         path = None
         if info.is_main:
