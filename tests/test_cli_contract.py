@@ -208,6 +208,23 @@ def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
     assert config.NOISE_TYPES == objective.NOISE_TYPES
 
 
+def test_every_console_script_runs_under_the_contract():
+    import configparser
+    import importlib
+    from pathlib import Path
+
+    from dflash.runtime.cli import Group
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
+    scripts = dict(tuple(x.strip() for x in line.split("=", 1)) for line in lines)
+    assert {"dflash-extract", "dflash-train", "dflash-cache", "dflash-eval", "dflash-demo"} <= set(scripts)
+    for name, target in scripts.items():
+        module, attr = target.split(":")
+        assert isinstance(getattr(importlib.import_module(module), attr), (Command, Group)), name
+
+
 # -- --help does not import torch -------------------------------------------------------------
 
 HELP_SCRIPT = """
