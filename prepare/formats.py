@@ -4,7 +4,8 @@ Accepted record shapes (one JSON object per line, or one Parquet row):
   messages       {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...,
                   "tool_calls": [...], "reasoning_content": ...}, ...], "tools": [...]}
   sharegpt       {"conversations": [{"from": "system"|"human"|"gpt"|"tool"|..., "value": ...}]}
-  prompt         {"prompt": "...", "response": "...", "system": "..."}  (also instruction/output)
+  prompt         {"prompt": "...", "response": "...", "system": "..."}  (also instruction/output;
+                 without a response: a prompt for dflash-generate)
 plus an optional "id". `detect_format` picks the shape from the keys of a record; `--format`
 forces one. Files are JSONL, JSONL.gz or Parquet (Parquet needs pyarrow: the `parquet` extra).
 A record without an id gets "<file name>:<line>" (Parquet: "<file name>:<row>"), which stays
@@ -69,7 +70,7 @@ def detect_format(rec: dict[str, Any]) -> str:
         return "messages"
     if "conversations" in rec:
         return "sharegpt"
-    if any(p in rec and r in rec for p, r in PROMPT_KEYS):
+    if any(p in rec for p, _ in PROMPT_KEYS):
         return "prompt"
     raise BadChatRecord(
         f"cannot tell the record's shape from its keys {sorted(rec)[:8]}: expected messages, "
@@ -139,16 +140,17 @@ def to_messages(rec: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], li
         return msgs, tools
     if fmt == "prompt":
         for p, r in PROMPT_KEYS:
-            if p in rec and r in rec:
-                prompt, response = rec[p], rec[r]
+            if p in rec:
+                prompt = rec[p]
                 if p == "instruction" and rec.get("input"):
                     prompt = f"{prompt}\n\n{rec['input']}"
-                msgs = [{"role": "user", "content": _content(prompt, p)},
-                        {"role": "assistant", "content": _content(response, r)}]
+                msgs = [{"role": "user", "content": _content(prompt, p)}]
+                if rec.get(r) is not None:  # prompt-only records: dflash-generate answers them
+                    msgs.append({"role": "assistant", "content": _content(rec[r], r)})
                 if isinstance(rec.get("system"), str) and rec["system"]:
                     msgs.insert(0, {"role": "system", "content": rec["system"]})
                 return msgs, tools
-        raise BadChatRecord("the record has no prompt/response (or instruction/output) pair")
+        raise BadChatRecord("the record has no prompt (or instruction, question)")
     raise ValueError(f"unknown format {fmt!r}")
 
 

@@ -51,11 +51,15 @@ class Outcome:
 
 def regenerate(conv: Conversation, renderer: ChatRenderer, *, mode: str, drop_truncated: bool,
                loss_on: str) -> Generator[Request, Completion, Outcome]:
-    """Yield the conversation's requests (the last assistant turn, or every one in order)."""
+    """Yield the conversation's requests: the last assistant turn, or every one in order; a
+    conversation that ends with a user (or tool) message gets its answer after it instead
+    (--regenerate last) or as well (all), so prompt-only data works as it is."""
     turns = conv.assistant_turns()
-    if not turns or turns[0] == 0:
-        return Outcome(conv.id, drop_reason="no assistant turn with a prompt to answer")
     todo = turns[-1:] if mode == "last" else turns
+    if conv.messages and conv.messages[-1]["role"] != "assistant":
+        todo = (todo if mode == "all" else []) + [len(conv.messages)]
+    if not todo or todo[0] == 0:
+        return Outcome(conv.id, drop_reason="nothing to answer (no message before an assistant turn)")
     messages = list(conv.messages[: todo[0]])
     completion: Completion | None = None
     tokens = 0

@@ -131,3 +131,19 @@ def test_ranks_share_one_output_and_each_record_is_written_once(target, tmp_path
     assert run(target, data, single, "--max-tokens", "16").exit_code == 0
     by_id = {r["id"]: r for r in read_jsonl(out)}
     assert len(read_jsonl(out)) == 8 and by_id == {r["id"]: r for r in read_jsonl(single)}
+
+
+def test_prompt_only_records_get_the_targets_answer(target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "p", "system": "Be brief.", "prompt": "go 0"}])
+    out = tmp_path / "gen.jsonl"
+    assert run(target, data, out, "--max-tokens", "12").exit_code == 0
+    [rec] = read_jsonl(out)
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "go 0"}],
+                                     add_generation_prompt=True, tokenize=True, enable_thinking=False,
+                                     return_dict=True)["input_ids"]
+    answer = greedy(model, prompt, 12)
+    assert rec["input_ids"] == prompt + answer and rec["loss_mask"] == [0] * len(prompt) + [1] * len(answer)
