@@ -229,3 +229,22 @@ def test_caches_of_earlier_codec_settings_still_open_and_resume(tmp_path):
     assert len(reader) == len(written) + 1
     np.testing.assert_array_equal(bits(reader.read_sample(len(written))["hidden"]), bits(hidden))
     np.testing.assert_array_equal(bits(reader.read_sample(0)["hidden"]), bits(written[0]["hidden"]))
+
+
+def test_caches_of_other_zstd_levels_and_block_sizes_merge(tmp_path):
+    from dflash.cache_tools.rewrite import merge_caches
+
+    gen = torch.Generator().manual_seed(6)
+    written = []
+    for i, codec in enumerate((HiddenCodec(clevel=1), HiddenCodec(clevel=5, blocksize=1 << 16))):
+        header = tiny_header("bf16")
+        header["hidden"]["codec"] = codec.to_dict()
+        with CacheWriter(tmp_path / f"c{i}", header).part_writer("part-000000") as pw:
+            sample = random_sample(gen, 30, 64)
+            pw.add_sample(i, *sample)
+            written.append(sample[2])
+    merge_caches(tmp_path / "merged", [tmp_path / "c0", tmp_path / "c1"])
+    reader = CacheReader(tmp_path / "merged")
+    assert len(reader) == 2
+    for i, hidden in enumerate(written):
+        np.testing.assert_array_equal(bits(reader.read_sample(i)["hidden"]), bits(hidden))
