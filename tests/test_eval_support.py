@@ -156,6 +156,25 @@ def test_tau_is_the_mean_of_accepted_plus_one_per_cycle(monkeypatch):
     assert summary["cycles"] == 6
 
 
+def test_a_smaller_block_verifies_the_first_drafts_of_the_trained_block(monkeypatch):
+    drafted_widths = []
+
+    def draft(self, anchor_ids, anchor_positions, block_size):
+        drafted_widths.append(block_size)
+        slots = torch.arange(1, block_size)
+        right = (anchor_ids[:, None] + slots) % 16  # every draft matches the counting target
+        return torch.nn.functional.one_hot(right, 16).float()
+
+    monkeypatch.setattr(DraftContext, "draft", draft)
+    config = DecodeConfig(max_new_tokens=1 + 3 * 4, block_size=3)  # the drafter was trained at 4
+    [gen] = speculative_generate(CountingTarget(), scripted_drafter(), [[5]], config)
+    assert drafted_widths == [4] * 4  # drafted at the trained size, as in training
+    assert gen.acceptance_lengths == [3] * 4  # 2 drafts verified + the bonus
+    assert gen.tokens == [(6 + i) % 16 for i in range(13)]
+    with pytest.raises(ValueError, match="between 2 and the drafter's trained block size 4"):
+        speculative_generate(CountingTarget(), scripted_drafter(), [[5]], DecodeConfig(block_size=5))
+
+
 def test_summary_pools_cycles_of_all_sequences():
     gens = [Generation(tokens=[], acceptance_lengths=[1, 4]), Generation(tokens=[], acceptance_lengths=[2])]
     assert acceptance_summary(gens) == {"tau": pytest.approx(7 / 3), "cycles": 3,
