@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 from dflash.runtime.errors import InputError
 from dflash.runtime.signals import StopRequest
 
-from .backends import HFBackend, RequestFailed, Sampling, ServerBackend, ServerMismatchError
+from .backends import HFBackend, RequestFailed, Sampling, ServerBackend
 from .formats import Conversation, iter_conversations, list_chat_files
 from .generate import GenerateMismatchError, GenerateSummary, Outcome, OutputLog, regenerate
 from .meta import read_meta, write_meta
@@ -130,14 +131,12 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
         _check_resume(config, meta)
     log = OutputLog(config.output)
     summary = GenerateSummary(done_before=len(log.done))
-    todo = []
-    for n, item in enumerate(iter_conversations(files, config.format)):
-        if isinstance(item, tuple):
-            raise InputError(f"{item[0]}: {item[1]}. Fix the record (dflash-prepare --skip-bad lists them all).")
-        if n % world == rank and item.id not in log.done:
-            todo.append(item)
+    # A first pass checks every record and counts this rank's work (for the ETA) without
+    # holding the dataset in memory; the second streams it.
+    total = sum(1 for _ in _todo(files, config, log.done, rank, world))
+    todo = _todo(files, config, set(log.done), rank, world)
     t0 = time.perf_counter()
-    progress = _Progress(len(todo), config.progress)
+    progress = _Progress(total, config.progress)
     stop = StopRequest(finishing="abandoning the requests in flight, keeping every finished record")
     try:
         with stop:
@@ -153,40 +152,67 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
     return summary
 
 
-def _drive_server(config, renderer, todo: list[Conversation], log: OutputLog, summary: GenerateSummary,
+def _todo(files, config: GenerateConfig, done: set[str], rank: int, world: int) -> Iterator[Conversation]:
+    """This rank's conversations not done yet (every WORLD_SIZE-th record); a bad record stops."""
+    for n, item in enumerate(iter_conversations(files, config.format)):
+        if isinstance(item, tuple):
+            raise InputError(f"{item[0]}: {item[1]}. Fix the record (dflash-prepare --skip-bad lists them all).")
+        if n % world == rank and item.id not in done:
+            yield item
+
+
+def _drive_server(config, renderer, todo: Iterator[Conversation], log: OutputLog, summary: GenerateSummary,
                   progress: _Progress, stop: StopRequest) -> None:
     urls = [u for u in config.server.split(",") if u]
     backend = ServerBackend(urls, config.sampling(), model=config.model, request_timeout=config.request_timeout,
                             max_retries=config.max_retries, token_ids=config.token_ids)
-    jobs: queue.Queue = queue.Queue()
-    for conv in todo:
-        jobs.put(conv)
+    jobs: queue.Queue = queue.Queue(maxsize=2 * config.concurrency)  # bounded: the data streams
     results: queue.Queue = queue.Queue()
+    fed = {"count": 0, "done": False}
 
     def work() -> None:
         while not stop.requested:
             try:
-                conv = jobs.get_nowait()
+                conv = jobs.get(timeout=0.2)
             except queue.Empty:
-                return
+                if fed["done"]:
+                    return
+                continue
             try:
                 results.put(_run_one(conv, renderer, config, backend.complete))
-            except (RequestFailed, ServerMismatchError) as e:
-                results.put((conv, e))
-            except Exception as e:  # a bug: hand it to the main thread, which re-raises it
+            except Exception as e:  # a failed request, a server mismatch or a bug: the main thread decides
                 results.put((conv, e))
 
-    for _ in range(min(config.concurrency, len(todo))):
-        threading.Thread(target=work, daemon=True).start()
-    for _ in range(len(todo)):
-        while True:
-            if stop.requested:
-                return
+    workers = [threading.Thread(target=work, daemon=True) for _ in range(config.concurrency)]
+    for w in workers:
+        w.start()
+    received = 0
+    for conv in todo:
+        while not stop.requested:
             try:
-                item = results.get(timeout=0.2)
+                jobs.put(conv, timeout=0.05)
+                fed["count"] += 1
                 break
-            except queue.Empty:
-                continue
+            except queue.Full:
+                received += _collect(results, log, summary, progress, backend, timeout=0)
+        if stop.requested:
+            return
+        received += _collect(results, log, summary, progress, backend, timeout=0)
+    fed["done"] = True
+    while received < fed["count"] and not stop.requested:
+        received += _collect(results, log, summary, progress, backend, timeout=0.2)
+
+
+def _collect(results: queue.Queue, log: OutputLog, summary: GenerateSummary, progress: _Progress,
+             backend: ServerBackend, *, timeout: float) -> int:
+    """Write the outcomes that are ready (waiting up to `timeout` for the first); how many."""
+    n = 0
+    while True:
+        try:
+            item = results.get(timeout=timeout) if timeout and not n else results.get_nowait()
+        except queue.Empty:
+            return n
+        n += 1
         if isinstance(item, tuple):
             conv, e = item
             if not isinstance(e, RequestFailed):
@@ -212,7 +238,7 @@ def _run_one(conv: Conversation, renderer, config: GenerateConfig, complete) -> 
         return done.value
 
 
-def _drive_local(config, renderer, todo: list[Conversation], log: OutputLog, summary: GenerateSummary,
+def _drive_local(config, renderer, todo: Iterator[Conversation], log: OutputLog, summary: GenerateSummary,
                  progress: _Progress, stop: StopRequest) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     import torch
