@@ -98,7 +98,7 @@ def _crop_kv(cache: Any, remove: int) -> None:
         cache.crop(-remove)
 
 
-def _forward(model: Any, cache: Any, **inputs: Any) -> Any:
+def forward_with_cache(model: Any, cache: Any, **inputs: Any) -> Any:
     """One target pass over `cache` (the keyword is `cache` in transformers >= 5.2x,
     `past_key_values` before)."""
     params = inspect.signature(model.forward).parameters
@@ -106,7 +106,8 @@ def _forward(model: Any, cache: Any, **inputs: Any) -> Any:
     return model(**inputs, **{key: cache}, use_cache=True)
 
 
-def _new_kv_cache(model: Any) -> Any:
+def new_kv_cache(model: Any) -> Any:
+    """An empty transformers KV cache for `model` (DynamicCache, with its config where it takes one)."""
     from transformers import DynamicCache
 
     try:
@@ -202,8 +203,8 @@ def target_generate(model: Any, prompts: Sequence[Sequence[int]], config: Decode
     ids, mask = _left_pad(prompts, config.pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     choose = TokenChooser(config.temperature, config.seed, device)
-    cache = _new_kv_cache(model)
-    out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+    cache = new_kv_cache(model)
+    out = forward_with_cache(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
     next_tokens = choose(out.logits[:, -1])
     next_pos = mask.sum(-1)
     results = [Generation(tokens=[]) for _ in prompts]
@@ -218,7 +219,7 @@ def target_generate(model: Any, prompts: Sequence[Sequence[int]], config: Decode
             mask, next_tokens, next_pos = mask[index], next_tokens[index], next_pos[index]
             active = [active[i] for i in keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = _forward(model, cache, input_ids=next_tokens[:, None], attention_mask=mask,
+        out = forward_with_cache(model, cache, input_ids=next_tokens[:, None], attention_mask=mask,
                        position_ids=next_pos[:, None])
         next_tokens = choose(out.logits[:, -1])
         next_pos = next_pos + 1
@@ -395,9 +396,9 @@ def verify_generate(
     # Prefill: the target reads every prompt (its states become the drafter's first context).
     ids, mask = _left_pad(prompts, config.pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = _new_kv_cache(model)
+    cache = new_kv_cache(model)
     rollback = _TargetStateRollback(cache, len(prompts))
-    out = _forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
+    out = forward_with_cache(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
                    output_hidden_states=hidden, logits_to_keep=1)
     proposer.prefill(out, positions, mask.bool())
     anchors = choose(out.logits[:, -1])
@@ -427,7 +428,7 @@ def verify_generate(
 
         # Verify: one target pass over the block; target choice after slot k checks slot k+1.
         snapshot = rollback.snapshot(cache)
-        out = _forward(model, cache, input_ids=block, attention_mask=torch.cat([mask, torch.ones_like(block)], dim=1),
+        out = forward_with_cache(model, cache, input_ids=block, attention_mask=torch.cat([mask, torch.ones_like(block)], dim=1),
                        position_ids=block_pos, output_hidden_states=hidden)
         chosen = choose(out.logits)  # [B, width]
         real = offsets[None, : width - 1] < lengths[:, None]
@@ -439,7 +440,7 @@ def verify_generate(
         if snapshot is not None and unused > 0:  # one row: rerun the target over what it accepted
             rollback.restore(cache, snapshot, width)
             n = width - unused
-            out = _forward(model, cache, input_ids=block[:, :n], position_ids=block_pos[:, :n],
+            out = forward_with_cache(model, cache, input_ids=block[:, :n], position_ids=block_pos[:, :n],
                            attention_mask=torch.cat([mask, torch.ones_like(block[:, :n])], dim=1),
                            output_hidden_states=hidden)
             proposer.update(out, block_pos[:, :n], kept[:, :n], 0)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from dflash.train.speculative import _forward, _new_kv_cache
+from dflash.train.speculative import forward_with_cache, new_kv_cache
 
 
 def build_target(hidden_size: int, num_layers: int, seed: int) -> Any:
@@ -87,9 +87,9 @@ def complete(model: Any, prompts: list[list[int]], new_tokens: int, temperature:
     exactly `new_tokens` each: one prefill, then one token per pass over the KV cache."""
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    cache = _new_kv_cache(model)  # the engine's helpers: the cache keyword differs across transformers
+    cache = new_kv_cache(model)  # the engine's helpers: the cache keyword differs across transformers
     with _autocast(device):
-        out = _forward(model, cache, input_ids=ids, logits_to_keep=1)
+        out = forward_with_cache(model, cache, input_ids=ids, logits_to_keep=1)
     tokens = []
     for _ in range(new_tokens):
         logits = out.logits[:, -1].float()
@@ -99,5 +99,5 @@ def complete(model: Any, prompts: list[list[int]], new_tokens: int, temperature:
             nxt = logits.argmax(dim=-1, keepdim=True)
         tokens.append(nxt)
         with _autocast(device):
-            out = _forward(model, cache, input_ids=nxt)
+            out = forward_with_cache(model, cache, input_ids=nxt)
     return torch.cat(tokens, dim=1).tolist()  # one transfer at the end
