@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,23 @@ def build_settings(flags: dict[str, Any], cls: type, required: tuple[str, ...]) 
     return cls(**flags)
 
 
+class JsonObject(click.ParamType):
+    """A JSON object given as text on the command line, or as a mapping in a --config file."""
+
+    name = "JSON"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> dict:
+        if isinstance(value, dict):
+            return value
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            self.fail(f"{value!r} is not valid JSON ({e.msg}); write e.g. '{{\"enable_thinking\": false}}'.", param, ctx)
+        if not isinstance(obj, dict):
+            self.fail(f"{value!r} is not a JSON object; write e.g. '{{\"enable_thinking\": false}}'.", param, ctx)
+        return obj
+
+
 def render_options(loss_on_default: str = "all-assistant") -> Callable[[Callable], Callable]:
     """The rendering flags dflash-prepare and dflash-generate share (same names, same meaning)."""
     options = [
@@ -37,7 +55,7 @@ def render_options(loss_on_default: str = "all-assistant") -> Callable[[Callable
         click.option("--chat-template", type=click.Path(dir_okay=False),
                      help="Jinja file (or JSON with chat_template) to use instead of the tokenizer's; "
                           "must be the template the serving engine uses."),
-        click.option("--chat-template-kwargs", default="{}", help="JSON object of template variables, e.g. '{\"enable_thinking\": false}'."),
+        click.option("--chat-template-kwargs", type=JsonObject(), default="{}", help="JSON object of template variables, e.g. '{\"enable_thinking\": false}'."),
         click.option("--thinking", type=click.Choice(["on", "off"]),
                      help="Sets enable_thinking in the template kwargs; match the serving setting."),
         click.option("--loss-on", type=click.Choice(["all-assistant", "last-assistant"]), default=loss_on_default,

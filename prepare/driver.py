@@ -49,8 +49,8 @@ class GenerateConfig(RenderConfig):
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 2048
-    stop: str | None = None
-    """Comma-separated stop strings."""
+    stop: list[str] | tuple[str, ...] = ()
+    """Stop strings."""
     seed: int | None = None
     regenerate: str = "last"
     """last: the last assistant turn; all: every assistant turn in order, on the target's own earlier answers."""
@@ -65,6 +65,8 @@ class GenerateConfig(RenderConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         if self.regenerate not in ("last", "all"):
             raise PrepareConfigError(f"--regenerate must be last or all, not {self.regenerate!r}.")
         if self.token_ids not in ("auto", "server", "text"):
@@ -75,13 +77,13 @@ class GenerateConfig(RenderConfig):
 
     def sampling(self) -> Sampling:
         return Sampling(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
-                        stop=[s for s in (self.stop or "").split(",") if s] or None, seed=self.seed,
+                        stop=list(self.stop) or None, seed=self.seed,
                         chat_template_kwargs=self.chat_template_kwargs)
 
     def content_settings(self) -> dict[str, Any]:
         """Settings that change what a record holds: a resume must keep them."""
         return {"regenerate": self.regenerate, "temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_tokens, "stop": self.stop, "seed": self.seed,
+                "max_tokens": self.max_tokens, "stop": list(self.stop), "seed": self.seed,
                 "drop_truncated": self.drop_truncated, "loss_on": self.loss_on}
 
 

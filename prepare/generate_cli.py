@@ -29,7 +29,7 @@ EXIT_INCOMPLETE = 1
 @click.option("--temperature", type=float, default=0.0, help="0: greedy.")
 @click.option("--top-p", type=float, default=1.0)
 @click.option("--max-tokens", type=int, default=2048, help="Longest answer; longer ones end with finish_reason length.")
-@click.option("--stop", help="Comma-separated stop strings.")
+@click.option("--stop", multiple=True, help="A stop string (repeat the flag for several).")
 @click.option("--seed", type=int, help="Sampling seed sent with each request.")
 @click.option("--regenerate", type=click.Choice(["last", "all"]), default="last",
               help="Regenerate the last assistant turn, or every one in order on the target's own earlier answers.")

@@ -87,3 +87,16 @@ def test_worker_processes_write_the_same_output(tmp_path):
     result, parallel = prepare(tmp_path, data, "--num-workers", "2")
     assert result.exit_code == 0, result.output
     assert parallel == serial and len(serial) == 39
+
+
+def test_config_file_gives_the_same_settings_as_flags(tmp_path):
+    data = write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}])
+    _, flags = prepare(tmp_path, data, "--chat-template-kwargs", '{"enable_thinking": false}', "--loss-on", "last-assistant")
+    config = tmp_path / "prepare.json"
+    config.write_text(json.dumps({"chat-template-kwargs": {"enable_thinking": False}, "loss_on": "last-assistant"}))
+    (tmp_path / "out-m.jsonl.jsonl").rename(tmp_path / "flags.jsonl")
+    result, from_file = prepare(tmp_path, data, "--config", str(config))
+    assert result.exit_code == 0, result.output
+    assert from_file == flags
+    meta = json.loads((tmp_path / "out-m.jsonl.jsonl.meta.json").read_text())
+    assert meta["chat_template_kwargs"] == {"enable_thinking": False} and meta["loss_on"] == "last-assistant"
