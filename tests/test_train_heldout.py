@@ -109,6 +109,7 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     on = data(eval_fraction=0.25)
     assert on.heldout_count == len(on.eval_indices) > 0
     assert len(on.train_indices) + on.heldout_count == len(on.caches)
+    assert "noisy estimate" in on.summary()  # a dozen held-out samples: the summary says so
     off = data(eval_fraction=0)
     assert off.heldout_count == 0 and len(off.train_indices) == len(off.caches)
     assert "no held-out samples" in off.summary()

@@ -41,6 +41,7 @@ from .config import TrainConfigError
 from .heldout import cap_by_score, eval_split, heldout_scores
 
 LOADER_STATE_VERSION = 1
+FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 # Test-only: seconds each batch read sleeps (in the DataLoader worker when there are workers),
 # so that fault tests can signal or kill a run while a worker is busy. Never set it in real runs.
 TEST_SLEEP_PER_BATCH_ENV = "DFLASH_TEST_SLEEP_PER_BATCH"
@@ -438,6 +439,9 @@ class TrainingData:
         if not self.heldout_count:
             text += ("; no held-out samples: the logged tau is measured on training batches only "
                      "(set --eval-fraction or --eval-cache for an honest estimate)")
+        elif len(self.eval_indices) < FEW_HELDOUT:
+            text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
+                     "estimate (raise --eval-fraction or give --eval-cache)")
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
                      f"truncated ({c.truncated_tokens} tokens dropped)")
