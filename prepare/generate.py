@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.runtime.errors import DflashError
+from dflash.runtime.errors import DflashError, InputError
 
 from .backends import Completion, Request, ServerMismatchError
 from .formats import Conversation
@@ -196,9 +196,16 @@ def _read_ids(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(end)
     ids = set()
-    for line in data[:end].splitlines():
-        if line.strip():
+    for line_no, line in enumerate(data[:end].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             ids.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise InputError(
+                f"{path}, line {line_no}: not a record of dflash-generate (no JSON object with an id). "
+                "Point --output to a new file, or remove the line to resume."
+            ) from None
     return ids
 
 
