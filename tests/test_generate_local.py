@@ -147,3 +147,12 @@ def test_prompt_only_records_get_the_targets_answer(target, tmp_path):
                                      return_dict=True)["input_ids"]
     answer = greedy(model, prompt, 12)
     assert rec["input_ids"] == prompt + answer and rec["loss_mask"] == [0] * len(prompt) + [1] * len(answer)
+
+
+def test_a_damaged_output_line_is_named(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "prompt": "q"}])
+    out = tmp_path / "gen.jsonl"
+    out.write_text('{"id": "a", "input_ids": [1]}\nnot json\n')
+    result = run(target, data, out, "--max-tokens", "4")
+    assert result.exit_code == 2 and "gen.jsonl, line 2" in result.output
+    assert out.read_text().endswith("not json\n")  # nothing rewritten
