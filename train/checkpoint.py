@@ -21,6 +21,7 @@ import os
 import pickle
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,10 @@ CHECKPOINT_VERSION = 1
 # Test-only: seconds to sleep after a checkpoint's files are staged and before it is renamed
 # into place, so that fault tests can signal or kill a run mid-save. Never set it in real runs.
 TEST_SLEEP_IN_CHECKPOINT_ENV = "DFLASH_TEST_SLEEP_IN_CHECKPOINT"
+# Test-only: "checkpoint-saved:STEP" holds the run (asleep until it is killed) once the checkpoint
+# of STEP is in place and the old ones are pruned, after printing "test hold: checkpoint-saved
+# STEP" to stderr, so that fault tests kill it at exactly that moment. Never set it in real runs.
+TEST_HOLD_AT_ENV = "DFLASH_TEST_HOLD_AT"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE = "model.safetensors", "optimizer.pt", "trainer.pt", "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -90,6 +95,38 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value
+
+
+def hold_for_tests(point: str, step: int) -> None:
+    """Stop here for good when `DFLASH_TEST_HOLD_AT` names this point and step (test-only)."""
+    if os.environ.get(TEST_HOLD_AT_ENV) == f"{point}:{step}":
+        sys.stderr.write(f"test hold: {point} {step}\n")
+        sys.stderr.flush()
+        while True:
+            time.sleep(3600)
+
+
+def compute_settings() -> dict[str, Any]:
+    """What decides the bits of a step besides the data and the state: the same values are
+    needed for a resumed run to continue bit-identically (each makes kernels sum in another order)."""
+    settings: dict[str, Any] = {"torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
+                                "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if torch.cuda.is_available():
+        settings["cuda_device"] = torch.cuda.get_device_name()
+    return settings
+
+
+def compute_changes(saved: dict[str, Any] | None) -> str | None:
+    """A sentence when this process computes otherwise than the one that wrote a checkpoint."""
+    if not saved:
+        return None
+    now = compute_settings()
+    diffs = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+    if not diffs:
+        return None
+    return ("compute settings changed since that checkpoint (" + ", ".join(diffs) + "): training continues "
+            "correctly, but not bit-identically to an uninterrupted run (kernels sum in another order). "
+            "For an exact continuation resume with the same torch, thread count (OMP_NUM_THREADS) and hardware.")
 
 
 def capture_rng() -> dict[str, Any]:
@@ -146,11 +183,13 @@ class Checkpointer:
             save_file(tensors, str(stage / MODEL_FILE), metadata={"format": "pt"})
             torch.save(optim_state, stage / OPTIMIZER_FILE)
             torch.save(_plain(trainer_state), stage / TRAINER_FILE)  # read back with weights_only
-            meta = {"version": CHECKPOINT_VERSION, "step": step, "time": time.time(), **meta}
+            meta = {"version": CHECKPOINT_VERSION, "step": step, "time": time.time(),
+                    "compute": compute_settings(), **meta}
             (stage / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
             if sleep := float(os.environ.get(TEST_SLEEP_IN_CHECKPOINT_ENV, "0") or 0):
                 time.sleep(sleep)
         self.prune()
+        hold_for_tests("checkpoint-saved", step)
         return final
 
     def prune(self) -> None:
