@@ -108,7 +108,8 @@ def temp_parts(cache_dir: Path) -> list[str]:
 
 
 def weights_hash(run_dir: Path) -> str:
-    """sha256 of the float32 weights of the run's latest complete checkpoint."""
+    """The name of the run's latest complete checkpoint and the sha256 of its float32 weights
+    (the name first: a run that ends without its last step's checkpoint shows as such)."""
     from safetensors.torch import load_file
 
     latest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
@@ -117,7 +118,7 @@ def weights_hash(run_dir: Path) -> str:
     for k in sorted(state):
         h.update(k.encode())
         h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return f"{latest.name}:{h.hexdigest()}"
 
 
 def complete_checkpoints(run_dir: Path) -> list[str]:
@@ -233,11 +234,11 @@ class Run:
 class Zygote:
     """Client of zygote.py: starts forked runs of dflash-extract / dflash-train."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None):
         self.log_dir = log_dir
         self._count = 0
         self._pids: list[int] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py"))], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, cwd=str(log_dir),
