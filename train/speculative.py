@@ -111,9 +111,23 @@ def new_kv_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
     try:
-        return DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config)
     except TypeError:  # transformers 4.x takes no config
         return DynamicCache()
+    layers = getattr(cache, "layers", [])
+    if any(getattr(layer, "is_sliding", False) and not hasattr(layer, "activate_past_recording") for layer in layers):
+        # transformers 4.57: sliding layers cannot be cropped once past their window, full
+        # ones can; the attention mask applies the window either way.
+        return DynamicCache()
+    return cache
+
+
+def _has_sliding_layers(config: Any) -> bool:
+    """Whether the target's config gives any layer a sliding window (whatever its cache holds)."""
+    if config is None or getattr(config, "sliding_window", None) is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    return types is None or "sliding_attention" in types
 
 
 class _TargetStateRollback:
@@ -126,11 +140,11 @@ class _TargetStateRollback:
     in cache columns, which holes would break: such targets are decoded one sequence per batch.
     """
 
-    def __init__(self, cache: Any, batch: int) -> None:
+    def __init__(self, cache: Any, batch: int, config: Any = None) -> None:
         layers = list(getattr(cache, "layers", []))
         self.recurrent = [i for i, layer in enumerate(layers) if hasattr(layer, "recurrent_states")]
         sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
-        if (sliding or self.recurrent) and batch > 1:
+        if (sliding or self.recurrent or _has_sliding_layers(config)) and batch > 1:
             kind = "linear-attention" if self.recurrent else "sliding-window"
             raise ValueError(
                 f"the target has {kind} layers, whose state counts cache columns: batched speculative "
@@ -397,7 +411,7 @@ def verify_generate(
     ids, mask = _left_pad(prompts, config.pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = new_kv_cache(model)
-    rollback = _TargetStateRollback(cache, len(prompts))
+    rollback = _TargetStateRollback(cache, len(prompts), getattr(model, "config", None))
     out = forward_with_cache(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
                    output_hidden_states=hidden, logits_to_keep=1)
     proposer.prefill(out, positions, mask.bool())
