@@ -38,14 +38,17 @@ def max_layer_id(num_target_layers: int) -> int:
     return int(num_target_layers) - 2
 
 
-def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int, *, where: str = "",
+def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int | None, *, where: str = "",
                               fix: str = "Pass --target-layer-ids with such ids") -> list[int]:
     """`ids` as a list of ints, or a LayerIdsError naming what is wrong and the constraint.
 
-    `where` says whose ids these are in the message (e.g. "the cache at X"), `fix` what to do
-    (a cache's ids are fixed: it is re-extracted).
+    `num_target_layers` None checks what needs no target (order, repeats, signs): extraction
+    does so when it reads its settings, so that a bad list is refused before a large target
+    loads, and checks the bound once the target is there. `where` says whose ids these are in
+    the message (e.g. "the cache at X"), `fix` what to do (a cache's ids are fixed: it is
+    re-extracted).
     """
-    n = int(num_target_layers)
+    n = None if num_target_layers is None else int(num_target_layers)
     try:
         out = [int(i) for i in ids]
     except (TypeError, ValueError):
@@ -53,7 +56,7 @@ def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int, *, whe
     problems = []
     if not out:
         problems.append("the list is empty")
-    if n < 2:
+    if n is not None and n < 2:
         problems.append(f"a {n}-layer target has no layer a drafter can read (N-2 < 0)")
     dups = sorted({i for i in out if out.count(i) > 1})
     if dups:
@@ -63,13 +66,13 @@ def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int, *, whe
     low = [i for i in out if i < 0]
     if low:
         problems.append(f"{low} are negative")
-    high = [i for i in out if i > n - 2]
+    high = [i for i in out if n is not None and i > n - 2]
     if high and n >= 2:
         problems.append(f"{high} are above N-2 = {n - 2} for this {n}-layer target")
     if problems:
         raise LayerIdsError(
             f"target_layer_ids {out}{_of(where)} cannot be used: {'; '.join(problems)}. "
-            f"{ENGINE_CONSTRAINT}. {fix} (e.g. {_example(n, len(out))})."
+            f"{ENGINE_CONSTRAINT}. {fix} (e.g. {_example(n, len(out)) if n is not None else '1,9,17,25,33'})."
         )
     return out
 

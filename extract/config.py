@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.config import read_config_file
 from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES
 from dflash.runtime.errors import DflashError
@@ -107,9 +108,8 @@ class ExtractConfig:
         if self.num_writers is not None and self.num_writers < 0:
             raise bad(f"--num-writers must be 0 or more (got {self.num_writers}).")
         if self.target_layer_ids is not None:
-            if not self.target_layer_ids or any(int(x) < 0 for x in self.target_layer_ids):
-                raise bad("--target-layer-ids needs one or more non-negative layer ids, e.g. 1,9,17.")
-            self.target_layer_ids = [int(x) for x in self.target_layer_ids]
+            # Order, repeats and signs now, before a target loads; the bound N-2 once it has.
+            self.target_layer_ids = validate_target_layer_ids(self.target_layer_ids, None)
         if self.world_size is None:
             self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if self.rank is None:

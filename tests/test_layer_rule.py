@@ -86,3 +86,14 @@ def test_training_refuses_a_cache_with_such_ids(tmp_path, layers, problem):
     with pytest.raises(LayerIdsError) as err:
         train(tiny_train_config(cache, model, tmp_path / "run", max_steps=1))
     assert problem in str(err.value) and CONSTRAINT in str(err.value) and "Re-extract" in str(err.value)
+
+
+def test_extraction_refuses_unsorted_or_repeated_ids_before_loading_a_target(tmp_path):
+    """Order and repeats need no target: they are refused when the settings are read (a large
+    target takes minutes to load), the bound N-2 once the target is known."""
+    from dflash.extract.config import ExtractConfig
+
+    for ids, problem in (([9, 1], "ascending"), ([1, 1], "more than once")):
+        with pytest.raises(LayerIdsError, match=problem):
+            ExtractConfig(target_model=str(tmp_path / "no-such-model"), data="d.jsonl", output="out",
+                          target_layer_ids=ids)
