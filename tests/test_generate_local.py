@@ -95,7 +95,7 @@ def test_ctrl_c_stops_within_seconds_and_keeps_the_finished_records(target, tmp_
         for i in range(10)])
     out = tmp_path / "gen.jsonl"
     cmd = [sys.executable, "-m", "dflash.prepare.generate_cli", "--target-model", str(target), "--data", str(data),
-           "--output", str(out), "--no-progress", "--dtype", "fp32", "--batch-size", "2", "--max-tokens", "200"]
+           "--output", str(out), "--no-progress", "--dtype", "fp32", "--batch-size", "2", "--max-tokens", "100"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
