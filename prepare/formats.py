@@ -81,8 +81,14 @@ def detect_format(rec: dict[str, Any]) -> str:
 def _content(value: Any, what: str) -> Any:
     if value is None:
         return ""
-    if isinstance(value, str | list):
-        return value  # a list: OpenAI content parts, passed to the template as they are
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        # OpenAI content parts: text-only ones become one string (templates written for text
+        # often render a list as nothing); others are passed to the template as they are.
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+            return "".join(p["text"] for p in value)
+        return value
     raise BadChatRecord(f"{what} must be a string or a list of content parts, not {type(value).__name__}")
 
 

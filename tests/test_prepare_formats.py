@@ -100,3 +100,11 @@ def test_config_file_gives_the_same_settings_as_flags(tmp_path):
     assert from_file == flags
     meta = json.loads((tmp_path / "out-m.jsonl.jsonl.meta.json").read_text())
     assert meta["chat_template_kwargs"] == {"enable_thinking": False} and meta["loss_on"] == "last-assistant"
+
+
+def test_text_content_parts_are_joined(tmp_path):
+    parts = [dict(m, content=[{"type": "text", "text": m["content"][:1]}, {"type": "text", "text": m["content"][1:]}])
+             for m in MESSAGES]
+    _, a = prepare(tmp_path, write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}]))
+    _, b = prepare(tmp_path, write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "messages": parts}]))
+    assert a == b
