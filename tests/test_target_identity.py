@@ -20,19 +20,16 @@ from extract_utils import (
     LAYER_IDS,
     assert_same_contents,
     cache_contents,
-    committed_parts,
     make_target,
     random_records,
-    start,
-    wait_for,
     write_jsonl,
 )
 from test_train_support import read_metrics, tiny_train_config
 from transformers import AutoConfig
 
 
-def extract(target, data, out, **kw) -> None:
-    run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
+def extract(target, data, out, **kw):
+    return run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
                                  target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
                                  sort_window_tokens=0, progress=False, num_writers=0, **kw))
 
@@ -82,19 +79,15 @@ def test_extraction_resumes_after_the_model_directory_moved(two_copies, tmp_path
     root = two_copies["root"]
     model = shutil.copytree(two_copies["first"], tmp_path / "before" / "model")
     out = tmp_path / "cache"
-    proc = start(model, two_copies["data"], out, sleep=1.0)
-    wait_for(lambda: len(committed_parts(out)) >= 1)
-    proc.kill()
-    proc.wait(timeout=10)
-    done_before = set(committed_parts(out))
+    # A first run does part of the work (rank 0 of 2: every other part), as an interrupted one would.
+    first = extract(model, two_copies["data"], out, rank=0, world_size=2)
+    assert 1 <= first.parts_written < first.parts_total
     moved = tmp_path / "after" / "renamed"
     moved.parent.mkdir()
     shutil.move(model, moved)
-    summary = run_extraction(ExtractConfig(
-        target_model=str(moved), data=str(two_copies["data"]), output=str(out), dtype="fp32",
-        target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128, sort_window_tokens=0,
-        progress=False, num_writers=0))
-    assert summary.parts_done_before == len(done_before) >= 1  # resumed, not started anew
+    summary = extract(moved, two_copies["data"], out)
+    assert summary.parts_done_before == first.parts_written  # resumed, not started anew
+    assert summary.parts_written == first.parts_total - first.parts_written
     assert_same_contents(cache_contents(out), cache_contents(root / "cache-a"))
 
 
@@ -127,10 +120,7 @@ def test_an_older_manifest_with_the_path_in_its_target_still_resumes_and_trains(
     header["target"].pop("tokenizer_hash", None)
     header.pop("provenance")
     (cache / HEADER_FILE).write_text(json.dumps(header))
-    summary = run_extraction(ExtractConfig(
-        target_model=str(two_copies["second"]), data=str(two_copies["data"]), output=str(cache), dtype="fp32",
-        target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128, sort_window_tokens=0,
-        progress=False, num_writers=0))
+    summary = extract(two_copies["second"], two_copies["data"], cache)
     assert summary.parts_written == 0 and summary.parts_done_before == summary.parts_total
     result = train(tiny_train_config([cache, two_copies["root"] / "cache-b"], two_copies["first"],
                                      tmp_path / "run", max_steps=1, epochs=1))
