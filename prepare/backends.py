@@ -89,7 +89,7 @@ class ServerBackend:
 
     def body(self, request: Request, url: str) -> dict[str, Any]:
         s = self.sampling
-        body: dict[str, Any] = {"messages": request.messages, "max_tokens": s.max_tokens,
+        body: dict[str, Any] = {"messages": _wire_messages(request.messages), "max_tokens": s.max_tokens,
                                 "temperature": s.temperature, "top_p": s.top_p, "stream": False}
         if self.model:
             body["model"] = self.model
@@ -155,6 +155,22 @@ class ServerBackend:
 
 class _Retryable(Exception):
     pass
+
+
+def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the OpenAI API spells them: tool-call arguments as a JSON string (the local
+    form keeps them as a mapping, which chat templates expect)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and not isinstance(c["function"].get("arguments"), str) else c
+                for c in calls]}
+        out.append(m)
+    return out
 
 
 def _parse_choice(payload: dict, url: str) -> Completion:

@@ -104,13 +104,22 @@ def _normalize_message(m: Any, index: int) -> dict[str, Any]:
         calls = out["tool_calls"]
         if not isinstance(calls, list):
             raise BadChatRecord(f"message {index}'s tool_calls must be a list")
-        for c in calls:  # templates read arguments as a mapping; datasets often store a JSON string
-            fn = c.get("function") if isinstance(c, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except json.JSONDecodeError:
-                    pass
+        out["tool_calls"] = parse_tool_arguments(calls)
+    return out
+
+
+def parse_tool_arguments(calls: list) -> list:
+    """Tool calls with JSON-string arguments parsed to mappings (what templates read; datasets
+    and the OpenAI API store a string). Arguments that are not JSON are left as they are."""
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                c = {**c, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except json.JSONDecodeError:
+                pass
+        out.append(c)
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from dflash.runtime.errors import DflashError, InputError
 
 from .backends import Completion, Request, ServerMismatchError
-from .formats import Conversation
+from .formats import Conversation, parse_tool_arguments
 from .render import ChatRenderer, RenderError
 
 SKIPPED_SUFFIX = ".skipped.jsonl"
@@ -83,7 +83,7 @@ def regenerate(conv: Conversation, renderer: ChatRenderer, *, mode: str, drop_tr
 def _assistant_message(c: Completion) -> dict[str, Any]:
     m: dict[str, Any] = {"role": "assistant", "content": c.text}
     if c.tool_calls:
-        m["tool_calls"] = c.tool_calls
+        m["tool_calls"] = parse_tool_arguments(c.tool_calls)
     if c.reasoning_content:
         m["reasoning_content"] = c.reasoning_content
     return m
