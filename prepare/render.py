@@ -163,9 +163,10 @@ class ChatRenderer:
         turns = conv.assistant_turns()
         if not turns:
             raise EmptySampleError("it has no assistant turn (nothing to learn from)")
-        if turns[0] == 0:
-            raise RenderError("it starts with an assistant turn, which has no prompt to answer")
-        supervised = turns if self.loss_on == "all-assistant" else turns[-1:]
+        # An opening assistant message (a greeting) answers no prompt: it is context, never supervised.
+        supervised = [i for i in (turns if self.loss_on == "all-assistant" else turns[-1:]) if i > 0]
+        if not supervised:
+            raise EmptySampleError("its only assistant turn opens the conversation (there is no prompt it answers)")
         msgs = conv.messages[: supervised[-1] + 1]
         full = self.tokenize(self.render_text(msgs, conv.tools, add_generation_prompt=False))
         mask = np.zeros(len(full), np.uint8)

@@ -192,3 +192,15 @@ def test_refused_and_bad_records_are_counted_with_skip_bad(tmp_path):
     assert stats["records"] == 5 and stats["written"] == 1
     assert stats["skipped"] == {"empty": 1, "bad_record": 2, "long": 1}
     assert "line 5" in result.output and "skipped" in result.output
+
+
+def test_an_opening_assistant_greeting_is_context_not_supervised(tmp_path):
+    conv = [{"role": "assistant", "content": "Hello!"}, *PLAIN_CONVERSATION[1:3]]
+    tok, recs, _ = run_prepare(tmp_path, LLAMA3_TEMPLATE, [{"messages": conv}], eos="<|eot_id|>")
+    ids, mask = pieces_reference(tok, [
+        ("<|begin_of_text|><|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+         "<|start_header_id|>user<|end_header_id|>\n\nOne?<|eot_id|>"
+         "<|start_header_id|>assistant<|end_header_id|>\n\n", 0),
+        ("Two.<|eot_id|>", 1),
+    ])
+    assert recs[0]["input_ids"] == ids and recs[0]["loss_mask"] == mask
