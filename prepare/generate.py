@@ -58,7 +58,8 @@ def regenerate(conv: Conversation, renderer: ChatRenderer, *, mode: str, drop_tr
     todo = turns[-1:] if mode == "last" else turns
     if conv.messages and conv.messages[-1]["role"] != "assistant":
         todo = (todo if mode == "all" else []) + [len(conv.messages)]
-    if not todo or todo[0] == 0:
+    todo = [i for i in todo if i > 0]  # an opening assistant greeting answers nothing: kept as context
+    if not todo:
         return Outcome(conv.id, drop_reason="nothing to answer (no message before an assistant turn)")
     messages = list(conv.messages[: todo[0]])
     completion: Completion | None = None
