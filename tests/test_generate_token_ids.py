@@ -8,7 +8,11 @@ these tests check what the client does with them (trust the ids, check the promp
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -22,7 +26,7 @@ ANSWER = [72, 105, 33, 257]  # "Hi!" and <|im_end|>
 @pytest.fixture
 def engine(tmp_path):
     tok = make_tokenizer(tmp_path / "tok", QWEN3_TEMPLATE)
-    state = {"requests": [], "fail_first": 0, "prompt_offset": 0}
+    state = {"requests": [], "fail_first": 0, "prompt_offset": 0, "delay": 0.0}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -31,6 +35,7 @@ def engine(tmp_path):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state["requests"].append(body)
+            time.sleep(state["delay"])
             if state["fail_first"]:
                 state["fail_first"] -= 1
                 self.send_response(503)
@@ -82,3 +87,23 @@ def test_a_server_tokenizing_prompts_otherwise_is_refused(engine, tmp_path):
     assert result.exit_code == 2
     assert "chat.jsonl, line 1 (id a)" in result.output and "tokenized the prompt differently" in result.output
     assert read_jsonl(out) == []
+
+
+def test_ctrl_c_with_requests_in_flight_stops_within_seconds(engine, tmp_path):
+    engine["state"]["delay"] = 0.5  # slow answers: requests are in flight when the signal comes
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": f"s{i}", "prompt": f"q{i}"} for i in range(200)])
+    out = tmp_path / "gen.jsonl"
+    cmd = [sys.executable, "-m", "dflash.prepare.generate_cli", "--target-model", str(engine["dir"]),
+           "--data", str(data), "--output", str(out), "--server", engine["url"], "--concurrency", "4", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text().count("\n") >= 4) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    output = proc.communicate(timeout=30)[0].decode()
+    assert time.monotonic() - sent < 3, "the stop took too long"
+    assert proc.returncode == 130, output
+    ids = [r["id"] for r in read_jsonl(out)]
+    assert 4 <= len(ids) < 200 and len(ids) == len(set(ids))
