@@ -59,7 +59,8 @@ def list_chat_files(data: str | Path) -> list[Path]:
         return [path]
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL/Parquet file or a directory of them with --data.")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(CHAT_SUFFIXES))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(CHAT_SUFFIXES)
+                   and not p.name.endswith(".skipped.jsonl"))  # dflash-generate's list of dropped ids
     if not files:
         raise InputError(f"Input directory {path} holds no chat files (*.jsonl, *.jsonl.gz, *.parquet). Check --data.")
     return files
