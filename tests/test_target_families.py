@@ -3,8 +3,9 @@ speculative decoding, and soft labels recomputed through the target's own final 
 
 Tiny random-init targets are built here from their transformers configs: dense Qwen3, Qwen3-MoE,
 Qwen3.5 (hybrid linear attention, partial rotary), Llama-3 (llama3 RoPE), Mistral and Gemma 3
-(sliding-window targets; Gemma's zero-centred norm and logit soft-capping), gpt-oss (MoE,
-attention sinks, sliding layers). Targets with sliding-window layers get a drafter with a
+(sliding-window targets; Gemma's zero-centred norm and logit soft-capping), DeepSeek-V3 (the
+architecture of Kimi K2: multi-head latent attention, MoE), gpt-oss (MoE, attention sinks,
+sliding layers). Targets with sliding-window layers get a drafter with a
 sliding-window layer too.
 """
 
@@ -57,6 +58,10 @@ FAMILIES = {
     "gemma-3": (lambda: _config("Gemma3TextConfig", sliding_window=WINDOW, final_logit_softcapping=30.0,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
                 SLIDING_DRAFTER),
+    "deepseek-v3": (lambda: _config("DeepseekV3Config", **{"num_key_value_heads": 4, "head_dim": 8}, n_routed_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                    qk_rope_head_dim=8, v_head_dim=16), {}),
     "gpt-oss": (lambda: _config("GptOssConfig", **{"intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 3),
                 SLIDING_DRAFTER),
