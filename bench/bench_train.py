@@ -61,7 +61,16 @@ FULL = Shape(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288
              target_layers=36, draft_layers=5, block_size=16, anchors=512, seq_len=3072)
 SMALL = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
               target_layers=8, draft_layers=2, block_size=8, anchors=32, seq_len=256)
-LAYER_IDS = {36: [1, 9, 17, 25, 33], 8: [1, 2, 3, 4, 5]}
+# The drafter of bench/quality (a 384-wide byte-level target of 6 layers, layers 0/2/4 captured):
+# 64 samples of 256 tokens per step, ~160 completion tokens each, so ~10K blocks of 16 per step.
+QUALITY = Shape(hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1024, vocab=260,
+                target_layers=6, draft_layers=5, block_size=16, anchors=512, seq_len=256)
+LAYER_IDS = {36: [1, 9, 17, 25, 33], 8: [1, 2, 3, 4, 5], 6: [0, 2, 4]}
+SHAPES = {"8b": FULL, "quality": QUALITY, "small": SMALL}
+BATCH = {"8b": 1, "quality": 64, "small": 1}
+"""Samples per step (a token budget of BATCH x seq_len)."""
+PROMPT = {"8b": 0.1, "quality": 96 / 256, "small": 0.1}
+"""Share of each sample that is prompt (loss mask 0)."""
 
 
 def flops_per_sample(s: Shape, context: int, anchors: int) -> float:
@@ -107,10 +116,10 @@ def _header(s: Shape) -> dict:
     )
 
 
-def _write_part(args: tuple[str, Shape, int, int]) -> int:
+def _write_part(args: tuple[str, Shape, int, int, float]) -> int:
     from dflash.cache_tools.writer import CacheWriter
 
-    cache, s, part, samples = args
+    cache, s, part, samples, prompt = args
     torch.set_num_threads(1)
     writer = CacheWriter(cache, _header(s))
     g = torch.Generator().manual_seed(part)
@@ -120,16 +129,16 @@ def _write_part(args: tuple[str, Shape, int, int]) -> int:
         for i in range(samples):
             ids = torch.randint(0, s.vocab - 1, (s.seq_len,), generator=g)
             mask = torch.ones(s.seq_len, dtype=torch.uint8)
-            mask[: s.seq_len // 10] = 0  # a prompt, then the completion
+            mask[: int(s.seq_len * prompt)] = 0  # a prompt, then the completion
             pw.add_sample(part * samples + i, ids, mask, base[i:i + s.seq_len])
     return samples
 
 
-def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int) -> None:
+def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int, prompt: float) -> None:
     from dflash.cache_tools.writer import CacheWriter
 
     CacheWriter(path, _header(s))  # create it once, before the writers open it
-    jobs = [(str(path), s, p, per_part) for p in range(samples // per_part)]
+    jobs = [(str(path), s, p, per_part, prompt) for p in range(samples // per_part)]
     with multiprocessing.get_context("fork").Pool(writers) as pool:
         pool.map(_write_part, jobs)
 
@@ -162,19 +171,29 @@ def traced_train(config, *, skip: int, warm: int, active: int) -> None:
     wall = stamps[skip + warm + active - 1] - stamps[skip + warm - 1]
     events = prof.key_averages()
     busy = device_busy_seconds(prof)
-    try:
-        table = events.table(sort_by="self_device_time_total", row_limit=30)
-    except Exception:
-        table = events.table(sort_by="self_cuda_time_total", row_limit=30)
-    print(table)
+    for sort in ("self_device_time_total", "self_cpu_time_total"):
+        try:
+            print(events.table(sort_by=sort, row_limit=25), flush=True)
+        except Exception:
+            print(events.table(sort_by=sort.replace("device", "cuda"), row_limit=25), flush=True)
+    calls = {e.key: e.count for e in events}
+    launches = sum(n for k, n in calls.items() if "LaunchKernel" in k or "cuLaunch" in k or "GraphLaunch" in k)
+    syncs = sum(n for k, n in calls.items() if "Synchronize" in k)
+    copies = sum(n for k, n in calls.items() if k.startswith("cudaMemcpy"))
     print(f"traced {active} steps: wall {wall / active * 1e3:.1f} ms/step, GPU kernels "
-          f"{busy / active * 1e3:.1f} ms/step (union of kernel intervals), GPU busy {busy / wall:.1%} of the wall time", flush=True)
+          f"{busy / active * 1e3:.1f} ms/step (union of kernel intervals), GPU busy {busy / wall:.1%} of the "
+          f"wall time; per step {launches / active:.0f} kernel launches, {syncs / active:.1f} synchronizations, "
+          f"{copies / active:.1f} cudaMemcpy calls", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/dev/shm/dflash-bench", help="where the target, cache and run go")
-    parser.add_argument("--small", action="store_true", help="tiny shape on the CPU (a smoke run of the bench)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                        help="8b: the Qwen3-8B-shaped drafter, one 3072-token sample per step; quality: the drafter "
+                             "of bench/quality (hidden 384, 5 layers), 64 samples of 256 tokens per step; small: a "
+                             "tiny shape on the CPU (a smoke run of the bench)")
+    parser.add_argument("--small", action="store_true", help="same as --shape small")
     parser.add_argument("--samples", type=int, default=None, help="cache samples (default 256; small: 32)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 100; small: 10)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="unmeasured first steps (default 20; small: 4)")
@@ -184,14 +203,21 @@ def main() -> None:
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="after the measured steps, profile this many more with torch.profiler and print "
                              "the top GPU kernels and the fraction of wall time the GPU was busy")
+    parser.add_argument("--profile-interval", type=int, default=0,
+                        help="the trainer's own per-section step profile every N steps (synchronizes CUDA)")
+    parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
     a = parser.parse_args()
 
     from dflash.train.config import TrainConfig
     from dflash.train.loop import train
 
-    shape = SMALL if a.small else FULL
-    samples = a.samples or (32 if a.small else 256)
+    if a.small:
+        a.shape = "small"
+    a.small = a.shape == "small"
+    shape, batch = SHAPES[a.shape], BATCH[a.shape]
+    samples = a.samples or (32 if a.small else max(256, 8 * batch))
     steps, warmup = a.steps or (10 if a.small else 100), a.warmup_steps or (4 if a.small else 20)
     workers = a.num_workers if a.num_workers is not None else (2 if a.small else 8)
     work = Path(a.workdir)
@@ -206,7 +232,8 @@ def main() -> None:
         if not (target / "model.safetensors").exists():
             write_target(target, shape)
         if not (cache / "manifest.json").exists():
-            write_cache(cache, shape, samples, per_part=8 if not a.small else 4, writers=a.writers)
+            write_cache(cache, shape, samples, per_part=8 if not a.small else 4, writers=a.writers,
+                        prompt=PROMPT[a.shape])
         ready.touch()
     while not ready.exists():
         time.sleep(0.5)
@@ -215,11 +242,23 @@ def main() -> None:
 
     config = TrainConfig(
         cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
-        block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len, max_batch_size=1,
+        block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len * batch,
+        max_batch_size=batch,
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
         max_steps=warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
+        profile_interval=a.profile_interval,
     )
+    for item in a.train_arg:
+        name, _, value = item.partition("=")
+        if not hasattr(config, name):
+            parser.error(f"--train-arg {item!r}: TrainConfig has no field {name!r}.")
+        current = getattr(config, name)
+        if isinstance(current, bool):
+            value = value.lower() in ("1", "true", "yes", "on")
+        elif current is not None:
+            value = type(current)(value)
+        setattr(config, name, value)
     if warmup % config.log_interval or steps % config.log_interval:
         config.log_interval = 1
     train_start = time.perf_counter()
@@ -244,7 +283,9 @@ def main() -> None:
     flops = world * flops_per_sample(shape, int(round(context / world)), int(round(anchors / world)))
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
-        "shape": "small (CPU)" if a.small else "Qwen3-8B drafter (5 layers), K=5, B=16",
+        "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
+                  "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[a.shape],
+        "compile": config.compile, "steps_per_second": 1 / step_time,
         "processes": world,
         "context_tokens_per_step": context, "anchors_per_step": anchors,
         "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
