@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.attention import (
-    build_attention_mask,
-    build_dense_mask,
-    make_mask_mod,
-)
+from dflash.train.attention import build_dense_mask, build_layer_masks, make_mask_mod
 from dflash.train.objective import build_blocks, sample_anchors
 from test_drafter_support import HIDDEN, tiny_drafter
 
@@ -110,13 +106,15 @@ def test_hand_written_anchors_give_the_expected_rows():
 
 def _run(drafter, hidden, input_ids, anchors, backend):
     block_ids, positions = build_blocks(input_ids, anchors, drafter.config.mask_token_id, BLOCK)
-    mask = build_attention_mask(anchors, hidden.shape[1], BLOCK, backend)
+    kinds = [drafter.config.layer_attention(i) for i in range(drafter.config.num_hidden_layers)]
+    mask = build_layer_masks(anchors, hidden.shape[1], BLOCK, kinds, backend)
     with torch.no_grad():
         return drafter(hidden, block_ids, positions, mask)
 
 
-def test_flex_and_sdpa_paths_give_the_same_block_states():
-    drafter = tiny_drafter()
+@pytest.mark.parametrize("layers", [{}, {"layer_types": "sliding,full", "sliding_window": 3}])
+def test_flex_and_sdpa_paths_give_the_same_block_states(layers):
+    drafter = tiny_drafter(**layers)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 12, 2 * HIDDEN, generator=g)
     input_ids = torch.randint(0, 100, (2, 12), generator=g)
