@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import tiny_train_config, write_tiny_cache
 from dflash.cache_tools.layers import (
     LayerIdsError,
     default_target_layer_ids,
@@ -10,7 +11,6 @@ from dflash.cache_tools.layers import (
 )
 from dflash.train.loop import train
 from extract_utils import make_target, random_records, run_cli, write_jsonl
-from test_train_support import tiny_train_config, write_tiny_cache
 
 CONSTRAINT = "strictly increasing, unique and at most N-2"
 
@@ -77,11 +77,9 @@ def test_extraction_refuses_the_default_rule_on_a_shallow_target(target, tmp_pat
 
 @pytest.mark.parametrize("layers, problem", [((2, 1), "ascending"), ((1, 1), "more than once"),
                                              ((1, 3), "above N-2 = 2")])
-def test_training_refuses_a_cache_with_such_ids(tmp_path, layers, problem):
+def test_training_refuses_a_cache_with_such_ids(tiny_world, tmp_path, layers, problem):
     """Caches written before the check (e.g. the old rule's repeated ids) are refused by the trainer."""
-    from test_train_support import save_tiny_target
-
-    model = save_tiny_target(tmp_path / "target")  # 4 layers, like the cache's header
+    model = tiny_world["target"]  # 4 layers, like the cache's header
     cache = write_tiny_cache(tmp_path / "cache", samples=4, parts=1, layers=layers)
     with pytest.raises(LayerIdsError) as err:
         train(tiny_train_config(cache, model, tmp_path / "run", max_steps=1))

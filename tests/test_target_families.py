@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_train_config
 from dflash.cache_tools.reader import CacheReader
 from dflash.train.export import load_drafter
 from dflash.train.loop import train
@@ -29,7 +30,6 @@ from dflash.train.speculative import (
     verify_generate,
 )
 from extract_utils import run_cli, write_jsonl
-from test_train_support import tiny_train_config
 from transformers import AutoModelForCausalLM
 
 VOCAB, LAYERS, WINDOW = 128, 6, 8

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
+from conftest import read_metrics, tiny_train_config
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity, tokenizer_hash
@@ -24,7 +25,6 @@ from extract_utils import (
     random_records,
     write_jsonl,
 )
-from test_train_support import read_metrics, tiny_train_config
 from transformers import AutoConfig
 
 

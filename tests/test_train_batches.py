@@ -50,12 +50,12 @@ def test_fp8_batches_travel_as_bytes_and_dequantize_to_the_same_values(tmp_path)
         np.testing.assert_array_equal(bits(got[key]), bits(want[key]))
 
 
-def test_training_from_an_fp8_cache_runs_to_the_end_and_exports(tmp_path_factory, tmp_path):
+def test_training_from_an_fp8_cache_runs_to_the_end_and_exports(tiny_world, tmp_path):
+    from conftest import tiny_train_config
     from dflash.cache_tools.rewrite import recompress_cache
     from dflash.train.loop import train
-    from test_train_support import build_tiny_world, tiny_train_config
 
-    world = build_tiny_world(tmp_path_factory)
+    world = tiny_world
     recompress_cache(world["cache"], tmp_path / "fp8", codec="fp8", progress=False)
     result = train(tiny_train_config(tmp_path / "fp8", world["target"], tmp_path / "run", max_steps=3))
     assert result.step == 3

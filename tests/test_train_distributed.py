@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_metrics, tiny_train_config
 from dflash.train.loop import train
 from safetensors.torch import load_file
-from test_train_support import build_tiny_world, read_metrics, tiny_train_config
-
-
-@pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory)
 
 SETTINGS = dict(max_steps=6, save_interval=3, keep_checkpoints=5, epochs=3)
 

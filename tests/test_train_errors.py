@@ -9,17 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
+from conftest import tiny_train_config, write_tiny_cache
 from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line, read_manifest
 from dflash.train.cli import main
 from dflash.train.loop import train
-from test_train_support import build_tiny_world, tiny_train_config, write_tiny_cache
-
-
-@pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory)
 
 
 def run_cli(*args: str) -> tuple[int, str]:

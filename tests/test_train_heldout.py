@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
+from conftest import HIDDEN, TARGET_LAYERS, read_metrics, tiny_train_config, write_tiny_cache
+from conftest import WORLD_VOCAB as VOCAB
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import (
     LOG_FILE,
@@ -30,23 +31,9 @@ from dflash.train.metrics import block_metrics, greedy_replay
 from dflash.train.objective import LossOutput
 from extract_utils import make_target, random_records, run_cli, write_jsonl
 from safetensors.torch import load_file
-from test_train_support import (
-    HIDDEN,
-    TARGET_LAYERS,
-    VOCAB,
-    build_tiny_world,
-    read_metrics,
-    tiny_train_config,
-    write_tiny_cache,
-)
 
 EXTRACT = ["--dtype", "fp32", "--target-layer-ids", "1,2", "--token-budget", "128", "--sort-window-tokens", "0",
            "--num-writers", "0"]
-
-
-@pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory)
 
 
 def heldout_ids(cache_dirs: list[Path], fraction: float) -> tuple[set[int], set[int]]:

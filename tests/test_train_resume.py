@@ -13,21 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
+from conftest import assert_same_weights, final_weights, read_metrics, tiny_train_config
 from dflash.train.cli import main
 from dflash.train.loop import train
-from test_train_support import (
-    assert_same_weights,
-    build_tiny_world,
-    final_weights,
-    read_metrics,
-    tiny_train_config,
-)
-
-
-@pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory)
 
 STEPS = 30
 SETTINGS = dict(max_steps=STEPS, epochs=5, grad_accum=2, save_interval=3, keep_checkpoints=2, num_workers=1,
@@ -51,8 +41,12 @@ def reference(tiny_world, tmp_path_factory) -> dict:
 
 
 def start_run(config: Path, out: Path) -> subprocess.Popen:
+    """The CLI in a new process, on this process's thread count: the reference and the resumes
+    run in this process, and other tests may have changed its thread count (on some CPUs the
+    kernels sum in an order that depends on it: docs/RELIABILITY.md)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     return subprocess.Popen([sys.executable, "-m", "dflash.train.cli", "--config", str(config), "--output-dir", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> int:

@@ -1,109 +1,15 @@
-"""Tiny targets and caches for the trainer tests, and tests of the trainer's pure pieces:
-batch plans, the resumable loader position, the schedule and the config file."""
+"""Tests of the trainer's pure pieces: batch plans, the resumable loader position, the schedule and
+the config file (the tiny targets and caches come from conftest.py)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from dflash.cache_tools.codecs import HiddenCodec
-from dflash.cache_tools.manifest import make_header
-from dflash.cache_tools.writer import CacheWriter
-from dflash.train.config import TrainConfig, TrainConfigError, load_config_file, make_config
+from dflash.train.config import TrainConfigError, load_config_file, make_config
 from dflash.train.loader import CacheSet, LoaderConfig, TrainLoader, eval_split, plan_epoch
 from dflash.train.loop import lr_multiplier
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3Config
-
-HIDDEN, VOCAB, TARGET_LAYERS, LAYERS = 32, 64, 4, (1, 2)
-
-
-def save_tiny_target(path: Path, *, hidden: int = HIDDEN, layers: int = TARGET_LAYERS, vocab: int = VOCAB) -> Path:
-    config = Qwen3Config(hidden_size=hidden, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=64, vocab_size=vocab, num_hidden_layers=layers,
-                         max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
-    return path
-
-
-def tiny_cache_header(*, layers=LAYERS, hidden: int = HIDDEN, target_layers: int = TARGET_LAYERS,
-                      vocab: int = VOCAB, data: str = "tiny") -> dict:
-    return make_header(
-        target={"path": "tiny-target", "architecture": "Qwen3ForCausalLM", "hidden_size": hidden,
-                "num_hidden_layers": target_layers, "vocab_size": vocab},
-        target_layer_ids=list(layers), hidden_size=hidden, codec=HiddenCodec(name="bf16"),
-        chunk_rows=16, shard_rows=64, data={"name": data},
-    )
-
-
-def write_tiny_cache(path: Path, *, samples: int = 48, parts: int = 4, seed: int = 0, min_len: int = 12,
-                     max_len: int = 48, **header_kw) -> Path:
-    """Random samples whose completions (loss_mask 1) start after a short prompt."""
-    header = tiny_cache_header(**header_kw)
-    width = len(header["target_layer_ids"]) * header["hidden"]["hidden_size"]
-    writer = CacheWriter(path, header)
-    gen = torch.Generator().manual_seed(seed)
-    per_part = samples // parts
-    for p in range(parts):
-        with writer.part_writer(f"part-{p:06d}") as pw:
-            for s in range(per_part):
-                n = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
-                ids = torch.randint(0, header["target"]["vocab_size"] - 1, (n,), generator=gen)
-                mask = torch.ones(n, dtype=torch.uint8)
-                mask[: n // 4] = 0
-                hidden = torch.randn(n, width, generator=gen).to(torch.bfloat16)
-                pw.add_sample(p * per_part + s, ids, mask, hidden)
-    return path
-
-
-def tiny_train_config(cache: Path | list[Path], target: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(
-        cache=[str(c) for c in (cache if isinstance(cache, list) else [cache])], target_model=str(target),
-        output_dir=str(out), num_draft_layers=1, block_size=4, max_anchors=4, token_budget=128,
-        max_batch_size=4, max_seq_len=64, shuffle_window=16, num_workers=0, epochs=2, log_interval=1,
-        eval_interval=0, save_interval=0, lr=1e-3, progress=False, tensorboard=False,
-        attention_backend="sdpa",
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The float32 weights of the run's latest checkpoint."""
-    latest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    return load_file(str(latest / "model.safetensors"))
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-_WORLD: dict[str, Path] = {}
-
-
-def build_tiny_world(tmp_path_factory) -> dict[str, Path]:
-    """One tiny target and one tiny cache, built once per test session (read-only for tests)."""
-    if not _WORLD:
-        root = tmp_path_factory.mktemp("tiny-world")
-        _WORLD.update(target=save_tiny_target(root / "target"), cache=write_tiny_cache(root / "cache"))
-    return dict(_WORLD)
-
-
-@pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_world(tmp_path_factory)
-
 
 # -- batch plans and the loader position --------------------------------------------------------
 
