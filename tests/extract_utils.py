@@ -1,11 +1,10 @@
-"""Helpers shared by the extraction tests: tiny targets, JSONL data, cache contents."""
+"""Helpers shared by the extraction tests: their target, CLI runs, cache contents (tiny data
+and JSONL writers come from conftest.py)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -13,64 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from conftest import make_tiny_target
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
 from dflash.extract.loop import TEST_SLEEP_ENV
 
-VOCAB = 128
-
 
 def make_target(path: Path, kind: str = "qwen3", layers: int = 6, seed: int = 0) -> Path:
-    """A random-init tiny causal LM saved as a local HF directory (fp32 safetensors)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[kind]
-    cfg = cls(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-              max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(path)
-    return path
-
-
-def random_records(n: int, seed: int = 0, min_len: int = 1, max_len: int = 80) -> list[dict]:
-    """Records cycling through the three loss-mask conventions, with string ids."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length = rng.randint(min_len, max_len)
-        ids = [rng.randrange(VOCAB) for _ in range(length)]
-        p = rng.randint(0, length)
-        rec: dict = {"id": f"r{i}", "input_ids": ids}
-        if i % 3 == 0:
-            rec["loss_mask"] = [0] * p + [1] * (length - p)
-        elif i % 3 == 1:
-            rec["labels"] = [-100] * p + ids[p:]
-        else:
-            rec["prompt_len"] = p
-        out.append(rec)
-    return out
-
-
-def expected_mask(rec: dict) -> list[int]:
-    n = len(rec["input_ids"])
-    if "loss_mask" in rec:
-        return rec["loss_mask"]
-    if "labels" in rec:
-        return [int(x != -100) for x in rec["labels"]]
-    return [0] * rec["prompt_len"] + [1] * (n - rec["prompt_len"])
-
-
-def write_jsonl(path: Path, records: list, gz: bool = False) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
-    if gz:
-        with gzip.open(path, "wt") as f:
-            f.write(lines)
-    else:
-        path.write_text(lines)
-    return path
+    """The extraction tests' target: conftest's tiny LM (width 64, vocabulary 128) of `layers` layers."""
+    return make_tiny_target(path, family=kind, layers=layers, seed=seed)
 
 
 def run_cli(args: list[str]):

@@ -5,19 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import expected_mask, random_records, write_jsonl
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.extract.batching import group_by_budget
 from dflash.extract.config import ExtractConfig
 from dflash.extract.pipeline import run_extraction
 from dflash.extract.target import LayerCapture
-from extract_utils import (
-    cache_contents,
-    expected_mask,
-    make_target,
-    random_records,
-    run_cli,
-    write_jsonl,
-)
+from extract_utils import cache_contents, make_target, run_cli
 from transformers import AutoModelForCausalLM
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import random_records, write_jsonl
 from dflash.cache_tools.manifest import read_manifest
-from extract_utils import cache_contents, make_target, random_records, run_cli, write_jsonl
+from extract_utils import cache_contents, make_target, run_cli
 
 GOOD = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
 

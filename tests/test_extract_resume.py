@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from conftest import random_records, write_jsonl
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.manifest import read_manifest
 from dflash.extract.config import ExtractConfig
@@ -15,10 +16,8 @@ from extract_utils import (
     cache_contents,
     committed_parts,
     make_target,
-    random_records,
     start,
     wait_for,
-    write_jsonl,
 )
 
 

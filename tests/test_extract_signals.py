@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+from conftest import random_records, write_jsonl
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.config import ExtractConfig
@@ -16,10 +17,8 @@ from extract_utils import (
     cache_contents,
     committed_parts,
     make_target,
-    random_records,
     start,
     wait_for,
-    write_jsonl,
 )
 
 pytestmark = pytest.mark.slow

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_train_config, write_tiny_cache
+from conftest import random_records, tiny_train_config, write_jsonl, write_tiny_cache
 from dflash.cache_tools.layers import (
     LayerIdsError,
     default_target_layer_ids,
     validate_target_layer_ids,
 )
 from dflash.train.loop import train
-from extract_utils import make_target, random_records, run_cli, write_jsonl
+from extract_utils import make_target, run_cli
 
 CONSTRAINT = "strictly increasing, unique and at most N-2"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import tiny_train_config
+from conftest import tiny_train_config, write_jsonl
 from dflash.cache_tools.reader import CacheReader
 from dflash.train.export import load_drafter
 from dflash.train.loop import train
@@ -29,7 +29,7 @@ from dflash.train.speculative import (
     target_generate,
     verify_generate,
 )
-from extract_utils import run_cli, write_jsonl
+from extract_utils import run_cli
 from transformers import AutoModelForCausalLM
 
 VOCAB, LAYERS, WINDOW = 128, 6, 8

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from conftest import read_metrics, tiny_train_config
+from conftest import random_records, read_metrics, tiny_train_config, write_jsonl
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity, tokenizer_hash
@@ -17,14 +17,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.extract.config import ExtractConfig
 from dflash.extract.pipeline import run_extraction
 from dflash.train.loop import train
-from extract_utils import (
-    LAYER_IDS,
-    assert_same_contents,
-    cache_contents,
-    make_target,
-    random_records,
-    write_jsonl,
-)
+from extract_utils import LAYER_IDS, assert_same_contents, cache_contents, make_target
 from transformers import AutoConfig
 
 

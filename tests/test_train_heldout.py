@@ -13,7 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import HIDDEN, TARGET_LAYERS, read_metrics, tiny_train_config, write_tiny_cache
+from conftest import (
+    HIDDEN,
+    TARGET_LAYERS,
+    random_records,
+    read_metrics,
+    tiny_train_config,
+    write_jsonl,
+    write_tiny_cache,
+)
 from conftest import WORLD_VOCAB as VOCAB
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import (
@@ -29,7 +37,7 @@ from dflash.train.loader import CacheSet, eval_split, open_training_data
 from dflash.train.loop import train
 from dflash.train.metrics import block_metrics, greedy_replay
 from dflash.train.objective import LossOutput
-from extract_utils import make_target, random_records, run_cli, write_jsonl
+from extract_utils import make_target, run_cli
 from safetensors.torch import load_file
 
 EXTRACT = ["--dtype", "fp32", "--target-layer-ids", "1,2", "--token-budget", "128", "--sort-window-tokens", "0",
