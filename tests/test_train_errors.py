@@ -78,6 +78,9 @@ def test_resume_with_other_batching_or_model_shape_is_refused_listing_the_differ
                                       "--token-budget", "96"), "--block-size", "8")
     assert_clear_error(code, output, "Cannot resume from", "batching.token_budget: checkpoint has 128, this run has 96",
                        "model.block_size: checkpoint has 4, this run has 8", "another --output-dir")
+    code, output = run_cli(*base_args(tiny_world, out, "--max-steps", "4", "--epochs", "1",
+                                      "--draft-layer-types", "sliding", "--draft-sliding-window", "8"))
+    assert_clear_error(code, output, "Cannot resume from", "model.layer_types", "model.sliding_window")
 
 
 # -- startup cost -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     log.info(data.summary())
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
-    drafter = build_drafter(cfg, data).to(info.device)
+    drafter = build_drafter(cfg, data, announce=log.info).to(info.device)
     model = wrap_model(drafter, cfg.parallel, info)
     optimizer = build_optimizer(cfg, model, info.device)
     total_steps = min(cfg.max_steps or math.inf, data.loader.total_steps)
@@ -217,7 +218,8 @@ def load_target_config_or_fail(target_dir: str) -> Any:
         raise TrainConfigError(f"Cannot read the target model's config: {e}") from e
 
 
-def build_drafter(cfg: TrainConfig, data: TrainingData) -> DFlashDrafter:
+def build_drafter(cfg: TrainConfig, data: TrainingData,
+                  announce: Callable[[str], None] | None = None) -> DFlashDrafter:
     """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache."""
     manifest = data.caches.manifest
     if cfg.soft_label_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
@@ -230,7 +232,7 @@ def build_drafter(cfg: TrainConfig, data: TrainingData) -> DFlashDrafter:
     try:
         drafter = DFlashDrafter.from_target(
             cfg.target_model, with_final_norm=cfg.soft_label_weight > 0 and not manifest.topk,
-            target_layer_ids=manifest.target_layer_ids, **cfg.drafter_overrides())
+            target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
         raise TrainConfigError(f"Cannot build the drafter from {cfg.target_model}: {e}") from e
     if cfg.gradient_checkpointing:
@@ -363,7 +365,8 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
                      "max_seq_len": cfg.max_seq_len, "shuffle_window": cfg.shuffle_window, "seed": cfg.seed,
                      "batches_per_step (world_size x grad_accum)": info.world_size * cfg.grad_accum},
         "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
-                  "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+                  "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                  "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal},
     }
 
 
