@@ -300,6 +300,9 @@ def data_loader(caches: CacheSet, batches: list[np.ndarray], config: LoaderConfi
         pin_memory=config.pin_memory, worker_init_fn=_worker_init if workers else None,
         prefetch_factor=config.prefetch_factor if workers else None,
         multiprocessing_context="fork" if workers else None,
+        # Its iterator's seed comes from this generator, not the global RNG: a resumed run, which
+        # starts one more iterator, keeps the global RNG streams of the uninterrupted run.
+        generator=torch.Generator(),
     )
 
 

@@ -29,6 +29,11 @@ from .helpers import (
 THREAD_SENSITIVE = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
+def global_torch_rng(run_dir) -> torch.Tensor:
+    latest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return torch.load(latest / "trainer.pt", weights_only=True)["rng"]["torch"]
+
+
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_reference_whatever_this_process_computes_with(tmp_path):
     zygote = Zygote(tmp_path, env=THREAD_SENSITIVE)
     threads = torch.get_num_threads()
@@ -55,6 +60,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_reference_whatever_this_
         meta = json.loads(sorted((out / "checkpoints").glob("step-*"))[-1].joinpath("meta.json").read_text())
         assert meta["compute"]["cpu_threads"] != torch.get_num_threads()  # the condition of the failure
         assert weights_hash(out) == weights_hash(reference)
+        # and so do the global RNG streams (a resumed run starts one DataLoader iterator more)
+        assert torch.equal(global_torch_rng(out), global_torch_rng(reference))
     finally:
         torch.set_num_threads(threads)
         zygote.close()
