@@ -8,7 +8,6 @@ ASCII text round-trips through decode/encode exactly.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -202,12 +201,3 @@ def make_chat_target(path: Path, template: str, *, eos: str = "<|im_end|>", seed
     )
     model.save_pretrained(path)
     return path
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

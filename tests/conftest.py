@@ -31,15 +31,16 @@ def make_tiny_target(path: Path, *, family: str = "qwen3", hidden: int = 64, lay
                      seed: int = 0, max_shard_size: str | None = None, **config: object) -> Path:
     """A random-init tiny causal LM (`family` qwen3 or llama) saved with save_pretrained to `path`.
 
-    `intermediate` defaults to twice `hidden`; `config` passes further config fields through.
-    The same arguments always give the same weights."""
+    `intermediate` defaults to twice `hidden`; `config` sets further config fields (by their
+    transformers names, over the ones above). The same arguments always give the same weights."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[family]
-    cfg = cls(hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
-              max_position_embeddings=max_positions, tie_word_embeddings=tie, **config)
+    fields = dict(hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                  max_position_embeddings=max_positions, tie_word_embeddings=tie)
+    cfg = cls(**{**fields, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))

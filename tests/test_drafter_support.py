@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_target
 from dflash.train.model import DFlashDrafter, DrafterConfig
 from dflash.train.target_weights import (
     TargetWeights,
     default_target_layer_ids,
     load_target_weights,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, TARGET_LAYERS = 64, 4, 2, 16, 128, 8
 
@@ -22,19 +23,10 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, TARGET_LAYERS = 64, 4, 2, 16, 128, 8
 def save_tiny_target(
     path: Path, family: str = "qwen3", *, tie: bool = False, max_shard_size: str | None = None, **extra
 ) -> Path:
-    """A random tiny HF target saved with save_pretrained (safetensors)."""
-    dims = dict(
-        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        intermediate_size=96, vocab_size=VOCAB, num_hidden_layers=TARGET_LAYERS,
-        max_position_embeddings=256, tie_word_embeddings=tie, rms_norm_eps=1e-5,
-    )
-    dims.update(extra)
-    config = Qwen3Config(**dims) if family == "qwen3" else LlamaConfig(**dims)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(path), **kwargs)
-    return path
+    """The drafter tests' target (conftest's builder at these dimensions); `extra` sets config fields."""
+    return make_tiny_target(path, family=family, hidden=HIDDEN, layers=TARGET_LAYERS, vocab=VOCAB, heads=HEADS,
+                            kv_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate=96, max_positions=256, tie=tie,
+                            max_shard_size=max_shard_size, rms_norm_eps=1e-5, **extra)
 
 
 def random_target_weights(seed: int = 0, vocab: int = VOCAB, hidden: int = HIDDEN) -> TargetWeights:

@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch
-from chat_utils import QWEN3_TEMPLATE, make_chat_target, read_jsonl, write_jsonl
+from chat_utils import QWEN3_TEMPLATE, make_chat_target
 from click.testing import CliRunner
+from conftest import read_jsonl, write_jsonl
 from dflash.prepare.generate_cli import main as generate_main
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from chat_utils import QWEN3_TEMPLATE, make_chat_target, read_jsonl, write_jsonl
+from chat_utils import QWEN3_TEMPLATE, make_chat_target
 from click.testing import CliRunner
+from conftest import read_jsonl, write_jsonl
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.manifest import chat_templates, read_manifest
 from dflash.extract.cli import main as extract_main

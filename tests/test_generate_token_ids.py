@@ -16,8 +16,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from chat_utils import QWEN3_TEMPLATE, make_tokenizer, read_jsonl, write_jsonl
+from chat_utils import QWEN3_TEMPLATE, make_tokenizer
 from click.testing import CliRunner
+from conftest import read_jsonl, write_jsonl
 from dflash.prepare.generate_cli import main as generate_main
 
 ANSWER = [72, 105, 33, 257]  # "Hi!" and <|im_end|>

@@ -6,8 +6,9 @@ import gzip
 import json
 
 import pytest
-from chat_utils import QWEN3_TEMPLATE, make_tokenizer, read_jsonl, write_jsonl
+from chat_utils import QWEN3_TEMPLATE, make_tokenizer
 from click.testing import CliRunner
+from conftest import read_jsonl, write_jsonl
 from dflash.prepare.cli import main as prepare_main
 
 MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},

@@ -11,10 +11,9 @@ from chat_utils import (
     QWEN3_TEMPLATE,
     make_tokenizer,
     pieces_reference,
-    read_jsonl,
-    write_jsonl,
 )
 from click.testing import CliRunner
+from conftest import read_jsonl, write_jsonl
 from dflash.prepare.cli import main as prepare_main
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate",
