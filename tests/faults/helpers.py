@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import conftest
 import numpy as np
 import torch
+from conftest import write_jsonl  # noqa: F401 (the campaign's modules import it from here)
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 
@@ -35,14 +37,7 @@ TRAIN_SETTINGS = dict(num_draft_layers=1, block_size=4, max_anchors=4, token_bud
 
 def make_tiny_target(path: Path, *, hidden: int = HIDDEN, layers: int = TARGET_LAYERS, vocab: int = VOCAB,
                      seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(hidden_size=hidden, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         intermediate_size=2 * hidden, vocab_size=vocab, num_hidden_layers=layers,
-                         max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
-    return path
+    return conftest.make_tiny_target(path, hidden=hidden, layers=layers, vocab=vocab, heads=2, kv_heads=1, seed=seed)
 
 
 def make_records(n: int, *, seed: int = 0, min_len: int = 8, max_len: int = 40) -> list[dict]:
@@ -53,12 +48,6 @@ def make_records(n: int, *, seed: int = 0, min_len: int = 8, max_len: int = 40) 
         out.append({"input_ids": [rng.randrange(VOCAB) for _ in range(length)],
                     "prompt_len": rng.randint(1, length // 2)})
     return out
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
 
 
 def extract_argv(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
