@@ -121,6 +121,8 @@ def compute_changes(saved: dict[str, Any] | None) -> str | None:
     if not saved:
         return None
     now = compute_settings()
+    if "cuda_device" in now:  # a GPU run: the CPU's threads and kernels do not decide its bits
+        now = {k: v for k, v in now.items() if not k.startswith("cpu_")}
     diffs = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
     if not diffs:
         return None
