@@ -22,7 +22,3 @@ class CacheCorruptError(CacheError):
 
 class ConfigMismatchError(CacheError):
     """A cache was opened with settings (model, layers, codec, data) other than its own."""
-
-
-class CacheLockedError(CacheError):
-    """Another process holds a lock that this operation needs."""

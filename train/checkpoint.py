@@ -15,7 +15,6 @@ other ranks wait at a barrier.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
@@ -259,10 +258,6 @@ def export_from_state(drafter_config: DrafterConfig, model_state: dict[str, torc
                       dtype: torch.dtype = torch.bfloat16) -> Path:
     """Export full trainable weights (from a checkpoint or `full_state`) as an HF drafter directory."""
     return export_drafter(_ExportView(drafter_config, model_state), out_dir, dtype=dtype)  # type: ignore[arg-type]
-
-
-def drafter_config_to_dict(config: DrafterConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

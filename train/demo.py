@@ -35,7 +35,7 @@ from .speculative import DecodeConfig, target_generate
 CORPUS = Path(__file__).parent / "demo_data" / "corpus.txt"
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<mask>"]
 CHARS = "\n !\"#'()*+,-./0123456789:;<=>?[]_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PAD_ID, BOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
 class DemoError(DflashError):
