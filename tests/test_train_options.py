@@ -1,0 +1,142 @@
+"""End-to-end runs of the options no other test drives: `dflash-train export`, --eval-cache,
+soft labels from a real extraction, --gradient-checkpointing, --compile on a CPU, and an
+extraction's --force given to two ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import (
+    assert_same_weights,
+    final_weights,
+    random_records,
+    read_metrics,
+    tiny_train_config,
+    write_jsonl,
+    write_tiny_cache,
+)
+from dflash.cache_tools.manifest import read_manifest
+from dflash.extract.config import ExtractConfig
+from dflash.extract.pipeline import run_extraction
+from dflash.train.cli import main as train_main
+from dflash.train.export import load_drafter
+from dflash.train.loop import train
+from extract_utils import LAYER_IDS, assert_same_contents, cache_contents, make_target
+from safetensors.torch import load_file
+
+
+@pytest.fixture(scope="module")
+def soft_caches(tmp_path_factory) -> dict:
+    """A 4-layer target and two extractions of it: one with last_hidden, one with top-4 log-probs."""
+    root = tmp_path_factory.mktemp("soft")
+    target = make_target(root / "target", layers=4)
+    data = write_jsonl(root / "data.jsonl", random_records(12, seed=3, min_len=16, max_len=40))
+    caches = {}
+    for name, extra in {"last_hidden": dict(store_last_hidden=True), "topk": dict(store_topk=4)}.items():
+        caches[name] = extract(target, data, root / name, **extra)
+    return {"target": target, "data": data, **caches}
+
+
+def extract(target, data, out, **kw):
+    run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
+                                 target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
+                                 sort_window_tokens=0, progress=False, num_writers=0, **kw))
+    return out
+
+
+def test_export_command_writes_the_checkpoint_weights_as_a_drafter(tiny_world, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=2, save_interval=1))
+    step1 = run / "checkpoints" / "step-000001"
+    out = tmp_path / "export"
+    result = CliRunner().invoke(train_main, ["export", str(step1), str(out), "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    assert str(out) in result.output
+    drafter = load_drafter(out, tiny_world["target"])
+    state = drafter.state_dict()
+    saved = load_file(str(step1 / "model.safetensors"))
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+    # The run directory exports its latest checkpoint (step 2, other weights than step 1).
+    latest = tmp_path / "latest"
+    assert CliRunner().invoke(train_main, ["export", str(run), str(latest), "--dtype", "fp32"]).exit_code == 0
+    step2 = load_file(str(run / "checkpoints" / "step-000002" / "model.safetensors"))
+    reloaded = load_drafter(latest, tiny_world["target"]).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in step2.items())
+    assert any(not torch.equal(step2[k], v) for k, v in saved.items())
+
+
+def test_export_command_refuses_a_directory_without_a_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(train_main, ["export", str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "not a dflash-train checkpoint" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_cache_is_evaluated_instead_of_a_split_of_the_training_cache(tiny_world, tmp_path, capsys):
+    eval_cache = write_tiny_cache(tmp_path / "eval", samples=4, parts=2, seed=9)
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=2, eval_interval=1,
+                            eval_cache=[str(eval_cache)], eval_fraction=0.25))
+    assert "48 for training, 4 in --eval-cache" in capsys.readouterr().out
+    evals = [m for m in read_metrics(run) if m["kind"] == "eval"]
+    assert [m["step"] for m in evals] == [1, 2]
+    # max_anchors=4 blocks from each of the eval cache's 4 samples (all longer than 4 + a block).
+    assert all(m["blocks"] == 4 * 4 for m in evals)
+
+
+@pytest.mark.parametrize("source", ["last_hidden", "topk"])
+def test_soft_label_training_from_an_extraction_runs_and_changes_the_objective(soft_caches, tmp_path, source):
+    cache, target = soft_caches[source], soft_caches["target"]
+    assert read_manifest(cache).store_last_hidden == (source == "last_hidden")
+    runs = {w: tmp_path / f"w{w}" for w in (0.0, 0.5)}
+    for w, run in runs.items():
+        result = train(tiny_train_config(cache, target, run, max_steps=2, soft_label_weight=w))
+        assert result.step == 2 and (run / "final" / "model.safetensors").exists()
+    first = {w: read_metrics(run)[0]["loss"] for w, run in runs.items()}
+    # Same init, same batch: the step-1 loss differs only by the KL term.
+    assert all(torch.isfinite(torch.tensor(v)) for v in first.values()) and first[0.0] != first[0.5]
+    ce, soft = final_weights(runs[0.0]), final_weights(runs[0.5])
+    assert any(not torch.equal(ce[k], soft[k]) for k in ce)
+
+
+def test_gradient_checkpointing_trains_the_same_weights(tiny_world, tmp_path):
+    runs = {flag: tmp_path / f"gc-{flag}" for flag in (False, True)}
+    for flag, run in runs.items():
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3, save_interval=3,
+                                gradient_checkpointing=flag))
+    # Recomputing a layer's forward in the backward gives the same gradients, to the bit.
+    assert_same_weights(final_weights(runs[True]), final_weights(runs[False]))
+
+
+@pytest.mark.slow
+def test_compile_on_cpu_trains_what_eager_trains(tiny_world, tmp_path):
+    """torch.compile (inductor, C++ on a CPU) of each draft layer: one step, compared with eager."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    runs = {flag: tmp_path / f"compile-{flag}" for flag in (False, True)}
+    for flag, run in runs.items():
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=1, save_interval=1,
+                                compile=flag))
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo captured the layers (no silent eager run)
+    eager, compiled = final_weights(runs[False]), final_weights(runs[True])
+    assert read_metrics(runs[True])[0]["loss"] == pytest.approx(read_metrics(runs[False])[0]["loss"], rel=1e-4)
+    for k in eager:  # fused kernels sum in another order: equal up to float32 rounding
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
+
+
+def test_force_given_to_two_ranks_wipes_the_old_cache_once(soft_caches, tmp_path):
+    """Rank 0 deletes the cache written with other settings; rank 1's --force must not delete the
+    parts rank 0 has committed since: together they hold what one clean run writes."""
+    target, data = soft_caches["target"], soft_caches["data"]
+    out = extract(target, write_jsonl(tmp_path / "old.jsonl", random_records(6, seed=8)), tmp_path / "cache")
+    clean = extract(target, data, tmp_path / "clean")
+    first = extract(target, data, out, force=True, rank=0, world_size=2)
+    rank0_parts = {p.name for p in read_manifest(first).parts}
+    assert rank0_parts and all(int(p[-6:]) % 2 == 0 for p in rank0_parts)
+    extract(target, data, out, force=True, rank=1, world_size=2)
+    assert rank0_parts < {p.name for p in read_manifest(out).parts}
+    assert_same_contents(cache_contents(out), cache_contents(clean))
