@@ -64,7 +64,7 @@ def test_over_long_samples_are_truncated_by_the_trainer_and_reported(world, tmp_
     assert extract(world["target"], data, tmp_path / "cache").exit_code == 0
     run = train(tmp_path / "cache", world["target"], tmp_path / "run", tmp_path, epochs=1, save_interval=0)
     assert run.exit_code == 0, run.output
-    assert "1 sample(s) longer than --max-seq-len 64 are truncated (236 tokens dropped)" in run.output
+    assert "longer than --max-seq-len 64" in run.output and "236 tokens dropped" in run.output
     # (a sample longer than --token-budget is refused: tests/test_train_errors.py)
 
 
@@ -106,4 +106,4 @@ def test_an_input_file_without_records_is_a_clear_error(world, tmp_path, content
     data.write_bytes(content)
     res = extract(world["target"], data, tmp_path / "cache")
     assert res.exit_code == 2 and "Traceback" not in res.output
-    assert f"The input ({data}) holds no usable sample. Check --data." in res.output
+    assert str(data) in res.output and "no usable sample" in res.output and "--data" in res.output

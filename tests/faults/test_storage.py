@@ -151,8 +151,7 @@ def test_train_into_a_read_only_output_dir_is_a_clear_error(world, tmp_path):
         res = train(world, world["cache"], mnt / "run", tmp_path)
         assert res.exit_code == 2, res.output
         text = " ".join(res.output.split())
-        assert f"Error: Read-only file system ({mnt / 'run'}). Check the path, its permissions and the free disk " \
-               "space, then rerun the same command to resume." in text
+        assert f"Read-only file system ({mnt / 'run'})" in text and "rerun the same command to resume" in text
         assert "Traceback" not in res.output
 
 
@@ -244,7 +243,7 @@ def test_stale_temporary_part_of_a_crashed_run_is_removed_and_counted_at_the_nex
     assert CacheReader(cache).manifest.num_samples < 60  # readers never see it
     res = extract(world, cache)
     assert res.exit_code == 0, res.output
-    assert "Removed 1 leftover(s) of interrupted writers." in res.output
+    assert "1 leftover(s) of interrupted writers" in res.output
     assert temp_parts(cache) == []
     assert cache_hash(cache) == world["cache_hash"]
 
