@@ -117,10 +117,10 @@ def quantize_fp8(
     """[T, K*D] float -> ([T, K*D] uint8 e4m3 bits, [T, K] float32 scales).
 
     One scale per (token, layer) so that one outlier channel only costs precision inside its
-    own row. e4m3's 3 mantissa bits give ~2.5 % relative error per row with the plain
-    absmax scale, and rows up to ~3.5 %; trying `scale_candidates` scales between absmax/448
-    and twice that and keeping, per row, the one with the smallest error moves the worst rows
-    under 2.8 % (docs/cache-format.md). Runs on whatever device `hidden` is on (the GPU during
+    own row. With e4m3's 3 mantissa bits the plain absmax scale is not the best one for every
+    row; trying `scale_candidates` scales between absmax/448 and twice that and keeping, per
+    row, the one with the smallest error keeps the worst rows within the documented bound of
+    3 % per (token, layer) (docs/cache-format.md). Runs on whatever device `hidden` is on (the GPU during
     extraction), in a loop so that memory stays at a few copies of the input.
     """
     tokens, width = hidden.shape
