@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from conftest import make_tiny_target
 
 # Qwen3's published chat template (tool calls, reasoning_content, enable_thinking; it strips the
 # reasoning of turns before the last user query: a template that rewrites history).
@@ -183,21 +183,15 @@ def make_chat_target(path: Path, template: str, *, eos: str = "<|im_end|>", seed
     greedy generations decode to text that re-tokenizes to the same ids (the server's text
     path must round-trip) and stop at the EOS or the length cap.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import GenerationConfig
 
     tok = make_tokenizer(path, template, eos=eos)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
     eos_id = tok.eos_token_id
     allowed = set(range(32, 127)) | {10, eos_id}
-    model.generation_config = GenerationConfig(
+    generation = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
         suppress_tokens=[i for i in range(VOCAB_SIZE) if i not in allowed], do_sample=False,
     )
-    model.save_pretrained(path)
-    return path
+    return make_tiny_target(path, family="llama", hidden=32, layers=layers, vocab=VOCAB_SIZE, heads=4, kv_heads=2,
+                            head_dim=8, max_positions=1024, seed=seed, generation_config=generation,
+                            eos_token_id=eos_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)

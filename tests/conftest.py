@@ -28,11 +28,13 @@ HIDDEN, WORLD_VOCAB, TARGET_LAYERS, LAYERS = 32, 64, 4, (1, 2)
 def make_tiny_target(path: Path, *, family: str = "qwen3", hidden: int = 64, layers: int = 6,
                      vocab: int = VOCAB, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                      intermediate: int | None = None, max_positions: int = 512, tie: bool = False,
-                     seed: int = 0, max_shard_size: str | None = None, **config: object) -> Path:
+                     seed: int = 0, max_shard_size: str | None = None, generation_config: object = None,
+                     **config: object) -> Path:
     """A random-init tiny causal LM (`family` qwen3 or llama) saved with save_pretrained to `path`.
 
     `intermediate` defaults to twice `hidden`; `config` sets further config fields (by their
-    transformers names, over the ones above). The same arguments always give the same weights."""
+    transformers names, over the ones above); `generation_config` is saved with the model. The
+    same arguments always give the same weights."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
@@ -43,6 +45,8 @@ def make_tiny_target(path: Path, *, family: str = "qwen3", hidden: int = 64, lay
     cfg = cls(**{**fields, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
+    if generation_config is not None:
+        model.generation_config = generation_config
     model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return path
 
