@@ -61,6 +61,17 @@ ARGS = ["--dtype", "fp32", "--target-layer-ids", "1,2", "--part-tokens", "120", 
         "--num-writers", "0"]
 
 
+def extract(target, data, out, **kw):
+    """An in-process extraction with the tests' settings (fp32, layers 1, 2, parts of ~120
+    tokens, no sort window, writers in this process); `kw` overrides ExtractConfig fields."""
+    from dflash.extract.config import ExtractConfig
+    from dflash.extract.pipeline import run_extraction
+
+    return run_extraction(ExtractConfig(**{**dict(
+        target_model=str(target), data=str(data), output=str(out), dtype="fp32", target_layer_ids=LAYER_IDS,
+        part_tokens=120, token_budget=128, sort_window_tokens=0, progress=False, num_writers=0), **kw}))
+
+
 def start(target, data, out, *extra, sleep: float) -> subprocess.Popen:
     env = {**os.environ, TEST_SLEEP_ENV: str(sleep)}
     cmd = [sys.executable, "-c", "from dflash.extract.cli import main; main()",

@@ -14,17 +14,9 @@ from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity, tokenizer_hash
 from dflash.cache_tools.manifest import HEADER_FILE, read_manifest
 from dflash.cache_tools.reader import CacheReader
-from dflash.extract.config import ExtractConfig
-from dflash.extract.pipeline import run_extraction
 from dflash.train.loop import train
-from extract_utils import LAYER_IDS, assert_same_contents, cache_contents, make_target
+from extract_utils import assert_same_contents, cache_contents, extract, make_target
 from transformers import AutoConfig
-
-
-def extract(target, data, out, **kw):
-    return run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
-                                 target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
-                                 sort_window_tokens=0, progress=False, num_writers=0, **kw))
 
 
 @pytest.fixture(scope="module")

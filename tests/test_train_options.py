@@ -4,6 +4,7 @@ extraction's --force given to two ranks."""
 
 from __future__ import annotations
 
+import extract_utils
 import pytest
 import torch
 from click.testing import CliRunner
@@ -17,12 +18,10 @@ from conftest import (
     write_tiny_cache,
 )
 from dflash.cache_tools.manifest import read_manifest
-from dflash.extract.config import ExtractConfig
-from dflash.extract.pipeline import run_extraction
 from dflash.train.cli import main as train_main
 from dflash.train.export import load_drafter
 from dflash.train.loop import train
-from extract_utils import LAYER_IDS, assert_same_contents, cache_contents, make_target
+from extract_utils import assert_same_contents, cache_contents, make_target
 from safetensors.torch import load_file
 
 
@@ -39,9 +38,7 @@ def soft_caches(tmp_path_factory) -> dict:
 
 
 def extract(target, data, out, **kw):
-    run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out), dtype="fp32",
-                                 target_layer_ids=LAYER_IDS, part_tokens=120, token_budget=128,
-                                 sort_window_tokens=0, progress=False, num_writers=0, **kw))
+    extract_utils.extract(target, data, out, **kw)
     return out
 
 
