@@ -110,10 +110,16 @@ def build_attention_mask(
         return AttentionMask(backend="sdpa", dense=dense[:, None])
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from .masks import TILE, training_block_mask
+
+    mask_mod = make_mask_mod(anchor_positions, context_len, block_size, window=window, causal=causal)
+    if window is None and not causal and TILE % block_size == 0:  # the same BlockMask, from tile counts
+        return AttentionMask(backend="flex", block_mask=training_block_mask(
+            anchor_positions, context_len, block_size, mask_mod))
     batch, num_anchors = anchor_positions.shape
     q_len = num_anchors * block_size
     block_mask = create_block_mask(
-        make_mask_mod(anchor_positions, context_len, block_size, window=window, causal=causal),
+        mask_mod,
         batch,
         None,
         q_len,
