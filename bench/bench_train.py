@@ -199,7 +199,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="unmeasured first steps (default 20; small: 4)")
     parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; small: 2)")
     parser.add_argument("--writers", type=int, default=min(14, os.cpu_count() or 1), help="cache writer processes")
-    parser.add_argument("--compile", action="store_true", help="also torch.compile the draft layers")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the draft layers (default: the trainer's, compiled on CUDA)")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="after the measured steps, profile this many more with torch.profiler and print "
                              "the top GPU kernels and the fraction of wall time the GPU was busy")

@@ -130,8 +130,9 @@ class TrainConfig:
     # -- runtime ---------------------------------------------------------------------------
     dtype: str = "auto"
     """bf16 (autocast, float32 master weights), fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
-    compile: bool = False
-    """torch.compile each draft layer."""
+    compile: bool | None = None
+    """torch.compile each draft layer; None (the default): on CUDA, not elsewhere (it fuses the
+    layers' elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
     gradient_checkpointing: bool = False
     """Recompute each draft layer in the backward pass (less memory, ~30 % more compute)."""
     parallel: str = "ddp"

@@ -238,7 +238,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
     if cfg.gradient_checkpointing:
         for layer in drafter.layers:
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
-    if cfg.compile:
+    on_cuda = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cfg.compile or (cfg.compile is None and on_cuda):  # None: compiled on CUDA
         for layer in drafter.layers:
             layer.compile()
     return drafter
