@@ -7,6 +7,8 @@ and the sampling rule can be checked against their definitions exactly.
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections import Counter
 from types import SimpleNamespace
 
@@ -39,7 +41,14 @@ def periodic_ids(generator: torch.Generator, batch: int, length: int) -> torch.T
 
 
 def tiny_target(steps: int = 200, seed: int = 0) -> torch.nn.Module:
-    """A 4-layer Qwen3 target, trained briefly to continue periodic sequences (steps=0: random)."""
+    """A 4-layer Qwen3 target, trained briefly to continue periodic sequences (steps=0: random).
+
+    Trained once per session (seconds on a CPU) and copied: every caller gets its own module."""
+    return copy.deepcopy(_trained_target(steps, seed))
+
+
+@functools.cache
+def _trained_target(steps: int, seed: int) -> torch.nn.Module:
     config = Qwen3Config(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
         vocab_size=VOCAB, num_hidden_layers=4, max_position_embeddings=256, tie_word_embeddings=False,
