@@ -9,7 +9,7 @@ from dflash.train.metrics import BlockMetrics
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from test_drafter_support import HIDDEN, tiny_drafter
 
-PERIOD, SEQ_LEN, BATCH, STEPS = 5, 32, 8, 300
+PERIOD, SEQ_LEN, BATCH, STEPS = 5, 32, 8, 200
 
 
 def periodic_batch(generator: torch.Generator, token_table: torch.Tensor) -> dict:
