@@ -280,15 +280,16 @@ def main() -> None:
     context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
     anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.log_interval
                   for r in measured) / n / shape.block_size
-    # The logged counts are over all processes; each process trains its own sequence.
-    flops = world * flops_per_sample(shape, int(round(context / world)), int(round(anchors / world)))
+    samples = sum(r["samples_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
+    # The logged counts are over all processes and samples; attention is per sample (its own context).
+    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)))
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
                   "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[a.shape],
         "compile": config.compile, "steps_per_second": 1 / step_time,
         "processes": world,
-        "context_tokens_per_step": context, "anchors_per_step": anchors,
+        "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
         "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
         "model_tflop_per_step": flops / 1e12, "model_tflops": flops / step_time / 1e12,
         "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
