@@ -47,3 +47,27 @@ def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path):
     assert report["lossless"]["identical"]
     assert report["tau"] >= 2.0, report
     assert json.loads((tmp_path / "demo_report.json").read_text())["eval"]["prompt_sets"][0]["tau"] == report["tau"]
+
+
+def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(tmp_path, monkeypatch):
+    sizes = demo.DemoSizes()
+    assert demo.shipped_target_fits(sizes, seed=0)
+    assert not demo.shipped_target_fits(sizes, seed=1)
+    assert not demo.shipped_target_fits(demo.SMALL, seed=0)
+    built = demo.build_target(sizes).config
+    shipped = json.loads((demo.SHIPPED_TARGET / "config.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert shipped[key] == getattr(built, key), key
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the shipped target fits: nothing is trained")
+
+    monkeypatch.setattr(demo, "train_target", no_training)
+    model, loss = demo.prepare_target(tmp_path / "target", [], sizes, 0, train_anew=False, log=lambda *_: None)
+    assert loss < 0.5  # a trained model: the corpus' next-character loss starts near 4.9
+    assert sorted(p.name for p in (tmp_path / "target").iterdir()) == sorted(
+        p.name for p in demo.SHIPPED_TARGET.iterdir() if p.name != demo.SHIPPED_TARGET_INFO)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in demo.build_target(sizes).parameters())
+    with pytest.raises(AssertionError, match="nothing is trained"):
+        demo.prepare_target(tmp_path / "anew", ["abc"], sizes, 0, train_anew=True, log=lambda *_: None)

@@ -2,7 +2,10 @@
 
 Steps (each writes into the work directory, see docs/demo.md):
 
-1. train a small character-level Qwen3 target on `demo_data/corpus.txt` and save it in HF format;
+1. the target: a small character-level Qwen3 trained on `demo_data/corpus.txt`, saved in HF
+   format. The package ships the one the default sizes and seed 0 give (`demo_data/target/`,
+   made by `dflash-demo --train-target`), so a first run starts at step 2; other sizes, other
+   seeds or `--train-target` train it anew;
 2. let that target complete prompts from the corpus (greedy) and write them as tokenized JSONL
    with loss masks (prompt 0, completion 1);
 3. `dflash-extract` the target's hidden states of those completions into a cache;
@@ -33,6 +36,10 @@ from .eval_cli import format_report, run_eval
 from .speculative import DecodeConfig, target_generate
 
 CORPUS = Path(__file__).parent / "demo_data" / "corpus.txt"
+SHIPPED_TARGET = Path(__file__).parent / "demo_data" / "target"
+SHIPPED_TARGET_INFO = "demo_target.json"
+"""Beside the shipped target's weights: the sizes and seed it was trained with, and its last loss."""
+TARGET_SIZE_FIELDS = ("hidden_size", "target_layers", "target_steps", "batch_size", "seq_len")
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<mask>"]
 CHARS = "\n !\"#'()*+,-./0123456789:;<=>?[]_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -152,6 +159,40 @@ def train_target(model: Any, documents: list[str], sizes: DemoSizes, seed: int, 
     return loss_value
 
 
+def shipped_target_fits(sizes: DemoSizes, seed: int) -> bool:
+    """Whether the shipped target is the one `train_target` gives for these sizes and seed."""
+    info_path = SHIPPED_TARGET / SHIPPED_TARGET_INFO
+    if not info_path.is_file():
+        return False
+    info = json.loads(info_path.read_text())
+    return info["seed"] == seed and all(info["sizes"][k] == getattr(sizes, k) for k in TARGET_SIZE_FIELDS)
+
+
+def prepare_target(target_dir: Path, documents: list[str], sizes: DemoSizes, seed: int, train_anew: bool,
+                   log: Any = print) -> tuple[Any, float]:
+    """Stage 1: the shipped target copied to `target_dir` where it fits, else one trained here.
+
+    Returns the model (float32, on the CPU) and its last training loss."""
+    shutil.rmtree(target_dir, ignore_errors=True)
+    if not train_anew and shipped_target_fits(sizes, seed):
+        from transformers import AutoModelForCausalLM
+
+        info = json.loads((SHIPPED_TARGET / SHIPPED_TARGET_INFO).read_text())
+        log(f"[1/5] the shipped {sizes.target_layers}-layer, {sizes.hidden_size}-wide character-level target "
+            f"(trained by `dflash-demo --train-target`, seed {seed}; last loss {info['final_loss']:.3f})")
+        shutil.copytree(SHIPPED_TARGET, target_dir)
+        (target_dir / SHIPPED_TARGET_INFO).unlink()
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+        return model, float(info["final_loss"])
+    log(f"[1/5] training a {sizes.target_layers}-layer, {sizes.hidden_size}-wide character-level target "
+        f"on {len(documents)} documents")
+    torch.manual_seed(seed)
+    model = build_target(sizes)
+    loss = train_target(model, documents, sizes, seed, log)
+    model.save_pretrained(str(target_dir))
+    return model, loss
+
+
 # -- stage 2: completions ---------------------------------------------------------------------
 
 
@@ -202,8 +243,11 @@ def run_stage(name: str, module: str, args: list[str], log_path: Path) -> None:
                         f"above, the whole log is {log_path}.")
 
 
-def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -> dict[str, Any]:
-    """All five stages; returns the report (also written to workdir/demo_report.json)."""
+def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print,
+             train_anew: bool = False) -> dict[str, Any]:
+    """All five stages; returns the report (also written to workdir/demo_report.json).
+
+    `train_anew` trains the target even where the shipped one fits `sizes` and `seed`."""
     workdir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -219,13 +263,8 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print) -
     train_docs = documents[: len(documents) - len(held_out)]
     random.Random(seed).shuffle(train_docs)
 
-    log(f"[1/5] training a {sizes.target_layers}-layer, {sizes.hidden_size}-wide character-level target "
-        f"on {len(train_docs)} documents")
-    torch.manual_seed(seed)
-    target = build_target(sizes)
-    target_loss = train_target(target, train_docs, sizes, seed, log)
     target_dir = workdir / "target"
-    target.save_pretrained(str(target_dir))
+    target, target_loss = prepare_target(target_dir, train_docs, sizes, seed, train_anew, log)
     lap("target")
 
     log(f"[2/5] target-generated completions for {sizes.num_completions} corpus prompts")
