@@ -134,7 +134,7 @@ class TrainConfig:
     """torch.compile each draft layer; None (the default): on CUDA, not elsewhere (it fuses the
     layers' elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
     gradient_checkpointing: bool = False
-    """Recompute each draft layer in the backward pass (less memory, ~30 % more compute)."""
+    """Recompute each draft layer in the backward pass (less memory; each layer's forward runs twice)."""
     parallel: str = "ddp"
     """With several processes: ddp (replicated drafter) or fsdp (FSDP2, sharded drafter)."""
     device: str | None = None
