@@ -8,6 +8,7 @@ import json
 import runpy
 
 import pytest
+import torch
 from dflash.train import demo
 
 
@@ -53,7 +54,8 @@ def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(
     sizes = demo.DemoSizes()
     assert demo.shipped_target_fits(sizes, seed=0)
     assert not demo.shipped_target_fits(sizes, seed=1)
-    assert not demo.shipped_target_fits(demo.SMALL, seed=0)
+    assert demo.shipped_target_fits(demo.SMALL, seed=0)  # --small uses it too
+    assert not demo.shipped_target_fits(demo.DemoSizes(target_steps=10), seed=0)
     built = demo.build_target(sizes).config
     shipped = json.loads((demo.SHIPPED_TARGET / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -71,3 +73,13 @@ def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in demo.build_target(sizes).parameters())
     with pytest.raises(AssertionError, match="nothing is trained"):
         demo.prepare_target(tmp_path / "anew", ["abc"], sizes, 0, train_anew=True, log=lambda *_: None)
+
+
+def test_train_target_learns_the_corpus():
+    sizes = demo.DemoSizes(hidden_size=32, target_layers=2, target_steps=60, batch_size=8, seq_len=64)
+    torch.manual_seed(0)
+    model = demo.build_target(sizes)
+    losses = []
+    demo.train_target(model, demo.load_documents()[:200], sizes, seed=0, log=losses.append)
+    first, last = (float(line.split("loss")[1]) for line in (losses[0], losses[-1]))
+    assert first > 4.0 and last < 3.3, losses  # from uniform over ~94 characters to the corpus' statistics
