@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,15 +39,13 @@ from dflash.cache_tools.schema import (
 
 from .config import TrainConfigError
 from .heldout import cap_by_score, eval_split, heldout_scores
+from .workers import worker_init
 
 LOADER_STATE_VERSION = 1
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 # Test-only: seconds each batch read sleeps (in the DataLoader worker when there are workers),
 # so that fault tests can signal or kill a run while a worker is busy. Never set it in real runs.
 TEST_SLEEP_PER_BATCH_ENV = "DFLASH_TEST_SLEEP_PER_BATCH"
-# Test-only: seconds each DataLoader worker sleeps at its start (before torch's watchdog reads its
-# parent pid), so that fault tests can kill the trainer then. Never set it in real runs.
-TEST_SLEEP_IN_WORKER_INIT_ENV = "DFLASH_TEST_SLEEP_IN_WORKER_INIT"
 
 
 @dataclass(kw_only=True)
@@ -290,36 +286,12 @@ class _BatchList(torch.utils.data.Dataset):
             raise WorkerReadError(str(e)) from None
 
 
-def _worker_init(_: int, trainer_pid: int) -> None:
-    # Ctrl-C reaches the whole process group: workers leave signals to the trainer, which
-    # finishes its step (needing their batches) before it stops them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(1)
-    # torch's worker notices its trainer's death by its parent pid changing from the one it reads
-    # after this function: a trainer killed before that read leaves a worker that never ends.
-    # The kernel ends it with the trainer instead; a trainer already gone ends it here.
-    _exit_with_parent()
-    if os.getppid() != trainer_pid:
-        os._exit(0)
-    if sleep := float(os.environ.get(TEST_SLEEP_IN_WORKER_INIT_ENV, "0") or 0):
-        time.sleep(sleep)
-
-
-def _exit_with_parent() -> None:
-    """SIGKILL this process when its parent ends (Linux; elsewhere torch's watchdog alone)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def data_loader(caches: CacheSet, batches: list[np.ndarray], config: LoaderConfig) -> torch.utils.data.DataLoader:
     workers = config.num_workers if batches else 0
     return torch.utils.data.DataLoader(
         _BatchList(caches, batches), batch_size=None, shuffle=False, num_workers=workers,
         pin_memory=config.pin_memory,
-        worker_init_fn=functools.partial(_worker_init, trainer_pid=os.getpid()) if workers else None,
+        worker_init_fn=functools.partial(worker_init, trainer_pid=os.getpid()) if workers else None,
         prefetch_factor=config.prefetch_factor if workers else None,
         multiprocessing_context="fork" if workers else None,
         # Its iterator's seed comes from this generator, not the global RNG: a resumed run, which
