@@ -37,6 +37,7 @@ from dflash.runtime.fsio import (
 from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden
 from .errors import CacheError
+from .identity import Purpose
 from .manifest import (
     HEADER_FILE,
     LOCK_FILE,
@@ -47,6 +48,7 @@ from .manifest import (
     PartRecord,
     append_log_line,
     check_identity,
+    identity_differences,
     read_manifest,
 )
 from .schema import (
@@ -81,7 +83,10 @@ def _as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:
 class CacheWriter:
     """Create a cache, or reopen one whose identity matches `header`, for committing parts."""
 
-    def __init__(self, cache_dir: str | os.PathLike, header: dict[str, Any], *, force: bool = False):
+    def __init__(self, cache_dir: str | os.PathLike, header: dict[str, Any], *, force: bool = False,
+                 wait_for_force: float = 0.0):
+        """`force` starts the cache anew; the other ranks of a forced run wait up to `wait_for_force`
+        s for rank 0's new header (`_forced_for_this_run`) instead of refusing or joining the old."""
         self.cache_dir = Path(cache_dir)
         self.header = header
         self.codec = HiddenCodec.from_dict(header["hidden"]["codec"])
@@ -90,11 +95,28 @@ class CacheWriter:
         self.hidden_size = self.schema.hidden_size
         self.parts_dir = self.cache_dir / PARTS_DIR
         self.removed_orphans: list[str] = []  # leftovers of dead writers removed by this open
-        self._open(force)
+        self._open(force, wait_for_force)
         self._log = CommitLog(self.cache_dir)
         self._log.refresh()
 
-    def _open(self, force: bool) -> None:
+    def _open(self, force: bool, wait_for_force: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_for_force
+        while not self._open_once(force, waiting=time.monotonic() < deadline if wait_for_force else False):
+            time.sleep(0.2)
+
+    def _forced_for_this_run(self) -> bool:
+        """Whether the cache's header is the one rank 0 of this forced run wrote."""
+        try:
+            manifest = read_manifest(self.cache_dir)
+        except FileNotFoundError:
+            return False
+        run = self.header.get("provenance", {}).get("forced_run")
+        if run is not None:
+            return manifest.header.get("provenance", {}).get("forced_run") == run
+        return not identity_differences(self.header, manifest.header, Purpose.RESUME)
+
+    def _open_once(self, force: bool, waiting: bool) -> bool:
+        """One attempt to open the cache; False: wait for rank 0 of a forced run and try again."""
         if self._holds_foreign_files():
             raise CacheError(
                 f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
@@ -109,6 +131,8 @@ class CacheWriter:
             ) from e
         try:
             with file_lock(self.cache_dir / LOCK_FILE):
+                if waiting and not self._forced_for_this_run():
+                    return False
                 if (self.cache_dir / HEADER_FILE).exists():
                     if force:
                         self._wipe()
@@ -124,6 +148,7 @@ class CacheWriter:
                 f"{f' ({e.filename})' if e.filename else ''}. Make the directory writable (or free "
                 "space), then rerun."
             ) from e
+        return True
 
     def _holds_foreign_files(self) -> bool:
         """Whether cache_dir holds files but no cache manifest.

@@ -34,6 +34,9 @@ from .writers import WriterPool, start_fork_server, stop_fork_server
 # Diagnostic: copy rows through the engine's pinned slots and a host-side copy, instead of
 # straight into the (page-locked) part buffers. For comparisons and as a fallback.
 STAGED_COPY_ENV = "DFLASH_EXTRACT_STAGED_COPY"
+# How long the other ranks of a run given --force wait for rank 0 to start the cache anew (rank 0
+# loads the same target at the same time; a rank 0 that never comes leaves them the old cache).
+FORCE_WAIT_SECONDS = 600.0
 
 
 @dataclass
@@ -159,7 +162,10 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
                            need_last=config.store_last_hidden or config.store_topk > 0)
     data_fp = fingerprint_data(files, config.data)
     header = build_header(config, model, model_dir, layer_ids, data_fp)
-    cache = CacheWriter(config.output, header, force=config.force and config.rank == 0)
+    if config.force and (run := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
+        header["provenance"]["forced_run"] = run  # what the other ranks wait for (CacheWriter)
+    cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
+                        wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)
