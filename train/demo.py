@@ -85,7 +85,7 @@ class DemoSizes:
     """dflash-eval --max-new-tokens."""
 
 
-SMALL = DemoSizes(num_completions=200, completion_tokens=48, drafter_steps=100, drafter_batch_size=16,
+SMALL = DemoSizes(num_completions=300, completion_tokens=48, drafter_steps=160, drafter_batch_size=16,
                   eval_prompts=6, eval_new_tokens=48)
 """The reduced run of `--small` (tests): the shipped target, fewer completions, a shorter drafter run."""
 TARGET_LAYER_IDS = (1, 2)  # strictly increasing, at most N-2 of the 4-layer target
