@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The embedded demo: install the package and run the whole pipeline on CPU (a few minutes,
-# no network besides the install): a small target trained on the shipped corpus, target
-# completions, dflash-extract, dflash-train, dflash-eval. Extra arguments go to dflash-demo,
+# The embedded demo: install the package and run the whole pipeline on CPU (about a minute
+# after the install, no network besides the install): the small target the package ships
+# (`--train-target` trains it anew on the shipped corpus), its completions, dflash-extract,
+# dflash-train, dflash-eval beside prompt lookup. Extra arguments go to dflash-demo,
 # e.g. `bash demo.sh --workdir /tmp/demo` or `bash demo.sh --small`.
 set -euo pipefail
 cd "$(dirname "$0")"
