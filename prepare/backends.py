@@ -3,8 +3,10 @@
 `ServerBackend.complete(request)` sends one chat completion to an OpenAI-compatible server
 (vLLM, SGLang, `transformers serve`), spreading requests over several URLs, retrying
 connection errors, timeouts, 429 and 5xx with exponential backoff (on the next server).
-`HFBackend.complete_batch(requests)` runs batched greedy or sampled `generate()` in-process.
-Both return `Completion`s: the answer's text, its token ids where known, why it ended.
+`HFBackend.complete_batch(requests)` runs batched greedy or sampled `generate()` in-process
+(left padding, KV cache), on prompts `HFBackend.render` tokenized beforehand (one batched
+tokenizer call; the driver sorts by their lengths). Both return `Completion`s: the answer's
+text, its token ids where known, why it ended.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ServerMismatchError(DflashError):
 class Request:
     messages: list[dict[str, Any]]
     tools: list | None = None
+    prompt_ids: list[int] | None = None  # the local rendering, once the in-process backend made it
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Completion:
     prompt_token_ids: list[int] | None = None  # the prompt as the server tokenized it
     tool_calls: list | None = None
     reasoning_content: str | None = None
+    local_prompt: bool = False  # prompt_token_ids is the local rendering itself (in-process backend)
 
 
 @dataclass(kw_only=True)
@@ -188,8 +192,15 @@ def _parse_choice(payload: dict, url: str) -> Completion:
     )
 
 
+class BatchTooLargeError(DflashError):
+    """A batch of the in-process backend does not fit in the device's memory."""
+
+
 class HFBackend:
-    """Batched `generate()` of a local HF model (left padding; greedy when temperature is 0)."""
+    """Batched `generate()` of a local HF model (left padding; greedy when temperature is 0).
+
+    A seed is set once, here: successive batches draw on one random stream (the same seed,
+    data and batch size give the same records)."""
 
     def __init__(self, model_dir: str, renderer: Any, sampling: Sampling, *, device: str | None = None,
                  dtype: str = "bf16", stop_flag: Any = None):
@@ -205,6 +216,8 @@ class HFBackend:
         self.sampling = sampling
         self.eos_ids = sorted(renderer.eos_ids)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
 
         class _Stop(StoppingCriteria):  # Ctrl-C ends a batch within one decoding step
             def __call__(self, input_ids, scores, **kwargs):
@@ -213,9 +226,20 @@ class HFBackend:
 
         self.stopping = _Stop()
 
+    def render(self, requests: list[Request]) -> None:
+        """Set the prompt ids of the requests that have none: each rendered by the template, all
+        tokenized in one call (the same ids as `renderer.prompt_ids`, one at a time)."""
+        todo = [r for r in requests if r.prompt_ids is None]
+        if not todo:
+            return
+        texts = [self.renderer.render_text(r.messages, r.tools, add_generation_prompt=True) for r in todo]
+        for r, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            r.prompt_ids = list(ids)
+
     def complete_batch(self, requests: list[Request]) -> list[Completion]:
         torch = self.torch
-        prompts = [self.renderer.prompt_ids(r.messages, r.tools) for r in requests]
+        self.render(requests)
+        prompts = [r.prompt_ids for r in requests]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -231,21 +255,28 @@ class HFBackend:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if s.stop:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
-        if s.seed is not None:
-            torch.manual_seed(s.seed)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-        out = out[:, width:].tolist()
-        results = []
-        for k, row in enumerate(out):
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        except torch.OutOfMemoryError:
+            raise BatchTooLargeError(
+                f"A batch of {len(prompts)} prompts of up to {width} tokens plus {s.max_tokens} new ones does not "
+                f"fit in the memory of {self.device}. Lower --batch-size (or --max-tokens); the records "
+                "written so far are kept and a rerun goes on from them."
+            ) from None
+        answers = []
+        for row in out[:, width:].tolist():
             gen = []
             for t in row:
                 gen.append(t)
                 if t in self.renderer.eos_ids:
                     break
+            answers.append(gen)
+        texts = self.tokenizer.batch_decode(answers, skip_special_tokens=True)
+        results = []
+        for gen, text, prompt in zip(answers, texts, prompts):
             stopped = bool(gen) and gen[-1] in self.renderer.eos_ids
             results.append(Completion(
-                text=self.tokenizer.decode(gen, skip_special_tokens=True),
-                finish_reason="stop" if stopped or len(gen) < s.max_tokens else "length",
-                token_ids=gen, prompt_token_ids=prompts[k]))
+                text=text, finish_reason="stop" if stopped or len(gen) < s.max_tokens else "length",
+                token_ids=gen, prompt_token_ids=prompt, local_prompt=True))
         return results

@@ -1,8 +1,11 @@
 """Driving `regenerate()` over a dataset: server worker threads or in-process batches.
 
 Server: `concurrency` daemon threads each take a conversation, run its requests, and hand the
-outcome to the main thread, the only writer. In-process: the main thread advances up to
-`batch_size` conversations at a time, batching their pending requests into one `generate()`.
+outcome to the main thread, the only writer. In-process: the main thread reads
+`batch_size * sort_window` conversations ahead, renders their pending requests, sorts them by
+prompt length (longest first: a batch too large for the device fails at once) and runs them
+`batch_size` at a time through one `generate()` each, writing each batch's finished records
+before the next starts (later turns of --regenerate all form the next round).
 A first SIGINT/SIGTERM stops feeding new work and returns within a second (server; in-process
 within one decoding step), abandoning what is in flight; a rerun regenerates it.
 """
@@ -58,6 +61,8 @@ class GenerateConfig(RenderConfig):
     """Leave out answers cut by --max-tokens (finish_reason length)."""
     batch_size: int = 16
     """In-process backend: conversations per generate() call."""
+    sort_window: int = 8
+    """In-process backend: batches read ahead and sorted by prompt length (1: input order)."""
     device: str | None = None
     dtype: str = "bf16"
     loss_on: str = "last-assistant"
@@ -71,7 +76,7 @@ class GenerateConfig(RenderConfig):
             raise PrepareConfigError(f"--regenerate must be last or all, not {self.regenerate!r}.")
         if self.token_ids not in ("auto", "server", "text"):
             raise PrepareConfigError(f"--token-ids must be auto, server or text, not {self.token_ids!r}.")
-        for name in ("concurrency", "max_tokens", "batch_size"):
+        for name in ("concurrency", "max_tokens", "batch_size", "sort_window"):
             if getattr(self, name) <= 0:
                 raise PrepareConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}.")
 
@@ -250,27 +255,30 @@ def _drive_local(config, renderer, todo: Iterator[Conversation], log: OutputLog,
                         stop_flag=stop)
     it = iter(todo)
     while not stop.requested:
-        batch = list(islice(it, config.batch_size))
-        if not batch:
+        window = list(islice(it, config.batch_size * config.sort_window))
+        if not window:
             return
         gens = {}
         pending = {}
-        for conv in batch:
+        for conv in window:
             g = regenerate(conv, renderer, mode=config.regenerate, drop_truncated=config.drop_truncated,
                            loss_on=config.loss_on)
             gens[conv.id] = g
             pending[conv.id] = _advance(g, None, log, summary, progress)
-        while pending and not stop.requested:
-            ids = [k for k, v in pending.items() if v is not None]
-            for k in [k for k, v in pending.items() if v is None]:
-                del pending[k]
-            if not ids:
+        while not stop.requested:  # one round per turn (--regenerate all: the next turns after it)
+            live = [(k, r) for k, r in pending.items() if r is not None]
+            if not live:
                 break
-            completions = backend.complete_batch([pending[k] for k in ids])
-            if stop.requested:
-                return  # the batch was cut short: its answers are not the target's whole answers
-            for k, c in zip(ids, completions):
-                pending[k] = _advance(gens[k], c, log, summary, progress)
+            backend.render([r for _, r in live])
+            live.sort(key=lambda kr: -len(kr[1].prompt_ids))  # stable: equal lengths keep input order
+            pending = {}
+            for first in range(0, len(live), config.batch_size):
+                part = live[first: first + config.batch_size]
+                completions = backend.complete_batch([r for _, r in part])
+                if stop.requested:
+                    return  # the batch was cut short: its answers are not the target's whole answers
+                for (k, _), c in zip(part, completions):
+                    pending[k] = _advance(gens[k], c, log, summary, progress)
 
 
 def _advance(gen, completion, log: OutputLog, summary: GenerateSummary, progress: _Progress):

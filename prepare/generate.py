@@ -95,7 +95,10 @@ def build_record(conv: Conversation, messages: list[dict], last: Completion, ren
     """The record of a regenerated conversation: the prompt as the local template renders it,
     then the answer's tokens (the backend's ids, or the text re-tokenized and checked)."""
     prompt_messages = messages if last.finish_reason == "length" else messages[:-1]
-    prompt = renderer.prompt_ids(prompt_messages, conv.tools)
+    if last.local_prompt:  # the in-process backend rendered these messages with this renderer
+        prompt = list(last.prompt_token_ids)
+    else:
+        prompt = renderer.prompt_ids(prompt_messages, conv.tools)
     if last.prompt_token_ids is not None and list(last.prompt_token_ids) != prompt:
         raise ServerMismatchError(
             f"{conv.where} (id {conv.id}): the server tokenized the prompt differently from the local "

@@ -35,6 +35,9 @@ EXIT_INCOMPLETE = 1
               help="Regenerate the last assistant turn, or every one in order on the target's own earlier answers.")
 @click.option("--drop-truncated/--keep-truncated", default=False, help="Leave out answers cut by --max-tokens.")
 @click.option("--batch-size", type=int, default=16, help="In-process backend: conversations per generate().")
+@click.option("--sort-window", type=int, default=8,
+              help="In-process backend: batches read ahead and sorted by prompt length, so a batch pads "
+                   "little (1: input order).")
 @click.option("--device", help="In-process backend: torch device [default: cuda:$LOCAL_RANK if available, else cpu].")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", help="In-process backend dtype.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar (requests/s, tokens/s, ETA).")

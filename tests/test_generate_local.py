@@ -1,4 +1,5 @@
-"""dflash-generate's in-process backend: multi-turn regeneration, truncation, resume rules, Ctrl-C."""
+"""dflash-generate's in-process backend: multi-turn regeneration, truncation, resume rules, Ctrl-C,
+length-sorted left-padded batches, sampling from a seed."""
 
 from __future__ import annotations
 
@@ -157,3 +158,54 @@ def test_a_damaged_output_line_is_named(target, tmp_path):
     result = run(target, data, out, "--max-tokens", "4")
     assert result.exit_code == 2 and "gen.jsonl, line 2" in result.output
     assert out.read_text().endswith("not json\n")  # nothing rewritten
+
+
+def test_batches_are_sorted_by_prompt_length_and_each_answer_is_the_prompts_own(target, tmp_path, monkeypatch):
+    from dflash.prepare import backends
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    questions = [f"q{i} " + "word " * n for i, n in enumerate([1, 9, 4, 12, 0, 6, 3])]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": f"l{i}", "prompt": q} for i, q in enumerate(questions)])
+    widths = []
+    real = backends.HFBackend.complete_batch
+
+    def spy(self, requests):
+        self.render(requests)
+        widths.append([len(r.prompt_ids) for r in requests])
+        return real(self, requests)
+
+    monkeypatch.setattr(backends.HFBackend, "complete_batch", spy)
+    out = tmp_path / "gen.jsonl"
+    result = run(target, data, out, "--max-tokens", "10", "--batch-size", "3", "--sort-window", "3")
+    assert result.exit_code == 0, result.output
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       enable_thinking=False, return_dict=True)["input_ids"] for q in questions]
+    # One window holds all seven: batches of 3, 3 and 1, longest prompts first.
+    assert widths == [sorted(map(len, prompts), reverse=True)[k: k + 3] for k in (0, 3, 6)]
+    by_id = {r["id"]: r for r in read_jsonl(out)}
+    assert sorted(by_id) == sorted(f"l{i}" for i in range(7))
+    for i, prompt in enumerate(prompts):  # left padding changes nothing: each is its unbatched greedy answer
+        answer = greedy(model, prompt, 10)
+        assert by_id[f"l{i}"]["input_ids"] == prompt + answer
+        assert by_id[f"l{i}"]["loss_mask"] == [0] * len(prompt) + [1] * len(answer)
+
+
+def test_sampling_follows_its_seed_across_batches(target, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": f"s{i}", "prompt": "same question"} for i in range(6)])
+
+    def answers(name, *flags):
+        out = tmp_path / name
+        result = run(target, data, out, "--max-tokens", "12", "--batch-size", "2", *flags)
+        assert result.exit_code == 0, result.output
+        return {r["id"]: r["input_ids"] for r in read_jsonl(out)}
+
+    first = answers("a.jsonl", "--temperature", "1.0", "--seed", "3")
+    assert answers("b.jsonl", "--temperature", "1.0", "--seed", "3") == first
+    assert answers("c.jsonl", "--temperature", "1.0", "--seed", "4") != first
+    greedy_answers = answers("d.jsonl")
+    assert len(set(map(tuple, greedy_answers.values()))) == 1  # one prompt, one greedy answer
+    # Sampled: the six copies of one prompt get different answers, also across the three batches
+    # (one random stream from the seed, not the same draws again for each batch).
+    assert len(set(map(tuple, first.values()))) == 6
