@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import (
     HIDDEN,
@@ -35,7 +36,7 @@ from dflash.cache_tools.writer import CacheWriter
 from dflash.train.config import TrainConfig
 from dflash.train.loader import CacheSet, eval_split, open_training_data
 from dflash.train.loop import train
-from dflash.train.metrics import block_metrics, greedy_replay
+from dflash.train.metrics import VerificationWalk, block_metrics, greedy_replay
 from dflash.train.objective import LossOutput
 from extract_utils import make_target, run_cli
 from safetensors.torch import load_file
@@ -217,7 +218,8 @@ def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp
     for r in evals:
         assert list(r)[3:6] == ["heldout_tau", "train_tau", "tau_gap"]  # after step, kind, time
         assert r["heldout_tau"] == r["tau"] and 1.0 <= r["heldout_tau"] <= 4.0
-        assert math.isclose(r["tau_gap"], r["train_tau"] - r["heldout_tau"])
+        # the gap compares per-block means on both sides; held-out tau itself is the walk
+        assert math.isclose(r["tau_gap"], r["train_tau"] - r["tau_blocks"])
     # train_tau of an evaluation is the training tau of the steps since the one before.
     trains = [r for r in records if r["kind"] == "train"]
     window = [r for r in trains if 5 < r["step"] <= 10]
@@ -232,7 +234,8 @@ def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp
         else:
             assert "heldout_tau" not in r
     assert result.eval_metrics is not None and np.isclose(result.eval_metrics["tau"], evals[-1]["heldout_tau"])
-    assert evals[-1]["estimator"] == "labels"  # no top-k in this cache: checked against its tokens
+    # no top-k in this cache: checked against its tokens, walked where every anchor was drawn
+    assert evals[-1]["walked_samples"] > 0 and evals[-1]["estimator"] == "labels walk"
 
 
 # -- the estimator ------------------------------------------------------------------------------
@@ -257,6 +260,44 @@ def test_greedy_replay_checks_each_slot_against_the_targets_top1():
     assert block_metrics(out.correct, out.valid)["tau"] == 1 + (3 + 1) / 2
     assert block_metrics(replayed.correct, replayed.valid)["tau"] == 1 + (2 + 1) / 2
     assert greedy_replay(out, {"input_ids": input_ids}) is out  # no top-k: the labels
+
+
+def walk_case(leading: list[list[int]], anchors: list[list[int]], *, slots: int = 3) -> LossOutput:
+    """A LossOutput whose block at anchors[b][i] accepts leading[b][i] slots."""
+    a = torch.tensor(anchors)
+    n = torch.tensor(leading)
+    valid = torch.ones(*a.shape, slots, dtype=torch.bool)
+    correct = torch.arange(slots)[None, None, :] < n[..., None]
+    return LossOutput(loss=torch.zeros(()), ce=torch.zeros(()), kl=None, correct=correct, valid=valid,
+                      anchor_positions=a, anchor_valid=torch.ones(a.shape, dtype=torch.bool))
+
+
+def test_verification_walk_follows_the_blocks_a_decoder_would_verify():
+    # Sample 0: positions 2..9 are eligible anchors. Blocks of 4 (3 slots): at 2 accept 3
+    # (4 tokens) -> 6 accepts 0 (1 token) -> 7 accepts 2 (3 tokens) -> 10: past the end.
+    # The per-block mean over all eight anchors would say 1 + 11/8 = 2.375; the decoder
+    # verifies 3 blocks for 8 tokens: 2.667.
+    leading = [[3, 3, 3, 3, 0, 2, 2, 2]]
+    anchors = [[2, 3, 4, 5, 6, 7, 8, 9]]
+    eligible = torch.zeros(1, 12, dtype=torch.bool)
+    eligible[0, 2:10] = True
+    walk = VerificationWalk((4, 2))
+    walk.update([walk_case(leading, anchors)], eligible)
+    taus = walk.taus(walk.state())
+    assert taus[4] == pytest.approx(8 / 3)
+    assert block_metrics(*(lambda o: (o.correct, o.valid))(walk_case(leading, anchors)))["tau"] == 1 + 18 / 8
+    # Width 2 (a decoder at --block-size 2 verifies the first draft only): 2 -> 4 -> 6 -> 7 -> 9 -> 11.
+    assert taus[2] == pytest.approx((2 + 2 + 1 + 2 + 2) / 5)
+    # Blocks of one sample over two anchor chunks walk the same as in one.
+    chunked = VerificationWalk((4, 2))
+    chunked.update([walk_case([leading[0][:5]], [anchors[0][:5]]), walk_case([leading[0][5:]], [anchors[0][5:]])],
+                   eligible)
+    assert chunked.taus(chunked.state()) == taus
+    # A sample with an eligible position that is not an anchor cannot be walked: left out.
+    eligible[0, 10] = True
+    skipped = VerificationWalk((4,))
+    skipped.update([walk_case(leading, anchors)], eligible)
+    assert skipped.samples == 0 and skipped.taus(skipped.state()) == {}
 
 
 def write_topk_cache(path: Path, *, samples: int = 24, k: int = 2) -> Path:
@@ -285,6 +326,6 @@ def test_heldout_tau_is_the_greedy_replay_when_the_cache_holds_topk(tiny_world, 
     out = tmp_path / "run"
     train(tiny_train_config(cache, tiny_world["target"], out, max_steps=6, eval_fraction=0.3, eval_interval=3))
     evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
-    assert evals and all(r["estimator"] == "greedy replay" for r in evals)
+    assert evals and all(r["estimator"] == "greedy walk" for r in evals)
     # On greedy completions the target's choice is the sample's token: both estimates agree.
-    assert all(r["heldout_tau"] == r["tau_labels"] for r in evals)
+    assert all(r["tau_blocks"] == r["tau_labels"] for r in evals)

@@ -20,6 +20,7 @@ from conftest import (
 from dflash.cache_tools.manifest import read_manifest
 from dflash.train.cli import main as train_main
 from dflash.train.export import load_drafter
+from dflash.train.loader import CacheSet
 from dflash.train.loop import train
 from extract_utils import assert_same_contents, cache_contents, make_target
 from safetensors.torch import load_file
@@ -80,8 +81,10 @@ def test_eval_cache_is_evaluated_instead_of_a_split_of_the_training_cache(tiny_w
     assert "48 for training, 4 in --eval-cache" in capsys.readouterr().out
     evals = [m for m in read_metrics(run) if m["kind"] == "eval"]
     assert [m["step"] for m in evals] == [1, 2]
-    # max_anchors=4 blocks from each of the eval cache's 4 samples (all longer than 4 + a block).
-    assert all(m["blocks"] == 4 * 4 for m in evals)
+    # A block at every eligible position of the eval cache's 4 samples (positions n//4 .. n-2 of
+    # a sample of n tokens: completion tokens with a next one), however small max_anchors is.
+    lengths = CacheSet([str(eval_cache)], max_seq_len=64).full_lengths.tolist()
+    assert all(m["blocks"] == sum(n - 1 - n // 4 for n in lengths) > 4 * 4 for m in evals)
 
 
 @pytest.mark.parametrize("source", ["last_hidden", "topk"])

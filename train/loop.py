@@ -39,6 +39,7 @@ from .checkpoint import (
 from .config import TrainConfig, TrainConfigError
 from .distributed import (
     DistInfo,
+    all_reduce_sum,
     any_rank,
     barrier,
     full_state,
@@ -48,9 +49,16 @@ from .distributed import (
     wrap_model,
 )
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
-from .metrics import greedy_replay
+from .metrics import VerificationWalk, greedy_replay
 from .model import DFlashDrafter
-from .objective import ObjectiveConfig, compute_loss, sample_anchors, scored_slots
+from .objective import (
+    ObjectiveConfig,
+    anchor_chunks,
+    compute_loss,
+    eligible_anchors,
+    sample_anchors,
+    scored_slots,
+)
 from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .target_weights import load_target_config
 
@@ -100,6 +108,9 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio))
     objective, autocast = cfg.objective_config(), autocast_context(cfg.dtype, info.device)
     loss_model = LossModel(model, drafter)
+    # Anchors are drawn where each batch is read (a loader worker), off the training thread.
+    data.loader.prepare = functools.partial(draw_anchors, seed=cfg.seed, max_anchors=objective.max_anchors,
+                                            block_size=drafter.config.block_size)
 
     # Resume from the latest complete checkpoint when there is one and it is this run's.
     checkpoints = Checkpointer(CheckpointConfig(run_dir=run_dir, keep_checkpoints=cfg.keep_checkpoints))
@@ -142,10 +153,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 # Anchors and noise come from a generator seeded by this batch's place in the run:
                 # no stream state to carry over a resume, and the same draws on any world size.
                 generators = batch_generators(cfg.seed, data.loader.epoch, data.loader.last_index, info.device)
-                with profiler.section("host_to_device"):
-                    # Drawn from the host copy of the batch, so the step never waits for the GPU.
-                    add_anchors(batch, objective.max_anchors, drafter.config.block_size, generators[0],
-                                pin=info.device.type == "cuda")
+                with profiler.section("host_to_device"):  # the batch holds its anchors (draw_anchors)
                     batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
                 last_micro = micro == cfg.grad_accum - 1
                 with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
@@ -240,8 +248,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
     on_cuda = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if cfg.compile or (cfg.compile is None and on_cuda):  # None: compiled on CUDA
-        for layer in drafter.layers:
-            layer.compile()
+        # One graph for the whole forward; FSDP's hooks and recomputed layers keep one per layer.
+        drafter.compile_training(cfg.compile_mode, per_layer=cfg.parallel == "fsdp" or cfg.gradient_checkpointing)
     return drafter
 
 
@@ -309,45 +317,71 @@ def add_anchors(batch: dict, max_anchors: int, block_size: int, generator: torch
         batch[name] = t.pin_memory() if pin else t
 
 
+def draw_anchors(batch: dict, epoch: int, batch_index: int, *, seed: int, max_anchors: int,
+                 block_size: int) -> None:
+    """`add_anchors` with the anchor generator of global batch `batch_index` of `epoch`: the
+    same draws wherever it runs (a loader worker, or the trainer's own process)."""
+    add_anchors(batch, max_anchors, block_size, torch.Generator().manual_seed(batch_seeds(seed, epoch, batch_index)[0]),
+                pin=False)
+
+
+def batch_seeds(seed: int, epoch: int, batch_index: int, split: int = 0) -> tuple[int, int]:
+    """(anchor seed, noise seed) of one global batch (split 0: training, 1: held-out)."""
+    anchor_seed, noise_seed = np.random.SeedSequence([seed, split, epoch, batch_index]).generate_state(2, dtype=np.uint64)
+    return int(anchor_seed), int(noise_seed)
+
+
 def batch_generators(seed: int, epoch: int, batch_index: int, device: torch.device, *,
                      split: int = 0) -> tuple[torch.Generator, torch.Generator]:
     """(anchor generator on the CPU, noise generator on `device`) of one global batch
     (split 0: training, 1: held-out)."""
-    entropy = [seed, split, epoch, batch_index]
-    anchor_seed, noise_seed = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint64)
-    anchors = torch.Generator().manual_seed(int(anchor_seed))
-    noise = torch.Generator(device=device).manual_seed(int(noise_seed))
+    anchor_seed, noise_seed = batch_seeds(seed, epoch, batch_index, split)
+    anchors = torch.Generator().manual_seed(anchor_seed)
+    noise = torch.Generator(device=device).manual_seed(noise_seed)
     return anchors, noise
 
 
 @torch.no_grad()
 def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConfig,
              autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, Any] | None:
-    """Metrics on the held-out batches (no noise, fixed anchors), reduced over ranks."""
+    """Metrics on the held-out batches (no noise, a block at every eligible position),
+    reduced over ranks."""
     loader = data.eval_loader(info.rank, info.world_size, cfg.eval_max_batches)
     if loader is None:
         return None
     loss_model.wrapped.eval()
     # Against the samples' tokens, and (when the cache holds the target's top-k) replayed as
-    # greedy verification: the replay is the held-out tau then (docs/train.md, "Estimator").
-    labels = RunningMetrics(loss_model.drafter.config.block_size, info.device)
-    greedy = RunningMetrics(loss_model.drafter.config.block_size, info.device)
+    # greedy verification; tau walks the blocks as a decoder would (docs/train.md, "Estimator").
+    block_size = loss_model.drafter.config.block_size
+    labels, greedy = RunningMetrics(block_size, info.device), RunningMetrics(block_size, info.device)
+    walk = VerificationWalk((block_size, block_size // 2) if block_size >= 8 else (block_size,))
     replay = (data.eval_caches if data.eval_caches is not None else data.caches).manifest.topk > 0
     clean = dataclasses.replace(objective, noise_type="none")
-    for i, batch in enumerate(loader):
+    for batch in loader:
         batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
-        generator = batch_generators(cfg.seed, 0, i * info.world_size + info.rank, info.device, split=1)[0]
-        with autocast:
-            out = compute_loss(loss_model, batch, clean, generator=generator)
-        labels.update(out, batch)
-        if replay:
-            greedy.update(greedy_replay(out, batch), batch)
+        eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
+        outs = []
+        for positions, valid in anchor_chunks(eligible, objective.max_anchors):
+            chunk = {**batch, "anchor_positions": positions.to(info.device), "anchor_valid": valid.to(info.device)}
+            with autocast:
+                out = compute_loss(loss_model, chunk, clean)
+            labels.update(out, chunk)
+            if replay:
+                out = greedy_replay(out, chunk)
+                greedy.update(out, chunk)
+            outs.append(out)
+        walk.update(outs, eligible)
     loss_model.wrapped.train()
     by_labels = labels.compute(info)
     result = greedy.compute(info) if replay else by_labels
-    kept = {k: v for k, v in result.items() if k in ("tau", "tau_from_acc", "blocks") or k.startswith("acc_")}
-    return {"loss": by_labels["loss"], **kept, "tau_labels": by_labels["tau"],
-            "estimator": "greedy replay" if replay else "labels"}
+    walked = all_reduce_sum(walk.state(), info)
+    taus = walk.taus(walked)
+    kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
+    estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
+    smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
+    return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
+            "tau_blocks": result["tau"], "tau_labels": by_labels["tau"], "walked_samples": walked[-1].item(),
+            "estimator": estimator}
 
 
 def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,

@@ -99,3 +99,61 @@ def greedy_replay(out: LossOutput, batch: dict[str, torch.Tensor]) -> LossOutput
     rows = rows.clamp(max=top1.shape[1] - 1)  # only unscored slots reach past the end
     greedy = top1.gather(1, rows.flatten(1)).view_as(rows)
     return dataclasses.replace(out, correct=(out.predicted == greedy) & out.valid)
+
+
+@dataclass
+class VerificationWalk:
+    """Greedy decoding replayed along whole held-out samples: tokens and cycles summed.
+
+    In speculative decoding a block starts where the previous one's accepted run ended, not at
+    a random position: runs of easy text are crossed in a few long blocks, hard text in many
+    short ones, so the per-block mean over random anchors counts easy text too often and
+    overstates tau. On a sample whose every eligible position was an anchor, the walk starts at
+    the first one (the token the target produced from the prompt), takes that block's
+    acceptance length a (accepted slots + 1), moves a positions on, and repeats to the end:
+    tokens / cycles is what a decoder verifying those blocks measures. A sample with a block
+    missing at some eligible position is not walked.
+
+    `block_sizes` are the verified widths walked (each at most the drafter's block): a decoder
+    run at a smaller `--block-size` verifies the first B-1 drafts of the drafter's block.
+    """
+
+    block_sizes: tuple[int, ...]
+    tokens: list[int] = field(init=False)
+    cycles: list[int] = field(init=False)
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens, self.cycles = [0] * len(self.block_sizes), [0] * len(self.block_sizes)
+
+    def update(self, outs: list[LossOutput], eligible: torch.Tensor) -> None:
+        """Add one batch: its outputs (blocks of one batch over one or more anchor chunks) and
+        `eligible` [B, T] bool, `objective.eligible_anchors` of the batch."""
+        by_position: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]
+        for out in outs:
+            leading = leading_correct(out.correct, out.valid).cpu()
+            anchors, valid = out.anchor_positions.cpu(), out.anchor_valid.cpu()
+            for b in range(anchors.shape[0]):
+                by_position[b].update(zip(anchors[b][valid[b]].tolist(), leading[b][valid[b]].tolist()))
+        for b, blocks in enumerate(by_position):
+            if not blocks or len(blocks) != int(eligible[b].sum()):
+                continue
+            for i, width in enumerate(self.block_sizes):
+                p = min(blocks)
+                while p in blocks:
+                    a = 1 + min(blocks[p], width - 1)
+                    self.tokens[i] += a
+                    self.cycles[i] += 1
+                    p += a
+            self.samples += 1
+
+    def state(self) -> torch.Tensor:
+        """[tokens per width..., cycles per width..., samples] (sum it over ranks)."""
+        return torch.tensor([*self.tokens, *self.cycles, self.samples], dtype=torch.float64)
+
+    def taus(self, summed: torch.Tensor) -> dict[int, float]:
+        """Block size -> tokens / cycles of (possibly rank-summed) `state()`s; empty when no
+        sample was walked."""
+        n = len(self.block_sizes)
+        values = summed.tolist()
+        return {w: values[i] / values[n + i] for i, w in enumerate(self.block_sizes) if values[n + i]}

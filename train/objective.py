@@ -113,6 +113,33 @@ def add_hidden_noise(
     return hidden.to(dtype) + noise
 
 
+def eligible_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool on the CPU: positions a block may start at (p + 1 < length, loss_mask[p]
+    and loss_mask[p + 1] set)."""
+    mask = loss_mask.detach().to("cpu", torch.bool)
+    lengths = lengths.detach().to("cpu", torch.long)
+    pos = torch.arange(mask.shape[1])
+    return mask & torch.roll(mask, -1, dims=1) & (pos[None, :] + 1 < lengths[:, None])
+
+
+def anchor_chunks(eligible: torch.Tensor, max_anchors: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every eligible position of each row, as successive (positions [B, A], valid [B, A])
+    chunks of at most `max_anchors` columns (ascending; at least one chunk)."""
+    rows = [e.nonzero().flatten() for e in eligible.cpu()]
+    longest = max((r.numel() for r in rows), default=0)
+    chunks = []
+    for start in range(0, max(longest, 1), max_anchors):
+        parts = [r[start : start + max_anchors] for r in rows]
+        width = max(1, max(p.numel() for p in parts))
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for b, part in enumerate(parts):
+            positions[b, : part.numel()] = part
+            valid[b, : part.numel()] = True
+        chunks.append((positions, valid))
+    return chunks
+
+
 def sample_anchors(
     loss_mask: torch.Tensor, lengths: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,11 +149,8 @@ def sample_anchors(
     replacement with `generator` (a CPU generator; same seed, same anchors). A >= 1 so a batch
     without anchors still runs (and gets zero loss).
     """
-    mask = loss_mask.detach().to("cpu", torch.bool)
-    lengths = lengths.detach().to("cpu", torch.long)
-    batch, seq_len = mask.shape
-    pos = torch.arange(seq_len)
-    eligible = mask & torch.roll(mask, -1, dims=1) & (pos[None, :] + 1 < lengths[:, None])
+    eligible = eligible_anchors(loss_mask, lengths)
+    batch = eligible.shape[0]
     chosen: list[torch.Tensor] = []
     for b in range(batch):
         candidates = eligible[b].nonzero().flatten()

@@ -145,7 +145,10 @@ class HeldoutTracker:
             if self.evals_since_best >= PATIENCE:
                 warning = self._warning(tau, train_tau)
         self.last_tau, self.last_step = tau, step
-        record: dict[str, Any] = {"heldout_tau": tau, "train_tau": train_tau, "tau_gap": train_tau - tau,
+        # the gap compares like with like: per-block means on both sides (the walk has no
+        # training counterpart)
+        gap = train_tau - heldout.get("tau_blocks", tau)
+        record: dict[str, Any] = {"heldout_tau": tau, "train_tau": train_tau, "tau_gap": gap,
                                   "best_heldout_tau": self.best_tau, "best_step": self.best_step}
         if warning:
             record["warning"] = warning
