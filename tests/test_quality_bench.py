@@ -40,6 +40,9 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) == sum(r["loss_mask"]) + r["loss_mask"].index(1)
                for r in records)
     assert all(sum(r["loss_mask"]) == stages.SMALL.completion_tokens for r in records)
+    estimate = [json.loads(line) for line in gzip.open(work / "estimate_set" / "part-000.jsonl.gz", "rt")]
+    assert len(estimate) == stages.SMALL.estimate_prompts
+    assert all(sum(r["loss_mask"]) == stages.SMALL.eval_new_tokens for r in estimate)
     capsys.readouterr()
 
     # The rest resumes from what the first call left (the target is not retrained).
@@ -47,8 +50,8 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     out = capsys.readouterr().out
     assert "[target] done earlier" in out and "[generate] done earlier" in out
     header = next(line for line in out.splitlines() if line.startswith("| variant"))
-    for column in ("samples", "epochs", "train GPU-s", "held-out tau (est.)", "B=8 tau", "B=8 speedup",
-                   "B=8 lookup tau", "B=4 tau", "B=4 lookup tau", "lossless"):
+    for column in ("samples", "epochs", "train GPU-s", "B=8 est. tau", "B=8 tau", "B=8 speedup",
+                   "B=8 lookup tau", "B=4 est. tau", "B=4 tau", "B=4 lookup tau", "lossless"):
         assert column in header
     [row] = [line for line in out.splitlines() if line.startswith("| e2 ")]
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -56,6 +59,10 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert cells[1] == str(stages.SMALL.completions) and cells[2] == "2"
     assert "–" not in cells and cells[-1] == "yes"  # every figure present, both decoders lossless
     assert (work / "table.md").read_text().strip() in out
+    # The estimate is the trainer's walk over the estimate set, at the exported (best) step.
+    train = json.loads((work / "stages" / "train-e2.json").read_text())
+    assert train["estimator"] == "labels walk" and train["best_step"] is not None
+    assert cells[5] == f"{train['heldout_tau']:.2f}"  # B=8 est. tau: the drafter's own block
 
 
 def test_a_workdir_of_other_settings_is_refused(tmp_path, capsys):

@@ -7,7 +7,8 @@ Stages (each resumable: a stage already recorded in WORKDIR/stages/ is skipped):
   generate  its completions (greedy and sampled batches alternate) of prompts cut from training
             files, and evaluation prompts cut from held-out files
   extract   dflash-extract the completions' hidden states into a cache
-  train     dflash-train a drafter per --variant (its held-out split on: the estimate)
+  train     dflash-train a drafter per --variant (--eval-cache: greedy completions of other
+            held-out prompts; the trainer's walk over them is the held-out estimate)
   eval      dflash-eval each drafter at the block sizes (16 and 8), prompt lookup beside it
   table     print the table (samples, epochs, GPU-seconds, held-out estimate, taus, speedups)
 
@@ -83,14 +84,21 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def estimate_for(train: dict[str, Any], block: int) -> float | None:
+    """The held-out estimate of decoding at `block`: the walk at the drafter's block, or at half of it."""
+    size = train.get("block_size", 16)
+    return {size: train.get("heldout_tau"), size // 2: train.get("heldout_tau_half_block")}.get(block)
+
+
 def table(work: Work) -> str:
-    """One row per trained variant: samples, epochs, GPU-seconds, held-out estimate, eval taus."""
+    """One row per trained variant: samples, epochs, GPU-seconds, then per block size the held-out
+    estimate, the decoded tau and speedup, and prompt lookup's."""
     s = work.sizes
     target, data = work.done("target") or {}, work.done("generate") or {}
     blocks = list(s.eval_block_sizes)
-    head = ["variant", "samples", "epochs", "train GPU-s", "held-out tau (est.)"]
+    head = ["variant", "samples", "epochs", "train GPU-s", "per-block mean"]
     for b in blocks:
-        head += [f"B={b} tau", f"B={b} speedup", f"B={b} lookup tau", f"B={b} lookup speedup"]
+        head += [f"B={b} est. tau", f"B={b} tau", f"B={b} speedup", f"B={b} lookup tau", f"B={b} lookup speedup"]
     head.append("lossless")
     rows = []
     for path in sorted((work.root / "stages").glob("train-*.json")):
@@ -98,10 +106,10 @@ def table(work: Work) -> str:
         ev = (work.done(f"eval-{train['variant']}") or {}).get("blocks", {})
         row = [train["variant"] + (" " + " ".join(train["train_args"]) if train["train_args"] else ""),
                str(data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
-               _fmt(train["heldout_tau"])]
+               _fmt(train.get("heldout_tau_blocks"))]
         for b in blocks:
             e = ev.get(str(b), {})
-            row += [_fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
+            row += [_fmt(estimate_for(train, b)), _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
                     _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" if e else "")]
         checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
         row.append("–" if not checks else ("yes" if all(checks) else "NO"))
@@ -114,7 +122,9 @@ def table(work: Work) -> str:
              f"({_fmt(target.get('held_out_bits_per_byte'))} bits/byte; training windows "
              f"{_fmt(target.get('train_loss'), '.3f')}); {data.get('samples', '–')} completions of "
              f"{s.completion_tokens} tokens, {data.get('tokens', '–')} tokens; {data.get('eval_prompts', '–')} held-out "
-             f"prompts, greedy, {s.eval_new_tokens} new tokens, batch 1, prompt lookup n <= {s.lookup_ngram}")
+             f"prompts, greedy, {s.eval_new_tokens} new tokens, batch 1, prompt lookup n <= {s.lookup_ngram}; "
+             f"estimate: the trainer's held-out walk over {data.get('estimate_prompts', '–')} greedy completions of "
+             "other held-out prompts (--eval-cache), at the exported (best) step; per-block mean: the old estimator")
     return "\n".join([about, "", *lines])
 
 

@@ -49,8 +49,12 @@ class Sizes:
     """Batches of completions per `completions/part-NNN.jsonl.gz` file."""
     target_layer_ids: tuple[int, ...] = (0, 2, 4)
     """Captured target layers (at most N-2 for an N-layer target, as the serving engines need)."""
-    eval_prompts: int = 20
+    eval_prompts: int = 40
+    """Held-out-file prompts dflash-eval decodes."""
     eval_new_tokens: int = 160
+    estimate_prompts: int = 512
+    """Other held-out-file prompts whose greedy fp32 completions are the trainer's --eval-cache:
+    its held-out estimate (docs/train.md, "Estimator") and the best checkpoint come from them."""
     eval_block_sizes: tuple[int, ...] = (16, 8)
     lookup_ngram: int = 4
     train_args: tuple[str, ...] = ()
@@ -66,6 +70,7 @@ FULL = Sizes()
 SMALL = Sizes(packages=("numpy",), max_files=40, target_hidden=64, target_layers=3, target_steps=30,
               target_batch=8, target_seq_len=128, loss_windows=16, completions=256, prompt_lengths=(24, 32, 48),
               completion_tokens=24, generate_batch=64, target_layer_ids=(0, 1), eval_prompts=3, eval_new_tokens=24,
+              estimate_prompts=12,
               eval_block_sizes=(8, 4),
               train_args=("--num-draft-layers", "1", "--max-batch-size", "16", "--max-anchors", "16",
                           "--num-workers", "0", "--dtype", "fp32", "--lr", "3e-3", "--block-size", "8"),
@@ -207,9 +212,34 @@ def stage_generate(work: Work) -> dict[str, Any]:
     with open(work.root / "eval_prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"input_ids": p}) + "\n")
+    estimate = write_estimate_set(work, held)
     _sync(work.device)
     return {"samples": s.completions, "tokens": tokens, "eval_prompts": len(prompts),
-            "seconds": time.perf_counter() - start}
+            "estimate_prompts": estimate, "seconds": time.perf_counter() - start}
+
+
+def write_estimate_set(work: Work, held: list[Document]) -> int:
+    """Greedy completions of held-out-file prompts, as dflash-eval's target-only decoding makes
+    them (float32, no autocast): the samples the held-out estimate walks."""
+    from transformers import AutoModelForCausalLM
+
+    s = work.sizes
+    model = AutoModelForCausalLM.from_pretrained(str(work.root / "target"), local_files_only=True,
+                                                 dtype=torch.float32).to(work.device).eval()
+    out = work.root / "estimate_set"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    count = 0
+    with gzip.open(out / "part-000.jsonl.gz", "wt", compresslevel=6) as f:
+        for i, length in enumerate(s.prompt_lengths):  # complete() takes prompts of one length
+            n = len(range(i, s.estimate_prompts, len(s.prompt_lengths)))
+            prompts = cut_prompts(held, n, [length], seed=s.seed * 1000 + 500 + i, tail=s.eval_new_tokens)
+            for prompt, new in zip(prompts, complete(model, prompts, s.eval_new_tokens, 0.0, 0,
+                                                     torch.device(work.device), autocast=False)):
+                f.write(json.dumps({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
+                count += 1
+    work.log(f"  estimate set: {count} greedy completions of held-out prompts")
+    return count
 
 
 # -- stages 3-5: the pipeline's own commands --------------------------------------------------------
@@ -238,11 +268,14 @@ def run_command(name: str, module: str, args: list[str], log_path: Path, stdout:
 
 def stage_extract(work: Work) -> dict[str, Any]:
     s = work.sizes
-    seconds = run_command("dflash-extract", "dflash.extract.cli", [
-        "--target-model", str(work.root / "target"), "--data", str(work.root / "completions"),
-        "--output", str(work.root / "cache"), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
-        "--device", work.device, "--no-progress", *s.extract_args], work.root / "extract.log", env=work.child_env())
-    return {"seconds": seconds}
+    seconds = {}
+    for data, cache in (("completions", "cache"), ("estimate_set", "estimate_cache")):
+        seconds[cache] = run_command("dflash-extract", "dflash.extract.cli", [
+            "--target-model", str(work.root / "target"), "--data", str(work.root / data),
+            "--output", str(work.root / cache), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
+            "--device", work.device, "--no-progress", *s.extract_args], work.root / f"extract-{cache}.log",
+            env=work.child_env())
+    return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"]}
 
 
 @dataclass(frozen=True)
@@ -264,6 +297,7 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
     seconds = run_command("dflash-train", "dflash.train.cli", [
         "--cache", str(work.root / "cache"), "--target-model", str(work.root / "target"),
         "--output-dir", str(run_dir), "--epochs", str(variant.epochs), "--seed", str(s.seed),
+        "--eval-cache", str(work.root / "estimate_cache"),
         "--mask-token-id", str(MASK_ID), "--device", work.device, "--save-interval", "0",
         "--no-progress", "--no-tensorboard", *s.train_args, *variant.train_args], work.root / f"train-{variant.name}.log",
         env=work.child_env())
@@ -271,10 +305,17 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
     evals = [r for r in records if r.get("kind") == "eval"]
     trains = [r for r in records if r.get("kind") == "train"]
     last = evals[-1] if evals else {}
-    heldout = last.get("best_heldout_tau", last.get("heldout_tau", last.get("tau")))
+    best = next((r for r in evals if r["step"] == last.get("best_step")), last)  # what final/ holds
     return {"variant": variant.name, "epochs": variant.epochs, "train_args": list(variant.train_args),
-            "seconds": seconds, "steps": trains[-1]["step"] if trains else None,
-            "heldout_tau": heldout, "train_tau": trains[-1].get("tau") if trains else None}
+            "seconds": seconds, "steps": trains[-1]["step"] if trains else None, "best_step": best.get("step"),
+            "heldout_tau": best.get("heldout_tau"), "heldout_tau_half_block": best.get(_half_key(best)),
+            "heldout_tau_blocks": best.get("tau_blocks"), "estimator": best.get("estimator"),
+            "train_tau": trains[-1].get("tau") if trains else None,
+            "block_size": json.loads((run_dir / "final" / "config.json").read_text())["block_size"]}
+
+
+def _half_key(record: dict[str, Any]) -> str | None:
+    return next((k for k in record if k.startswith("tau_b") and k[5:].isdigit()), None)
 
 
 def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:

@@ -33,8 +33,8 @@ def _windows(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Ge
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
-def _autocast(device: torch.device) -> Any:
-    if device.type == "cuda":
+def _autocast(device: torch.device, enabled: bool = True) -> Any:
+    if device.type == "cuda" and enabled:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
 
@@ -82,13 +82,14 @@ def mean_loss(model: Any, stream: list[int], *, windows: int, seq_len: int, seed
 
 @torch.no_grad()
 def complete(model: Any, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int,
-             device: torch.device) -> list[list[int]]:
+             device: torch.device, *, autocast: bool = True) -> list[list[int]]:
     """The target's continuations of equal-length `prompts` (greedy at temperature 0, else sampled),
-    exactly `new_tokens` each: one prefill, then one token per pass over the KV cache."""
+    exactly `new_tokens` each: one prefill, then one token per pass over the KV cache (bf16
+    autocast on CUDA unless `autocast` is off: then in the model's own dtype)."""
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = new_kv_cache(model)  # the engine's helpers: the cache keyword differs across transformers
-    with _autocast(device):
+    with _autocast(device, autocast):
         out = forward_with_cache(model, cache, input_ids=ids, logits_to_keep=1)
     tokens = []
     for _ in range(new_tokens):
@@ -98,6 +99,6 @@ def complete(model: Any, prompts: list[list[int]], new_tokens: int, temperature:
         else:
             nxt = logits.argmax(dim=-1, keepdim=True)
         tokens.append(nxt)
-        with _autocast(device):
+        with _autocast(device, autocast):
             out = forward_with_cache(model, cache, input_ids=nxt)
     return torch.cat(tokens, dim=1).tolist()  # one transfer at the end
