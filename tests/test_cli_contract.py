@@ -206,6 +206,7 @@ def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
 
     assert cache_cli.CODEC_CHOICES == CODEC_NAMES
     assert config.NOISE_TYPES == objective.NOISE_TYPES
+    assert config.LOSS_WEIGHTINGS == objective.LOSS_WEIGHTINGS
 
 
 def test_every_console_script_runs_under_the_contract():

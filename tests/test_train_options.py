@@ -140,3 +140,16 @@ def test_force_given_to_two_ranks_wipes_the_old_cache_once(soft_caches, tmp_path
     extract(target, data, out, force=True, rank=1, world_size=2)
     assert rank0_parts < {p.name for p in read_manifest(out).parts}
     assert_same_contents(cache_contents(out), cache_contents(clean))
+
+
+def test_acceptance_loss_weighting_and_wsd_schedule_train_and_change_the_run(tiny_world, tmp_path):
+    runs = {"decay": {}, "acceptance": {"loss_weighting": "acceptance"}, "wsd": {"lr_schedule": "wsd"}}
+    records = {}
+    for name, options in runs.items():
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / name, max_steps=4,
+                                eval_fraction=0.0, **options))
+        records[name] = [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
+    # Same init, same batches: the weighting changes the first step's loss, the schedule its lr.
+    assert records["acceptance"][0]["loss"] != records["decay"][0]["loss"]
+    assert records["wsd"][0]["loss"] == records["decay"][0]["loss"]
+    assert records["wsd"][2]["lr"] > records["decay"][2]["lr"]  # held at the peak, not decaying yet

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from dflash.train.config import TrainConfigError, load_config_file, make_config
 from dflash.train.loader import CacheSet, LoaderConfig, TrainLoader, eval_split, plan_epoch
 from dflash.train.loop import lr_multiplier
@@ -84,6 +85,29 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert f[0] == 0.25 and f[3] == 1.0 and f[4] == 1.0
     assert all(a >= b for a, b in zip(f[4:], f[5:]))
     assert abs(f[100] - 0.1) < 1e-9
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly_over_its_last_steps():
+    f = [lr_multiplier(s, total_steps=100, warmup_ratio=0.04, min_lr_ratio=0.1, schedule="wsd", decay_ratio=0.2)
+         for s in range(101)]
+    assert f[0] == 0.25 and f[3] == 1.0
+    assert all(v == 1.0 for v in f[4:81])  # stable until the last 20 steps
+    assert f[90] == pytest.approx(1 - 0.9 * 0.5) and f[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[80:], f[81:]))
+
+
+def test_acceptance_weights_are_the_probability_of_reaching_each_slot():
+    from dflash.train.objective import acceptance_weights
+
+    # One block of 4 slots (3 scored), label probabilities 0.5, 0.4, 0.9: reached with 1, 0.5, 0.2.
+    b, a, k = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.arange(3)
+    logp = torch.log(torch.tensor([0.5, 0.4, 0.9])).requires_grad_()
+    w = acceptance_weights(logp, b, a, k, torch.Size([1, 1, 3]))
+    assert torch.allclose(w, torch.tensor([1.0, 0.5, 0.2])) and not w.requires_grad  # detached
+    # A block whose first slot is not scored: its second slot counts as reached from the start.
+    w = acceptance_weights(torch.log(torch.tensor([0.3])), torch.tensor([0]), torch.tensor([0]), torch.tensor([1]),
+                           torch.Size([1, 1, 3]))
+    assert torch.allclose(w, torch.tensor([1.0]))
 
 
 def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(tmp_path):

@@ -29,8 +29,12 @@ DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.d
 PARALLEL_MODES = ("ddp", "fsdp")
 NOISE_TYPES = ("none", "uniform", "gaussian")  # objective.NOISE_TYPES (a test checks they agree)
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+LOSS_WEIGHTINGS = ("decay", "acceptance")  # objective.LOSS_WEIGHTINGS
+LR_SCHEDULES = ("cosine", "wsd")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # model.COMPILE_MODES
 CHOICES = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPES,
-           "attention_backend": ATTENTION_BACKENDS}
+           "attention_backend": ATTENTION_BACKENDS, "compile_mode": COMPILE_MODES,
+           "loss_weighting": LOSS_WEIGHTINGS, "lr_schedule": LR_SCHEDULES}
 """The settings that take one of a few names: checked here, shown as choices in --help."""
 
 
@@ -94,6 +98,10 @@ class TrainConfig:
     """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
     max_anchors: int = 512
     """Most anchors (blocks) drawn per sequence, redrawn every epoch."""
+    loss_weighting: str = "decay"
+    """Per-slot loss weights: decay (exp(-(k-1)/gamma), the paper's) or acceptance (the
+    drafter's own detached probability of reaching slot k: the product of its probabilities of
+    the earlier slots' labels, a confidence-derived weighting in the manner of D-PACE)."""
     gamma: float | None = None
     """Decay of the per-position loss weights (default: 7/5/4 for blocks of 16/10/8)."""
     noise_type: str = "none"
@@ -107,8 +115,13 @@ class TrainConfig:
     # -- optimization ----------------------------------------------------------------------
     lr: float = 6e-4
     """Peak learning rate of AdamW."""
+    lr_schedule: str = "cosine"
+    """After the warmup: cosine (from lr down to lr * min_lr_ratio) or wsd (warmup-stable-decay:
+    lr held, then a linear decay to lr * min_lr_ratio over the last --decay-ratio of the steps)."""
+    decay_ratio: float = 0.2
+    """wsd: fraction of the optimizer steps spent in the final decay."""
     min_lr_ratio: float = 0.0
-    """The cosine schedule ends at lr * min_lr_ratio."""
+    """The schedule ends at lr * min_lr_ratio."""
     warmup_ratio: float = 0.04
     """Fraction of the optimizer steps spent in linear warmup."""
     weight_decay: float = 0.0
@@ -131,8 +144,10 @@ class TrainConfig:
     dtype: str = "auto"
     """bf16 (autocast, float32 master weights), fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
     compile: bool | None = None
-    """torch.compile each draft layer; None (the default): on CUDA, not elsewhere (it fuses the
-    layers' elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
+    """torch.compile the drafter's training forward; None (the default): on CUDA, not elsewhere (it
+    fuses the elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
+    compile_mode: str = "default"
+    """torch.compile mode under --compile: default, reduce-overhead (also CUDA graphs, one per batch shape), max-autotune-no-cudagraphs or max-autotune."""
     gradient_checkpointing: bool = False
     """Recompute each draft layer in the backward pass (less memory; each layer's forward runs twice)."""
     parallel: str = "ddp"
@@ -185,6 +200,9 @@ class TrainConfig:
             raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise TrainConfigError("--warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1].")
+        if not 0.0 <= self.decay_ratio <= 1.0 or self.warmup_ratio + self.decay_ratio > 1.0:
+            raise TrainConfigError(f"--decay-ratio must be in [0, 1] and, with --warmup-ratio, at most 1 "
+                                   f"(got {self.decay_ratio} and {self.warmup_ratio}).")
         if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise TrainConfigError(f"--lr must be > 0 and --adam-betas two numbers in [0, 1) "
                                    f"(got {self.lr}, {self.adam_betas}).")
@@ -219,7 +237,8 @@ class TrainConfig:
         from .objective import ObjectiveConfig
 
         return ObjectiveConfig(
-            max_anchors=self.max_anchors, gamma=self.gamma, noise_type=self.noise_type,
+            max_anchors=self.max_anchors, gamma=self.gamma, loss_weighting=self.loss_weighting,
+            noise_type=self.noise_type,
             noise_start=self.noise_start, noise_end=self.noise_end,
             soft_label_weight=self.soft_label_weight,
         )

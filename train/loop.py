@@ -105,7 +105,8 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     optimizer = build_optimizer(cfg, model, info.device)
     total_steps = min(cfg.max_steps or math.inf, data.loader.total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio))
+        lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio,
+        schedule=cfg.lr_schedule, decay_ratio=cfg.decay_ratio))
     objective, autocast = cfg.objective_config(), autocast_context(cfg.dtype, info.device)
     loss_model = LossModel(model, drafter)
     # Anchors are drawn where each batch is read (a loader worker), off the training thread.
@@ -259,11 +260,17 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) ->
                              weight_decay=cfg.weight_decay, fused=device.type == "cuda")
 
 
-def lr_multiplier(step: int, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Linear warmup over warmup_ratio of the steps, then cosine from 1 to min_lr_ratio."""
+def lr_multiplier(step: int, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float,
+                  schedule: str = "cosine", decay_ratio: float = 0.2) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine from 1 to min_lr_ratio, or
+    (wsd) 1 until the last decay_ratio of the steps and a linear decay to min_lr_ratio there."""
     warmup = math.ceil(warmup_ratio * total_steps)
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "wsd":
+        decay = max(1, math.ceil(decay_ratio * total_steps))
+        progress = min(1.0, max(0.0, (step - (total_steps - decay)) / decay))
+        return 1 - (1 - min_lr_ratio) * progress
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 

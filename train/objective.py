@@ -26,6 +26,7 @@ from .attention import build_layer_masks
 from .model import DFlashDrafter
 
 NOISE_TYPES = ("none", "uniform", "gaussian")
+LOSS_WEIGHTINGS = ("decay", "acceptance")
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -44,6 +45,18 @@ def position_weights(block_size: int, gamma: float, device: torch.device | str |
     """w_k = exp(-(k-1)/gamma) for block slots k = 1..block_size-1 (index 0 is k=1)."""
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
+
+
+def acceptance_weights(label_logprobs: torch.Tensor, b: torch.Tensor, a: torch.Tensor, k: torch.Tensor,
+                       shape: torch.Size) -> torch.Tensor:
+    """Per scored slot (b, a, k): the drafter's detached probability of reaching it, prod_{j<k}
+    p_j(label_j) over the earlier slots of its block (1 for the first slot). A greedy verifier
+    reaches slot k only when every earlier draft was accepted, so the loss goes where acceptance
+    is decided, and follows the drafter as it learns. Unscored earlier slots count as reached."""
+    p = torch.ones(shape, dtype=label_logprobs.dtype, device=label_logprobs.device)
+    p[b, a, k] = label_logprobs.detach().exp()
+    reach = torch.cumprod(torch.cat([torch.ones_like(p[..., :1]), p[..., :-1]], dim=-1), dim=-1)
+    return reach[b, a, k]
 
 
 def scored_slots(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
@@ -65,6 +78,8 @@ class ObjectiveConfig:
     """Most anchors drawn per sequence (fewer when the completion is shorter)."""
     gamma: float | None = None
     """Decay of the per-position loss weights; None uses `default_gamma(block_size)`."""
+    loss_weighting: str = "decay"
+    """"decay" (exp(-(k-1)/gamma)) or "acceptance" (`acceptance_weights`)."""
     noise_type: str = "none"
     """Noise added to the cached hidden states: "none", "uniform" U(-a, a) or "gaussian" N(0, a^2)."""
     noise_start: float = 0.0
@@ -81,6 +96,8 @@ class ObjectiveConfig:
             raise ValueError(f"max_anchors must be >= 1, got {self.max_anchors}.")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}; use None for the default.")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
         if self.noise_type not in NOISE_TYPES:
             raise ValueError(f"noise_type must be one of {NOISE_TYPES}, got {self.noise_type!r}.")
         if self.noise_start < 0 or (self.noise_end is not None and self.noise_end < 0):
@@ -281,8 +298,11 @@ def compute_loss(
         b, a, k = valid.nonzero(as_tuple=True)
     logprobs = torch.log_softmax(drafter.logits(states[b, a, k]).float(), dim=-1)
     target = labels[b, a, k]
-    gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
-    weights = position_weights(block_size, gamma, logprobs.device)[k]
+    if config.loss_weighting == "acceptance":
+        weights = acceptance_weights(logprobs.gather(1, target[:, None]).squeeze(1), b, a, k, valid.shape)
+    else:
+        gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
+        weights = position_weights(block_size, gamma, logprobs.device)[k]
     total_weight = weights.sum().clamp(min=1e-12)
     ce = (weights * -logprobs.gather(1, target[:, None]).squeeze(1)).sum() / total_weight
     loss, kl = ce, None
