@@ -200,7 +200,8 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; small: 2)")
     parser.add_argument("--writers", type=int, default=min(14, os.cpu_count() or 1), help="cache writer processes")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the draft layers (default: the trainer's, compiled on CUDA)")
+                        help="torch.compile the drafter's forward (default: the trainer's, compiled on CUDA; "
+                             "--train-arg compile_mode=reduce-overhead adds CUDA graphs)")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="after the measured steps, profile this many more with torch.profiler and print "
                              "the top GPU kernels and the fraction of wall time the GPU was busy")
@@ -287,7 +288,7 @@ def main() -> None:
     result = {
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
                   "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[a.shape],
-        "compile": config.compile, "steps_per_second": 1 / step_time,
+        "compile": config.compile, "compile_mode": config.compile_mode, "steps_per_second": 1 / step_time,
         "processes": world,
         "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
         "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,

@@ -187,6 +187,8 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) ->
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if torch.compiler.is_compiling():  # inside a compiled drafter: its graph holds the kernel
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)

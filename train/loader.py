@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,11 +266,18 @@ class WorkerReadError(DflashError):
         super().__init__(message.rsplit(marker, 1)[-1].strip() if marker in message else message)
 
 
-class _BatchList(torch.utils.data.Dataset):
-    """Map-style dataset whose item i is the collated batch `batches[i]` (read in a worker)."""
+BatchPrepare = Callable[[dict[str, torch.Tensor], int, int], None]
+"""Completes a training batch where it is read (in a DataLoader worker): called with the
+batch, its epoch and its index in that epoch's global batch list."""
 
-    def __init__(self, caches: CacheSet, batches: list[np.ndarray]):
-        self.caches, self.batches = caches, batches
+
+class _BatchList(torch.utils.data.Dataset):
+    """Map-style dataset whose item i is the collated batch `batches[i]` (read in a worker),
+    passed to `prepare(batch, i)` when given."""
+
+    def __init__(self, caches: CacheSet, batches: list[np.ndarray],
+                 prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None):
+        self.caches, self.batches, self.prepare = caches, batches, prepare
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -279,17 +286,21 @@ class _BatchList(torch.utils.data.Dataset):
         if sleep := float(os.environ.get(TEST_SLEEP_PER_BATCH_ENV, "0") or 0):
             time.sleep(sleep)
         try:
-            return read_batch(self.caches, self.batches[i])
+            batch = read_batch(self.caches, self.batches[i])
+            if self.prepare is not None:
+                self.prepare(batch, i)
+            return batch
         except DflashError as e:
             if torch.utils.data.get_worker_info() is None:
                 raise
             raise WorkerReadError(str(e)) from None
 
 
-def data_loader(caches: CacheSet, batches: list[np.ndarray], config: LoaderConfig) -> torch.utils.data.DataLoader:
+def data_loader(caches: CacheSet, batches: list[np.ndarray], config: LoaderConfig,
+                prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None) -> torch.utils.data.DataLoader:
     workers = config.num_workers if batches else 0
     return torch.utils.data.DataLoader(
-        _BatchList(caches, batches), batch_size=None, shuffle=False, num_workers=workers,
+        _BatchList(caches, batches, prepare), batch_size=None, shuffle=False, num_workers=workers,
         pin_memory=config.pin_memory,
         worker_init_fn=functools.partial(worker_init, trainer_pid=os.getpid()) if workers else None,
         prefetch_factor=config.prefetch_factor if workers else None,
@@ -304,8 +315,10 @@ class TrainLoader:
     """This rank's micro-batches, epoch after epoch, from a resumable position."""
 
     def __init__(self, caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, epochs: int,
-                 rank: int = 0, world_size: int = 1, grad_accum: int = 1):
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, prepare: BatchPrepare | None = None):
         self.caches, self.indices, self.config = caches, indices, config
+        self.prepare = prepare
+        """Run on every batch where it is read (the trainer's anchors: off its own thread)."""
         self.rank, self.world_size = rank, world_size
         self.batches_per_step = world_size * grad_accum
         check_budget(caches.lengths, indices, config)
@@ -353,8 +366,11 @@ class TrainLoader:
         if self.consumed >= self._usable():
             self.epoch, self.consumed, self._iter = self.epoch + 1, 0, None
         if self._iter is None:
-            mine = self.epoch_batches(self.epoch)[self.consumed + self.rank:self._usable():self.world_size]
-            self._iter = iter(data_loader(self.caches, mine, self.config))
+            first = self.consumed + self.rank
+            mine = self.epoch_batches(self.epoch)[first:self._usable():self.world_size]
+            prepare = None if self.prepare is None else functools.partial(
+                _prepare_at, self.prepare, self.epoch, first, self.world_size)
+            self._iter = iter(data_loader(self.caches, mine, self.config, prepare))
         start = time.perf_counter()
         batch = next(self._iter)
         self.wait_seconds += time.perf_counter() - start
@@ -369,6 +385,12 @@ class TrainLoader:
         shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-process iterator
         if shutdown is not None:
             shutdown()
+
+
+def _prepare_at(prepare: BatchPrepare, epoch: int, first: int, stride: int, batch: dict[str, torch.Tensor],
+                i: int) -> None:
+    """`prepare` of item i of a rank's batch list (global batches first, first + stride, ...)."""
+    prepare(batch, epoch, first + i * stride)
 
 
 def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, rank: int, world_size: int,

@@ -200,6 +200,9 @@ class DrafterConfig:
         )
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
+
+
 class RMSNorm(nn.Module):
     """Qwen3/Llama RMSNorm: computed in float32, weight applied in the input dtype."""
 
@@ -323,6 +326,8 @@ class DFlashDrafter(nn.Module):
         self.target_norm_eps = c.rms_norm_eps if target_norm_eps is None else target_norm_eps
         self.target_head = target_head  # not a submodule: never in state_dict, never trained
         self.rotary = RotaryEmbedding(c)
+        self._compiled_forward: Callable[..., torch.Tensor] | None = None  # compile_training()
+        self._cuda_graphs = False
         self.reset_parameters()
 
     @classmethod
@@ -424,6 +429,18 @@ class DFlashDrafter(nn.Module):
 
     # -- training path ----------------------------------------------------------------------
 
+    def compile_training(self, mode: str = "default", *, per_layer: bool = False) -> None:
+        """torch.compile (`mode`: torch.compile's) the whole training forward, one graph forward
+        and one backward, or with `per_layer` each draft layer alone (FSDP, recomputed layers)."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}.")
+        if per_layer:
+            for layer in self.layers:
+                layer.compile(mode=mode)
+            return
+        self._compiled_forward = torch.compile(self._forward, mode=mode)
+        self._cuda_graphs = mode == "reduce-overhead"
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -437,6 +454,17 @@ class DFlashDrafter(nn.Module):
         `block_positions` [B, Q] are the block tokens and their absolute positions; `mask`
         comes from `attention.build_layer_masks` (one per layer) or `build_attention_mask`.
         """
+        compiled = self._compiled_forward
+        if compiled is None:
+            return self._forward(hidden, block_ids, block_positions, mask)
+        if self.rotary.inv_freq.device != hidden.device:  # moved here, so the graph never holds a CPU tensor
+            self.rotary.inv_freq = self.rotary.inv_freq.to(hidden.device)
+        if self._cuda_graphs:  # each call starts a step: the previous one's outputs are consumed
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(hidden, block_ids, block_positions, mask)
+
+    def _forward(self, hidden: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor,
+                 mask: AttentionMask | list[AttentionMask]) -> torch.Tensor:
         context = self.fuse_context(hidden)
         positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
         return self.run_block(block_ids, block_positions, self._layer_context_kv(context, positions), mask)

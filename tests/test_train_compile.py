@@ -1,0 +1,75 @@
+"""The compiled training forward and the anchors drawn in the loader workers: both must leave
+the numbers as they are (the tiny targets and caches come from conftest.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from dflash.train import config as train_config
+from dflash.train import model as train_model
+from dflash.train.loader import CacheSet, LoaderConfig, TrainLoader
+from dflash.train.loop import draw_anchors
+from dflash.train.objective import ObjectiveConfig, compute_loss
+from test_drafter_objective import hand_batch
+from test_drafter_support import tiny_drafter
+
+
+def _loss_and_grads(drafter):
+    out = compute_loss(drafter.train(), hand_batch(), ObjectiveConfig(max_anchors=3),
+                       generator=torch.Generator().manual_seed(5))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad(set_to_none=True)
+    return out.loss.detach(), grads
+
+
+def test_the_whole_forward_compiled_gives_the_eager_loss_and_gradients(monkeypatch):
+    eager_loss, eager_grads = _loss_and_grads(tiny_drafter())
+    traced, real_compile = [], torch.compile
+
+    def compile_for_test(fn, mode):  # dynamo traces the forward; aot_eager runs the graphs unfused
+        traced.append(mode)
+        return real_compile(fn, backend="aot_eager")
+
+    drafter = tiny_drafter()
+    monkeypatch.setattr(train_model.torch, "compile", compile_for_test)
+    drafter.compile_training("default")
+    monkeypatch.undo()
+    loss, grads = _loss_and_grads(drafter)
+    assert traced == ["default"] and drafter._compiled_forward is not None
+    assert torch.equal(loss, eager_loss)
+    assert grads.keys() == eager_grads.keys() and len(grads) > 10
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_modes_are_torch_compiles_and_agree_with_the_flag():
+    assert train_config.COMPILE_MODES == train_model.COMPILE_MODES
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        tiny_drafter().compile_training("fast")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_anchors_drawn_in_the_loader_workers_are_the_trainers_draws(tiny_world, world_size):
+    """Each batch carries the anchors of its (epoch, global batch index), as the trainer drew
+    them itself before: the same in a worker process, on any rank, across an epoch boundary."""
+    caches = CacheSet([str(tiny_world["cache"])], max_seq_len=64)
+    config = LoaderConfig(token_budget=128, max_batch_size=4, max_seq_len=64, shuffle_window=16, seed=3,
+                          num_workers=1)
+    draw = functools.partial(draw_anchors, seed=7, max_anchors=3, block_size=4)
+    loader = TrainLoader(caches, np.arange(len(caches)), config, epochs=2, rank=world_size - 1,
+                         world_size=world_size, prepare=draw)
+    seen = set()
+    for _ in range(sum(loader.steps_per_epoch) + 1):
+        batch = loader.next_batch()
+        expected = {k: batch[k] for k in ("input_ids", "loss_mask", "lengths")}
+        draw(expected, loader.epoch, loader.last_index)
+        for name in ("anchor_positions", "anchor_valid", "scored_slots"):
+            assert torch.equal(batch[name], expected[name]), name
+        seen.add((loader.epoch, loader.last_index))
+    loader.close()
+    assert {epoch for epoch, _ in seen} >= {0, 1}
+    assert all(index % world_size == world_size - 1 for _, index in seen)
