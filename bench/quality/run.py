@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=None,
                         help="'EPOCHS [dflash-train flags]' (repeatable) [default: '2'].")
     parser.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when available).")
+    parser.add_argument("--eval-blocks", default=None,
+                        help="Comma-separated block sizes the eval stage decodes at [default: the sizes' eval_block_sizes].")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="Change one of the sizes (see stages.Sizes), e.g. --set completions=4096.")
     args = parser.parse_args(argv)
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}.")
         variants = [parse_variant(v) for v in (args.variant or ["2"])]
         sizes = apply_overrides(SMALL if args.small else FULL, args.overrides)
-        work = Work(Path(args.workdir), sizes, device, log=lambda m: print(m, flush=True))
+        work = Work(Path(args.workdir), sizes, device, log=lambda m: print(m, flush=True),
+                    eval_blocks=tuple(int(b) for b in args.eval_blocks.split(",")) if args.eval_blocks else None)
         if work.sizes.cpu_threads and device == "cpu":
             torch.set_num_threads(work.sizes.cpu_threads)  # tiny models: one thread beats contended ones
         work.log(f"bench/quality on {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else platform.processor() or 'cpu'}), "

@@ -90,6 +90,9 @@ class Work:
     sizes: Sizes
     device: str
     log: Any = print
+    eval_blocks: tuple[int, ...] | None = None
+    """Block sizes the eval stage decodes at (default: sizes.eval_block_sizes); those above a
+    drafter's own block are skipped."""
     _corpus: tuple[list[Document], list[Document]] | None = field(default=None, repr=False)
 
     def stage_path(self, name: str) -> Path:
@@ -321,7 +324,8 @@ def _half_key(record: dict[str, Any]) -> str | None:
 def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
     s = work.sizes
     results = {}
-    for block in s.eval_block_sizes:
+    trained = json.loads((work.root / f"run-{variant.name}" / "final" / "config.json").read_text())["block_size"]
+    for block in [b for b in (work.eval_blocks or s.eval_block_sizes) if b <= trained]:
         out = work.root / f"eval-{variant.name}-b{block}.json"
         seconds = run_command("dflash-eval", "dflash.train.eval_cli", [
             "--target-model", str(work.root / "target"), "--drafter", str(work.root / f"run-{variant.name}" / "final"),
