@@ -190,6 +190,13 @@ def test_batches_are_sorted_by_prompt_length_and_each_answer_is_the_prompts_own(
         answer = greedy(model, prompt, 10)
         assert by_id[f"l{i}"]["input_ids"] == prompt + answer
         assert by_id[f"l{i}"]["loss_mask"] == [0] * len(prompt) + [1] * len(answer)
+    # A window of one batch: input order, window after window, and the same records.
+    widths.clear()
+    unsorted = tmp_path / "unsorted.jsonl"
+    result = run(target, data, unsorted, "--max-tokens", "10", "--batch-size", "3", "--sort-window", "1")
+    assert result.exit_code == 0, result.output
+    assert widths == [sorted(map(len, prompts[k: k + 3]), reverse=True) for k in (0, 3, 6)]
+    assert {r["id"]: r for r in read_jsonl(unsorted)} == by_id
 
 
 def test_sampling_follows_its_seed_across_batches(target, tmp_path):
