@@ -48,19 +48,6 @@ MODEL_FILES = ("config.json", "generation_config.json")
 SUMMARY = re.compile(r"(\d+) records written .* (\d+) generated tokens in ([\d.]+) s")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The reversible byte -> printable character map of byte-level BPE."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def target_with_tokenizer(target: Path, workdir: Path) -> Path:
     """`target` itself when it has a tokenizer; else WORKDIR/target: links to its weights and
     config, a byte tokenizer with the corpus's special ids, and the raw template."""
@@ -73,6 +60,7 @@ def target_with_tokenizer(target: Path, workdir: Path) -> Path:
                          "model directory with its tokenizer.")
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     out = workdir / "target"
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +68,7 @@ def target_with_tokenizer(target: Path, workdir: Path) -> Path:
         link = out / name
         if (target / name).exists() and not link.exists():
             link.symlink_to((target / name).resolve())
-    tk = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    tk = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
     # Names no source file holds (the text "<mask>" does: it would become the special token).
