@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
+
+# One CPU thread for torch in the test process and in every process a test starts (they inherit
+# the environment; torch reads it when it loads, after this). The models are tiny, and on a
+# machine whose cores are busy a second OpenMP thread mostly waits on the first: a drafter run
+# of the demo took 5x the CPU time on 2 threads beside other work. A test that needs another
+# thread count says so in the environment of its runs.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 VOCAB = 128
 """Token ids of `random_records` are below this (the vocabulary of `make_tiny_target`'s default)."""

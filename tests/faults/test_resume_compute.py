@@ -26,7 +26,8 @@ from .helpers import (
 
 # MKL's AVX2 code path: its float32 GEMMs give other bits on 1 and 2 threads for these shapes
 # (its AVX-512 path, on the project's 2-core test host, happens not to).
-THREAD_SENSITIVE = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# The runs on 2 threads (the suite's processes run on 1: tests/conftest.py).
+THREAD_SENSITIVE = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "2"}
 
 
 def global_torch_rng(run_dir) -> torch.Tensor:
