@@ -62,14 +62,16 @@ def test_anchors_drawn_in_the_loader_workers_are_the_trainers_draws(tiny_world, 
     draw = functools.partial(draw_anchors, seed=7, max_anchors=3, block_size=4)
     loader = TrainLoader(caches, np.arange(len(caches)), config, epochs=2, rank=world_size - 1,
                          world_size=world_size, prepare=draw)
-    seen = set()
+    seen, iterators = set(), set()
     for _ in range(sum(loader.steps_per_epoch) + 1):
         batch = loader.next_batch()
+        if loader.epoch < len(loader.steps_per_epoch):  # one reader (the same workers) for the planned epochs
+            iterators.add(tuple(w.pid for w in loader._iter._workers))
         expected = {k: batch[k] for k in ("input_ids", "loss_mask", "lengths")}
         draw(expected, loader.epoch, loader.last_index)
         for name in ("anchor_positions", "anchor_valid", "scored_slots"):
             assert torch.equal(batch[name], expected[name]), name
         seen.add((loader.epoch, loader.last_index))
     loader.close()
-    assert {epoch for epoch, _ in seen} >= {0, 1}
+    assert {epoch for epoch, _ in seen} >= {0, 1} and len(iterators) == 1
     assert all(index % world_size == world_size - 1 for _, index in seen)

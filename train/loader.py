@@ -4,11 +4,12 @@ Startup reads the caches' manifests (every sample length is in the commit log) a
 held-out split (heldout.py), each part's sample ids. An epoch's batch list is a pure function
 of (seed, epoch, the manifests, the batching settings): the samples are shuffled, sorted by
 length inside windows of `shuffle_window` samples, packed greedily under the token budget, and
-the batches shuffled again. Rank r of W takes global batches
+the batches shuffled again (plans.py). Rank r of W takes global batches
 r, r+W, r+2W, ...; one optimizer step consumes W x grad_accum consecutive global batches, so a
 run's batches do not depend on how they are spread over ranks. The position (epoch, global
 batches consumed) is checkpointed; a resumed loader yields exactly the batches the
-uninterrupted one would have.
+uninterrupted one would have. One DataLoader reads a rank's batches from that position to the
+last epoch, so its workers read on across epoch boundaries.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from dflash.cache_tools.schema import (
 
 from .config import TrainConfigError
 from .heldout import cap_by_score, eval_split, heldout_scores
+from .plans import RankBatches, check_budget, plan_epoch, plan_eval
 from .workers import worker_init
 
 LOADER_STATE_VERSION = 1
@@ -149,48 +151,6 @@ class CacheSet:
 # -- batch plans ------------------------------------------------------------------------------
 
 
-def pack_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int, max_batch_size: int) -> list[np.ndarray]:
-    """Greedy packing of `order` (already sorted by descending length) under the budget."""
-    batches: list[np.ndarray] = []
-    start = 0
-    n = len(order)
-    while start < n:
-        longest = int(lengths[order[start]])
-        size = max(1, min(max_batch_size, token_budget // max(longest, 1), n - start))
-        batches.append(order[start:start + size])
-        start += size
-    return batches
-
-
-def plan_epoch(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig, epoch: int) -> list[np.ndarray]:
-    """The global batch list of one epoch: a pure function of its arguments."""
-    rng = np.random.default_rng([config.seed, epoch, 0x5EED])
-    shuffled = indices[rng.permutation(len(indices))]
-    batches: list[np.ndarray] = []
-    for w in range(0, len(shuffled), config.shuffle_window):
-        window = shuffled[w:w + config.shuffle_window]
-        window = window[np.argsort(-lengths[window], kind="stable")]
-        batches += pack_batches(window, lengths, config.token_budget, config.max_batch_size)
-    return [batches[i] for i in rng.permutation(len(batches))]
-
-
-def plan_eval(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig) -> list[np.ndarray]:
-    """Held-out batches: sorted by length for the least padding, no shuffle."""
-    order = indices[np.argsort(-lengths[indices], kind="stable")]
-    return pack_batches(order, lengths, config.token_budget, config.max_batch_size)
-
-
-def check_budget(lengths: np.ndarray, indices: np.ndarray, config: LoaderConfig) -> None:
-    too_long = indices[lengths[indices] > config.token_budget]
-    if len(too_long):
-        raise TrainConfigError(
-            f"{len(too_long)} sample(s) are longer than --token-budget {config.token_budget} "
-            f"(the longest has {int(lengths[too_long].max())} tokens after truncation to "
-            f"--max-seq-len {config.max_seq_len}). Raise --token-budget to at least the longest "
-            "sample, or lower --max-seq-len to truncate them."
-        )
-
-
 # -- collation --------------------------------------------------------------------------------
 
 
@@ -275,7 +235,7 @@ class _BatchList(torch.utils.data.Dataset):
     """Map-style dataset whose item i is the collated batch `batches[i]` (read in a worker),
     passed to `prepare(batch, i)` when given."""
 
-    def __init__(self, caches: CacheSet, batches: list[np.ndarray],
+    def __init__(self, caches: CacheSet, batches: Sequence[np.ndarray],
                  prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None):
         self.caches, self.batches, self.prepare = caches, batches, prepare
 
@@ -296,7 +256,7 @@ class _BatchList(torch.utils.data.Dataset):
             raise WorkerReadError(str(e)) from None
 
 
-def data_loader(caches: CacheSet, batches: list[np.ndarray], config: LoaderConfig,
+def data_loader(caches: CacheSet, batches: Sequence[np.ndarray], config: LoaderConfig,
                 prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None) -> torch.utils.data.DataLoader:
     workers = config.num_workers if batches else 0
     return torch.utils.data.DataLoader(
@@ -334,6 +294,7 @@ class TrainLoader:
             )
         self.epoch, self.consumed = 0, 0  # consumed: global batches of this epoch already used
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
+        self._iter_last_epoch = -1  # the last epoch the iterator's batch list reaches
         self.wait_seconds = 0.0
         self.last_index = -1
 
@@ -357,20 +318,21 @@ class TrainLoader:
         self.epoch, self.consumed = int(state["epoch"]), int(state["batches_consumed"])
         self._iter = None
 
-    def _usable(self) -> int:
-        """Global batches of the current epoch that fill whole steps (the tail is dropped)."""
-        return self.steps_per_epoch[min(self.epoch, len(self.steps_per_epoch) - 1)] * self.batches_per_step
+    def usable(self, epoch: int) -> int:
+        """Global batches of `epoch` that fill whole steps (the tail is dropped)."""
+        return self.steps_per_epoch[min(epoch, len(self.steps_per_epoch) - 1)] * self.batches_per_step
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch of this rank (time spent waiting for it adds to wait_seconds)."""
-        if self.consumed >= self._usable():
-            self.epoch, self.consumed, self._iter = self.epoch + 1, 0, None
-        if self._iter is None:
-            first = self.consumed + self.rank
-            mine = self.epoch_batches(self.epoch)[first:self._usable():self.world_size]
-            prepare = None if self.prepare is None else functools.partial(
-                _prepare_at, self.prepare, self.epoch, first, self.world_size)
-            self._iter = iter(data_loader(self.caches, mine, self.config, prepare))
+        if self.consumed >= self.usable(self.epoch):
+            self.epoch, self.consumed = self.epoch + 1, 0
+        if self._iter is None or self.epoch > self._iter_last_epoch:
+            # One iterator to the end of the planned epochs: its workers read on across epoch
+            # boundaries instead of new ones starting cold at each (a stall per epoch).
+            self.close()
+            mine = RankBatches(self)
+            prepare = None if self.prepare is None else functools.partial(_prepare_at, self.prepare, mine)
+            self._iter, self._iter_last_epoch = iter(data_loader(self.caches, mine, self.config, prepare)), mine.last_epoch
         start = time.perf_counter()
         batch = next(self._iter)
         self.wait_seconds += time.perf_counter() - start
@@ -387,10 +349,9 @@ class TrainLoader:
             shutdown()
 
 
-def _prepare_at(prepare: BatchPrepare, epoch: int, first: int, stride: int, batch: dict[str, torch.Tensor],
-                i: int) -> None:
-    """`prepare` of item i of a rank's batch list (global batches first, first + stride, ...)."""
-    prepare(batch, epoch, first + i * stride)
+def _prepare_at(prepare: BatchPrepare, batches: RankBatches, batch: dict[str, torch.Tensor], k: int) -> None:
+    """`prepare` of item k of a rank's batch list, with its epoch and global batch index."""
+    prepare(batch, *batches.position(k))
 
 
 def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, rank: int, world_size: int,
