@@ -190,3 +190,15 @@ def tiny_world(tmp_path_factory) -> dict[str, Path]:
     target = make_tiny_target(root / "target", hidden=HIDDEN, layers=TARGET_LAYERS, vocab=WORLD_VOCAB,
                               heads=2, kv_heads=1)
     return {"target": target, "cache": write_tiny_cache(root / "cache")}
+
+
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory):
+    """The session's pre-imported process that forks real CLI runs (faults/zygote.py): a test
+    that signals or kills a run starts it here in milliseconds instead of a new interpreter's
+    seconds of imports."""
+    from faults.helpers import Zygote
+
+    z = Zygote(tmp_path_factory.mktemp("cli-runs"))
+    yield z
+    z.close()

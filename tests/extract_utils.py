@@ -4,9 +4,6 @@ and JSONL writers come from conftest.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -72,11 +69,11 @@ def extract(target, data, out, **kw):
         part_tokens=120, token_budget=128, sort_window_tokens=0, progress=False, num_writers=0), **kw}))
 
 
-def start(target, data, out, *extra, sleep: float) -> subprocess.Popen:
-    env = {**os.environ, TEST_SLEEP_ENV: str(sleep)}
-    cmd = [sys.executable, "-c", "from dflash.extract.cli import main; main()",
-           "--target-model", str(target), "--data", str(data), "--output", str(out), *ARGS, *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(zygote, target, data, out, *extra, sleep: float):
+    """dflash-extract with the tests' settings as a forked run of `zygote` (the conftest fixture),
+    sleeping `sleep` s per part; returns its faults.helpers.Run."""
+    argv = ["--target-model", target, "--data", data, "--output", out, *ARGS, *extra]
+    return zygote.run("extract", argv, env={TEST_SLEEP_ENV: str(sleep)})
 
 
 def committed_parts(out) -> list[str]:

@@ -108,13 +108,13 @@ def test_resume_with_other_data_refuses(setup, tmp_path):
         run_extraction(config(target, other, out, part_tokens=100000))
 
 
-def test_sigterm_stops_with_status_143_and_keeps_committed_parts(setup, tmp_path):
+def test_sigterm_stops_with_status_143_and_keeps_committed_parts(setup, zygote, tmp_path):
     target, data, _clean = setup
     out = tmp_path / "cache"
-    proc = start(target, data, out, sleep=1.0)
+    proc = start(zygote, target, data, out, sleep=1.0)
     wait_for(lambda: len(committed_parts(out)) >= 1)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 143
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143, proc.output()
     assert read_manifest(out).parts
 
 

@@ -35,16 +35,16 @@ def setup(tmp_path_factory):
     return target, data, clean
 
 
-def test_kill9_of_one_rank_then_single_rank_resume_equals_clean_run(setup, tmp_path):
+def test_kill9_of_one_rank_then_single_rank_resume_equals_clean_run(setup, zygote, tmp_path):
     target, data, clean = setup
     out = tmp_path / "cache"
-    rank0 = start(target, data, out, "--rank", "0", "--world-size", "2", sleep=0.0)
-    rank1 = start(target, data, out, "--rank", "1", "--world-size", "2", sleep=0.7)
+    rank0 = start(zygote, target, data, out, "--rank", "0", "--world-size", "2", sleep=0.0)
+    rank1 = start(zygote, target, data, out, "--rank", "1", "--world-size", "2", sleep=0.7)
     # Kill rank 1 once it has committed a part of its own: it is midway through its share.
     wait_for(lambda: any(int(p[-6:]) % 2 == 1 for p in committed_parts(out)))
-    rank1.send_signal(signal.SIGKILL)
+    rank1.signal(signal.SIGKILL)
     assert rank1.wait(timeout=10) == -signal.SIGKILL
-    assert rank0.wait(timeout=60) == 0, rank0.stdout.read()
+    assert rank0.wait(timeout=60) == 0, rank0.output()
     total = len(read_manifest(clean).parts)
     assert len(committed_parts(out)) < total  # rank 1's share is unfinished
     run_extraction(ExtractConfig(target_model=str(target), data=str(data), output=str(out),
@@ -55,16 +55,15 @@ def test_kill9_of_one_rank_then_single_rank_resume_equals_clean_run(setup, tmp_p
     assert not [p for p in (out / "parts").iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_sigint_exits_130_within_seconds_and_rerun_completes(setup, tmp_path):
+def test_sigint_exits_130_within_seconds_and_rerun_completes(setup, zygote, tmp_path):
     target, data, clean = setup
     out = tmp_path / "cache"
-    proc = start(target, data, out, sleep=1.0)
+    proc = start(zygote, target, data, out, sleep=1.0)
     wait_for(lambda: len(committed_parts(out)) >= 1)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    sent = proc.signal(signal.SIGINT)
     assert proc.wait(timeout=10) == 130
     assert time.monotonic() - sent < 10
-    output = proc.stdout.read()
+    output = proc.output()
     assert "SIGINT" in output and "Traceback" not in output
     reader = CacheReader(out)  # every committed part reads back clean (checksums verified)
     assert 0 < len(reader.manifest.parts) < len(read_manifest(clean).parts)

@@ -31,15 +31,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def zygote(tmp_path_factory):
-    z = Zygote(tmp_path_factory.mktemp("fault-runs"))
-    yield z
-    z.close()
-
-
-@pytest.fixture(scope="session")
 def world(tmp_path_factory, zygote) -> dict:
-    """A tiny target, 60 records, and the cache and drafter of uninterrupted runs."""
+    """A tiny target, 60 records, and the cache and drafter of uninterrupted runs (`zygote`, the
+    session's forked CLI runs, is a fixture of tests/conftest.py)."""
     root = tmp_path_factory.mktemp("fault-world")
     target = make_tiny_target(root / "target")
     data = write_jsonl(root / "data.jsonl", make_records(60, seed=1))
