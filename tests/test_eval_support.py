@@ -29,8 +29,6 @@ from dflash.train.speculative import (
 from dflash.train.target_weights import TargetWeights
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-torch.set_num_threads(1)  # tiny models: one thread is fastest and stays fast beside other work
-
 VOCAB, PERIOD, LAYER_IDS = 32, 5, [1, 3]
 
 

@@ -7,8 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,35 +38,40 @@ def reference(tiny_world, tmp_path_factory) -> dict:
     return final_weights(out)
 
 
-def start_run(config: Path, out: Path) -> subprocess.Popen:
-    """The CLI in a new process, on this process's thread count: the reference and the resumes
-    run in this process, and other tests may have changed its thread count (on some CPUs the
-    kernels sum in an order that depends on it: docs/RELIABILITY.md)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    return subprocess.Popen([sys.executable, "-m", "dflash.train.cli", "--config", str(config), "--output-dir", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def start_run(zygote, config: Path, out: Path):
+    """The CLI as a forked run of the session's zygote (a faults.helpers.Run)."""
+    return zygote.run("train", ["--config", config, "--output-dir", out])
 
 
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> int:
+def assert_same_threads(out: Path) -> None:
+    """The run computed on this process's thread count: the reference and the resumes run in
+    this process, and on some CPUs the kernels sum in an order that depends on it
+    (docs/RELIABILITY.md)."""
+    meta = json.loads(sorted((out / "checkpoints").glob("step-*"))[0].joinpath("meta.json").read_text())
+    assert meta["compute"]["cpu_threads"] == torch.get_num_threads()
+
+
+def wait_for_step(run, out: Path, step: int) -> int:
     """Poll metrics.jsonl until the run logged `step`; returns the last logged step."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         logged = [r["step"] for r in read_metrics(out) if r["kind"] == "train"] if (out / "metrics.jsonl").exists() else []
         if logged and logged[-1] >= step:
             return logged[-1]
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before step {step}: {proc.stderr.read()}")
+        if run.wait(timeout=0) is not None:
+            pytest.fail(f"the run ended before step {step}: {run.output()}")
         time.sleep(0.002)
     pytest.fail(f"the run did not reach step {step} in time")
 
 
-def test_resume_after_sigkill_at_a_random_step_gives_identical_weights(tiny_world, reference, tmp_path):
+def test_resume_after_sigkill_at_a_random_step_gives_identical_weights(tiny_world, reference, zygote, tmp_path):
     out = tmp_path / "run"
     kill_at = random.Random(1234).randint(5, 15)
-    proc = start_run(config_file(tiny_world, tmp_path / "train.json"), out)
+    proc = start_run(zygote, config_file(tiny_world, tmp_path / "train.json"), out)
     wait_for_step(proc, out, kill_at)
-    proc.kill()
-    proc.wait()
+    proc.signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert_same_threads(out)
     killed_at = max(r["step"] for r in read_metrics(out) if r["kind"] == "train")
     assert killed_at < STEPS
     result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, resume=True, **SETTINGS))
@@ -78,17 +81,17 @@ def test_resume_after_sigkill_at_a_random_step_gives_identical_weights(tiny_worl
 
 
 def test_sigint_stops_within_seconds_with_a_checkpoint_and_the_rerun_resumes_exactly(
-        tiny_world, reference, tmp_path):
+        tiny_world, reference, zygote, tmp_path):
     signum, status = signal.SIGINT, 130
     out = tmp_path / "run"
     config = config_file(tiny_world, tmp_path / "train.json")
-    proc = start_run(config, out)
+    proc = start_run(zygote, config, out)
     wait_for_step(proc, out, random.Random(int(signum)).randint(5, 15))
-    sent = time.monotonic()
-    proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=30)
+    sent = proc.signal(signum)
+    returncode, stderr = proc.wait(timeout=30), proc.output()
     assert time.monotonic() - sent < 10
-    assert proc.returncode == status, stderr
+    assert returncode == status, stderr
+    assert_same_threads(out)
     assert "finishing this step, writing a checkpoint" in stderr
     last_logged = max(r["step"] for r in read_metrics(out) if r["kind"] == "train")
     latest = sorted((out / "checkpoints").glob("step-*"))[-1]
@@ -102,16 +105,17 @@ def test_sigint_stops_within_seconds_with_a_checkpoint_and_the_rerun_resumes_exa
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_sigterm_then_a_second_signal_exits_at_once(tiny_world, tmp_path):
+def test_sigterm_then_a_second_signal_exits_at_once(tiny_world, zygote, tmp_path):
     out = tmp_path / "run"
-    proc = start_run(config_file(tiny_world, tmp_path / "train.json"), out)
+    proc = start_run(zygote, config_file(tiny_world, tmp_path / "train.json"), out)
     wait_for_step(proc, out, 2)
+    assert proc.watch_children()  # its DataLoader worker
     os.kill(proc.pid, signal.SIGSTOP)  # both signals arrive before the step can finish
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGTERM)  # (two pending SIGINTs would merge into one)
+    proc.signal(signal.SIGINT)
+    proc.signal(signal.SIGTERM)  # (two pending SIGINTs would merge into one)
     os.kill(proc.pid, signal.SIGCONT)
     sent = time.monotonic()
-    _, stderr = proc.communicate(timeout=10)
-    assert time.monotonic() - sent < 2  # (its DataLoader workers are gone too: they held stderr)
-    assert proc.returncode == 143
-    assert "exiting now without a checkpoint" in stderr
+    assert proc.wait(timeout=10) == 143, proc.output()
+    assert proc.surviving_children(grace=max(0.0, sent + 2 - time.monotonic())) == []  # the worker too
+    assert time.monotonic() - sent < 2
+    assert "exiting now without a checkpoint" in proc.output()
