@@ -1,13 +1,11 @@
-"""Two processes (torchrun, gloo on CPU) train what one process trains with the same global
+"""Two processes (torchrun's environment, gloo on CPU) train what one process trains with the same global
 batch, and their checkpoint resumes on one process."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
+import socket
 from pathlib import Path
 
 import pytest
@@ -29,16 +27,22 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-5, msg=f"{k} differs")
 
 
-def start_torchrun(world: dict[str, Path], tmp_path: Path, out: Path, **overrides) -> subprocess.Popen:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(zygote, world: dict[str, Path], tmp_path: Path, out: Path, **overrides) -> list:
+    """The two processes of `torchrun --standalone --nproc-per-node 2 -m dflash.train.cli`, forked
+    from the session's zygote with the environment torchrun gives each rank."""
     values = tiny_train_config(world["cache"], world["target"], out, **{**SETTINGS, **overrides}).to_dict()
     config = tmp_path / f"{out.name}.json"
     config.write_text(json.dumps(values))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dflash.train.cli", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    port = free_port()
+    return [zygote.run("train", ["--config", config], env={
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": out.name}) for rank in (0, 1)]
 
 
 def resume_on_one_process(world: dict[str, Path], checkpoint: Path, out: Path) -> None:
@@ -49,16 +53,17 @@ def resume_on_one_process(world: dict[str, Path], checkpoint: Path, out: Path) -
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(tiny_world, tmp_path):
+def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(tiny_world, zygote, tmp_path):
     # DDP and FSDP launches overlap with each other and with the one-process reference run.
     runs = {mode: tmp_path / mode for mode in ("ddp", "fsdp")}
-    procs = {mode: start_torchrun(tiny_world, tmp_path, out, grad_accum=1, parallel=mode) for mode, out in runs.items()}
+    ranks = {mode: start_ranks(zygote, tiny_world, tmp_path, out, grad_accum=1, parallel=mode)
+             for mode, out in runs.items()}
     # One process, two micro-batches per step: the same 2 global batches per step.
     one = tmp_path / "one-rank"
     train(tiny_train_config(tiny_world["cache"], tiny_world["target"], one, grad_accum=2, **SETTINGS))
-    for mode, proc in procs.items():
-        output, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, f"{mode}: {output[-4000:]}"
+    for mode, procs in ranks.items():
+        for rank, proc in enumerate(procs):
+            assert proc.wait(timeout=180) == 0, f"{mode} rank {rank}: {proc.output()[-4000:]}"
 
     one_log = [r for r in read_metrics(one) if r["kind"] == "train"]
     for mode, two in runs.items():
