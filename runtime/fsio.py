@@ -112,8 +112,10 @@ def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: b
     """Move the finished directory `stage` to `final` atomically and durably.
 
     Every file below `stage` is fsynced first (unless the caller did: `synced`); an existing
-    `final` is swapped out (then deleted) only once the new one is complete, so a crash leaves
-    the old or the new directory at `final`, never a mix.
+    `final` is renamed aside (then deleted) only once the new one is complete, so `final` never
+    holds a mix of old and new files. A directory cannot be swapped in one rename: a crash in
+    the instant between the two renames leaves no `final`, with the old directory complete
+    under its temporary name beside it (`temp_name`) and the new one complete at `stage`.
     """
     stage, final = Path(stage), Path(final)
     if not synced:
