@@ -2,6 +2,7 @@
 
     dflash-train [run] --cache CACHE [--cache CACHE2 ...] --target-model DIR --output-dir RUN_DIR [options]
     dflash-train export CHECKPOINT_DIR OUT_DIR
+    dflash-train estimate DRAFTER_DIR --cache CACHE [--cache ...] --target-model DIR [--json]
 
 Every run option is a TrainConfig field (train/config.py) of the same name; `--config FILE`
 reads them from JSON or YAML and flags given on the command line override the file. Errors and
@@ -13,6 +14,7 @@ step was written), 1 an unexpected failure. torch loads when a command starts wo
 
 from __future__ import annotations
 
+import json
 import sys
 import typing
 from dataclasses import MISSING, fields
@@ -78,6 +80,7 @@ def main() -> None:
       dflash-train --config train.yaml --lr 3e-4          # flags override the file
       torchrun --nproc-per-node 8 -m dflash.train.cli --config train.yaml
       dflash-train export runs/drafter/checkpoints/step-001000 runs/drafter-1000
+      dflash-train estimate runs/drafter/final --cache runs/heldout-cache --target-model /models/Qwen3-8B
 
     `run` is the default command: `dflash-train --cache ...` is `dflash-train run --cache ...`.
     Rerunning the same command in the same --output-dir resumes from its latest checkpoint.
@@ -122,6 +125,37 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str) -> None:
 
     path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(dtype))
     click.echo(f"exported drafter to {path}")
+
+
+ESTIMATE_SETTINGS = ("cache", "target_model", "max_anchors", "token_budget", "max_batch_size", "max_seq_len",
+                     "num_workers", "verify_checksums", "device", "dtype")
+"""The run settings `estimate` takes: the trainer's flags, with their names, help and defaults."""
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.argument("drafter_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def estimate(drafter_dir: str, as_json: bool, **settings: Any) -> None:
+    """The trainer's held-out estimate (docs/train.md, "Estimator") of an exported drafter
+    (DRAFTER_DIR: `export`'s output or RUN_DIR/final) over every sample of --cache: the walk
+    at the drafter's block and at half of it, the per-block mean, the loss. Given greedy
+    completions of the prompts dflash-eval decodes, it estimates that decoding's tau."""
+    settings = {k: (list(v) if k == "cache" else v) for k, v in settings.items()
+                if v is not None and not (k == "cache" and not v)}
+    from .estimate import estimate_drafter, format_estimate  # torch
+
+    result = estimate_drafter(drafter_dir, settings)
+    click.echo(json.dumps(result) if as_json else format_estimate(result))
+
+
+_hints = typing.get_type_hints(TrainConfig)
+_fields = {f.name: f for f in fields(TrainConfig)}
+for _name in reversed(ESTIMATE_SETTINGS):
+    _option = _option_for(_fields[_name], _hints)
+    if _name == "max_anchors":  # every eligible position is evaluated; this is only the chunk width
+        _option.help = ("Most blocks of a sequence run together (all its eligible positions are evaluated)."
+                        f"  [default: {_fields[_name].default}]")
+    estimate.params.insert(1, _option)
 
 
 if __name__ == "__main__":
