@@ -43,6 +43,12 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     estimate = [json.loads(line) for line in gzip.open(work / "estimate_set" / "part-000.jsonl.gz", "rt")]
     assert len(estimate) == stages.SMALL.estimate_prompts
     assert all(sum(r["loss_mask"]) == stages.SMALL.eval_new_tokens for r in estimate)
+    # The decoded prompts' own greedy completions: every eval prompt, continued.
+    decoded = [json.loads(line) for line in gzip.open(work / "decoded_set" / "part-000.jsonl.gz", "rt")]
+    prompts = [json.loads(line)["input_ids"] for line in (work / "eval_prompts.jsonl").read_text().splitlines()]
+    assert len(decoded) == len(prompts) == stages.SMALL.eval_prompts
+    assert sorted(r["input_ids"][:r["loss_mask"].index(1)] for r in decoded) == sorted(prompts)
+    assert all(sum(r["loss_mask"]) == stages.SMALL.eval_new_tokens for r in decoded)
     capsys.readouterr()
 
     # The rest resumes from what the first call left (the target is not retrained).
@@ -50,8 +56,9 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     out = capsys.readouterr().out
     assert "[target] done earlier" in out and "[generate] done earlier" in out
     header = next(line for line in out.splitlines() if line.startswith("| variant"))
-    for column in ("samples", "epochs", "train GPU-s", "B=8 est. tau", "B=8 tau", "B=8 speedup",
-                   "B=8 lookup tau", "B=4 est. tau", "B=4 tau", "B=4 lookup tau", "lossless"):
+    for column in ("samples", "epochs", "train GPU-s", "B=8 est. tau", "B=8 est. (same prompts)", "B=8 tau",
+                   "B=8 speedup", "B=8 lookup tau", "B=4 est. tau", "B=4 est. (same prompts)", "B=4 tau",
+                   "B=4 lookup tau", "lossless"):
         assert column in header
     [row] = [line for line in out.splitlines() if line.startswith("| e2 ")]
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -63,6 +70,12 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     train = json.loads((work / "stages" / "train-e2.json").read_text())
     assert train["estimator"] == "labels walk" and train["best_step"] is not None
     assert cells[5] == f"{train['heldout_tau']:.2f}"  # B=8 est. tau: the drafter's own block
+    # est. (same prompts): dflash-train estimate over the decoded prompts' completions, both blocks.
+    same = json.loads((work / "stages" / "eval-e2.json").read_text())["estimate_same_prompts"]
+    assert same["walked_samples"] == same["samples"] == stages.SMALL.eval_prompts
+    assert same["estimator"] == train["estimator"]
+    assert cells[6] == f"{same['tau']:.2f}" and cells[6 + 6] == f"{same['tau_b4']:.2f}"
+    assert 1.0 <= same["tau_b4"] <= 4.0 and 1.0 <= same["tau"] <= 8.0  # a walk at width B accepts 1..B a cycle
 
 
 def test_a_workdir_of_other_settings_is_refused(tmp_path, capsys):

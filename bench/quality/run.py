@@ -5,11 +5,14 @@ Stages (each resumable: a stage already recorded in WORKDIR/stages/ is skipped):
   target    train a byte-level Qwen3 LM on the Python sources of installed packages (torch,
             transformers, numpy), files split by a hash of their path; report its held-out loss
   generate  its completions (greedy and sampled batches alternate) of prompts cut from training
-            files, and evaluation prompts cut from held-out files
-  extract   dflash-extract the completions' hidden states into a cache
+            files, evaluation prompts cut from held-out files, and greedy fp32 completions of
+            those (decoded_set) and of other held-out prompts (estimate_set)
+  extract   dflash-extract the hidden states of the completions, estimate_set and decoded_set
   train     dflash-train a drafter per --variant (--eval-cache: greedy completions of other
             held-out prompts; the trainer's walk over them is the held-out estimate)
-  eval      dflash-eval each drafter at the block sizes (16 and 8), prompt lookup beside it
+  eval      dflash-train estimate of each drafter on the decoded prompts' completions (the
+            estimate without prompt-sampling noise), then dflash-eval at the block sizes (16
+            and 8), prompt lookup beside it
   table     print the table (samples, epochs, GPU-seconds, held-out estimate, taus, speedups)
 
     python bench/quality/run.py --workdir /dev/shm/dflash-quality                    # all, one H200
@@ -90,26 +93,36 @@ def estimate_for(train: dict[str, Any], block: int) -> float | None:
     return {size: train.get("heldout_tau"), size // 2: train.get("heldout_tau_half_block")}.get(block)
 
 
+def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int) -> float | None:
+    """`dflash-train estimate` on the decoded prompts' own greedy completions, at `block`."""
+    size, same = train.get("block_size", 16), ev.get("estimate_same_prompts") or {}
+    return {size: same.get("tau"), size // 2: same.get(f"tau_b{size // 2}")}.get(block)
+
+
 def table(work: Work) -> str:
     """One row per trained variant: samples, epochs, GPU-seconds, then per block size the held-out
-    estimate, the decoded tau and speedup, and prompt lookup's."""
+    estimate (over other held-out prompts, and over the decoded prompts themselves), the decoded
+    tau and speedup, and prompt lookup's."""
     s = work.sizes
     target, data = work.done("target") or {}, work.done("generate") or {}
     blocks = list(s.eval_block_sizes)
     head = ["variant", "samples", "epochs", "train GPU-s", "per-block mean"]
     for b in blocks:
-        head += [f"B={b} est. tau", f"B={b} tau", f"B={b} speedup", f"B={b} lookup tau", f"B={b} lookup speedup"]
+        head += [f"B={b} est. tau", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} speedup",
+                 f"B={b} lookup tau", f"B={b} lookup speedup"]
     head.append("lossless")
     rows = []
     for path in sorted((work.root / "stages").glob("train-*.json")):
         train = json.loads(path.read_text())
-        ev = (work.done(f"eval-{train['variant']}") or {}).get("blocks", {})
+        evaluated = work.done(f"eval-{train['variant']}") or {}
+        ev = evaluated.get("blocks", {})
         row = [train["variant"] + (" " + " ".join(train["train_args"]) if train["train_args"] else ""),
                str(data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
                _fmt(train.get("heldout_tau_blocks"))]
         for b in blocks:
             e = ev.get(str(b), {})
-            row += [_fmt(estimate_for(train, b)), _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
+            row += [_fmt(estimate_for(train, b)), _fmt(same_prompts_estimate(train, evaluated, b)),
+                    _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
                     _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" if e else "")]
         checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
         row.append("–" if not checks else ("yes" if all(checks) else "NO"))
@@ -124,7 +137,9 @@ def table(work: Work) -> str:
              f"{s.completion_tokens} tokens, {data.get('tokens', '–')} tokens; {data.get('eval_prompts', '–')} held-out "
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch 1, prompt lookup n <= {s.lookup_ngram}; "
              f"estimate: the trainer's held-out walk over {data.get('estimate_prompts', '–')} greedy completions of "
-             "other held-out prompts (--eval-cache), at the exported (best) step; per-block mean: the old estimator")
+             "other held-out prompts (--eval-cache), at the exported (best) step; est. (same prompts): "
+             "dflash-train estimate of the exported drafter over greedy completions of the decoded prompts "
+             "themselves; per-block mean: the old estimator")
     return "\n".join([about, "", *lines])
 
 

@@ -215,33 +215,46 @@ def stage_generate(work: Work) -> dict[str, Any]:
     with open(work.root / "eval_prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"input_ids": p}) + "\n")
-    estimate = write_estimate_set(work, held)
+    estimate = write_estimate_set(work, estimate_prompts(s, held))
+    # The decoded prompts themselves: the estimate of exactly what dflash-eval decodes (per-prompt
+    # tau varies widely, so another prompt set alone moves a 40-prompt tau by several percent).
+    decoded = write_estimate_set(work, prompts, "decoded_set")
     _sync(work.device)
     return {"samples": s.completions, "tokens": tokens, "eval_prompts": len(prompts),
-            "estimate_prompts": estimate, "seconds": time.perf_counter() - start}
+            "estimate_prompts": estimate, "decoded_prompts": decoded, "seconds": time.perf_counter() - start}
 
 
-def write_estimate_set(work: Work, held: list[Document]) -> int:
-    """Greedy completions of held-out-file prompts, as dflash-eval's target-only decoding makes
-    them (float32, no autocast): the samples the held-out estimate walks."""
+def estimate_prompts(s: Sizes, held: list[Document]) -> list[list[int]]:
+    """The --eval-cache's prompts: `estimate_prompts` held-out-file prompts other than the decoded ones."""
+    prompts: list[list[int]] = []
+    for i, length in enumerate(s.prompt_lengths):
+        n = len(range(i, s.estimate_prompts, len(s.prompt_lengths)))
+        prompts += cut_prompts(held, n, [length], seed=s.seed * 1000 + 500 + i, tail=s.eval_new_tokens)
+    return prompts
+
+
+def write_estimate_set(work: Work, prompts: list[list[int]], name: str = "estimate_set") -> int:
+    """Greedy completions of `prompts` in WORKDIR/name, as dflash-eval's target-only decoding
+    makes them (float32, no autocast, eval_new_tokens): samples a held-out estimate walks."""
     from transformers import AutoModelForCausalLM
 
     s = work.sizes
     model = AutoModelForCausalLM.from_pretrained(str(work.root / "target"), local_files_only=True,
                                                  dtype=torch.float32).to(work.device).eval()
-    out = work.root / "estimate_set"
+    out = work.root / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
+    by_length: dict[int, list[list[int]]] = {}
+    for prompt in prompts:  # complete() takes prompts of one length
+        by_length.setdefault(len(prompt), []).append(prompt)
     count = 0
     with gzip.open(out / "part-000.jsonl.gz", "wt", compresslevel=6) as f:
-        for i, length in enumerate(s.prompt_lengths):  # complete() takes prompts of one length
-            n = len(range(i, s.estimate_prompts, len(s.prompt_lengths)))
-            prompts = cut_prompts(held, n, [length], seed=s.seed * 1000 + 500 + i, tail=s.eval_new_tokens)
-            for prompt, new in zip(prompts, complete(model, prompts, s.eval_new_tokens, 0.0, 0,
-                                                     torch.device(work.device), autocast=False)):
+        for group in by_length.values():
+            for prompt, new in zip(group, complete(model, group, s.eval_new_tokens, 0.0, 0,
+                                                   torch.device(work.device), autocast=False)):
                 f.write(json.dumps({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
                 count += 1
-    work.log(f"  estimate set: {count} greedy completions of held-out prompts")
+    work.log(f"  {name}: {count} greedy completions of held-out prompts")
     return count
 
 
@@ -272,13 +285,15 @@ def run_command(name: str, module: str, args: list[str], log_path: Path, stdout:
 def stage_extract(work: Work) -> dict[str, Any]:
     s = work.sizes
     seconds = {}
-    for data, cache in (("completions", "cache"), ("estimate_set", "estimate_cache")):
+    sets = (("completions", "cache"), ("estimate_set", "estimate_cache"), ("decoded_set", "decoded_cache"))
+    for data, cache in sets:
         seconds[cache] = run_command("dflash-extract", "dflash.extract.cli", [
             "--target-model", str(work.root / "target"), "--data", str(work.root / data),
             "--output", str(work.root / cache), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
             "--device", work.device, "--no-progress", *s.extract_args], work.root / f"extract-{cache}.log",
             env=work.child_env())
-    return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"]}
+    return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"],
+            "decoded_seconds": seconds["decoded_cache"]}
 
 
 @dataclass(frozen=True)
@@ -321,10 +336,37 @@ def _half_key(record: dict[str, Any]) -> str | None:
     return next((k for k in record if k.startswith("tau_b") and k[5:].isdigit()), None)
 
 
+ESTIMATE_FLAGS = ("--max-anchors", "--token-budget", "--max-batch-size", "--max-seq-len", "--num-workers", "--dtype")
+"""The dflash-train flags of a variant that `dflash-train estimate` also takes (its evaluation's settings)."""
+
+
+def estimate_same_prompts(work: Work, variant: Variant) -> dict[str, Any] | None:
+    """`dflash-train estimate` of the variant's final/ over the greedy completions of the decoded
+    prompts themselves (decoded_cache), with the run's own evaluation settings."""
+    cache = work.root / "decoded_cache"
+    if not (cache / "manifest.json").is_file():
+        work.log(f"  no estimate on the decoded prompts: {cache} is missing (a work directory from before "
+                 "it); redo the generate and extract stages to make it")
+        return None
+    args = [*work.sizes.train_args, *variant.train_args]
+    picked = [x for a, v in zip(args, args[1:]) if a in ESTIMATE_FLAGS for x in (a, v)]
+    out = work.root / f"estimate-{variant.name}.json"
+    seconds = run_command("dflash-train", "dflash.train.cli", [
+        "estimate", str(work.root / f"run-{variant.name}" / "final"), "--cache", str(cache),
+        "--target-model", str(work.root / "target"), "--device", work.device, *picked, "--json"],
+        work.root / f"estimate-{variant.name}.log", stdout=out, env=work.child_env())
+    r = json.loads(out.read_text())
+    half = _half_key(r)
+    work.log(f"  estimate on the decoded prompts: tau {r['tau']:.2f}" + (f", {half} {r[half]:.2f}" if half else ""))
+    return {"tau": r["tau"], **({half: r[half]} if half else {}), "estimator": r["estimator"],
+            "walked_samples": r["walked_samples"], "samples": r["samples"], "seconds": seconds}
+
+
 def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
     s = work.sizes
     results = {}
     trained = json.loads((work.root / f"run-{variant.name}" / "final" / "config.json").read_text())["block_size"]
+    same_prompts = estimate_same_prompts(work, variant)
     for block in [b for b in (work.eval_blocks or s.eval_block_sizes) if b <= trained]:
         out = work.root / f"eval-{variant.name}-b{block}.json"
         seconds = run_command("dflash-eval", "dflash.train.eval_cli", [
@@ -342,4 +384,4 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
         }
         work.log(f"  block {block}: drafter tau {r['tau']:.2f} ({r['speedup']:.2f}x), "
                  f"prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
-    return {"variant": variant.name, "blocks": results}
+    return {"variant": variant.name, "estimate_same_prompts": same_prompts, "blocks": results}
