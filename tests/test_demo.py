@@ -25,8 +25,34 @@ def test_corpus_is_shipped_small_reproducible_and_in_the_alphabet():
     assert out.getvalue() == demo.CORPUS.read_text(encoding="utf-8")
 
 
+def test_a_stage_runs_its_command_in_a_child_process_and_a_failure_names_its_log(tmp_path, capsys):
+    demo.run_stage("dflash-extract", "dflash.extract.cli", ["--help"], tmp_path / "help.log")
+    log = (tmp_path / "help.log").read_text()
+    assert "Usage: dflash-extract" in log and "--target-model" in log
+    with pytest.raises(demo.DemoError, match="dflash-train failed with status 2") as failed:
+        demo.run_stage("dflash-train", "dflash.train.cli", ["--no-such-flag"], tmp_path / "bad.log")
+    assert str(tmp_path / "bad.log") in str(failed.value)
+    assert "--no-such-flag" in capsys.readouterr().err  # the log's last lines
+
+
+def stages_in(zygote):
+    """`demo.run_stage` as a forked run of the session's zygote: the same entry point, argv and
+    log, without a new interpreter's imports (the child process itself: the test above)."""
+    progs = {"dflash.extract.cli": "extract", "dflash.train.cli": "train"}
+
+    def run_stage(name, module, args, log_path):
+        run = zygote.run(progs[module], args)
+        status = run.wait(timeout=600)
+        log_path.write_text(run.output())
+        if status != 0:
+            raise demo.DemoError(f"{name} failed with status {status}; the whole log is {log_path}.")
+
+    return run_stage
+
+
 @pytest.mark.slow
-def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path):
+def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path, zygote, monkeypatch):
+    monkeypatch.setattr(demo, "run_stage", stages_in(zygote))
     stale = tmp_path / "run" / "checkpoints" / "step-00000099"  # an earlier demo's run (other sizes)
     stale.mkdir(parents=True)
     (stale / "trainer_state.json").write_text("{}")
