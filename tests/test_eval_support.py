@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 from collections import Counter
 from types import SimpleNamespace
 
@@ -66,7 +67,29 @@ def _trained_target(steps: int, seed: int) -> torch.nn.Module:
 
 
 def tiny_drafter(target: torch.nn.Module, steps: int = 0, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
-    """A 1-layer drafter on `target`, trained `steps` steps on the target's own states."""
+    """A 1-layer drafter on `target`, trained `steps` steps on the target's own states.
+
+    Trained once per session for each target (by its weights) and settings, and copied."""
+    if steps == 0:
+        return _drafter(target, steps, block_size, seed)
+    key = (weights_digest(target), steps, block_size, seed)
+    if key not in _TRAINED_DRAFTERS:
+        _TRAINED_DRAFTERS[key] = _drafter(target, steps, block_size, seed)
+    return copy.deepcopy(_TRAINED_DRAFTERS[key])
+
+
+_TRAINED_DRAFTERS: dict[tuple, DFlashDrafter] = {}
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _drafter(target: torch.nn.Module, steps: int, block_size: int, seed: int) -> DFlashDrafter:
     config = DrafterConfig.from_target_config(
         target.config, num_hidden_layers=1, target_layer_ids=LAYER_IDS, block_size=block_size,
         attention_backend="sdpa")
