@@ -197,7 +197,7 @@ def test_idle_writers_stay_until_the_main_process_goes(tmp_path):
     cache, fields = _tiny_cache(tmp_path)
     pool = writers.WriterPool(cache, fields, 2, segment_tokens=16)
     try:
-        time.sleep(2.5)
+        time.sleep(1.5)  # past a writer's first 1 s wait for a task and its check of the main process
         assert all(p.is_alive() for p in pool._procs)
         buf = pool.new_buffer(_plan([3, 5], index=0))
         buf.arrays["hidden"][...] = 7
