@@ -115,7 +115,13 @@ def test_sigterm_then_a_second_signal_exits_at_once(tiny_world, zygote, tmp_path
     proc.signal(signal.SIGTERM)  # (two pending SIGINTs would merge into one)
     os.kill(proc.pid, signal.SIGCONT)
     sent = time.monotonic()
-    assert proc.wait(timeout=10) == 143, proc.output()
+    status = proc.wait(timeout=10)
     assert proc.surviving_children(grace=max(0.0, sent + 2 - time.monotonic())) == []  # the worker too
     assert time.monotonic() - sent < 2
-    assert "exiting now without a checkpoint" in proc.output()
+    # The status is the second signal's. Which of the two pending signals the run handles first
+    # depends on the thread the kernel gives each: either order is a first and a second signal.
+    output = proc.output()
+    first, second = ("SIGINT", "SIGTERM") if "Second SIGTERM" in output else ("SIGTERM", "SIGINT")
+    assert status == {"SIGTERM": 143, "SIGINT": 130}[second], output
+    assert f"{first} received: finishing" in output
+    assert f"Second {second}: exiting now without a checkpoint" in output
