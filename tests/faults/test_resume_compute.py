@@ -14,7 +14,6 @@ import signal
 import torch
 
 from .helpers import (
-    Zygote,
     train_config_file,
     wait_until,
     weights_hash,
@@ -32,8 +31,7 @@ def global_torch_rng(run_dir) -> torch.Tensor:
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_reference_whatever_this_process_computes_with(
-        world, tmp_path):
-    zygote = Zygote(tmp_path, env=THREAD_SENSITIVE)
+        world, zygote, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what collecting the whole suite did to the test process
     try:
@@ -41,13 +39,13 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_reference_whatever_this_
         # the reference training runs on the thread-sensitive kernels, as the runs compared with it.
         cache, target, reference = world["cache"], world["target"], tmp_path / "reference-run"
         config = train_config_file(tmp_path / "reference-train.json", cache, target)
-        training = zygote.run("train", ["--config", config, "--output-dir", reference])
+        training = zygote.run("train", ["--config", config, "--output-dir", reference], env=THREAD_SENSITIVE)
         assert training.wait(timeout=300) == 0, training.output()
 
         # Killed -9 at a named moment: the checkpoint of step 8 in place, the run held there.
         out = tmp_path / "run"
         argv = ["--config", train_config_file(tmp_path / "train.json", cache, target), "--output-dir", out]
-        run = zygote.run("train", argv, env={"DFLASH_TEST_HOLD_AT": "checkpoint-saved:8"})
+        run = zygote.run("train", argv, env={**THREAD_SENSITIVE, "DFLASH_TEST_HOLD_AT": "checkpoint-saved:8"})
         wait_until(lambda: (run.log.exists() and "test hold: checkpoint-saved 8" in run.output())
                    or run.wait(timeout=0) is not None,
                    timeout=120, what="the run held after its step-8 checkpoint")
@@ -55,7 +53,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_reference_whatever_this_
         assert run.wait(timeout=10) == -signal.SIGKILL, run.output()
         assert sorted(p.name for p in (out / "checkpoints").glob("step-*"))[-1] == "step-000008"
 
-        rerun = zygote.run("train", argv)
+        rerun = zygote.run("train", argv, env=THREAD_SENSITIVE)
         assert rerun.wait(timeout=120) == 0, rerun.output()
         assert "Resuming from" in rerun.output() and "step 8" in rerun.output()
         meta = json.loads(sorted((out / "checkpoints").glob("step-*"))[-1].joinpath("meta.json").read_text())
@@ -65,4 +63,3 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_reference_whatever_this_
         assert torch.equal(global_torch_rng(out), global_torch_rng(reference))
     finally:
         torch.set_num_threads(threads)
-        zygote.close()

@@ -8,6 +8,7 @@ group. The zygote never runs a torch op, so its children start as clean as a new
 
 Protocol: one JSON request per line on stdin, one JSON answer per line on stdout:
   {"op": "run", "prog": "extract"|"train", "argv": [...], "env": {...}, "log": PATH} -> {"pid": N}
+    (the run's env is set before its code runs; an OMP_NUM_THREADS there sets torch's thread count)
   {"op": "wait", "pid": N, "timeout": S}  -> {"status": exit status or -signal, or null}
 """
 
@@ -34,6 +35,10 @@ def _child(req: dict) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.environ.update(req.get("env", {}))
+        if "OMP_NUM_THREADS" in req.get("env", {}):  # torch read it at import, in the zygote
+            import torch
+
+            torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
         if req["prog"] == "extract":
             from dflash.extract.cli import main
         else:
