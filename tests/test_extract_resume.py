@@ -111,7 +111,7 @@ def test_resume_with_other_data_refuses(setup, tmp_path):
 def test_sigterm_stops_with_status_143_and_keeps_committed_parts(setup, zygote, tmp_path):
     target, data, _clean = setup
     out = tmp_path / "cache"
-    proc = start(zygote, target, data, out, sleep=1.0)
+    proc = start(zygote, target, data, out, sleep=0.5)
     wait_for(lambda: len(committed_parts(out)) >= 1)
     proc.signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143, proc.output()

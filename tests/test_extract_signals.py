@@ -58,7 +58,7 @@ def test_kill9_of_one_rank_then_single_rank_resume_equals_clean_run(setup, zygot
 def test_sigint_exits_130_within_seconds_and_rerun_completes(setup, zygote, tmp_path):
     target, data, clean = setup
     out = tmp_path / "cache"
-    proc = start(zygote, target, data, out, sleep=1.0)
+    proc = start(zygote, target, data, out, sleep=0.5)
     wait_for(lambda: len(committed_parts(out)) >= 1)
     sent = proc.signal(signal.SIGINT)
     assert proc.wait(timeout=10) == 130
