@@ -20,8 +20,10 @@ import pytest
 # the environment; torch reads it when it loads, after this). The models are tiny, and on a
 # machine whose cores are busy a second OpenMP thread mostly waits on the first: a drafter run
 # of the demo took 5x the CPU time on 2 threads beside other work. A test that needs another
-# thread count says so in the environment of its runs.
+# thread count says so in the environment of its runs; their idle threads sleep instead of
+# spinning (a 2-thread training beside one busy process: 1.76 s spinning, 0.62 s passive).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 VOCAB = 128
 """Token ids of `random_records` are below this (the vocabulary of `make_tiny_target`'s default)."""
