@@ -22,23 +22,45 @@ from dflash.cache_tools.writer import CacheWriter, remove_orphans
 from dflash.runtime.fsio import file_lock
 
 WRITER_SCRIPT = textwrap.dedent("""
-    import sys, time, torch
-    sys.path.insert(0, sys.argv[4])
+    import os, sys, time, traceback, torch
+    sys.path.insert(0, sys.argv[3])
     from cache_utils import random_sample, tiny_header
     from dflash.cache_tools.writer import CacheWriter
-    cache, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    slow = len(sys.argv) > 5
-    w = CacheWriter(cache, tiny_header())
-    for p in range(first, first + count):
-        gen = torch.Generator().manual_seed(p)
-        with w.part_writer(f"part-{p:06d}") as pw:
-            for s in range(3):
-                ids, mask, hidden = random_sample(gen, 20 + s, 64)
-                pw.add_sample(p * 100 + s, ids, mask, hidden)
-                if slow and p == first + count - 1:
-                    print("IN-PART", flush=True)
-                    time.sleep(60)
-        print("COMMITTED", p, flush=True)
+    cache, slow = sys.argv[1], len(sys.argv) > 4
+    ranges = [tuple(map(int, r.split(":"))) for r in sys.argv[2].split(",")]
+
+    def write(first, count):
+        w = CacheWriter(cache, tiny_header())
+        for p in range(first, first + count):
+            gen = torch.Generator().manual_seed(p)
+            with w.part_writer(f"part-{p:06d}") as pw:
+                for s in range(3):
+                    ids, mask, hidden = random_sample(gen, 20 + s, 64)
+                    pw.add_sample(p * 100 + s, ids, mask, hidden)
+                    if slow and p == first + count - 1:
+                        print("IN-PART", flush=True)
+                        time.sleep(60)
+            print("COMMITTED", p, flush=True)
+
+    if len(ranges) == 1:
+        write(*ranges[0])
+    else:  # one writer process per range, forked once the imports are done, all at once
+        pids = []
+        for first, count in ranges:
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    write(first, count)
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    os._exit(code)
+            pids.append(pid)
+        statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        sys.exit(f"writer statuses {statuses}" if any(statuses) else 0)
 """)
 
 
@@ -47,10 +69,12 @@ def expected_part(p: int):
     return [random_sample(gen, 20 + s, 64) for s in range(3)]
 
 
-def run_writer(cache, first, count, tests_dir, *extra):
+def run_writers(cache, ranges: list[tuple[int, int]], tests_dir, *extra):
+    """Writer processes, one per (first part, count) range, committing to `cache` concurrently."""
+    spec = ",".join(f"{first}:{count}" for first, count in ranges)
     return subprocess.Popen(
-        [sys.executable, "-c", WRITER_SCRIPT, str(cache), str(first), str(count), str(tests_dir), *extra],
-        stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", WRITER_SCRIPT, str(cache), spec, str(tests_dir), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
@@ -71,10 +95,9 @@ def check_parts(cache, parts):
 def test_concurrent_writers_lose_no_commit(tmp_path):
     cache = tmp_path / "c"
     tests_dir = os.path.dirname(__file__)
-    procs = [run_writer(cache, 10 * i, 6, tests_dir) for i in range(4)]
-    for proc in procs:
-        proc.communicate(timeout=120)
-        assert proc.returncode == 0
+    proc = run_writers(cache, [(10 * i, 6) for i in range(4)], tests_dir)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
     check_parts(cache, [10 * i + j for i in range(4) for j in range(6)])
     assert read_manifest(cache).num_samples == 4 * 6 * 3
 
@@ -95,7 +118,7 @@ def test_second_writer_of_a_part_is_dropped_whole(tmp_path):
 
 def test_sigkill_mid_part_keeps_earlier_parts_and_leaves_no_orphan(tmp_path):
     cache = tmp_path / "c"
-    proc = run_writer(cache, 0, 4, os.path.dirname(__file__), "slow")
+    proc = run_writers(cache, [(0, 4)], os.path.dirname(__file__), "slow")
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
