@@ -198,7 +198,23 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
     small.unlink()
 
 
-def main() -> None:
+def print_table(rows: list, stop_rates: list[float], own_rate: float, raw: int) -> None:
+    """The figures: tokens/s of each row against the stop-after-last-layer forward around it."""
+    print("\nstop-after-last-layer forward, measured before and after each extraction: "
+          + ", ".join(f"{r:,.0f}" for r in stop_rates) + " tokens/s")
+    print(f"{'what':48s} {'tokens/s':>10s} {'vs stop-fwd':>11s} {'vs own batches':>14s} {'GPU util':>9s} "
+          f"{'bytes/token':>12s}")
+    for name, tps, util, bpt, ref in rows:
+        util_s = f"{util:.0f}%" if util is not None else "-"
+        bpt_s = f"{bpt:,.0f}" if bpt is not None else "-"
+        own_s = f"{tps / own_rate:.3f}x" if name.startswith("full") else "-"
+        print(f"{name:48s} {tps:10,.0f} {tps / ref:10.3f}x {own_s:>14s} {util_s:>9s} {bpt_s:>12s}")
+    print(f"(raw bf16 would be {raw:,} bytes/token; target: full extraction >= 0.95x stop-fwd; "
+          "'vs own batches': against the same forward over the batches the extraction runs, padding included, "
+          "in real tokens/s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True, help="Scratch directory for data and caches (e.g. /dev/shm/x).")
     ap.add_argument("--small", action="store_true", help="Tiny model and data (CPU smoke run).")
@@ -220,7 +236,11 @@ def main() -> None:
     ap.add_argument("--check-samples", type=int, default=4,
                     help="Samples of each cache compared with a single-sample forward (catches rows "
                          "landing in the wrong place).")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     small = args.small
     shape = SMALL if small else FULL
@@ -314,19 +334,7 @@ def main() -> None:
     if args.trace_tokens:
         traced_extraction(out, data, args.trace_tokens, layer_ids, budget, args, device, model)
 
-    print("\nstop-after-last-layer forward, measured before and after each extraction: "
-          + ", ".join(f"{r:,.0f}" for r in stop_rates) + " tokens/s")
-    print(f"{'what':48s} {'tokens/s':>10s} {'vs stop-fwd':>11s} {'vs own batches':>14s} {'GPU util':>9s} "
-          f"{'bytes/token':>12s}")
-    for name, tps, util, bpt, ref in rows:
-        util_s = f"{util:.0f}%" if util is not None else "-"
-        bpt_s = f"{bpt:,.0f}" if bpt is not None else "-"
-        own_s = f"{tps / own_rate:.3f}x" if name.startswith("full") else "-"
-        print(f"{name:48s} {tps:10,.0f} {tps / ref:10.3f}x {own_s:>14s} {util_s:>9s} {bpt_s:>12s}")
-    raw = len(layer_ids) * shape["hidden_size"] * 2
-    print(f"(raw bf16 would be {raw:,} bytes/token; target: full extraction >= 0.95x stop-fwd; "
-          "'vs own batches': against the same forward over the batches the extraction runs, padding included, "
-          "in real tokens/s)")
+    print_table(rows, stop_rates, own_rate, len(layer_ids) * shape["hidden_size"] * 2)
     data.unlink()
 
 

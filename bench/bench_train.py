@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from profiling import device_busy_seconds
@@ -186,7 +187,37 @@ def traced_train(config, *, skip: int, warm: int, active: int) -> None:
           f"{copies / active:.1f} cudaMemcpy calls", flush=True)
 
 
-def main() -> None:
+def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: int, steps: int,
+              world: int) -> dict[str, Any]:
+    """The measured steps' figures from the run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in records if r["kind"] == "train" and warmup < r["step"] <= warmup + steps]
+    seconds = sum(r["seconds_per_step"] * config.log_interval for r in measured)
+    n = len(measured) * config.log_interval
+    step_time = seconds / n
+    context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
+    anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.log_interval
+                  for r in measured) / n / shape.block_size
+    samples = sum(r["samples_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
+    # The logged counts are over all processes and samples; attention is per sample (its own context).
+    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)))
+    wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
+    result = {
+        "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
+                  "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[shape_name],
+        "compile": config.compile, "compile_mode": config.compile_mode, "steps_per_second": 1 / step_time,
+        "processes": world,
+        "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
+        "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
+        "model_tflop_per_step": flops / 1e12, "model_tflops": flops / step_time / 1e12,
+        "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
+        "context_tokens_per_second_per_process": context / step_time / world, "data_wait_fraction": wait,
+        "peak_gpu_memory_gib": max(r["gpu_mem_gib"] for r in measured),
+    }
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/dev/shm/dflash-bench", help="where the target, cache and run go")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
@@ -210,6 +241,11 @@ def main() -> None:
     parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     a = parser.parse_args()
 
     from dflash.train.config import TrainConfig
@@ -273,31 +309,8 @@ def main() -> None:
         return
     ready.unlink(missing_ok=True)
 
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    measured = [r for r in records if r["kind"] == "train" and warmup < r["step"] <= warmup + steps]
-    seconds = sum(r["seconds_per_step"] * config.log_interval for r in measured)
-    n = len(measured) * config.log_interval
-    step_time = seconds / n
-    context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
-    anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.log_interval
-                  for r in measured) / n / shape.block_size
-    samples = sum(r["samples_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
-    # The logged counts are over all processes and samples; attention is per sample (its own context).
-    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)))
-    wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
-    result = {
-        "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
-                  "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[a.shape],
-        "compile": config.compile, "compile_mode": config.compile_mode, "steps_per_second": 1 / step_time,
-        "processes": world,
-        "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
-        "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
-        "model_tflop_per_step": flops / 1e12, "model_tflops": flops / step_time / 1e12,
-        "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
-        "context_tokens_per_second_per_process": context / step_time / world, "data_wait_fraction": wait,
-        "peak_gpu_memory_gib": max(r["gpu_mem_gib"] for r in measured),
-        "prepare_seconds": prepared, "train_seconds_incl_startup_and_final_checkpoint": trained,
-    }
+    result = summarize(run, config, shape, a.shape, warmup=warmup, steps=steps, world=world)
+    result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained)
     print(json.dumps(result, indent=1))
     if not a.keep:
         shutil.rmtree(run, ignore_errors=True)

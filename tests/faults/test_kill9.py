@@ -90,7 +90,7 @@ def test_training_killed_20_times_at_random_moments_ends_with_identical_weights(
         for name in complete_checkpoints(out(chain)):  # a step-N directory is always complete
             checkpoints.load(out(chain) / "checkpoints" / name)
 
-    killed, completed, last = kill_chain(zygote, start, check, kills=KILLS, delays=(0.1, 1.6), seed=11)
+    killed, completed, last = kill_chain(zygote, start, check, kills=KILLS, delays=(0.05, 0.8), seed=11)
     assert len(killed) == KILLS
     final = start(last)
     assert final.wait() == 0, final.output()
