@@ -32,6 +32,7 @@ class Sizes:
     """Keep only the first N training files (0: all)."""
     target_hidden: int = 384
     target_layers: int = 6
+    # the target's training: AdamW steps of target_batch windows of target_seq_len bytes
     target_steps: int = 4000
     target_batch: int = 64
     target_seq_len: int = 512
