@@ -37,13 +37,13 @@ class Sizes:
     target_batch: int = 64
     target_seq_len: int = 512
     target_lr: float = 2e-3
+    prompt_lengths: tuple[int, ...] = (64, 96, 128, 160, 192)
+    """Prompt lengths in bytes (cycled over the batches of completions and the eval prompts)."""
     loss_windows: int = 256
     """Held-out windows of target_seq_len bytes for the target's held-out loss."""
     completions: int = 32768
     """Target-generated drafter training samples (half greedy, half sampled)."""
     sample_temperature: float = 0.8
-    prompt_lengths: tuple[int, ...] = (64, 96, 128, 160, 192)
-    """Prompt lengths in bytes (cycled over the batches of completions and the eval prompts)."""
     completion_tokens: int = 160
     generate_batch: int = 4096
     batches_per_part: int = 2
