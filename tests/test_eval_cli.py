@@ -48,6 +48,12 @@ def test_json_report_gives_tau_histogram_speedup_and_a_passed_lossless_check(pai
     assert r["tau"] == pytest.approx(sum(int(k) * v for k, v in r["histogram"].items()) / r["cycles"])
     assert r["speculative"]["tokens_per_second"] > 0 and r["target_only"]["tokens_per_second"] > 0
     assert r["speedup"] == pytest.approx(r["speculative"]["tokens_per_second"] / r["target_only"]["tokens_per_second"])
+    # Per prompt, in order: their cycles and accepted tokens add up to the totals.
+    for per, total in ((r["per_prompt"], r), (r["prompt_lookup"]["per_prompt"], r["prompt_lookup"])):
+        assert len(per) == 5 and all(p["new_tokens"] == 16 and p["prompt_tokens"] > 0 for p in per)
+        assert sum(p["cycles"] for p in per) == total["cycles"]
+        assert sum(p["accepted_tokens"] for p in per) / total["cycles"] == pytest.approx(total["tau"])
+        assert all(p["tau"] == pytest.approx(p["accepted_tokens"] / p["cycles"]) for p in per)
 
 
 def test_text_report_and_a_smaller_block(pair):

@@ -175,6 +175,7 @@ def evaluate_prompt_set(
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": sum(len(g.tokens) for g in spec["gens"]),
         **acceptance_summary(spec["gens"]),
+        "per_prompt": per_prompt(prompts, spec["gens"]),
         "speculative": {"seconds": spec["seconds"], "tokens_per_second": spec["tokens_per_second"]},
         "target_only": {"seconds": target_seconds, "tokens_per_second": target_tps},
         "speedup": spec["tokens_per_second"] / max(target_tps, 1e-9),
@@ -185,12 +186,22 @@ def evaluate_prompt_set(
         report["prompt_lookup"] = {
             "max_ngram": settings.lookup_ngram,
             **acceptance_summary(lookup["gens"]),
+            "per_prompt": per_prompt(prompts, lookup["gens"]),
             "seconds": lookup["seconds"], "tokens_per_second": lookup["tokens_per_second"],
             "speedup": lookup["tokens_per_second"] / max(target_tps, 1e-9),
             "lossless": lossless_check(baseline, lookup["gens"], config),
         }
         report["tau_vs_prompt_lookup"] = report["tau"] / max(report["prompt_lookup"]["tau"], 1e-9)
     return report
+
+
+def per_prompt(prompts: list[list[int]], generations: list[Generation]) -> list[dict[str, Any]]:
+    """Prompt length, new tokens, cycles and tau of each prompt (in the prompts' order): a
+    subset's tau (long prompts only, say) is its tokens over its cycles."""
+    return [{"prompt_tokens": len(p), "new_tokens": len(g.tokens), "cycles": len(g.acceptance_lengths),
+             "accepted_tokens": sum(g.acceptance_lengths),
+             "tau": sum(g.acceptance_lengths) / len(g.acceptance_lengths) if g.acceptance_lengths else 0.0}
+            for p, g in zip(prompts, generations)]
 
 
 def lossless_check(baseline: list[Generation], speculative: list[Generation], config: DecodeConfig) -> dict[str, Any]:
