@@ -66,6 +66,10 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert cells[1] == str(stages.SMALL.completions) and cells[2] == "2"
     assert "–" not in cells and cells[-1] == "yes"  # every figure present, both decoders lossless
     assert (work / "table.md").read_text().strip() in out
+    # The longest prompts' own tau is read off dflash-eval's per-prompt figures.
+    blocks = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]
+    assert all(b["longest_prompt_tokens"] == max(stages.SMALL.prompt_lengths) and 1 <= b["tau_longest_prompts"]
+               for b in blocks.values())
     # The estimate is the trainer's walk over the estimate set, at the exported (best) step.
     train = json.loads((work / "stages" / "train-e2.json").read_text())
     assert train["estimator"] == "labels walk" and train["best_step"] is not None

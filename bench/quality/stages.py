@@ -363,6 +363,13 @@ def estimate_same_prompts(work: Work, variant: Variant) -> dict[str, Any] | None
             "walked_samples": r["walked_samples"], "samples": r["samples"], "seconds": seconds}
 
 
+def _longest_tau(per_prompt: list[dict[str, Any]]) -> float:
+    """tau over the prompts of the greatest length: their accepted tokens over their cycles."""
+    longest = max(p["prompt_tokens"] for p in per_prompt)
+    chosen = [p for p in per_prompt if p["prompt_tokens"] == longest]
+    return sum(p["accepted_tokens"] for p in chosen) / max(1, sum(p["cycles"] for p in chosen))
+
+
 def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
     s = work.sizes
     results = {}
@@ -382,6 +389,10 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
             "tau": r["tau"], "speedup": r["speedup"], "lossless": r["lossless"].get("identical"),
             "lookup_tau": lookup["tau"], "lookup_speedup": lookup["speedup"],
             "lookup_lossless": lookup["lossless"].get("identical"), "seconds": seconds,
+            # the longest prompts alone (the sliding-window comparison's figure)
+            "longest_prompt_tokens": max(p["prompt_tokens"] for p in r["per_prompt"]),
+            "tau_longest_prompts": _longest_tau(r["per_prompt"]),
+            "lookup_tau_longest_prompts": _longest_tau(lookup["per_prompt"]),
         }
         work.log(f"  block {block}: drafter tau {r['tau']:.2f} ({r['speedup']:.2f}x), "
                  f"prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
