@@ -54,10 +54,12 @@ def test_chat_data_to_an_evaluated_drafter_with_the_template_in_the_manifest(tmp
     info = invoke(cache_main, ["info", cache])
     assert f"chat template    sha256 {sha}" in info.output and '"enable_thinking": false' in info.output
     run = tmp_path / "run"
-    invoke(train_main, ["--cache", cache, "--target-model", target, "--output-dir", run, "--max-steps", "6",
-                        "--block-size", "4", "--num-draft-layers", "1", "--max-anchors", "8",
-                        "--max-batch-size", "4", "--num-workers", "0", "--dtype", "fp32", "--device", "cpu",
-                        "--save-interval", "0", "--no-progress", "--no-tensorboard"])
+    trained = invoke(train_main, ["--cache", cache, "--target-model", target, "--output-dir", run, "--max-steps", "6",
+                                  "--block-size", "4", "--num-draft-layers", "1", "--max-anchors", "8",
+                                  "--max-batch-size", "4", "--num-workers", "0", "--dtype", "fp32", "--device", "cpu",
+                                  "--save-interval", "0", "--no-progress", "--no-tensorboard"])
+    # The trainer says which rendering its data has (the one to serve with).
+    assert f"rendered with chat template sha256 {sha[:12]} kwargs {{\"enable_thinking\": false}}" in trained.output
     result = invoke(eval_main, ["--target-model", target, "--drafter", run / "final", "--prompts",
                                 tmp_path / "eval.jsonl", "--max-new-tokens", "8", "--device", "cpu",
                                 "--dtype", "fp32", "--json"])

@@ -127,3 +127,17 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
     yaml_path.write_text("cache: [a, b]\ntarget-model: t\noutput_dir: o\nmax_steps: 5\n")
     pytest.importorskip("yaml")
     assert make_config(load_config_file(yaml_path), {}).cache == ["a", "b"]
+
+
+def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():
+    from dflash.train.loader import rendering_summary
+
+    def header(sha, kwargs):
+        return {"data": {"files": [{"path": "a.jsonl", "rendering": {"chat_template_sha256": sha,
+                                                                     "chat_template_kwargs": kwargs}}]}}
+
+    assert rendering_summary([{"data": {"files": [{"path": "raw.jsonl"}]}}]) == ""  # tokenized data: nothing to say
+    one = rendering_summary([header("ab" * 32, {"enable_thinking": False})] * 2)
+    assert "chat template sha256 abababababab" in one and "WARNING" not in one
+    two = rendering_summary([header("ab" * 32, {"enable_thinking": False}), header("ab" * 32, {"enable_thinking": True})])
+    assert "WARNING" in two and "2 different chat templates or kwargs" in two

@@ -15,6 +15,7 @@ last epoch, so its workers read on across epoch boundaries.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +28,7 @@ from dflash.cache_tools.codecs import dequantize_fp8
 from dflash.cache_tools.errors import ConfigMismatchError, DflashError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity
 from dflash.cache_tools.layers import validate_target_layer_ids
-from dflash.cache_tools.manifest import diff_identity
+from dflash.cache_tools.manifest import chat_templates, diff_identity
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import (
     HIDDEN_ARRAYS,
@@ -425,7 +426,24 @@ class TrainingData:
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
                      f"truncated ({c.truncated_tokens} tokens dropped)")
-        return text
+        return text + rendering_summary([r.manifest.header for r in c.readers])
+
+
+def rendering_summary(headers: list[dict[str, Any]]) -> str:
+    """Which chat template (and kwargs) the caches' data was rendered with, as dflash-prepare /
+    dflash-generate recorded it; a warning when they differ (serving renders with one)."""
+    renderings: list[dict[str, Any]] = []
+    for header in headers:
+        renderings += [r for r in chat_templates(header) if r not in renderings]
+    if not renderings:
+        return ""
+    described = [f"sha256 {str(r.get('chat_template_sha256'))[:12]} kwargs {json.dumps(r.get('chat_template_kwargs', {}))}"
+                 for r in renderings]
+    if len(renderings) == 1:
+        return f"; rendered with chat template {described[0]} (serve with the same template and kwargs)"
+    return (f"; WARNING: the data was rendered with {len(renderings)} different chat templates or kwargs "
+            f"({'; '.join(described)}): a drafter learns the rendering it trains on, so serve with the one "
+            "that most of the data used, or prepare the data again with one")
 
 
 def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
