@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = [("dflash-extract", []), ("dflash-train", []), ("dflash-train", ["run"]), ("dflash-train", ["export"]),
-            ("dflash-cache", []), ("dflash-cache", ["verify"]), ("dflash-eval", []), ("dflash-demo", [])]
+            ("dflash-train", ["estimate"]), ("dflash-cache", []), ("dflash-cache", ["verify"]), ("dflash-eval", []),
+            ("dflash-demo", []), ("dflash-prepare", []), ("dflash-generate", [])]
 RUN = ("import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr))\n"
        "sys.argv[0] = {name!r}; from {module} import {func}; {func}()")
 
@@ -75,7 +76,7 @@ def main() -> None:
               f"({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
         print(f"{'command':<28} {'median s':>9} {'min s':>7}  torch")
         for name, args in COMMANDS:
-            if args and args[0] == "export" and name not in points:
+            if name not in points:  # an older checkout (--root) without the command
                 continue
             times, torch_loaded = time_help(name, args, points[name], env, opts.runs)
             label = " ".join([name, *args])
