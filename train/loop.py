@@ -332,17 +332,19 @@ def draw_anchors(batch: dict, epoch: int, batch_index: int, *, seed: int, max_an
                 pin=False)
 
 
-def batch_seeds(seed: int, epoch: int, batch_index: int, split: int = 0) -> tuple[int, int]:
-    """(anchor seed, noise seed) of one global batch (split 0: training, 1: held-out)."""
-    anchor_seed, noise_seed = np.random.SeedSequence([seed, split, epoch, batch_index]).generate_state(2, dtype=np.uint64)
+def batch_seeds(seed: int, epoch: int, batch_index: int) -> tuple[int, int]:
+    """(anchor seed, noise seed) of one global training batch."""
+    # The 0 once told training batches from held-out ones (evaluation now draws no anchors);
+    # it stays so that the same run gets the same draws as before.
+    entropy = [seed, 0, epoch, batch_index]
+    anchor_seed, noise_seed = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint64)
     return int(anchor_seed), int(noise_seed)
 
 
-def batch_generators(seed: int, epoch: int, batch_index: int, device: torch.device, *,
-                     split: int = 0) -> tuple[torch.Generator, torch.Generator]:
-    """(anchor generator on the CPU, noise generator on `device`) of one global batch
-    (split 0: training, 1: held-out)."""
-    anchor_seed, noise_seed = batch_seeds(seed, epoch, batch_index, split)
+def batch_generators(seed: int, epoch: int, batch_index: int,
+                     device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    """(anchor generator on the CPU, noise generator on `device`) of one global training batch."""
+    anchor_seed, noise_seed = batch_seeds(seed, epoch, batch_index)
     anchors = torch.Generator().manual_seed(anchor_seed)
     noise = torch.Generator(device=device).manual_seed(noise_seed)
     return anchors, noise

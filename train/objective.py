@@ -139,22 +139,25 @@ def eligible_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Te
     return mask & torch.roll(mask, -1, dims=1) & (pos[None, :] + 1 < lengths[:, None])
 
 
+def padded_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row anchor positions -> (positions [B, A], valid [B, A]), padded with 0 / False to
+    the longest row (A >= 1, so a batch without anchors still runs)."""
+    width = max(1, max((r.numel() for r in rows), default=0))
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        positions[b, : r.numel()] = r
+        valid[b, : r.numel()] = True
+    return positions, valid
+
+
 def anchor_chunks(eligible: torch.Tensor, max_anchors: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every eligible position of each row, as successive (positions [B, A], valid [B, A])
     chunks of at most `max_anchors` columns (ascending; at least one chunk)."""
     rows = [e.nonzero().flatten() for e in eligible.cpu()]
     longest = max((r.numel() for r in rows), default=0)
-    chunks = []
-    for start in range(0, max(longest, 1), max_anchors):
-        parts = [r[start : start + max_anchors] for r in rows]
-        width = max(1, max(p.numel() for p in parts))
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.bool)
-        for b, part in enumerate(parts):
-            positions[b, : part.numel()] = part
-            valid[b, : part.numel()] = True
-        chunks.append((positions, valid))
-    return chunks
+    return [padded_rows([r[start : start + max_anchors] for r in rows])
+            for start in range(0, max(longest, 1), max_anchors)]
 
 
 def sample_anchors(
@@ -175,12 +178,7 @@ def sample_anchors(
             pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
             candidates = candidates[pick].sort().values
         chosen.append(candidates)
-    width = max(1, max(c.numel() for c in chosen))
-    positions = torch.zeros(batch, width, dtype=torch.long)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    for b, c in enumerate(chosen):
-        positions[b, : c.numel()] = c
-        valid[b, : c.numel()] = True
+    positions, valid = padded_rows(chosen)
     device = loss_mask.device
     return positions.to(device), valid.to(device)
 
