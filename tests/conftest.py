@@ -204,3 +204,21 @@ def zygote(tmp_path_factory):
     z = Zygote(tmp_path_factory.mktemp("cli-runs"))
     yield z
     z.close()
+
+
+def sigint_once_written(cmd: list[str], out: Path, records: int, *, wait_s: float) -> tuple[int, str, float]:
+    """Start `cmd`, send it SIGINT once `out` holds `records` lines (within `wait_s`; it must
+    not exit before), and return (exit status, its output, seconds from the signal to its exit)."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + wait_s
+    while not (out.exists() and out.read_text().count("\n") >= records) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    output = proc.communicate(timeout=30)[0].decode()
+    return proc.returncode, output, time.monotonic() - sent

@@ -4,16 +4,14 @@ length-sorted left-padded batches, sampling from a seed."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from chat_utils import QWEN3_TEMPLATE, make_chat_target
 from click.testing import CliRunner
-from conftest import read_jsonl, write_jsonl
+from conftest import read_jsonl, sigint_once_written, write_jsonl
 from dflash.prepare.generate_cli import main as generate_main
 
 
@@ -98,16 +96,9 @@ def test_ctrl_c_stops_within_seconds_and_keeps_the_finished_records(target, tmp_
     out = tmp_path / "gen.jsonl"
     cmd = [sys.executable, "-m", "dflash.prepare.generate_cli", "--target-model", str(target), "--data", str(data),
            "--output", str(out), "--no-progress", "--dtype", "fp32", "--batch-size", "2", "--max-tokens", "100"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    sent = time.monotonic()
-    output = proc.communicate(timeout=30)[0].decode()
-    assert time.monotonic() - sent < 5, "the stop took too long"
-    assert proc.returncode == 130, output
+    status, output, stop_s = sigint_once_written(cmd, out, 2, wait_s=120)
+    assert stop_s < 5, "the stop took too long"
+    assert status == 130, output
     kept = [r["id"] for r in read_jsonl(out)]
     assert 2 <= len(kept) < 10 and len(kept) == len(set(kept))
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -8,8 +8,6 @@ these tests check what the client does with them (trust the ids, check the promp
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from chat_utils import QWEN3_TEMPLATE, make_tokenizer
 from click.testing import CliRunner
-from conftest import read_jsonl, write_jsonl
+from conftest import read_jsonl, sigint_once_written, write_jsonl
 from dflash.prepare.generate_cli import main as generate_main
 
 ANSWER = [72, 105, 33, 257]  # "Hi!" and <|im_end|>
@@ -99,15 +97,8 @@ def test_ctrl_c_with_requests_in_flight_stops_within_seconds(engine, tmp_path):
     out = tmp_path / "gen.jsonl"
     cmd = [sys.executable, "-m", "dflash.prepare.generate_cli", "--target-model", str(engine["dir"]),
            "--data", str(data), "--output", str(out), "--server", engine["url"], "--concurrency", "4", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not (out.exists() and out.read_text().count("\n") >= 4) and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    sent = time.monotonic()
-    output = proc.communicate(timeout=30)[0].decode()
-    assert time.monotonic() - sent < 3, "the stop took too long"
-    assert proc.returncode == 130, output
+    status, output, stop_s = sigint_once_written(cmd, out, 4, wait_s=60)
+    assert stop_s < 3, "the stop took too long"
+    assert status == 130, output
     ids = [r["id"] for r in read_jsonl(out)]
     assert 4 <= len(ids) < 200 and len(ids) == len(set(ids))
