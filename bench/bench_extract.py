@@ -1,7 +1,7 @@
 """Extraction throughput on one GPU: plain prefill vs stop-after-last-layer vs full extraction.
 
-Builds a randomly initialized Qwen3-8B-shaped target in bf16 directly on the GPU (no
-checkpoint), writes synthetic ~2K-token samples, and reports side by side:
+Builds a randomly initialized target in bf16 directly on the GPU (no checkpoint), writes
+synthetic ~2K-token samples, and reports side by side:
   prefill      model(ids, logits_to_keep=1)                      tokens/s
   capture      the forward that stops after the last captured layer  tokens/s (measured before
                and after every extraction; each extraction is compared with the two around it)
@@ -10,23 +10,40 @@ checkpoint), writes synthetic ~2K-token samples, and reports side by side:
   extract fp8  the same with codec fp8
 Each cache is deleted after it is measured. Target: extract >= 0.95x capture.
 
+Target shapes (--shape; 5 captured layers from the default layer rule):
+  8b          Qwen3-8B (dense Qwen3: hidden 4096, 36 layers, 32/8 heads)
+  27b-dense   a dense Qwen3 of Qwen3.6-27B's size (hidden 5120, 64 layers, 24/4 heads of 256,
+              MLP 17408, vocab 248,320)
+  27b-hybrid  Qwen3.6-27B as transformers defines it (Qwen3_5ForCausalLM: the same dimensions,
+              gated-delta-net linear attention (16 key / 48 value heads of 128) in three layers of
+              four, full attention in every 4th); the linear-attention kernels transformers took
+              (flash-linear-attention, causal-conv1d, or its torch fallback) are reported
+--small builds a tiny model of the same architecture on the CPU (a smoke run). The last line of
+the output is the figures as one JSON object (also written to --json), which bench/gpu_hours.py
+reads.
+
     python bench/bench_extract.py --output /dev/shm/dflash-bench          # one H200
+    python bench/bench_extract.py --shape 27b-hybrid --output /dev/shm/x --json /dev/shm/x.json
     python bench/bench_extract.py --small --output /tmp/dflash-bench      # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import logging
 import os
 import random
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+import transformers
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.batching import make_batches
@@ -41,6 +58,19 @@ FULL = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_
             head_dim=128, intermediate_size=12288, vocab_size=151936)
 SMALL = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
              head_dim=64, intermediate_size=512, vocab_size=1024)
+# Qwen3.6-27B's text model (as Qwen3.5-27B): transformers' Qwen3_5TextConfig fields of its config.json.
+DENSE_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                 head_dim=256, intermediate_size=17408, vocab_size=248320)
+LINEAR_27B = dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4)
+LINEAR_SMALL = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4)
+FULL_ATTENTION_INTERVAL = 4  # Qwen3.5/3.6: layers 3, 7, 11, ... are full attention, the others linear
+SHAPES = {  # --shape: (architecture, dimensions, dimensions with --small)
+    "8b": ("Qwen3ForCausalLM", FULL, SMALL),
+    "27b-dense": ("Qwen3ForCausalLM", DENSE_27B, SMALL),
+    "27b-hybrid": ("Qwen3_5ForCausalLM", {**DENSE_27B, **LINEAR_27B}, {**SMALL, **LINEAR_SMALL}),
+}
 
 
 class GpuSampler:
@@ -89,12 +119,95 @@ class GpuSampler:
         return sum(vals) / len(vals) if vals else None
 
 
-def build_model(shape: dict, device: torch.device) -> torch.nn.Module:
-    cfg = Qwen3Config(**shape, max_position_embeddings=32768, tie_word_embeddings=False)
-    cfg.architectures = ["Qwen3ForCausalLM"]
+def build_config(architecture: str, shape: dict):
+    """The transformers config of a randomly initialized target of `shape`."""
+    common = dict(max_position_embeddings=32768, tie_word_embeddings=False)
+    if architecture == "Qwen3ForCausalLM":
+        cfg = Qwen3Config(**shape, **common)
+    else:
+        config_class = getattr(transformers, "Qwen3_5TextConfig", None)
+        if config_class is None:
+            raise SystemExit(f"transformers {transformers.__version__} has no Qwen3_5TextConfig (Qwen3.5/3.6); "
+                             "the 27b-hybrid shape needs a transformers that defines it. Use --shape 27b-dense instead.")
+        n = shape["num_hidden_layers"]
+        types = ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention" for i in range(n)]
+        cfg = config_class(**shape, layer_types=types, **common)
+    cfg.architectures = [architecture]
+    return cfg
+
+
+def build_model(cfg, device: torch.device) -> torch.nn.Module:
     with torch.device(device):  # random init on the GPU directly: seconds, not minutes
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval().requires_grad_(False)
+
+
+class FallbackWarnings(logging.Handler):
+    """Collects transformers' warnings about a missing fast kernel (its torch fallback taken)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "fall" in msg.lower() and ("kernel" in msg.lower() or "fast path" in msg.lower() or "install" in msg):
+            self.messages.append(msg)
+
+
+def _implementation(fn) -> str:
+    """The module whose code `fn` runs. transformers 5.24 wraps the linear-attention functions in a
+    closure over the implementation it chose at import (the package's kernel or its own torch code);
+    earlier 5.x versions keep the chosen function on the layer, None meaning their torch path."""
+    if fn is None:
+        return "torch"
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
+    for f in [fn, *cells]:
+        module = getattr(f, "__module__", None) or ""
+        if module and not module.startswith("transformers"):
+            return module
+    return "torch"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _import_error(module: str) -> str | None:
+    """Why `module` does not import here (None if it does): what a torch fallback traces to."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
+
+
+def linear_attention_kernels(model: torch.nn.Module, warnings: list[str]) -> dict | None:
+    """Which code runs the linear-attention layers' chunked delta rule, causal conv1d and gated norm
+    (None for a target without linear-attention layers)."""
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if layer is None:
+        return None
+    module = sys.modules[type(layer).__module__]
+    found = {}
+    for name in ("chunk_gated_delta_rule", "causal_conv1d_fn"):
+        if name in vars(layer):  # chosen per layer (older transformers)
+            fn = vars(layer)[name]
+        else:
+            fn = getattr(module, name, None) or getattr(module, f"torch_{name}", None)
+        found[name] = _implementation(fn)
+    norm = type(layer.norm)
+    found["gated_norm"] = "torch" if norm.__module__.startswith("transformers") else norm.__module__
+    fast, conv = found["chunk_gated_delta_rule"].startswith("fla"), found["causal_conv1d_fn"].startswith("causal")
+    path = ("flash-linear-attention" if fast else "torch fallback") + " delta rule, " + (
+        "causal-conv1d" if conv else "torch") + " conv1d"
+    return {"path": path, **found, "flash_linear_attention": _version("flash-linear-attention"),
+            "fla_core": _version("fla-core"), "causal_conv1d": _version("causal-conv1d"),
+            "fla_import_error": _import_error("fla.ops.gated_delta_rule"),
+            "transformers_warnings": sorted(set(warnings))}
 
 
 def write_data(path: Path, tokens: int, seq_len: int, vocab: int) -> int:
@@ -159,8 +272,8 @@ def check_cache(cache: Path, model, layer_ids: list[int], count: int, device: to
     return worst
 
 
-
-def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, args, device, model) -> None:
+def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, args, device, model,
+                      label: str) -> None:
     """A bf16 extraction of the first `tokens` tokens under torch.profiler (CPU + CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -174,7 +287,7 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
     small.write_text("\n".join(lines) + "\n")
     cache = out / "bench-cache-trace"
     shutil.rmtree(cache, ignore_errors=True)
-    cfg = ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(small), output=str(cache),
+    cfg = ExtractConfig(target_model=label, data=str(small), output=str(cache),
                         codec="bf16", target_layer_ids=layer_ids, token_budget=budget,
                         part_tokens=args.part_tokens, sort_window_tokens=args.sort_window_tokens,
                         max_seq_len=2 * max(len(json.loads(x)["input_ids"]) for x in lines),
@@ -217,10 +330,16 @@ def print_table(rows: list, stop_rates: list[float], own_rate: float, raw: int) 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True, help="Scratch directory for data and caches (e.g. /dev/shm/x).")
-    ap.add_argument("--small", action="store_true", help="Tiny model and data (CPU smoke run).")
-    ap.add_argument("--tokens", type=int, help="Tokens to extract [1M; small: 16K].")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                    help="Target shape [8b]: 8b (dense Qwen3-8B), 27b-dense (a dense Qwen3 of Qwen3.6-27B's "
+                         "size), 27b-hybrid (Qwen3.6-27B: linear attention in 3 layers of 4).")
+    ap.add_argument("--small", action="store_true",
+                    help="Tiny model of the --shape's architecture and tiny data (CPU smoke run).")
+    ap.add_argument("--json", help="Also write the figures (the last line of the output) to this file.")
+    ap.add_argument("--tokens", type=int, help="Tokens to extract [1M; 27b shapes: 256K; small: 16K].")
     ap.add_argument("--seq-len", type=int, help="Typical sample length [2048; small: 256].")
-    ap.add_argument("--forward-tokens", type=int, help="Tokens for the forward-only figures [256K].")
+    ap.add_argument("--forward-tokens", type=int,
+                    help="Tokens for the forward-only figures [256K; 27b shapes: 128K; small: 8K].")
     ap.add_argument("--token-budget", type=int, default=32768)
     ap.add_argument("--part-tokens", type=int, default=32768)
     ap.add_argument("--sort-window-tokens", type=int, default=1 << 20,
@@ -239,103 +358,154 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
-    args = build_parser().parse_args()
+CHECK_LIMITS = {"fp8": 0.08}
+"""Largest relative error a cache may show against a single-sample forward (others: 0.03)."""
 
-    small = args.small
-    shape = SMALL if small else FULL
-    tokens = args.tokens or (16384 if small else 1 << 20)
-    seq_len = args.seq_len or (256 if small else 2048)
-    fwd_tokens = args.forward_tokens or (8192 if small else 1 << 18)
-    budget = min(args.token_budget, 4096) if small else args.token_budget
-    device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
 
-    t = time.perf_counter()
-    model = build_model(shape, device)
-    print(f"model: {shape} on {device}, built in {time.perf_counter() - t:.1f}s")
-    layer_ids = default_target_layer_ids(shape["num_hidden_layers"], 5)
-    data = out / "bench-data.jsonl"
-    n = write_data(data, tokens, seq_len, shape["vocab_size"])
-    print(f"data: {n} samples of ~{seq_len} tokens ({tokens} tokens), layers {layer_ids}; token budget "
-          f"{budget}, parts of {args.part_tokens} tokens, sort window {args.sort_window_tokens} tokens")
+class Bench:
+    """One target on one device, its forward batches and its data file: the measurements."""
 
-    per_batch = max(1, budget // seq_len)
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, shape["vocab_size"], (per_batch, seq_len), generator=gen).to(device)
-               for _ in range(max(1, fwd_tokens // (per_batch * seq_len)))]
-    rows = []
+    def __init__(self, args, architecture: str, shape: dict, device: torch.device, out: Path):
+        self.args, self.architecture, self.shape, self.device, self.out = args, architecture, shape, device, out
+        small = args.small
+        big = shape["hidden_size"] > FULL["hidden_size"]
+        self.tokens = args.tokens or (16384 if small else (1 << 18 if big else 1 << 20))
+        self.seq_len = args.seq_len or (256 if small else 2048)
+        self.fwd_tokens = args.forward_tokens or (8192 if small else (1 << 17 if big else 1 << 18))
+        self.budget = min(args.token_budget, 4096) if small else args.token_budget
+        self.label = f"<in-memory {args.shape}-shaped {architecture}>"
+        warnings = FallbackWarnings()
+        logging.getLogger("transformers").addHandler(warnings)
+        try:
+            t = time.perf_counter()
+            self.model = build_model(build_config(architecture, shape), device)
+            sync(device)
+            self.build_seconds = time.perf_counter() - t
+            print(f"model: {architecture} {shape} on {device}, built in {self.build_seconds:.1f}s")
+            self.layer_ids = default_target_layer_ids(shape["num_hidden_layers"], 5)
+            self.data = out / "bench-data.jsonl"
+            n = write_data(self.data, self.tokens, self.seq_len, shape["vocab_size"])
+            print(f"data: {n} samples of ~{self.seq_len} tokens ({self.tokens} tokens), layers {self.layer_ids}; "
+                  f"token budget {self.budget}, parts of {args.part_tokens} tokens, sort window "
+                  f"{args.sort_window_tokens} tokens")
+            per_batch = max(1, self.budget // self.seq_len)
+            gen = torch.Generator().manual_seed(0)
+            self.batches = [torch.randint(0, shape["vocab_size"], (per_batch, self.seq_len), generator=gen).to(device)
+                            for _ in range(max(1, self.fwd_tokens // (per_batch * self.seq_len)))]
+            # The first forward runs here: the kernel choice is logged then (older transformers: at build).
+            self.prefill = self.prefill_rate()
+        finally:
+            logging.getLogger("transformers").removeHandler(warnings)
+        self.kernels = linear_attention_kernels(self.model, warnings.messages)
+        if self.kernels:
+            print(f"linear attention: {self.kernels['path']} ({json.dumps(self.kernels)})", flush=True)
 
-    def bench_config(data_file: Path, cache: Path, codec: str) -> ExtractConfig:
-        return ExtractConfig(target_model="<in-memory Qwen3-8B-shaped model>", data=str(data_file),
-                             output=str(cache), codec=codec, target_layer_ids=layer_ids,
-                             token_budget=budget, part_tokens=args.part_tokens,
-                             sort_window_tokens=args.sort_window_tokens, max_seq_len=seq_len * 2,
-                             num_writers=args.num_writers, device=str(device), progress=False)
+    def config(self, data_file: Path, cache: Path, codec: str) -> ExtractConfig:
+        a = self.args
+        return ExtractConfig(target_model=self.label, data=str(data_file), output=str(cache), codec=codec,
+                             target_layer_ids=self.layer_ids, token_budget=self.budget, part_tokens=a.part_tokens,
+                             sort_window_tokens=a.sort_window_tokens, max_seq_len=self.seq_len * 2,
+                             num_writers=a.num_writers, device=str(self.device), progress=False)
 
-    def stop_forward_rate() -> float:
+    def prefill_rate(self) -> float:
         with torch.inference_mode():
-            capture = LayerCapture(model, layer_ids, need_last=False)
+            return time_forward(lambda ids: self.model(ids, logits_to_keep=1), self.batches, self.device)
+
+    def stop_forward_rate(self, batches: list[torch.Tensor] | None = None) -> float:
+        with torch.inference_mode():
+            capture = LayerCapture(self.model, self.layer_ids, need_last=False)
             try:
-                return time_forward(lambda ids: capture(ids, None), batches, device)
+                return time_forward(lambda ids: capture(ids, None), batches or self.batches, self.device)
             finally:
                 capture.close()
 
-    with torch.inference_mode():
-        prefill = time_forward(lambda ids: model(ids, logits_to_keep=1), batches, device)
-    # The stop-after-last-layer forward is measured before and after every extraction, and each
-    # extraction is compared with the mean of the two measurements around it: the GPU's clocks
-    # drift over minutes of load (thermals), which a single measurement at the start would bias.
-    stop_rates = [stop_forward_rate()]
-    rows.append(("prefill model(ids, logits_to_keep=1)", prefill, None, None, stop_rates[0]))
-    rows.append((f"forward stopping after layer {max(layer_ids)}", stop_rates[0], None, None, stop_rates[0]))
-    # The same forward over the very batches the extraction runs (its windows, lengths and
-    # padding), in real tokens/s: extraction / this is the part of the host side not hidden.
-    own, real = extraction_batches(bench_config(data, out / "unused", "bf16"), shape["vocab_size"], device)
-    with torch.inference_mode():
-        capture = LayerCapture(model, layer_ids, need_last=False)
-        try:
-            own_rate = time_forward(lambda ids: capture(ids, None), own, device) * real / sum(b.numel() for b in own)
-        finally:
-            capture.close()
-    del own
-    rows.append(("  the same over the extraction's own batches", own_rate, None, None, stop_rates[0]))
+    def own_batches_rate(self) -> float:
+        """The same forward over the very batches the extraction runs (its windows, lengths and
+        padding), in real tokens/s: extraction / this is the part of the host side not hidden."""
+        own, real = extraction_batches(self.config(self.data, self.out / "unused", "bf16"),
+                                       self.shape["vocab_size"], self.device)
+        return self.stop_forward_rate(own) * real / sum(b.numel() for b in own)
 
-    for name in args.codecs.split(","):
+    def extract(self, name: str) -> tuple[object, float | None, float]:
+        """One extraction with codec `name` (its cache checked, then deleted): the summary, the GPU
+        utilisation over its timed span and the largest relative error of the check."""
         codec, staged = name.removesuffix("-staged"), name.endswith("-staged")
-        cache = out / f"bench-cache-{name}"
+        cache = self.out / f"bench-cache-{name}"
         shutil.rmtree(cache, ignore_errors=True)
-        cfg = bench_config(data, cache, codec)
+        cfg = self.config(self.data, cache, codec)
         if staged:
             os.environ[STAGED_COPY_ENV] = "1"
         try:
-            with GpuSampler(device) as gpu:
-                summary = run_extraction(cfg, model=model)
+            with GpuSampler(self.device) as gpu:
+                summary = run_extraction(cfg, model=self.model)
                 returned = time.perf_counter()
         finally:
             os.environ.pop(STAGED_COPY_ENV, None)
-        stop_rates.append(stop_forward_rate())
-        around = (stop_rates[-2] + stop_rates[-1]) / 2
         # GPU utilisation over the timed span only (first batch to last commit): start-up
         # (writers, page-locking, compiling) and shutdown leave the GPU idle and are not timed.
         end = returned - summary.teardown_seconds
         util = gpu.mean_between(end - summary.seconds, end)
-        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, util,
-                     summary.bytes / max(summary.tokens, 1), around))
         print(summary.format())
-        err = check_cache(cache, model, layer_ids, args.check_samples, device)
-        print(f"check: {args.check_samples} samples of the {name} cache vs a single-sample forward: "
+        err = check_cache(cache, self.model, self.layer_ids, self.args.check_samples, self.device)
+        print(f"check: {self.args.check_samples} samples of the {name} cache vs a single-sample forward: "
               f"max relative error {err:.4f}", flush=True)
-        if err > (0.08 if codec == "fp8" else 0.03):
-            raise SystemExit(f"cache {name} does not match the target's states (error {err:.3f})")
         shutil.rmtree(cache, ignore_errors=True)
+        return summary, util, err
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    architecture, full_shape, small_shape = SHAPES[args.shape]
+    shape = small_shape if args.small else full_shape
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    b = Bench(args, architecture, shape, device, out)
+    layer_ids = b.layer_ids
+    # The stop-after-last-layer forward is measured before and after every extraction, and each
+    # extraction is compared with the mean of the two measurements around it: the GPU's clocks
+    # drift over minutes of load (thermals), which a single measurement at the start would bias.
+    stop_rates = [b.stop_forward_rate()]
+    rows = [("prefill model(ids, logits_to_keep=1)", b.prefill, None, None, stop_rates[0]),
+            (f"forward stopping after layer {max(layer_ids)}", stop_rates[0], None, None, stop_rates[0])]
+    own_rate = b.own_batches_rate()
+    rows.append(("  the same over the extraction's own batches", own_rate, None, None, stop_rates[0]))
+    raw = len(layer_ids) * shape["hidden_size"] * 2
+    result = {"bench": "extract", "shape": args.shape, "small": args.small, "architecture": architecture,
+              "dims": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "build_seconds": b.build_seconds, "target_layer_ids": layer_ids,
+              "tokens": b.tokens, "seq_len": b.seq_len, "token_budget": b.budget, "linear_attention": b.kernels,
+              "prefill_tokens_per_second": b.prefill, "own_batches_tokens_per_second": own_rate,
+              "raw_bytes_per_token": raw, "extract": {}}
+    failed = []
+    for name in args.codecs.split(","):
+        summary, util, err = b.extract(name)
+        stop_rates.append(b.stop_forward_rate())
+        around = (stop_rates[-2] + stop_rates[-1]) / 2
+        bpt = summary.bytes / max(summary.tokens, 1)
+        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, util, bpt, around))
+        result["extract"][name] = {
+            "tokens": summary.tokens, "seconds": summary.seconds, "tokens_per_second": summary.tokens_per_second,
+            "vs_stop_forward": summary.tokens_per_second / around, "vs_own_batches": summary.tokens_per_second / own_rate,
+            "gpu_util_percent": util, "bytes_per_token": bpt, "check_max_relative_error": err}
+        if err > CHECK_LIMITS.get(name.removesuffix("-staged"), 0.03):
+            failed.append(f"cache {name} does not match the target's states (error {err:.3f})")
 
     if args.trace_tokens:
-        traced_extraction(out, data, args.trace_tokens, layer_ids, budget, args, device, model)
+        traced_extraction(out, b.data, args.trace_tokens, layer_ids, b.budget, args, device, b.model, b.label)
 
-    print_table(rows, stop_rates, own_rate, len(layer_ids) * shape["hidden_size"] * 2)
-    data.unlink()
+    print_table(rows, stop_rates, own_rate, raw)
+    b.data.unlink()
+    result["stop_forward_tokens_per_second"] = stop_rates
+    if device.type == "cuda":
+        result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    line = json.dumps(result)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    print(line, flush=True)
+    if failed:
+        raise SystemExit("; ".join(failed))
 
 
 if __name__ == "__main__":
