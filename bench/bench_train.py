@@ -1,4 +1,5 @@
-"""Training throughput of a Qwen3-8B-shaped drafter through the real trainer (loop, loader, workers).
+"""Training throughput of a Qwen3-8B- or Qwen3.6-27B-shaped drafter through the real trainer (loop, loader,
+workers).
 
 Writes a synthetic target (config.json + embed_tokens/lm_head/norm only, random bf16) and a
 synthetic bf16 cache under --workdir, runs `dflash.train.loop.train` on it, and prints context
@@ -8,6 +9,7 @@ peak GPU memory.
     python bench/bench_train.py --workdir /dev/shm/dflash-bench            # one H200
     python bench/bench_train.py --small --workdir /tmp/dflash-bench-small  # CPU smoke run
     torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir /dev/shm/b2   # 2 GPUs, DDP
+    python bench/bench_train.py --shape 27b --workdir /dev/shm/b27 --json /dev/shm/train27.json
 Under torchrun each process trains its own sequence per step; tokens/s are totals and the
 fraction of peak is per GPU.
 
@@ -66,11 +68,16 @@ SMALL = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, voc
 # 64 samples of 256 tokens per step, ~160 completion tokens each, so ~10K blocks of 16 per step.
 QUALITY = Shape(hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1024, vocab=260,
                 target_layers=6, draft_layers=5, block_size=16, anchors=512, seq_len=256)
-LAYER_IDS = {36: [1, 9, 17, 25, 33], 8: [1, 2, 3, 4, 5], 6: [0, 2, 4]}
-SHAPES = {"8b": FULL, "quality": QUALITY, "small": SMALL}
-BATCH = {"8b": 1, "quality": 64, "small": 1}
+# The drafter of a Qwen3.6-27B target: its draft layers take the target's dimensions (hidden 5120, 24/4 heads
+# of 256, MLP 17408; vocab 248,320, 64 target layers), one 3072-token sample per step as for 8b. The synthetic
+# target is a Qwen3 config of those dimensions: the trainer reads only its embedding, lm_head and final norm.
+TARGET_27B = Shape(hidden=5120, heads=24, kv_heads=4, head_dim=256, intermediate=17408, vocab=248320,
+                   target_layers=64, draft_layers=5, block_size=16, anchors=512, seq_len=3072)
+LAYER_IDS = {36: [1, 9, 17, 25, 33], 64: [1, 16, 31, 46, 61], 8: [1, 2, 3, 4, 5], 6: [0, 2, 4]}
+SHAPES = {"8b": FULL, "27b": TARGET_27B, "quality": QUALITY, "small": SMALL}
+BATCH = {"8b": 1, "27b": 1, "quality": 64, "small": 1}
 """Samples per step (a token budget of BATCH x seq_len)."""
-PROMPT = {"8b": 0.1, "quality": 96 / 256, "small": 0.1}
+PROMPT = {"8b": 0.1, "27b": 0.1, "quality": 96 / 256, "small": 0.1}
 """Share of each sample that is prompt (loss mask 0)."""
 
 
@@ -204,6 +211,7 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
+                  "27b": "Qwen3.6-27B drafter (hidden 5120, 5 layers), K=5, B=16",
                   "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[shape_name],
         "compile": config.compile, "compile_mode": config.compile_mode, "steps_per_second": 1 / step_time,
         "processes": world,
@@ -221,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/dev/shm/dflash-bench", help="where the target, cache and run go")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
-                        help="8b: the Qwen3-8B-shaped drafter, one 3072-token sample per step; quality: the drafter "
+                        help="8b: the Qwen3-8B-shaped drafter, one 3072-token sample per step; 27b: the drafter of a "
+                             "Qwen3.6-27B target (hidden 5120, 24/4 heads of 256, MLP 17408, vocab 248,320), the same "
+                             "steps; quality: the drafter "
                              "of bench/quality (hidden 384, 5 layers), 64 samples of 256 tokens per step; small: a "
                              "tiny shape on the CPU (a smoke run of the bench)")
     parser.add_argument("--small", action="store_true", help="same as --shape small")
@@ -241,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
+    parser.add_argument("--json", help="also write the figures (the JSON printed at the end) to this file")
     return parser
 
 
@@ -312,6 +323,8 @@ def main() -> None:
     result = summarize(run, config, shape, a.shape, warmup=warmup, steps=steps, world=world)
     result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained)
     print(json.dumps(result, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"bench": "train", "shape_name": a.shape, **result}) + "\n")
     if not a.keep:
         shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
