@@ -131,7 +131,8 @@ def build_config(architecture: str, shape: dict):
                              "the 27b-hybrid shape needs a transformers that defines it. Use --shape 27b-dense instead.")
         n = shape["num_hidden_layers"]
         types = ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention" for i in range(n)]
-        cfg = config_class(**shape, layer_types=types, **common)
+        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}  # Qwen3.6-27B's
+        cfg = config_class(**shape, layer_types=types, rope_parameters=rope, **common)
     cfg.architectures = [architecture]
     return cfg
 

@@ -1,0 +1,71 @@
+"""The 27B benchmark shapes and the GPU-hours table built from the benchmarks' figures (the figures
+themselves are measured on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import gpu_hours  # noqa: E402
+
+
+def test_the_hybrid_27b_target_is_qwen36_27b_and_the_27b_drafter_bench_matches_it():
+    import torch
+    from bench_extract import SHAPES, build_config
+    from bench_train import LAYER_IDS, TARGET_27B
+    from dflash.cache_tools.layers import default_target_layer_ids
+    from dflash.train.model import DrafterConfig
+    from transformers import AutoModelForCausalLM
+
+    architecture, dims, _ = SHAPES["27b-hybrid"]
+    cfg = build_config(architecture, dims)
+    with torch.device("meta"):  # no memory, no init: the structure only
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    kinds = [type(layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn).__name__
+             for layer in model.model.layers]
+    assert kinds == (["Qwen3_5GatedDeltaNet"] * 3 + ["Qwen3_5Attention"]) * 16  # full attention at 3, 7, ..., 63
+    assert model.model.layers[0].linear_attn.num_v_heads == 48 and model.model.layers[0].linear_attn.num_k_heads == 16
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(26.9e9, rel=0.01)  # Qwen3.6-27B's text model
+    layer_ids = default_target_layer_ids(64, 5)
+    assert LAYER_IDS[64] == layer_ids
+    # The trainer derives the drafter of that target with the dimensions bench_train's 27b shape trains.
+    drafter = DrafterConfig.from_target_config(cfg, target_layer_ids=layer_ids)
+    assert (drafter.hidden_size, drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim,
+            drafter.intermediate_size, drafter.vocab_size, drafter.num_target_layers) == (
+        TARGET_27B.hidden, TARGET_27B.heads, TARGET_27B.kv_heads, TARGET_27B.head_dim, TARGET_27B.intermediate,
+        TARGET_27B.vocab, TARGET_27B.target_layers)
+
+
+def test_gpu_hours_per_billion_tokens_follow_the_measured_rates():
+    extract = {"shape": "27b-hybrid", "prefill_tokens_per_second": 1.0,
+               "extract": {"bf16": {"tokens_per_second": 10_000.0}, "fp8": {"tokens_per_second": 20_000.0}}}
+    train = {"context_tokens_per_second": 100_000.0, "processes": 2}
+    bf16, fp8 = gpu_hours.gpu_hours(extract, train)
+    # By hand: 1e9 / 1e4 s = 27.78 h on one GPU; 6 epochs of 1e9 at 1e5/s on 2 GPUs = 2 x 16.67 h;
+    # online 8 GPUs x 6 x 1e9 / 14,500 s = 919.54 GPU-h.
+    assert bf16.extract_gpu_hours == pytest.approx(27.7778, abs=1e-3)
+    assert fp8.extract_gpu_hours == pytest.approx(13.8889, abs=1e-3)
+    assert bf16.train_gpu_hours == fp8.train_gpu_hours == pytest.approx(33.3333, abs=1e-3)
+    assert bf16.online_gpu_hours == pytest.approx(919.540, abs=1e-2)
+    assert bf16.ratio == pytest.approx(919.540 / 61.1111, rel=1e-4)
+    assert "| 27b-hybrid, fp8 | 20,000 | 13.9 | 100,000 | 33.3 | 47.2 | 919.5 | 19.47x |" in \
+        gpu_hours.format_table([bf16, fp8], 6)
+
+
+def test_the_figures_are_read_from_a_bench_s_captured_output(tmp_path):
+    figures = {"shape": "Qwen3.6-27B drafter", "context_tokens_per_second": 12_345.0, "processes": 1}
+    log = tmp_path / "train.log"
+    log.write_text("target + cache ready in 3.0 s\n{not json, a progress line\n"
+                   + json.dumps({"kind": "earlier"}) + "\n" + json.dumps(figures, indent=1) + "\ntrailing line\n")
+    assert gpu_hours.read_figures(log) == figures
+    assert gpu_hours.kind(figures) == "train"
+    empty = tmp_path / "empty.log"
+    empty.write_text("no figures here\n")
+    with pytest.raises(SystemExit, match="no JSON object"):
+        gpu_hours.read_figures(empty)
