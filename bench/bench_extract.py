@@ -478,7 +478,15 @@ def main() -> None:
               "build_seconds": b.build_seconds, "target_layer_ids": layer_ids,
               "tokens": b.tokens, "seq_len": b.seq_len, "token_budget": b.budget, "linear_attention": b.kernels,
               "prefill_tokens_per_second": b.prefill, "own_batches_tokens_per_second": own_rate,
-              "raw_bytes_per_token": raw, "extract": {}}
+              "raw_bytes_per_token": raw, "extract": {}, "stop_forward_tokens_per_second": stop_rates}
+
+    def write_json() -> None:  # after every codec too: a run stopped later keeps what it measured
+        if device.type == "cuda":
+            result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.json:
+            Path(args.json).write_text(json.dumps(result) + "\n")
+
+    write_json()
     failed = []
     for name in args.codecs.split(","):
         summary, util, err = b.extract(name)
@@ -492,19 +500,15 @@ def main() -> None:
             "gpu_util_percent": util, "bytes_per_token": bpt, "check_max_relative_error": err}
         if err > CHECK_LIMITS.get(name.removesuffix("-staged"), 0.03):
             failed.append(f"cache {name} does not match the target's states (error {err:.3f})")
+        write_json()
 
     if args.trace_tokens:
         traced_extraction(out, b.data, args.trace_tokens, layer_ids, b.budget, args, device, b.model, b.label)
 
     print_table(rows, stop_rates, own_rate, raw)
     b.data.unlink()
-    result["stop_forward_tokens_per_second"] = stop_rates
-    if device.type == "cuda":
-        result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    line = json.dumps(result)
-    if args.json:
-        Path(args.json).write_text(line + "\n")
-    print(line, flush=True)
+    write_json()
+    print(json.dumps(result), flush=True)
     if failed:
         raise SystemExit("; ".join(failed))
 
