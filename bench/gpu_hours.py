@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     train = trains[0][1]
     rows = [r for e in extracts for r in gpu_hours(e, train, epochs=a.epochs, online_gpus=a.online_gpus,
                                                    online_tokens_per_second=a.online_tokens_per_second)]
+    if not rows:
+        raise SystemExit("the extract files hold no extraction figures (their runs stopped before the first codec "
+                         "finished): rerun bench_extract.py.")
     print(f"GPU-hours per billion tokens: extract once + {a.epochs} epochs of training (train: "
           f"{train.get('shape', '?')}, {train.get('processes', 1)} GPU(s)) vs the online pipeline's {a.epochs} "
           f"recomputations at {a.online_tokens_per_second:,.0f} tokens/s on {a.online_gpus} GPUs")
