@@ -75,3 +75,27 @@ def test_anchors_drawn_in_the_loader_workers_are_the_trainers_draws(tiny_world, 
     loader.close()
     assert {epoch for epoch, _ in seen} >= {0, 1} and len(iterators) == 1
     assert all(index % world_size == world_size - 1 for _, index in seen)
+
+
+def test_evaluation_runs_the_eager_forward_of_a_compiled_drafter(tiny_world, tmp_path, monkeypatch):
+    """Held-out passes have their own shapes and no backward: compiling them cost minutes on the
+    benchmark for a few seconds of evaluation. Training steps keep the compiled forward."""
+    from conftest import read_metrics, tiny_train_config
+    from dflash.train.loop import train
+
+    calls = []
+
+    def counting_compile(self, mode="default", *, per_layer=False):
+        eager = self._forward
+
+        def compiled(*args):
+            calls.append(torch.is_grad_enabled())
+            return eager(*args)
+        self._compiled_forward = compiled
+
+    monkeypatch.setattr(train_model.DFlashDrafter, "compile_training", counting_compile)
+    out = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=4, eval_fraction=0.3,
+                            eval_interval=2, compile=True))
+    assert len([r for r in read_metrics(out) if r["kind"] == "eval"]) >= 2
+    assert len(calls) == 4 and all(calls)  # one compiled call per training step, none from evaluation

@@ -366,20 +366,22 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     walk = VerificationWalk((block_size, block_size // 2) if block_size >= 8 else (block_size,))
     replay = (data.eval_caches if data.eval_caches is not None else data.caches).manifest.topk > 0
     clean = dataclasses.replace(objective, noise_type="none")
-    for batch in loader:
-        batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
-        eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
-        outs = []
-        for positions, valid in anchor_chunks(eligible, objective.max_anchors):
-            chunk = {**batch, "anchor_positions": positions.to(info.device), "anchor_valid": valid.to(info.device)}
-            with autocast:
-                out = compute_loss(loss_model, chunk, clean)
-            labels.update(out, chunk)
-            if replay:
-                out = greedy_replay(out, chunk)
-                greedy.update(out, chunk)
-            outs.append(out)
-        walk.update(outs, eligible)
+    with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
+        for batch in loader:
+            batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
+            eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
+            outs = []
+            for positions, valid in anchor_chunks(eligible, objective.max_anchors):
+                chunk = {**batch, "anchor_positions": positions.to(info.device),
+                         "anchor_valid": valid.to(info.device)}
+                with autocast:
+                    out = compute_loss(loss_model, chunk, clean)
+                labels.update(out, chunk)
+                if replay:
+                    out = greedy_replay(out, chunk)
+                    greedy.update(out, chunk)
+                outs.append(out)
+            walk.update(outs, eligible)
     loss_model.wrapped.train()
     by_labels = labels.compute(info)
     result = greedy.compute(info) if replay else by_labels

@@ -12,8 +12,9 @@ vLLM, so an export behaves the same there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -364,6 +365,16 @@ class DFlashDrafter(nn.Module):
             return
         self._compiled_forward = torch.compile(self._forward, mode=mode)
         self._cuda_graphs = mode == "reduce-overhead"
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """The uncompiled forward while the block runs (evaluation: a no-grad graph for its
+        shapes would cost compiles that a few short passes never pay back)."""
+        compiled, self._compiled_forward = self._compiled_forward, None
+        try:
+            yield
+        finally:
+            self._compiled_forward = compiled
 
     def forward(
         self,
