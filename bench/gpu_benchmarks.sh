@@ -3,6 +3,9 @@
 # Usage (from the repository root, on a GPU host with the project installed):
 #   bash bench/gpu_benchmarks.sh extract   # ~3.5 min: prefill, stop-after-last-layer (also over the extraction's own batches), bf16 and fp8 extraction, 1M tokens
 #                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5.5 min, 59 GB of cache in SCRATCH)
+#   bash bench/gpu_benchmarks.sh seed27b   # not yet run to its end (estimated 7-9 min): the Qwen3.6-27B-shaped hybrid target's extraction (flash-linear-attention
+#                                          # wheels needed), its drafter's training step, and the GPU-hours table of both;
+#                                          # the figures as JSON in RESULTS (default $OUT, else /tmp/dflash-seed27b)
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
@@ -25,6 +28,14 @@ for what in "$@"; do
   case "$what" in
     extract) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" \
       ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ;;
+    seed27b)
+      results=${RESULTS:-${OUT:-/tmp/dflash-seed27b}}; mkdir -p "$results"
+      python3 bench/bench_extract.py --shape 27b-hybrid --output "$scratch/extract27" --json "$results/extract-27b-hybrid.json"
+      rm -rf "$scratch/extract27"
+      python3 bench/bench_train.py --shape 27b --workdir "$scratch/train27" --samples 64 --steps 40 --warmup-steps 8 \
+        --compile --json "$results/train-27b.json"
+      rm -rf "$scratch/train27"
+      python3 bench/gpu_hours.py "$results/extract-27b-hybrid.json" "$results/train-27b.json" | tee "$results/gpu-hours-27b.md" ;;
     fp8) (cd bench && python3 bench_fp8.py) ;;
     train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --trace-steps 3 ;;
     train2)
@@ -43,6 +54,6 @@ for what in "$@"; do
           --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
-    *) echo "unknown benchmark '$what' (extract, fp8, train, train2, cache, eval)" >&2; exit 2 ;;
+    *) echo "unknown benchmark '$what' (extract, seed27b, fp8, train, train2, cache, eval)" >&2; exit 2 ;;
   esac
 done
