@@ -36,9 +36,7 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,7 +49,7 @@ from dflash.extract.config import ExtractConfig
 from dflash.extract.data import plan_windows
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture
-from profiling import device_busy_seconds
+from profiling import GpuSampler, device_busy_seconds
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 FULL = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -71,52 +69,6 @@ SHAPES = {  # --shape: (architecture, dimensions, dimensions with --small)
     "27b-dense": ("Qwen3ForCausalLM", DENSE_27B, SMALL),
     "27b-hybrid": ("Qwen3_5ForCausalLM", {**DENSE_27B, **LINEAR_27B}, {**SMALL, **LINEAR_SMALL}),
 }
-
-
-class GpuSampler:
-    """GPU utilisation (NVML / nvidia-smi, every 200 ms) while a block runs, each sample with its
-    time; `mean_between` averages a span of it. None without a GPU."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.samples: list[tuple[float, float]] = []  # (perf_counter, percent)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _query(self) -> float | None:
-        try:
-            return float(torch.cuda.utilization(self.device))
-        except Exception:
-            pass
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                 f"--id={self.device.index or 0}"], capture_output=True, text=True, timeout=5)
-            return float(out.stdout.strip().splitlines()[0])
-        except Exception:
-            return None
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            v = self._query()
-            if v is not None:
-                self.samples.append((time.perf_counter(), v))
-
-    def __enter__(self) -> GpuSampler:
-        if self.device.type == "cuda":
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def mean_between(self, start: float, end: float) -> float | None:
-        """Mean of the samples taken in [start, end] (perf_counter times). A sample covers the
-        driver's last sampling period (up to 1 s), so the first second of the span is left out."""
-        vals = [v for t, v in self.samples if start + 1.0 <= t <= end]
-        return sum(vals) / len(vals) if vals else None
 
 
 def build_config(architecture: str, shape: dict):

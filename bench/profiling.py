@@ -1,6 +1,13 @@
-"""Shared by the bench scripts: the GPU's busy time in a torch.profiler trace."""
+"""Shared by the bench scripts: the GPU's busy time in a torch.profiler trace, and its utilisation
+sampled while a block runs."""
 
 from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import torch
 
 
 def device_busy_seconds(prof) -> float:
@@ -15,3 +22,49 @@ def device_busy_seconds(prof) -> float:
             busy += hi - max(lo, end)
             end = hi
     return busy / 1e6
+
+
+class GpuSampler:
+    """GPU utilisation (NVML / nvidia-smi, every 200 ms) while a block runs, each sample with its
+    time; `mean_between` averages a span of it. None without a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.samples: list[tuple[float, float]] = []  # (perf_counter, percent)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _query(self) -> float | None:
+        try:
+            return float(torch.cuda.utilization(self.device))
+        except Exception:
+            pass
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 f"--id={self.device.index or 0}"], capture_output=True, text=True, timeout=5)
+            return float(out.stdout.strip().splitlines()[0])
+        except Exception:
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            v = self._query()
+            if v is not None:
+                self.samples.append((time.perf_counter(), v))
+
+    def __enter__(self) -> GpuSampler:
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def mean_between(self, start: float, end: float) -> float | None:
+        """Mean of the samples taken in [start, end] (perf_counter times). A sample covers the
+        driver's last sampling period (up to 1 s), so the first second of the span is left out."""
+        vals = [v for t, v in self.samples if start + 1.0 <= t <= end]
+        return sum(vals) / len(vals) if vals else None
