@@ -20,6 +20,7 @@ from dflash.cache_tools import identity
 from dflash.cache_tools.errors import DflashError
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import torch_dtype
+from dflash.runtime.logits import apply_post_head, post_head_steps
 from torch import nn
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -166,7 +167,8 @@ class LayerCapture:
 @torch.inference_mode()
 def topk_logprobs(model: nn.Module, last_hidden: torch.Tensor, k: int, chunk_tokens: int = 2048):
     """Top-k next-token log-probs from pre-norm last hidden states [T, D], in token chunks
-    (full logits of 32K tokens x 150K vocab would not fit). Returns (ids int32, logprobs f32)."""
+    (full logits of 32K tokens x 150K vocab would not fit), through the target's own final norm,
+    lm_head and post-head steps (runtime/logits.py). Returns (ids int32, logprobs f32)."""
     norm = getattr(model.model, "norm", None)
     head = model.get_output_embeddings()
     if norm is None or head is None:
@@ -174,9 +176,10 @@ def topk_logprobs(model: nn.Module, last_hidden: torch.Tensor, k: int, chunk_tok
             "--store-topk needs the target's final norm (model.model.norm) and lm_head; this "
             f"model ({type(model).__name__}) lacks one of them."
         )
+    steps = post_head_steps(model.config)  # the logits the target's forward returns (soft cap, scale)
     ids_out, lp_out = [], []
     for start in range(0, last_hidden.shape[0], chunk_tokens):
-        logits = head(norm(last_hidden[start:start + chunk_tokens])).float()
+        logits = apply_post_head(head(norm(last_hidden[start:start + chunk_tokens])).float(), **steps)
         lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         ids_out.append(ids.to(torch.int32))
         lp_out.append(lp)

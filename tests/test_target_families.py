@@ -68,6 +68,20 @@ FAMILIES = {
 }
 
 
+# Targets whose forward changes the logits after the lm_head (runtime/logits.py), for the soft-label tests only.
+HEAD_FAMILIES = {
+    "cohere": lambda: _config("CohereConfig", logit_scale=0.25),
+    "granite": lambda: _config("GraniteConfig", logits_scaling=4.0),
+    # a cap the tiny model's logits reach (at 30 the tanh is all but linear on them)
+    "gemma-3-cap1": lambda: _config("Gemma3TextConfig", sliding_window=WINDOW, final_logit_softcapping=1.0,
+                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+}
+
+
+def family_config(family: str):
+    return FAMILIES[family][0]() if family in FAMILIES else HEAD_FAMILIES[family]()
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny matrices: one thread is as fast and does not stall beside other work."""
@@ -158,9 +172,9 @@ def test_partly_accepted_blocks_roll_the_target_state_back_exactly(tmp_path, fam
         verify_generate(model, OracleProposer(expected), [prompt, prompt], config)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "gemma-3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "gemma-3", "cohere", "granite"])
 def test_soft_labels_from_last_hidden_equal_the_target_own_logits(tmp_path, family):
-    target, model = save_target(tmp_path / "target", FAMILIES[family][0]())
+    target, model = save_target(tmp_path / "target", family_config(family))
     cache = extract(tmp_path, target, "--store-last-hidden")
     drafter = DFlashDrafter.from_target(target, with_final_norm=True, target_layer_ids=[1, 3], num_hidden_layers=1)
     reader = CacheReader(cache)
@@ -173,11 +187,30 @@ def test_soft_labels_from_last_hidden_equal_the_target_own_logits(tmp_path, fami
             if family == "gemma-3":
                 cap = model.config.final_logit_softcapping
                 own = torch.tanh(own / cap) * cap
+            elif family == "cohere":
+                own = own * model.config.logit_scale
+            elif family == "granite":
+                own = own / model.config.logits_scaling
             full = model(sample["input_ids"][None].long()).logits[0]  # from the unrounded states
         torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-5)  # fp32 rounding only
         # The cache holds bf16 states: the full forward differs by that rounding, not more.
         assert (got - full).abs().max() < 0.02 * full.abs().max()
-    if family != "qwen3":  # zero-centred norms: a Qwen3-style re-implementation would be wrong
+    if family in ("qwen3.5", "gemma-3"):  # zero-centred norms: a Qwen3-style re-implementation would be wrong
         w = model.model.norm.weight
         naive = (w * last_hidden * torch.rsqrt(last_hidden.pow(2).mean(-1, keepdim=True) + 1e-6)) @ model.lm_head.weight.T
         assert (naive - got).abs().max() > 0.1 * got.abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma-3-cap1", "cohere", "granite"])
+def test_stored_topk_logprobs_are_the_target_own_next_token_logprobs(tmp_path, family):
+    """--store-topk through the target's norm, head and post-head steps (soft cap, scale): the
+    log-probs its own forward gives, not those of the raw head."""
+    target, model = save_target(tmp_path / "target", family_config(family))
+    reader = CacheReader(extract(tmp_path, target, "--store-topk", "4"))
+    for i in (0, len(reader) - 1):
+        sample = reader.read_sample(i)
+        with torch.no_grad():
+            logits = model(sample["input_ids"][None].long()).logits[0].float()
+        logprobs, ids = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+        assert torch.equal(sample["topk_ids"].long(), ids)
+        torch.testing.assert_close(sample["topk_logprobs"].float(), logprobs, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,7 @@ zero-centred (`(1 + w) * x_hat`), Gemma's too, Gemma 2/3 soft-cap the logits, Co
 them, Granite divides them. So the final norm is not re-implemented: it is the target's own
 transformers module, instantiated from its config (on the meta device, so nothing else of the
 model is built) and filled with the checkpoint's tensors; the lm_head is the drafter's frozen
-copy of the target's head, and the post-head steps are read from the config.
+copy of the target's head, and the post-head steps are read from the config (runtime/logits.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.logits import apply_post_head, post_head_steps
 from safetensors import safe_open
 from torch import nn
 
@@ -46,20 +47,7 @@ class TargetHead:
         with torch.autocast(last_hidden.device.type, enabled=False):
             normed = self.norm(last_hidden.float())
         logits = lm_head(normed.to(last_hidden.dtype)) if last_hidden.dtype != torch.float32 else lm_head(normed)
-        if self.scale is not None:
-            logits = logits * self.scale
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-
-def _post_head_steps(config: Any) -> dict[str, float | None]:
-    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
-    divide = getattr(config, "logits_scaling", None)  # Granite divides
-    if divide:
-        scale = (scale or 1.0) / float(divide)
-    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
-    return {"scale": None if scale in (None, 1.0) else float(scale), "softcap": float(cap) if cap else None}
+        return apply_post_head(logits, scale=self.scale, softcap=self.softcap)
 
 
 def _checkpoint_name(names: list[str], qualified: str) -> str | None:
@@ -110,7 +98,7 @@ def load_target_head(target_dir: str | Path) -> TargetHead:
         with safe_open(str(locations[name]), framework="pt") as f:
             state[key] = f.get_tensor(name).float()
     norm.load_state_dict(state)
-    return TargetHead(norm.float(), **_post_head_steps(config))
+    return TargetHead(norm.float(), **post_head_steps(config))
 
 
 # -- the mask token ---------------------------------------------------------------------------
