@@ -87,3 +87,16 @@ def test_a_workdir_of_other_settings_is_refused(tmp_path, capsys):
     assert quality.main(["--small", "--workdir", str(tmp_path), "--device", "cpu", "--stages", "table"]) == 2
     assert "holds a benchmark of other settings" in capsys.readouterr().err
     assert quality.main(["--small", "--workdir", str(tmp_path / "new"), "--stages", "bogus"]) == 2
+
+
+def test_variant_names_keep_every_flag_apart_and_clashes_are_refused():
+    """Run directories and stage records are named after the variant: the name reads as its
+    flags, and two different variants that would share one are refused."""
+    names = [v.name for v in quality.parse_variants(
+        ["1", "1 --lr-schedule wsd", "1 --draft-layer-types sliding --draft-sliding-window 128",
+         "1 --soft-label-weight 0.5", "1 --lr-schedule wsd"])]
+    assert names == ["e1", "e1-lr-schedule-wsd", "e1-draft-layer-types-sliding-draft-sliding-window-128",
+                     "e1-soft-label-weight-0p5", "e1-lr-schedule-wsd"]
+    with pytest.raises(quality.BenchError, match="share the run directory"):
+        quality.parse_variants(["1 --draft-layer-types sliding --draft-sliding-window 128",
+                                "1 --draft-layer-types sliding-draft --sliding-window 128"])

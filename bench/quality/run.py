@@ -83,6 +83,20 @@ def parse_variant(text: str) -> Variant:
     return Variant(epochs=epochs, train_args=tuple(words[1:]))
 
 
+def parse_variants(texts: list[str]) -> list[Variant]:
+    """The --variant values; two different ones that would share a run directory are refused."""
+    first: dict[str, tuple[str, Variant]] = {}
+    variants = []
+    for text in texts:
+        v = parse_variant(text)
+        other = first.setdefault(v.name, (text, v))
+        if other[1] != v:
+            raise BenchError(f"--variant {text!r} and {other[0]!r} would share the run directory "
+                             f"run-{v.name}; change one of them.")
+        variants.append(v)
+    return variants
+
+
 def _fmt(value: Any, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
@@ -116,7 +130,7 @@ def table(work: Work) -> str:
         train = json.loads(path.read_text())
         evaluated = work.done(f"eval-{train['variant']}") or {}
         ev = evaluated.get("blocks", {})
-        row = [train["variant"] + (" " + " ".join(train["train_args"]) if train["train_args"] else ""),
+        row = [" ".join([f"e{train['epochs']}", *train["train_args"]]),  # the epochs and the flags
                str(data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
                _fmt(train.get("heldout_tau_blocks"))]
         for b in blocks:
@@ -187,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [x for x in stages if x not in STAGES]
         if unknown:
             raise BenchError(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}.")
-        variants = [parse_variant(v) for v in (args.variant or ["2"])]
+        variants = parse_variants(args.variant or ["2"])
         sizes = apply_overrides(SMALL if args.small else FULL, args.overrides)
         work = Work(Path(args.workdir), sizes, device, log=lambda m: print(m, flush=True),
                     eval_blocks=tuple(int(b) for b in args.eval_blocks.split(",")) if args.eval_blocks else None)

@@ -306,7 +306,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        extra = "".join(a.lstrip("-").replace(".", "p") if a.startswith("-") else f"-{a}" for a in self.train_args)
+        extra = "-".join(a.lstrip("-").replace(".", "p") for a in self.train_args)  # --a b --c d: a-b-c-d
         return f"e{self.epochs}" + (f"-{extra}" if extra else "")
 
 
