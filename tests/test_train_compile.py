@@ -30,9 +30,9 @@ def test_the_whole_forward_compiled_gives_the_eager_loss_and_gradients(monkeypat
     eager_loss, eager_grads = _loss_and_grads(tiny_drafter())
     traced, real_compile = [], torch.compile
 
-    def compile_for_test(fn, mode):  # dynamo traces the forward; aot_eager runs the graphs unfused
+    def compile_for_test(fn, mode, dynamic=None):  # dynamo traces the forward; aot_eager runs the graphs unfused
         traced.append(mode)
-        return real_compile(fn, backend="aot_eager")
+        return real_compile(fn, backend="aot_eager", dynamic=dynamic)
 
     drafter = tiny_drafter()
     monkeypatch.setattr(train_model.torch, "compile", compile_for_test)
@@ -44,6 +44,40 @@ def test_the_whole_forward_compiled_gives_the_eager_loss_and_gradients(monkeypat
     assert grads.keys() == eager_grads.keys() and len(grads) > 10
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _varying_batches(count: int = 4):
+    """Batches of the hand batch's kind, each with another batch size and length."""
+    g = torch.Generator().manual_seed(1)
+    for rows, length in [(2, 13), (3, 17), (4, 10), (2, 21)][:count]:  # no length equals the block tokens (3 anchors x 4)
+        lengths = torch.full((rows,), length)
+        lengths[1:] = length - 3
+        mask = (torch.arange(length)[None] < lengths[:, None]).long()
+        mask[:, :2] = 0
+        yield {"hidden": torch.randn(rows, length, 2 * 64, generator=g).to(torch.bfloat16),
+               "input_ids": torch.randint(0, 100, (rows, length), generator=g), "loss_mask": mask, "lengths": lengths}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_dynamic_compiles_once_for_batches_of_varying_shapes(monkeypatch, dynamic):
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(train_model.torch, "compile",
+                        lambda fn, mode, dynamic=None: real_compile(fn, backend="aot_eager", dynamic=dynamic))
+    eager, compiled = tiny_drafter().train(), tiny_drafter().train()
+    compiled.compile_training("default", dynamic=dynamic)
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    counters.clear()
+    objective = ObjectiveConfig(max_anchors=3)
+    for i, batch in enumerate(_varying_batches()):
+        want = compute_loss(eager, batch, objective, generator=torch.Generator().manual_seed(i)).loss
+        got = compute_loss(compiled, batch, objective, generator=torch.Generator().manual_seed(i)).loss
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    graphs = counters["stats"]["unique_graphs"]
+    # torch's default: a static graph first, then one more as sizes start to vary; dynamic: one
+    assert graphs == 1 if dynamic else graphs > 1
 
 
 def test_compile_modes_are_torch_compiles_and_agree_with_the_flag():
@@ -85,7 +119,7 @@ def test_evaluation_runs_the_eager_forward_of_a_compiled_drafter(tiny_world, tmp
 
     calls = []
 
-    def counting_compile(self, mode="default", *, per_layer=False):
+    def counting_compile(self, mode="default", *, per_layer=False, dynamic=False):
         eager = self._forward
 
         def compiled(*args):

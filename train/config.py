@@ -149,6 +149,9 @@ class TrainConfig:
     fuses the elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
     compile_mode: str = "default"
     """torch.compile mode under --compile: default, reduce-overhead (also CUDA graphs, one per batch shape), max-autotune-no-cudagraphs or max-autotune."""
+    compile_dynamic: bool = False
+    """Under --compile, every input size symbolic from the first compile (torch.compile's dynamic=True): batches
+    of varying shapes compile once instead of once per size that starts to vary (not yet measured on a GPU)."""
     gradient_checkpointing: bool = False
     """Recompute each draft layer in the backward pass (less memory; each layer's forward runs twice)."""
     parallel: str = "ddp"

@@ -250,7 +250,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
     on_cuda = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if cfg.compile or (cfg.compile is None and on_cuda):  # None: compiled on CUDA
         # One graph for the whole forward; FSDP's hooks and recomputed layers keep one per layer.
-        drafter.compile_training(cfg.compile_mode, per_layer=cfg.parallel == "fsdp" or cfg.gradient_checkpointing)
+        drafter.compile_training(cfg.compile_mode, per_layer=cfg.parallel == "fsdp" or cfg.gradient_checkpointing,
+                                 dynamic=cfg.compile_dynamic)
         if announce is not None:
             announce("compiling the training forward: the first steps, and a few later ones whose batch "
                      "shapes are new to it, take longer (about 2-3 minutes in all for bench/quality's drafter "

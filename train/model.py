@@ -354,16 +354,19 @@ class DFlashDrafter(nn.Module):
 
     # -- training path ----------------------------------------------------------------------
 
-    def compile_training(self, mode: str = "default", *, per_layer: bool = False) -> None:
+    def compile_training(self, mode: str = "default", *, per_layer: bool = False, dynamic: bool = False) -> None:
         """torch.compile (`mode`: torch.compile's) the whole training forward, one graph forward
-        and one backward, or with `per_layer` each draft layer alone (FSDP, recomputed layers)."""
+        and one backward, or with `per_layer` each draft layer alone (FSDP, recomputed layers).
+        `dynamic`: every input size symbolic from the first compile (else torch's default: static
+        first, then dynamic for each size seen to vary, one recompile each)."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}.")
+        shapes = True if dynamic else None
         if per_layer:
             for layer in self.layers:
-                layer.compile(mode=mode)
+                layer.compile(mode=mode, dynamic=shapes)
             return
-        self._compiled_forward = torch.compile(self._forward, mode=mode)
+        self._compiled_forward = torch.compile(self._forward, mode=mode, dynamic=shapes)
         self._cuda_graphs = mode == "reduce-overhead"
 
     @contextlib.contextmanager
