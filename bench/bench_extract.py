@@ -347,6 +347,7 @@ class Bench:
                             for _ in range(max(1, self.fwd_tokens // (per_batch * self.seq_len)))]
             # The first forward runs here: the kernel choice is logged then (older transformers: at build).
             self.prefill = self.prefill_rate()
+            print(f"prefill: {self.prefill:,.0f} tokens/s (at {time.perf_counter() - t:.0f} s)", flush=True)
         finally:
             logging.getLogger("transformers").removeHandler(warnings)
         self.kernels = linear_attention_kernels(self.model, warnings.messages)
@@ -419,9 +420,11 @@ def main() -> None:
     # extraction is compared with the mean of the two measurements around it: the GPU's clocks
     # drift over minutes of load (thermals), which a single measurement at the start would bias.
     stop_rates = [b.stop_forward_rate()]
+    print(f"forward stopping after layer {max(layer_ids)}: {stop_rates[0]:,.0f} tokens/s", flush=True)
     rows = [("prefill model(ids, logits_to_keep=1)", b.prefill, None, None, stop_rates[0]),
             (f"forward stopping after layer {max(layer_ids)}", stop_rates[0], None, None, stop_rates[0])]
     own_rate = b.own_batches_rate()
+    print(f"  the same over the extraction's own batches: {own_rate:,.0f} tokens/s", flush=True)
     rows.append(("  the same over the extraction's own batches", own_rate, None, None, stop_rates[0]))
     raw = len(layer_ids) * shape["hidden_size"] * 2
     result = {"bench": "extract", "shape": args.shape, "small": args.small, "architecture": architecture,
