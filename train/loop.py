@@ -254,7 +254,7 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
                                  dynamic=cfg.compile_dynamic)
         if announce is not None:
             announce("compiling the training forward: the first steps, and a few later ones whose batch "
-                     "shapes are new to it, take longer (about 2-3 minutes in all for bench/quality's drafter "
+                     "shapes are new to it, take longer (about 3 minutes in all for bench/quality's drafter "
                      "on an H200); --no-compile trains eager")
     return drafter
 
