@@ -58,7 +58,7 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     header = next(line for line in out.splitlines() if line.startswith("| variant"))
     for column in ("samples", "epochs", "train GPU-s", "B=8 est. tau", "B=8 est. (same prompts)", "B=8 tau",
                    "B=8 speedup", "B=8 lookup tau", "B=4 est. tau", "B=4 est. (same prompts)", "B=4 tau",
-                   "B=4 lookup tau", "lossless"):
+                   "B=4 lookup tau", "B=8 tau / lookup tau, longest prompts", "lossless"):
         assert column in header
     [row] = [line for line in out.splitlines() if line.startswith("| e2 ")]
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -70,6 +70,9 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     blocks = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]
     assert all(b["longest_prompt_tokens"] == max(stages.SMALL.prompt_lengths) and 1 <= b["tau_longest_prompts"]
                for b in blocks.values())
+    b8 = blocks["8"]
+    assert cells[-2] == (f"{b8['tau_longest_prompts']:.2f} / {b8['lookup_tau_longest_prompts']:.2f} "
+                         f"({b8['longest_prompt_tokens']} tokens)")
     # The estimate is the trainer's walk over the estimate set, at the exported (best) step.
     train = json.loads((work / "stages" / "train-e2.json").read_text())
     assert train["estimator"] == "labels walk" and train["best_step"] is not None

@@ -124,7 +124,7 @@ def table(work: Work) -> str:
     for b in blocks:
         head += [f"B={b} est. tau", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} speedup",
                  f"B={b} lookup tau", f"B={b} lookup speedup"]
-    head.append("lossless")
+    head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "lossless"]
     rows = []
     for path in sorted((work.root / "stages").glob("train-*.json")):
         train = json.loads(path.read_text())
@@ -138,6 +138,10 @@ def table(work: Work) -> str:
             row += [_fmt(estimate_for(train, b)), _fmt(same_prompts_estimate(train, evaluated, b)),
                     _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
                     _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" if e else "")]
+        first = ev.get(str(blocks[0]), {})  # the longest prompts alone: where a window would show
+        row.append("–" if "tau_longest_prompts" not in first else
+                   f"{first['tau_longest_prompts']:.2f} / {first['lookup_tau_longest_prompts']:.2f} "
+                   f"({first['longest_prompt_tokens']} tokens)")
         checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
         row.append("–" if not checks else ("yes" if all(checks) else "NO"))
         rows.append(row)
