@@ -94,7 +94,7 @@ def test_heldout_split_is_stable_when_a_cache_grows(tmp_path):
     assert grown_eval & old_held <= small_eval, "the cap never brings an old sample into evaluation"
 
 
-def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, tmp_path):
+def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, tmp_path, monkeypatch):
     def data(**kw):
         cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "unused", **kw)
         return open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
@@ -106,6 +106,11 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     assert on.heldout_count == len(on.eval_indices) > 0
     assert len(on.train_indices) + on.heldout_count == len(on.caches)
     assert "noisy estimate" in on.summary()  # a dozen held-out samples: the summary says so
+    assert f"only {len(on.train_indices)} training samples" in on.summary()  # and a few dozen training ones
+    from dflash.train import loader
+
+    monkeypatch.setattr(loader, "FEW_TRAINING", len(on.train_indices))  # as many as the notice asks for
+    assert "training samples:" not in on.summary()
     off = data(eval_fraction=0)
     assert off.heldout_count == 0 and len(off.train_indices) == len(off.caches)
     assert "no held-out samples" in off.summary()

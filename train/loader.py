@@ -46,6 +46,7 @@ from .workers import worker_init
 
 LOADER_STATE_VERSION = 1
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
+FEW_TRAINING = 8192  # fewer training samples than this: the summary says what such data gave (docs/recipe.md)
 # Test-only: seconds each batch read sleeps (in the DataLoader worker when there are workers),
 # so that fault tests can signal or kill a run while a worker is busy. Never set it in real runs.
 TEST_SLEEP_PER_BATCH_ENV = "DFLASH_TEST_SLEEP_PER_BATCH"
@@ -423,6 +424,11 @@ class TrainingData:
         elif len(self.eval_indices) < FEW_HELDOUT:
             text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
                      "estimate (raise --eval-fraction or give --eval-cache)")
+        if len(self.train_indices) < FEW_TRAINING:
+            text += (f"; only {len(self.train_indices)} training samples: on the project's quality benchmark "
+                     "4,096 target completions made a drafter that lost to prompt lookup and slowed decoding "
+                     "down, 32,768 one that beat it (docs/recipe.md); more target-generated data "
+                     "(dflash-generate) helps more than more epochs")
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
                      f"truncated ({c.truncated_tokens} tokens dropped)")
