@@ -99,7 +99,7 @@ def build_record(conv: Conversation, messages: list[dict], last: Completion, ren
         prompt = list(last.prompt_token_ids)
     else:
         prompt = renderer.prompt_ids(prompt_messages, conv.tools)
-    if last.prompt_token_ids is not None and list(last.prompt_token_ids) != prompt:
+    if not last.local_prompt and last.prompt_token_ids is not None and list(last.prompt_token_ids) != prompt:
         raise ServerMismatchError(
             f"{conv.where} (id {conv.id}): the server tokenized the prompt differently from the local "
             "chat template (the template, its kwargs or the tokenizer differ). Pass the template the "

@@ -319,22 +319,19 @@ def _fsdp_no_sync(model: Any):
         model.set_requires_gradient_sync(True)
 
 
-def add_anchors(batch: dict, max_anchors: int, block_size: int, generator: torch.Generator, *,
-                pin: bool) -> None:
+def add_anchors(batch: dict, max_anchors: int, block_size: int, generator: torch.Generator) -> None:
     """Put the batch's anchors and its scored block slots (both worked out on the host, so
-    the step never waits for the GPU) into it, pinned for an asynchronous copy."""
+    the step never waits for the GPU) into it; the DataLoader pins them with the batch."""
     anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], max_anchors, generator)
     slots = scored_slots(batch["input_ids"], batch["loss_mask"], batch["lengths"], anchors, valid, block_size)
-    for name, t in (("anchor_positions", anchors), ("anchor_valid", valid), ("scored_slots", slots)):
-        batch[name] = t.pin_memory() if pin else t
+    batch.update(anchor_positions=anchors, anchor_valid=valid, scored_slots=slots)
 
 
 def draw_anchors(batch: dict, epoch: int, batch_index: int, *, seed: int, max_anchors: int,
                  block_size: int) -> None:
     """`add_anchors` with the anchor generator of global batch `batch_index` of `epoch`: the
     same draws wherever it runs (a loader worker, or the trainer's own process)."""
-    add_anchors(batch, max_anchors, block_size, torch.Generator().manual_seed(batch_seeds(seed, epoch, batch_index)[0]),
-                pin=False)
+    add_anchors(batch, max_anchors, block_size, torch.Generator().manual_seed(batch_seeds(seed, epoch, batch_index)[0]))
 
 
 def batch_seeds(seed: int, epoch: int, batch_index: int) -> tuple[int, int]:
