@@ -33,7 +33,7 @@ from dflash.cache_tools.manifest import (
     read_manifest,
 )
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.config import TrainConfig
+from dflash.train.config import TrainConfig, TrainConfigError
 from dflash.train.loader import CacheSet, eval_split, open_training_data
 from dflash.train.loop import train
 from dflash.train.metrics import VerificationWalk, block_metrics, greedy_replay
@@ -117,6 +117,30 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     other = write_tiny_cache(tmp_path / "other", samples=8, parts=2, seed=9)
     separate = data(eval_fraction=0.25, eval_cache=[str(other)])
     assert len(separate.train_indices) == len(separate.caches) and separate.heldout_count == 8
+
+
+def test_max_train_samples_draws_a_nested_subset_of_the_training_side_only(tiny_world, tmp_path):
+    def data(**kw):
+        cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "unused",
+                                eval_fraction=0.25, **kw)
+        d = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+        ids = d.caches.sample_ids()
+        return d, set(ids[d.train_indices].tolist()), set(ids[d.eval_indices].tolist())
+
+    full, full_train, full_eval = data()
+    n = len(full_train)
+    assert n >= 8, "the tiny world needs a few dozen training samples for this test"
+    half, half_train, half_eval = data(max_train_samples=n // 2)
+    quarter, quarter_train, _ = data(max_train_samples=n // 4)
+    assert len(half_train) == n // 2 and len(quarter_train) == n // 4
+    assert quarter_train < half_train < full_train, "a larger cap keeps every sample of a smaller one"
+    assert half_eval == full_eval, "the held-out samples do not move with the cap"
+    assert "--max-train-samples" in half.summary() and "--max-train-samples" not in full.summary()
+    assert half.loader.total_steps < full.loader.total_steps
+    _, all_train, _ = data(max_train_samples=10 * n)  # a cap above the data is no cap
+    assert all_train == full_train
+    with pytest.raises(TrainConfigError, match="max-train-samples"):
+        tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "unused", max_train_samples=-1)
 
 
 def test_startup_with_the_split_reads_only_the_sample_ids_of_10000_parts(tiny_world, tmp_path):

@@ -65,6 +65,9 @@ class TrainConfig:
     """Evaluate on at most this many held-out samples, the same ones every time (0: all)."""
     eval_max_batches: int = 0
     """Evaluate on at most this many held-out batches per rank (0: all)."""
+    max_train_samples: int = 0
+    """Train on at most this many of the training samples (0: all), chosen by a hash of each sample
+    id: a larger cap keeps every sample of a smaller one (for a learning curve: how tau grows with data)."""
     token_budget: int = 16384
     """Padded tokens per micro-batch (batch size x longest sample)."""
     max_batch_size: int = 64
@@ -194,7 +197,7 @@ class TrainConfig:
             if int(getattr(self, name)) < 1:
                 raise TrainConfigError(f"--{flag(name)} must be at least 1 (got {getattr(self, name)}).")
         non_negative = ("num_workers", "max_steps", "eval_interval", "save_interval", "profile_interval",
-                        "eval_max_samples", "eval_max_batches", "weight_decay", "grad_clip", "noise_start", "seed")
+                        "eval_max_samples", "eval_max_batches", "max_train_samples", "weight_decay", "grad_clip", "noise_start", "seed")
         for name in non_negative:
             if (getattr(self, name) or 0) < 0:
                 raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")

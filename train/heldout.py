@@ -34,6 +34,12 @@ def heldout_scores(sample_ids: np.ndarray) -> np.ndarray:
     return _unit_hash(sample_ids.astype(np.int64).view(np.uint64))
 
 
+def subset_scores(sample_ids: np.ndarray) -> np.ndarray:
+    """Another pseudo-random value in [0, 1) per sample id, independent of heldout_scores (the
+    --max-train-samples cap uses it, so the training subset is not drawn from the split's edge)."""
+    return _unit_hash(sample_ids.astype(np.int64).view(np.uint64) ^ np.uint64(0x5DEECE66D2545F49))
+
+
 def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> np.ndarray:
     """The `max_samples` indices of lowest score (all of them for 0), in index order; the
     chosen set only loses members as samples are added, never gains old ones."""

@@ -40,7 +40,7 @@ from dflash.cache_tools.schema import (
 )
 
 from .config import TrainConfigError
-from .heldout import cap_by_score, eval_split, heldout_scores
+from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
 from .plans import RankBatches, check_budget, plan_epoch, plan_eval
 from .workers import worker_init
 
@@ -404,6 +404,8 @@ class TrainingData:
     config: LoaderConfig
     heldout_count: int = 0
     """Samples kept out of training (of the training caches, or of --eval-cache)."""
+    train_cap: int = 0
+    """--max-train-samples, when it left samples out of training."""
 
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
         caches = self.eval_caches if self.eval_caches is not None else self.caches
@@ -415,6 +417,8 @@ class TrainingData:
         where = "in --eval-cache" if self.eval_caches is not None else "held out"
         text = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
                 f"{len(self.train_indices)} for training, {self.heldout_count} {where}")
+        if self.train_cap:
+            text += f" (training capped at {self.train_cap} samples by --max-train-samples)"
         if len(self.eval_indices) < self.heldout_count:
             text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
         text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
@@ -471,6 +475,10 @@ def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: b
     else:
         train_indices, heldout = eval_split(caches, config.eval_fraction)
         scored = caches
+    train_cap = 0
+    if config.max_train_samples and len(train_indices) > config.max_train_samples:
+        train_cap = config.max_train_samples
+        train_indices = cap_by_score(train_indices, subset_scores(caches.sample_ids()), config.max_train_samples)
     if len(train_indices) == 0:
         raise TrainConfigError(f"No training samples: the caches {config.cache} hold {len(caches)} samples "
                                f"and --eval-fraction {config.eval_fraction} holds out all of them.")
@@ -480,4 +488,5 @@ def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: b
     loader = TrainLoader(caches, train_indices, loader_config, epochs=config.epochs, rank=rank,
                          world_size=world_size, grad_accum=config.grad_accum)
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
-                        eval_indices=eval_indices, config=loader_config, heldout_count=len(heldout))
+                        eval_indices=eval_indices, config=loader_config, heldout_count=len(heldout),
+                        train_cap=train_cap)

@@ -407,6 +407,7 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
         # the held-out split (by sample id) decides the training samples; --eval-cache replaces it
         "eval_fraction": 0.0 if cfg.eval_cache else cfg.eval_fraction,
         "eval_split": "sample_id hash",
+        **({"max_train_samples": cfg.max_train_samples} if cfg.max_train_samples else {}),
         # the target's identity (cache_tools.identity): its files, never its path
         "target": comparable(target_identity(target_config, cfg.target_model)),
         "batching": {"token_budget": cfg.token_budget, "max_batch_size": cfg.max_batch_size,

@@ -10,7 +10,7 @@
 #   bash bench/quality/device.sh table
 #
 # SMALL=1 runs the CPU size (a check of the script). EVAL_BLOCKS=16 decodes at block 16 only
-# (default: main the sizes' eval_block_sizes, side 16,8). STAGES=train: main trains without decoding. WORKDIR (default /dev/shm/dflash-quality) keeps every stage; a rerun skips what is recorded.
+# (default: main the sizes' eval_block_sizes, side 16,8). STAGES=train: main and side train without decoding (STAGES=eval then decodes what they trained). WORKDIR (default /dev/shm/dflash-quality) keeps every stage; a rerun skips what is recorded.
 # RESULTS (default $OUT, else WORKDIR/results) receives results.tgz (stage records, eval
 # reports, logs, metrics.jsonl) whenever the script exits, also on a timeout's SIGTERM, so give
 # the whole command a deadline a little under the host's (`timeout 570 bash ...`).
@@ -52,7 +52,7 @@ case "$what" in
   main) for v in "$@"; do bench --stages "${STAGES:-train,eval}" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} --variant "$v"; done ;;
   side)
     for v in "$@"; do
-      bench --stages train,eval --eval-blocks "${EVAL_BLOCKS:-16,8}" --variant "$v" > "$work/side-$(echo "$v" | tr -c 'a-zA-Z0-9' '_').log" 2>&1 &
+      bench --stages "${STAGES:-train,eval}" --eval-blocks "${EVAL_BLOCKS:-16,8}" --variant "$v" > "$work/side-$(echo "$v" | tr -c 'a-zA-Z0-9' '_').log" 2>&1 &
     done
     wait ;;
   table) ;;

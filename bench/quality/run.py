@@ -131,7 +131,7 @@ def table(work: Work) -> str:
         evaluated = work.done(f"eval-{train['variant']}") or {}
         ev = evaluated.get("blocks", {})
         row = [" ".join([f"e{train['epochs']}", *train["train_args"]]),  # the epochs and the flags
-               str(data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
+               str(train.get("train_samples") or data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
                _fmt(train.get("heldout_tau_blocks"))]
         for b in blocks:
             e = ev.get(str(b), {})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -321,6 +322,7 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
         "--no-progress", "--no-tensorboard", *s.train_args, *variant.train_args], work.root / f"train-{variant.name}.log",
         env=work.child_env())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trained_on = re.search(r"(\d+) for training", (work.root / f"train-{variant.name}.log").read_text())
     evals = [r for r in records if r.get("kind") == "eval"]
     trains = [r for r in records if r.get("kind") == "train"]
     last = evals[-1] if evals else {}
@@ -330,6 +332,7 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
             "heldout_tau": best.get("heldout_tau"), "heldout_tau_half_block": best.get(_half_key(best)),
             "heldout_tau_blocks": best.get("tau_blocks"), "estimator": best.get("estimator"),
             "train_tau": trains[-1].get("tau") if trains else None,
+            "train_samples": int(trained_on.group(1)) if trained_on else None,  # the data line's count
             "block_size": json.loads((run_dir / "final" / "config.json").read_text())["block_size"]}
 
 
