@@ -69,7 +69,7 @@ def test_loss_is_the_weighted_mean_of_scored_slots_computed_by_hand():
     drafter = tiny_drafter()
     batch = hand_batch()
     gamma = 2.0
-    out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64, gamma=gamma))
+    out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64, gamma=gamma, loss_weighting="decay"))
     expected_valid = [[v for _, v in sorted(h.items())] for h in HAND_ANCHORS]
     assert out.valid[0, :3].int().tolist() == expected_valid[0]
     assert out.valid[1].int().tolist() == expected_valid[1]

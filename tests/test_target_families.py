@@ -119,11 +119,32 @@ def extract(tmp_path: Path, target: Path, *extra: str) -> Path:
     return cache
 
 
+def assert_cache_holds_each_sample_run_alone(cache: Path, model: torch.nn.Module, layer_ids: tuple[int, ...]) -> None:
+    """The states extracted in padded batches of unequal lengths are those of each sample run
+    alone (layer i's output is hidden_states[i + 1]), up to the bf16 codec's rounding; a row of
+    another sample or position, or padding leaking into a real token, is off by ~1."""
+    reader = CacheReader(cache)
+    try:
+        assert len({len(reader.read_sample(i)["input_ids"]) for i in range(len(reader))}) > 1
+        for i in range(len(reader)):
+            sample = reader.read_sample(i)
+            with torch.no_grad():
+                states = model(sample["input_ids"].long()[None], output_hidden_states=True).hidden_states
+            got = sample["hidden"].float().chunk(len(layer_ids), dim=-1)
+            for layer, cached in zip(layer_ids, got):
+                ref = states[layer + 1][0].float()
+                err = float((cached - ref).norm() / ref.norm())
+                assert err < 1e-2, f"sample {i}, layer {layer}: relative error {err:.4f}"
+    finally:
+        reader.close()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_extracts_trains_exports_and_decodes_losslessly(tmp_path, family):
     make_config, drafter_settings = FAMILIES[family]
     target, model = save_target(tmp_path / "target", make_config())
     cache = extract(tmp_path, target)
+    assert_cache_holds_each_sample_run_alone(cache, model, layer_ids=(1, 3))
 
     run = tmp_path / "run"
     result = train(tiny_train_config(cache, target, run, num_draft_layers=2, max_steps=4, epochs=1,

@@ -143,8 +143,8 @@ def test_force_given_to_two_ranks_wipes_the_old_cache_once(soft_caches, tmp_path
 
 
 def test_acceptance_loss_weighting_and_wsd_schedule_train_and_change_the_run(tiny_world, tmp_path):
-    runs = {"decay": {"lr_schedule": "cosine"}, "acceptance": {"loss_weighting": "acceptance", "lr_schedule": "cosine"},
-            "wsd": {}}  # wsd is the default schedule
+    runs = {"decay": {"loss_weighting": "decay", "lr_schedule": "cosine"}, "acceptance": {"lr_schedule": "cosine"},
+            "wsd": {"loss_weighting": "decay"}}  # acceptance weighting and wsd are the defaults
     records = {}
     for name, options in runs.items():
         train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / name, max_steps=4,

@@ -78,7 +78,7 @@ class ObjectiveConfig:
     """Most anchors drawn per sequence (fewer when the completion is shorter)."""
     gamma: float | None = None
     """Decay of the per-position loss weights; None uses `default_gamma(block_size)`."""
-    loss_weighting: str = "decay"
+    loss_weighting: str = "acceptance"
     """"decay" (exp(-(k-1)/gamma)) or "acceptance" (`acceptance_weights`)."""
     noise_type: str = "none"
     """Noise added to the cached hidden states: "none", "uniform" U(-a, a) or "gaussian" N(0, a^2)."""
