@@ -3,7 +3,7 @@
 # Usage (from the repository root, on a GPU host with the project installed):
 #   bash bench/gpu_benchmarks.sh extract   # ~3.5 min: prefill, stop-after-last-layer (also over the extraction's own batches), bf16 and fp8 extraction, 1M tokens
 #                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5.5 min, 59 GB of cache in SCRATCH)
-#   bash bench/gpu_benchmarks.sh seed27b   # not yet run to its end (estimated 7-9 min): the Qwen3.6-27B-shaped hybrid target's extraction (flash-linear-attention
+#   bash bench/gpu_benchmarks.sh seed27b   # ~7 min at 65K tokens (EXTRACT_TOKENS=65536 FORWARD_TOKENS=32768; the 256K default is longer): the Qwen3.6-27B-shaped hybrid target's extraction (flash-linear-attention
 #                                          # wheels needed), its drafter's training step, and the GPU-hours table of both;
 #                                          # the figures as JSON in RESULTS (default $OUT, else /tmp/dflash-seed27b)
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
@@ -30,7 +30,8 @@ for what in "$@"; do
       ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ;;
     seed27b)
       results=${RESULTS:-${OUT:-/tmp/dflash-seed27b}}; mkdir -p "$results"
-      python3 bench/bench_extract.py --shape 27b-hybrid --output "$scratch/extract27" --json "$results/extract-27b-hybrid.json"
+      python3 bench/bench_extract.py --shape 27b-hybrid --output "$scratch/extract27" --json "$results/extract-27b-hybrid.json" \
+        ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ${FORWARD_TOKENS:+--forward-tokens "$FORWARD_TOKENS"}
       rm -rf "$scratch/extract27"
       python3 bench/bench_train.py --shape 27b --workdir "$scratch/train27" --samples 64 --steps 40 --warmup-steps 8 \
         --compile --json "$results/train-27b.json"
