@@ -180,7 +180,11 @@ def sync(device: torch.device) -> None:
 
 
 def time_forward(fn, batches: list[torch.Tensor], device: torch.device) -> float:
-    fn(batches[0])  # warm-up
+    """Real tokens/s of `fn` over `batches`, after one warm-up call per distinct batch shape (kernels
+    that autotune or compile per shape, such as flash-linear-attention's, pay that once, not in
+    the timed pass)."""
+    for ids in {tuple(b.shape): b for b in batches}.values():
+        fn(ids)
     sync(device)
     t = time.perf_counter()
     for ids in batches:
