@@ -76,6 +76,7 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     # The estimate is the trainer's walk over the estimate set, at the exported (best) step.
     train = json.loads((work / "stages" / "train-e2.json").read_text())
     assert train["estimator"] == "labels walk" and train["best_step"] is not None
+    assert train["train_samples"] == stages.SMALL.completions  # the trainer's data line, read back
     assert cells[5] == f"{train['heldout_tau']:.2f}"  # B=8 est. tau: the drafter's own block
     # est. (same prompts): dflash-train estimate over the decoded prompts' completions, both blocks.
     same = json.loads((work / "stages" / "eval-e2.json").read_text())["estimate_same_prompts"]
