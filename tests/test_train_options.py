@@ -19,6 +19,7 @@ from conftest import (
 )
 from dflash.cache_tools.manifest import read_manifest
 from dflash.train.cli import main as train_main
+from dflash.train.config import TrainConfigError
 from dflash.train.export import load_drafter
 from dflash.train.loader import CacheSet
 from dflash.train.loop import train
@@ -150,6 +151,11 @@ def test_acceptance_loss_weighting_and_wsd_schedule_train_and_change_the_run(tin
         train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / name, max_steps=4,
                                 eval_fraction=0.0, **options))
         records[name] = [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
+    # --gamma belongs to the decay weighting: with the default (acceptance) it is refused, not ignored.
+    with pytest.raises(TrainConfigError, match="--loss-weighting decay"):
+        tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "g", gamma=3.0)
+    assert tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "g", gamma=3.0,
+                             loss_weighting="decay").gamma == 3.0
     # Same init, same batches: the weighting changes the first step's loss, the schedule its lr.
     assert records["acceptance"][0]["loss"] != records["decay"][0]["loss"]
     assert records["wsd"][0]["loss"] == records["decay"][0]["loss"]

@@ -223,6 +223,11 @@ class TrainConfig:
                 self.profile_interval = int(os.environ["DFLASH_PROFILE_INTERVAL"])
             except ValueError:
                 raise TrainConfigError("DFLASH_PROFILE_INTERVAL must be an integer.") from None
+        if self.gamma is not None and self.loss_weighting != "decay":
+            raise TrainConfigError(f"--gamma {self.gamma} sets the exp-decay loss weights, but --loss-weighting is "
+                                   f"{self.loss_weighting} (the default since tau 5.01 vs 4.56 on the quality "
+                                   "benchmark, docs/recipe.md), which does not use it: add --loss-weighting decay "
+                                   "to train with the decay, or drop --gamma.")
         try:
             self.objective_config()
         except ValueError as e:
