@@ -1,4 +1,4 @@
-"""`dflash-demo`: the whole pipeline on CPU in a few minutes, from a corpus the package ships.
+"""`dflash-demo`: the whole pipeline on CPU in about 80 s on 2 cores, from a corpus the package ships.
 
 Steps (each writes into the work directory, see docs/demo.md):
 
