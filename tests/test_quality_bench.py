@@ -84,6 +84,16 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert same["estimator"] == train["estimator"]
     assert cells[6] == f"{same['tau']:.2f}" and cells[6 + 6] == f"{same['tau_b4']:.2f}"
     assert 1.0 <= same["tau_b4"] <= 4.0 and 1.0 <= same["tau"] <= 8.0  # a walk at width B accepts 1..B a cycle
+    assert train["sharing_gpu"] == 1 and "sharing" not in row and "shared" not in row  # run alone
+
+    # Variants run side by side (device.sh side) share the device: the table says so of their times.
+    for name in ("train-e2", "eval-e2"):
+        record = work / "stages" / f"{name}.json"
+        record.write_text(json.dumps({**json.loads(record.read_text()), "sharing_gpu": 3}))
+    assert quality.main(["--small", "--workdir", str(work), "--device", "cpu", "--stages", "table"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| e2 ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3].endswith("(3 sharing)") and cells[8].endswith("x (shared)") and cells[10].endswith("x (shared)")
 
 
 def test_a_workdir_of_other_settings_is_refused(tmp_path, capsys):

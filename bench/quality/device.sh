@@ -6,7 +6,8 @@
 #   bash bench/quality/device.sh main "2"             # one variant alone: train, then decode at 16 and 8
 #   bash bench/quality/device.sh side "1" "1 --lr-schedule cosine" ...
 #                                                     # variants trained and decoded side by side
-#                                                     # (their taus are exact; their times are shared)
+#                                                     # (their taus are exact; their times are shared,
+#                                                     # and the table marks them so)
 #   bash bench/quality/device.sh table
 #
 # SMALL=1 runs the CPU size (a check of the script). EVAL_BLOCKS=16 decodes at block 16 only
@@ -51,6 +52,7 @@ case "$what" in
   prep) bench --stages target,generate,extract --variant 1 ;;
   main) for v in "$@"; do bench --stages "${STAGES:-train,eval}" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} --variant "$v"; done ;;
   side)
+    export DFLASH_QUALITY_SIDE_BY_SIDE=$#  # the table marks their seconds as shared
     for v in "$@"; do
       bench --stages "${STAGES:-train,eval}" --eval-blocks "${EVAL_BLOCKS:-16,8}" --variant "$v" > "$work/side-$(echo "$v" | tr -c 'a-zA-Z0-9' '_').log" 2>&1 &
     done

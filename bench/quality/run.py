@@ -131,13 +131,15 @@ def table(work: Work) -> str:
         evaluated = work.done(f"eval-{train['variant']}") or {}
         ev = evaluated.get("blocks", {})
         row = [" ".join([f"e{train['epochs']}", *train["train_args"]]),  # the epochs and the flags
-               str(train.get("train_samples") or data.get("samples", "–")), str(train["epochs"]), _fmt(train["seconds"], ".0f"),
+               str(train.get("train_samples") or data.get("samples", "–")), str(train["epochs"]),
+               _fmt(train["seconds"], ".0f") + (f" ({train['sharing_gpu']} sharing)" if train.get("sharing_gpu", 1) > 1 else ""),
                _fmt(train.get("heldout_tau_blocks"))]
+        shared = " (shared)" if evaluated.get("sharing_gpu", 1) > 1 else ""  # decoded beside other variants
         for b in blocks:
             e = ev.get(str(b), {})
             row += [_fmt(estimate_for(train, b)), _fmt(same_prompts_estimate(train, evaluated, b)),
-                    _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" if e else ""),
-                    _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" if e else "")]
+                    _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" + shared if e else ""),
+                    _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" + shared if e else "")]
         first = ev.get(str(blocks[0]), {})  # the longest prompts alone: where a window would show
         row.append("–" if "tau_longest_prompts" not in first else
                    f"{first['tau_longest_prompts']:.2f} / {first['lookup_tau_longest_prompts']:.2f} "

@@ -333,7 +333,20 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
             "heldout_tau_blocks": best.get("tau_blocks"), "estimator": best.get("estimator"),
             "train_tau": trains[-1].get("tau") if trains else None,
             "train_samples": int(trained_on.group(1)) if trained_on else None,  # the data line's count
+            "sharing_gpu": sharing_gpu(),
             "block_size": json.loads((run_dir / "final" / "config.json").read_text())["block_size"]}
+
+
+SHARED_ENV = "DFLASH_QUALITY_SIDE_BY_SIDE"
+"""Set by `device.sh side` to the number of variants run at once: their seconds are shared figures."""
+
+
+def sharing_gpu() -> int:
+    """How many benchmark processes ran on the device at once (1: alone)."""
+    try:
+        return max(1, int(os.environ.get(SHARED_ENV, "1")))
+    except ValueError:
+        return 1
 
 
 def _half_key(record: dict[str, Any]) -> str | None:
@@ -399,4 +412,5 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
         }
         work.log(f"  block {block}: drafter tau {r['tau']:.2f} ({r['speedup']:.2f}x), "
                  f"prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
-    return {"variant": variant.name, "estimate_same_prompts": same_prompts, "blocks": results}
+    return {"variant": variant.name, "estimate_same_prompts": same_prompts, "blocks": results,
+            "sharing_gpu": sharing_gpu()}
