@@ -114,3 +114,17 @@ def test_variant_names_keep_every_flag_apart_and_clashes_are_refused():
     with pytest.raises(quality.BenchError, match="share the run directory"):
         quality.parse_variants(["1 --draft-layer-types sliding --draft-sliding-window 128",
                                 "1 --draft-layer-types sliding-draft --sliding-window 128"])
+
+
+def test_a_larger_vocabulary_pads_the_target_with_ids_no_text_uses():
+    """--set vocab_size=N (a real target's vocabulary size, for the drafter's shared head) pads the
+    byte vocabulary; the bytes and specials keep their ids, and a smaller one is refused."""
+    import target
+
+    sizes = quality.apply_overrides(stages.SMALL, ["vocab_size=1000"])
+    assert sizes.vocab_size == 1000 and stages.SMALL.vocab_size == corpus.VOCAB_SIZE
+    model = target.build_target(sizes.target_hidden, sizes.target_layers, sizes.seed, vocab_size=sizes.vocab_size)
+    assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().weight.shape[0] == 1000
+    assert model.config.eos_token_id == corpus.EOS_ID and corpus.MASK_ID < corpus.VOCAB_SIZE
+    with pytest.raises(ValueError, match="below"):
+        target.build_target(64, 2, 0, vocab_size=corpus.VOCAB_SIZE - 1)

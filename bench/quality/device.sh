@@ -21,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 work=${WORKDIR:-/dev/shm/dflash-quality}
 results=${RESULTS:-${OUT:-$work/results}}
-sets=(--set extract_args=--store-topk,8)
+sets=(--set extract_args=--store-topk,8 ${QUALITY_SETS:-})  # QUALITY_SETS: more, e.g. "--set vocab_size=32768" (its own WORKDIR)
 mkdir -p "$work" "$results"
 
 if ! python3 -c "import dflash.train.cli" 2>/dev/null; then

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from corpus import MASK_ID, Document, corpus_digest, cut_prompts, load_corpus, token_stream
+from corpus import (
+    MASK_ID,
+    VOCAB_SIZE,
+    Document,
+    corpus_digest,
+    cut_prompts,
+    load_corpus,
+    token_stream,
+)
 from target import build_target, complete, mean_loss, train_target
 
 
@@ -63,6 +71,9 @@ class Sizes:
     """Extra dflash-train flags every variant gets (sizes for a CPU run)."""
     extract_args: tuple[str, ...] = ()
     """Extra dflash-extract flags."""
+    vocab_size: int = VOCAB_SIZE
+    """The target's vocabulary: 256 bytes and 4 specials, padded with ids no text uses when larger
+    (e.g. 32768, to see what a real target's large vocabulary changes for the drafter)."""
     seed: int = 0
     cpu_threads: int = 0
     """torch threads on CPU, also for the child commands (0: torch's default)."""
@@ -153,7 +164,7 @@ def stage_target(work: Work) -> dict[str, Any]:
     work.log(f"corpus: {len(train)} training files ({sum(len(d.data) for d in train) / 1e6:.1f} MB), "
              f"{len(held)} held-out files ({sum(len(d.data) for d in held) / 1e6:.1f} MB)")
     start = time.perf_counter()
-    model = build_target(s.target_hidden, s.target_layers, s.seed)
+    model = build_target(s.target_hidden, s.target_layers, s.seed, vocab_size=s.vocab_size)
     params = sum(p.numel() for p in model.parameters())
     trained = train_target(model, token_stream(train), steps=s.target_steps, batch_size=s.target_batch,
                            seq_len=s.target_seq_len, lr=s.target_lr, seed=s.seed, device=device, log=work.log)

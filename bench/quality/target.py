@@ -12,14 +12,18 @@ from corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from dflash.train.speculative import forward_with_cache, new_kv_cache
 
 
-def build_target(hidden_size: int, num_layers: int, seed: int) -> Any:
-    """A randomly initialized Qwen3 causal LM over the byte vocabulary (head width 64, or less)."""
+def build_target(hidden_size: int, num_layers: int, seed: int, vocab_size: int = VOCAB_SIZE) -> Any:
+    """A randomly initialized Qwen3 causal LM over the byte vocabulary (head width 64, or less).
+    A `vocab_size` above the bytes and specials adds ids no text uses: training drives their
+    logits down, as a real target's rare tokens, and the drafter shares their head rows."""
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size} is below the {VOCAB_SIZE} ids of the bytes and specials.")
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     head_dim = min(64, hidden_size // 2)
     heads = hidden_size // head_dim
     config = Qwen3Config(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=(8 * hidden_size) // 3 // 64 * 64 or 128,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=(8 * hidden_size) // 3 // 64 * 64 or 128,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 3),
         head_dim=head_dim, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
