@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of docs/BENCHMARKS.md, in as few device calls as possible.
+# Every GPU figure of docs/BENCHMARKS.md, in as few GPU runs as possible.
 # Usage (from the repository root, on a GPU host with the project installed):
 #   bash bench/gpu_benchmarks.sh extract   # ~3.5 min: prefill, stop-after-last-layer (also over the extraction's own batches), bf16 and fp8 extraction, 1M tokens
 #                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5.5 min, 59 GB of cache in SCRATCH)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quality benchmark on one GPU host in as few device minutes as possible.
+# The quality benchmark on one GPU host in as few GPU minutes as possible.
 #
 #   bash bench/quality/device.sh prep                 # generate + extract (the target stage if
 #                                                     # WORKDIR/target is not there: ~2.5 min more)

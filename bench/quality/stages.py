@@ -1,6 +1,6 @@
 """The benchmark's stages. Each reads what the earlier ones left in the work directory and
 records its result in `stages/<name>.json` (written last), so that a stage already done is
-skipped on a rerun and one device call can do one or two stages."""
+skipped on a rerun and one run of a few minutes can do one or two stages."""
 
 from __future__ import annotations
 
