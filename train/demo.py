@@ -243,6 +243,16 @@ def run_stage(name: str, module: str, args: list[str], log_path: Path) -> None:
                         f"above, the whole log is {log_path}.")
 
 
+def drafter_train_args(cache: Path, target_dir: Path, run_dir: Path, sizes: DemoSizes, seed: int) -> list[str]:
+    """The `dflash-train` flags of stage 4 (the trainer's defaults otherwise)."""
+    return ["--cache", str(cache), "--target-model", str(target_dir), "--output-dir", str(run_dir),
+            "--max-steps", str(sizes.drafter_steps), "--block-size", str(sizes.block_size),
+            "--num-draft-layers", str(sizes.drafter_layers), "--seed", str(seed), "--epochs", "1000",
+            "--lr", str(sizes.drafter_lr), "--max-anchors", str(sizes.max_anchors),
+            "--max-batch-size", str(sizes.drafter_batch_size), "--num-workers", "0", "--dtype", "fp32",
+            "--device", "cpu", "--save-interval", "0", "--log-interval", "50", "--no-progress", "--no-tensorboard"]
+
+
 def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print,
              train_anew: bool = False) -> dict[str, Any]:
     """All five stages; returns the report (also written to workdir/demo_report.json).
@@ -288,14 +298,8 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print,
     # The demo's own run from an earlier demo (of other sizes, or a finished one): start anew,
     # as the target and the cache were (resuming would refuse or train nothing).
     shutil.rmtree(run_dir, ignore_errors=True)
-    run_stage("dflash-train", "dflash.train.cli", [
-        "--cache", str(cache), "--target-model", str(target_dir), "--output-dir", str(run_dir),
-        "--max-steps", str(sizes.drafter_steps), "--block-size", str(sizes.block_size),
-        "--num-draft-layers", str(sizes.drafter_layers), "--seed", str(seed), "--epochs", "1000",
-        "--lr", str(sizes.drafter_lr), "--max-anchors", str(sizes.max_anchors),
-        "--max-batch-size", str(sizes.drafter_batch_size), "--num-workers", "0", "--dtype", "fp32",
-        "--device", "cpu", "--save-interval", "0", "--log-interval", "50", "--no-progress", "--no-tensorboard"],
-        workdir / "train.log")
+    run_stage("dflash-train", "dflash.train.cli", drafter_train_args(cache, target_dir, run_dir, sizes, seed),
+              workdir / "train.log")
     lap("train")
 
     log("[5/5] dflash-eval on held-out prompts")
