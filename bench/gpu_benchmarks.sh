@@ -5,7 +5,9 @@
 #                                          # (EXTRACT_TOKENS=2097152: 2M tokens, ~5.5 min, 59 GB of cache in SCRATCH)
 #   bash bench/gpu_benchmarks.sh seed27b   # ~7 min at 65K tokens (EXTRACT_TOKENS=65536 FORWARD_TOKENS=32768; the 256K default is longer): the Qwen3.6-27B-shaped hybrid target's extraction (flash-linear-attention
 #                                          # wheels needed), its drafter's training step, and the GPU-hours table of both;
-#                                          # the figures as JSON in RESULTS (default $OUT, else /tmp/dflash-seed27b)
+#                                          # the figures as JSON in RESULTS (default $OUT, else /tmp/dflash-seed27b);
+#                                          # SEED27B_SHAPE=27b-dense extracts a dense Qwen3 of that size instead, SKIP_TRAIN=1
+#                                          # extracts only (then `python3 bench/gpu_hours.py EXTRACT.json TRAIN.json` makes the table)
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
@@ -30,13 +32,15 @@ for what in "$@"; do
       ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ;;
     seed27b)
       results=${RESULTS:-${OUT:-/tmp/dflash-seed27b}}; mkdir -p "$results"
-      python3 bench/bench_extract.py --shape 27b-hybrid --output "$scratch/extract27" --json "$results/extract-27b-hybrid.json" \
+      shape=${SEED27B_SHAPE:-27b-hybrid}  # 27b-dense: a dense Qwen3 of the same size (no linear-attention kernels)
+      python3 bench/bench_extract.py --shape "$shape" --output "$scratch/extract27" --json "$results/extract-$shape.json" \
         ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ${FORWARD_TOKENS:+--forward-tokens "$FORWARD_TOKENS"}
       rm -rf "$scratch/extract27"
+      if [ -n "${SKIP_TRAIN:-}" ]; then continue; fi
       python3 bench/bench_train.py --shape 27b --workdir "$scratch/train27" --samples 64 --steps 40 --warmup-steps 8 \
         --compile --json "$results/train-27b.json"
       rm -rf "$scratch/train27"
-      python3 bench/gpu_hours.py "$results/extract-27b-hybrid.json" "$results/train-27b.json" | tee "$results/gpu-hours-27b.md" ;;
+      python3 bench/gpu_hours.py "$results/extract-$shape.json" "$results/train-27b.json" | tee "$results/gpu-hours-$shape.md" ;;
     fp8) (cd bench && python3 bench_fp8.py) ;;
     train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --trace-steps 3 ;;
     train2)
