@@ -17,6 +17,7 @@ weighting): tau, cycles, speedup, prompt lookup's tau, lossless.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -29,18 +30,12 @@ from dflash.train.eval_cli import run_eval
 def run_vocabulary(workdir: Path, vocab: int, sizes: demo.DemoSizes, seed: int) -> list[dict]:
     """The demo with its target's vocabulary padded to `vocab` (0: as shipped), then its drafter
     trained again with the decay weighting; both drafters decoded on the demo's held-out prompts."""
-    native = demo.vocab_size
-    if vocab:
-        if vocab < native():
-            raise SystemExit(f"--vocab-sizes {vocab} is below the demo's {native()} ids.")
-        demo.vocab_size = lambda: vocab  # build_target reads it; the child commands read config.json
-    try:
-        start = time.perf_counter()
-        report = demo.run_demo(workdir, sizes, seed, log=lambda *_: None, train_anew=bool(vocab))
-        prepared = time.perf_counter() - start
-    finally:
-        demo.vocab_size = native
-    rows = [row(vocab or native(), "acceptance (default)", report["eval"], report["timings_s"]["train"])]
+    sizes = dataclasses.replace(sizes, vocab_size=vocab)  # a padded one trains a target anew
+    start = time.perf_counter()
+    report = demo.run_demo(workdir, sizes, seed, log=lambda *_: None)
+    prepared = time.perf_counter() - start
+    shown = vocab or demo.vocab_size()
+    rows = [row(shown, "acceptance (default)", report["eval"], report["timings_s"]["train"])]
     run_dir = workdir / "run-decay"
     shutil.rmtree(run_dir, ignore_errors=True)
     start = time.perf_counter()
@@ -50,8 +45,8 @@ def run_vocabulary(workdir: Path, vocab: int, sizes: demo.DemoSizes, seed: int) 
     trained = time.perf_counter() - start
     evaluated = run_eval(str(workdir / "target"), str(run_dir / "final"), [str(workdir / "heldout_prompts.jsonl")],
                          max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="fp32")
-    rows.append(row(vocab or native(), "decay", evaluated, trained))
-    print(f"  vocabulary {vocab or native()}: demo {prepared:.0f} s (target loss {report['target_final_loss']:.3f}), "
+    rows.append(row(shown, "decay", evaluated, trained))
+    print(f"  vocabulary {shown}: demo {prepared:.0f} s (target loss {report['target_final_loss']:.3f}), "
           f"decay drafter {trained:.0f} s", flush=True)
     return rows
 

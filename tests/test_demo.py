@@ -82,6 +82,11 @@ def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(
     assert not demo.shipped_target_fits(sizes, seed=1)
     assert demo.shipped_target_fits(demo.SMALL, seed=0)  # --small uses it too
     assert not demo.shipped_target_fits(demo.DemoSizes(target_steps=10), seed=0)
+    padded = demo.DemoSizes(vocab_size=1024)  # a padded vocabulary is never the shipped target's
+    assert not demo.shipped_target_fits(padded, seed=0)
+    assert demo.build_target(padded).get_output_embeddings().weight.shape[0] == 1024
+    with pytest.raises(demo.DemoError, match="below"):
+        demo.build_target(demo.DemoSizes(vocab_size=demo.vocab_size() - 1))
     built = demo.build_target(sizes).config
     shipped = json.loads((demo.SHIPPED_TARGET / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -83,6 +83,9 @@ class DemoSizes:
     """Held-out prompts for dflash-eval."""
     eval_new_tokens: int = 96
     """dflash-eval --max-new-tokens."""
+    vocab_size: int = 0
+    """Target vocabulary: 0 for the alphabet's ids (rounded up to 64); larger pads it with ids no
+    text uses, for a target trained anew (bench/bench_vocab_weighting.py)."""
 
 
 SMALL = DemoSizes(num_completions=300, completion_tokens=48, drafter_steps=160, drafter_batch_size=16,
@@ -124,9 +127,12 @@ def load_documents(path: Path = CORPUS) -> list[str]:
 def build_target(sizes: DemoSizes) -> Any:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if sizes.vocab_size and sizes.vocab_size < vocab_size():
+        raise DemoError(f"vocab_size {sizes.vocab_size} is below the alphabet's {vocab_size()} ids.")
+
     heads = max(2, sizes.hidden_size // 32)
     config = Qwen3Config(
-        vocab_size=vocab_size(), hidden_size=sizes.hidden_size, intermediate_size=3 * sizes.hidden_size,
+        vocab_size=sizes.vocab_size or vocab_size(), hidden_size=sizes.hidden_size, intermediate_size=3 * sizes.hidden_size,
         num_hidden_layers=sizes.target_layers, num_attention_heads=heads, num_key_value_heads=heads // 2 or 1,
         head_dim=sizes.hidden_size // heads, max_position_embeddings=1024, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -165,7 +171,8 @@ def shipped_target_fits(sizes: DemoSizes, seed: int) -> bool:
     if not info_path.is_file():
         return False
     info = json.loads(info_path.read_text())
-    return info["seed"] == seed and all(info["sizes"][k] == getattr(sizes, k) for k in TARGET_SIZE_FIELDS)
+    return (info["seed"] == seed and not sizes.vocab_size
+            and all(info["sizes"][k] == getattr(sizes, k) for k in TARGET_SIZE_FIELDS))
 
 
 def prepare_target(target_dir: Path, documents: list[str], sizes: DemoSizes, seed: int, train_anew: bool,
