@@ -69,3 +69,41 @@ def test_the_figures_are_read_from_a_bench_s_captured_output(tmp_path):
     empty.write_text("no figures here\n")
     with pytest.raises(SystemExit, match="no JSON object"):
         gpu_hours.read_figures(empty)
+
+
+def test_the_extraction_check_passes_a_real_cache_and_catches_a_row_out_of_place(tmp_path, monkeypatch):
+    import bench_extract
+    import torch
+    from dflash.cache_tools.reader import CacheReader
+    from dflash.extract.config import ExtractConfig
+    from dflash.extract.pipeline import run_extraction
+
+    torch.manual_seed(0)
+    architecture, _, small = bench_extract.SHAPES["8b"]
+    model = bench_extract.build_model(bench_extract.build_config(architecture, {**small, "num_hidden_layers": 4}),
+                                      torch.device("cpu"))
+    data = tmp_path / "data.jsonl"
+    bench_extract.write_data(data, tokens=2048, seq_len=96, vocab=small["vocab_size"])
+    cache = tmp_path / "cache"
+    layers = [1, 2]
+    run_extraction(ExtractConfig(target_model="tiny", data=str(data), output=str(cache), codec="bf16",
+                                 target_layer_ids=layers, token_budget=512, device="cpu", progress=False),
+                   model=model)
+    errors, floor = bench_extract.check_cache(cache, model, layers, 3, torch.device("cpu"))
+    assert len(errors) == len(floor) == 2 and max(errors) < 0.03
+    assert bench_extract.check_passes(errors, floor, 0.03)
+
+    read = CacheReader.read_sample
+
+    def shifted(self, index):  # the states of each sample one position late: a gather off by a row
+        sample = read(self, index)
+        sample["hidden"] = torch.roll(sample["hidden"], 1, dims=0)
+        return sample
+
+    monkeypatch.setattr(CacheReader, "read_sample", shifted)
+    errors, floor = bench_extract.check_cache(cache, model, layers, 3, torch.device("cpu"))
+    assert min(errors) > 0.3
+    assert not bench_extract.check_passes(errors, floor, 0.03)
+    # Rounding that the batched forward itself shows passes; the same error without it does not.
+    assert bench_extract.check_passes([0.004, 0.05], [0.003, 0.045], 0.03)
+    assert not bench_extract.check_passes([0.004, 0.05], [0.0, 0.0], 0.03)
