@@ -8,8 +8,10 @@ prints one row per extraction codec:
 
 How each figure is derived (B = 1e9 tokens, all tokens of a sample counted, prompt included, as
 both benches and the online pipeline's rate count them):
-  extract     GPU-h = 1 GPU x B / (full-extraction tokens/s of that codec) / 3600. The rate is
-              bench_extract's timed span (first batch to last commit), on one GPU.
+  extract     GPU-h = G x B / (full-extraction tokens/s of that codec) / 3600. The rate is
+              bench_extract's timed span (first batch to last commit) on one GPU (G = 1), or
+              bench_scale.py's aggregate over its G ranks (first batch of any rank to the last
+              commit of any rank; its figures carry `gpus`).
   train       GPU-h = P x epochs x B / (context tokens/s) / 3600, where context tokens/s is
               bench_train's rate summed over its P processes (one GPU each). Measured on a bf16
               cache; an fp8 cache changes what the loader decodes, not the step.
@@ -96,8 +98,10 @@ def gpu_hours(extract: dict[str, Any], train: dict[str, Any], *, epochs: int = E
     for codec, fig in extract["extract"].items():
         rate = fig["tokens_per_second"]
         shape = extract["shape"] + (" (small, CPU)" if extract.get("small") else "")
-        rows.append(Row(what=f"{shape}, {codec}", extract_tokens_per_second=rate,
-                        train_tokens_per_second=train_rate, extract_gpu_hours=BILLION / rate / 3600,
+        gpus = extract.get("gpus", 1)
+        what = f"{shape}{f' on {gpus} GPUs' if gpus > 1 else ''}, {codec}"
+        rows.append(Row(what=what, extract_tokens_per_second=rate,
+                        train_tokens_per_second=train_rate, extract_gpu_hours=gpus * BILLION / rate / 3600,
                         train_gpu_hours=train_hours, online_gpu_hours=online))
     return rows
 

@@ -107,3 +107,27 @@ def test_the_extraction_check_passes_a_real_cache_and_catches_a_row_out_of_place
     # Rounding that the batched forward itself shows passes; the same error without it does not.
     assert bench_extract.check_passes([0.004, 0.05], [0.003, 0.045], 0.03)
     assert not bench_extract.check_passes([0.004, 0.05], [0.0, 0.0], 0.03)
+
+
+def test_scale_bench_kills_a_rank_and_the_resumed_cache_is_the_shared_run_s(tmp_path):
+    import subprocess
+
+    out = tmp_path / "scale.json"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_scale.py"
+    proc = subprocess.run([sys.executable, str(bench), "--gpus", "2", "--small", "--tokens-per-gpu", "3072",
+                           "--workdir", str(tmp_path / "work"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    killed = figures["killed"]
+    assert killed["parts_at_kill"] >= 2 and killed["resumed_parts_written"] >= 1
+    assert killed["same_parts_as_shared"] and killed["duplicate_parts"] == 0 and killed["verify_status"] == 0
+    assert killed["samples"] == killed["data_samples"] > 0
+    shared = figures["shared"]
+    assert shared["verify_status"] == 0 and len(shared["per_rank_tokens_per_second"]) == 2
+    assert 1.5 * figures["single"]["tokens"] < shared["tokens"] < 2.5 * figures["single"]["tokens"]
+    # bench/gpu_hours.py counts every rank's GPU for the extraction's hours.
+    (row,) = gpu_hours.gpu_hours(figures, {"context_tokens_per_second": 1e5, "processes": 1})
+    assert row.extract_gpu_hours == pytest.approx(2 * 1e9 / figures["extract"]["bf16"]["tokens_per_second"] / 3600)
+    assert "on 2 GPUs" in row.what
+    assert not (tmp_path / "work").exists()  # removed without --keep
