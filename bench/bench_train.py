@@ -251,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
+    parser.add_argument("--resume-run", action="store_true",
+                        help="continue the run a --keep run left in --workdir from its last checkpoint (on any "
+                             "number of processes: a resume on another world size) for --warmup-steps + --steps "
+                             "more steps, and measure those")
     parser.add_argument("--json", help="also write the figures (the JSON printed at the end) to this file")
     return parser
 
@@ -273,7 +277,13 @@ def main() -> None:
     target, cache, run = work / "target", work / "cache", work / "run"
     # Under torchrun (DDP over the GPUs of one host) rank 0 prepares the data, the others wait.
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if rank == 0:
+    resumed_from = 0
+    if a.resume_run:
+        saved = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
+        if not saved:
+            parser.error(f"--resume-run: {run / 'checkpoints'} holds no checkpoint; run the bench with --keep first.")
+        resumed_from = int(saved[-1].name.removeprefix("step-"))
+    elif rank == 0:
         shutil.rmtree(run, ignore_errors=True)
     ready = work / f"ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
     start = time.perf_counter()
@@ -294,7 +304,7 @@ def main() -> None:
         block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len * batch,
         max_batch_size=batch,
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
-        max_steps=warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
+        max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run, log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
         profile_interval=a.profile_interval,
     )
@@ -308,7 +318,7 @@ def main() -> None:
         elif current is not None:
             value = type(current)(value)
         setattr(config, name, value)
-    if warmup % config.log_interval or steps % config.log_interval:
+    if (resumed_from + warmup) % config.log_interval or steps % config.log_interval:
         config.log_interval = 1
     train_start = time.perf_counter()
     if a.trace_steps:
@@ -320,7 +330,10 @@ def main() -> None:
         return
     ready.unlink(missing_ok=True)
 
-    result = summarize(run, config, shape, a.shape, warmup=warmup, steps=steps, world=world)
+    result = summarize(run, config, shape, a.shape, warmup=resumed_from + warmup, steps=steps, world=world)
+    if a.resume_run:
+        result["resumed_from_step"] = resumed_from
+        print(f"resumed from step {resumed_from} on {world} process(es)", flush=True)
     result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained)
     print(json.dumps(result, indent=1))
     if a.json:

@@ -11,6 +11,11 @@
 #   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
+#   bash bench/gpu_benchmarks.sh scale     # 2-8 GPUs of one host (GPUS, default: all visible): extraction on 1 and GPUS ranks into
+#                                          # a shared cache, one rank SIGKILLed and rerun (bench/bench_scale.py), the drafter on 1 GPU,
+#                                          # DDP and FSDP2 on GPUS, the FSDP2 run resumed on GPUS/2 (grad_accum 2: the same global
+#                                          # batch), each scaling efficiency and the measured GPU-hours table; SCALE_SHAPE=27b: the
+#                                          # Qwen3.6-27B-shaped hybrid target and its drafter (default 8b); figures as JSON in RESULTS
 #   bash bench/gpu_benchmarks.sh cache     # ~1 min: bytes/token and speeds of zstd levels and block sizes on a trained model's
 #                                          # activations, the shipped codecs end to end (BASELINE=<an older cache_tools
 #                                          # directory> adds that version's codecs: bench/bench_codecs.py says how)
@@ -41,6 +46,40 @@ for what in "$@"; do
         --compile --json "$results/train-27b.json"
       rm -rf "$scratch/train27"
       python3 bench/gpu_hours.py "$results/extract-$shape.json" "$results/train-27b.json" | tee "$results/gpu-hours-$shape.md" ;;
+    scale)
+      n=${GPUS:-$(nvidia-smi -L | wc -l)}
+      if [ "$n" -lt 2 ]; then echo "scale needs 2 or more GPUs (GPUS=$n)" >&2; exit 2; fi
+      results=${RESULTS:-${OUT:-/tmp/dflash-scale}}; mkdir -p "$results"
+      case "${SCALE_SHAPE:-8b}" in
+        8b) xshape=8b; tshape=8b ;;
+        27b) xshape=27b-hybrid; tshape=27b ;;
+        *) echo "SCALE_SHAPE is 8b or 27b" >&2; exit 2 ;;
+      esac
+      python3 bench/bench_scale.py --gpus "$n" --shape "$xshape" ${SCALE_TOKENS:+--tokens-per-gpu "$SCALE_TOKENS"} \
+        --workdir "$scratch/scale" --json "$results/extract-scale-$n.json"
+      t=(--shape "$tshape" --workdir "$scratch/ts" --samples 96 --steps 40 --warmup-steps 8 --compile --keep)
+      python3 bench/bench_train.py "${t[@]}" --json "$results/train-1.json"
+      torchrun --standalone --nproc_per_node "$n" bench/bench_train.py "${t[@]}" --json "$results/train-$n-ddp.json"
+      torchrun --standalone --nproc_per_node "$n" bench/bench_train.py "${t[@]}" --train-arg parallel=fsdp \
+        --json "$results/train-$n-fsdp.json"
+      torchrun --standalone --nproc_per_node $((n > 1 ? n / 2 : 1)) bench/bench_train.py "${t[@]}" --resume-run \
+        --train-arg parallel=fsdp --train-arg grad_accum=2 --warmup-steps 4 --steps 8 --json "$results/train-resumed.json"
+      python3 - "$results" "$n" <<'PY'
+import json, sys
+from pathlib import Path
+r, n = Path(sys.argv[1]), int(sys.argv[2])
+one = json.loads((r / "train-1.json").read_text())["context_tokens_per_second"]
+for mode in ("ddp", "fsdp"):
+    f = json.loads((r / f"train-{n}-{mode}.json").read_text())
+    print(f"train {mode} on {n} GPUs: {f['context_tokens_per_second']:,.0f} context tokens/s = "
+          f"{f['context_tokens_per_second'] / (n * one):.1%} of {n} x {one:,.0f} (1 GPU); "
+          f"{f['fraction_of_peak']:.1%} of peak per GPU, {f['peak_gpu_memory_gib']:.1f} GiB")
+f = json.loads((r / "train-resumed.json").read_text())
+print(f"resumed the {n}-GPU FSDP2 run at step {f['resumed_from_step']} on {f['processes']} process(es): "
+      f"{f['context_tokens_per_second']:,.0f} context tokens/s")
+PY
+      python3 bench/gpu_hours.py "$results/extract-scale-$n.json" "$results/train-$n-ddp.json" | tee "$results/gpu-hours-$n.md"
+      rm -rf "$scratch/ts" ;;
     fp8) (cd bench && python3 bench_fp8.py) ;;
     train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --trace-steps 3 ;;
     train2)
@@ -59,6 +98,6 @@ for what in "$@"; do
           --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
-    *) echo "unknown benchmark '$what' (extract, seed27b, fp8, train, train2, cache, eval)" >&2; exit 2 ;;
+    *) echo "unknown benchmark '$what' (extract, seed27b, scale, fp8, train, train2, cache, eval)" >&2; exit 2 ;;
   esac
 done
