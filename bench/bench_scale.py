@@ -19,7 +19,8 @@ window % world == rank, and commits its parts to the one cache):
            names, samples, tokens, lengths: parts are cut from the data alone).
 Each rank builds the same randomly initialized target (seed 0) and, before its timed extraction,
 runs one forward per distinct batch shape of its own windows (kernels that autotune per shape pay
-that outside the timed span, as in bench_extract.py). The figures are printed and, with --json,
+that outside the timed span, as in bench_extract.py); then the ranks start together (a file
+barrier), so unequal model-build times do not count as scaling loss. The figures are printed and, with --json,
 written in the form bench/gpu_hours.py reads (`gpus` set: the extraction GPU-hours count them all).
 """
 
@@ -77,6 +78,13 @@ def rank_main(spec: dict) -> None:
             capture(ids.to(device), None)
     capture.close()
     sync(device)
+    # All ranks start their timed extraction together: model builds and warm-ups that end at
+    # different moments would otherwise count as scaling loss in a run of seconds.
+    barrier = Path(spec["barrier"])
+    barrier.mkdir(parents=True, exist_ok=True)
+    (barrier / f"ready-{rank}").touch()
+    while len(list(barrier.glob("ready-*"))) < world:
+        time.sleep(0.01)
     summary = run_extraction(cfg, model=model)
     end = time.time() - summary.teardown_seconds
     figures = {"rank": rank, "world_size": world, "tokens": summary.tokens, "seconds": summary.seconds,
@@ -101,7 +109,7 @@ class Ranks:
                "LOCAL_WORLD_SIZE": str(self.world)}
         if self.device == "cpu":  # CPU ranks share the cores
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.world))
-        spec = {**self.spec, "result": str(self.dir / f"rank-{rank}.json")}
+        spec = {**self.spec, "result": str(self.dir / f"rank-{rank}.json"), "barrier": str(self.dir / "barrier")}
         log = open(self.dir / f"rank-{rank}.log", "a")
         self.procs[rank] = subprocess.Popen([sys.executable, __file__, "--rank-spec", json.dumps(spec)], env=env,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
