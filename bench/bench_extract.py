@@ -193,11 +193,15 @@ def time_forward(fn, batches: list[torch.Tensor], device: torch.device) -> float
     return sum(b.numel() for b in batches) / (time.perf_counter() - t)
 
 
-def extraction_batches(cfg: ExtractConfig, vocab: int, device: torch.device) -> tuple[list[torch.Tensor], int]:
+def extraction_batches(cfg: ExtractConfig, vocab: int, device: torch.device, *, rank: int = 0,
+                       world_size: int = 1) -> tuple[list[torch.Tensor], int]:
     """The forward batches an extraction with `cfg` runs (same windows, parts, order, padding),
-    on the device, and the number of real tokens in them."""
+    on the device, and the number of real tokens in them; of rank `rank`'s windows only (window
+    % world_size == rank, as dflash-extract splits them)."""
     batches, real = [], 0
     for plans in plan_windows([Path(cfg.data)], cfg.part_rules(vocab)):
+        if plans[0].window % world_size != rank:
+            continue
         samples = [s for plan in plans for s in plan.samples]
         for batch in make_batches(samples, cfg.token_budget):
             batches.append(batch.input_ids.to(device))

@@ -35,6 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+from dflash.cache_tools.maintenance import verify_cache
+from dflash.cache_tools.manifest import LOG_FILE, decode_log_line
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -42,11 +45,9 @@ sys.path.insert(0, str(HERE))
 def rank_main(spec: dict) -> None:
     """One rank: build the target, warm its batch shapes, extract, write its figures."""
     import torch
-    from bench_extract import SHAPES, build_config, build_model, sync
+    from bench_extract import SHAPES, build_config, build_model, extraction_batches, sync
     from dflash.cache_tools.layers import default_target_layer_ids
-    from dflash.extract.batching import make_batches
     from dflash.extract.config import ExtractConfig
-    from dflash.extract.data import plan_windows
     from dflash.extract.pipeline import run_extraction
     from dflash.extract.target import LayerCapture
 
@@ -67,15 +68,12 @@ def rank_main(spec: dict) -> None:
                         part_tokens=spec["part_tokens"], sort_window_tokens=spec["sort_window_tokens"],
                         max_seq_len=spec["max_seq_len"], device=str(device), progress=False,
                         rank=rank, world_size=world, num_writers=spec.get("num_writers"))
-    shapes = {}
-    for plans in plan_windows([Path(spec["data"])], cfg.part_rules(shape["vocab_size"])):
-        if plans[0].window % world == rank:
-            for batch in make_batches([s for p in plans for s in p.samples], cfg.token_budget):
-                shapes.setdefault(tuple(batch.input_ids.shape), batch.input_ids)
+    batches, _ = extraction_batches(cfg, shape["vocab_size"], device, rank=rank, world_size=world)
+    shapes = {tuple(b.shape): b for b in batches}
     capture = LayerCapture(model, layer_ids, need_last=False)
     with torch.inference_mode():
         for ids in shapes.values():
-            capture(ids.to(device), None)
+            capture(ids, None)
     capture.close()
     sync(device)
     # All ranks start their timed extraction together: model builds and warm-ups that end at
@@ -152,24 +150,22 @@ def aggregate(figures: list[dict]) -> dict:
             "per_rank_tokens_per_second": [f["tokens"] / f["seconds"] for f in figures]}
 
 
-def committed(cache: Path) -> list[dict]:
-    """The commit log's part records (name, samples, tokens, lengths), in commit order."""
+def committed(cache: Path) -> list[tuple]:
+    """The commit log's lines as (part, samples, tokens, lengths), in commit order, a part
+    committed twice listed twice (a torn last line is not committed)."""
     try:
-        lines = (cache / "manifest.parts.jsonl").read_text().splitlines()
+        lines = (cache / LOG_FILE).read_bytes().splitlines(keepends=True)
     except FileNotFoundError:
         return []
-    out = []
-    for line in lines:
-        if line.strip():
-            rec = json.loads(line.rsplit(" ", 1)[0])
-            out.append({k: rec[k] for k in ("part", "samples", "tokens", "lengths")})
-    return out
+    records = [decode_log_line(line, f"{cache / LOG_FILE}, line {i + 1}")
+               for i, line in enumerate(lines) if line.endswith(b"\n")]
+    return [(r.name, r.samples, r.tokens, r.lengths) for r in records]
 
 
 def verify(cache: Path) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-c", "from dflash.cache_tools.cli import main; main()", "verify",
-                           str(cache), "--no-progress"], capture_output=True, text=True)
-    return proc.returncode, (proc.stdout + proc.stderr).strip()
+    """`dflash-cache verify`'s exit status (0 sound, 1 damaged) and its problems."""
+    report = verify_cache(cache, progress=False)
+    return (0 if report.ok else 1), "; ".join(map(str, report.problems))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,7 +257,7 @@ def main() -> None:
         print(f"shared: {agg['tokens']:,} tokens in {agg['seconds']:.1f} s, {agg['tokens_per_second']:,.0f} "
               f"tokens/s on {a.gpus} ranks = {agg['scaling_efficiency']:.1%} of {a.gpus} x single (per rank: "
               + ", ".join(f"{r:,.0f}" for r in agg["per_rank_tokens_per_second"]) + ")", flush=True)
-        reference = sorted(committed(shared_cache), key=lambda p: p["part"])
+        reference = sorted(committed(shared_cache))
         rc, _ = verify(shared_cache)
         result["shared"]["verify_status"] = rc
         shutil.rmtree(shared_cache, ignore_errors=True)
@@ -287,15 +283,15 @@ def main() -> None:
             killed.start(victim)
             killed.wait(a.timeout)
             again = killed.figures()[victim]
-            parts = sorted(committed(killed_cache), key=lambda p: p["part"])
+            parts = sorted(committed(killed_cache))
             rc, report = verify(killed_cache)
-            names = [p["part"] for p in parts]
+            names = [p[0] for p in parts]
             result["killed"] = {
                 "rank": victim, "parts_at_kill": at_kill, "resumed_seconds": time.monotonic() - t,
                 "resumed_parts_done_before": again["parts_done_before"],
                 "resumed_parts_written": again["parts_written"], "parts": len(parts),
                 "duplicate_parts": len(names) - len(set(names)), "same_parts_as_shared": parts == reference,
-                "samples": sum(p["samples"] for p in parts), "data_samples": samples, "verify_status": rc}
+                "samples": sum(p[1] for p in parts), "data_samples": samples, "verify_status": rc}
             k = result["killed"]
             print(f"killed: rank {victim} SIGKILLed at {at_kill} committed parts; rerun skipped "
                   f"{k['resumed_parts_done_before']} of its parts and wrote {k['resumed_parts_written']}; the cache: "

@@ -62,7 +62,7 @@ for what in "$@"; do
       torchrun --standalone --nproc_per_node "$n" bench/bench_train.py "${t[@]}" --json "$results/train-$n-ddp.json"
       torchrun --standalone --nproc_per_node "$n" bench/bench_train.py "${t[@]}" --train-arg parallel=fsdp \
         --json "$results/train-$n-fsdp.json"
-      torchrun --standalone --nproc_per_node $((n > 1 ? n / 2 : 1)) bench/bench_train.py "${t[@]}" --resume-run \
+      torchrun --standalone --nproc_per_node $((n / 2)) bench/bench_train.py "${t[@]}" --resume-run \
         --train-arg parallel=fsdp --train-arg grad_accum=2 --warmup-steps 4 --steps 8 --json "$results/train-resumed.json"
       python3 - "$results" "$n" <<'PY'
 import json, sys
