@@ -23,8 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
-from dflash.train import demo
-from dflash.train.eval_cli import run_eval
+from dflash.demo import pipeline as demo
+from dflash.eval.run import run_eval
 
 
 def run_vocabulary(workdir: Path, vocab: int, sizes: demo.DemoSizes, seed: int) -> list[dict]:

@@ -13,12 +13,12 @@ import click
 import pytest
 from click.testing import CliRunner
 from dflash.cache_tools.cli import main as cache_main
+from dflash.eval.cli import main as eval_main
 from dflash.extract.cli import main as extract_main
 from dflash.runtime.cli import Command
 from dflash.runtime.errors import InputError
 from dflash.runtime.signals import Interrupted
 from dflash.train.cli import main as train_main
-from dflash.train.eval_command import main as eval_main
 
 
 def invoke(command: click.Command, *args: object) -> click.testing.Result:
@@ -102,7 +102,7 @@ def test_config_files_refuse_unknown_keys_listing_the_valid_ones(tmp_path, comma
 @pytest.fixture
 def captured_eval(monkeypatch):
     """dflash-eval with the measurement replaced: what the command asked for."""
-    from dflash.train import eval_cli
+    from dflash.eval import run as eval_cli
 
     calls = []
 
@@ -233,8 +233,8 @@ import contextlib, io, json, sys
 from dflash.cache_tools.cli import main as cache
 from dflash.extract.cli import main as extract
 from dflash.train.cli import main as train
-from dflash.train.demo_command import main as demo
-from dflash.train.eval_command import main as evaluate
+from dflash.demo.cli import main as demo
+from dflash.eval.cli import main as evaluate
 for command, args in [(extract, []), (train, []), (train, ["run"]), (train, ["export"]), (cache, []),
                       (cache, ["verify"]), (cache, ["merge"]), (evaluate, []), (demo, [])]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):

@@ -9,7 +9,7 @@ import runpy
 
 import pytest
 import torch
-from dflash.train import demo
+from dflash.demo import pipeline as demo
 
 
 def test_corpus_is_shipped_small_reproducible_and_in_the_alphabet():

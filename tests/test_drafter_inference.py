@@ -90,7 +90,7 @@ def test_a_sliding_layer_ignores_context_outside_its_window():
 def test_batched_draft_context_with_holes_keeps_each_row_window_by_position():
     # The window counts positions, not cache columns: a row with padding and holes sees the
     # same context as the same row drafted alone, whose columns are its positions.
-    from dflash.train.speculative import DraftContext
+    from dflash.eval.speculative import DraftContext
 
     drafter = tiny_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     hidden = torch.randn(3, 10, 2 * HIDDEN, generator=torch.Generator().manual_seed(1))
@@ -110,7 +110,7 @@ def test_batched_draft_context_with_holes_keeps_each_row_window_by_position():
 
 
 def test_greedy_decoding_with_a_sliding_window_drafter_is_lossless_in_batches():
-    from dflash.train.speculative import DecodeConfig, speculative_generate, target_generate
+    from dflash.eval.speculative import DecodeConfig, speculative_generate, target_generate
     from test_eval_support import VOCAB, tiny_target
     from test_eval_support import tiny_drafter as eval_drafter
 

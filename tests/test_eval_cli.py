@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash.train import eval_cli
-from dflash.train.eval_cli import load_prompts, main
+from dflash.eval import run as eval_cli
+from dflash.eval.cli import main
+from dflash.eval.run import load_prompts
 from dflash.train.export import export_drafter
 from test_eval_support import PERIOD, periodic_ids, tiny_drafter, tiny_target
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.lookup import LookupProposer, lookup_generate, lookup_proposal
-from dflash.train.speculative import DecodeConfig, acceptance_summary, target_generate
+from dflash.eval.lookup import LookupProposer, lookup_generate, lookup_proposal
+from dflash.eval.speculative import DecodeConfig, acceptance_summary, target_generate
 from test_eval_support import PERIOD, VOCAB, CountingTarget, periodic_ids, tiny_target
 
 

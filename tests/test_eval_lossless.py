@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.speculative import (
+from dflash.eval.speculative import (
     DecodeConfig,
     acceptance_summary,
     speculative_generate,

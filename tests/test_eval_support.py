@@ -15,9 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dflash.train.model import DFlashDrafter, DrafterConfig
-from dflash.train.objective import ObjectiveConfig, compute_loss
-from dflash.train.speculative import (
+from dflash.eval.speculative import (
     DecodeConfig,
     DraftContext,
     Generation,
@@ -27,6 +25,8 @@ from dflash.train.speculative import (
     speculative_generate,
     target_generate,
 )
+from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.objective import ObjectiveConfig, compute_loss
 from dflash.train.target_weights import TargetWeights
 from transformers import AutoModelForCausalLM, Qwen3Config
 

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from conftest import read_jsonl, write_jsonl
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.manifest import chat_templates, read_manifest
+from dflash.eval.cli import main as eval_main
 from dflash.extract.cli import main as extract_main
 from dflash.prepare.cli import main as prepare_main
 from dflash.prepare.generate_cli import main as generate_main
 from dflash.train.cli import main as train_main
-from dflash.train.eval_cli import main as eval_main
 
 
 def chat(n: int, offset: int) -> list[dict]:

@@ -19,16 +19,16 @@ import torch
 import transformers
 from conftest import tiny_train_config, write_jsonl
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.export import load_drafter
-from dflash.train.loop import train
-from dflash.train.model import DFlashDrafter
-from dflash.train.speculative import (
+from dflash.eval.speculative import (
     DecodeConfig,
     Proposer,
     speculative_generate,
     target_generate,
     verify_generate,
 )
+from dflash.train.export import load_drafter
+from dflash.train.loop import train
+from dflash.train.model import DFlashDrafter
 from extract_utils import run_cli
 from transformers import AutoModelForCausalLM
 

@@ -404,7 +404,7 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
     same_prompts = estimate_same_prompts(work, variant)
     for block in [b for b in (work.eval_blocks or s.eval_block_sizes) if b <= trained]:
         out = work.root / f"eval-{variant.name}-b{block}.json"
-        seconds = run_command("dflash-eval", "dflash.train.eval_cli", [
+        seconds = run_command("dflash-eval", "dflash.eval.cli", [
             "--target-model", str(work.root / "target"), "--drafter", str(work.root / f"run-{variant.name}" / "final"),
             "--prompts", str(work.root / "eval_prompts.jsonl"), "--max-new-tokens", str(s.eval_new_tokens),
             "--ignore-eos", "--block-size", str(block), "--batch-size", "1", "--device", work.device,

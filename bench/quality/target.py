@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from dflash.train.speculative import forward_with_cache, new_kv_cache
+from dflash.eval.speculative import forward_with_cache, new_kv_cache
 
 
 def build_target(hidden_size: int, num_layers: int, seed: int, vocab_size: int = VOCAB_SIZE) -> Any:

@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from .model import DFlashDrafter
+from dflash.train.model import DFlashDrafter
 
 
 @dataclass(kw_only=True)

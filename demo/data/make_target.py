@@ -1,6 +1,6 @@
-"""Makes `demo_data/target/`, the target the demo ships: `train_target` at the default sizes, seed 0.
+"""Makes `demo/data/target/`, the target the demo ships: `train_target` at the default sizes, seed 0.
 
-    python train/demo_data/make_target.py [--from WORKDIR/target]
+    python demo/data/make_target.py [--from WORKDIR/target]
 
 Without `--from` it trains the target (a few minutes on 2 cores); with it, it ships a target an
 earlier `dflash-demo --train-target --workdir WORKDIR` (default sizes, seed 0) trained and saved.
@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from dflash.train import demo
+from dflash.demo import pipeline as demo
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
         shutil.rmtree(demo.SHIPPED_TARGET, ignore_errors=True)
         shutil.copytree(source, demo.SHIPPED_TARGET)
     info = {"seed": seed, "sizes": {k: asdict(sizes)[k] for k in demo.TARGET_SIZE_FIELDS}, "final_loss": loss,
-            "made_by": f"train/demo_data/make_target.py (demo.train_target), torch {torch.__version__}"}
+            "made_by": f"demo/data/make_target.py (demo.train_target), torch {torch.__version__}"}
     (demo.SHIPPED_TARGET / demo.SHIPPED_TARGET_INFO).write_text(json.dumps(info, indent=1) + "\n")
     print(f"shipped target written to {demo.SHIPPED_TARGET} (last loss {loss:.3f})")
 

@@ -1,4 +1,4 @@
-"""The `dflash-eval` command line: flags and `--config FILE`; the measurement is `eval_cli.run_eval`.
+"""The `dflash-eval` command line: flags and `--config FILE`; the measurement is `run.run_eval`.
 
 Kept apart from the measurement so that `dflash-eval --help` (and a bad flag) never imports
 torch or transformers: they load once the settings are read. Errors, signals and exit statuses
@@ -53,7 +53,7 @@ def main(target_model: str, drafter: str, prompt_files: tuple[str, ...], max_new
     Exit status: 0 done, 1 a greedy output diverged under --strict, 2 bad settings or input
     (one paragraph says what and where), 130/143 stopped by SIGINT/SIGTERM.
     """
-    from .eval_cli import format_report, run_eval  # torch and transformers load here
+    from .run import format_report, run_eval  # torch and transformers load here
 
     report = run_eval(
         target_model, drafter, list(prompt_files), max_new_tokens=max_new_tokens, max_prompts=max_prompts,

@@ -2,8 +2,8 @@
 
 Steps (each writes into the work directory, see docs/demo.md):
 
-1. the target: a small character-level Qwen3 trained on `demo_data/corpus.txt`, saved in HF
-   format. The package ships the one the default sizes and seed 0 give (`demo_data/target/`,
+1. the target: a small character-level Qwen3 trained on `data/corpus.txt`, saved in HF
+   format. The package ships the one the default sizes and seed 0 give (`data/target/`,
    made by `dflash-demo --train-target`), so a first run starts at step 2; other sizes, other
    seeds or `--train-target` train it anew;
 2. let that target complete prompts from the corpus (greedy) and write them as tokenized JSONL
@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.eval.run import format_report, run_eval
+from dflash.eval.speculative import DecodeConfig, target_generate
 from dflash.runtime.errors import DflashError
 
-from .eval_cli import format_report, run_eval
-from .speculative import DecodeConfig, target_generate
-
-CORPUS = Path(__file__).parent / "demo_data" / "corpus.txt"
-SHIPPED_TARGET = Path(__file__).parent / "demo_data" / "target"
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+SHIPPED_TARGET = Path(__file__).parent / "data" / "target"
 SHIPPED_TARGET_INFO = "demo_target.json"
 """Beside the shipped target's weights: the sizes and seed it was trained with, and its last loss."""
 TARGET_SIZE_FIELDS = ("hidden_size", "target_layers", "target_steps", "batch_size", "seq_len")
@@ -117,7 +116,7 @@ def decode(ids: list[int]) -> str:
 def load_documents(path: Path = CORPUS) -> list[str]:
     """The corpus: documents separated by blank lines."""
     if not path.is_file():
-        raise DemoError(f"the demo corpus {path} is missing; reinstall the package (it ships demo_data/).")
+        raise DemoError(f"the demo corpus {path} is missing; reinstall the package (it ships data/).")
     return [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
 
 

@@ -5,7 +5,7 @@ prompts in the same process, and reports the acceptance length tau, its histogra
 tokens/s of both, the speedup, and (greedy) whether the outputs are identical. Beside the
 drafter it runs prompt lookup (`lookup.py`, n-gram drafting without training) under the same
 verification, so a user sees at once whether the drafter beats the free baseline. The command
-line is `eval_command` (it loads this module, and torch, only when it runs).
+line is `cli.py` (it loads this module, and torch, only when it runs).
 """
 
 from __future__ import annotations
@@ -228,9 +228,8 @@ def lossless_check(baseline: list[Generation], speculative: list[Generation], co
 def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
                 attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
+    from dflash.train.export import load_drafter
     from transformers import AutoModelForCausalLM
-
-    from .export import load_drafter
 
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
     if attn_implementation:
@@ -351,4 +350,3 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
     }
 
 
-from .eval_command import main  # noqa: E402, F401 (the command, where it used to be)

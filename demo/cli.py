@@ -24,7 +24,7 @@ def main(workdir: str, small: bool, seed: int, train_target: bool) -> None:
     Exit status: 0 done, 2 a stage failed (one paragraph names it and its log), 130/143
     stopped by SIGINT/SIGTERM, 1 an unexpected failure.
     """
-    from .demo import SMALL, DemoSizes, run_demo  # torch and transformers load here
+    from .pipeline import SMALL, DemoSizes, run_demo  # torch and transformers load here
 
     sizes = SMALL if small else DemoSizes()
     begin = time.perf_counter()
