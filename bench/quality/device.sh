@@ -30,7 +30,7 @@ if ! python3 -c "import dflash.train.cli" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site/wheels" .whl/*.whl || exit 1
   fi
   mkdir -p "$site/ns/dflash"
-  for d in extract train cache_tools runtime prepare; do ln -sfn "$PWD/$d" "$site/ns/dflash/$d"; done
+  for d in extract train cache_tools runtime prepare eval demo; do ln -sfn "$PWD/$d" "$site/ns/dflash/$d"; done
   export PYTHONPATH="$site/ns:$site/wheels${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c "import dflash.train.cli, dflash.extract.cli, zarr" || { echo "dflash or zarr not importable"; exit 1; }
