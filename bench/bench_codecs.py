@@ -52,9 +52,10 @@ import torch
 import zarr
 from dflash.cache_tools import writer as writer_module
 from dflash.cache_tools.checksum import crc32c
-from dflash.cache_tools.codecs import HiddenCodec, quantize_fp8
+from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.reader import CacheReader
+from dflash.runtime.quantize import quantize_fp8
 
 
 # -- activations --------------------------------------------------------------------------

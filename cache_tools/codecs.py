@@ -8,6 +8,8 @@ Every chunk of every array also carries a crc32c checksum (zarr's crc32c codec).
 chunks are c-blosc's own, written through numcodecs exactly as zarr's BloscCodec writes them;
 the level and block size are the ones that store a trained model's activations in the fewest
 bytes at the throughput extraction needs (docs/BENCHMARKS.md, bench/bench_codecs.py).
+This module is the format only and imports no torch: the quantization itself (compute, on the
+GPU during extraction) is `dflash.runtime.quantize`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,11 @@ from typing import Any
 
 import numcodecs.blosc
 import numpy as np
-import torch
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import CacheError
 
 CODEC_NAMES = ("bf16", "fp8", "raw")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 EMPTY_CHUNK = 2**64 - 1  # a zarr shard index entry (offset and size) of a chunk that is not stored
 
 # Codec fields of earlier versions, which chose how the chunks were packed (zstd frames written
@@ -109,58 +109,3 @@ PACKING_ONLY = ("clevel", "blocksize", *LEGACY_FIELDS)
 def small_array_compressors() -> list:
     """Codecs of the per-token metadata arrays (ids, masks, offsets, scales)."""
     return [ZstdCodec(level=3), Crc32cCodec()]
-
-
-def quantize_fp8(
-    hidden: torch.Tensor, num_layers: int, *, scale_candidates: int = 8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, K*D] float -> ([T, K*D] uint8 e4m3 bits, [T, K] float32 scales).
-
-    One scale per (token, layer) so that one outlier channel only costs precision inside its
-    own row. With e4m3's 3 mantissa bits the plain absmax scale is not the best one for every
-    row; trying `scale_candidates` scales between absmax/448 and twice that and keeping, per
-    row, the one with the smallest error keeps the worst rows within the documented bound of
-    3 % per (token, layer) (docs/cache-format.md). Runs on whatever device `hidden` is on (the GPU during
-    extraction), in a loop so that memory stays at a few copies of the input.
-    """
-    tokens, width = hidden.shape
-    x = hidden.reshape(tokens, num_layers, width // num_layers).float()
-    base = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    best_q = best_scale = best_err = None
-    for j in range(max(1, scale_candidates)):
-        scale = base * 2.0 ** (j / max(1, scale_candidates))
-        q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        err = (q.float() * scale - x).square().sum(dim=-1, keepdim=True)
-        if best_q is None:
-            best_q, best_scale, best_err = q.view(torch.uint8), scale, err
-            continue
-        better = err < best_err
-        best_q = torch.where(better, q.view(torch.uint8), best_q)
-        best_scale = torch.where(better, scale, best_scale)
-        best_err = torch.where(better, err, best_err)
-    return best_q.reshape(tokens, width), best_scale.reshape(tokens, num_layers)
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """Inverse of quantize_fp8: ([T, K*D] uint8, [T, K] float32) -> [T, K*D] out_dtype."""
-    tokens, width = q.shape
-    num_layers = scale.shape[1]
-    x = q.view(torch.float8_e4m3fn).reshape(tokens, num_layers, width // num_layers).float()
-    return (x * scale.reshape(tokens, num_layers, 1)).reshape(tokens, width).to(out_dtype)
-
-
-def bf16_to_storage(hidden: torch.Tensor) -> np.ndarray:
-    """A bf16 tensor as uint16 numpy bits (zarr v3 has no bfloat16 dtype); a free view."""
-    if hidden.dtype != torch.bfloat16:
-        hidden = hidden.to(torch.bfloat16)
-    return hidden.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def encode_hidden(
-    hidden: torch.Tensor, codec: HiddenCodec, num_layers: int
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Turn [T, K*D] activations into (stored array, scale array or None) for `codec`."""
-    if codec.has_scale:
-        q, scale = quantize_fp8(hidden, num_layers)
-        return q.cpu().numpy(), scale.cpu().numpy()
-    return bf16_to_storage(hidden), None

@@ -22,10 +22,11 @@ from typing import Any
 import numcodecs.blosc
 import numpy as np
 import torch
+from dflash.runtime.quantize import dequantize_fp8
 from numcodecs.zstd import Zstd
 
 from .checksum import crc32c
-from .codecs import EMPTY_CHUNK, dequantize_fp8
+from .codecs import EMPTY_CHUNK
 from .errors import CacheCorruptError
 from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
 from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
@@ -367,7 +368,7 @@ class CacheReader:
         them, which saves a copy and the page faults of a fresh buffer per sample.
         With dequantize=False an fp8 cache returns its stored e4m3 bytes ("hidden", uint8) and
         scales ("hidden_scale", float32 [T, K]) for dequantization on the GPU
-        (`codecs.dequantize_fp8`); `out` then holds tensors of those dtypes.
+        (`dflash.runtime.quantize.dequantize_fp8`); `out` then holds tensors of those dtypes.
         """
         part_idx, local = self.locate(index)
         off = self._offsets(part_idx)

@@ -33,9 +33,10 @@ from dflash.runtime.fsio import (
     stale_temps,
     temp_name,
 )
+from dflash.runtime.quantize import bf16_bits, quantize_fp8
 
 from .checksum import crc32c
-from .codecs import EMPTY_CHUNK, HiddenCodec, encode_hidden
+from .codecs import EMPTY_CHUNK, HiddenCodec
 from .errors import CacheError
 from .identity import Purpose
 from .manifest import (
@@ -376,7 +377,10 @@ class PartWriter:
             return np.ascontiguousarray(x), (None if scale is None else _as_numpy(scale, np.float32))
         if isinstance(x, np.ndarray):
             x = torch.from_numpy(x)
-        return encode_hidden(x, codec, num_layers)
+        if codec.has_scale:
+            q, scale = quantize_fp8(x, num_layers)
+            return q.cpu().numpy(), scale.cpu().numpy()
+        return bf16_bits(x), None
 
     @property
     def num_samples(self) -> int:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from dflash.cache_tools.codecs import HiddenCodec, quantize_fp8
+from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.schema import HIDDEN, LAST_HIDDEN, TOPK_IDS, TOPK_LOGPROBS, scale_of
+from dflash.runtime.quantize import quantize_fp8
 from torch import nn
 
 from .batching import Batch

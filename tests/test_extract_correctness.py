@@ -166,8 +166,8 @@ def test_fp8_cache_with_last_hidden_and_topk(qwen3_target, tmp_path):
 
 
 def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
-    from dflash.cache_tools.codecs import quantize_fp8
     from dflash.extract import engine
+    from dflash.runtime.quantize import quantize_fp8
 
     def broken(*_a, **_k):
         raise RuntimeError("no compiler here")

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.codecs import dequantize_fp8
 from dflash.cache_tools.errors import ConfigMismatchError, DflashError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity
 from dflash.cache_tools.layers import validate_target_layer_ids
@@ -38,6 +37,7 @@ from dflash.cache_tools.schema import (
     TOPK_ARRAYS,
     scale_of,
 )
+from dflash.runtime.quantize import dequantize_fp8
 
 from .config import TrainConfigError
 from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
