@@ -4,13 +4,14 @@ target-layer rule is part of the cache contract: `cache_tools.layers`."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from dflash.cache_tools.cli import CODEC_CHOICES
 from dflash.cache_tools.layers import validate_target_layer_ids
-from dflash.runtime.config import read_config_file
-from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES
-from dflash.runtime.errors import DflashError
+from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES, DtypeChoice
+from dflash.runtime.errors import SettingError
+from dflash.runtime.settings import IntList, setting
 
 from .data import PartRules
 
@@ -18,7 +19,7 @@ DTYPES = DTYPE_NAMES  # the runtime's dtype names (long torch names are accepted
 LONG_SAMPLE_POLICIES = ("truncate", "skip")
 
 
-class ExtractConfigError(DflashError):
+class ExtractConfigError(SettingError):
     """A setting of `dflash-extract` is missing, unknown or out of range."""
 
 
@@ -27,57 +28,63 @@ class ExtractConfig:
     """Everything `dflash-extract` needs; the same names as its flags and config-file keys."""
 
     target_model: str
-    """Directory of a Hugging Face decoder-only causal LM (config.json + safetensors)."""
+    """Local Hugging Face model directory of a decoder-only causal LM (config.json + safetensors)."""
     data: str
-    """A JSONL file (plain or .gz) of tokenized completions, or a directory of them."""
+    """Tokenized completions: a .jsonl/.jsonl.gz file or a directory of them."""
     output: str
     """Cache directory to create, or to resume when it already holds this extraction."""
-    target_layer_ids: list[int] | None = None
-    """Decoder layers to capture (id l = output of layer l, before the final norm)."""
+    target_layer_ids: list[int] | None = setting(None, type=IntList())
+    """Comma-separated decoder layers to capture (id l = output of layer l, before the final norm)
+    [default: the DFlash rule round(1 + i*(N-4)/(K-1))]."""
     num_captured_layers: int = 5
-    """With no target_layer_ids: how many target layers the DFlash rule picks (its K; the
+    """With no --target-layer-ids: how many target layers the DFlash rule captures (its K; the
     reference calls it num_draft_layers, the deprecated name of this setting)."""
-    dtype: str = "bf16"
-    """Compute dtype of the target: bf16, fp16 or fp32. The cache always stores bf16 (or fp8)."""
+    dtype: str = setting("bf16", type=DtypeChoice(DTYPE_NAMES))
+    """Compute dtype of the target. The cache always stores bf16 (or fp8)."""
     attn_implementation: str | None = None
-    """Passed to from_pretrained (sdpa, eager, flash_attention_2, ...); None: the model's default."""
+    """Attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2, ...) [default:
+    the model's]."""
     device: str | None = None
-    """Torch device; None: cuda when available, else cpu."""
+    """Torch device [default: cuda if available, else cpu]."""
     device_map: str | None = None
     """'auto' spreads a large target over the visible GPUs (needs accelerate)."""
     max_seq_len: int = 8192
-    """Samples longer than this are truncated or skipped (long_samples)."""
-    long_samples: str = "truncate"
-    """What to do with a sample longer than max_seq_len: truncate or skip."""
+    """Longest sample kept whole; longer ones are truncated or skipped (--long-samples)."""
+    long_samples: str = setting("truncate", choices=LONG_SAMPLE_POLICIES)
+    """What to do with samples longer than --max-seq-len."""
     skip_bad: bool = False
     """Skip malformed records (counted in the manifest) instead of stopping with an error."""
     part_tokens: int = 65536
-    """A part closes before the sample that would take it past this many tokens."""
+    """Tokens per cache part (the unit of resume): a part closes before the sample that would
+    take it past this many tokens."""
     token_budget: int = 32768
     """Padded tokens per forward batch (batch size x longest sample)."""
     sort_window_tokens: int | None = None
-    """Consecutive records up to this many tokens are sorted by length and cut, in that
-    order, into parts: batches of similar lengths waste little padding (ranks take whole
-    windows; at most part_tokens: each part alone); None: 16 x part_tokens."""
-    codec: str = "bf16"
-    """Hidden-state codec: bf16 (lossless), fp8 (e4m3 + per-token scale) or raw."""
+    """Sort consecutive records up to this many tokens by length and cut them, in that order, into
+    parts: batches of similar lengths, little padding. Changes which samples go to which part, so a
+    resume must keep it [default: 16 x --part-tokens; 0: each part alone]."""
+    codec: str = setting("bf16", choices=CODEC_CHOICES)
+    """Hidden-state codec: bf16 lossless, fp8 e4m3 + per-token scale, raw uncompressed."""
     chunk_rows: int = 128
     """Rows per compressed chunk in the cache."""
     shard_rows: int = 8192
-    """Rows per shard file in the cache (a multiple of chunk_rows)."""
+    """Rows per shard file in the cache (a multiple of --chunk-rows)."""
     store_last_hidden: bool = False
     """Also store the last decoder layer's output (pre-norm), for soft labels."""
     store_topk: int = 0
     """Also store the target's top-k next-token log-probs (0: off)."""
+    store_top1: bool = True
+    """Store the target's greedy next token per token (2 bytes a token up to 65,536 ids, else 4):
+    the trainer's held-out estimate replays greedy verification against it."""
     num_writers: int | None = None
-    """Writer processes compressing and committing parts; 0 writes in the main process.
-    None: 0 on cpu, else min(cpu count - 2, 12)."""
+    """Writer processes compressing and committing parts; 0 writes in the main process [default: 0
+    on cpu, else min(cores - 2, 12)]."""
     rank: int | None = None
-    """This process's rank; None: $RANK (torchrun) or 0."""
+    """This process's rank [default: $RANK (torchrun) or 0]."""
     world_size: int | None = None
-    """Number of extraction processes sharing the cache; None: $WORLD_SIZE or 1."""
-    force: bool = False
-    """Delete an existing cache with other settings and start anew."""
+    """Number of extraction processes sharing the cache [default: $WORLD_SIZE or 1]."""
+    force: bool = setting(False, one_way=True)
+    """Delete an existing cache with other settings and start anew (rank 0 only)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -146,24 +153,5 @@ class ExtractConfig:
         }
 
 
-CONFIG_KEYS = tuple(f.name for f in fields(ExtractConfig))
 DEPRECATED_KEYS = {"num_draft_layers": "num_captured_layers"}
 """Old setting names still accepted (with a warning) as flags and config-file keys."""
-
-
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON or YAML config file into {setting: value}; unknown keys are errors."""
-    out = read_config_file(path, CONFIG_KEYS, ExtractConfigError, aliases=DEPRECATED_KEYS)
-    if isinstance(out.get("target_layer_ids"), str):
-        out["target_layer_ids"] = parse_layer_ids(out["target_layer_ids"])
-    return out
-
-
-def parse_layer_ids(text: str) -> list[int]:
-    """'1,9,17' -> [1, 9, 17]."""
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ExtractConfigError(
-            f"--target-layer-ids {text!r} is not a comma-separated list of integers (e.g. 1,9,17)."
-        ) from None

@@ -42,14 +42,16 @@ def _parse(path: Path, text: str, error: type[DflashError]) -> Any:
 
 def read_config_file(
     path: str | os.PathLike, known_keys: Iterable[str], error: type[DflashError] = SettingError, *,
-    aliases: Mapping[str, str] | None = None,
+    aliases: Mapping[str, str] | None = None, listed: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """{setting: value} from a JSON/YAML file; problems raise `error` with one sentence.
 
-    `known_keys` are the valid keys (underscored); `aliases` maps deprecated keys to them.
+    `known_keys` are the valid keys (underscored); `aliases` maps deprecated keys to them;
+    `listed` are the keys an error lists (default: all the known ones).
     """
     path = Path(path)
     known = tuple(known_keys)
+    listed = tuple(listed) if listed is not None else known
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -72,7 +74,7 @@ def read_config_file(
         out[name] = value
     unknown = sorted(set(out) - set(known))
     if unknown:
-        raise error(f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(known)}.")
+        raise error(f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(listed)}.")
     return out
 
 
