@@ -6,19 +6,21 @@ import torch: `dflash-train --help` builds its flags from it.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import math
 import os
-import textwrap
 from dataclasses import dataclass, field, fields
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from dflash.runtime.config import read_config_file
-from dflash.runtime.devices import DTYPE_ALIASES
+from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
 from dflash.runtime.errors import DflashError
+from dflash.runtime.settings import (
+    build_settings,
+    field_docs,
+    read_settings_file,
+    setting,
+    settings_of,
+)
 
 from .layer_types import parse_layer_types
 
@@ -97,11 +99,11 @@ class TrainConfig:
     draft_causal: bool | None = None
     """Block tokens see only earlier block tokens (default: causal for sliding layers, bidirectional
     for full ones, as vLLM and SGLang serve them)."""
-    attention_backend: str = "auto"
+    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
     """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
     max_anchors: int = 512
     """Most anchors (blocks) drawn per sequence, redrawn every epoch."""
-    loss_weighting: str = "acceptance"
+    loss_weighting: str = setting("acceptance", choices=LOSS_WEIGHTINGS)
     """Per-slot loss weights: acceptance (the drafter's own detached probability of reaching
     slot k: the product of its probabilities of the earlier slots' labels, a confidence-derived
     weighting in the manner of D-PACE; on the quality benchmark tau 5.01 vs 4.56 for decay) or
@@ -109,7 +111,7 @@ class TrainConfig:
     on the demo's short run at 65,536 ids decay was ahead (4.79 vs 4.49; docs/recipe.md)."""
     gamma: float | None = None
     """Decay of the per-position loss weights under --loss-weighting decay (default: 7/5/4 for blocks of 16/10/8)."""
-    noise_type: str = "none"
+    noise_type: str = setting("none", choices=NOISE_TYPES)
     """Noise on the cached hidden states: none, uniform or gaussian."""
     noise_start: float = 0.0
     """Noise amplitude at the start of training."""
@@ -120,7 +122,7 @@ class TrainConfig:
     # -- optimization ----------------------------------------------------------------------
     lr: float = 6e-4
     """Peak learning rate of AdamW."""
-    lr_schedule: str = "wsd"
+    lr_schedule: str = setting("wsd", choices=LR_SCHEDULES)
     """After the warmup: wsd (warmup-stable-decay: lr held, then a linear decay to lr * min_lr_ratio
     over the last --decay-ratio of the steps; on the quality benchmark tau 4.60 vs cosine's 3.52 at
     one epoch, docs/recipe.md) or cosine (from lr down to lr * min_lr_ratio)."""
@@ -147,19 +149,19 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model init, the per-epoch shuffle and every batch's anchors and noise."""
     # -- runtime ---------------------------------------------------------------------------
-    dtype: str = "auto"
+    dtype: str = setting("auto", type=DtypeChoice(DTYPES))
     """bf16 (autocast, float32 master weights), fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
     compile: bool | None = None
     """torch.compile the drafter's training forward; None (the default): on CUDA, not elsewhere (it
     fuses the elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
-    compile_mode: str = "default"
+    compile_mode: str = setting("default", choices=COMPILE_MODES)
     """torch.compile mode under --compile: default, reduce-overhead (also CUDA graphs, one per batch shape), max-autotune-no-cudagraphs or max-autotune."""
     compile_dynamic: bool = False
     """Under --compile, every input size symbolic from the first compile (torch.compile's dynamic=True): batches
     of varying shapes compile once instead of once per size that starts to vary (not yet measured on a GPU)."""
     gradient_checkpointing: bool = False
     """Recompute each draft layer in the backward pass (less memory; each layer's forward runs twice)."""
-    parallel: str = "ddp"
+    parallel: str = setting("ddp", choices=PARALLEL_MODES)
     """With several processes: ddp (replicated drafter) or fsdp (FSDP2, sharded drafter)."""
     device: str | None = None
     """Torch device (default: this rank's CUDA device, else cpu)."""
@@ -280,62 +282,20 @@ def flag(name: str) -> str:
 CONFIG_KEYS = tuple(f.name for f in fields(TrainConfig))
 
 
-@cache
 def field_help() -> dict[str, str]:
-    """The docstring under each TrainConfig field (they double as the flags' --help)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    out: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            out[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
-    return out
+    """The docstring under each TrainConfig field (they are the flags' --help)."""
+    return field_docs(TrainConfig)
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON or YAML config file into {setting: value}; unknown keys are errors."""
-    out = read_config_file(path, CONFIG_KEYS, TrainConfigError)
-    return out
-
-
-_SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
-
-
-def coerce_value(name: str, value: Any) -> Any:
-    """A config-file value converted to the field's type, or a TrainConfigError naming it."""
-    kind = {f.name: str(f.type) for f in fields(TrainConfig)}[name]
-    base = kind.replace(" | None", "")
-    try:
-        if value is None and kind.endswith("| None"):
-            return None
-        if base == "bool":
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
-                return str(value).lower() in ("true", "1", "yes")
-            raise ValueError("expected true or false")
-        if base in _SCALARS:
-            if isinstance(value, (list, dict, bool)):
-                raise ValueError(f"expected {base}")
-            converted = _SCALARS[base](value)
-            if base == "int" and isinstance(value, float) and value != converted:
-                raise ValueError("expected an integer")
-            return converted
-        if base == "list[str]":
-            return [str(v) for v in ([value] if isinstance(value, str) else value)]
-        if base == "tuple[float, float]":
-            out = tuple(float(v) for v in (value.split(",") if isinstance(value, str) else value))
-            if len(out) != 2:
-                raise ValueError("expected two numbers")
-            return out
-    except (TypeError, ValueError) as e:
-        raise TrainConfigError(f"Setting {name} = {value!r} is invalid: {e}.") from None
-    return value
+    """{setting: value} of a JSON or YAML config file, each converted and checked as its flag's
+    value would be (dflash.runtime.settings); unknown keys are errors."""
+    return read_settings_file(settings_of(TrainConfig), path, error=TrainConfigError)
 
 
 def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> TrainConfig:
-    """TrainConfig from a config file's values with flag values on top (flags win)."""
-    values = {k: coerce_value(k, v) for k, v in file_values.items()}
-    # None / empty: the flag was not given (click's default), so the file's value stands.
+    """TrainConfig from a config file's values with flag values on top (flags win; None or an
+    empty list: the flag was not given)."""
+    values = {**file_values}
     values.update({k: v for k, v in overrides.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
-    return TrainConfig(**values)
+    return build_settings(TrainConfig, values, error=TrainConfigError)
