@@ -32,6 +32,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
 import textwrap
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -246,73 +247,74 @@ def config_keys(settings: Mapping[str, Setting]) -> dict[str, str]:
 # -- values -----------------------------------------------------------------------------------
 
 
-def _fail(where: str, s: Setting, value: Any, why: str) -> SettingError:
+def _fail(where: str, s: Setting, value: Any, why: str, error: type[DflashError]) -> DflashError:
     why = why.rstrip(".")
-    return SettingError(f"{where}: setting {s.name} = {value!r} is invalid: {why}. Write a value that the "
+    return error(f"{where}: setting {s.name} = {value!r} is invalid: {why}. Write a value that the "
                         f"flag {s.flag} takes (see --help), or leave the key out.")
 
 
-def _convert_one(s: Setting, value: Any, where: str) -> Any:
+def _convert_one(s: Setting, value: Any, where: str, error: type[DflashError]) -> Any:
     """One config-file value through the click type of its flag, as the flag's text would go."""
     param_type = s.option.type
     if s.kind == "bool":
         if isinstance(value, bool):
             return value
         if not isinstance(value, str) or not value.strip():
-            raise _fail(where, s, value, "expected true or false")
+            raise _fail(where, s, value, "expected true or false", error)
         param_type = click.BOOL
     elif isinstance(value, Mapping):
         if not getattr(param_type, "accepts_mapping", False):
-            raise _fail(where, s, value, "expected a single value, not a mapping")
+            raise _fail(where, s, value, "expected a single value, not a mapping", error)
     elif isinstance(value, (list, tuple)):
         if not getattr(param_type, "accepts_list", False):
-            raise _fail(where, s, value, "expected a single value, not a list")
+            raise _fail(where, s, value, "expected a single value, not a list", error)
         value = list(value)
     elif isinstance(value, bool):
-        raise _fail(where, s, value, f"expected {param_type.name}, not a boolean")
+        raise _fail(where, s, value, f"expected {param_type.name}, not a boolean", error)
     elif isinstance(value, float) and (param_type is click.INT or isinstance(param_type, click.IntRange)):
         if not value.is_integer():
-            raise _fail(where, s, value, "expected an integer, and this one would be truncated")
+            raise _fail(where, s, value, "expected an integer, and this one would be truncated", error)
         value = int(value)
     if isinstance(value, (int, float)):
         value = str(value)  # the flag's text
     try:
         return param_type.convert(value, s.option, None)
     except click.BadParameter as e:
-        raise _fail(where, s, value, e.message) from None
+        raise _fail(where, s, value, e.message, error) from None
 
 
-def convert_file_value(s: Setting, value: Any, where: str) -> Any:
+def convert_file_value(s: Setting, value: Any, where: str, error: type[DflashError] = SettingError) -> Any:
     """A config-file value of setting `s`, converted and checked as its flag's would be."""
     if value is None:
         if s.optional:
             return None
         if s.kind == "list":
             return []
-        raise _fail(where, s, value, "null is not a value of this setting")
+        raise _fail(where, s, value, "null is not a value of this setting", error)
     if s.kind == "list":
         items = value if isinstance(value, (list, tuple)) else [value]
-        return [_convert_one(s, v, where) for v in items]
+        return [_convert_one(s, v, where, error) for v in items]
     if s.kind == "tuple":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or len(items) != s.option.nargs:
-            raise _fail(where, s, value, f"expected {s.option.nargs} values")
-        return tuple(_convert_one(s, v, where) for v in items)
-    return _convert_one(s, value, where)
+            raise _fail(where, s, value, f"expected {s.option.nargs} values", error)
+        return tuple(_convert_one(s, v, where, error) for v in items)
+    return _convert_one(s, value, where, error)
 
 
 def read_settings_file(
-    settings: Mapping[str, Setting], path: str, *, deprecated: Mapping[str, str] | None = None,
+    settings: Mapping[str, Setting], path: str | os.PathLike, *, deprecated: Mapping[str, str] | None = None,
+    error: type[DflashError] = SettingError,
 ) -> dict[str, Any]:
     """{setting: converted value} of a JSON/YAML config file; unknown keys and bad values refused."""
     keys = config_keys(settings)
-    raw = read_config_file(path, keys, SettingError, aliases=deprecated, listed=list(settings))
+    raw = read_config_file(path, keys, error, aliases=deprecated, listed=list(settings))
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = keys[key]
         if name in values:
-            raise SettingError(f"{path} sets {name} twice (as {key} and {name}); keep one.")
-        values[name] = convert_file_value(settings[name], value, str(path))
+            raise error(f"{path} sets {name} twice (as {key} and {name}); keep one.")
+        values[name] = convert_file_value(settings[name], value, str(path), error)
     return values
 
 
@@ -371,7 +373,7 @@ def _add_param(f: Callable, param: click.Parameter) -> None:
 def settings_options(
     cls: type, *, config: bool = True, only: Sequence[str] | None = None, build: bool = True,
     deprecated: Mapping[str, str] | None = None, config_help: str | None = None,
-    help_overrides: Mapping[str, str] | None = None,
+    help_overrides: Mapping[str, str] | None = None, error: type[DflashError] = SettingError,
 ) -> Callable[[Callable], Callable]:
     """Decorate a click command function with `cls`'s settings as flags (and `--config FILE`).
 
@@ -390,11 +392,11 @@ def settings_options(
             ctx = click.get_current_context()
             path = kwargs.pop("config_file", None) if config else None
             flags = {n: kwargs.pop(n) for n in list(kwargs) if n in chosen or n in deprecated}
-            values = read_settings_file(chosen, path, deprecated=deprecated) if path else {}
+            values = read_settings_file(chosen, path, deprecated=deprecated, error=error) if path else {}
             for old, new in deprecated.items():
                 if ctx.get_parameter_source(old) in GIVEN:
                     if ctx.get_parameter_source(new) in GIVEN:
-                        raise SettingError(f"--{old.replace('_', '-')} is the deprecated name of "
+                        raise error(f"--{old.replace('_', '-')} is the deprecated name of "
                                            f"{chosen[new].flag}: give only {chosen[new].flag}.")
                     click.echo(f"Warning: --{old.replace('_', '-')} is deprecated: it is {chosen[new].flag}.",
                                err=True)
@@ -402,9 +404,9 @@ def settings_options(
             values.update(given_flags(ctx, flags, cls))
             if build:
                 try:
-                    kwargs["settings"] = build_settings(cls, values)
+                    kwargs["settings"] = build_settings(cls, values, error=error)
                 except TypeError as e:
-                    raise SettingError(f"Invalid settings: {e}.") from e
+                    raise error(f"Invalid settings: {e}.") from e
             else:
                 kwargs["settings"] = values
             return f(**kwargs)
