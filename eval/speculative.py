@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from dflash.train.dflash2 import block_lattice, walk_greedy, walk_sampled
 from dflash.train.model import DFlashDrafter
 
 
@@ -298,6 +299,11 @@ class DraftContext:
         Each block token sees the row's valid context (all of it lies before the anchor) and
         its block, restricted per layer by its window and causality, as in training.
         """
+        return self.drafter.logits(self.draft_states(anchor_ids, anchor_positions, block_size))
+
+    @torch.no_grad()
+    def draft_states(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The drafter's normed states [B, block_size-1, D] of the drafted slots (see `draft`)."""
         d = self.drafter
         if self.valid is None:
             raise ValueError("append context before drafting a block.")
@@ -308,7 +314,7 @@ class DraftContext:
         positions = anchor_positions[:, None] + offsets
         masks = d.block_masks(self.positions, self.valid, positions)
         states = d.run_block(block_ids, positions, list(zip(self.keys, self.values)), masks)
-        return d.logits(states[:, 1:])
+        return states[:, 1:]
 
 
 # -- the speculative loop ---------------------------------------------------------------------
@@ -357,19 +363,26 @@ class DrafterProposer(Proposer):
 
     needs_hidden_states = True
 
-    def __init__(self, drafter: DFlashDrafter, block_size: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, block_size: int, *, temperature: float = 0.0, seed: int = 0) -> None:
         trained = drafter.config.block_size
         if not 2 <= block_size <= trained:
             raise ValueError(f"block_size {block_size} must be between 2 and the drafter's trained block size {trained}.")
         self.context = DraftContext(drafter)
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.block_size, self.trained_block_size = block_size, trained
+        self.walk: SelectorWalk | None = None
+        if drafter.candidate_selector is not None:  # DFlash2: the selector walks the block
+            self.walk = SelectorWalk(drafter, temperature, seed)
 
     def prefill(self, out: Any, positions: torch.Tensor, valid: torch.Tensor) -> None:
         self.context.append(capture_hidden(out.hidden_states, self.layer_ids), positions, valid.bool())
 
     def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
                 histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.walk is not None:
+            states = self.context.draft_states(anchors, anchor_positions, self.trained_block_size)
+            drafts = self.walk(states[:, : self.block_size - 1], anchors)
+            return drafts, torch.full_like(anchors, self.block_size - 1)
         logits = self.context.draft(anchors, anchor_positions, self.trained_block_size)
         drafts = logits[:, : self.block_size - 1].argmax(dim=-1)
         return drafts, torch.full_like(anchors, self.block_size - 1)
@@ -382,6 +395,30 @@ class DrafterProposer(Proposer):
         self.context.select(rows)
 
 
+class SelectorWalk:
+    """DFlash2's drafts from a block's states: the candidate selector's path from the anchor,
+    greedy at T = 0, sampled at T > 0 (`q`, the last block's draft distribution over its
+    candidates, is kept for a verifier that rejection-samples; the loop here checks each draft
+    against the target's own choice, which is lossless for any draft)."""
+
+    def __init__(self, drafter: DFlashDrafter, temperature: float, seed: int) -> None:
+        self.drafter, self.temperature = drafter, temperature
+        self.generator: torch.Generator | None = None
+        self.q: torch.Tensor | None = None
+        if temperature > 0:
+            device = drafter.embed_weight.device
+            self.generator = torch.Generator(device=device).manual_seed(seed + 1)  # not the target's draws
+
+    def __call__(self, states: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        d, c = self.drafter, self.drafter.config
+        ids, scores = block_lattice(d.candidate_selector, states, d.logits(states), anchors,
+                                    c.output_multiplier, c.final_logit_softcapping)
+        if self.temperature == 0:
+            return walk_greedy(ids, scores)
+        drafts, self.q = walk_sampled(ids, scores, self.temperature, self.generator)
+        return drafts
+
+
 @torch.no_grad()
 def speculative_generate(
     model: Any,
@@ -391,7 +428,8 @@ def speculative_generate(
 ) -> list[Generation]:
     """Speculative decoding of all `prompts` as one batch with the DFlash drafter (see the module docstring)."""
     block_size = config.block_size or drafter.config.block_size
-    return verify_generate(model, DrafterProposer(drafter, block_size), prompts, config)
+    proposer = DrafterProposer(drafter, block_size, temperature=config.temperature, seed=config.seed)
+    return verify_generate(model, proposer, prompts, config)
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMask, attend
+from .dflash2 import GroupedDynamicConv
 from .rope import apply_rope
 
 if TYPE_CHECKING:
@@ -87,7 +88,18 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # DFlash2: a convolution inside each block before and after both sublayers (dflash2.py).
+        self.attention_conv = self.mlp_conv = None
+        if c.drafter_type == "dflash2":
+            self.attention_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+        self.block_size = c.block_size
 
     def forward(self, x, context_kv, rope, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), context_kv, rope, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x), self.block_size)
+        x = x + self.attention_conv.finish(self.self_attn(h, context_kv, rope, mask), delta, self.block_size)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), self.block_size)
+        return x + self.mlp_conv.finish(self.mlp(h), delta, self.block_size)

@@ -21,9 +21,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dflash.runtime.logits import post_head_steps
 from torch import nn
 
 from .attention import ATTENTION_BACKENDS, AttentionMask, inference_mask
+from .dflash2 import (
+    DEFAULT_CONV_GROUP_SIZE,
+    DEFAULT_CONV_KERNEL_SIZE,
+    DEFAULT_SELECTOR_RANK,
+    DEFAULT_SELECTOR_TOP_K,
+    DRAFTER_TYPES,
+    CandidateSelector,
+    GroupedDynamicConv,
+)
 from .layer_types import parse_layer_types
 from .layers import DrafterLayer, RMSNorm, rms_normalize
 from .rope import (  # noqa: F401 - rope_parameters_from_config is part of this module's interface
@@ -87,6 +97,22 @@ class DrafterConfig:
     layers causal, full layers bidirectional."""
     mask_token: str | None = None
     """The mask token's string in the target tokenizer, when it has one (written to the export)."""
+    drafter_type: str = "dflash"
+    """"dflash", or "dflash2": the same drafter plus in-block convolutions around every sublayer and
+    a candidate selector over the target head's top-K (train/dflash2.py)."""
+    conv_kernel_size: int = DEFAULT_CONV_KERNEL_SIZE
+    """DFlash2: taps of the in-block convolutions."""
+    conv_group_size: int = DEFAULT_CONV_GROUP_SIZE
+    """DFlash2: channels sharing one dynamic tap offset (must divide hidden_size)."""
+    selector_rank: int = DEFAULT_SELECTOR_RANK
+    """DFlash2: rank of the selector's codebooks and hidden projection."""
+    selector_top_k: int = DEFAULT_SELECTOR_TOP_K
+    """DFlash2: candidates per slot (the target head's top-K)."""
+    output_multiplier: float = 1.0
+    """The target's factor on its logits (Cohere's logit_scale, 1 / Granite's logits_scaling), applied
+    to the selector's candidate scores as the engines do."""
+    final_logit_softcapping: float | None = None
+    """The target's logit soft cap (Gemma 2/3), applied to the selector's candidate scores."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -130,6 +156,16 @@ class DrafterConfig:
             self.sliding_window = int(self.sliding_window)
         else:
             self.sliding_window = None
+        if self.drafter_type not in DRAFTER_TYPES:
+            raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}.")
+        if self.drafter_type == "dflash2":
+            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(
+                    f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size} and "
+                    f"conv_kernel_size ({self.conv_kernel_size}) be at least 1.")
+            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 and selector_top_k "
+                                 f"({self.selector_top_k}) in 1..{self.vocab_size}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
@@ -164,6 +200,8 @@ class DrafterConfig:
             rope_parameters=rope_parameters_from_config(c),
             max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         )
+        head = post_head_steps(c)
+        values.update(output_multiplier=head["scale"] or 1.0, final_logit_softcapping=head["softcap"])
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown DrafterConfig fields {sorted(unknown)}.")
@@ -244,6 +282,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.candidate_selector = (CandidateSelector(c.hidden_size, c.vocab_size, c.selector_rank, c.selector_top_k)
+                                   if c.drafter_type == "dflash2" else None)
         self.register_buffer("embed_weight", target.embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head_weight", target.lm_head.detach(), persistent=False)
         norm = target.final_norm
@@ -284,6 +324,9 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():  # after the loop above, which also reaches their Linears
+            if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
+                module.reset_parameters(std)
 
     # -- pieces -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import build_layer_masks
+from .dflash2 import selector_objective
 from .model import DFlashDrafter
 
 NOISE_TYPES = ("none", "uniform", "gaussian")
@@ -90,6 +91,10 @@ class ObjectiveConfig:
     """Loss = (1 - w) * CE + w * KL(target || drafter) when the batch carries soft labels."""
     attention_backend: str | None = None
     """Overrides the drafter's attention_backend ("sdpa", "flex", "auto") when set."""
+    selector_loss_weight: float = 1.0
+    """DFlash2: loss = loss + w * the candidate selector's K-way cross-entropy (dflash2.selector_objective)."""
+    selector_stop_gradient: bool = False
+    """DFlash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
 
     def __post_init__(self) -> None:
         if self.max_anchors < 1:
@@ -104,6 +109,8 @@ class ObjectiveConfig:
             raise ValueError("noise_start and noise_end are amplitudes and must be >= 0.")
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}.")
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}.")
 
     def noise_amplitude(self, progress: float) -> float:
         """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""
@@ -237,7 +244,14 @@ class LossOutput:
     anchor_valid: torch.Tensor
     """[B, A] bool."""
     predicted: torch.Tensor | None = None
-    """[B, A, block_size-1] long: the drafter's top-1 token of each scored slot (-1 elsewhere)."""
+    """[B, A, block_size-1] long: the drafter's top-1 token of each scored slot (-1 elsewhere); for
+    DFlash2 the selector's choice (what its walk drafts when the earlier slots were right)."""
+    selector_loss: torch.Tensor | None = None
+    """DFlash2: the selector's cross-entropy (scalar)."""
+    backbone_predicted: torch.Tensor | None = None
+    """DFlash2: like `predicted`, the backbone's own top-1 (the drafter without its selector)."""
+    backbone_correct: torch.Tensor | None = None
+    """DFlash2: like `correct`, for `backbone_predicted`."""
 
 
 def _soft_label_kl(drafter: DFlashDrafter, batch: dict, b: torch.Tensor, rows: torch.Tensor,
@@ -294,7 +308,8 @@ def compute_loss(
         b, a, k = batch["scored_slots"].to(valid.device, non_blocking=True).unbind(0)
     else:
         b, a, k = valid.nonzero(as_tuple=True)
-    logprobs = torch.log_softmax(drafter.logits(states[b, a, k]).float(), dim=-1)
+    logits = drafter.logits(states[b, a, k])
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = labels[b, a, k]
     if config.loss_weighting == "acceptance":
         weights = acceptance_weights(logprobs.gather(1, target[:, None]).squeeze(1), b, a, k, valid.shape)
@@ -319,7 +334,23 @@ def compute_loss(
     predicted = torch.full_like(labels, -1)
     predicted[b, a, k] = logprobs.argmax(-1)
     correct = predicted == labels  # False where not scored (-1 is no token)
+    selector = drafter.candidate_selector
+    if selector is None:
+        return LossOutput(
+            loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,
+            anchor_positions=anchors, anchor_valid=anchor_valid, predicted=predicted,
+        )
+    # DFlash2: slot k+1 (index k) follows the true token at p+k (the anchor for k = 0).
+    predecessors = input_ids[b, anchors[b, a] + k]
+    selector_loss, choice = selector_objective(
+        selector, states[b, a, k], logits, predecessors, target, weights.detach(),
+        output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
+        stop_gradient=config.selector_stop_gradient)
+    chosen = torch.full_like(labels, -1)
+    chosen[b, a, k] = choice
     return LossOutput(
-        loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,
-        anchor_positions=anchors, anchor_valid=anchor_valid, predicted=predicted,
+        loss=loss + config.selector_loss_weight * selector_loss, ce=ce.detach(), kl=kl,
+        correct=chosen == labels, valid=valid, anchor_positions=anchors, anchor_valid=anchor_valid,
+        predicted=chosen, selector_loss=selector_loss.detach(), backbone_predicted=predicted,
+        backbone_correct=correct,
     )

@@ -1,0 +1,156 @@
+"""DFlash2: the in-block convolution (identity at init, zero across block boundaries), the
+candidate selector (its walk and its loss), and the objective with both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash.train.dflash2 import (
+    CandidateSelector,
+    GroupedDynamicConv,
+    block_lattice,
+    selector_objective,
+    walk_greedy,
+    walk_sampled,
+)
+from dflash.train.objective import ObjectiveConfig, compute_loss
+from test_drafter_export import block_logits, sample_batch
+from test_drafter_support import HIDDEN, VOCAB, tiny_drafter
+
+THREE_LAYERS = dict(target_layer_ids=[1, 3, 5])  # sample_batch's hidden width
+DFLASH2 = dict(THREE_LAYERS, drafter_type="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+def test_a_fresh_dflash2_drafter_gives_exactly_the_dflash_logits_of_the_same_weights():
+    dflash, dflash2 = tiny_drafter(seed=3, **THREE_LAYERS), tiny_drafter(seed=3, **DFLASH2)
+    missing, unexpected = dflash2.load_state_dict(dflash.state_dict(), strict=False)
+    assert not unexpected and missing and all("conv" in n or "candidate_selector" in n for n in missing)
+    batch = sample_batch()
+    assert torch.equal(block_logits(dflash, batch), block_logits(dflash2, batch))
+    # ... and once the convolutions move, they do not.
+    with torch.no_grad():
+        dflash2.layers[0].attention_conv.kernel_projection.weight.normal_(std=0.1)
+    assert not torch.allclose(block_logits(dflash, batch), block_logits(dflash2, batch))
+
+
+def reference_conv(x, base, delta, block_size, group_size):
+    """out[i, c] = sum_t (base[t, c] + delta[i, t, c // group_size]) * x[i - t, c], same block only."""
+    out = torch.zeros_like(x)
+    for i in range(x.shape[1]):
+        for t in range(base.shape[0]):
+            if i % block_size >= t:
+                w = base[t] + delta[:, i, t].repeat_interleave(group_size, dim=-1)
+                out[:, i] += w * x[:, i - t]
+    return out
+
+
+def test_the_convolution_follows_its_formula_and_never_crosses_a_block():
+    torch.manual_seed(0)
+    conv = GroupedDynamicConv(HIDDEN, taps=3, group_size=16)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(std=0.1)
+    block, x = 4, torch.randn(2, 12, HIDDEN)
+    y, delta = conv.prepare(x, block)
+    both = conv.kernel_projection(x).view(2, 12, 2, 3, HIDDEN // 16)
+    torch.testing.assert_close(delta, both[:, :, 1])
+    torch.testing.assert_close(y, reference_conv(x, conv.base_kernel[0], both[:, :, 0], block, 16))
+    z = torch.randn_like(x)
+    torch.testing.assert_close(conv.finish(z, delta, block), reference_conv(z, conv.base_kernel[1], delta, block, 16))
+    # A change in block 1 (tokens 4..7) moves nothing in blocks 0 and 2 of the output convolution.
+    changed = z.clone()
+    changed[:, 4:8] += 1.0
+    moved = (conv.finish(changed, delta, block) - conv.finish(z, delta, block)).abs().amax(dim=(0, 2))
+    assert moved[4:8].min() > 0 and moved[:4].max() == 0 and moved[8:].max() == 0
+
+
+def tiny_selector(seed: int = 0, top_k: int = 4) -> CandidateSelector:
+    torch.manual_seed(seed)
+    selector = CandidateSelector(HIDDEN, VOCAB, rank=8, top_k=top_k)
+    with torch.no_grad():
+        selector.hidden_projection.weight.normal_()
+        selector.predecessor_codebook.normal_()
+    return selector
+
+
+def test_the_greedy_walk_takes_each_slots_best_successor_of_the_previous_choice():
+    selector = tiny_selector()
+    g = torch.Generator().manual_seed(1)
+    states, logits = torch.randn(3, 5, HIDDEN, generator=g), torch.randn(3, 5, VOCAB, generator=g)
+    anchors = torch.tensor([1, 2, 3])
+    ids, scores = block_lattice(selector, states, logits, anchors, output_multiplier=0.5, softcap=3.0)
+    tokens = walk_greedy(ids, scores)
+    for b in range(3):  # the definition, one slot at a time: edge(p -> c) = <A[p] * proj(h), B[c]> + unary[c]
+        previous = int(anchors[b])
+        for slot in range(5):
+            unary = torch.tanh(0.5 * logits[b, slot, ids[b, slot]] / 3.0) * 3.0
+            h = selector.hidden_projection(states[b, slot])
+            edges = unary + (selector.predecessor_codebook[previous] * h) @ selector.successor_codebook[ids[b, slot]].T
+            previous = int(ids[b, slot, edges.argmax()])
+            assert int(tokens[b, slot]) == previous
+    assert set(ids[0, 0].tolist()) == set(logits[0, 0].topk(4).indices.tolist())
+
+
+def test_the_sampled_walk_returns_q_over_the_candidates_and_draws_from_it():
+    selector = tiny_selector()
+    g = torch.Generator().manual_seed(2)
+    states, logits = torch.randn(1, 3, HIDDEN, generator=g), torch.randn(1, 3, VOCAB, generator=g)
+    ids, scores = block_lattice(selector, states, logits, torch.tensor([5]))
+    draws = torch.stack([walk_sampled(ids, scores, 0.7, g)[0][0, 0] for _ in range(4000)])
+    tokens, q = walk_sampled(ids, scores, 0.7, g)
+    torch.testing.assert_close(q.sum(-1), torch.ones(1, 3))
+    torch.testing.assert_close(q[0, 0], torch.softmax(scores[0, 0, 0] / 0.7, dim=-1))  # slot 0 follows the anchor
+    frequency = torch.stack([(draws == t).float().mean() for t in ids[0, 0]])
+    assert (frequency - q[0, 0]).abs().max() < 0.03
+    previous = (ids[0, 0] == tokens[0, 0]).nonzero().item()
+    torch.testing.assert_close(q[0, 1], torch.softmax(scores[0, 1, previous] / 0.7, dim=-1))
+    with pytest.raises(ValueError, match="temperature"):
+        walk_sampled(ids, scores, 0.0)
+
+
+def test_the_selector_loss_puts_a_missed_label_among_the_candidates():
+    selector = tiny_selector(top_k=4)
+    g = torch.Generator().manual_seed(3)
+    states, logits = torch.randn(2, HIDDEN, generator=g), torch.randn(2, VOCAB, generator=g)
+    top = logits.topk(4).indices
+    missed = next(t for t in range(VOCAB) if t not in top[1].tolist())
+    labels = torch.tensor([int(top[0, 2]), missed])
+    predecessors = torch.tensor([7, 9])
+    loss, choice = selector_objective(selector, states, logits, predecessors, labels, torch.tensor([1.0, 0.0]))
+    loss_missed, _ = selector_objective(selector, states, logits, predecessors, labels, torch.tensor([0.0, 1.0]))
+    # Row 0: a 4-way CE over its top-4; row 1: over its top-3 and the label.
+    edges = [selector(states[i], torch.cat([top[i, :3], labels[i:i + 1]]) if i else top[i],
+                      logits[i, torch.cat([top[i, :3], labels[i:i + 1]]) if i else top[i]],
+                      predecessors[i:i + 1])[0] for i in range(2)]
+    torch.testing.assert_close(loss, -torch.log_softmax(edges[0], -1)[2])
+    torch.testing.assert_close(loss_missed, -torch.log_softmax(edges[1], -1)[3])
+    assert choice[1] in top[1] and choice[0] == top[0, selector(states[0], top[0], logits[0, top[0]],
+                                                                 predecessors[:1])[0].argmax()]
+    loss_missed.backward()
+    assert selector.successor_codebook.grad[missed].abs().sum() > 0  # the label's row learns
+
+
+def test_the_objective_adds_the_weighted_selector_loss_and_can_stop_its_gradient():
+    batch = sample_batch()
+
+    def run(weight, stop=False):
+        drafter = tiny_drafter(seed=5, **DFLASH2).train()
+        out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=8, selector_loss_weight=weight,
+                                                           selector_stop_gradient=stop),
+                           generator=torch.Generator().manual_seed(0))
+        out.loss.backward()
+        return out, drafter
+
+    plain, plain_model = run(0.0)
+    weighted, weighted_model = run(0.5)
+    stopped, stopped_model = run(0.5, stop=True)
+    torch.testing.assert_close(weighted.loss, plain.loss + 0.5 * weighted.selector_loss)
+    assert torch.equal(weighted.backbone_predicted, plain.backbone_predicted)
+    assert torch.equal(weighted.predicted[~weighted.valid], torch.full_like(weighted.predicted[~weighted.valid], -1))
+    fc = "fc.weight"
+    grads = {n: dict(m.named_parameters())[fc].grad for n, m in
+             (("plain", plain_model), ("weighted", weighted_model), ("stopped", stopped_model))}
+    assert not torch.allclose(grads["plain"], grads["weighted"])  # the selector's loss reaches the backbone
+    torch.testing.assert_close(grads["plain"], grads["stopped"])  # ... unless its gradient is stopped
+    # The selector learns either way (at init its projection is 0, so that alone has a gradient).
+    assert stopped_model.candidate_selector.hidden_projection.weight.grad.abs().sum() > 0

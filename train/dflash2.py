@@ -1,0 +1,210 @@
+"""DFlash2: the DFlash drafter plus an in-block dynamic convolution and a candidate selector.
+
+Both parts are declared by the checkpoint (`architectures: ["DFlash2DraftModel"]`) and read by
+vLLM (`qwen3_dflash2.py` and its DFlash2 speculator) and SGLang (`srt/models/dflash.py`); the
+parameter names, shapes and arithmetic here are theirs (docs/drafter.md, "DFlash2").
+
+- `GroupedDynamicConv`, one around each attention and each MLP sublayer of every draft layer:
+  `out[i, c] = sum_t (base[t, c] + delta[i, t, g(c)]) * x[i - t, c]` over taps t < taps, where
+  `i - t` must lie in the same block (the taps are zero across a block boundary) and g(c) is the
+  channel's group of `group_size` channels. One linear projection of the sublayer's (normed)
+  input gives `delta` for both convolutions: the one on the sublayer's input and the one on its
+  output. Initialised to the identity (tap 0 = 1, every other tap and the projection 0), so a
+  fresh DFlash2 drafter computes exactly what DFlash does with the same weights.
+- `CandidateSelector`: per drafted slot the top-K tokens of the target head's logits (after the
+  target's `output_multiplier` and optional `final_logit_softcapping`: the "unary" score of a
+  candidate is that transformed logit), and a low-rank transition score
+  `edge(p -> c) = <A[p] * proj(h), B[c]> + unary[c]` from a predecessor codebook A and a
+  successor codebook B over the vocabulary, h being the slot's drafter state. Decoding walks
+  from the verified anchor, as both engines do: at T = 0 each slot takes the best successor of
+  the token chosen before it; at T > 0 it samples from softmax(edge / T) over the K candidates,
+  and that row is q, the draft distribution the verification sees.
+- Training adds `alpha * selector_loss`: a K-way cross-entropy over the candidates of each scored
+  slot, its predecessor the true previous token (what the walk has chosen when every earlier
+  slot was right), the true token put in place of the K-th candidate when the top-K misses it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DRAFTER_TYPES = ("dflash", "dflash2")
+DEFAULT_CONV_KERNEL_SIZE = 2
+"""Taps of the convolution: vLLM requires `conv_kernel_size` in the checkpoint (no default of its
+own); the shipped DFlash2 checkpoints and the peers' trainers use two taps."""
+DEFAULT_CONV_GROUP_SIZE = 16
+DEFAULT_SELECTOR_RANK = 256
+DEFAULT_SELECTOR_TOP_K = 16
+
+
+class GroupedDynamicConv(nn.Module):
+    """The pair of in-block convolutions around one sublayer (`attention_conv` or `mlp_conv`).
+
+    `base_kernel` [2, taps, D]: the static per-channel taps of the input (0) and output (1)
+    convolution; `kernel_projection` [2*taps*G, D]: the per-token, per-group tap offsets of both,
+    from the sublayer's input (G = D / group_size groups).
+    """
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int) -> None:
+        super().__init__()
+        if taps < 1 or group_size < 1 or hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} must divide hidden_size {hidden_size}, and "
+                             f"conv_kernel_size ({taps}) be at least 1.")
+        self.taps, self.group_size, self.groups = taps, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """The identity: tap 0 of both convolutions 1, the rest and the projection 0."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input convolution of `x` [B, Q, D], the output convolution's offsets [B, Q, taps, G])."""
+        delta = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))
+        return self._convolve(x, delta[..., 0, :, :], 0, block_size), delta[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The output convolution of the sublayer's output `x` with the offsets from `prepare`."""
+        return self._convolve(x, delta, 1, block_size)
+
+    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
+        # x [B, Q, D] holds whole blocks laid end to end: token i is slot i % block_size of its block.
+        grouped = x.unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, gs]
+        base = self.base_kernel[side].view(self.taps, self.groups, self.group_size)
+        out = (base[0] + delta[..., 0, :, None]) * grouped
+        length = x.shape[1]
+        slot = torch.arange(length, device=x.device) % block_size
+        for t in range(1, min(self.taps, length)):
+            shifted = F.pad(grouped[:, :-t], (0, 0, 0, 0, t, 0))  # token i sees token i - t
+            inside = (slot >= t).view(1, length, 1, 1)  # ... of its own block only
+            out = out + (base[t] + delta[..., t, :, None]) * shifted * inside
+        return out.flatten(-2)
+
+
+class CandidateSelector(nn.Module):
+    """`candidate_selector`: predecessor/successor codebooks [V, rank], hidden_projection [rank, D]."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        if rank < 1 or not 1 <= top_k <= vocab_size:
+            raise ValueError(f"selector_rank ({rank}) must be >= 1 and selector_top_k ({top_k}) in 1..{vocab_size}.")
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random codebooks, a zero projection: every edge starts at 0, so the walk starts as the
+        backbone's top-1, and the projection's gradient (A[p] * B[c]) is not zero."""
+        with torch.no_grad():
+            nn.init.normal_(self.predecessor_codebook, std=std)
+            nn.init.normal_(self.successor_codebook, std=std)
+            self.hidden_projection.weight.zero_()
+
+    def forward(self, states: torch.Tensor, candidate_ids: torch.Tensor, unary: torch.Tensor,
+                predecessor_ids: torch.Tensor) -> torch.Tensor:
+        """Edge scores [..., P, C]: `states` [..., D], `candidate_ids` / `unary` [..., C] (the
+        successors), `predecessor_ids` [..., P]."""
+        h = self.hidden_projection(states)
+        left = self.predecessor_codebook[predecessor_ids] * h.unsqueeze(-2)  # [..., P, r]
+        right = self.successor_codebook[candidate_ids]  # [..., C, r]
+        return unary.unsqueeze(-2).float() + (left @ right.transpose(-1, -2)).float()
+
+
+def transform_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
+                     softcap: float | None = None) -> torch.Tensor:
+    """The candidates' unary scores: float32 logits times `output_multiplier`, then soft-capped."""
+    values = logits.float()
+    if output_multiplier != 1.0:
+        values = values * output_multiplier
+    if softcap:
+        values = torch.tanh(values / softcap) * softcap
+    return values
+
+
+def top_candidates(logits: torch.Tensor, top_k: int, output_multiplier: float = 1.0,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, unary scores) [..., K] of the K best tokens of `logits` [..., V], best first."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return ids, transform_logits(values, output_multiplier, softcap)
+
+
+def block_lattice(selector: CandidateSelector, states: torch.Tensor, logits: torch.Tensor,
+                  anchor_ids: torch.Tensor, output_multiplier: float = 1.0,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidate ids [B, L, K], edge scores [B, L, K, K]) of the L drafted slots of a block:
+    `states` [B, L, D] and `logits` [B, L, V] of slots 1..L, `anchor_ids` [B]. Slot 0's
+    predecessors are the anchor (K times), slot l's the candidates of slot l-1."""
+    ids, unary = top_candidates(logits, selector.top_k, output_multiplier, softcap)
+    first = anchor_ids[:, None, None].expand(-1, 1, ids.shape[-1])
+    predecessors = torch.cat([first, ids[:, :-1]], dim=1)
+    return ids, selector(states, ids, unary, predecessors)
+
+
+def walk_greedy(candidate_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Tokens [B, L]: from the anchor, each slot's best successor of the previous choice."""
+    batch, slots, k = candidate_ids.shape
+    rows = torch.arange(batch, device=candidate_ids.device)
+    previous = torch.zeros(batch, dtype=torch.long, device=candidate_ids.device)
+    tokens = []
+    for slot in range(slots):
+        previous = scores[rows, slot, previous].argmax(-1)
+        tokens.append(candidate_ids[rows, slot, previous])
+    return torch.stack(tokens, dim=1)
+
+
+def walk_sampled(candidate_ids: torch.Tensor, scores: torch.Tensor, temperature: float,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, L], q [B, L, K]): each slot sampled from softmax(edge / T) over the successors
+    of the previous choice; q is that distribution, over `candidate_ids` (0 for every other token)."""
+    if temperature <= 0:
+        raise ValueError(f"a sampled walk needs a temperature > 0, got {temperature}; use walk_greedy.")
+    batch, slots, k = candidate_ids.shape
+    rows = torch.arange(batch, device=candidate_ids.device)
+    previous = torch.zeros(batch, dtype=torch.long, device=candidate_ids.device)
+    tokens, qs = [], []
+    for slot in range(slots):
+        q = torch.softmax(scores[rows, slot, previous] / temperature, dim=-1)
+        previous = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+        tokens.append(candidate_ids[rows, slot, previous])
+        qs.append(q)
+    return torch.stack(tokens, dim=1), torch.stack(qs, dim=1)
+
+
+def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits: torch.Tensor,
+                       predecessor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,
+                       output_multiplier: float = 1.0, softcap: float | None = None,
+                       stop_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted K-way cross-entropy, the selector's choice [N]) over N scored slots.
+
+    `states` [N, D] and `logits` [N, V] of the slots, `predecessor_ids` [N] the true token before
+    each (the anchor for slot 1), `labels` [N] the true tokens, `weights` [N] the slots' loss
+    weights. When the top-K misses the label it takes the K-th candidate's place in the loss; the
+    choice (for the metrics) is the walk's, over the plain top-K. `stop_gradient`: the selector's
+    loss does not reach the backbone (its states and logits enter detached).
+    """
+    if stop_gradient:
+        states, logits = states.detach(), logits.detach()
+    ids, unary = top_candidates(logits, selector.top_k, output_multiplier, softcap)
+    k = ids.shape[-1]
+    gold = transform_logits(logits.gather(-1, labels[:, None]), output_multiplier, softcap)
+    candidates, scores_in = torch.cat([ids, labels[:, None]], dim=-1), torch.cat([unary, gold], dim=-1)
+    scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
+    found = ids == labels[:, None]
+    present = found.any(-1)
+    # The loss's K candidates: the top-K when it holds the label (the appended copy is left out),
+    # else the top-(K-1) and the label.
+    left_out = torch.where(present, k, k - 1)
+    masked = scores.masked_fill(F.one_hot(left_out, k + 1).bool(), float("-inf"))
+    target = torch.where(present, found.long().argmax(-1), k)
+    nll = F.cross_entropy(masked, target, reduction="none")
+    loss = (weights * nll).sum() / weights.sum().clamp(min=1e-12)
+    choice = ids.gather(-1, scores[:, :k].argmax(-1, keepdim=True)).squeeze(-1)
+    return loss, choice
