@@ -1,7 +1,10 @@
 """DFlash2: the in-block convolution (identity at init, zero across block boundaries), the
-candidate selector (its walk and its loss), and the objective with both."""
+candidate selector (its walk and its loss), the objective with both, and the export's contract
+with vLLM's and SGLang's DFlash2 loaders."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -13,9 +16,12 @@ from dflash.train.dflash2 import (
     walk_greedy,
     walk_sampled,
 )
+from dflash.train.export import export_drafter, load_drafter
+from dflash.train.model import DFlashDrafter
 from dflash.train.objective import ObjectiveConfig, compute_loss
-from test_drafter_export import block_logits, sample_batch
-from test_drafter_support import HIDDEN, VOCAB, tiny_drafter
+from safetensors import safe_open
+from test_drafter_export import block_logits, expected_weight_names, sample_batch
+from test_drafter_support import HIDDEN, VOCAB, save_tiny_target, tiny_drafter
 
 THREE_LAYERS = dict(target_layer_ids=[1, 3, 5])  # sample_batch's hidden width
 DFLASH2 = dict(THREE_LAYERS, drafter_type="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
@@ -154,3 +160,61 @@ def test_the_objective_adds_the_weighted_selector_loss_and_can_stop_its_gradient
     torch.testing.assert_close(grads["plain"], grads["stopped"])  # ... unless its gradient is stopped
     # The selector learns either way (at init its projection is 0, so that alone has a gradient).
     assert stopped_model.candidate_selector.hidden_projection.weight.grad.abs().sum() > 0
+
+
+# -- the export's contract with the engines ---------------------------------------------------
+
+# What the engines' DFlash2 loaders read, as written in their code (facts, not their code):
+# vllm-project/vllm vllm/model_executor/models/qwen3_dflash2.py: per layer DFlashGroupedConv
+# `attention_conv` and `mlp_conv`, each `base_kernel` [2, taps, hidden] and `kernel_projection`
+# (a linear: weight [2 * taps * (hidden / conv_group_size), hidden]); `candidate_selector`
+# with `predecessor_codebook` / `successor_codebook` [vocab, selector_rank] and
+# `hidden_projection` (weight [selector_rank, hidden]). dflash_config: `conv_kernel_size`,
+# `conv_group_size`, `selector_rank`, `selector_top_k` indexed (required);
+# `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping` read with defaults.
+# sgl-project/sglang python/sglang/srt/models/dflash.py: the same module names and shapes
+# (DFlashGroupedConv per layer when dflash_config.conv_kernel_size is set; CandidateSelector
+# with the two [vocab, rank] codebooks and a bias-free hidden_projection), `selector_rank`
+# required, `selector_top_k`, `output_multiplier`, `final_logit_softcapping`; both take the rest
+# of the checkpoint from their DFlash loaders (tests/test_drafter_export.py lists those names).
+ENGINE_DFLASH2_CONFIG_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                              "input_embedding_scale", "output_multiplier", "final_logit_softcapping"}
+
+
+def engine_dflash2_tensors(layers: int, hidden: int, vocab: int, taps: int, group: int,
+                           rank: int) -> dict[str, tuple[int, ...]]:
+    out = {"candidate_selector.predecessor_codebook": (vocab, rank),
+           "candidate_selector.successor_codebook": (vocab, rank),
+           "candidate_selector.hidden_projection.weight": (rank, hidden)}
+    for i in range(layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            out[f"layers.{i}.{conv}.base_kernel"] = (2, taps, hidden)
+            out[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * (hidden // group), hidden)
+    return out
+
+
+def test_the_dflash2_export_holds_exactly_what_the_engines_load_and_reloads_identically(tmp_path):
+    target = save_tiny_target(tmp_path / "target")
+    drafter = DFlashDrafter.from_target(target, num_hidden_layers=2, target_layer_ids=[1, 3, 5], block_size=4,
+                                        attention_backend="sdpa", **{k: v for k, v in DFLASH2.items()
+                                                                      if k != "target_layer_ids"})
+    with torch.no_grad():  # move every DFlash2 tensor off its init, so a lost one shows
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.normal_(std=0.05)
+    out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert ENGINE_DFLASH2_CONFIG_KEYS <= set(config["dflash_config"])
+    assert (config["dflash_config"]["conv_kernel_size"], config["dflash_config"]["selector_top_k"]) == (3, 4)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    expected = engine_dflash2_tensors(2, HIDDEN, VOCAB, taps=3, group=16, rank=8)
+    names = expected_weight_names(2) | set(expected)
+    assert not names - set(shapes), f"missing: {sorted(names - set(shapes))}"
+    assert not set(shapes) - names, f"unexpected: {sorted(set(shapes) - names)}"
+    assert {n: shapes[n] for n in expected} == expected
+    reloaded = load_drafter(out, target, attention_backend="sdpa")
+    assert reloaded.config.drafter_type == "dflash2" and reloaded.candidate_selector.top_k == 4
+    batch = sample_batch()
+    torch.testing.assert_close(block_logits(reloaded, batch), block_logits(drafter.eval(), batch), rtol=0, atol=0)
