@@ -28,6 +28,7 @@ from .data import PartPlan, fingerprint_data, list_data_files
 from .engine import ExtractionEngine
 from .loop import ExtractionLoop
 from .pinned import SegmentPinner
+from .plan_file import ensure_plan
 from .target import LayerCapture, decoder_layers, load_target, target_identity
 from .writers import WriterPool, start_fork_server, stop_fork_server
 
@@ -166,6 +167,8 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         header["provenance"]["forced_run"] = run  # what the other ranks wait for (CacheWriter)
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
+    rules = config.part_rules(header["target"]["vocab_size"])
+    ensure_plan(config.output, files, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget)
@@ -179,7 +182,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         capture.close()
         progress.close()
         raise
-    loop = ExtractionLoop(files=files, rules=config.part_rules(header["target"]["vocab_size"]), rank=config.rank,
+    loop = ExtractionLoop(files=files, rules=rules, rank=config.rank,
                           world_size=config.world_size, token_budget=config.token_budget,
                           committed=set(cache.committed()), engine=engine, pool=pool, progress=progress,
                           summary=summary, direct=direct)

@@ -78,6 +78,13 @@ class TrainConfig:
     """Longer samples are truncated to this many tokens (counted and reported at startup)."""
     shuffle_window: int = 8192
     """Samples sorted by length together before batching (larger: less padding, less randomness)."""
+    shuffle_parts: int = 0
+    """0: shuffle each epoch over the whole data; N: plan each epoch group by group, N consecutive
+    parts of the extraction at a time (what --follow and a disk budget need: training then trails
+    the extraction and needs at most a group's parts at once)."""
+    follow: bool = False
+    """Train on a cache dflash-extract is still filling: wait for each part as it is needed, until
+    every part of the extraction's plan is committed (one --cache; weights as on the finished cache)."""
     num_workers: int = 4
     """DataLoader worker processes reading and decoding the cache (0: in the main process)."""
     prefetch_factor: int = 4

@@ -40,6 +40,7 @@ from dflash.cache_tools.schema import (
 from dflash.runtime.quantize import dequantize_fp8
 
 from .config import TrainConfigError
+from .follow import FollowCacheSet, canonical_order, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
 from .plans import RankBatches, check_budget, plan_epoch, plan_eval
 from .workers import worker_init
@@ -64,6 +65,8 @@ class LoaderConfig:
     """Samples are truncated to this many tokens."""
     shuffle_window: int = 8192
     """Samples sorted by length together before packing."""
+    shuffle_parts: int = 0
+    """0: shuffle the whole data; N: plan each group of N consecutive parts on its own (follow.py)."""
     seed: int = 0
     """Seed of the per-epoch shuffles."""
     num_workers: int = 4
@@ -277,8 +280,10 @@ class TrainLoader:
     """This rank's micro-batches, epoch after epoch, from a resumable position."""
 
     def __init__(self, caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, epochs: int,
-                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, prepare: BatchPrepare | None = None):
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, prepare: BatchPrepare | None = None,
+                 groups: np.ndarray | None = None):
         self.caches, self.indices, self.config = caches, indices, config
+        self.groups = groups  # each sample's plan group under --shuffle-parts (follow.part_groups)
         self.prepare = prepare
         """Run on every batch where it is read (the trainer's anchors: off its own thread)."""
         self.rank, self.world_size = rank, world_size
@@ -306,7 +311,7 @@ class TrainLoader:
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         if epoch not in self._plans:
-            self._plans = {epoch: plan_epoch(self.indices, self.caches.lengths, self.config, epoch)}
+            self._plans = {epoch: plan_epoch(self.indices, self.caches.lengths, self.config, epoch, self.groups)}
         return self._plans[epoch]
 
     def state_dict(self) -> dict[str, Any]:
@@ -456,15 +461,23 @@ def rendering_summary(headers: list[dict[str, Any]]) -> str:
             "that most of the data used, or prepare the data again with one")
 
 
+def open_caches(config: Any) -> CacheSet | FollowCacheSet:
+    """The training caches: finished ones, or with --follow one that is still being extracted."""
+    if getattr(config, "follow", False):
+        return open_follow(config)
+    return CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums)
+
+
 def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
     """Open the caches (manifests, and the sample ids for the split), split them and plan the
     batches of every epoch. --eval-cache, when given, replaces the held-out split."""
     loader_config = LoaderConfig(
         token_budget=config.token_budget, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-        shuffle_window=config.shuffle_window, seed=config.seed, num_workers=config.num_workers,
+        shuffle_window=config.shuffle_window, shuffle_parts=config.shuffle_parts, seed=config.seed,
+        num_workers=config.num_workers,
         prefetch_factor=config.prefetch_factor, pin_memory=pin_memory,
     )
-    caches = CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums)
+    caches = open_caches(config)
     eval_caches = None
     if config.eval_cache:
         eval_caches = CacheSet(config.eval_cache, max_seq_len=config.max_seq_len,
@@ -485,8 +498,11 @@ def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: b
     eval_indices = heldout
     if config.eval_max_samples and len(heldout) > config.eval_max_samples:
         eval_indices = cap_by_score(heldout, heldout_scores(scored.sample_ids()), config.eval_max_samples)
+    # Plans start from sample id order: batches never depend on the order parts were committed in.
+    train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
+    groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
     loader = TrainLoader(caches, train_indices, loader_config, epochs=config.epochs, rank=rank,
-                         world_size=world_size, grad_accum=config.grad_accum)
+                         world_size=world_size, grad_accum=config.grad_accum, groups=groups)
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
                         eval_indices=eval_indices, config=loader_config, heldout_count=len(heldout),
                         train_cap=train_cap)

@@ -48,6 +48,7 @@ from .distributed import (
     unwrap,
     wrap_model,
 )
+from .follow import follow_fields
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
 from .metrics import VerificationWalk, greedy_replay
 from .model import DFlashDrafter
@@ -181,9 +182,10 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 last.update(lr=scheduler.get_last_lr()[0], epoch=data.loader.epoch,
                             gpu_mem_gib=gpu_memory_gib(info.device))
                 heldout.add_train(last)
-                log.log(step, "train", {**heldout.train_fields(), **last})
+                following = follow_fields(data)  # --follow: parts extracted and trained, data wait
+                log.log(step, "train", {**heldout.train_fields(), **last, **following})
                 log.advance(0, **heldout.progress_fields(), train_tau=last["tau"], loss=last["loss"],
-                            tok_s=last["context_tokens_per_second"])
+                            tok_s=last["context_tokens_per_second"], **following)
                 metrics.reset()
             new_best = False
             if eval_due and (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
@@ -413,6 +415,7 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
         "target": comparable(target_identity(target_config, cfg.target_model)),
         "batching": {"token_budget": cfg.token_budget, "max_batch_size": cfg.max_batch_size,
                      "max_seq_len": cfg.max_seq_len, "shuffle_window": cfg.shuffle_window, "seed": cfg.seed,
+                     "sample_order": "sample_id", **({"shuffle_parts": cfg.shuffle_parts} if cfg.shuffle_parts else {}),
                      "batches_per_step (world_size x grad_accum)": info.world_size * cfg.grad_accum},
         "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
                   "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),

@@ -29,9 +29,20 @@ def pack_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int, max_
     return batches
 
 
-def plan_epoch(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig, epoch: int) -> list[np.ndarray]:
-    """The global batch list of one epoch: a pure function of its arguments."""
-    rng = np.random.default_rng([config.seed, epoch, 0x5EED])
+def plan_epoch(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig, epoch: int,
+               groups: np.ndarray | None = None) -> list[np.ndarray]:
+    """The global batch list of one epoch: a pure function of its arguments. Under
+    --shuffle-parts (`groups`: each sample's group of parts) the groups come one after the
+    other in the extraction's order, each planned on its own with its own stream."""
+    if config.shuffle_parts and groups is not None:
+        of = groups[indices]
+        return [b for g in np.unique(of)
+                for b in _plan_span(indices[of == g], lengths, config, [config.seed, epoch, 0x5EED, int(g)])]
+    return _plan_span(indices, lengths, config, [config.seed, epoch, 0x5EED])
+
+
+def _plan_span(indices: np.ndarray, lengths: np.ndarray, config: LoaderConfig, seed: list[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
     shuffled = indices[rng.permutation(len(indices))]
     batches: list[np.ndarray] = []
     for w in range(0, len(shuffled), config.shuffle_window):
@@ -69,7 +80,8 @@ class RankBatches:
                            loader.world_size) for e in range(loader.epoch, last + 1)]
         self.epochs = np.concatenate([np.full(len(s), loader.epoch + i) for i, s in enumerate(spans)])
         self.index, self.last_epoch = np.concatenate(spans), last
-        self._plan = functools.partial(plan_epoch, loader.indices, loader.caches.lengths, loader.config)
+        self._plan = functools.partial(plan_epoch, loader.indices, loader.caches.lengths, loader.config,
+                                       groups=loader.groups)
         self._cached = (loader.epoch, loader.epoch_batches(loader.epoch))
 
     def __len__(self) -> int:

@@ -1,0 +1,26 @@
+"""The extraction plan written at the start of a run (cache_tools/plan.py): every part this
+cache will hold, from the input data alone, so that a trainer can follow the cache while it fills.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash.cache_tools.manifest import read_header
+from dflash.cache_tools.plan import PlannedPart, read_plan, write_plan
+
+from .data import PartRules, plan_windows
+
+
+def planned_parts(files: list[Path], rules: PartRules) -> list[PlannedPart]:
+    """The parts `plan_windows` cuts, with their samples' ids and lengths (one pass over the data)."""
+    return [PlannedPart(plan.name, tuple(s.sample_id for s in plan.samples), tuple(s.length for s in plan.samples))
+            for window in plan_windows(files, rules) for plan in window]
+
+
+def ensure_plan(cache_dir: str | Path, files: list[Path], rules: PartRules) -> None:
+    """Write the cache's plan unless a current one is there (a resumed run, another rank); keyed
+    by the header on disk, the one a trainer reads."""
+    header = read_header(Path(cache_dir))
+    if read_plan(cache_dir, header) is None:
+        write_plan(cache_dir, header, planned_parts(files, rules))

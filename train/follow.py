@@ -1,0 +1,231 @@
+"""Training on a cache that dflash-extract is still filling (`dflash-train --follow`).
+
+The batches of a run are planned before any sample is read (plans.py), from the sample ids
+and lengths. On a cache still being extracted those come from the extraction plan
+(cache_tools/plan.py), which the extractor writes at its start: `FollowCacheSet` is the list
+of samples that plan promises, in sample id order, and reading one waits until the part that
+holds it is committed. Offline runs put their samples in the same order (`canonical_order`),
+so a follow run and an offline run on the finished cache with the same settings read the same
+batches in the same order and end with the same weights, whenever the parts arrived.
+
+With `--shuffle-parts N` an epoch is planned group by group: consecutive groups of N planned
+parts (by part number, the extraction's order), each shuffled, length-sorted and packed on its
+own (`plan_epoch`). Training then follows the extraction closely and needs at most a group's
+parts at once, which is what training while extracting, and a disk budget, need; the default
+(0) shuffles the whole data, so the first step waits for most of the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
+from dflash.cache_tools.manifest import CommitLog, Manifest, header_identity, read_header
+from dflash.cache_tools.plan import ExtractionPlan, extraction_progress, read_plan
+from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.schema import SAMPLE_IDS, sample_offsets
+
+if TYPE_CHECKING:
+    from .loader import CacheSet, TrainLoader
+
+POLL_SECONDS = 0.05  # first wait between looks at the commit log; doubles up to MAX_POLL_SECONDS
+MAX_POLL_SECONDS = 0.5
+NOTICE_SECONDS = 30.0  # a waiting trainer says what it waits for this often
+
+
+def part_number(name: str, fallback: int) -> int:
+    """12 for 'part-000012' (the extraction's order); `fallback` for another name (a merged cache)."""
+    head, _, digits = name.rpartition("-")
+    return int(digits) if head == "part" and digits.isdigit() else fallback
+
+
+def canonical_order(caches: Any, indices: np.ndarray) -> np.ndarray:
+    """`indices` sorted by (cache, sample id): the order batch plans start from, so that they do
+    not depend on the order parts were committed in (several ranks, writer processes) or arrive."""
+    if len(indices) == 0:
+        return indices
+    ids = caches.sample_ids()[indices]
+    cache_of = np.searchsorted(caches.starts, indices, side="right") - 1
+    return indices[np.lexsort((indices, ids, cache_of))]
+
+
+def part_groups(caches: Any, shuffle_parts: int) -> np.ndarray:
+    """The plan group of every sample: its part's number // shuffle_parts, per cache."""
+    if shuffle_parts < 0:
+        from .config import TrainConfigError
+
+        raise TrainConfigError(f"--shuffle-parts must be 0 (shuffle the whole data) or more (got {shuffle_parts}).")
+    numbers = caches.part_numbers() if isinstance(caches, FollowCacheSet) else cache_set_part_numbers(caches)
+    cache_of = np.searchsorted(caches.starts, np.arange(len(caches)), side="right") - 1
+    groups = numbers // shuffle_parts
+    return cache_of * (int(groups.max(initial=0)) + 1) + groups
+
+
+def cache_set_part_numbers(caches: CacheSet) -> np.ndarray:
+    """The part number of every sample of an offline CacheSet (from its commit records)."""
+    out = [np.full(p.samples, part_number(p.name, i), dtype=np.int64)
+           for r in caches.readers for i, p in enumerate(r.parts)]
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def wait_for_plan(cache_dir: Path, announce: Callable[[str], None]) -> tuple[dict[str, Any], ExtractionPlan]:
+    """The header and extraction plan of a cache, waiting until dflash-extract has written them."""
+    start, noticed = time.monotonic(), -NOTICE_SECONDS
+    while True:
+        header = None
+        try:
+            header = read_header(cache_dir)
+        except CacheNotFoundError:
+            pass
+        plan = read_plan(cache_dir, header) if header is not None else None
+        if plan is not None:
+            return header, plan
+        waited = time.monotonic() - start
+        if waited - noticed >= NOTICE_SECONDS:
+            noticed = waited
+            announce(f"--follow: waiting for the extraction plan of {cache_dir} ({cache_dir / 'manifest.plan.json'}; "
+                     f"{waited:.0f} s so far). dflash-extract writes it when it starts the cache; a cache written by "
+                     "an earlier version never gets one: train on it without --follow.")
+        time.sleep(MAX_POLL_SECONDS)
+
+
+class FollowCacheSet:
+    """The samples an extraction plan promises, in sample id order; reading one waits until its
+    part is committed. Has what the loader uses of a CacheSet (one cache)."""
+
+    def __init__(self, cache_dir: str, *, max_seq_len: int, verify_checksums: bool = True,
+                 announce: Callable[[str], None] = print):
+        self.cache_dir = Path(cache_dir)
+        header, self.plan = wait_for_plan(self.cache_dir, announce)
+        # One reader whose part list grows as parts are committed (each process its own copy).
+        self.reader = CacheReader(self.cache_dir, verify_checksums=verify_checksums,
+                                  manifest=Manifest(self.cache_dir, header, []))
+        self.readers = [self.reader]
+        self.manifest = self.reader.manifest
+        parts = self.plan.parts
+        ids = np.array([i for p in parts for i in p.sample_ids], dtype=np.int64)
+        full = np.array([n for p in parts for n in p.lengths], dtype=np.int64)
+        part = np.concatenate([np.full(len(p.sample_ids), k, np.int64) for k, p in enumerate(parts)])
+        local = np.concatenate([np.arange(len(p.sample_ids), dtype=np.int64) for p in parts])
+        order = np.argsort(ids, kind="stable")
+        self._ids, self._part, self._local = ids[order], part[order], local[order]
+        self.full_lengths = full[order]
+        self.lengths = np.minimum(self.full_lengths, max_seq_len)
+        self.max_seq_len = max_seq_len
+        self.truncated_samples = int((self.full_lengths > max_seq_len).sum())
+        self.truncated_tokens = int((self.full_lengths - self.lengths).sum())
+        self.starts = np.array([0, len(ids)], dtype=np.int64)
+        self._numbers = np.array([part_number(p.name, k) for k, p in enumerate(parts)], np.int64)[self._part]
+        self._log = CommitLog(self.cache_dir)
+        self._in_reader: dict[int, int] = {}  # planned part -> its index in the reader's part list
+        self._offsets: dict[int, np.ndarray] = {}
+        self.announce = announce
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def sample_ids(self) -> np.ndarray:
+        return self._ids
+
+    def part_numbers(self) -> np.ndarray:
+        return self._numbers
+
+    def identity(self) -> list[dict[str, Any]]:
+        """As CacheSet.identity() of the finished cache: a follow run resumes offline, and back."""
+        return [{"identity": header_identity(self.manifest.header), "samples": len(self),
+                 "tokens": int(self.full_lengths.sum())}]
+
+    def progress(self):
+        return extraction_progress(self.plan, self._log)
+
+    def read(self, index: int, out: dict[str, torch.Tensor] | None = None,
+             dequantize: bool = True) -> dict[str, Any]:
+        planned, local = int(self._part[index]), int(self._local[index])
+        part_idx = self._committed(planned)
+        off = self._offsets.get(planned)
+        if off is None:
+            off = self._offsets[planned] = sample_offsets(self.plan.parts[planned].lengths)
+        start = int(off[local])
+        stop = min(int(off[local + 1]), start + self.max_seq_len)
+        result = self.reader.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
+        stored = int(self.reader.part_arrays(part_idx).small_array(SAMPLE_IDS)[local])
+        if stored != self._ids[index]:
+            raise CacheCorruptError(
+                f"cache part {self.plan.parts[planned].name!r} at {self.cache_dir}: sample {local} has id {stored}, "
+                f"the extraction plan says {int(self._ids[index])}. The part does not match the plan: run "
+                "`dflash-cache verify` and re-extract it.")
+        result["sample_id"] = stored
+        return result
+
+    def _committed(self, planned: int) -> int:
+        """The reader's index of a planned part, waiting until it is committed."""
+        idx = self._in_reader.get(planned)
+        if idx is not None:
+            return idx
+        want = self.plan.parts[planned]
+        start, poll, noticed = time.monotonic(), POLL_SECONDS, 0.0
+        while True:
+            self._log.refresh()
+            record = self._log.records.get(want.name)
+            if record is not None:
+                break
+            waited = time.monotonic() - start
+            if waited - noticed >= NOTICE_SECONDS:
+                noticed = waited
+                done = extraction_progress(self.plan, self._log)
+                self.announce(f"--follow: waiting {waited:.0f} s for part {want.name} of {self.cache_dir} "
+                              f"({done.committed} of {done.planned} planned parts committed so far)")
+            time.sleep(poll)
+            poll = min(poll * 2, MAX_POLL_SECONDS)
+        if record.lengths != want.lengths:
+            raise CacheCorruptError(
+                f"cache part {want.name!r} at {self.cache_dir}: its commit record lists other samples than the "
+                "extraction plan (manifest.plan.json). The cache was written with another plan: start it anew "
+                "with dflash-extract --force, or train on it without --follow.")
+        self.reader.parts.append(record)
+        idx = self._in_reader[planned] = len(self.reader.parts) - 1
+        return idx
+
+
+def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowCacheSet:
+    """The --follow cache of a run (exactly one --cache)."""
+    from .config import TrainConfigError  # (no torch; the config module is what every run has)
+
+    if len(config.cache) != 1:
+        raise TrainConfigError(f"--follow follows one cache, but {len(config.cache)} were given with --cache: "
+                               "follow one, or train on finished caches without --follow.")
+    return FollowCacheSet(config.cache[0], max_seq_len=config.max_seq_len,
+                          verify_checksums=config.verify_checksums, announce=announce)
+
+
+def trained_parts(caches: Any, loader: TrainLoader) -> int:
+    """Planned parts whose training samples all come in the batches this run has consumed in
+    its current epoch (what progress shows, and what a disk budget may evict)."""
+    return len(trained_part_names(caches, loader))
+
+
+def trained_part_names(caches: FollowCacheSet, loader: TrainLoader) -> list[str]:
+    batches = loader.epoch_batches(loader.epoch)[:loader.consumed]
+    done = np.zeros(len(caches), dtype=bool)
+    if batches:
+        done[np.concatenate(batches)] = True
+    needed = np.zeros(len(caches), dtype=bool)
+    needed[loader.indices] = True
+    open_parts = np.unique(caches._part[needed & ~done])
+    trained = np.setdiff1d(np.unique(caches._part[needed]), open_parts)
+    return [caches.plan.parts[int(k)].name for k in trained]
+
+
+def follow_fields(data: Any) -> dict[str, float]:
+    """Progress of both stages for the trainer's log: parts extracted and trained, data wait (s)."""
+    caches = data.caches
+    if not isinstance(caches, FollowCacheSet):
+        return {}
+    done = caches.progress()
+    return {"parts_extracted": done.committed, "parts_planned": done.planned,
+            "parts_trained": trained_parts(caches, data.loader), "data_wait_s": round(data.loader.wait_seconds, 2)}
