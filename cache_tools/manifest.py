@@ -29,6 +29,7 @@ FORMAT_VERSION = 1
 HEADER_FILE = "manifest.json"
 LOG_FILE = "manifest.parts.jsonl"
 LOCK_FILE = ".lock"
+WRITER_LOCK_FILE = ".writers.lock"  # held by every process writing the cache (runtime.locks)
 PARTS_DIR = "parts"
 
 # Header keys whose values decide the content of the cache: a writer resuming a cache, or a

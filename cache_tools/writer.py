@@ -33,6 +33,7 @@ from dflash.runtime.fsio import (
     stale_temps,
     temp_name,
 )
+from dflash.runtime.locks import LockedError, WriterLock
 from dflash.runtime.quantize import bf16_bits, quantize_fp8
 
 from .checksum import crc32c
@@ -44,6 +45,7 @@ from .manifest import (
     LOCK_FILE,
     LOG_FILE,
     PARTS_DIR,
+    WRITER_LOCK_FILE,
     CommitLog,
     Manifest,
     PartRecord,
@@ -96,6 +98,7 @@ class CacheWriter:
         self.hidden_size = self.schema.hidden_size
         self.parts_dir = self.cache_dir / PARTS_DIR
         self.removed_orphans: list[str] = []  # leftovers of dead writers removed by this open
+        self._writer_lock: WriterLock | None = None
         self._open(force, wait_for_force)
         self._log = CommitLog(self.cache_dir)
         self._log.refresh()
@@ -118,7 +121,8 @@ class CacheWriter:
 
     def _open_once(self, force: bool, waiting: bool) -> bool:
         """One attempt to open the cache; False: wait for rank 0 of a forced run and try again."""
-        if self._holds_foreign_files():
+        # (A waiting rank may look while rank 0 wipes: rank 0 refuses a foreign directory.)
+        if not waiting and self._holds_foreign_files():
             raise CacheError(
                 f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
                 "write a cache into it. Choose an empty or new directory."
@@ -130,9 +134,18 @@ class CacheWriter:
                 f"Cannot create the cache directory {self.cache_dir}: {e.strerror}. Choose a "
                 "writable location with free space."
             ) from e
+        if waiting and not self._forced_for_this_run():
+            return False  # rank 0 has not started the cache anew yet (nothing held meanwhile)
         try:
+            try:
+                self._writer_lock = self._take_writer_lock(exclusive=force)
+            except LockedError:
+                if waiting:  # rank 0 still wipes or writes the new header
+                    return False
+                raise
             with file_lock(self.cache_dir / LOCK_FILE):
                 if waiting and not self._forced_for_this_run():
+                    self.close()
                     return False
                 if (self.cache_dir / HEADER_FILE).exists():
                     if force:
@@ -143,13 +156,42 @@ class CacheWriter:
                 if not (self.cache_dir / HEADER_FILE).exists():
                     atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                 self.removed_orphans = self._remove_orphans_locked()
+            self._writer_lock.share()  # after a wipe: the ranks and writers of this run join
         except OSError as e:
+            self.close()
             raise CacheError(
                 f"Cannot write to the cache at {self.cache_dir}: {e.strerror or e}"
                 f"{f' ({e.filename})' if e.filename else ''}. Make the directory writable (or free "
                 "space), then rerun."
             ) from e
+        except BaseException:
+            self.close()
+            raise
         return True
+
+    def _take_writer_lock(self, *, exclusive: bool) -> WriterLock:
+        """Shared with the other writers of this cache (ranks, writer processes: each commits
+        its own parts); exclusive for --force, which must not wipe a cache someone writes."""
+        what, path = f"the cache at {self.cache_dir}", self.cache_dir / WRITER_LOCK_FILE
+        if not exclusive:
+            return WriterLock(path, what=what, shared=True,
+                              fix="It is being started anew (--force); rerun once that run has begun.")
+        fix = ("--force deletes the cache, which another extraction is writing: wait for it to "
+               "finish or stop it, then rerun (or choose another --output).")
+        deadline = time.monotonic() + 2.0  # a waiting rank of this run may hold it for a moment
+        while True:
+            try:
+                return WriterLock(path, what=what, fix=fix)
+            except LockedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        """Let go of the cache (the writer lock); also done when the process ends."""
+        lock, self._writer_lock = getattr(self, "_writer_lock", None), None
+        if lock is not None:
+            lock.release()
 
     def _holds_foreign_files(self) -> bool:
         """Whether cache_dir holds files but no cache manifest.
@@ -162,7 +204,8 @@ class CacheWriter:
         if not self.cache_dir.is_dir():
             return False
         others = [p.name for p in self.cache_dir.iterdir()
-                  if p.name not in (PARTS_DIR, LOCK_FILE) and not p.name.startswith(TMP_PREFIX)]
+                  if p.name not in (PARTS_DIR, LOCK_FILE, WRITER_LOCK_FILE)
+                  and not p.name.startswith(TMP_PREFIX)]
         return bool(others) and not (self.cache_dir / HEADER_FILE).exists()
 
     def _wipe(self) -> None:

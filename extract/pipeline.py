@@ -207,6 +207,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         capture.close()
         progress.close()
     summary.bytes = pool.nbytes
+        cache.close()
     summary.setup_seconds = engine_seconds + pool.setup_seconds
     summary.teardown_seconds = time.perf_counter() - t0 - summary.seconds
     return summary

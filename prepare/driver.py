@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError
+from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
 from dflash.runtime.signals import StopRequest
 
 from .backends import HFBackend, RequestFailed, Sampling, ServerBackend
@@ -116,7 +117,14 @@ class _Progress:
 
 def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> None:
     old = read_meta(config.output)
-    if old is None or not Path(config.output).exists():
+    output = Path(config.output)
+    if old is None and output.exists() and output.stat().st_size:
+        raise GenerateMismatchError(
+            f"{output} exists but has no sidecar {output.name}.meta.json: it was not written by "
+            "dflash-generate (or its sidecar was lost), so its records cannot be counted as done. "
+            "Choose a new --output, or move that file away to start again."
+        )
+    if old is None or not output.exists():
         write_meta(config.output, meta)
         return
     keys = ("chat_template_sha256", "chat_template_kwargs", "generation")
@@ -134,6 +142,20 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     meta = {"producer": "dflash-generate", **render_meta(config, renderer, files),
             "generation": config.content_settings()}
+    refuse_output_among_inputs(config.output, files)
+    output = Path(config.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # The ranks of one run append to one output (each line under flock); another run may not.
+    lock = WriterLock(output.with_name(f".{output.name}.lock"), what=f"the output {output}", shared=world > 1,
+                      fix="Wait for that dflash-generate to finish or stop it, or choose another --output.")
+    try:
+        return _run_generate(config, renderer, files, meta, rank, world)
+    finally:
+        lock.release()
+
+
+def _run_generate(config: GenerateConfig, renderer, files, meta: dict[str, Any], rank: int,
+                  world: int) -> GenerateSummary:
     if rank == 0:
         _check_resume(config, meta)
     log = OutputLog(config.output)

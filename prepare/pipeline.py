@@ -20,6 +20,7 @@ from typing import Any
 
 from dflash.runtime.errors import InputError, SettingError
 from dflash.runtime.fsio import fsync_dir, temp_name
+from dflash.runtime.locks import output_lock, refuse_output_among_inputs
 
 from .formats import FORMATS, iter_conversations, list_chat_files
 from .meta import write_meta
@@ -165,10 +166,13 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
     files = list_chat_files(config.data)
     renderer = build_renderer(config, tokenizer)
     out = Path(config.output)
+    refuse_output_among_inputs(out, files)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = PrepareSummary()
     t0 = time.perf_counter()
     tmp = temp_name(out)
+    lock = output_lock(out, what=f"the output {out}", fix="Wait for that dflash-prepare to finish or "
+                       "stop it, or choose another --output.")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             _prepare_into(fh, files, config, renderer, summary)
@@ -188,6 +192,8 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        lock.release()
     return summary
 
 

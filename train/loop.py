@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.cache_tools.identity import comparable, target_identity
+from dflash.runtime.locks import WriterLock
 from dflash.runtime.signals import StopRequest
 from safetensors.torch import load_file
 from torch import nn
@@ -79,6 +80,9 @@ class TrainResult:
     """The step of the best held-out evaluation: its checkpoint is kept and is what final_dir holds."""
 
 
+RUN_LOCK_FILE = ".run.lock"  # held by the run writing the directory (runtime.locks)
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     with contextlib.ExitStack() as cleanup:
         return _train(cfg, cleanup)
@@ -89,6 +93,11 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     run_dir = Path(cfg.output_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        # One run per directory: a second would delete the first's checkpoints and mix its logs.
+        cleanup.enter_context(WriterLock(
+            run_dir / RUN_LOCK_FILE, what=f"the run directory {run_dir}",
+            fix="Two runs cannot share an --output-dir: wait for that run to finish or stop it, or "
+                "choose another --output-dir."))
     log = RunLogger(run_dir, enabled=info.is_main, progress=cfg.progress, tensorboard=cfg.tensorboard)
     seed_everything(cfg.seed)
 

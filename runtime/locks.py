@@ -1,0 +1,162 @@
+"""One writer per directory (or output file): a lock file that names its holder.
+
+Every command that writes a cache, a run directory or an output file holds a `WriterLock`
+for as long as it writes. The lock is an flock on a small file that holds the holder's pid
+and host, so a second writer is refused with a sentence that names who holds it, and the
+lock dies with its process: kill -9 leaves nothing stale to clean up.
+
+Two kinds: `exclusive` (a training run, an output file, a cache being wiped by --force) and
+`shared` (the ranks and writer processes of one extraction, which each commit their own parts
+of one cache; the cache's identity check keeps a run of other settings out). A shared taker
+refuses while an exclusive holder lives, and an exclusive taker while anyone holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from .errors import EnvironmentFault, UsageError
+
+
+class LockedError(EnvironmentFault):
+    """Another live process writes the directory or file."""
+
+
+class OutputIsInputError(UsageError):
+    """An output path names one of the command's inputs."""
+
+
+def _me() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def holders(path: str | os.PathLike) -> list[str]:
+    """Who the lock file says holds it ("pid N on HOST"), most recent last."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _flock(fd: int, op: int) -> bool:
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+class WriterLock:
+    """A held lock on `path` (released by `release()`, by the context's end, or by the
+    process's death)."""
+
+    def __init__(self, path: str | os.PathLike, *, what: str, shared: bool = False, fix: str = ""):
+        """`what` names the thing written ("the cache at X"), `fix` what the refused user can do."""
+        self.path = Path(path)
+        self.shared = shared
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not self._take():
+                held_by = holders(self.path)
+                raise LockedError(
+                    f"{what[:1].upper()}{what[1:]} is being written by another process "
+                    f"({held_by[-1] if held_by else 'holder unknown'}; lock file {self.path}). "
+                    f"{fix or 'Wait for it to finish or stop it, then rerun.'}"
+                )
+        except BaseException:
+            os.close(self._fd)
+            self._fd = None
+            raise
+
+    def _take(self) -> bool:
+        fd = self._fd
+        if _flock(fd, fcntl.LOCK_EX):  # alone: the file names only this holder
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{_me()}\n".encode(), 0)
+            # Converting to shared is not atomic: an exclusive taker may come in between,
+            # and then this one is refused, which is right (it wanted the directory alone).
+            return _flock(fd, fcntl.LOCK_SH) if self.shared else True
+        if self.shared and _flock(fd, fcntl.LOCK_SH):  # beside other holders of one run
+            with open(self.path, "a") as f:
+                f.write(f"{_me()}\n")
+            return True
+        return False
+
+    def exclusive(self, *, what: str, fix: str = "") -> None:
+        """Make a shared hold exclusive (for --force's wipe), refusing while another holds it."""
+        if not self.shared:
+            return
+        if not _flock(self._fd, fcntl.LOCK_EX):
+            others = [h for h in holders(self.path) if h != _me()]
+            raise LockedError(
+                f"{what[:1].upper()}{what[1:]} is being written by another process "
+                f"({others[-1] if others else 'holder unknown'}; lock file {self.path}). "
+                f"{fix or 'Wait for it to finish or stop it, then rerun.'}"
+            )
+        self.shared = False
+
+    def share(self) -> None:
+        """Back to a shared hold after an exclusive step (the wipe is done)."""
+        if self._fd is not None and not self.shared and _flock(self._fd, fcntl.LOCK_SH):
+            self.shared = True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:  # a dropped holder lets go, as its process's death would
+        self.release()
+
+    def __enter__(self) -> WriterLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def output_lock(path: str | os.PathLike, *, what: str, fix: str = "") -> WriterLock:
+    """An exclusive lock for one output file: `.<name>.lock` beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return WriterLock(path.with_name(f".{path.name}.lock"), what=what, fix=fix)
+
+
+def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` are (or resolve to, through links) the same file or directory."""
+    a, b = Path(a), Path(b)
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
+
+
+def inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
+    """Whether `path` is `directory` or lies below it (links resolved)."""
+    p, d = Path(path).resolve(), Path(directory).resolve()
+    return p == d or d in p.parents
+
+
+def refuse_output_among_inputs(output: str | os.PathLike, inputs, *, output_flag: str = "--output",
+                               input_flag: str = "--data") -> None:
+    """An output that is (or resolves to, through links) one of the files read is refused:
+    writing it would destroy the input while it is read."""
+    for path in inputs:
+        if same_path(output, path):
+            raise OutputIsInputError(
+                f"{output_flag} {output} is {'the input' if Path(path) == Path(output) else f'the input file {path}'} "
+                f"({input_flag}): writing it would overwrite the data being read. Choose another "
+                f"{output_flag}."
+            )

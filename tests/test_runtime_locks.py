@@ -1,0 +1,68 @@
+"""runtime.locks: one writer per directory, refused with the holder's pid, gone with its process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from dflash.runtime.locks import LockedError, WriterLock, inside, same_path
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from dflash.runtime.locks import WriterLock
+    lock = WriterLock(sys.argv[1], what="the thing", shared=sys.argv[2] == "shared")
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def hold_in_child(path, kind: str) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), kind], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_second_exclusive_writer_is_refused_with_the_holders_pid_and_kill9_frees_the_lock(tmp_path):
+    path = tmp_path / ".lock"
+    child = hold_in_child(path, "exclusive")
+    try:
+        with pytest.raises(LockedError, match=rf"The thing is being written by another process \(pid {child.pid} on "):
+            WriterLock(path, what="the thing")
+        with pytest.raises(LockedError, match=f"pid {child.pid}"):
+            WriterLock(path, what="the thing", shared=True)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    with WriterLock(path, what="the thing"):  # nothing stale after kill -9
+        assert f"pid {os.getpid()} " in path.read_text()
+
+
+def test_shared_holders_coexist_but_keep_an_exclusive_writer_out(tmp_path):
+    path = tmp_path / ".lock"
+    child = hold_in_child(path, "shared")
+    try:
+        with WriterLock(path, what="the cache", shared=True) as mine:
+            holders = path.read_text().splitlines()
+            assert len(holders) == 2 and holders[0].startswith(f"pid {child.pid} ")
+            with pytest.raises(LockedError, match=f"pid {child.pid} "):
+                mine.exclusive(what="the cache")
+        with pytest.raises(LockedError):
+            WriterLock(path, what="the cache")
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    WriterLock(path, what="the cache").release()
+
+
+def test_paths_through_links_are_the_same(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    assert same_path(tmp_path / "link" / "f", tmp_path / "d" / "f")
+    assert same_path(tmp_path / "link" / "new", tmp_path / "d" / "new")  # not there yet
+    assert not same_path(tmp_path / "d" / "f", tmp_path / "d" / "g")
+    assert inside(tmp_path / "link" / "cache", tmp_path / "d") and not inside(tmp_path, tmp_path / "d")
