@@ -1,0 +1,202 @@
+"""The one settings path (dflash.runtime.settings): every config-file value is converted and
+checked exactly like its flag, in every command, and flags given override the file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import click
+import pytest
+from click.testing import CliRunner
+from dflash.eval.cli import main as eval_main
+from dflash.extract.cli import main as extract_main
+from dflash.runtime.cli import Command
+from dflash.runtime.settings import section, setting, settings_of, settings_options
+from dflash.train.cli import main as train_main
+
+
+def _data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2, 3], "prompt_len": 1}) + "\n")
+    return path
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Each command with its work replaced: the settings object it would have run with."""
+    from dflash.eval import run as eval_run
+    from dflash.extract import pipeline
+    from dflash.train import loop
+
+    seen: list = []
+    summary = SimpleNamespace(skips=[], interrupted_by=None, format=lambda: "done")
+    monkeypatch.setattr(pipeline, "run_extraction", lambda config: seen.append(config) or summary)
+    monkeypatch.setattr(loop, "train", lambda config: seen.append(config) or SimpleNamespace(exit_status=0))
+
+    def fake_eval(target_model, drafter, prompts, **settings):
+        seen.append(SimpleNamespace(target_model=target_model, drafter=drafter, prompts=prompts, **settings))
+        return {"settings": {}, "prompt_sets": []}
+
+    monkeypatch.setattr(eval_run, "run_eval", fake_eval)
+    return seen
+
+
+COMMANDS = {
+    "extract": (extract_main, lambda t: {"target_model": str(t), "data": str(_data(t)), "output": str(t / "c")}),
+    "train": (train_main, lambda t: {"cache": [str(t / "c")], "target_model": str(t), "output_dir": str(t / "r")}),
+    "eval": (eval_main, lambda t: {"target_model": str(t), "drafter": str(t), "prompts": [str(_data(t))],
+                                   "json": True}),
+}
+
+
+def run(tmp_path, command: str, settings: dict, *flags: object):
+    main, base = COMMANDS[command]
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({**base(tmp_path), **settings}))
+    return CliRunner().invoke(main, ["--config", str(path), *map(str, flags)])
+
+
+def assert_refused(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    err = result.stderr.strip()
+    assert err.startswith("Error: ") and "\n" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+# (command, setting, value, what the message names): each value is one the flag would refuse.
+REFUSED = [
+    ("extract", "token_budget", "big", "'big' is not a valid integer"),
+    ("extract", "part_tokens", 1000.7, "truncated"),
+    ("extract", "force", "maybe", "not a valid boolean"),
+    ("extract", "skip_bad", 1, "expected true or false"),
+    ("extract", "store_last_hidden", "", "expected true or false"),
+    ("extract", "store_topk", True, "not a boolean"),
+    ("extract", "codec", "zip", "'zip' is not one of"),
+    ("extract", "target_layer_ids", [1, 2.5], "comma-separated list of integers"),
+    ("extract", "max_seq_len", [8192], "not a list"),
+    ("train", "token_budget", "big", "'big' is not a valid integer"),
+    ("train", "max_steps", 10.5, "truncated"),
+    ("train", "resume", "maybe", "not a valid boolean"),
+    ("train", "compile", 0, "expected true or false"),
+    ("train", "parallel", "zero", "'zero' is not one of"),
+    ("train", "adam_betas", [0.9], "expected 2 values"),
+    ("train", "lr", {"peak": 1}, "not a mapping"),
+    ("eval", "max_new_tokens", "many", "'many' is not a valid integer"),
+    ("eval", "batch_size", 2.5, "truncated"),
+    ("eval", "baseline", "maybe", "not a valid boolean"),
+    ("eval", "strict", 1, "expected true or false"),
+    ("eval", "stop_token_ids", [True], "not a boolean"),
+    ("eval", "dtype", "int8", "'int8' is not one of"),
+    ("eval", "prompts", ["no-such.jsonl"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("command,name,value,fragment", REFUSED, ids=[f"{c}-{n}-{v!r}" for c, n, v, _ in REFUSED])
+def test_a_config_value_the_flag_would_refuse_is_refused_naming_file_setting_and_flag(
+        tmp_path, captured, command, name, value, fragment):
+    flag = settings_of(_settings_class(command))[name].flag
+    result = run(tmp_path, command, {name: value})
+    assert_refused(result, "settings.json", f"setting {name} = ", flag, fragment)
+    assert captured == []  # nothing ran
+
+
+def _settings_class(command: str) -> type:
+    from dflash.eval.cli import EvalCommandConfig
+    from dflash.extract.config import ExtractConfig
+    from dflash.train.config import TrainConfig
+
+    return {"extract": ExtractConfig, "train": TrainConfig, "eval": EvalCommandConfig}[command]
+
+
+# (command, setting, value in the file, the value the command runs with)
+ACCEPTED = [
+    ("extract", "force", "false", False),
+    ("extract", "force", "true", True),
+    ("extract", "skip_bad", "false", False),
+    ("extract", "store_last_hidden", "false", False),
+    ("extract", "store_last_hidden", "yes", True),
+    ("extract", "part_tokens", 1000.0, 1000),
+    ("extract", "token_budget", "4096", 4096),
+    ("extract", "target_layer_ids", "1,3", [1, 3]),
+    ("extract", "dtype", "float32", "fp32"),
+    ("train", "resume", "false", False),
+    ("train", "verify_checksums", "off", False),
+    ("train", "adam_betas", "0.9,0.95", (0.9, 0.95)),
+    ("train", "cache", "one-cache", ["one-cache"]),
+    ("train", "max_steps", 5.0, 5),
+    ("eval", "baseline", "false", False),
+    ("eval", "ignore_eos", "true", True),
+    ("eval", "stop_token_id", 2, (2,)),
+    ("eval", "dtype", "bfloat16", "bf16"),
+]
+
+
+@pytest.mark.parametrize("command,name,value,expected", ACCEPTED, ids=[f"{c}-{n}-{v!r}" for c, n, v, _ in ACCEPTED])
+def test_a_config_value_means_what_the_flag_would_mean(tmp_path, captured, command, name, value, expected):
+    result = run(tmp_path, command, {name: value})
+    assert result.exit_code == 0, result.output
+    attribute = {"stop_token_id": "stop_token_ids"}.get(name, name)
+    got = getattr(captured[0], attribute)
+    assert got == expected and type(got) is type(expected), got
+
+
+@pytest.mark.parametrize("command,name,file_value,flag,flag_value,expected", [
+    ("extract", "force", True, "--force", None, True),
+    ("extract", "store_last_hidden", True, "--no-store-last-hidden", None, False),
+    ("extract", "token_budget", 1024, "--token-budget", 2048, 2048),
+    ("train", "lr", 1e-3, "--lr", "3e-4", 3e-4),
+    ("eval", "max_new_tokens", 7, "--max-new-tokens", 9, 9),
+])
+def test_flags_given_override_the_file(tmp_path, captured, command, name, file_value, flag, flag_value, expected):
+    flags = [flag] if flag_value is None else [flag, flag_value]
+    result = run(tmp_path, command, {name: file_value}, *flags)
+    assert result.exit_code == 0, result.output
+    assert getattr(captured[0], name) == expected
+
+
+def test_a_file_value_is_kept_where_no_flag_is_given(tmp_path, captured):
+    result = run(tmp_path, "extract", {"part_tokens": 4096, "force": True}, "--token-budget", 1024)
+    assert result.exit_code == 0, result.output
+    assert (captured[0].part_tokens, captured[0].force, captured[0].token_budget) == (4096, True, 1024)
+
+
+# -- the mechanism on its own -----------------------------------------------------------------
+
+
+@section
+@dataclass(kw_only=True)
+class _Inner:
+    depth: int = 2
+    """How deep."""
+
+
+@dataclass(kw_only=True)
+class _Settings:
+    name: str
+    """A name."""
+    mode: str = setting("a", choices=("a", "b"))
+    """One of two."""
+    inner: _Inner = setting(default_factory=_Inner)
+
+
+def test_sections_are_flat_flags_and_keys_and_come_back_nested(tmp_path):
+    got = []
+
+    @click.command(cls=Command)
+    @settings_options(_Settings)
+    def main(settings: _Settings) -> None:
+        got.append(settings)
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"name": "x", "depth": "5"}))
+    result = CliRunner().invoke(main, ["--config", str(path), "--mode", "b"])
+    assert result.exit_code == 0, result.output
+    assert got == [_Settings(name="x", mode="b", inner=_Inner(depth=5))]
+    help_text = CliRunner().invoke(main, ["--help"]).output
+    assert "--depth INTEGER" in help_text and "How deep.  [default: 2]" in help_text and "[a|b]" in help_text
+    missing = CliRunner().invoke(main, [])
+    assert missing.exit_code == 2 and "Missing --name" in missing.stderr
