@@ -20,9 +20,15 @@ def target():
     return tiny_target()
 
 
+DFLASH2 = dict(drafter_type="dflash2", selector_rank=16, selector_top_k=8)
+
+
 @pytest.fixture(scope="module")
 def drafters(target):
-    return {"untrained": tiny_drafter(target, steps=0), "trained": tiny_drafter(target, steps=150)}
+    """DFlash and DFlash2 (drafts walked by its candidate selector), untrained and trained."""
+    return {"untrained": tiny_drafter(target, steps=0), "trained": tiny_drafter(target, steps=150),
+            "dflash2 untrained": tiny_drafter(target, steps=0, **DFLASH2),
+            "dflash2 trained": tiny_drafter(target, steps=150, **DFLASH2)}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +47,7 @@ def reference(target, prompts):
     return [target_generate(target, [p], config)[0].tokens for p in prompts]
 
 
-@pytest.mark.parametrize("which", ["untrained", "trained"])
+@pytest.mark.parametrize("which", ["untrained", "trained", "dflash2 untrained", "dflash2 trained"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_speculative_output_equals_the_target_greedy_output(target, drafters, prompts, reference, which, batch_size):
     config = DecodeConfig(max_new_tokens=NEW_TOKENS)
@@ -50,7 +56,7 @@ def test_greedy_speculative_output_equals_the_target_greedy_output(target, draft
         gens += speculative_generate(target, drafters[which], prompts[i : i + batch_size], config)
     assert [g.tokens for g in gens] == reference
     tau = acceptance_summary(gens)["tau"]
-    if which == "trained":
+    if which.endswith("trained") and not which.endswith("untrained"):
         assert tau > 2.0  # acceptance differs a lot between the drafters, the output does not
     else:
         assert tau < 1.5
@@ -68,10 +74,11 @@ def test_batched_target_only_decoding_equals_one_prompt_at_a_time(target, prompt
         assert ids[0, len(prompt):].tolist() == want
 
 
+@pytest.mark.parametrize("which", ["trained", "dflash2 trained"])
 @pytest.mark.parametrize("block_size", [2, 3])
-def test_blocks_smaller_than_trained_stay_lossless(target, drafters, prompts, reference, block_size):
+def test_blocks_smaller_than_trained_stay_lossless(target, drafters, prompts, reference, block_size, which):
     config = DecodeConfig(max_new_tokens=NEW_TOKENS, block_size=block_size)
-    gens = speculative_generate(target, drafters["trained"], prompts, config)
+    gens = speculative_generate(target, drafters[which], prompts, config)
     assert [g.tokens for g in gens] == reference
     assert max(n for g in gens for n in g.acceptance_lengths) <= block_size
 
@@ -82,3 +89,19 @@ def test_stop_tokens_end_each_sequence_where_the_target_would(target, drafters, 
     want = [r[: r.index(stop) + 1] if stop in r else r for r in reference]
     assert [g.tokens for g in target_generate(target, prompts, config)] == want
     assert [g.tokens for g in speculative_generate(target, drafters["trained"], prompts, config)] == want
+
+
+def test_sampled_dflash2_decoding_follows_the_target_distribution(target, drafters, prompts):
+    """At T = 1 the selector samples its walk; the second output token (the first one a draft
+    can decide) must still follow the target's own distribution, computed exactly here."""
+    prompt, n = prompts[3], 600
+    with torch.no_grad():
+        first = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        rows = torch.tensor([prompt + [t] for t in range(first.shape[0])])
+        second = (first[:, None] * torch.softmax(target(input_ids=rows).logits[:, -1], -1)).sum(0)
+    config = DecodeConfig(max_new_tokens=3, temperature=1.0, seed=5)
+    gens = speculative_generate(target, drafters["dflash2 trained"], [prompt] * n, config)
+    drawn = torch.bincount(torch.tensor([g.tokens[1] for g in gens]), minlength=second.shape[0]).double() / n
+    tolerance = 4 * (second * (1 - second) / n).sqrt() + 0.005  # ~4 standard errors per token
+    assert ((drawn - second.double()).abs() <= tolerance.double()).all()
+    assert max(n for g in gens for n in g.acceptance_lengths) > 1  # the sampled drafts were accepted at times

@@ -66,15 +66,17 @@ def _trained_target(steps: int, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def tiny_drafter(target: torch.nn.Module, steps: int = 0, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
-    """A 1-layer drafter on `target`, trained `steps` steps on the target's own states.
+def tiny_drafter(target: torch.nn.Module, steps: int = 0, block_size: int = 4, seed: int = 0,
+                 **overrides) -> DFlashDrafter:
+    """A 1-layer drafter on `target`, trained `steps` steps on the target's own states
+    (`overrides`: more DrafterConfig fields, e.g. drafter_type="dflash2").
 
     Trained once per session for each target (by its weights) and settings, and copied."""
     if steps == 0:
-        return _drafter(target, steps, block_size, seed)
-    key = (weights_digest(target), steps, block_size, seed)
+        return _drafter(target, steps, block_size, seed, **overrides)
+    key = (weights_digest(target), steps, block_size, seed, tuple(sorted(overrides.items())))
     if key not in _TRAINED_DRAFTERS:
-        _TRAINED_DRAFTERS[key] = _drafter(target, steps, block_size, seed)
+        _TRAINED_DRAFTERS[key] = _drafter(target, steps, block_size, seed, **overrides)
     return copy.deepcopy(_TRAINED_DRAFTERS[key])
 
 
@@ -89,10 +91,10 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _drafter(target: torch.nn.Module, steps: int, block_size: int, seed: int) -> DFlashDrafter:
+def _drafter(target: torch.nn.Module, steps: int, block_size: int, seed: int, **overrides) -> DFlashDrafter:
     config = DrafterConfig.from_target_config(
         target.config, num_hidden_layers=1, target_layer_ids=LAYER_IDS, block_size=block_size,
-        attention_backend="sdpa")
+        attention_backend="sdpa", **overrides)
     weights = TargetWeights(embed_tokens=target.get_input_embeddings().weight.detach().clone(),
                             lm_head=target.get_output_embeddings().weight.detach().clone())
     torch.manual_seed(seed)
