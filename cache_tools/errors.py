@@ -1,24 +1,28 @@
-"""One exception family for the cache.
+"""The cache's errors, each of one kind of `dflash.runtime.errors`.
 
 Every error carries a sentence that says what was wrong, where, and what to do; the CLIs
-catch `DflashError` (the family's base, `dflash.runtime.errors`) once and print that sentence
-as one paragraph.
+catch `DflashError` (the family's base) once and print that sentence as one paragraph.
 """
 
-from dflash.runtime.errors import DflashError, InputError  # noqa: F401 (the cache's family shares them)
+from dflash.runtime.errors import CorruptDataError, EnvironmentFault, InputError, MismatchError
 
 
-class CacheError(DflashError):
-    """Something is wrong with a cache directory."""
+class CacheError(InputError):
+    """A cache directory, or what is given to be written into one, is not usable as it is."""
 
 
 class CacheNotFoundError(CacheError, FileNotFoundError):
     """The directory is missing or is not a cache (no manifest)."""
 
 
-class CacheCorruptError(CacheError):
+class CacheStorageError(EnvironmentFault):
+    """The cache's location cannot be created or written (read-only, no space, no permission)."""
+
+
+class CacheCorruptError(CorruptDataError):
     """Stored bytes do not match their checksum, or a file is truncated or inconsistent."""
 
 
-class ConfigMismatchError(CacheError):
-    """A cache was opened with settings (model, layers, codec, data) other than its own."""
+class ConfigMismatchError(MismatchError):
+    """A cache was opened with settings (model, layers, codec, data) other than its own, or by a
+    version of the code that reads another format."""

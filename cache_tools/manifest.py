@@ -284,7 +284,7 @@ def read_header(cache_dir: Path) -> dict[str, Any]:
         ) from e
     version = header.get("format_version") if isinstance(header, dict) else None
     if version != FORMAT_VERSION:
-        raise CacheError(
+        raise ConfigMismatchError(
             f"{path} has format_version {version!r}; this version of dflash-pipeline reads "
             f"format {FORMAT_VERSION}. Use a matching dflash-pipeline version or re-extract."
         )

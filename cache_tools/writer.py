@@ -38,7 +38,7 @@ from dflash.runtime.quantize import bf16_bits, quantize_fp8
 
 from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, HiddenCodec
-from .errors import CacheError
+from .errors import CacheError, CacheStorageError
 from .identity import Purpose
 from .manifest import (
     HEADER_FILE,
@@ -130,7 +130,7 @@ class CacheWriter:
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CacheError(
+            raise CacheStorageError(
                 f"Cannot create the cache directory {self.cache_dir}: {e.strerror}. Choose a "
                 "writable location with free space."
             ) from e
@@ -159,7 +159,7 @@ class CacheWriter:
             self._writer_lock.share()  # after a wipe: the ranks and writers of this run join
         except OSError as e:
             self.close()
-            raise CacheError(
+            raise CacheStorageError(
                 f"Cannot write to the cache at {self.cache_dir}: {e.strerror or e}"
                 f"{f' ({e.filename})' if e.filename else ''}. Make the directory writable (or free "
                 "space), then rerun."

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from dflash.eval.run import format_report, run_eval
 from dflash.eval.speculative import DecodeConfig, target_generate
-from dflash.runtime.errors import DflashError
+from dflash.runtime.errors import EnvironmentFault, InputError, UsageError
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 SHIPPED_TARGET = Path(__file__).parent / "data" / "target"
@@ -44,8 +44,8 @@ CHARS = "\n !\"#'()*+,-./0123456789:;<=>?[]_abcdefghijklmnopqrstuvwxyzABCDEFGHIJ
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
-class DemoError(DflashError):
-    """A stage of the demo failed."""
+class DemoError(EnvironmentFault):
+    """The demo cannot run here: its shipped data is missing, or one of its stages failed."""
 
 
 @dataclass(kw_only=True)
@@ -106,7 +106,7 @@ def encode(text: str) -> list[int]:
     try:
         return [table[c] for c in text]
     except KeyError as e:
-        raise DemoError(f"character {e.args[0]!r} is not in the demo's alphabet.") from None
+        raise InputError(f"character {e.args[0]!r} is not in the demo's alphabet.") from None
 
 
 def decode(ids: list[int]) -> str:
@@ -127,7 +127,7 @@ def build_target(sizes: DemoSizes) -> Any:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if sizes.vocab_size and sizes.vocab_size < vocab_size():
-        raise DemoError(f"vocab_size {sizes.vocab_size} is below the alphabet's {vocab_size()} ids.")
+        raise UsageError(f"vocab_size {sizes.vocab_size} is below the alphabet's {vocab_size()} ids.")
 
     heads = max(2, sizes.hidden_size // 32)
     config = Qwen3Config(

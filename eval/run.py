@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
-from dflash.runtime.errors import DflashError, InputError
+from dflash.runtime.errors import InputError, MismatchError, UsageError
 
 from .lookup import lookup_generate
 from .speculative import (
@@ -33,8 +33,8 @@ from .speculative import (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class EvalError(DflashError):
-    """A setting or input of `dflash-eval` is wrong."""
+class EvalError(UsageError):
+    """A setting of `dflash-eval` is wrong."""
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -238,10 +238,10 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
         model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise EvalError(f"cannot load the target {target_dir} with the drafter {drafter_dir}: {e}") from e
+        raise InputError(f"cannot load the target {target_dir} with the drafter {drafter_dir}: {e}") from e
     n_layers = model.config.get_text_config().num_hidden_layers
     if max(drafter.config.target_layer_ids) >= n_layers:
-        raise EvalError(
+        raise MismatchError(
             f"the drafter reads target layers {drafter.config.target_layer_ids} but the target has "
             f"{n_layers}; it was trained for another model."
         )

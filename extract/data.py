@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dflash.cache_tools.errors import InputError
+from dflash.runtime.errors import InputError
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
 # Sidecars dflash-prepare / dflash-generate write beside their output (docs/prepare.md): not data.

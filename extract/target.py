@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 from dflash.cache_tools import identity
-from dflash.cache_tools.errors import DflashError
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import torch_dtype
+from dflash.runtime.errors import InputError
 from dflash.runtime.logits import apply_post_head, post_head_steps
 from torch import nn
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
-class TargetError(DflashError):
+class TargetError(InputError):
     """The target model cannot be loaded or does not have the structure extraction needs."""
 
 

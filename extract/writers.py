@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dflash.cache_tools.errors import DflashError
 from dflash.cache_tools.schema import HIDDEN, ArraySpec
 from dflash.cache_tools.writer import CacheWriter
+from dflash.runtime.errors import DflashError, EnvironmentFault
 
 from .buffers import PartBuffer, part_layout, part_views
 from .data import PartPlan
 from .pinned import SegmentPinner, pinnable_bytes, touched_segments, unlink_segment
 
 
-class WriteError(DflashError):
-    """A part could not be compressed or committed."""
+class WriteError(EnvironmentFault):
+    """A part could not be compressed or committed: no memory, no shared memory, no disk space."""
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash.runtime.errors import DflashError
+from dflash.runtime.errors import EnvironmentFault, MismatchError
 
 
 class RequestFailed(Exception):
     """A request failed for good (after its retries, or with an error a retry cannot fix)."""
 
 
-class ServerMismatchError(DflashError):
+class ServerMismatchError(MismatchError):
     """The server renders prompts with other tokens than the local chat template."""
 
 
@@ -192,7 +192,7 @@ def _parse_choice(payload: dict, url: str) -> Completion:
     )
 
 
-class BatchTooLargeError(DflashError):
+class BatchTooLargeError(EnvironmentFault):
     """A batch of the in-process backend does not fit in the device's memory."""
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.runtime.errors import DflashError, InputError
+from dflash.runtime.errors import InputError, MismatchError
 
 from .backends import Completion, Request, ServerMismatchError
 from .formats import Conversation, parse_tool_arguments
@@ -36,7 +36,7 @@ SKIPPED_SUFFIX = ".skipped.jsonl"
 FSYNC_SECONDS = 2.0
 
 
-class GenerateMismatchError(DflashError):
+class GenerateMismatchError(MismatchError):
     """An existing output was generated with other settings."""
 
 

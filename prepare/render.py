@@ -41,7 +41,7 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 THINK_PAIRS = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
 
 
-class RenderError(Exception):
+class RenderError(InputError):
     """A conversation cannot be rendered with a correct mask; the message is the reason."""
 
 

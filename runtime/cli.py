@@ -6,10 +6,16 @@ Exit status, the same in every command:
 0      done
 1      a check the command ran found a problem (`dflash-cache verify`, `dflash-eval
        --strict`), or an unexpected error: a bug, printed with its traceback
-2      bad usage, settings, input, data or cache: one paragraph says what was wrong, where,
+2      an error of one of the kinds of `dflash.runtime.errors`: bad usage (a flag or
+       setting), bad input, corrupt data, a mismatch, or the environment (no device, no
+       space, a read-only location, an OSError); one paragraph says what was wrong, where,
        and what to do
-130    stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM (what was committed is kept)
+130    interrupted: stopped by SIGINT (Ctrl-C); 143 by SIGTERM (what was committed is kept)
 =====  ===================================================================================
+
+The environment shares status 2 with the user's mistakes: a full disk or a read-only mount is
+fixed by the user like a wrong path is, the OSErrors of both look alike, and a rerun resumes
+either way. `EXIT_STATUS` holds the table by kind.
 
 `Command` and `Group` are click's classes with that contract: declare a command with
 `@click.command(cls=Command, name="dflash-x")` and every error class is reported the same way,
@@ -25,12 +31,27 @@ from typing import Any
 
 import click
 
-from .errors import DflashError
-from .signals import Interrupted, exit_status, signal_name, stop_at_once
+from .errors import (
+    CorruptDataError,
+    DflashError,
+    EnvironmentFault,
+    InputError,
+    Interrupted,
+    MismatchError,
+    UsageError,
+    kind_of,
+)
+from .signals import exit_status, signal_name, stop_at_once
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+
+# The exit status of each kind of error (interrupted: `signals.exit_status`, 130 / 143).
+EXIT_STATUS: dict[type[DflashError], int] = {
+    UsageError: EXIT_USAGE, InputError: EXIT_USAGE, CorruptDataError: EXIT_USAGE,
+    MismatchError: EXIT_USAGE, EnvironmentFault: EXIT_USAGE,
+}
 
 OS_ERROR_ADVICE = "Check the path, its permissions and the free disk space, then rerun the command."
 
@@ -93,14 +114,14 @@ class _Contract:
             return EXIT_USAGE
         except DflashError as e:
             echo_error(str(e))
-            return EXIT_USAGE
+            return EXIT_STATUS.get(kind_of(e), EXIT_USAGE)
         except (Interrupted, KeyboardInterrupt, click.Abort) as e:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT  # Ctrl-C
             click.echo(paragraph(f"{name} stopped by {signal_name(signum)}{self.stop_note}"), err=True)
             return exit_status(signum)
         except OSError as e:  # disk full, permission denied, a file that vanished, ...
             echo_error(os_error_message(e, self.os_error_advice))
-            return EXIT_USAGE
+            return EXIT_STATUS[EnvironmentFault]
         except Exception as e:  # a bug: keep the traceback, it is what a report needs
             traceback.print_exc()
             echo_error(f"unexpected {type(e).__name__} in {name}: {e}. This is a bug, not a problem "

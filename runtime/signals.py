@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+from .errors import Interrupted
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -28,14 +30,6 @@ def exit_status(signum: int) -> int:
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
-
-
-class Interrupted(BaseException):
-    """SIGINT/SIGTERM where there is no unit of work to finish: the command stops at once."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:

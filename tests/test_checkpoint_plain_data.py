@@ -12,11 +12,11 @@ import torch
 from dflash.train.checkpoint import (
     TRAINER_FILE,
     CheckpointConfig,
+    CheckpointCorruptError,
     Checkpointer,
     capture_rng,
     restore_rng,
 )
-from dflash.train.config import TrainConfigError
 
 
 def _save(tmp_path, trainer_state):
@@ -70,7 +70,7 @@ def test_a_trainer_file_holding_a_pickled_object_is_refused_without_running_it(t
     bad = _RunsCode(marker) if payload == "object" else np.arange(3)
     torch.save({"rng": capture_rng(), "extra": bad}, path / TRAINER_FILE)
 
-    with pytest.raises(TrainConfigError) as e:
+    with pytest.raises(CheckpointCorruptError) as e:
         checkpoints.load(path)
     message = str(e.value)
     assert not marker.exists(), "unpickling ran the object's code"

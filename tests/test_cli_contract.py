@@ -16,8 +16,7 @@ from dflash.cache_tools.cli import main as cache_main
 from dflash.eval.cli import main as eval_main
 from dflash.extract.cli import main as extract_main
 from dflash.runtime.cli import Command
-from dflash.runtime.errors import InputError
-from dflash.runtime.signals import Interrupted
+from dflash.runtime.errors import InputError, Interrupted
 from dflash.train.cli import main as train_main
 
 

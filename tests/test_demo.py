@@ -10,6 +10,7 @@ import runpy
 import pytest
 import torch
 from dflash.demo import pipeline as demo
+from dflash.runtime.errors import UsageError
 
 
 def test_corpus_is_shipped_small_reproducible_and_in_the_alphabet():
@@ -85,7 +86,7 @@ def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(
     padded = demo.DemoSizes(vocab_size=1024)  # a padded vocabulary is never the shipped target's
     assert not demo.shipped_target_fits(padded, seed=0)
     assert demo.build_target(padded).get_output_embeddings().weight.shape[0] == 1024
-    with pytest.raises(demo.DemoError, match="below"):
+    with pytest.raises(UsageError, match="below"):
         demo.build_target(demo.DemoSizes(vocab_size=demo.vocab_size() - 1))
     built = demo.build_target(sizes).config
     shipped = json.loads((demo.SHIPPED_TARGET / "config.json").read_text())

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.cache_tools.manifest import diff_identity
+from dflash.runtime.errors import CorruptDataError, InputError
 from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
 from safetensors.torch import load_file, save_file
 
@@ -37,6 +38,12 @@ from .export import export_drafter
 from .model import DrafterConfig
 
 CHECKPOINT_VERSION = 1
+
+
+class CheckpointCorruptError(CorruptDataError):
+    """A checkpoint's files cannot be read, or hold something dflash-train never writes there."""
+
+
 # Test-only: seconds to sleep after a checkpoint's files are staged and before it is renamed
 # into place, so that fault tests can signal or kill a run mid-save. Never set it in real runs.
 TEST_SLEEP_IN_CHECKPOINT_ENV = "DFLASH_TEST_SLEEP_IN_CHECKPOINT"
@@ -204,13 +211,13 @@ class Checkpointer:
         try:
             meta = json.loads((path / META_FILE).read_text())
             if meta.get("version") != CHECKPOINT_VERSION:
-                raise TrainConfigError(f"Checkpoint {path} has version {meta.get('version')}; this "
+                raise ResumeMismatchError(f"Checkpoint {path} has version {meta.get('version')}; this "
                                        f"dflash-train reads version {CHECKPOINT_VERSION}.")
             model = load_file(str(path / MODEL_FILE))
             optimizer = _load_plain(path / OPTIMIZER_FILE)
             trainer = _load_plain(path / TRAINER_FILE)
         except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as e:
-            raise TrainConfigError(f"Checkpoint {path} cannot be read ({e}). Delete it to resume "
+            raise CheckpointCorruptError(f"Checkpoint {path} cannot be read ({e}). Delete it to resume "
                                    "from the one before, or start in a new --output-dir.") from e
         return Checkpoint(path=path, meta=meta, model=model, optimizer=optimizer, trainer=trainer)
 
@@ -222,7 +229,7 @@ def _load_plain(file: Path) -> Any:
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         what = f"a pickled {found.group(1)}" if found else "pickled objects"
-        raise TrainConfigError(
+        raise CheckpointCorruptError(
             f"Checkpoint file {file} holds {what}, not plain data (tensors, numbers, strings, lists, "
             "dicts), so it is not loaded: unpickling it could run code. dflash-train writes only plain "
             "data there, so this file was written by another program or altered. Delete its directory "
@@ -266,10 +273,10 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     if not (path / META_FILE).is_file() and (path / CHECKPOINTS_DIR).is_dir():
         latest = Checkpointer(CheckpointConfig(run_dir=path)).latest()
         if latest is None:
-            raise TrainConfigError(f"{path} holds no complete checkpoint to export.")
+            raise InputError(f"{path} holds no complete checkpoint to export.")
         path = latest
     if not (path / META_FILE).is_file() or not (path / MODEL_FILE).is_file():
-        raise TrainConfigError(f"{path} is not a dflash-train checkpoint: it needs {META_FILE} and {MODEL_FILE} "
+        raise InputError(f"{path} is not a dflash-train checkpoint: it needs {META_FILE} and {MODEL_FILE} "
                                "(pass RUN_DIR/checkpoints/step-N or the run directory).")
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**meta["drafter_config"])

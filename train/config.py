@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
-from dflash.runtime.errors import DflashError
+from dflash.runtime.errors import MismatchError, UsageError
 from dflash.runtime.settings import (
     build_settings,
     field_docs,
@@ -40,12 +40,13 @@ CHOICES = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPE
 """The settings that take one of a few names: checked here, shown as choices in --help."""
 
 
-class TrainConfigError(DflashError):
+class TrainConfigError(UsageError):
     """A setting of `dflash-train` is missing, unknown, out of range or inconsistent."""
 
 
-class ResumeMismatchError(TrainConfigError):
-    """A run directory holds checkpoints of a run with other data, target or model shape."""
+class ResumeMismatchError(MismatchError):
+    """A run directory holds checkpoints of a run with other data, target or model shape, or of
+    a version of dflash-train that wrote another layout."""
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.runtime.devices import resolve_device
+from dflash.runtime.errors import InputError
 
 from .config import TrainConfig, TrainConfigError
 from .distributed import DistInfo
@@ -38,7 +39,7 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
     cfg = estimate_config(drafter_dir, settings)
     path = Path(drafter_dir)
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-        raise TrainConfigError(
+        raise InputError(
             f"{path} is not an exported drafter: it needs {CONFIG_NAME} and {WEIGHTS_NAME}. Pass a directory "
             "written by `dflash-train export` or a run's RUN_DIR/final.")
     target_config = load_target_config_or_fail(cfg.target_model)
@@ -56,7 +57,7 @@ def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path
     try:  # float32 weights: the trainer's master weights (--dtype bf16 is autocast over them, as in training)
         drafter = load_drafter(path, cfg.target_model, attention_backend=cfg.attention_backend)
     except (OSError, ValueError) as e:
-        raise TrainConfigError(f"Cannot load the drafter {path} for the target {cfg.target_model}: {e}") from e
+        raise InputError(f"Cannot load the drafter {path} for the target {cfg.target_model}: {e}") from e
     if list(drafter.config.target_layer_ids) != list(manifest.target_layer_ids):
         raise ConfigMismatchError(
             f"The drafter {path} reads target layers {list(drafter.config.target_layer_ids)} but the cache "

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.errors import ConfigMismatchError, DflashError
+from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import chat_templates, diff_identity
@@ -37,9 +37,10 @@ from dflash.cache_tools.schema import (
     TOPK_ARRAYS,
     scale_of,
 )
+from dflash.runtime.errors import CorruptDataError, DflashError
 from dflash.runtime.quantize import dequantize_fp8
 
-from .config import TrainConfigError
+from .config import ResumeMismatchError, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
 from .plans import RankBatches, check_budget, plan_epoch, plan_eval
@@ -219,8 +220,9 @@ def dequantize_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return batch
 
 
-class WorkerReadError(DflashError):
-    """A DflashError (e.g. a corrupt chunk) met by a DataLoader worker, re-raised in the trainer.
+class WorkerReadError(CorruptDataError):
+    """A DflashError met by a DataLoader worker reading a batch (a corrupt or missing chunk: the
+    cache was opened and checked before), re-raised in the trainer.
 
     torch re-raises a worker's exception as `type(msg)` with the worker's whole traceback in
     `msg`; this class keeps only the original sentence, so the CLI prints one clear paragraph.
@@ -319,9 +321,9 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != LOADER_STATE_VERSION:
-            raise TrainConfigError(f"Loader state version {state.get('version')} is not {LOADER_STATE_VERSION}.")
+            raise ResumeMismatchError(f"Loader state version {state.get('version')} is not {LOADER_STATE_VERSION}.")
         if state["batches_consumed"] % self.batches_per_step:
-            raise TrainConfigError("The checkpoint's data position is not at a step boundary of this run.")
+            raise ResumeMismatchError("The checkpoint's data position is not at a step boundary of this run.")
         self.epoch, self.consumed = int(state["epoch"]), int(state["batches_consumed"])
         self._iter = None
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.cache_tools.identity import comparable, target_identity
+from dflash.runtime.errors import InputError
 from dflash.runtime.locks import WriterLock
 from dflash.runtime.signals import StopRequest
 from safetensors.torch import load_file
@@ -235,7 +236,7 @@ def load_target_config_or_fail(target_dir: str) -> Any:
     try:
         return load_target_config(target_dir)
     except (FileNotFoundError, OSError, ValueError) as e:
-        raise TrainConfigError(f"Cannot read the target model's config: {e}") from e
+        raise InputError(f"Cannot read the target model's config: {e}") from e
 
 
 def build_drafter(cfg: TrainConfig, data: TrainingData,
@@ -254,7 +255,7 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
             cfg.target_model, with_final_norm=cfg.soft_label_weight > 0 and not manifest.topk,
             target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
-        raise TrainConfigError(f"Cannot build the drafter from {cfg.target_model}: {e}") from e
+        raise InputError(f"Cannot build the drafter from {cfg.target_model}: {e}") from e
     if cfg.gradient_checkpointing:
         for layer in drafter.layers:
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
