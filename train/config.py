@@ -34,9 +34,10 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 LOSS_WEIGHTINGS = ("decay", "acceptance")  # objective.LOSS_WEIGHTINGS
 LR_SCHEDULES = ("cosine", "wsd")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # model.COMPILE_MODES
+DRAFTER_TYPES = ("dflash", "dflash2")  # dflash2.DRAFTER_TYPES
 CHOICES = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPES,
            "attention_backend": ATTENTION_BACKENDS, "compile_mode": COMPILE_MODES,
-           "loss_weighting": LOSS_WEIGHTINGS, "lr_schedule": LR_SCHEDULES}
+           "loss_weighting": LOSS_WEIGHTINGS, "lr_schedule": LR_SCHEDULES, "drafter_type": DRAFTER_TYPES}
 """The settings that take one of a few names: checked here, shown as choices in --help."""
 
 
@@ -127,6 +128,21 @@ class TrainConfig:
     """Noise amplitude at the end of training (linear in between; default: noise_start)."""
     soft_label_weight: float = 0.0
     """Weight of KL to the target's distribution (needs last_hidden or top-k in the cache)."""
+    drafter_type: str = "dflash"
+    """dflash, or dflash2: DFlash plus an in-block convolution around every sublayer and a candidate
+    selector over the target head's top-K, served by vLLM and SGLang as DFlash2DraftModel (docs/drafter.md)."""
+    selector_loss_weight: float = 1.0
+    """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
+    selector_top_k: int = 16
+    """dflash2: candidates per slot, the target head's top-K."""
+    selector_rank: int = 256
+    """dflash2: rank of the selector's codebooks and hidden projection."""
+    selector_stop_gradient: bool = False
+    """dflash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of the in-block convolutions."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic tap offset (must divide the target's hidden size)."""
     # -- optimization ----------------------------------------------------------------------
     lr: float = 6e-4
     """Peak learning rate of AdamW."""
@@ -204,6 +220,7 @@ class TrainConfig:
             if not getattr(self, name):
                 raise TrainConfigError(f"--{flag(name)} is required.")
         positive = ("token_budget", "max_batch_size", "max_seq_len", "shuffle_window", "num_draft_layers",
+                    "selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size",
                     "max_anchors", "grad_accum", "epochs", "log_interval", "keep_checkpoints", "prefetch_factor")
         for name in positive:
             if int(getattr(self, name)) < 1:
@@ -265,6 +282,7 @@ class TrainConfig:
             noise_type=self.noise_type,
             noise_start=self.noise_start, noise_end=self.noise_end,
             soft_label_weight=self.soft_label_weight,
+            selector_loss_weight=self.selector_loss_weight, selector_stop_gradient=self.selector_stop_gradient,
         )
 
     def drafter_overrides(self) -> dict[str, Any]:
@@ -275,6 +293,10 @@ class TrainConfig:
             out["mask_token_id"] = self.mask_token_id
         out.update(layer_types=self.draft_layer_types, sliding_window=self.draft_sliding_window,
                    causal=self.draft_causal)
+        if self.drafter_type != "dflash":
+            out.update(drafter_type=self.drafter_type, selector_top_k=self.selector_top_k,
+                       selector_rank=self.selector_rank, conv_kernel_size=self.conv_kernel_size,
+                       conv_group_size=self.conv_group_size)
         return out
 
     def to_dict(self) -> dict[str, Any]:

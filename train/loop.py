@@ -379,24 +379,30 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     block_size = loss_model.drafter.config.block_size
     labels, greedy = RunningMetrics(block_size, info.device), RunningMetrics(block_size, info.device)
     walk = VerificationWalk((block_size, block_size // 2) if block_size >= 8 else (block_size,))
+    backbone_walk = VerificationWalk((block_size,))  # DFlash2: the backbone's top-1 without the selector
     replay = (data.eval_caches if data.eval_caches is not None else data.caches).manifest.topk > 0
     clean = dataclasses.replace(objective, noise_type="none")
     with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
         for batch in loader:
             batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
             eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
-            outs = []
+            outs, backbone_outs = [], []
             for positions, valid in anchor_chunks(eligible, objective.max_anchors):
                 chunk = {**batch, "anchor_positions": positions.to(info.device),
                          "anchor_valid": valid.to(info.device)}
                 with autocast:
                     out = compute_loss(loss_model, chunk, clean)
                 labels.update(out, chunk)
+                if out.backbone_predicted is not None:
+                    backbone = dataclasses.replace(out, predicted=out.backbone_predicted, correct=out.backbone_correct)
+                    backbone_outs.append(greedy_replay(backbone, chunk) if replay else backbone)
                 if replay:
                     out = greedy_replay(out, chunk)
                     greedy.update(out, chunk)
                 outs.append(out)
             walk.update(outs, eligible)
+            if backbone_outs:
+                backbone_walk.update(backbone_outs, eligible)
     loss_model.wrapped.train()
     by_labels = labels.compute(info)
     result = greedy.compute(info) if replay else by_labels
@@ -405,6 +411,10 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
+    if loss_model.drafter.candidate_selector is not None:  # DFlash2: the backbone's tau beside the selector's
+        backbone_taus = backbone_walk.taus(all_reduce_sum(backbone_walk.state(), info))
+        if block_size in backbone_taus:
+            smaller["tau_backbone"] = backbone_taus[block_size]
     return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
             "tau_blocks": result["tau"], "tau_labels": by_labels["tau"], "walked_samples": walked[-1].item(),
             "estimator": estimator}
@@ -429,7 +439,10 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
                      "batches_per_step (world_size x grad_accum)": info.world_size * cfg.grad_accum},
         "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
                   "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                  "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal},
+                  "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal,
+                  **({"drafter_type": c.drafter_type, "conv_kernel_size": c.conv_kernel_size,
+                      "conv_group_size": c.conv_group_size, "selector_rank": c.selector_rank,
+                      "selector_top_k": c.selector_top_k} if c.drafter_type != "dflash" else {})},
     }
 
 
