@@ -20,13 +20,15 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dflash.runtime.errors import InputError
+from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
+from dflash.cache_tools.errors import InputError
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
 # Sidecars dflash-prepare / dflash-generate write beside their output (docs/prepare.md): not data.
@@ -41,21 +43,36 @@ class BadRecord(Exception):
     """A record failed validation; the message is the reason, without the location."""
 
 
-def list_data_files(data: str | Path) -> list[Path]:
-    """The input files: `data` itself, or the JSONL files of a directory in sorted order."""
+def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = ()) -> list[Path]:
+    """The input files: `data` itself, or the JSONL files of a directory in sorted order.
+
+    A directory's scan skips dflash caches (a cache kept inside its data directory: its
+    manifest and part metadata are .json files, not data) and the directories in `exclude`
+    (this run's --output)."""
     path = Path(data)
     if path.is_file():
         return [path]
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL file or a directory of them with --data.")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES)
-                   and not p.name.endswith(SIDECAR_SUFFIXES))
+    excluded = {Path(p).resolve() for p in exclude}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if (here / d).resolve() not in excluded
+                             and not _is_cache_dir(here / d))
+        files += [here / n for n in filenames if n.endswith(DATA_SUFFIXES) and not n.endswith(SIDECAR_SUFFIXES)]
+    files.sort()
     if not files:
         raise InputError(
             f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz). Point --data "
             "to the directory with the tokenized completions."
         )
     return files
+
+
+def _is_cache_dir(path: Path) -> bool:
+    """A dflash cache (its manifest beside its parts/ directory), as cache_tools lays it out."""
+    return (path / HEADER_FILE).is_file() and (path / PARTS_DIR).is_dir()
 
 
 def _open_binary(path: Path):

@@ -20,6 +20,7 @@ from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
 from dflash.runtime.signals import StopRequest
+from dflash.runtime.locks import refuse_output_among_inputs
 from torch import nn
 from tqdm import tqdm
 
@@ -136,7 +137,8 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
 
 def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> ExtractSummary:
     """Extract the hidden states of this rank's uncommitted parts into config.output."""
-    files = list_data_files(config.data)
+    files = list_data_files(config.data, exclude=(config.output,))
+    refuse_output_among_inputs(config.output, [config.data, *files])
     device = resolve_device(config.device)  # under torchrun each process of a host takes its own GPU
     if writer_count(config, device):
         start_fork_server()  # the writers' imports then overlap loading the target
