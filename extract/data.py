@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
-from dflash.cache_tools.errors import InputError
+from dflash.runtime.errors import InputError
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
 # Sidecars dflash-prepare / dflash-generate write beside their output (docs/prepare.md): not data.
