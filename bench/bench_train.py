@@ -81,7 +81,7 @@ PROMPT = {"8b": 0.1, "27b": 0.1, "quality": 96 / 256, "small": 0.1}
 """Share of each sample that is prompt (loss mask 0)."""
 
 
-def flops_per_sample(s: Shape, context: int, anchors: int) -> float:
+def flops_per_sample(s: Shape, context: int, anchors: int, dflash2: dict | None = None) -> float:
     k = len(LAYER_IDS[s.target_layers])
     q = anchors * s.block_size
     d, hq, hkv, hd = s.hidden, s.heads, s.kv_heads, s.head_dim
@@ -91,7 +91,21 @@ def flops_per_sample(s: Shape, context: int, anchors: int) -> float:
     mlp = s.draft_layers * 2 * q * 3 * d * s.intermediate * 3
     attention = s.draft_layers * 4 * q * hq * hd * (context / 2 + s.block_size) * 3
     lm_head = 2 * anchors * (s.block_size - 1) * d * s.vocab * 2
-    return float(fc + ctx_kv + block + mlp + attention + lm_head)
+    return float(fc + ctx_kv + block + mlp + attention + lm_head + dflash2_flops(s, anchors, dflash2))
+
+
+def dflash2_flops(s: Shape, anchors: int, config: dict | None) -> float:
+    """DFlash2's extra model FLOPs per sample: the kernel projection and taps of the two convolutions
+    around each sublayer, the selector's hidden projection and K+1 candidate edges per scored slot
+    (the top-K and the K-way loss add no matrix work); 0 for DFlash (`config` None)."""
+    if not config:
+        return 0.0
+    q, slots, d = anchors * s.block_size, anchors * (s.block_size - 1), s.hidden
+    taps, groups, rank, k = (config["conv_kernel_size"], d // config["conv_group_size"], config["selector_rank"],
+                             config["selector_top_k"])
+    conv = s.draft_layers * 2 * (2 * q * d * 2 * taps * groups + 2 * 2 * taps * q * d) * 3
+    selector = (2 * slots * d * rank + 2 * slots * (k + 1) * rank * 2) * 3
+    return float(conv + selector)
 
 
 def write_target(path: Path, s: Shape) -> None:
@@ -207,12 +221,15 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
                   for r in measured) / n / shape.block_size
     samples = sum(r["samples_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
     # The logged counts are over all processes and samples; attention is per sample (its own context).
-    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)))
+    dflash2 = ({k: getattr(config, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                 "selector_top_k")} if config.drafter_type == "dflash2" else None)
+    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)), dflash2)
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
                   "27b": "Qwen3.6-27B drafter (hidden 5120, 5 layers), K=5, B=16",
                   "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[shape_name],
+        "drafter_type": config.drafter_type,
         "compile": config.compile, "compile_mode": config.compile_mode, "steps_per_second": 1 / step_time,
         "processes": world,
         "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
@@ -248,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the top GPU kernels and the fraction of wall time the GPU was busy")
     parser.add_argument("--profile-interval", type=int, default=0,
                         help="the trainer's own per-section step profile every N steps (synchronizes CUDA)")
+    parser.add_argument("--drafter-type", choices=("dflash", "dflash2"), default="dflash",
+                        help="the drafter trained (dflash2: the in-block convolutions and the candidate selector at "
+                             "their defaults; the step time against a dflash run of the same shape is their cost)")
     parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
@@ -306,7 +326,7 @@ def main() -> None:
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
         max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run, log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
-        profile_interval=a.profile_interval,
+        profile_interval=a.profile_interval, drafter_type=a.drafter_type,
     )
     for item in a.train_arg:
         name, _, value = item.partition("=")
