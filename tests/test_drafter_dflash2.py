@@ -218,3 +218,21 @@ def test_the_dflash2_export_holds_exactly_what_the_engines_load_and_reloads_iden
     assert reloaded.config.drafter_type == "dflash2" and reloaded.candidate_selector.top_k == 4
     batch = sample_batch()
     torch.testing.assert_close(block_logits(reloaded, batch), block_logits(drafter.eval(), batch), rtol=0, atol=0)
+
+
+def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny_world, tmp_path):
+    from conftest import read_metrics, tiny_train_config
+    from dflash.train.estimate import estimate_drafter, format_estimate
+    from dflash.train.loop import train
+
+    out = tmp_path / "run"
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=6, eval_fraction=0.3,
+                                     drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8))
+    assert result.exit_status == 0
+    held_out = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    assert held_out and all(1.0 <= r["tau_backbone"] <= 4.0 and 1.0 <= r["tau"] <= 4.0 for r in held_out)
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
+    estimate = estimate_drafter(str(out / "final"), {"cache": [str(tiny_world["cache"])],
+                                                     "target_model": str(tiny_world["target"]), "num_workers": 0})
+    assert "backbone tau" in format_estimate(estimate)

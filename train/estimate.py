@@ -77,6 +77,8 @@ def format_estimate(result: dict[str, Any]) -> str:
     """The result as one line."""
     block = result["block_size"]
     smaller = "".join(f", {k} {v:.3f}" for k, v in result.items() if k.startswith("tau_b") and k[5:].isdigit())
+    if "tau_backbone" in result:  # DFlash2: tau is the selector path's
+        smaller += f", backbone tau {result['tau_backbone']:.3f}"
     return (f"tau {result['tau']:.3f} ({result['estimator']}, block {block}){smaller}, tau_blocks "
             f"{result['tau_blocks']:.3f}; {int(result['walked_samples'])} of {result['samples']} samples walked, "
             f"{int(result['blocks'])} blocks, loss {result['loss']:.4f}")
