@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash.runtime.errors import InputError
 from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
+from dflash.runtime.settings import setting
 from dflash.runtime.signals import StopRequest
 
 from .backends import HFBackend, RequestFailed, Sampling, ServerBackend
@@ -31,43 +32,56 @@ from .formats import Conversation, iter_conversations, list_chat_files
 from .generate import GenerateMismatchError, GenerateSummary, Outcome, OutputLog, regenerate
 from .meta import read_meta, write_meta
 from .pipeline import PrepareConfigError, RenderConfig, build_renderer, render_meta
+from .render import LOSS_ON
 
 
 @dataclass(kw_only=True)
 class GenerateConfig(RenderConfig):
     data: str
-    """The chat dataset whose assistant turns are regenerated."""
+    """Chat dataset: a .jsonl/.jsonl.gz/.parquet file or a directory of them."""
     output: str
     """The JSONL file to append to (resumable; sidecars <output>.meta.json, <output>.skipped.jsonl)."""
+    loss_on: str = setting("last-assistant", choices=LOSS_ON)
+    """Which assistant turns are supervised."""
     server: str | None = None
-    """Comma-separated base URLs of OpenAI-compatible servers; none: the in-process backend."""
+    """Comma-separated base URLs of OpenAI-compatible servers (vLLM, SGLang, transformers serve),
+    e.g. http://host1:8000,http://host2:8000. Without it the target runs in-process (HF generate)."""
     model: str | None = None
-    """The model name sent in requests (what the server serves it as)."""
+    """The model name sent in requests (as the server serves it)."""
     concurrency: int = 64
     """Requests in flight over all servers."""
     max_retries: int = 5
+    """Retries of a failed request (backoff, next server)."""
     request_timeout: float = 600.0
-    """Seconds one request may take before it is retried."""
-    token_ids: str = "auto"
-    """auto (ask the server for ids, else re-tokenize the text), server, text."""
+    """Seconds before a request is retried."""
+    token_ids: str = setting("auto", choices=("auto", "server", "text"))
+    """Answer tokens: the server's ids where it returns them (auto), or the text re-tokenized and
+    checked to round-trip."""
     temperature: float = 0.0
+    """0: greedy."""
     top_p: float = 1.0
+    """Nucleus sampling's probability mass."""
     max_tokens: int = 2048
-    stop: list[str] | tuple[str, ...] = ()
-    """Stop strings."""
+    """Longest answer; longer ones end with finish_reason length."""
+    stop: list[str] = field(default_factory=list)
+    """A stop string (repeat the flag for several)."""
     seed: int | None = None
-    regenerate: str = "last"
-    """last: the last assistant turn; all: every assistant turn in order, on the target's own earlier answers."""
-    drop_truncated: bool = False
+    """Sampling seed sent with each request."""
+    regenerate: str = setting("last", choices=("last", "all"))
+    """Regenerate the last assistant turn, or every one in order on the target's own earlier answers."""
+    drop_truncated: bool = setting(False, secondary="--keep-truncated")
     """Leave out answers cut by --max-tokens (finish_reason length)."""
     batch_size: int = 16
-    """In-process backend: conversations per generate() call."""
+    """In-process backend: conversations per generate()."""
     sort_window: int = 8
-    """In-process backend: batches read ahead and sorted by prompt length (1: input order)."""
+    """In-process backend: batches read ahead and sorted by prompt length, so a batch pads little
+    (1: input order)."""
     device: str | None = None
-    dtype: str = "bf16"
-    loss_on: str = "last-assistant"
+    """In-process backend: torch device [default: cuda:$LOCAL_RANK if available, else cpu]."""
+    dtype: str = setting("bf16", choices=("bf16", "fp16", "fp32"))
+    """In-process backend dtype."""
     progress: bool = True
+    """Show a progress bar (requests/s, tokens/s, ETA)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

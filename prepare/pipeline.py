@@ -18,9 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
 from dflash.runtime.errors import InputError, SettingError
 from dflash.runtime.fsio import fsync_dir, temp_name
 from dflash.runtime.locks import output_lock, refuse_output_among_inputs
+from dflash.runtime.settings import JsonObject, setting
 
 from .formats import FORMATS, iter_conversations, list_chat_files
 from .meta import write_meta
@@ -45,19 +47,20 @@ class RenderConfig:
     """How conversations are rendered; shared by dflash-prepare and dflash-generate."""
 
     target_model: str
-    """Local HF model directory whose tokenizer (and chat template) renders the data."""
-    chat_template: str | None = None
-    """A Jinja file (or JSON with chat_template) overriding the tokenizer's template."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra variables for the template, e.g. {"enable_thinking": false}."""
-    thinking: str | None = None
-    """on/off: sets enable_thinking in chat_template_kwargs (the serving engine's switch)."""
-    loss_on: str = "all-assistant"
-    """all-assistant or last-assistant."""
+    """Local HF model directory: its tokenizer and chat template render the data."""
+    format: str = setting("auto", choices=FORMATS)
+    """Record shape: OpenAI messages, ShareGPT conversations, prompt/response pairs."""
+    chat_template: str | None = setting(None, type=click.Path(dir_okay=False))
+    """Jinja file (or JSON with chat_template) to use instead of the tokenizer's; must be the
+    template the serving engine uses."""
+    chat_template_kwargs: dict[str, Any] = setting(default_factory=dict, type=JsonObject())
+    """JSON object of template variables, e.g. '{"enable_thinking": false}'."""
+    thinking: str | None = setting(None, choices=("on", "off"))
+    """Sets enable_thinking in the template kwargs; match the serving setting."""
+    loss_on: str = setting("all-assistant", choices=LOSS_ON)
+    """Which assistant turns are supervised."""
     supervise_empty_reasoning: bool = False
     """Also supervise an empty <think></think> block the template inserts."""
-    format: str = "auto"
-    """Record shape: auto, messages, sharegpt, prompt."""
 
     def __post_init__(self) -> None:
         if isinstance(self.chat_template_kwargs, str):
@@ -80,18 +83,19 @@ class RenderConfig:
 @dataclass(kw_only=True)
 class PrepareConfig(RenderConfig):
     data: str
-    """A chat file (JSONL, JSONL.gz, Parquet) or a directory of them."""
+    """Chat dataset: a .jsonl/.jsonl.gz/.parquet file or a directory of them."""
     output: str
-    """The JSONL file to write (its sidecar is <output>.meta.json)."""
+    """The JSONL file to write (with its sidecar <output>.meta.json)."""
     max_seq_len: int = 8192
-    """Longest rendered sample kept whole."""
-    long_samples: str = "skip"
-    """skip or truncate samples longer than max_seq_len."""
+    """Longest rendered sample kept."""
+    long_samples: str = setting("skip", choices=("skip", "truncate"))
+    """What to do with samples longer than --max-seq-len."""
     skip_bad: bool = False
     """Skip (and count) malformed records and refused renderings instead of stopping."""
     num_workers: int = 0
     """Processes rendering in parallel (0: in this process); the output is the same."""
     progress: bool = True
+    """Show a progress bar."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

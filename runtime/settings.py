@@ -32,6 +32,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import os
 import textwrap
 import typing
@@ -98,6 +99,24 @@ class IntList(click.ParamType):
             return [int(x) for x in str(value).replace(" ", "").split(",") if x]
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of integers (e.g. 1,9,17)", param, ctx)
+
+
+class JsonObject(click.ParamType):
+    """A JSON object: text on the command line, a mapping (or that text) in a config file."""
+
+    name = "JSON"
+    accepts_mapping = True
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> dict:
+        if isinstance(value, dict):
+            return value
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            self.fail(f"{value!r} is not valid JSON ({e.msg}); write e.g. '{{\"enable_thinking\": false}}'", param, ctx)
+        if not isinstance(obj, dict):
+            self.fail(f"{value!r} is not a JSON object; write e.g. '{{\"enable_thinking\": false}}'", param, ctx)
+        return obj
 
 
 # -- the settings of a class ------------------------------------------------------------------
@@ -201,7 +220,7 @@ def _make_setting(f: dataclasses.Field, hint: Any, section_name: str | None, doc
                               **common)
     else:
         option = click.Option([flag, f.name], type=_click_type(kind, spec), default=None, **common)
-    if default is not MISSING and default is not None and default not in ([], (), "") and not spec.hidden:
+    if default is not MISSING and default is not None and default not in ([], (), "", {}) and not spec.hidden:
         help_text += f"  [default: {_default_text(default, shell.kind)}]"
     elif default is MISSING:
         help_text += "  [required]"
