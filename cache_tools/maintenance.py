@@ -30,7 +30,7 @@ from .manifest import (
     read_header,
     read_manifest,
 )
-from .reader import _EMPTY, CacheReader, _PartFiles
+from .reader import EMPTY, CacheReader, PartFiles
 from .schema import (
     HIDDEN,
     HIDDEN_ARRAYS,
@@ -149,7 +149,7 @@ def expected_arrays(m: Manifest, rec: PartRecord) -> dict[str, _Expected]:
             for spec in PartSchema.from_header(m.header)}
 
 
-def _reason(e: Exception, pf: _PartFiles) -> str:
+def _reason(e: Exception, pf: PartFiles) -> str:
     """The reader's message without its location prefix and its 'run verify' advice."""
     s = str(e)
     marker = f" at {pf.dir}: "
@@ -180,7 +180,7 @@ def _read_log_tolerant(cache_dir: Path, report: VerifyReport) -> list[PartRecord
 
 
 def _check_structure(
-    pf: _PartFiles, m: Manifest, name: str, exp: _Expected, report: VerifyReport
+    pf: PartFiles, m: Manifest, name: str, exp: _Expected, report: VerifyReport
 ) -> tuple[Any, set[int]]:
     """Metadata, files and shard indexes of one array; returns (meta or None, bad shards)."""
     rec = pf.record
@@ -217,7 +217,7 @@ def _check_structure(
             bad_shards.add(s)
             continue
         rows_here = min(m.shard_rows, exp.rows - s * m.shard_rows)
-        missing = [i for i in range(math.ceil(rows_here / m.chunk_rows)) if idx[i, 0] == _EMPTY]
+        missing = [i for i in range(math.ceil(rows_here / m.chunk_rows)) if idx[i, 0] == EMPTY]
         if missing:
             first = s * m.shard_rows // m.chunk_rows
             bad(f"shard file {name}/{key}", f"chunks {[first + i for i in missing]} are missing from the shard index")
@@ -226,7 +226,7 @@ def _check_structure(
 
 
 def _check_chunks(
-    pf: _PartFiles, m: Manifest, name: str, exp: _Expected, meta: Any, bad_shards: set[int],
+    pf: PartFiles, m: Manifest, name: str, exp: _Expected, meta: Any, bad_shards: set[int],
     report: VerifyReport, bar: tqdm,
 ) -> None:
     """Decode every chunk of a chunked array (checks each crc32c), collecting failures."""
@@ -253,7 +253,7 @@ def _check_chunks(
                 report.problems.append(Problem(pf.record.name, name, where, f"{nonfinite} values are NaN or infinite"))
 
 
-def _check_contents(pf: _PartFiles, m: Manifest, arrays: dict[str, _Expected], ok: set[str], report: VerifyReport) -> None:
+def _check_contents(pf: PartFiles, m: Manifest, arrays: dict[str, _Expected], ok: set[str], report: VerifyReport) -> None:
     """Offsets vs the manifest's lengths, unique sample ids, token ids < vocab, masks, scales."""
     rec = pf.record
     small: dict[str, np.ndarray] = {}

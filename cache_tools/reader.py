@@ -35,7 +35,7 @@ from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets,
 # DataLoader workers safe and makes throughput per core a meaningful figure.
 numcodecs.blosc.use_threads = False
 
-_EMPTY = np.uint64(EMPTY_CHUNK)
+EMPTY = np.uint64(EMPTY_CHUNK)
 _ZSTD = Zstd()
 
 
@@ -100,7 +100,7 @@ class _Where:
 
     __slots__ = ("part", "array", "chunk")
 
-    def __init__(self, part: _PartFiles, array: str, chunk: int):
+    def __init__(self, part: PartFiles, array: str, chunk: int):
         self.part, self.array, self.chunk = part, array, chunk
 
     def __str__(self) -> str:
@@ -114,7 +114,7 @@ def _checksum_mismatch(what: str | _Where) -> CacheCorruptError:
     )
 
 
-class _PartFiles:
+class PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
     def __init__(self, part_dir: Path, record: PartRecord, verify: bool, scratch: _Scratch):
@@ -215,7 +215,7 @@ class _PartFiles:
                 raise CacheCorruptError(f"{what}: the shard file is truncated ({len(m)} bytes).")
             raw = self._checked(memoryview(m)[len(m) - size:], what, meta.index_checked)
             idx = np.frombuffer(raw, dtype="<u8").reshape(n_inner, 2).copy()
-            live = idx[:, 0] != _EMPTY
+            live = idx[:, 0] != EMPTY
             if np.any(idx[live, 0] + idx[live, 1] > len(m) - size):
                 raise CacheCorruptError(f"{what}: chunk offsets point past the end of the file (truncated).")
             self.indexes[f"{array}/{key}"] = idx
@@ -240,7 +240,7 @@ class _PartFiles:
                 shard, inner = divmod(c * cr, meta.shard_rows)
                 m, idx = self.shard_index(array, shard, meta)
                 off, nb = idx[inner // cr]
-                if off == _EMPTY:
+                if off == EMPTY:
                     out_bytes[lo - start: hi - start] = 0
                     continue
                 off, nb = int(off), int(nb)
@@ -302,7 +302,7 @@ class CacheReader:
         )
         self._codec = self.manifest.codec
         self.schema = PartSchema.from_header(self.manifest.header)
-        self._open: OrderedDict[int, _PartFiles] = OrderedDict()
+        self._open: OrderedDict[int, PartFiles] = OrderedDict()
         self._scratch = _Scratch()
         self._token_offsets: dict[int, np.ndarray] = {}
         self._pid = os.getpid()
@@ -314,7 +314,7 @@ class CacheReader:
         state["_scratch"] = _Scratch()
         return state
 
-    def _part(self, part_idx: int) -> _PartFiles:
+    def _part(self, part_idx: int) -> PartFiles:
         if self._pid != os.getpid():
             self._open = OrderedDict()
             self._scratch = _Scratch()
@@ -322,7 +322,7 @@ class CacheReader:
         pf = self._open.get(part_idx)
         if pf is None:
             record = self.parts[part_idx]
-            pf = _PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums,
+            pf = PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums,
                             self._scratch)
             self._open[part_idx] = pf
             if len(self._open) > self.max_open_parts:
@@ -382,7 +382,7 @@ class CacheReader:
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
 
-    def _read_hidden(self, pf: _PartFiles, array: str, start: int, stop: int,
+    def _read_hidden(self, pf: PartFiles, array: str, start: int, stop: int,
                      into: dict[str, torch.Tensor], dequantize: bool) -> dict[str, torch.Tensor]:
         """{array: rows} (bf16), or for fp8 with dequantize=False {array: uint8 rows,
         array_scale: float32 scales} so that the caller can dequantize on its GPU."""
@@ -428,6 +428,6 @@ class CacheReader:
                 rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype == np.int32 else arr.copy())
         return rows
 
-    def part_arrays(self, part_idx: int) -> _PartFiles:
+    def part_arrays(self, part_idx: int) -> PartFiles:
         """Low-level access for tools (verify, stats)."""
         return self._part(part_idx)

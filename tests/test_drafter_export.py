@@ -8,8 +8,9 @@ import json
 import dflash.train.export as export_module
 import pytest
 import torch
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.export import export_drafter, load_drafter
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from safetensors import safe_open
 from test_drafter_support import (

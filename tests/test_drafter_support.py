@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_target
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter_config import DrafterConfig
+from dflash.train.model import DFlashDrafter
 from dflash.train.target_weights import (
     TargetWeights,
     default_target_layer_ids,

@@ -25,7 +25,8 @@ from dflash.eval.speculative import (
     speculative_generate,
     target_generate,
 )
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter_config import DrafterConfig
+from dflash.train.model import DFlashDrafter
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from dflash.train.target_weights import TargetWeights
 from transformers import AutoModelForCausalLM, Qwen3Config

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 from cache_utils import bits, random_sample, tiny_header
+from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.loader import CacheSet, collate, dequantize_batch, read_batch
+from dflash.train.loader import collate, dequantize_batch, read_batch
 
 
 def write(path, codec, seed):

@@ -8,9 +8,10 @@ import functools
 import numpy as np
 import pytest
 import torch
+from dflash.cache_tools.cache_set import CacheSet
 from dflash.train import config as train_config
 from dflash.train import model as train_model
-from dflash.train.loader import CacheSet, LoaderConfig, TrainLoader
+from dflash.train.loader import LoaderConfig, TrainLoader
 from dflash.train.loop import draw_anchors
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from test_drafter_objective import hand_batch

@@ -24,6 +24,7 @@ from conftest import (
     write_tiny_cache,
 )
 from conftest import WORLD_VOCAB as VOCAB
+from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import (
     LOG_FILE,
@@ -34,7 +35,8 @@ from dflash.cache_tools.manifest import (
 )
 from dflash.cache_tools.writer import CacheWriter
 from dflash.train.config import TrainConfig, TrainConfigError
-from dflash.train.loader import CacheSet, eval_split, open_training_data
+from dflash.train.heldout import eval_split
+from dflash.train.loader import open_training_data
 from dflash.train.loop import train
 from dflash.train.metrics import VerificationWalk, block_metrics, greedy_replay
 from dflash.train.objective import LossOutput

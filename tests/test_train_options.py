@@ -17,11 +17,11 @@ from conftest import (
     write_jsonl,
     write_tiny_cache,
 )
+from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.manifest import read_manifest
 from dflash.train.cli import main as train_main
 from dflash.train.config import TrainConfigError
 from dflash.train.export import load_drafter
-from dflash.train.loader import CacheSet
 from dflash.train.loop import train
 from extract_utils import assert_same_contents, cache_contents, make_target
 from safetensors.torch import load_file

@@ -8,9 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from dflash.cache_tools.cache_set import CacheSet
 from dflash.train.config import TrainConfigError, load_config_file, make_config
-from dflash.train.loader import CacheSet, LoaderConfig, TrainLoader, eval_split, plan_epoch
+from dflash.train.heldout import eval_split
+from dflash.train.loader import LoaderConfig, TrainLoader
 from dflash.train.loop import lr_multiplier
+from dflash.train.plans import plan_epoch
 
 # -- batch plans and the loader position --------------------------------------------------------
 

@@ -34,8 +34,8 @@ from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
 from safetensors.torch import load_file, save_file
 
 from .config import ResumeMismatchError, TrainConfigError
+from .drafter_config import DrafterConfig
 from .export import export_drafter
-from .model import DrafterConfig
 
 CHECKPOINT_VERSION = 1
 

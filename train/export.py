@@ -27,7 +27,9 @@ from dflash.runtime.fsio import staged_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import DFlashDrafter, DrafterConfig, rope_parameters_from_config
+from .drafter_config import DrafterConfig
+from .model import DFlashDrafter
+from .rope import rope_parameters_from_config
 from .target_head import load_target_head
 from .target_weights import load_target_config, load_target_weights
 

@@ -31,7 +31,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import SAMPLE_IDS, sample_offsets
 
 if TYPE_CHECKING:
-    from .loader import CacheSet, TrainLoader
+    from dflash.cache_tools.cache_set import CacheSet
 
 POLL_SECONDS = 0.05  # first wait between looks at the commit log; doubles up to MAX_POLL_SECONDS
 MAX_POLL_SECONDS = 0.5
@@ -203,13 +203,14 @@ def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowC
                           verify_checksums=config.verify_checksums, announce=announce)
 
 
-def trained_parts(caches: Any, loader: TrainLoader) -> int:
+def trained_parts(caches: Any, loader: Any) -> int:
     """Planned parts whose training samples all come in the batches this run has consumed in
     its current epoch (what progress shows, and what a disk budget may evict)."""
     return len(trained_part_names(caches, loader))
 
 
-def trained_part_names(caches: FollowCacheSet, loader: TrainLoader) -> list[str]:
+def trained_part_names(caches: FollowCacheSet, loader: Any) -> list[str]:
+    """(`loader` is the run's `loader.TrainLoader`, which imports this module.)"""
     batches = loader.epoch_batches(loader.epoch)[:loader.consumed]
     done = np.zeros(len(caches), dtype=bool)
     if batches:

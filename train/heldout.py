@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .loader import CacheSet
+    from dflash.cache_tools.cache_set import CacheSet
 
 
 def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from .dflash2 import GroupedDynamicConv
 from .rope import apply_rope
 
 if TYPE_CHECKING:
-    from .model import DrafterConfig
+    from .drafter_config import DrafterConfig
 
 
 class RMSNorm(nn.Module):

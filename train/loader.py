@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.cache_tools.cache_set import CacheSet, check_compatible
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity
 from dflash.cache_tools.layers import validate_target_layer_ids
-from dflash.cache_tools.manifest import chat_templates, diff_identity
-from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.manifest import chat_templates
 from dflash.cache_tools.schema import (
     HIDDEN_ARRAYS,
     INPUT_IDS,
@@ -43,7 +43,7 @@ from dflash.runtime.quantize import dequantize_fp8
 from .config import ResumeMismatchError, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
-from .plans import RankBatches, check_budget, plan_epoch, plan_eval
+from .plans import check_budget, plan_epoch, plan_eval
 from .workers import worker_init
 
 LOADER_STATE_VERSION = 1
@@ -80,78 +80,6 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         if min(self.token_budget, self.max_batch_size, self.max_seq_len, self.shuffle_window) < 1:
             raise TrainConfigError("token_budget, max_batch_size, max_seq_len and shuffle_window must be >= 1.")
-
-
-# -- caches -----------------------------------------------------------------------------------
-
-# Header parts that must agree between caches trained on together (the codec may differ: every
-# codec decodes to the same bf16 states; the target is compared by cache_tools.identity).
-def _compat_identity(reader: CacheReader) -> dict[str, Any]:
-    h = reader.manifest.header
-    return {"format_version": h.get("format_version"), "target_layer_ids": h.get("target_layer_ids"),
-            "hidden_size": h["hidden"].get("hidden_size"), "extras": h.get("extras")}
-
-
-def check_compatible(first: CacheReader, other: CacheReader) -> None:
-    """Two caches can be trained on together: same target, layers, width and extras."""
-    targets = target_differences(first.manifest.header.get("target"), other.manifest.header.get("target"),
-                                 Purpose.TRAIN_TOGETHER)
-    diffs = [f"target.{k}: cache has {b!r}, requested {a!r}" for k, a, b in targets]
-    diffs += diff_identity(_compat_identity(first), _compat_identity(other))
-    if diffs:
-        shown = "; ".join(d.replace("cache has", "second has").replace("requested", "first has") for d in diffs[:6])
-        raise ConfigMismatchError(
-            f"The caches {first.cache_dir} (first) and {other.cache_dir} (second) cannot be "
-            f"trained on together: {shown}. Train on caches extracted from the same target "
-            "model with the same layers."
-        )
-
-
-class CacheSet:
-    """One or more caches of the same target and layers, seen as one list of samples."""
-
-    def __init__(self, cache_dirs: list[str], *, max_seq_len: int, verify_checksums: bool = True):
-        self.readers = [CacheReader(d, verify_checksums=verify_checksums) for d in cache_dirs]
-        first = self.readers[0]
-        for other in self.readers[1:]:
-            check_compatible(first, other)
-        self.manifest = first.manifest
-        sizes = [len(r) for r in self.readers]
-        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        full = np.concatenate([r.lengths for r in self.readers]) if sizes else np.zeros(0, np.int64)
-        self.full_lengths = full
-        self.lengths = np.minimum(full, max_seq_len)
-        self.max_seq_len = max_seq_len
-        self.truncated_samples = int((full > max_seq_len).sum())
-        self.truncated_tokens = int((full - self.lengths).sum())
-        self._sample_ids: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def locate(self, index: int) -> tuple[int, int]:
-        cache = int(np.searchsorted(self.starts, index, side="right") - 1)
-        return cache, index - int(self.starts[cache])
-
-    def read(self, index: int, out: dict[str, torch.Tensor] | None = None,
-             dequantize: bool = True) -> dict[str, Any]:
-        cache, local = self.locate(index)
-        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,
-                                               dequantize=dequantize)
-
-    def sample_ids(self) -> np.ndarray:
-        """The global sample id of every sample, in index order (read from each part once)."""
-        if self._sample_ids is None:
-            ids = [r.part_arrays(p).small_array(SAMPLE_IDS) for r in self.readers for p in range(len(r.parts))]
-            self._sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
-            for r in self.readers:
-                r.close()  # DataLoader workers open their own maps
-        return self._sample_ids
-
-    def identity(self) -> list[dict[str, Any]]:
-        """What decides the samples: each cache's header identity and committed size (not its path)."""
-        return [{"identity": r.manifest.identity(), "samples": len(r), "tokens": r.num_tokens}
-                for r in self.readers]
 
 
 # -- batch plans ------------------------------------------------------------------------------
@@ -231,6 +159,34 @@ class WorkerReadError(CorruptDataError):
     def __init__(self, message: str):
         marker = f"{type(self).__name__}: "
         super().__init__(message.rsplit(marker, 1)[-1].strip() if marker in message else message)
+
+
+class RankBatches:
+    """A rank's batches from the loader's position to the end of its planned epochs, as one
+    sequence: item k is global batch `index[k]` of epoch `epochs[k]`. Epoch plans are pure
+    functions, so a worker makes the ones it reads from itself."""
+
+    def __init__(self, loader: TrainLoader):
+        last = max(loader.epoch, len(loader.steps_per_epoch) - 1)
+        spans = [np.arange((loader.consumed if e == loader.epoch else 0) + loader.rank, loader.usable(e),
+                           loader.world_size) for e in range(loader.epoch, last + 1)]
+        self.epochs = np.concatenate([np.full(len(s), loader.epoch + i) for i, s in enumerate(spans)])
+        self.index, self.last_epoch = np.concatenate(spans), last
+        self._plan = functools.partial(plan_epoch, loader.indices, loader.caches.lengths, loader.config,
+                                       groups=loader.groups)
+        self._cached = (loader.epoch, loader.epoch_batches(loader.epoch))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def position(self, k: int) -> tuple[int, int]:
+        return int(self.epochs[k]), int(self.index[k])
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        epoch, index = self.position(k)
+        if self._cached[0] != epoch:
+            self._cached = (epoch, self._plan(epoch))
+        return self._cached[1][index]
 
 
 BatchPrepare = Callable[[dict[str, torch.Tensor], int, int], None]

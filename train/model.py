@@ -13,232 +13,31 @@ vLLM, so an export behaves the same there.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dflash.runtime.logits import post_head_steps
 from torch import nn
 
-from .attention import ATTENTION_BACKENDS, AttentionMask, inference_mask
+from .attention import AttentionMask, inference_mask
 from .dflash2 import (
-    DEFAULT_CONV_GROUP_SIZE,
-    DEFAULT_CONV_KERNEL_SIZE,
-    DEFAULT_SELECTOR_RANK,
-    DEFAULT_SELECTOR_TOP_K,
-    DRAFTER_TYPES,
     CandidateSelector,
     GroupedDynamicConv,
 )
-from .layer_types import parse_layer_types
+from .drafter_config import DrafterConfig
 from .layers import DrafterLayer, RMSNorm, rms_normalize
-from .rope import (  # noqa: F401 - rope_parameters_from_config is part of this module's interface
+from .rope import (
     RotaryEmbedding,
-    apply_rope,
-    drafter_rope_parameters,
-    rope_parameters_from_config,
 )
 from .target_head import TargetHead, choose_mask_token, load_target_head
 from .target_weights import (
     TargetWeights,
-    default_target_layer_ids,
     load_target_config,
     load_target_weights,
 )
-
-
-@dataclass(kw_only=True)
-class DrafterConfig:
-    """Dimensions and DFlash settings of a drafter (usually built by `from_target_config`)."""
-
-    hidden_size: int
-    """Width of the target's hidden states; the drafter must match it."""
-    num_attention_heads: int
-    """Query heads per draft layer."""
-    num_key_value_heads: int
-    """Key/value heads per draft layer (grouped-query attention)."""
-    head_dim: int
-    """Width of one attention head."""
-    intermediate_size: int
-    """Width of the SwiGLU MLP."""
-    vocab_size: int
-    """Rows of the target's embedding and lm_head."""
-    num_target_layers: int
-    """Decoder layers of the target (written to the export; used by the default layer rule)."""
-    num_hidden_layers: int = 5
-    """Number of draft decoder layers."""
-    target_layer_ids: list[int] | None = None
-    """Target layers whose outputs are fused; None picks `default_target_layer_ids`."""
-    block_size: int = 16
-    """Tokens per drafted block: the anchor plus block_size-1 predictions."""
-    mask_token_id: int | None = None
-    """Embedding row used for the masked block positions; None means vocab_size - 1
-    (`from_target` picks it from the tokenizer instead: `target_head.choose_mask_token`)."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
-    )
-    """RoPE settings, transformers 5.x style: {"rope_type", "rope_theta", scaling keys...}."""
-    max_position_embeddings: int = 40960
-    """Longest position the RoPE settings are meant for (copied from the target)."""
-    attention_backend: str = "auto"
-    """"sdpa" (dense mask, any device), "flex" (block-sparse, compiled on CUDA) or "auto"."""
-    layer_types: list[str] | None = None
-    """Per draft layer "full_attention" or "sliding_attention" (None: all full)."""
-    sliding_window: int | None = None
-    """Keys a sliding layer's query sees: positions q - sliding_window < j <= q (context and block)."""
-    causal: bool | None = None
-    """Block tokens see only earlier block tokens; None follows the engines' convention: sliding
-    layers causal, full layers bidirectional."""
-    mask_token: str | None = None
-    """The mask token's string in the target tokenizer, when it has one (written to the export)."""
-    drafter_type: str = "dflash"
-    """"dflash", or "dflash2": the same drafter plus in-block convolutions around every sublayer and
-    a candidate selector over the target head's top-K (train/dflash2.py)."""
-    conv_kernel_size: int = DEFAULT_CONV_KERNEL_SIZE
-    """DFlash2: taps of the in-block convolutions."""
-    conv_group_size: int = DEFAULT_CONV_GROUP_SIZE
-    """DFlash2: channels sharing one dynamic tap offset (must divide hidden_size)."""
-    selector_rank: int = DEFAULT_SELECTOR_RANK
-    """DFlash2: rank of the selector's codebooks and hidden projection."""
-    selector_top_k: int = DEFAULT_SELECTOR_TOP_K
-    """DFlash2: candidates per slot (the target head's top-K)."""
-    output_multiplier: float = 1.0
-    """The target's factor on its logits (Cohere's logit_scale, 1 / Granite's logits_scaling), applied
-    to the selector's candidate scores as the engines do."""
-    final_logit_softcapping: float | None = None
-    """The target's logit soft cap (Gemma 2/3), applied to the selector's candidate scores."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}.")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}); fix one of them."
-            )
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {self.block_size}.")
-        if self.target_layer_ids is None:
-            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer.")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} are outside the target's layers 0..{self.num_target_layers - 1}."
-            )
-        if self.mask_token_id is None:
-            self.mask_token_id = self.vocab_size - 1
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
-                f"(vocab_size {self.vocab_size}); pick an unused or reserved token id below it."
-            )
-        if "rope_theta" not in self.rope_parameters:
-            raise ValueError("rope_parameters must contain rope_theta (the target's RoPE base).")
-        self.rope_parameters = drafter_rope_parameters(self.rope_parameters)
-        self.layer_types = parse_layer_types(self.layer_types, self.num_hidden_layers)
-        if "sliding_attention" in self.layer_types:
-            if self.sliding_window is None or int(self.sliding_window) < 1:
-                raise ValueError(
-                    f"sliding draft layers need sliding_window >= 1 (got {self.sliding_window}); "
-                    "pass --draft-sliding-window N."
-                )
-            self.sliding_window = int(self.sliding_window)
-        else:
-            self.sliding_window = None
-        if self.drafter_type not in DRAFTER_TYPES:
-            raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}.")
-        if self.drafter_type == "dflash2":
-            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
-                raise ValueError(
-                    f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size} and "
-                    f"conv_kernel_size ({self.conv_kernel_size}) be at least 1.")
-            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
-                raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 and selector_top_k "
-                                 f"({self.selector_top_k}) in 1..{self.vocab_size}.")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
-            )
-
-    def layer_attention(self, index: int) -> tuple[int | None, bool]:
-        """(window or None, causal) of draft layer `index`, as the serving engines resolve it."""
-        sliding = self.layer_types[index] == "sliding_attention"
-        causal = sliding if self.causal is None else bool(self.causal)
-        return (self.sliding_window if sliding else None), causal
-
-    @property
-    def num_context_layers(self) -> int:
-        """K: how many target layers are fused (the cache's hidden width is K * hidden_size)."""
-        return len(self.target_layer_ids)
-
-    @classmethod
-    def from_target_config(cls, target_config: Any, **overrides: Any) -> DrafterConfig:
-        """Take every dimension from a transformers config of the target; `overrides` win."""
-        c = target_config
-        num_heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
-        values: dict[str, Any] = dict(
-            hidden_size=c.hidden_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            intermediate_size=c.intermediate_size,
-            vocab_size=c.vocab_size,
-            num_target_layers=c.num_hidden_layers,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-            rope_parameters=rope_parameters_from_config(c),
-            max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
-        )
-        head = post_head_steps(c)
-        values.update(output_multiplier=head["scale"] or 1.0, final_logit_softcapping=head["softcap"])
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown DrafterConfig fields {sorted(unknown)}.")
-        values.update(overrides)
-        return cls(**values)
-
-    def to_hf_config(self) -> Any:
-        """A transformers Qwen3Config with the drafter's dimensions (RoPE tables are built from it).
-
-        transformers 5.x reads `rope_parameters`; 4.57 reads `rope_theta` and `rope_scaling`.
-        """
-        import inspect
-
-        from transformers import Qwen3Config
-
-        rope = dict(self.rope_parameters)
-        if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
-            rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
-        else:
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-            rope_kwargs = {"rope_theta": rope["rope_theta"],
-                           "rope_scaling": scaling if scaling["rope_type"] != "default" else None}
-        return Qwen3Config(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            layer_types=list(self.layer_types),
-            sliding_window=self.sliding_window,
-            **rope_kwargs,
-        )
-
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 

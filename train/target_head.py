@@ -21,7 +21,7 @@ from dflash.runtime.logits import apply_post_head, post_head_steps
 from safetensors import safe_open
 from torch import nn
 
-from .target_weights import _tensor_locations, load_target_config
+from .target_weights import load_target_config, tensor_locations
 
 # Checkpoint prefixes that hold a second copy of a norm (multi-token-prediction heads, vision towers).
 _NOT_THE_DECODER = ("mtp.", "visual.", "vision_tower.", "vision_model.", "audio_tower.")
@@ -84,7 +84,7 @@ def load_target_head(target_dir: str | Path) -> TargetHead:
             "(model.norm); soft labels from last_hidden cannot be recomputed: use --store-topk."
         )
     prefix = next(name for name, module in model.named_modules() if module is norm)
-    locations = _tensor_locations(target_dir)
+    locations = tensor_locations(target_dir)
     names = list(locations)
     norm.to_empty(device="cpu")
     state = {}

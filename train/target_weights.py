@@ -49,7 +49,7 @@ class TargetWeights:
     """[hidden] weight of the target's final RMSNorm; only needed for soft labels."""
 
 
-def _tensor_locations(target_dir: Path) -> dict[str, Path]:
+def tensor_locations(target_dir: Path) -> dict[str, Path]:
     """Map every tensor name of the checkpoint to the safetensors file that holds it."""
     index = target_dir / SAFETENSORS_INDEX
     if index.is_file():
@@ -92,7 +92,7 @@ def load_target_weights(
     target_dir = Path(target_dir)
     if tie_word_embeddings is None:
         tie_word_embeddings = bool(getattr(load_target_config(target_dir), "tie_word_embeddings", False))
-    locations = _tensor_locations(target_dir)
+    locations = tensor_locations(target_dir)
     names = list(locations)
     embed_name = _pick(names, r"(^|\.)embed_tokens\.weight$")
     head_name = _pick(names, r"(^|\.)lm_head\.weight$")

@@ -1,0 +1,91 @@
+"""The caches a trainer opens, and the rule for which caches may train together.
+
+A run trains on one or more caches as one list of samples (`CacheSet`). Caches may train
+together when they were extracted from the same target (`identity.Purpose.TRAIN_TOGETHER`)
+with the same layers, width and extras; their codecs may differ, since every codec decodes to
+the same bf16 states. Both are part of the cache contract, so they live here rather than in the
+trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigMismatchError
+from .identity import Purpose, target_differences
+from .manifest import diff_identity
+from .reader import CacheReader
+from .schema import SAMPLE_IDS
+
+
+# Header parts that must agree between caches trained on together (the codec may differ: every
+# codec decodes to the same bf16 states; the target is compared by cache_tools.identity).
+def train_together_identity(reader: CacheReader) -> dict[str, Any]:
+    h = reader.manifest.header
+    return {"format_version": h.get("format_version"), "target_layer_ids": h.get("target_layer_ids"),
+            "hidden_size": h["hidden"].get("hidden_size"), "extras": h.get("extras")}
+
+
+def check_compatible(first: CacheReader, other: CacheReader) -> None:
+    """Two caches can be trained on together: same target, layers, width and extras."""
+    targets = target_differences(first.manifest.header.get("target"), other.manifest.header.get("target"),
+                                 Purpose.TRAIN_TOGETHER)
+    diffs = [f"target.{k}: cache has {b!r}, requested {a!r}" for k, a, b in targets]
+    diffs += diff_identity(train_together_identity(first), train_together_identity(other))
+    if diffs:
+        shown = "; ".join(d.replace("cache has", "second has").replace("requested", "first has") for d in diffs[:6])
+        raise ConfigMismatchError(
+            f"The caches {first.cache_dir} (first) and {other.cache_dir} (second) cannot be "
+            f"trained on together: {shown}. Train on caches extracted from the same target "
+            "model with the same layers."
+        )
+
+
+class CacheSet:
+    """One or more caches of the same target and layers, seen as one list of samples."""
+
+    def __init__(self, cache_dirs: list[str], *, max_seq_len: int, verify_checksums: bool = True):
+        self.readers = [CacheReader(d, verify_checksums=verify_checksums) for d in cache_dirs]
+        first = self.readers[0]
+        for other in self.readers[1:]:
+            check_compatible(first, other)
+        self.manifest = first.manifest
+        sizes = [len(r) for r in self.readers]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        full = np.concatenate([r.lengths for r in self.readers]) if sizes else np.zeros(0, np.int64)
+        self.full_lengths = full
+        self.lengths = np.minimum(full, max_seq_len)
+        self.max_seq_len = max_seq_len
+        self.truncated_samples = int((full > max_seq_len).sum())
+        self.truncated_tokens = int((full - self.lengths).sum())
+        self._sample_ids: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        cache = int(np.searchsorted(self.starts, index, side="right") - 1)
+        return cache, index - int(self.starts[cache])
+
+    def read(self, index: int, out: dict[str, torch.Tensor] | None = None,
+             dequantize: bool = True) -> dict[str, Any]:
+        cache, local = self.locate(index)
+        return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,
+                                               dequantize=dequantize)
+
+    def sample_ids(self) -> np.ndarray:
+        """The global sample id of every sample, in index order (read from each part once)."""
+        if self._sample_ids is None:
+            ids = [r.part_arrays(p).small_array(SAMPLE_IDS) for r in self.readers for p in range(len(r.parts))]
+            self._sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
+            for r in self.readers:
+                r.close()  # DataLoader workers open their own maps
+        return self._sample_ids
+
+    def identity(self) -> list[dict[str, Any]]:
+        """What decides the samples: each cache's header identity and committed size (not its path)."""
+        return [{"identity": r.manifest.identity(), "samples": len(r), "tokens": r.num_tokens}
+                for r in self.readers]
