@@ -1,8 +1,9 @@
-"""`--config FILE` for every command: JSON, or YAML when PyYAML is installed.
+"""Reading a `--config FILE`: JSON, or YAML when PyYAML is installed.
 
 Keys are the flags' names, written with dashes (as the flags) or underscores (as the config
 fields); a key that names no setting is an error that lists the valid ones. A renamed setting
-keeps its old key as a deprecated alias: accepted, with a warning naming the new one.
+keeps its old key as a deprecated alias: accepted, with a warning naming the new one. The values
+are converted and checked by `dflash.runtime.settings`, as the flags' are.
 """
 
 from __future__ import annotations
@@ -76,40 +77,3 @@ def read_config_file(
     if unknown:
         raise error(f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(listed)}.")
     return out
-
-
-def option_keys(command: click.Command) -> dict[str, str]:
-    """{config key: click parameter name} for the long flags of `command` (not --config, --help)."""
-    out: dict[str, str] = {}
-    for param in command.params:
-        if not isinstance(param, click.Option) or param.name in (None, "config", "config_file"):
-            continue
-        for opt in param.opts:
-            if opt.startswith("--"):
-                out[config_key(opt)] = param.name  # type: ignore[assignment]
-    return out
-
-
-def load_config_defaults(ctx: click.Context, _param: Any, path: str | None) -> str | None:
-    """Callback of an eager `--config` option: the file's settings become the command's
-    defaults (click converts and checks them as it does the flags); flags given win."""
-    if not path:
-        return path
-    keys = option_keys(ctx.command)
-    values = read_config_file(path, sorted(keys))
-    defaults: dict[str, Any] = {}
-    for key, value in values.items():
-        param = next(p for p in ctx.command.params if p.name == keys[key])
-        if getattr(param, "multiple", False) and not isinstance(value, (list, tuple)):
-            value = [value]  # one prompt file, written as a plain string
-        defaults[keys[key]] = value
-    ctx.default_map = {**(ctx.default_map or {}), **defaults}
-    return path
-
-
-def config_file_option(**kwargs: Any) -> Any:
-    """`--config FILE` whose settings become the command's defaults (`load_config_defaults`)."""
-    kwargs.setdefault("help", "JSON or YAML file of settings (keys as the flags, with - or _); flags "
-                              "override it.")
-    return click.option("--config", type=click.Path(dir_okay=False), callback=load_config_defaults,
-                        is_eager=True, expose_value=False, **kwargs)

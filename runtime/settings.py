@@ -220,7 +220,8 @@ def _make_setting(f: dataclasses.Field, hint: Any, section_name: str | None, doc
                               **common)
     else:
         option = click.Option([flag, f.name], type=_click_type(kind, spec), default=None, **common)
-    if default is not MISSING and default is not None and default not in ([], (), "", {}) and not spec.hidden:
+    quiet = spec.hidden or (spec.one_way and not default)  # `--force`: off unless given
+    if default is not MISSING and default is not None and default not in ([], (), "", {}) and not quiet:
         help_text += f"  [default: {_default_text(default, shell.kind)}]"
     elif default is MISSING:
         help_text += "  [required]"
