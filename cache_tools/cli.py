@@ -1,7 +1,8 @@
 """`dflash-cache`: inspect, check and maintain hidden-state caches.
 
-Thin click commands over `maintenance` and `rewrite`, imported when a command runs (they
-load torch and zarr; `--help` does not). Errors follow the contract of every dflash command
+Thin click commands over `summary`, `maintenance` and `rewrite`, imported when a command runs
+(`maintenance` and `rewrite` load torch; `info`, which reads the manifest only, and `--help`
+do not). Errors follow the contract of every dflash command
 (`dflash.runtime.cli`): one paragraph, exit status 2.
 """
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 # The names of `codecs.CODEC_NAMES`, spelled here so that --help need not import the codecs
 # (torch); tests/test_cli_contract.py checks that the two agree.
-CODEC_CHOICES = ("bf16", "fp8", "raw")
+CODEC_CHOICES = ("bf16", "fp8", "nf4", "raw")
 
 
 def _packing(codec: dict) -> str:
@@ -80,10 +81,10 @@ def info(cache: str, as_json: bool) -> None:
     Example:
       dflash-cache info runs/cache --json | jq .compression_ratio
     """
-    from . import maintenance
     from .manifest import chat_templates
+    from .summary import cache_info
 
-    s = maintenance.cache_info(cache)
+    s = cache_info(cache)
     if as_json:
         _echo_json(s)
         return

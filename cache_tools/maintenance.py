@@ -28,7 +28,6 @@ from .manifest import (
     PartRecord,
     decode_log_line,
     read_header,
-    read_manifest,
 )
 from .reader import EMPTY, CacheReader, PartFiles
 from .schema import (
@@ -50,56 +49,6 @@ def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> tqd
     """A progress bar on stderr; progress=None shows it only on a terminal."""
     return tqdm(total=total, desc=desc, unit=unit, disable=None if progress is None else not progress,
                 leave=False, dynamic_ncols=True)
-
-
-def raw_bf16_bytes(manifest: Manifest) -> int:
-    """Size the stored activations would have as plain bf16 (the reference for ratios)."""
-    per_token = sum(spec.width * 2 for spec in PartSchema.from_header(manifest.header).hidden_arrays())
-    return manifest.num_tokens * per_token
-
-
-# -- info ---------------------------------------------------------------------------------
-def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
-    """Summary of a cache from its manifest alone (no part is opened)."""
-    m = read_manifest(cache_dir)
-    nbytes = m.nbytes
-    raw = raw_bf16_bytes(m)
-    lengths = np.concatenate([np.asarray(p.lengths, np.int64) for p in m.parts]) if m.parts else np.zeros(0, np.int64)
-    part_stats: dict[str, float] = {}
-    for p in m.parts:
-        for key, value in p.stats.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                part_stats[key] = part_stats.get(key, 0) + value
-    return {
-        "cache_dir": str(m.cache_dir),
-        "format_version": m.header["format_version"],
-        "target": m.header["target"],
-        # where the target was read from; older headers kept it as target.path
-        "provenance": m.header.get("provenance") or ({"target_path": m.header["target"]["path"]}
-                                                     if "path" in m.header["target"] else {}),
-        "target_layer_ids": m.target_layer_ids,
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "codec": m.codec.to_dict(),
-        "chunk_rows": m.chunk_rows,
-        "shard_rows": m.shard_rows,
-        "extras": m.header["extras"],
-        "data": m.header.get("data", {}),
-        "settings": m.header.get("settings", {}),
-        "parts": len(m.parts),
-        "samples": m.num_samples,
-        "tokens": m.num_tokens,
-        "sample_length": {
-            "min": int(lengths.min()) if lengths.size else 0,
-            "mean": float(lengths.mean()) if lengths.size else 0.0,
-            "max": int(lengths.max()) if lengths.size else 0,
-        },
-        "bytes": nbytes,
-        "bytes_per_token": nbytes / m.num_tokens if m.num_tokens else 0.0,
-        "raw_bf16_bytes": raw,
-        "compression_ratio": raw / nbytes if nbytes else 0.0,
-        "part_stats": part_stats,
-    }
 
 
 # -- verify -------------------------------------------------------------------------------

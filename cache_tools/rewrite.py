@@ -20,10 +20,11 @@ import numpy as np
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheNotFoundError, ConfigMismatchError
 from .identity import Purpose
-from .maintenance import progress_bar, raw_bf16_bytes
+from .maintenance import progress_bar
 from .manifest import HEADER_FILE, IDENTITY_KEYS, identity_differences
 from .reader import CacheReader
 from .schema import SAMPLE_IDS, sample_offsets
+from .summary import raw_bf16_bytes
 from .writer import CacheWriter, PartWriter
 
 

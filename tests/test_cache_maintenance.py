@@ -10,10 +10,11 @@ import pytest
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.errors import CacheError, CacheNotFoundError, ConfigMismatchError
-from dflash.cache_tools.maintenance import cache_info, cache_stats, prune_cache, verify_cache
+from dflash.cache_tools.maintenance import cache_stats, prune_cache, verify_cache
 from dflash.cache_tools.manifest import make_header, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.rewrite import merge_caches, recompress_cache
+from dflash.cache_tools.summary import cache_info
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.fsio import file_lock
 

@@ -1,0 +1,65 @@
+"""What a cache holds, from its manifest alone: the summary `dflash-cache info` prints.
+
+No part is opened and neither torch nor the reader is imported, so it is instant on any cache
+size and starts in the time it takes to read the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .manifest import Manifest, read_manifest
+from .schema import PartSchema
+
+
+def raw_bf16_bytes(manifest: Manifest) -> int:
+    """Size the stored activations would have as plain bf16 (the reference for ratios)."""
+    schema = PartSchema.from_header(manifest.header)
+    per_token = sum(schema.value_width(spec.name) * 2 for spec in schema.hidden_arrays())
+    return manifest.num_tokens * per_token
+
+
+def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
+    """Summary of a cache from its manifest alone (no part is opened)."""
+    m = read_manifest(cache_dir)
+    nbytes = m.nbytes
+    raw = raw_bf16_bytes(m)
+    lengths = np.concatenate([np.asarray(p.lengths, np.int64) for p in m.parts]) if m.parts else np.zeros(0, np.int64)
+    part_stats: dict[str, float] = {}
+    for p in m.parts:
+        for key, value in p.stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                part_stats[key] = part_stats.get(key, 0) + value
+    return {
+        "cache_dir": str(m.cache_dir),
+        "format_version": m.header["format_version"],
+        "target": m.header["target"],
+        # where the target was read from; older headers kept it as target.path
+        "provenance": m.header.get("provenance") or ({"target_path": m.header["target"]["path"]}
+                                                     if "path" in m.header["target"] else {}),
+        "target_layer_ids": m.target_layer_ids,
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "codec": m.codec.to_dict(),
+        "chunk_rows": m.chunk_rows,
+        "shard_rows": m.shard_rows,
+        "extras": m.header["extras"],
+        "data": m.header.get("data", {}),
+        "settings": m.header.get("settings", {}),
+        "parts": len(m.parts),
+        "samples": m.num_samples,
+        "tokens": m.num_tokens,
+        "sample_length": {
+            "min": int(lengths.min()) if lengths.size else 0,
+            "mean": float(lengths.mean()) if lengths.size else 0.0,
+            "max": int(lengths.max()) if lengths.size else 0,
+        },
+        "bytes": nbytes,
+        "bytes_per_token": nbytes / m.num_tokens if m.num_tokens else 0.0,
+        "raw_bf16_bytes": raw,
+        "compression_ratio": raw / nbytes if nbytes else 0.0,
+        "part_stats": part_stats,
+    }
