@@ -178,6 +178,11 @@ class Manifest:
         return int(self.header["extras"].get("topk", 0))
 
     @property
+    def top1(self) -> str | None:
+        """The storage dtype of top1_ids (the target's greedy next token), None when not stored."""
+        return self.header["extras"].get("top1") or None
+
+    @property
     def num_samples(self) -> int:
         return sum(p.samples for p in self.parts)
 
@@ -227,6 +232,7 @@ def make_header(
     shard_rows: int = 8192,
     store_last_hidden: bool = False,
     topk: int = 0,
+    top1: str | None = None,
     data: dict[str, Any] | None = None,
     settings: dict[str, Any] | None = None,
     producer: dict[str, Any] | None = None,
@@ -253,7 +259,8 @@ def make_header(
             "chunk_rows": int(chunk_rows),
             "shard_rows": int(shard_rows),
         },
-        "extras": {"last_hidden": bool(store_last_hidden), "topk": int(topk)},
+        # top1 only when stored: a header without it is the same as before it existed
+        "extras": {"last_hidden": bool(store_last_hidden), "topk": int(topk), **({"top1": top1} if top1 else {})},
         "data": dict(data or {}),
         "settings": dict(settings or {}),
         "producer": dict(producer or {"name": "dflash-pipeline"}),

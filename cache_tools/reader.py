@@ -275,8 +275,8 @@ class CacheReader:
     Opening reads the manifest only. `read_sample(i)` returns a dict with
       hidden      [T, K*D] bfloat16 (fp8 caches are dequantized with their scales)
       input_ids   [T] int64, loss_mask [T] uint8, sample_id (int)
-      last_hidden [T, D] bfloat16, topk_ids [T, k] int64, topk_logprobs [T, k] float32
-                  when the cache stores them.
+      last_hidden [T, D] bfloat16, topk_ids [T, k] int64, topk_logprobs [T, k] float32,
+                  top1_ids [T, 1] int64 when the cache stores them.
     """
 
     def __init__(
@@ -419,10 +419,10 @@ class CacheReader:
         for spec in self.schema:  # ids come out as int64 (what embeddings and losses index with)
             if spec.name in HIDDEN_ARRAYS:  # their fp8 scales are read with them
                 rows.update(self._read_hidden(pf, spec.name, start, stop, into, dequantize))
-            elif spec.per == "token" and spec.chunked:  # top-k
+            elif spec.per == "token" and spec.chunked:  # top-k, top-1
                 arr = np.empty((stop - start, *spec.row_shape), dtype=spec.dtype)
                 pf.read_rows(spec.name, start, stop, arr)
-                rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype == np.int32 else arr)
+                rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype.kind in "iu" else arr)
             elif spec.source == DATA:
                 arr = pf.small_array(spec.name)[start:stop]
                 rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype == np.int32 else arr.copy())

@@ -11,6 +11,8 @@ Per token (T rows):
   last_hidden_scale [T, 1]   float32, fp8 with --store-last-hidden
   topk_ids          [T, k]   int32, with --store-topk k
   topk_logprobs     [T, k]   float32, with --store-topk k
+  top1_ids          [T, 1]   uint16 (vocab <= 65,536) or int32: the target's greedy next token
+                             (argmax), by default (--no-store-top1 leaves it out; older caches lack it)
   input_ids         [T]      int32
   loss_mask         [T]      uint8
 Per sample (S of them):
@@ -36,6 +38,7 @@ LAST_HIDDEN = "last_hidden"
 LAST_HIDDEN_SCALE = "last_hidden_scale"
 TOPK_IDS = "topk_ids"
 TOPK_LOGPROBS = "topk_logprobs"
+TOP1_IDS = "top1_ids"
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 OFFSETS = "offsets"
@@ -44,6 +47,13 @@ SAMPLE_IDS = "sample_ids"
 HIDDEN_ARRAYS = (HIDDEN, LAST_HIDDEN)
 """Arrays of hidden states: stored with the cache's codec, decoded to bf16 by readers."""
 TOPK_ARRAYS = (TOPK_IDS, TOPK_LOGPROBS)
+TOP1_DTYPES = ("uint16", "int32")
+"""Storage dtypes of top1_ids (the header's extras.top1): the smallest that holds the vocabulary."""
+
+
+def top1_dtype(vocab_size: int) -> str:
+    """The top1_ids dtype for a target of `vocab_size` ids."""
+    return "uint16" if vocab_size <= 1 << 16 else "int32"
 
 # Where an array's rows come from.
 TARGET = "target"  # computed by the target's forward (extraction's part buffers hold these)
@@ -92,10 +102,14 @@ class PartSchema:
     """The arrays of every part of one cache, in the order they are written."""
 
     def __init__(self, *, num_layers: int, hidden_size: int, storage_dtype: Any, has_scale: bool,
-                 last_hidden: bool, topk: int, chunk_rows: int = 128, shard_rows: int = 8192):
+                 last_hidden: bool, topk: int, chunk_rows: int = 128, shard_rows: int = 8192,
+                 top1: str | None = None):
         self.num_layers, self.hidden_size = int(num_layers), int(hidden_size)
         self.storage_dtype = np.dtype(storage_dtype)
         self.has_scale, self.last_hidden, self.topk = bool(has_scale), bool(last_hidden), int(topk)
+        if top1 is not None and top1 not in TOP1_DTYPES:
+            raise ValueError(f"top1 dtype {top1!r} is not one of {', '.join(TOP1_DTYPES)}.")
+        self.top1 = top1
         self.chunk_rows, self.shard_rows = int(chunk_rows), int(shard_rows)
         f32, sd = np.dtype(np.float32), self.storage_dtype
         specs = [ArraySpec(HIDDEN, "token", self.num_layers * self.hidden_size, sd, TARGET, HIDDEN_CHUNKS)]
@@ -108,6 +122,8 @@ class PartSchema:
         if self.topk:
             specs += [ArraySpec(TOPK_IDS, "token", self.topk, np.dtype(np.int32), TARGET, ROW_CHUNKS),
                       ArraySpec(TOPK_LOGPROBS, "token", self.topk, f32, TARGET, ROW_CHUNKS)]
+        if self.top1:
+            specs.append(ArraySpec(TOP1_IDS, "token", 1, np.dtype(self.top1), TARGET, ROW_CHUNKS))
         specs += [
             ArraySpec(INPUT_IDS, "token", None, np.dtype(np.int32), DATA, ONE_CHUNK),
             ArraySpec(LOSS_MASK, "token", None, np.dtype(np.uint8), DATA, ONE_CHUNK),
@@ -127,7 +143,8 @@ class PartSchema:
         return cls(num_layers=len(header["target_layer_ids"]), hidden_size=hidden["hidden_size"],
                    storage_dtype=codec.storage_dtype, has_scale=codec.has_scale,
                    last_hidden=bool(extras.get("last_hidden")), topk=int(extras.get("topk", 0)),
-                   chunk_rows=hidden.get("chunk_rows", 128), shard_rows=hidden.get("shard_rows", 8192))
+                   chunk_rows=hidden.get("chunk_rows", 128), shard_rows=hidden.get("shard_rows", 8192),
+                   top1=extras.get("top1") or None)
 
     def __iter__(self) -> Iterator[ArraySpec]:
         return iter(self._specs.values())

@@ -175,6 +175,7 @@ def evaluate_prompt_set(
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": sum(len(g.tokens) for g in spec["gens"]),
         **acceptance_summary(spec["gens"]),
+        "tau_per_prompt_mean": per_prompt_mean(spec["gens"]),
         "per_prompt": per_prompt(prompts, spec["gens"]),
         "speculative": {"seconds": spec["seconds"], "tokens_per_second": spec["tokens_per_second"]},
         "target_only": {"seconds": target_seconds, "tokens_per_second": target_tps},
@@ -186,6 +187,7 @@ def evaluate_prompt_set(
         report["prompt_lookup"] = {
             "max_ngram": settings.lookup_ngram,
             **acceptance_summary(lookup["gens"]),
+            "tau_per_prompt_mean": per_prompt_mean(lookup["gens"]),
             "per_prompt": per_prompt(prompts, lookup["gens"]),
             "seconds": lookup["seconds"], "tokens_per_second": lookup["tokens_per_second"],
             "speedup": lookup["tokens_per_second"] / max(target_tps, 1e-9),
@@ -202,6 +204,13 @@ def per_prompt(prompts: list[list[int]], generations: list[Generation]) -> list[
              "accepted_tokens": sum(g.acceptance_lengths),
              "tau": sum(g.acceptance_lengths) / len(g.acceptance_lengths) if g.acceptance_lengths else 0.0}
             for p, g in zip(prompts, generations)]
+
+
+def per_prompt_mean(generations: list[Generation]) -> float:
+    """The mean over prompts of each prompt's tau: every prompt weighs the same, where the pooled
+    tau (all tokens over all cycles) weighs a prompt by its cycles, so hard prompts count more."""
+    taus = [sum(g.acceptance_lengths) / len(g.acceptance_lengths) for g in generations if g.acceptance_lengths]
+    return sum(taus) / len(taus) if taus else 0.0
 
 
 def lossless_check(baseline: list[Generation], speculative: list[Generation], config: DecodeConfig) -> dict[str, Any]:
@@ -279,7 +288,7 @@ def format_report(report: dict[str, Any]) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in r["histogram"].items())
         lines += [
             f"\n[{r['name']}] {r['num_prompts']} prompts, {r['new_tokens']} new tokens, {r['cycles']} cycles",
-            f"  tau (accepted+1 per cycle): {r['tau']:.3f}",
+            f"  tau (accepted+1 per cycle): {r['tau']:.3f} (per-prompt mean {r['tau_per_prompt_mean']:.3f})",
             f"  histogram (length:cycles):  {hist}",
             f"  target-only: {r['target_only']['tokens_per_second']:.1f} tok/s ({r['target_only']['seconds']:.2f} s)",
             f"  speculative: {r['speculative']['tokens_per_second']:.1f} tok/s ({r['speculative']['seconds']:.2f} s)",

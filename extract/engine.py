@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
-from dflash.cache_tools.schema import HIDDEN, LAST_HIDDEN, TOPK_IDS, TOPK_LOGPROBS, scale_of
+from dflash.cache_tools.schema import HIDDEN, LAST_HIDDEN, TOP1_IDS, TOPK_IDS, TOPK_LOGPROBS, scale_of
 from dflash.runtime.quantize import quantize_fp8
 from torch import nn
 
 from .batching import Batch
 from .buffers import PartGroup
-from .target import LayerCapture, topk_logprobs
+from .target import LayerCapture, top1_ids, topk_logprobs
 
 # Test-only: seconds to sleep at the start of every forward, so that fault tests can signal a
 # run while a forward is in progress. Never set it in real runs.
@@ -84,12 +84,13 @@ class ExtractionEngine:
     NUM_SLOTS = 3
 
     def __init__(self, model: nn.Module, capture: LayerCapture, codec: HiddenCodec, *,
-                 device: torch.device, topk: int, min_rows: int = 1024):
+                 device: torch.device, topk: int, min_rows: int = 1024, top1: str | None = None):
         self.model = model
         self.capture = capture
         self.codec = codec
         self.device = device
         self.topk = topk
+        self.top1 = top1  # the storage dtype of the target's greedy next token, None: not stored
         self.min_rows = min_rows
         self.cuda = device.type == "cuda"
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
@@ -152,6 +153,8 @@ class ExtractionEngine:
             if self.topk:
                 ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
                 out[TOPK_IDS], out[TOPK_LOGPROBS] = ids_k.to(self.device), lp_k.to(self.device)
+            if self.top1:
+                out[TOP1_IDS] = top1_ids(self.model, last, self.top1).to(self.device)
         if self._timeline is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()

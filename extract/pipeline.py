@@ -17,6 +17,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.identity import target_provenance
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import make_header
+from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
 from dflash.runtime.signals import StopRequest
@@ -129,7 +130,7 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
         target=ident, target_layer_ids=layer_ids, hidden_size=ident["hidden_size"],
         codec=HiddenCodec(name=config.codec), chunk_rows=config.chunk_rows,
         shard_rows=config.shard_rows, store_last_hidden=config.store_last_hidden,
-        topk=config.store_topk,
+        topk=config.store_topk, top1=top1_dtype(ident["vocab_size"]) if config.store_top1 else None,
         data={"files": data_fp["files"], "sha256": data_fp["sha256"]},
         settings=config.content_settings(), provenance=target_provenance(model_dir),
     )
@@ -162,7 +163,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         len(decoder_layers(model)), config.num_captured_layers
     )
     capture = LayerCapture(model, layer_ids,  # checks the ids (cache_tools.layers)
-                           need_last=config.store_last_hidden or config.store_topk > 0)
+                           need_last=config.store_last_hidden or config.store_topk > 0 or config.store_top1)
     data_fp = fingerprint_data(files, config.data)
     header = build_header(config, model, model_dir, layer_ids, data_fp)
     if config.force and (run := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
@@ -173,7 +174,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     ensure_plan(config.output, files, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
-                              min_rows=config.token_budget)
+                              min_rows=config.token_budget, top1=cache.header["extras"].get("top1"))
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans))
     progress = Progress(data_fp["records"], config.progress)

@@ -184,3 +184,25 @@ def topk_logprobs(model: nn.Module, last_hidden: torch.Tensor, k: int, chunk_tok
         ids_out.append(ids.to(torch.int32))
         lp_out.append(lp)
     return torch.cat(ids_out), torch.cat(lp_out)
+
+
+@torch.inference_mode()
+def top1_ids(model: nn.Module, last_hidden: torch.Tensor, dtype: str, chunk_tokens: int = 2048) -> torch.Tensor:
+    """The target's greedy next token (argmax of its logits) per row of pre-norm last hidden
+    states [T, D], as [T, 1] in the bits of `dtype` (schema.TOP1_DTYPES: uint16 ids travel as
+    int16 of the same bits). What greedy verification checks a draft against: the trainer's
+    held-out estimate replays it (train/metrics.py)."""
+    norm = getattr(model.model, "norm", None)
+    head = model.get_output_embeddings()
+    if norm is None or head is None:
+        raise TargetError(
+            "Storing the target's top-1 needs its final norm (model.model.norm) and lm_head; this "
+            f"model ({type(model).__name__}) lacks one of them: pass --no-store-top1."
+        )
+    steps = post_head_steps(model.config)  # a soft cap or scale never moves the argmax, but stays exact
+    out = []
+    for start in range(0, last_hidden.shape[0], chunk_tokens):
+        ids = apply_post_head(head(norm(last_hidden[start:start + chunk_tokens])).float(), **steps).argmax(dim=-1)
+        out.append(torch.where(ids >= 1 << 15, ids - (1 << 16), ids).to(torch.int16) if dtype == "uint16"
+                   else ids.to(torch.int32))
+    return torch.cat(out)[:, None]

@@ -34,6 +34,7 @@ from dflash.cache_tools.schema import (
     INPUT_IDS,
     LOSS_MASK,
     SAMPLE_IDS,
+    TOP1_IDS,
     TOPK_ARRAYS,
     scale_of,
 )
@@ -97,7 +98,7 @@ def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | Non
     lengths = torch.tensor([s[INPUT_IDS].shape[0] for s in samples], dtype=torch.long)
     batch_size, seq_len = len(samples), int(lengths.max())
     out: dict[str, torch.Tensor] = {"lengths": lengths, **(padded or {})}
-    for key in (*HIDDEN_ARRAYS, INPUT_IDS, LOSS_MASK, *TOPK_ARRAYS):  # the part schema's per-token arrays
+    for key in (*HIDDEN_ARRAYS, INPUT_IDS, LOSS_MASK, *TOPK_ARRAYS, TOP1_IDS):  # the part schema's per-token arrays
         if key not in samples[0] or key in out:
             continue
         first = samples[0][key]
@@ -391,6 +392,12 @@ class TrainingData:
         elif len(self.eval_indices) < FEW_HELDOUT:
             text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
                      "estimate (raise --eval-fraction or give --eval-cache)")
+        held = (self.eval_caches if self.eval_caches is not None else c).manifest
+        if self.heldout_count and not held.top1 and not held.topk:
+            text += ("; warning: the held-out cache stores no target top-1 (extracted before it was stored "
+                     "by default, or with --no-store-top1), so the held-out estimate checks drafts against "
+                     "the samples' own tokens: on sampled completions it under-reads what greedy decoding "
+                     "accepts; extract again without --no-store-top1, or give --eval-cache of greedy completions")
         if len(self.train_indices) < FEW_TRAINING:
             text += (f"; only {len(self.train_indices)} training samples: on the project's quality benchmark "
                      "4,096 target completions made a drafter that lost to prompt lookup and slowed decoding "

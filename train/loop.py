@@ -52,7 +52,7 @@ from .distributed import (
 )
 from .follow import follow_fields
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
-from .metrics import VerificationWalk, greedy_replay
+from .metrics import VerificationWalk, greedy_path, greedy_replay
 from .model import DFlashDrafter
 from .objective import (
     ObjectiveConfig,
@@ -374,13 +374,14 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     if loader is None:
         return None
     loss_model.wrapped.eval()
-    # Against the samples' tokens, and (when the cache holds the target's top-k) replayed as
-    # greedy verification; tau walks the blocks as a decoder would (docs/train.md, "Estimator").
+    # Against the samples' tokens, and (when the cache holds the target's top-1 or top-k) replayed
+    # as greedy verification; tau walks the blocks as a decoder would (docs/train.md, "Estimator").
     block_size = loss_model.drafter.config.block_size
     labels, greedy = RunningMetrics(block_size, info.device), RunningMetrics(block_size, info.device)
     walk = VerificationWalk((block_size, block_size // 2) if block_size >= 8 else (block_size,))
     backbone_walk = VerificationWalk((block_size,))  # DFlash2: the backbone's top-1 without the selector
-    replay = (data.eval_caches if data.eval_caches is not None else data.caches).manifest.topk > 0
+    held = (data.eval_caches if data.eval_caches is not None else data.caches).manifest
+    replay = held.topk > 0 or held.top1 is not None
     clean = dataclasses.replace(objective, noise_type="none")
     with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
         for batch in loader:
@@ -400,9 +401,10 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                     out = greedy_replay(out, chunk)
                     greedy.update(out, chunk)
                 outs.append(out)
-            walk.update(outs, eligible)
+            path = greedy_path(batch) if replay else None  # where sampled tokens leave it
+            walk.update(outs, eligible, path)
             if backbone_outs:
-                backbone_walk.update(backbone_outs, eligible)
+                backbone_walk.update(backbone_outs, eligible, path)
     loss_model.wrapped.train()
     by_labels = labels.compute(info)
     result = greedy.compute(info) if replay else by_labels
@@ -416,7 +418,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
         if block_size in backbone_taus:
             smaller["tau_backbone"] = backbone_taus[block_size]
     return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
-            "tau_blocks": result["tau"], "tau_labels": by_labels["tau"], "walked_samples": walked[-1].item(),
+            "tau_blocks": result["tau"], "tau_labels": by_labels["tau"],
+            **walk.walked(walked),
             "estimator": estimator}
 
 
