@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 IDENTITY_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size", "config_hash", "tokenizer_hash")
-# Keys older headers kept in `target` that are provenance: never compared.
-PROVENANCE_FIELDS = ("path",)
 # Tokenizer files whose bytes decide what the token ids mean. tokenizer_config.json is hashed
 # without its chat template: the template changes how text becomes a conversation, not the ids.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",

@@ -33,11 +33,6 @@ ENGINE_CONSTRAINT = (
 )
 
 
-def max_layer_id(num_target_layers: int) -> int:
-    """The deepest layer id a drafter may read from an N-layer target: N-2."""
-    return int(num_target_layers) - 2
-
-
 def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int | None, *, where: str = "",
                               fix: str = "Pass --target-layer-ids with such ids") -> list[int]:
     """`ids` as a list of ints, or a LayerIdsError naming what is wrong and the constraint.

@@ -42,7 +42,7 @@ class PartBuffer:
 
     The rows live in `segment` (shared memory the writer processes map) or, without one, in
     process memory. `pinned` says the segment is registered with CUDA: the device then copies
-    rows straight into it (`put_tensors`), with no host-side copy at all.
+    rows straight into it (`PartGroup.put_tensors`), with no host-side copy at all.
     """
 
     def __init__(self, plan: PartPlan, specs: list[ArraySpec], segment: SharedMemory | None = None,
@@ -77,14 +77,6 @@ class PartBuffer:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         for name, dst in self._tensors.items():
             dst[lo:hi].copy_(packed[name][pos:pos + hi - lo], non_blocking=self.pinned)
-
-    def put(self, members: list[int], rows: dict[str, np.ndarray], copiers: Executor | None = None) -> None:
-        """Copy one batch's packed rows (members in batch order) to their places in the part."""
-        PartGroup.of(self).put(members, rows, copiers)
-
-    def put_tensors(self, members: list[int], packed: dict[str, torch.Tensor]) -> None:
-        """Copy one batch's packed rows from (device) tensors to their places in the part."""
-        PartGroup.of(self).put_tensors(members, packed)
 
     def mark_filled(self, count: int) -> None:
         """Count samples whose rows are in place (called by the loop, in batch order)."""

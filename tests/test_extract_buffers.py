@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from dflash.cache_tools.schema import PartSchema
-from dflash.extract.buffers import PartBuffer, part_layout
+from dflash.extract.buffers import PartBuffer, PartGroup, part_layout
 from dflash.extract.data import PartPlan, Sample
 
 
@@ -29,7 +29,7 @@ def test_batches_in_any_order_fill_the_part_in_sample_order(threads):
     copiers = ThreadPoolExecutor(threads) if threads else None
     for members in ([2, 0], [4, 3, 1]):  # length-sorted batches, not in sample order
         rows = {k: np.concatenate([v[offsets[i]:offsets[i + 1]] for i in members]) for k, v in full.items()}
-        buf.put(members, rows, copiers)
+        PartGroup.of(buf).put(members, rows, copiers)
         buf.mark_filled(len(members))
     assert buf.complete
     for key, ref in full.items():
@@ -58,7 +58,7 @@ def test_tensor_rows_land_in_sample_order_and_bf16_bits_survive():
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     for members in ([2], [0, 1]):
         rows = {k: torch.cat([v[offsets[i]:offsets[i + 1]] for i in members]) for k, v in full.items()}
-        buf.put_tensors(members, rows)
+        PartGroup.of(buf).put_tensors(members, rows)
     for key, ref in full.items():
         got = buf.arrays[key]
         np.testing.assert_array_equal(got.view(np.int16) if got.dtype == np.uint16 else got, ref.numpy())

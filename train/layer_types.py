@@ -3,7 +3,6 @@ training config checks the flag before anything heavy is imported)."""
 
 from __future__ import annotations
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
 _LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
                      "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
 
