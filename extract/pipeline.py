@@ -1,4 +1,5 @@
-"""The extraction loop: data -> parts -> batches -> target forward -> writer pool -> cache.
+"""One extraction run, wired end to end: data -> parts -> batches -> target forward (the loop,
+extract/loop.py) -> writer pool -> cache.
 
 `run_extraction(config)` is what `dflash-extract` runs; it can also be called in-process with
 a model already built (`model=`), as the benchmark does.
