@@ -21,8 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
-from dflash.cache_tools.schema import HIDDEN, LAST_HIDDEN, TOP1_IDS, TOPK_IDS, TOPK_LOGPROBS, scale_of
-from dflash.runtime.quantize import quantize_fp8
+from dflash.cache_tools.schema import (
+    HIDDEN,
+    LAST_HIDDEN,
+    TOP1_IDS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    scale_of,
+)
+from dflash.runtime.quantize import quantize_fp8, quantize_nf4
 from torch import nn
 
 from .batching import Batch
