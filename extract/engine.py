@@ -29,7 +29,7 @@ from dflash.cache_tools.schema import (
     TOPK_LOGPROBS,
     scale_of,
 )
-from dflash.runtime.quantize import quantize_fp8, quantize_nf4
+from dflash.runtime.quantize import quantize_fp8
 from torch import nn
 
 from .batching import Batch
