@@ -378,11 +378,21 @@ class WriterPool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        self._abandon_queues()
         stop_fork_server()
         for buf in self._buffers.values():
             self._recycle(buf)
         self._buffers.clear()
         self.free_segments()
+
+    def _abandon_queues(self) -> None:
+        """Never wait for what no writer will read. A task larger than the pipe's buffer (a
+        part's input_ids) is written by the queue's feeder thread in pieces; once the writers
+        are gone nobody reads the rest, and the exit (which joins that thread) would hang."""
+        if self._procs:
+            for q in (self._tasks, self._results):
+                q.cancel_join_thread()
+                q.close()
 
     def free_segments(self) -> None:
         for shm in self._free:
@@ -390,10 +400,12 @@ class WriterPool:
         self._free.clear()
 
     def kill(self) -> None:
-        """Second signal: end the workers at once (uncommitted parts are lost, as after kill -9)."""
+        """Second signal or an error: end the workers at once (uncommitted parts are lost, as
+        after kill -9)."""
         for p in self._procs:
             if p.is_alive():
                 p.kill()
+        self._abandon_queues()
         stop_fork_server()
         # The process exits right after: only remove the names (a copy may still be landing).
         for buf in self._buffers.values():
