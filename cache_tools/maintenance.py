@@ -19,6 +19,7 @@ import torch
 from dflash.runtime.fsio import file_lock
 from tqdm import tqdm
 
+from .codecs import nf4_scale_bits
 from .errors import CacheCorruptError
 from .manifest import (
     LOCK_FILE,
@@ -196,8 +197,13 @@ def _check_chunks(
         report.chunks += 1
         if name in HIDDEN_ARRAYS:
             block = scratch[: hi - lo]
-            nonfinite = int(np.count_nonzero((block & 0x7F) == 0x7F)) if block.dtype == np.uint8 \
-                else int(np.count_nonzero((block & 0x7F80) == 0x7F80))
+            if m.codec.packed:  # nf4: every code is a value; its bf16 group scales must be finite, >= 0
+                scales = nf4_scale_bits(block)
+                nonfinite = int(np.count_nonzero(((scales & 0x7F80) == 0x7F80) | (scales >= 0x8000)))
+            elif block.dtype == np.uint8:
+                nonfinite = int(np.count_nonzero((block & 0x7F) == 0x7F))
+            else:
+                nonfinite = int(np.count_nonzero((block & 0x7F80) == 0x7F80))
             if nonfinite:
                 report.problems.append(Problem(pf.record.name, name, where, f"{nonfinite} values are NaN or infinite"))
 

@@ -26,7 +26,7 @@ from dflash.runtime.quantize import dequantize_fp8
 from numcodecs.zstd import Zstd
 
 from .checksum import crc32c
-from .codecs import EMPTY_CHUNK
+from .codecs import EMPTY_CHUNK, decode_nf4
 from .errors import CacheCorruptError
 from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
 from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
@@ -387,7 +387,7 @@ class CacheReader:
         """{array: rows} (bf16), or for fp8 with dequantize=False {array: uint8 rows,
         array_scale: float32 scales} so that the caller can dequantize on its GPU."""
         meta = pf.array_meta(array)
-        shape = (stop - start, meta.shape[1])
+        shape = (stop - start, self.schema.value_width(array) if self._codec.packed else meta.shape[1])
         raw_fp8 = self._codec.has_scale and not dequantize
         dtype = torch.uint8 if raw_fp8 else torch.bfloat16
         out = into.get(array)
@@ -407,6 +407,11 @@ class CacheReader:
                 return {array: out.copy_(h)}
             return {array: h.pin_memory() if self.pin_memory else h}
         h = out if out is not None else self._empty(shape, torch.bfloat16)
+        if self._codec.packed:  # nf4: the stored rows, decoded into the bf16 output
+            stored = np.empty((stop - start, meta.shape[1]), dtype=np.uint8)
+            pf.read_rows(array, start, stop, stored)
+            decode_nf4(stored, shape[1], out=h.view(torch.int16).numpy().view(np.uint16))
+            return {array: h}
         pf.read_rows(array, start, stop, h.view(torch.int16).numpy())
         return {array: h}
 

@@ -26,7 +26,7 @@ the small-array codecs; every other array is one chunk per part with the small-a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,13 +98,19 @@ class ArraySpec:
         return (self.rows(tokens, samples), *self.row_shape)
 
 
+def _unpacked(width: int) -> int:
+    return width
+
+
 class PartSchema:
     """The arrays of every part of one cache, in the order they are written."""
 
     def __init__(self, *, num_layers: int, hidden_size: int, storage_dtype: Any, has_scale: bool,
                  last_hidden: bool, topk: int, chunk_rows: int = 128, shard_rows: int = 8192,
-                 top1: str | None = None):
+                 top1: str | None = None, stored_width: Callable[[int], int] | None = None):
         self.num_layers, self.hidden_size = int(num_layers), int(hidden_size)
+        # A packed codec (nf4) stores a row of W values in stored_width(W) items.
+        self.stored_width = stored_width or _unpacked
         self.storage_dtype = np.dtype(storage_dtype)
         self.has_scale, self.last_hidden, self.topk = bool(has_scale), bool(last_hidden), int(topk)
         if top1 is not None and top1 not in TOP1_DTYPES:
@@ -112,11 +118,12 @@ class PartSchema:
         self.top1 = top1
         self.chunk_rows, self.shard_rows = int(chunk_rows), int(shard_rows)
         f32, sd = np.dtype(np.float32), self.storage_dtype
-        specs = [ArraySpec(HIDDEN, "token", self.num_layers * self.hidden_size, sd, TARGET, HIDDEN_CHUNKS)]
+        packed = self.stored_width
+        specs = [ArraySpec(HIDDEN, "token", packed(self.num_layers * self.hidden_size), sd, TARGET, HIDDEN_CHUNKS)]
         if self.has_scale:
             specs.append(ArraySpec(HIDDEN_SCALE, "token", self.num_layers, f32, TARGET, ONE_CHUNK))
         if self.last_hidden:
-            specs.append(ArraySpec(LAST_HIDDEN, "token", self.hidden_size, sd, TARGET, HIDDEN_CHUNKS))
+            specs.append(ArraySpec(LAST_HIDDEN, "token", packed(self.hidden_size), sd, TARGET, HIDDEN_CHUNKS))
             if self.has_scale:
                 specs.append(ArraySpec(LAST_HIDDEN_SCALE, "token", 1, f32, TARGET, ONE_CHUNK))
         if self.topk:
@@ -144,7 +151,7 @@ class PartSchema:
                    storage_dtype=codec.storage_dtype, has_scale=codec.has_scale,
                    last_hidden=bool(extras.get("last_hidden")), topk=int(extras.get("topk", 0)),
                    chunk_rows=hidden.get("chunk_rows", 128), shard_rows=hidden.get("shard_rows", 8192),
-                   top1=extras.get("top1") or None)
+                   top1=extras.get("top1") or None, stored_width=codec.stored_width)
 
     def __iter__(self) -> Iterator[ArraySpec]:
         return iter(self._specs.values())
@@ -166,6 +173,10 @@ class PartSchema:
     def hidden_arrays(self) -> list[ArraySpec]:
         """The hidden-state arrays this cache stores (hidden, and last_hidden when kept)."""
         return [self[n] for n in HIDDEN_ARRAYS if n in self]
+
+    def value_width(self, name: str) -> int:
+        """Values per row of hidden array `name` once decoded (K*D for hidden, D for last_hidden)."""
+        return self.num_layers * self.hidden_size if name == HIDDEN else self.hidden_size
 
     def scale_width(self, name: str) -> int:
         """Columns of the fp8 scale of hidden array `name` (its layer count)."""

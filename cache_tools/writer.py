@@ -34,7 +34,7 @@ from dflash.runtime.fsio import (
     temp_name,
 )
 from dflash.runtime.locks import LockedError, WriterLock
-from dflash.runtime.quantize import bf16_bits, quantize_fp8
+from dflash.runtime.quantize import bf16_bits, quantize_fp8, quantize_nf4
 
 from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, HiddenCodec
@@ -423,6 +423,8 @@ class PartWriter:
         if codec.has_scale:
             q, scale = quantize_fp8(x, num_layers)
             return q.cpu().numpy(), scale.cpu().numpy()
+        if codec.packed:
+            return quantize_nf4(x).cpu().numpy(), None
         return bf16_bits(x), None
 
     @property

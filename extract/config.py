@@ -64,7 +64,8 @@ class ExtractConfig:
     parts: batches of similar lengths, little padding. Changes which samples go to which part, so a
     resume must keep it [default: 16 x --part-tokens; 0: each part alone]."""
     codec: str = setting("bf16", choices=CODEC_CHOICES)
-    """Hidden-state codec: bf16 lossless, fp8 e4m3 + per-token scale, raw uncompressed."""
+    """Hidden-state codec: bf16 lossless, fp8 e4m3 + per-token scale, nf4 4-bit + a scale per 32
+    values, raw uncompressed."""
     chunk_rows: int = 128
     """Rows per compressed chunk in the cache."""
     shard_rows: int = 8192

@@ -29,7 +29,7 @@ from dflash.cache_tools.schema import (
     TOPK_LOGPROBS,
     scale_of,
 )
-from dflash.runtime.quantize import quantize_fp8
+from dflash.runtime.quantize import quantize_fp8, quantize_nf4
 from torch import nn
 
 from .batching import Batch
@@ -44,32 +44,42 @@ _TEST_SLEEP_PER_FORWARD = float(os.environ.get("DFLASH_TEST_SLEEP_PER_FORWARD", 
 EAGER_FP8_ENV = "DFLASH_EXTRACT_EAGER_FP8"
 
 
-def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]]):
+def quantize_nf4_rows(hidden: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, None]:
+    """quantize_nf4 with quantize_fp8's signature (its scales are inside the rows)."""
+    return quantize_nf4(hidden), None
+
+
+def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]], quantize=quantize_fp8):
     """quantize_fp8 fused by torch.compile: in eager mode the scale search makes several passes
     over a float32 copy of the batch per candidate scale, a visible share of the forward on a
     GPU (docs/BENCHMARKS.md, extraction runs); fused, each candidate reads the batch once.
     Compiled here, before the loop, for every (layers, hidden) width the loop will use, with
-    the token count dynamic; where compiling fails the eager code is used."""
+    the token count dynamic; where compiling fails the eager code is used. The nf4 quantizer
+    (`quantize`) is compiled the same way: eager, its 15 compares per candidate are 15 passes."""
     try:
-        compiled = torch.compile(quantize_fp8, dynamic=True)
+        compiled = torch.compile(quantize, dynamic=True)
         # Under inference mode, as in launch(): compiled outside it, the first batch would
         # compile again (a guard on the grad mode) while the GPU waits.
         with torch.inference_mode():
-            _probe(compiled, device, widths)
+            _probe(compiled, device, widths, quantize)
     except Exception as e:  # noqa: BLE001 - any compiler failure: stay correct, run eager
-        print(f"note: fp8 quantization runs unfused ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-              file=sys.stderr, flush=True)
-        return quantize_fp8
+        print(f"note: hidden-state quantization runs unfused ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
+        return quantize
     return compiled
 
 
-def _probe(compiled, device: torch.device, widths: list[tuple[int, int]]) -> None:
+def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quantize=quantize_fp8) -> None:
     for layers, hidden in widths:
         for tokens in (7, 33):  # two sizes: the token count stays symbolic
             probe = torch.randn(tokens, layers * hidden, device=device, dtype=torch.bfloat16)
             q, scale = compiled(probe, layers)
-            ref_q, ref_scale = quantize_fp8(probe, layers)
-            if q.shape != ref_q.shape or not torch.allclose(scale, ref_scale, rtol=1e-5):
+            ref_q, ref_scale = quantize(probe, layers)
+            if scale is None:  # nf4: a fused division may round a value across a code boundary
+                same = (q == ref_q).float().mean().item() if q.shape == ref_q.shape else 0.0
+                if same < 0.99:
+                    raise RuntimeError("compiled nf4 quantization differs from the eager code")
+            elif q.shape != ref_q.shape or not torch.allclose(scale, ref_scale, rtol=1e-5):
                 raise RuntimeError("compiled fp8 quantization differs from the eager code")
 
 
@@ -107,16 +117,18 @@ class ExtractionEngine:
         self._timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = (
             [] if self.cuda and os.environ.get("DFLASH_PROFILE_EXTRACT") else None)
         self._origin: torch.cuda.Event | None = None
-        self._quantize = quantize_fp8
-        if self.cuda and codec.has_scale and not os.environ.get(EAGER_FP8_ENV):
+        self._quantize = quantize_nf4_rows if codec.packed else quantize_fp8
+        if self.cuda and (codec.has_scale or codec.packed) and not os.environ.get(EAGER_FP8_ENV):
             hidden = int(model.get_input_embeddings().weight.shape[1])
             widths = [(len(capture.target_layer_ids), hidden)] + ([(1, hidden)] if capture.need_last else [])
-            self._quantize = _compiled_quantizer(device, widths)
+            self._quantize = _compiled_quantizer(device, widths, self._quantize)
 
     def _encode(self, h: torch.Tensor, num_layers: int, name: str) -> dict[str, torch.Tensor]:
         if self.codec.has_scale:
             q, scale = self._quantize(h, num_layers)
             return {name: q, scale_of(name): scale}
+        if self.codec.packed:  # nf4 on the device: a quarter of the bf16 bytes cross to the host
+            return {name: self._quantize(h, num_layers)[0]}
         return {name: h.to(torch.bfloat16).view(torch.int16)}
 
     def _host(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:

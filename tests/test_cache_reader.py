@@ -16,7 +16,7 @@ from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line
 from dflash.cache_tools.reader import CacheReader
 
 
-@pytest.mark.parametrize("codec", ["bf16", "raw", "fp8"])
+@pytest.mark.parametrize("codec", ["bf16", "raw", "fp8", "nf4"])
 def test_flipped_byte_in_a_chunk_is_named(tmp_path, codec):
     cache = tmp_path / "c"
     make_cache(cache, codec)
@@ -167,7 +167,7 @@ def test_open_of_10000_parts_reads_only_the_manifest(tmp_path):
     assert elapsed < 10.0, elapsed
 
 
-@pytest.mark.parametrize("codec", ["bf16", "raw", "fp8"])
+@pytest.mark.parametrize("codec", ["bf16", "raw", "fp8", "nf4"])
 def test_decoding_into_a_slice_of_a_padded_batch_equals_a_plain_read(tmp_path, codec):
     cache = tmp_path / "c"
     make_cache(cache, codec)

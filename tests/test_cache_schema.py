@@ -57,7 +57,7 @@ def _assert_parts_follow_the_schema(cache: Path) -> int:
     return len(manifest.parts)
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp8", "raw"])
+@pytest.mark.parametrize("codec", ["bf16", "fp8", "nf4", "raw"])
 def test_a_written_part_holds_exactly_the_schema_arrays(tmp_path, codec):
     writer = CacheWriter(tmp_path / "c", tiny_header(codec, store_last_hidden=True, topk=2))
     gen = torch.Generator().manual_seed(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -163,6 +165,39 @@ def test_fp8_cache_with_last_hidden_and_topk(qwen3_target, tmp_path):
         lp_ref, ids_ref = torch.log_softmax(out.logits[0].float(), -1).topk(4, dim=-1)
         assert torch.equal(cached[sid]["topk_ids"], ids_ref)
         torch.testing.assert_close(cached[sid]["topk_logprobs"], lp_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_nf4_extraction_end_to_end_then_info_and_verify(qwen3_target, tmp_path):
+    """dflash-extract --codec nf4 writes a cache that reads back within nf4's bound of the
+    target's states (last_hidden too), that `info` reports at <= 0.30x of raw bf16 for the
+    hidden states, and that `verify` passes."""
+    from click.testing import CliRunner
+    from dflash.cache_tools.cli import main as cache_main
+
+    records = random_records(8, seed=4)
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    cfg = ExtractConfig(target_model=str(qwen3_target), data=str(data), output=str(tmp_path / "c"),
+                        dtype="fp32", codec="nf4", store_last_hidden=True, target_layer_ids=[1, 3],
+                        token_budget=120, progress=False)
+    run_extraction(cfg)
+    cached = cache_contents(tmp_path / "c")
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
+    for sid, rec in enumerate(records):
+        with torch.inference_mode():
+            out = model(torch.tensor([rec["input_ids"]]), output_hidden_states=True)
+        for layer, ref in enumerate((out.hidden_states[2][0], out.hidden_states[4][0])):
+            got = torch.from_numpy(cached[sid]["hidden"]).view(torch.bfloat16).float()[:, layer * 64:(layer + 1) * 64]
+            rel = (got - ref).norm(dim=1) / ref.norm(dim=1)
+            assert float(rel.max()) <= 0.15 and float(rel.mean()) > 0.01
+        assert torch.nn.functional.cosine_similarity(cached[sid]["last_hidden"].float(),
+                                                     out.hidden_states[-1][0], dim=1).min() > 0.97
+    runner = CliRunner()
+    info = json.loads(runner.invoke(cache_main, ["info", str(tmp_path / "c"), "--json"]).output)
+    assert info["codec"]["name"] == "nf4"
+    hidden_bytes = sum(f.stat().st_size for f in (tmp_path / "c" / "parts").glob("*/hidden/c/*"))
+    assert hidden_bytes <= 0.30 * info["raw_bf16_bytes"] * 2 / 3  # hidden: 2 of the 3 layer-widths
+    res = runner.invoke(cache_main, ["verify", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
 
 
 def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
