@@ -88,6 +88,9 @@ def test_follow_with_both_sides_killed_20_times_gives_the_offline_weights(zygote
         status = runs[kind].wait(timeout=10)
         if status == -signal.SIGKILL:
             killed.append(kind)
+            # A killed trainer's DataLoader worker (it may be waiting for a part) ends within
+            # seconds; until then it holds the run directory, as it would for a user's rerun.
+            assert runs[kind].surviving_children(grace=15) == []
             runs[kind] = start(kind, chain)
             continue
         assert status == 0, runs[kind].output()  # it ended first (possibly just before the kill)
