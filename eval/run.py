@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError, UsageError
+from dflash.runtime.safetensors_files import check_weight_dir
 
 from .lookup import lookup_generate
 from .speculative import (
@@ -243,6 +244,8 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    check_weight_dir(target_dir, fix="Copy the target model's weight files again (a copy that stopped or a "
+                     "full disk leaves them short), then rerun.")
     try:
         model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)

@@ -31,6 +31,7 @@ import torch
 from dflash.cache_tools.manifest import diff_identity
 from dflash.runtime.errors import CorruptDataError, InputError
 from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
+from dflash.runtime.safetensors_files import check_safetensors
 from safetensors.torch import load_file, save_file
 
 from .config import ResumeMismatchError, TrainConfigError
@@ -213,6 +214,8 @@ class Checkpointer:
             if meta.get("version") != CHECKPOINT_VERSION:
                 raise ResumeMismatchError(f"Checkpoint {path} has version {meta.get('version')}; this "
                                        f"dflash-train reads version {CHECKPOINT_VERSION}.")
+            check_safetensors(path / MODEL_FILE, fix="Delete that checkpoint to resume from the one before, "
+                              "or start in a new --output-dir.")
             model = load_file(str(path / MODEL_FILE))
             optimizer = _load_plain(path / OPTIMIZER_FILE)
             trainer = _load_plain(path / TRAINER_FILE)
@@ -280,4 +283,5 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
                                "(pass RUN_DIR/checkpoints/step-N or the run directory).")
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**meta["drafter_config"])
+    check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")
     return export_from_state(config, load_file(str(path / MODEL_FILE)), Path(out_dir), dtype)

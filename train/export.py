@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from dflash.runtime.fsio import staged_dir
+from dflash.runtime.safetensors_files import check_safetensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -205,6 +206,8 @@ def load_drafter(
     )
     head = load_target_head(target_dir) if with_final_norm else None
     drafter = DFlashDrafter(config, weights, target_head=head)
+    check_safetensors(weights_path, fix="Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), "
+                      "or copy the directory again.")
     with safe_open(str(weights_path), framework="pt") as f:
         state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     if dtype is None:

@@ -1,0 +1,72 @@
+"""A safetensors file is checked before it is used: its header and its size.
+
+A truncated or damaged `model.safetensors` (a copy that stopped, a disk that filled) otherwise
+reaches the user as the library's traceback from deep inside a load. The check reads the
+8-byte header length and the JSON header only (no tensor data), so it costs microseconds,
+and says which file is damaged and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from .errors import CorruptDataError
+
+MAX_HEADER_BYTES = 100 << 20  # the format's own limit
+
+
+class WeightsFileError(CorruptDataError):
+    """A safetensors file is truncated or damaged."""
+
+
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` is not a complete safetensors file, or None when its header and size hold."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the 8-byte header length"
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                return f"its header claims {n} bytes but the file has {size}"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"its header is not valid JSON ({e})"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in entry["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            return f"tensor {name!r} has no valid data_offsets"
+        if not 0 <= begin <= stop:
+            return f"tensor {name!r} has data_offsets {begin}, {stop}"
+        end = max(end, stop)
+    data = size - 8 - n
+    if end != data:
+        return (f"its tensors need {end} bytes of data but the file holds {data}"
+                + (" (truncated)" if end > data else ""))
+    return None
+
+
+def check_safetensors(path: str | os.PathLike, *, fix: str) -> None:
+    """Raise WeightsFileError naming `path` and `fix` when it is not a complete safetensors file."""
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise WeightsFileError(f"{path} is not a complete safetensors file: {problem}. {fix}")
+
+
+def check_weight_dir(directory: str | os.PathLike, *, fix: str) -> None:
+    """Check every *.safetensors file of a model directory (a target, a drafter)."""
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        check_safetensors(path, fix=fix)
