@@ -1,5 +1,6 @@
 """Two processes (torchrun's environment, gloo on CPU) train what one process trains with the same global
-batch, and their checkpoint resumes on one process."""
+batch, and their checkpoint resumes on one process: DFlash, and DFlash2 (its convolutions and its
+candidate selector, which the loss calls outside the drafter's forward)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dflash.train.loop import train
 from safetensors.torch import load_file
 
 SETTINGS = dict(max_steps=6, save_interval=3, keep_checkpoints=5, epochs=3)
+DRAFTERS = {"dflash": {}, "dflash2": dict(drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8,
+                                          selector_loss_weight=1.0)}
 
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -45,22 +48,27 @@ def start_ranks(zygote, world: dict[str, Path], tmp_path: Path, out: Path, **ove
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": out.name}) for rank in (0, 1)]
 
 
-def resume_on_one_process(world: dict[str, Path], checkpoint: Path, out: Path) -> None:
+def resume_on_one_process(world: dict[str, Path], checkpoint: Path, out: Path, **overrides) -> None:
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
-    result = train(tiny_train_config(world["cache"], world["target"], out, grad_accum=2, resume=True, **SETTINGS))
+    result = train(tiny_train_config(world["cache"], world["target"], out, grad_accum=2, resume=True,
+                                     **{**SETTINGS, **overrides}))
     assert result.step == SETTINGS["max_steps"]
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(tiny_world, zygote, tmp_path):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(tiny_world, zygote, tmp_path,
+                                                                               drafter):
+    kind = DRAFTERS[drafter]
     # DDP and FSDP launches overlap with each other and with the one-process reference run.
     runs = {mode: tmp_path / mode for mode in ("ddp", "fsdp")}
-    ranks = {mode: start_ranks(zygote, tiny_world, tmp_path, out, grad_accum=1, parallel=mode)
+    ranks = {mode: start_ranks(zygote, tiny_world, tmp_path, out, grad_accum=1, parallel=mode, **kind)
              for mode, out in runs.items()}
-    # One process, two micro-batches per step: the same 2 global batches per step.
+    # One process, two micro-batches per step: the same 2 global batches per step. Each rank
+    # reads one of them: a gradient not reduced over the ranks (the selector's too) shows here.
     one = tmp_path / "one-rank"
-    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], one, grad_accum=2, **SETTINGS))
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], one, grad_accum=2, **SETTINGS, **kind))
     for mode, procs in ranks.items():
         for rank, proc in enumerate(procs):
             assert proc.wait(timeout=180) == 0, f"{mode} rank {rank}: {proc.output()[-4000:]}"
@@ -74,5 +82,5 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(t
         assert [round(r["blocks"]) for r in two_log] == [round(r["blocks"]) for r in one_log]
         # The 2-rank checkpoint of step 3 (full state, also under FSDP) continues on one process.
         resumed = tmp_path / f"{mode}-resumed-on-one"
-        resume_on_one_process(tiny_world, two / "checkpoints" / "step-000003", resumed)
+        resume_on_one_process(tiny_world, two / "checkpoints" / "step-000003", resumed, **kind)
         assert_close_weights(weights(resumed, 6), weights(two, 6))
