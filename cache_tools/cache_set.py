@@ -18,6 +18,7 @@ from .errors import ConfigMismatchError
 from .identity import Purpose, target_differences
 from .manifest import diff_identity
 from .reader import CacheReader
+from .remote import open_reader
 from .schema import SAMPLE_IDS
 
 
@@ -47,8 +48,11 @@ def check_compatible(first: CacheReader, other: CacheReader) -> None:
 class CacheSet:
     """One or more caches of the same target and layers, seen as one list of samples."""
 
-    def __init__(self, cache_dirs: list[str], *, max_seq_len: int, verify_checksums: bool = True):
-        self.readers = [CacheReader(d, verify_checksums=verify_checksums) for d in cache_dirs]
+    def __init__(self, cache_dirs: list[str], *, max_seq_len: int, verify_checksums: bool = True,
+                 disk_budget: int | None = None, staging_dir: str | None = None):
+        # An s3:// cache is read through a local staging directory (remote.py), within disk_budget.
+        self.readers = [open_reader(d, verify_checksums=verify_checksums, disk_budget=disk_budget,
+                                    staging_dir=staging_dir) for d in cache_dirs]
         first = self.readers[0]
         for other in self.readers[1:]:
             check_compatible(first, other)

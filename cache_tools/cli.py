@@ -136,12 +136,20 @@ def verify(cache: str, fast: bool, progress: bool | None) -> None:
     Exit status 0 when the cache is sound, 1 when anything is damaged. Re-extract the parts
     named in the report (delete the cache or use a new output directory) to repair it.
 
+    A remote cache (s3://bucket/prefix) is checked against its file index: every committed
+    part is indexed and every file is stored with its size (--fast) and its crc32c (read
+    through, nothing is written locally).
+
     \b
     Example:
       dflash-cache verify runs/cache && echo sound
+      dflash-cache verify s3://bucket/caches/qwen3-8b
     """
-    from . import maintenance
+    from . import maintenance, remote
 
+    if remote.is_remote(cache):
+        _verify_remote(cache, fast)
+        return
     report = maintenance.verify_cache(cache, fast=fast, progress=progress)
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -256,6 +264,47 @@ def merge(dst: str, srcs: tuple[str, ...], force: bool, progress: bool | None) -
 
     report = rewrite.merge_caches(dst, list(srcs), force=force, progress=progress)
     _echo_copy(report, "Merged")
+
+
+def _verify_remote(url: str, fast: bool) -> None:
+    from . import remote
+
+    report = remote.verify_remote(url, fast=fast)
+    mode = "sizes" if fast else "sizes and crc32c"
+    if report.ok:
+        click.echo(f"OK: {report.parts} parts, {report.files} files, {mode} checked, no problems found.")
+        return
+    for problem in report.problems:
+        click.echo(f"BAD {problem}")
+    click.echo(f"FAILED: {len(report.problems)} problems in {url}; {mode} checked. Upload the damaged "
+               "parts again from a sound local cache (`dflash-cache upload` resumes: it rewrites what differs).")
+    sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@CACHE_ARG
+@click.argument("url")
+@click.option("--threads", default=8, show_default=True, type=click.IntRange(min=1), help="Parallel uploads.")
+def upload(cache: str, url: str, threads: int) -> None:
+    """Copy the local cache CACHE to object storage at URL (s3://bucket/prefix).
+
+    Parts go first, then a file index (each file's size and crc32c), the commit log and the
+    header last: a remote cache is readable only once complete. Files already stored with the
+    same size are kept, so an interrupted upload resumes. S3 settings come from the AWS_*
+    environment variables (AWS_ENDPOINT_URL and AWS_ALLOW_HTTP=true for a local server).
+    Needs the s3 extra (obstore). Train from it with `dflash-train --cache URL`.
+
+    \b
+    Example:
+      dflash-cache upload runs/cache s3://bucket/caches/qwen3-8b
+    """
+    from . import remote
+
+    if not remote.is_remote(url):
+        raise click.BadParameter(f"{url} is not a remote cache URL: write s3://bucket/prefix.", param_hint="URL")
+    done = remote.upload_cache(cache, url, threads=threads)
+    click.echo(f"Uploaded {done['parts']} parts to {url}: {done['files_uploaded']} files written, "
+               f"{done['files_kept']} already there, {_human_bytes(done['bytes'])} in all.")
 
 
 @main.command()

@@ -117,8 +117,10 @@ def _checksum_mismatch(what: str | _Where) -> CacheCorruptError:
 class PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
-    def __init__(self, part_dir: Path, record: PartRecord, verify: bool, scratch: _Scratch):
+    def __init__(self, part_dir: Path, record: PartRecord, verify: bool, scratch: _Scratch,
+                 stage: Any = None):
         self.dir = part_dir
+        self.stage = stage  # a remote cache's staging (remote.StagedCache): fetches data files on demand
         self.record = record
         self.verify = verify
         self.meta: dict[str, ArrayMeta] = {}
@@ -157,6 +159,8 @@ class PartFiles:
         name = f"{array}/{key}"
         m = self.maps.get(name)
         if m is None:
+            if self.stage is not None:
+                self.stage.ensure(self.record.name, array)
             path = self.dir / array / key
             try:
                 with open(path, "rb") as f:
@@ -287,8 +291,14 @@ class CacheReader:
         pin_memory: bool = False,
         max_open_parts: int = 64,
         manifest: Manifest | None = None,
+        stage: Any = None,
+        check_metadata: bool = True,
     ):
+        """`check_metadata`: each part's array metadata is checked against the manifest when the
+        part is opened (off only for verify, which collects those problems itself)."""
         self.cache_dir = Path(cache_dir)
+        self.check_metadata = check_metadata
+        self.stage = stage  # a StagedCache whose directory cache_dir is: parts are fetched as read
         self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
         self.verify_checksums = verify_checksums
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -323,7 +333,9 @@ class CacheReader:
         if pf is None:
             record = self.parts[part_idx]
             pf = PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums,
-                            self._scratch)
+                            self._scratch, self.stage)
+            if self.check_metadata:
+                self._check_part_meta(pf)
             self._open[part_idx] = pf
             if len(self._open) > self.max_open_parts:
                 self._open.popitem(last=False)[1].close()

@@ -430,7 +430,8 @@ def open_caches(config: Any) -> CacheSet | FollowCacheSet:
     """The training caches: finished ones, or with --follow one that is still being extracted."""
     if getattr(config, "follow", False):
         return open_follow(config)
-    return CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums)
+    return CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
+                    disk_budget=getattr(config, "disk_budget", None), staging_dir=getattr(config, "staging_dir", None))
 
 
 def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:

@@ -1,0 +1,551 @@
+"""Caches on object storage (`s3://bucket/prefix`): upload, verify, and training through a
+local staging directory.
+
+A remote cache holds the files of a finished local cache under its prefix, plus one file of its
+own, `manifest.files.jsonl`: for every part, each file's path, size and crc32c. Upload writes
+the parts first, then that index, the commit log, and the header last, so a reader never sees
+a manifest whose parts are not all there. S3 connection settings come from the usual
+environment variables (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, ...; AWS_ALLOW_HTTP=true
+for a plain-http endpoint), read by obstore (the `s3` extra).
+
+A trainer opens a remote cache through `StagedCache`: the manifest, the index and each part's
+small arrays (token ids, masks, sample index) are fetched at open into a staging directory that
+is laid out as a local cache; the hidden-state files of a part are fetched when the reader
+first touches the part (`ensure`), or ahead of it by `prefetch`. Every downloaded file is
+checked against the index's size and crc32c before it is renamed into place, and a part is
+marked staged only once all its files are; a failed or corrupt download is retried, then named.
+Under a disk budget (`staging.StagingBudget`) the least recently used staged parts are evicted
+to make room. Everything is kept on disk (markers, per-part locks), so DataLoader workers and a
+process restarted after a kill share one staging directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+
+from .errors import CacheCorruptError, CacheError, CacheNotFoundError
+from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, header_identity, read_header, read_manifest
+from .schema import DATA, INDEX, PartSchema
+from .staging import StagingBudget, parse_size
+
+REMOTE_SCHEMES = ("s3://",)
+FILES_INDEX = "manifest.files.jsonl"
+STAGED_DIR = ".staged"  # one marker per fully staged part
+LOCKS_DIR = ".locks"
+PARTIAL = ".partial"  # a file being downloaded; renamed into place once checked
+DEFAULT_RETRIES = 3
+READ_BLOCK = 8 << 20
+
+
+class RemoteCacheError(CacheError):
+    """A remote cache cannot be reached, or a file of it cannot be fetched."""
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return str(path).startswith(REMOTE_SCHEMES)
+
+
+def default_staging_dir(url: str) -> Path:
+    """Where a remote cache is staged unless a run says otherwise: one directory per URL under
+    the user's cache directory, so a restarted run finds the parts it already fetched."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    name = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return base / "dflash" / "staging" / name
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+class RemoteStore:
+    """The objects under one s3:// prefix (obstore), with the errors this package raises."""
+
+    def __init__(self, url: str):
+        if not is_remote(url):
+            raise CacheError(f"{url} is not a remote cache URL: write s3://bucket/prefix.")
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError:
+            raise CacheError(
+                f"Reading {url} needs obstore: pip install 'dflash-pipeline[s3]' (or pip install obstore)."
+            ) from None
+        self.url = url.rstrip("/")
+        self._obs = obstore
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        options = {"allow_http": True} if endpoint.startswith("http://") else None
+        try:
+            self.store = S3Store.from_url(self.url, client_options=options)
+        except Exception as e:  # noqa: BLE001 - obstore raises its own types for bad URLs and settings
+            raise RemoteCacheError(f"Cannot open {url}: {e}. Check the URL and the AWS_* settings.") from e
+
+    def where(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self._obs.get(self.store, key).bytes())
+        except FileNotFoundError:
+            raise CacheNotFoundError(f"{self.where(key)} does not exist.") from None
+        except Exception as e:  # noqa: BLE001
+            raise RemoteCacheError(f"Fetching {self.where(key)} failed: {e}") from e
+
+    def stream(self, key: str) -> Iterable[bytes]:
+        try:
+            return self._obs.get(self.store, key).stream(min_chunk_size=READ_BLOCK)
+        except FileNotFoundError:
+            raise CacheNotFoundError(f"{self.where(key)} does not exist.") from None
+        except Exception as e:  # noqa: BLE001
+            raise RemoteCacheError(f"Fetching {self.where(key)} failed: {e}") from e
+
+    def size(self, key: str) -> int | None:
+        """The object's size, None when it does not exist."""
+        try:
+            return int(self._obs.head(self.store, key)["size"])
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise RemoteCacheError(f"Looking up {self.where(key)} failed: {e}") from e
+
+    def put(self, key: str, data: bytes | Path) -> None:
+        try:
+            self._obs.put(self.store, key, data)
+        except Exception as e:  # noqa: BLE001
+            raise RemoteCacheError(f"Uploading {self.where(key)} failed: {e}") from e
+
+
+# -- the file index ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str  # relative to the part directory
+    size: int
+    crc32c: int
+
+
+@dataclass
+class FilesIndex:
+    parts: dict[str, list[RemoteFile]] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        lines = [json.dumps({"part": name, "files": [[f.path, f.size, f"{f.crc32c:08x}"] for f in files]},
+                            separators=(",", ":")) for name, files in self.parts.items()]
+        return ("\n".join(lines) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> FilesIndex:
+        out = cls()
+        for n, line in enumerate(data.decode().splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                out.parts[rec["part"]] = [RemoteFile(p, int(s), int(c, 16)) for p, s, c in rec["files"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CacheCorruptError(f"{where}, line {n}: not a file index record ({e}).") from e
+        return out
+
+
+def file_crc32c(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(READ_BLOCK):
+            crc = google_crc32c.extend(crc, block)
+    return crc
+
+
+def part_files(part_dir: Path) -> list[RemoteFile]:
+    return [RemoteFile(p.relative_to(part_dir).as_posix(), p.stat().st_size, file_crc32c(p))
+            for p in sorted(part_dir.rglob("*")) if p.is_file()]
+
+
+# -- upload and verify -------------------------------------------------------------------------
+
+def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8,
+                 on_part: Callable[[str], None] | None = None) -> dict[str, int]:
+    """Copy a local cache to `url`: parts (files already there with the same size are kept, so
+    an interrupted upload resumes), then the file index, the commit log, the header last."""
+    local = Path(local)
+    m = read_manifest(local)
+    store = RemoteStore(url)
+    index = FilesIndex()
+    uploaded = skipped = 0
+
+    def one(name: str) -> tuple[int, int]:
+        files = part_files(local / PARTS_DIR / name)
+        index.parts[name] = files
+        up = sk = 0
+        for f in files:
+            key = f"{PARTS_DIR}/{name}/{f.path}"
+            if store.size(key) == f.size:
+                sk += 1
+                continue
+            store.put(key, local / PARTS_DIR / name / f.path)
+            up += 1
+        if on_part is not None:
+            on_part(name)
+        return up, sk
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for up, sk in pool.map(one, [p.name for p in m.parts]):
+            uploaded, skipped = uploaded + up, skipped + sk
+    index.parts = {p.name: index.parts[p.name] for p in m.parts}  # commit order
+    store.put(FILES_INDEX, index.to_bytes())
+    store.put(LOG_FILE, (local / LOG_FILE).read_bytes())
+    store.put(HEADER_FILE, (local / HEADER_FILE).read_bytes())
+    return {"parts": len(m.parts), "files_uploaded": uploaded, "files_kept": skipped,
+            "bytes": sum(f.size for files in index.parts.values() for f in files)}
+
+
+@dataclass
+class RemoteVerifyReport:
+    url: str
+    parts: int = 0
+    files: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_remote(url: str, *, fast: bool = False, threads: int = 8) -> RemoteVerifyReport:
+    """Every committed part is in the file index and every indexed file is stored with its
+    size (fast) and its crc32c (downloaded and checked; nothing is written locally)."""
+    store = RemoteStore(url)
+    report = RemoteVerifyReport(url)
+    with _staged_manifest(store) as (m, index):
+        missing = [p.name for p in m.parts if p.name not in index.parts]
+        report.problems += [f"part {n}: not in {FILES_INDEX} (an incomplete upload: upload again)" for n in missing]
+
+        def check(name: str, f: RemoteFile) -> str | None:
+            key = f"{PARTS_DIR}/{name}/{f.path}"
+            size = store.size(key)
+            if size is None:
+                return f"part {name}: {key} is missing"
+            if size != f.size:
+                return f"part {name}: {key} has {size} bytes, the index says {f.size}"
+            if not fast:
+                crc = 0
+                for block in store.stream(key):
+                    crc = google_crc32c.extend(crc, block)
+                if crc != f.crc32c:
+                    return f"part {name}: {key} does not match its crc32c (the object is corrupt)"
+            return None
+
+        jobs = [(p.name, f) for p in m.parts if p.name in index.parts for f in index.parts[p.name]]
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            report.problems += [r for r in pool.map(lambda a: check(*a), jobs) if r]
+        report.parts, report.files = len(m.parts), len(jobs)
+        for p in m.parts:
+            indexed = sum(f.size for f in index.parts.get(p.name, []))
+            if p.name in index.parts and indexed != p.nbytes:
+                report.problems.append(f"part {p.name}: its files hold {indexed} bytes, the commit log says {p.nbytes}")
+    return report
+
+
+@contextmanager
+def _staged_manifest(store: RemoteStore):
+    """The remote manifest and file index, read through a temporary local copy."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dflash-remote-") as tmp:
+        d = Path(tmp)
+        for name in (HEADER_FILE, LOG_FILE, FILES_INDEX):
+            try:
+                (d / name).write_bytes(store.get(name))
+            except CacheNotFoundError:
+                if name == LOG_FILE:
+                    continue
+                raise CacheNotFoundError(
+                    f"{store.url} is not a dflash cache: it has no {name}. Upload a cache with "
+                    f"`dflash-cache upload LOCAL {store.url}` (the header is written last: an "
+                    "interrupted upload has none yet)."
+                ) from None
+        yield read_manifest(d), FilesIndex.from_bytes((d / FILES_INDEX).read_bytes(), store.where(FILES_INDEX))
+
+
+# -- staging -----------------------------------------------------------------------------------
+
+class StagedCache:
+    """A remote cache seen as a local cache directory (`path`), whose parts arrive on demand."""
+
+    def __init__(self, url: str, staging_dir: str | os.PathLike | None = None, *,
+                 disk_budget: int | str | None = None, retries: int = DEFAULT_RETRIES, threads: int = 8):
+        self.url = url.rstrip("/")
+        self.path = Path(staging_dir) if staging_dir is not None else default_staging_dir(self.url)
+        self.budget = StagingBudget(self.path / PARTS_DIR, None if disk_budget is None else parse_size(disk_budget))
+        self.retries = max(1, retries)
+        self.threads = threads
+        self._store: RemoteStore | None = None
+        self._index: FilesIndex | None = None
+        self._small: set[str] | None = None
+        self._prefetcher: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # Workers (fork or pickle) reopen the store: obstore clients do not cross a fork.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_store=None, _prefetcher=None, _stop=threading.Event())
+        return state
+
+    @property
+    def store(self) -> RemoteStore:
+        if self._store is None:
+            self._store = RemoteStore(self.url)
+        return self._store
+
+    @property
+    def index(self) -> FilesIndex:
+        if self._index is None:
+            self._index = FilesIndex.from_bytes((self.path / FILES_INDEX).read_bytes(), str(self.path / FILES_INDEX))
+        return self._index
+
+    def open(self) -> StagedCache:
+        """Fetch the manifest, the file index and every part's small arrays. A staging
+        directory of another cache (or another version of this one) is cleared first."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with _staged_manifest(self.store) as (m, index):
+            header = m.header
+            fresh = {n: self.store.get(n) for n in (HEADER_FILE, FILES_INDEX)}
+            log = (m.cache_dir / LOG_FILE).read_bytes() if (m.cache_dir / LOG_FILE).exists() else b""
+        old = self.path / HEADER_FILE
+        if old.exists() and (old.read_bytes() != fresh[HEADER_FILE] or
+                             not (self.path / FILES_INDEX).exists() or
+                             (self.path / FILES_INDEX).read_bytes() != fresh[FILES_INDEX]):
+            for name in (PARTS_DIR, STAGED_DIR):
+                shutil.rmtree(self.path / name, ignore_errors=True)
+        for d in (PARTS_DIR, STAGED_DIR, LOCKS_DIR):
+            (self.path / d).mkdir(exist_ok=True)
+        _remove_stale_partials(self.path)
+        _write_atomic(self.path / FILES_INDEX, fresh[FILES_INDEX])
+        _write_atomic(self.path / LOG_FILE, log)
+        _write_atomic(self.path / HEADER_FILE, fresh[HEADER_FILE])
+        self._index = index
+        missing = [p.name for p in m.parts if p.name not in index.parts]
+        if missing:
+            raise CacheCorruptError(
+                f"{self.url}: the parts {missing[:5]} are committed but not in {FILES_INDEX}: the "
+                "upload did not finish. Upload the cache again (`dflash-cache upload`)."
+            )
+        small = _small_arrays(header)
+        jobs = [(p.name, f) for p in m.parts for f in index.parts[p.name] if _in_skeleton(f.path, small)]
+        with ThreadPoolExecutor(max(1, self.threads)) as pool:
+            list(pool.map(lambda a: self._fetch_checked(*a), jobs))
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        return header_identity(read_manifest(self.path).header)
+
+    @property
+    def small_arrays(self) -> set[str]:
+        if self._small is None:
+            self._small = _small_arrays(read_header(self.path))
+        return self._small
+
+    def is_staged(self, name: str) -> bool:
+        return (self.path / STAGED_DIR / name).exists()
+
+    def part_bytes(self, name: str) -> int:
+        return sum(f.size for f in self.index.parts[name])
+
+    def ensure(self, name: str, array: str | None = None) -> None:
+        """Make sure the part's data files are on local disk (a small array's are, since open);
+        fetch them otherwise, evicting least recently used parts to make room. The reader calls
+        this before it maps a data file of a part."""
+        if array is not None and array in self.small_arrays:
+            return
+        marker = self.path / STAGED_DIR / name
+        if marker.exists():
+            _touch(marker)
+            return
+        with self._part_lock(name):
+            if marker.exists():
+                return
+            self.budget.wait_for_room(self.part_bytes(name), make_room=lambda need: self.evict_lru(need, keep={name}),
+                                      poll_s=0.2)
+            self._fetch_part(name)
+
+    def _fetch_part(self, name: str) -> None:
+        files = [f for f in self.index.parts[name] if not (self.path / PARTS_DIR / name / f.path).exists()
+                 or (self.path / PARTS_DIR / name / f.path).stat().st_size != f.size]
+        with ThreadPoolExecutor(max(1, min(self.threads, len(files) or 1))) as pool:
+            list(pool.map(lambda f: self._fetch_checked(name, f), files))
+        marker = self.path / STAGED_DIR / name
+        marker.write_bytes(b"")
+
+    def _fetch_checked(self, name: str, f: RemoteFile) -> None:
+        """Download one file to a temporary name, check its size and crc32c, rename it into place;
+        retried `retries` times, then a CacheCorruptError (bytes wrong) or RemoteCacheError."""
+        key = f"{PARTS_DIR}/{name}/{f.path}"
+        dest = self.path / PARTS_DIR / name / f.path
+        if dest.exists() and dest.stat().st_size == f.size and file_crc32c(dest) == f.crc32c:
+            return  # staged before (a rerun, or a part evicted but for its small arrays)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}{PARTIAL}.{os.getpid()}.{threading.get_ident()}")
+        last: Exception | None = None
+        for attempt in range(self.retries):
+            try:
+                crc, size = 0, 0
+                with open(tmp, "wb") as out:
+                    for block in self.store.stream(key):
+                        out.write(block)
+                        crc, size = google_crc32c.extend(crc, block), size + len(block)
+                if size != f.size or crc != f.crc32c:
+                    last = CacheCorruptError(
+                        f"{self.store.where(key)} (part {name!r}): the download has "
+                        + (f"{size} bytes, the index says {f.size}" if size != f.size else "a wrong crc32c")
+                        + f" after {self.retries} attempts. The remote object is corrupt: run `dflash-cache "
+                        f"verify {self.url}`, then upload the part again from a good copy."
+                    )
+                else:
+                    os.replace(tmp, dest)
+                    return
+            except (CacheNotFoundError, RemoteCacheError, OSError) as e:
+                last = e
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))
+        tmp.unlink(missing_ok=True)
+        if isinstance(last, CacheCorruptError):
+            raise last
+        raise RemoteCacheError(
+            f"Fetching {self.store.where(key)} (part {name!r}) failed {self.retries} times: {last}. "
+            "Check the connection and the AWS_* settings, then rerun: parts already staged are kept."
+        ) from last
+
+    def evict_lru(self, needed: int, keep: set[str] = frozenset()) -> bool:
+        """Remove the hidden-state files of least recently used staged parts until `needed`
+        bytes are free (or none is left to evict); True when any was evicted."""
+        markers = sorted((p for p in (self.path / STAGED_DIR).iterdir() if p.name not in keep),
+                         key=lambda p: p.stat().st_mtime)
+        freed = 0
+        small = self.small_arrays
+        for marker in markers:
+            if freed >= needed:
+                break
+            name = marker.name
+            lock = self._try_part_lock(name)
+            if lock is None:
+                continue  # being fetched by another process
+            try:
+                marker.unlink(missing_ok=True)
+                for f in self.index.parts.get(name, []):
+                    if not _in_skeleton(f.path, small):
+                        p = self.path / PARTS_DIR / name / f.path
+                        if p.exists():
+                            freed += p.stat().st_size
+                            p.unlink()
+            finally:
+                _unlock(lock)
+        return freed > 0
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Fetch parts in this order in a background thread, as far ahead as the budget allows
+        without evicting (demand fetches evict); stops with `close`."""
+        names = list(names)
+
+        def run() -> None:
+            for name in names:
+                if self._stop.is_set():
+                    return
+                if self.is_staged(name):
+                    continue
+                if not self.budget.wait_for_room(self.part_bytes(name), poll_s=0.2, should_stop=self._stop.is_set):
+                    return
+                try:
+                    self.ensure(name)
+                except CacheError:
+                    return  # the reader's own ensure raises it where the part is needed
+
+        self._prefetcher = threading.Thread(target=run, name="dflash-prefetch", daemon=True)
+        self._prefetcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._prefetcher is not None:
+            self._prefetcher.join(timeout=5)
+
+    @contextmanager
+    def _part_lock(self, name: str):
+        fd = os.open(self.path / LOCKS_DIR / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            _unlock(fd)
+
+    def _try_part_lock(self, name: str) -> int | None:
+        fd = os.open(self.path / LOCKS_DIR / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+
+def _small_arrays(header: dict[str, Any]) -> set[str]:
+    """Arrays every part keeps staged: the data and the index (a few bytes a token)."""
+    return {spec.name for spec in PartSchema.from_header(header) if spec.source in (DATA, INDEX)}
+
+
+def _remove_stale_partials(root: Path) -> None:
+    """Delete the half-written downloads of processes that are gone (killed mid-file)."""
+    for p in root.rglob(f"*{PARTIAL}.*"):
+        try:
+            pid = int(p.name.split(f"{PARTIAL}.", 1)[1].split(".")[0])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, ProcessLookupError):
+            p.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def _in_skeleton(path: str, small: set[str]) -> bool:
+    """Staged at open and never evicted: metadata (zarr.json) and the small arrays' files."""
+    return path.rsplit("/", 1)[-1] == "zarr.json" or path.split("/", 1)[0] in small
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}{PARTIAL}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def open_reader(path: str | os.PathLike, *, verify_checksums: bool = True, staging_dir: str | os.PathLike | None = None,
+                disk_budget: int | None = None, prefetch: bool = True, **reader_kw: Any):
+    """A CacheReader of a local cache directory, or of a remote cache through its staging
+    directory (parts fetched ahead in commit order when `prefetch`, and on demand)."""
+    from .reader import CacheReader
+
+    if not is_remote(path):
+        return CacheReader(path, verify_checksums=verify_checksums, **reader_kw)
+    staging = Path(staging_dir) / default_staging_dir(str(path)).name if staging_dir is not None else None
+    stage = StagedCache(str(path), staging, disk_budget=disk_budget).open()
+    reader = CacheReader(stage.path, verify_checksums=verify_checksums, stage=stage, **reader_kw)
+    if prefetch:
+        stage.prefetch(p.name for p in reader.parts)
+    return reader

@@ -1,0 +1,184 @@
+"""Remote caches: upload to an S3-compatible server (moto, started on 127.0.0.1 by the tests),
+verify it there, and read it through a staging directory: checked, retried, within a budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+from cache_utils import bits, make_cache
+from click.testing import CliRunner
+
+pytest.importorskip("obstore")
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+from dflash.cache_tools import remote  # noqa: E402
+from dflash.cache_tools.cache_set import CacheSet  # noqa: E402
+from dflash.cache_tools.cli import main as cache_main  # noqa: E402
+from dflash.cache_tools.errors import CacheCorruptError  # noqa: E402
+from dflash.cache_tools.reader import CacheReader  # noqa: E402
+from dflash.cache_tools.staging import disk_usage  # noqa: E402
+
+BUCKET = "dflash-test"
+ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = {k: os.environ.get(k) for k in (*ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update(ENV, AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+    client.create_bucket(Bucket=BUCKET)
+    yield client
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def uploaded(tmp_path, s3, **kw):
+    """A local cache, uploaded to a fresh prefix: (local dir, url, samples)."""
+    samples = make_cache(tmp_path / "local", **kw)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    remote.upload_cache(tmp_path / "local", url)
+    return tmp_path / "local", url, samples
+
+
+def assert_same_samples(reader, local_dir):
+    local = CacheReader(local_dir)
+    assert len(reader) == len(local)
+    for i in range(len(local)):
+        a, b = reader.read_sample(i), local.read_sample(i)
+        np.testing.assert_array_equal(bits(a["hidden"]), bits(b["hidden"]))
+        assert a["sample_id"] == b["sample_id"]
+        assert np.array_equal(a["input_ids"].numpy(), b["input_ids"].numpy())
+
+
+def test_upload_verify_and_read_back_through_staging(tmp_path, s3):
+    local, url, _ = uploaded(tmp_path, s3, parts=3)
+    res = CliRunner().invoke(cache_main, ["verify", url])
+    assert res.exit_code == 0 and "OK: 3 parts" in res.output, res.output
+    reader = remote.open_reader(url, staging_dir=tmp_path / "stage", prefetch=False)
+    stage = reader.stage
+    # Open fetched the manifest and the small arrays only: no part's hidden states yet.
+    assert not any(stage.is_staged(p.name) for p in reader.parts)
+    assert_same_samples(reader, local)
+    assert all(stage.is_staged(p.name) for p in reader.parts)
+    assert not list(stage.path.rglob(f"*{remote.PARTIAL}*"))
+
+
+def test_the_upload_command_resumes_and_the_trainer_cache_set_opens_a_url(tmp_path, s3):
+    make_cache(tmp_path / "local", parts=2)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    first = CliRunner().invoke(cache_main, ["upload", str(tmp_path / "local"), url])
+    assert first.exit_code == 0 and "Uploaded 2 parts" in first.output, first.output
+    again = CliRunner().invoke(cache_main, ["upload", str(tmp_path / "local"), url])
+    assert "0 files written" in again.output, again.output
+    caches = CacheSet([url], max_seq_len=1000, staging_dir=str(tmp_path / "stage"))
+    assert caches.sample_ids().tolist() == [0, 1, 10, 11]
+    assert caches.read(3)["sample_id"] == 11
+
+
+def test_a_corrupted_object_is_named_by_verify_and_by_the_reader(tmp_path, s3):
+    local, url, _ = uploaded(tmp_path, s3)
+    key = f"{url.split('/', 3)[3]}/parts/part-000001/hidden/c/0/0"
+    body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[40] ^= 0xFF
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    res = CliRunner().invoke(cache_main, ["verify", url])
+    assert res.exit_code == 1 and "part part-000001" in res.output and "crc32c" in res.output, res.output
+    assert CliRunner().invoke(cache_main, ["verify", url, "--fast"]).exit_code == 0  # same size: only crc sees it
+    reader = remote.open_reader(url, staging_dir=tmp_path / "stage", prefetch=False)
+    reader.stage.retries = 2
+    reader.read_sample(0)  # part 0 is sound
+    with pytest.raises(CacheCorruptError, match=r"part-000001/hidden/c/0/0 \(part 'part-000001'\).*after 2 attempts"):
+        reader.read_sample(2)
+    assert not reader.stage.is_staged("part-000001")
+
+
+def test_a_failed_download_is_retried(tmp_path, s3, monkeypatch):
+    local, url, _ = uploaded(tmp_path, s3)
+    failures = []
+    real = remote.RemoteStore.stream
+
+    def flaky(self, key):
+        if "hidden/c" in key and len(failures) < 2:
+            failures.append(key)
+            raise remote.RemoteCacheError(f"connection reset while fetching {key}")
+        return real(self, key)
+
+    monkeypatch.setattr(remote.RemoteStore, "stream", flaky)
+    reader = remote.open_reader(url, staging_dir=tmp_path / "stage", prefetch=False)
+    assert_same_samples(reader, local)
+    assert len(failures) == 2
+
+
+def test_a_download_killed_mid_part_resumes_with_checked_files(tmp_path, s3):
+    """A staging process SIGKILLed after some files of a part landed (and one may be half
+    written) leaves no staged marker: the next run fetches the rest and reads what was uploaded."""
+    local, url, _ = uploaded(tmp_path, s3, parts=1, length=600)  # one part, several shard files
+    stage_dir = tmp_path / "stage"
+    script = textwrap.dedent(f"""
+        import time
+        from dflash.cache_tools import remote
+        real = remote.StagedCache._fetch_checked
+        def slow(self, name, f):
+            real(self, name, f)
+            if "hidden/c" in f.path:
+                time.sleep(0.3)
+        remote.StagedCache._fetch_checked = slow
+        stage = remote.StagedCache({url!r}, {str(stage_dir)!r}, threads=1).open()
+        print("open", flush=True)
+        stage.ensure("part-000000")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=os.environ.copy())
+    assert proc.stdout.readline().strip() == b"open"
+    data = stage_dir / "parts" / "part-000000" / "hidden" / "c"
+    deadline = time.monotonic() + 30
+    while not (data.exists() and any(p.is_file() and remote.PARTIAL not in p.name for p in data.rglob("*"))):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stage = remote.StagedCache(url, stage_dir)
+    assert (stage_dir / "manifest.json").exists() and not stage.is_staged("part-000000")
+    stage.open()
+    reader = CacheReader(stage.path, stage=stage)
+    assert_same_samples(reader, local)
+    assert stage.is_staged("part-000000")
+    assert not list(stage_dir.rglob(f"*{remote.PARTIAL}*"))
+
+
+def test_staging_keeps_within_the_disk_budget_plus_one_part(tmp_path, s3):
+    local, url, _ = uploaded(tmp_path, s3, parts=6)
+    stage = remote.StagedCache(url, tmp_path / "stage").open()
+    skeleton = disk_usage(stage.path / "parts")
+    part = max(stage.part_bytes(n) for n in stage.index.parts)
+    budget = skeleton + int(2.5 * part)
+    stage = remote.StagedCache(url, tmp_path / "stage", disk_budget=budget).open()
+    reader = CacheReader(stage.path, stage=stage)
+    local_reader = CacheReader(local)
+    peak = 0
+    for _epoch in range(2):
+        for i in range(len(reader)):
+            a, b = reader.read_sample(i), local_reader.read_sample(i)
+            np.testing.assert_array_equal(bits(a["hidden"]), bits(b["hidden"]))
+            peak = max(peak, disk_usage(stage.path / "parts"))
+            reader.close()  # as a loader moving on to other parts drops its maps
+    assert peak <= budget + part, (peak, budget, part)
+    staged = [n for n in stage.index.parts if stage.is_staged(n)]
+    assert 0 < len(staged) < 6  # parts were evicted to stay within the budget
