@@ -28,7 +28,7 @@ from numcodecs.zstd import Zstd
 from .checksum import crc32c
 from .codecs import EMPTY_CHUNK, decode_nf4
 from .errors import CacheCorruptError
-from .manifest import PARTS_DIR, Manifest, PartRecord, read_manifest
+from .manifest import HEADER_FILE, PARTS_DIR, Manifest, PartRecord, read_manifest
 from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
 
 # Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
@@ -342,6 +342,23 @@ class CacheReader:
         else:
             self._open.move_to_end(part_idx)
         return pf
+
+    def _check_part_meta(self, pf: PartFiles) -> None:
+        """Each array's metadata against the manifest (its shape and dtype), as verify checks
+        it: a part written with other settings (a --force run of other settings beside this
+        one, an edited manifest) is named here instead of failing a copy later."""
+        rec = pf.record
+        for spec in self.schema:
+            meta = pf.array_meta(spec.name)
+            want = (spec.rows(rec.tokens, rec.samples), *spec.row_shape)
+            if tuple(meta.shape) != want or meta.dtype != spec.dtype:
+                pf.close()
+                raise CacheCorruptError(
+                    f"{pf.where(spec.name)}: its metadata says shape {tuple(meta.shape)} {meta.dtype}, but the "
+                    f"manifest expects {want} {spec.dtype}: the part and {HEADER_FILE} disagree (a part written "
+                    "with other settings, or an edited manifest). Run `dflash-cache verify` and re-extract "
+                    "the parts it names."
+                )
 
     def close(self) -> None:
         for pf in self._open.values():
