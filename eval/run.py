@@ -10,7 +10,6 @@ line is `cli.py` (it loads this module, and torch, only when it runs).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError, UsageError
+from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
 from dflash.runtime.safetensors_files import check_weight_dir
 
 from .lookup import lookup_generate
@@ -45,21 +45,16 @@ def prompt_from_record(record: dict[str, Any], where: str, tokenizer: Any = None
     """The prompt token ids of one JSONL record.
 
     `prompt_ids` is taken as is. `input_ids` is cut where the completion starts when the
-    record says so (`prompt_len`, the first 1 of `loss_mask`, or the first label that is not
-    -100), so a held-out file of extraction input can be used directly; otherwise all of it
+    record says so (the first 1 of `loss_mask`, the first label that is not -100, or
+    `prompt_len`, read as extraction reads them: runtime/records.py), so a held-out file of
+    extraction input can be used directly; otherwise all of it
     is the prompt. `text` is tokenized with the target's tokenizer when there are no ids.
     """
     if "prompt_ids" in record:
         ids = record["prompt_ids"]
     elif "input_ids" in record:
         ids = record["input_ids"]
-        cut = None
-        if record.get("prompt_len") is not None:
-            cut = int(record["prompt_len"])
-        elif isinstance(record.get("loss_mask"), list):
-            cut = next((i for i, m in enumerate(record["loss_mask"]) if m), None)
-        elif isinstance(record.get("labels"), list):
-            cut = next((i for i, lab in enumerate(record["labels"]) if lab != -100), None)
+        cut = completion_start(record)
         if cut is not None:
             ids = ids[:cut]
     elif "text" in record:
@@ -86,27 +81,23 @@ def load_prompts(
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist.")
     prompts: list[list[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if max_prompts is not None and len(prompts) >= max_prompts:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}, line {line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where} is not valid JSON ({e.msg}); write one JSON object per line.") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}.")
-            ids = prompt_from_record(record, where, tokenizer)
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise InputError(
-                    f"{where}: token ids {bad[:5]} are outside the target's vocabulary (0..{vocab_size - 1}); "
-                    "the prompts were tokenized for another model."
-                )
-            prompts.append(ids)
+    for where, line in iter_lines([path]):
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+        try:
+            record = read_json(line)
+        except NotJson as e:
+            raise InputError(f"{where} is not valid JSON ({e.detail}); write one JSON object per line.") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+        ids = prompt_from_record(record, where, tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InputError(
+                f"{where}: token ids {bad[:5]} are outside the target's vocabulary (0..{vocab_size - 1}); "
+                "the prompts were tokenized for another model."
+            )
+        prompts.append(ids)
     if not prompts:
         raise InputError(f"prompt file {path} holds no prompts.")
     return prompts

@@ -1,10 +1,7 @@
 """Input of the extraction: tokenized completions as JSONL, validated and grouped into parts.
 
-A record is one JSON object per line:
-  {"input_ids": [...], "loss_mask": [0/1 ...]}      or
-  {"input_ids": [...], "labels": [-100 | id ...]}   (loss where labels != -100)   or
-  {"input_ids": [...], "prompt_len": P}             (loss on tokens P..end)
-plus an optional "id". The first of loss_mask, labels, prompt_len present is used.
+A record is one JSON object per line, read and validated by runtime/records.py (input_ids and
+one of loss_mask, labels, prompt_len; an optional "id").
 
 Every non-blank line is a record and gets the next sample id (0, 1, 2, ... over the files in
 sorted order), whether it is kept or skipped, so a cached sample id always names one line.
@@ -17,7 +14,6 @@ and a batch spans at most the end of one part and the start of the next.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -29,18 +25,17 @@ from typing import Any
 import numpy as np
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
 from dflash.runtime.errors import InputError
+from dflash.runtime.records import (
+    SIDECAR_SUFFIXES,
+    BadRecord,
+    iter_lines,
+    open_binary,
+    parse_record,
+    read_rendering,
+)
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
-# Sidecars dflash-prepare / dflash-generate write beside their output (docs/prepare.md): not data.
-SIDECAR_SUFFIXES = (".meta.json", ".skipped.jsonl")
-# What a prepared file's sidecar says about its rendering, copied into the manifest per file.
-RENDERING_KEYS = ("producer", "chat_template_sha256", "chat_template_kwargs", "chat_template_source",
-                  "loss_on", "supervise_empty_reasoning", "tokenizer", "generation")
 MAX_SKIPS_LISTED = 50  # per part, in the manifest's part stats
-
-
-class BadRecord(Exception):
-    """A record failed validation; the message is the reason, without the location."""
 
 
 def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = ()) -> list[Path]:
@@ -75,10 +70,6 @@ def _is_cache_dir(path: Path) -> bool:
     return (path / HEADER_FILE).is_file() and (path / PARTS_DIR).is_dir()
 
 
-def _open_binary(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-
-
 def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
     """Names (relative to `root`), sizes and sha256 of the input files, plus one overall hash.
 
@@ -94,7 +85,7 @@ def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
             with open(f, "rb") as fh:
                 while chunk := fh.read(1 << 24):
                     h.update(chunk)
-            with _open_binary(f) as fh:
+            with open_binary(f) as fh:
                 records += sum(1 for line in fh if line.strip())
         except (OSError, EOFError) as e:
             raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
@@ -106,76 +97,6 @@ def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
         entries.append(entry)
     total = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
     return {"files": entries, "sha256": total, "records": records}
-
-
-def read_rendering(f: Path) -> dict[str, Any] | None:
-    """The rendering keys of `f`'s sidecar `<f>.meta.json` (chat template sha256, kwargs, ...)."""
-    side = f.with_name(f.name + ".meta.json")
-    try:
-        meta = json.loads(side.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{side}: cannot read the sidecar of {f.name} ({e}). Restore it, or rerun "
-                         "dflash-prepare / dflash-generate to write it again.") from e
-    return {k: meta[k] for k in RENDERING_KEYS if k in meta} if isinstance(meta, dict) else None
-
-
-def _int_array(value: Any, name: str) -> np.ndarray:
-    if not isinstance(value, list):
-        raise BadRecord(f"{name} must be a list of integers, not {type(value).__name__}")
-    arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iub":
-        raise BadRecord(f"{name} must be a flat list of integers")
-    return arr.astype(np.int64)
-
-
-def parse_record(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """One JSONL line -> (input_ids int64 [T], loss_mask uint8 [T]); raises BadRecord."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRecord(f"the line is not valid UTF-8 (bad byte at offset {e.start})") from None
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRecord(f"the line is not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(rec, dict):
-        raise BadRecord("the record must be a JSON object with input_ids and a loss mask")
-    if "input_ids" not in rec:
-        raise BadRecord("the record has no input_ids")
-    ids = _int_array(rec["input_ids"], "input_ids")
-    if ids.size == 0:
-        raise BadRecord("the sample is empty (input_ids has no tokens)")
-    if ids.min() < 0:
-        raise BadRecord(f"token id {int(ids.min())} is negative")
-    if ids.max() >= vocab_size:
-        raise BadRecord(
-            f"token id {int(ids.max())} is outside the target's vocabulary ({vocab_size} entries)"
-        )
-    if "id" in rec and not isinstance(rec["id"], str | int):
-        raise BadRecord("id must be a string or an integer")
-    n = ids.size
-    if "loss_mask" in rec:
-        mask = _int_array(rec["loss_mask"], "loss_mask")
-        if mask.size != n:
-            raise BadRecord(f"loss_mask has {mask.size} entries but input_ids has {n}")
-        if mask.size and (mask.min() < 0 or mask.max() > 1):
-            raise BadRecord("loss_mask must hold only 0 and 1")
-        return ids, mask.astype(np.uint8)
-    if "labels" in rec:
-        labels = _int_array(rec["labels"], "labels")
-        if labels.size != n:
-            raise BadRecord(f"labels has {labels.size} entries but input_ids has {n}")
-        return ids, (labels != -100).astype(np.uint8)
-    if "prompt_len" in rec:
-        p = rec["prompt_len"]
-        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= n:
-            raise BadRecord(f"prompt_len must be an integer between 0 and {n} (the sample length)")
-        mask = np.ones(n, dtype=np.uint8)
-        mask[:p] = 0
-        return ids, mask
-    raise BadRecord("the record has no loss mask: give loss_mask, labels or prompt_len")
 
 
 @dataclass
@@ -228,18 +149,6 @@ class PartRules:
     window_tokens: int = 0  # sort window; at most part_tokens: each window is one part
 
 
-def _iter_lines(files: list[Path]) -> Iterator[tuple[str, bytes]]:
-    """(where, line) for every non-blank line, where = 'file, line N'."""
-    for f in files:
-        try:
-            with _open_binary(f) as fh:
-                for line_no, line in enumerate(fh, 1):
-                    if line.strip():
-                        yield f"{f}, line {line_no}", line
-        except (OSError, EOFError) as e:
-            raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
-
-
 def plan_windows(files: list[Path], rules: PartRules) -> Iterator[list[PartPlan]]:
     """Stream the input as sort windows, each the list of its parts (see the module docstring).
 
@@ -252,7 +161,7 @@ def plan_windows(files: list[Path], rules: PartRules) -> Iterator[list[PartPlan]
     window_tokens = max(rules.window_tokens, rules.part_tokens)
     window, tokens, first_index, number = [], 0, 0, 0
     skips = PartPlan(-1)  # the current window's skipped records
-    for sample_id, (where, line) in enumerate(_iter_lines(files)):
+    for sample_id, (where, line) in enumerate(iter_lines(files)):
         try:
             ids, mask = parse_record(line, rules.vocab_size)
         except BadRecord as e:

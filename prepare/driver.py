@@ -24,13 +24,13 @@ from typing import Any
 
 from dflash.runtime.errors import InputError
 from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
+from dflash.runtime.records import read_sidecar, write_sidecar
 from dflash.runtime.settings import setting
 from dflash.runtime.signals import StopRequest
 
 from .backends import HFBackend, RequestFailed, Sampling, ServerBackend
 from .formats import Conversation, iter_conversations, list_chat_files
 from .generate import GenerateMismatchError, GenerateSummary, Outcome, OutputLog, regenerate
-from .meta import read_meta, write_meta
 from .pipeline import PrepareConfigError, RenderConfig, build_renderer, render_meta
 from .render import LOSS_ON
 
@@ -130,7 +130,7 @@ class _Progress:
 
 
 def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> None:
-    old = read_meta(config.output)
+    old = read_sidecar(config.output)
     output = Path(config.output)
     if old is None and output.exists() and output.stat().st_size:
         raise GenerateMismatchError(
@@ -139,7 +139,7 @@ def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> None:
             "Choose a new --output, or move that file away to start again."
         )
     if old is None or not output.exists():
-        write_meta(config.output, meta)
+        write_sidecar(config.output, meta)
         return
     keys = ("chat_template_sha256", "chat_template_kwargs", "generation")
     diffs = [k for k in keys if old.get(k) != meta.get(k)]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError
+from dflash.runtime.records import SKIPPED_SUFFIX
 
 FORMATS = ("auto", "messages", "sharegpt", "prompt")
 CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
@@ -60,7 +61,7 @@ def list_chat_files(data: str | Path) -> list[Path]:
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL/Parquet file or a directory of them with --data.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(CHAT_SUFFIXES)
-                   and not p.name.endswith(".skipped.jsonl"))  # dflash-generate's list of dropped ids
+                   and not p.name.endswith(SKIPPED_SUFFIX))  # dflash-generate's list of dropped ids
     if not files:
         raise InputError(f"Input directory {path} holds no chat files (*.jsonl, *.jsonl.gz, *.parquet). Check --data.")
     return files

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.records import SKIPPED_SUFFIX, BadRecord, format_record, read_json
 
 from .backends import Completion, Request, ServerMismatchError
 from .formats import Conversation, parse_tool_arguments
 from .render import ChatRenderer, RenderError
 
-SKIPPED_SUFFIX = ".skipped.jsonl"
 FSYNC_SECONDS = 2.0
 
 
@@ -165,7 +165,7 @@ class OutputLog:
 
     def append(self, outcome: Outcome) -> None:
         if outcome.record is not None:
-            line, path = json.dumps(outcome.record, separators=(",", ":")), self.path
+            line, path = format_record(outcome.record), self.path
         else:
             line, path = json.dumps({"id": outcome.id, "reason": outcome.drop_reason}), self.skipped_path
         f = self._files[path]
@@ -204,8 +204,8 @@ def _read_ids(path: Path) -> set[str]:
         if not line.strip():
             continue
         try:
-            ids.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            ids.add(str(read_json(line)["id"]))
+        except (BadRecord, KeyError, TypeError):
             raise InputError(
                 f"{path}, line {line_no}: not a record of dflash-generate (no JSON object with an id). "
                 "Point --output to a new file, or remove the line to resume."

@@ -2,7 +2,7 @@
 
 Output: one JSONL file of {"id", "input_ids", "loss_mask"} records, written under a temp name
 and renamed when complete (a stopped run leaves no half file), and its sidecar
-`<output>.meta.json` (meta.py). Samples that cannot be used are counted by reason; a
+`<output>.meta.json` (runtime/records.py). Samples that cannot be used are counted by reason; a
 malformed record or a refused rendering stops the run with its file and line unless
 --skip-bad is given, an empty or over-long sample is skipped and counted.
 """
@@ -22,10 +22,10 @@ import click
 from dflash.runtime.errors import InputError, SettingError
 from dflash.runtime.fsio import fsync_dir, temp_name
 from dflash.runtime.locks import output_lock, refuse_output_among_inputs
+from dflash.runtime.records import format_record, write_sidecar
 from dflash.runtime.settings import JsonObject, setting
 
 from .formats import FORMATS, iter_conversations, list_chat_files
-from .meta import write_meta
 from .render import (
     LOSS_ON,
     ChatRenderer,
@@ -188,7 +188,7 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
                 f"{dict(summary.skipped)}). Check --data, --format and --max-seq-len."
             )
         summary.seconds = time.perf_counter() - t0
-        write_meta(out, {"producer": "dflash-prepare", **render_meta(config, renderer, files),
+        write_sidecar(out, {"producer": "dflash-prepare", **render_meta(config, renderer, files),
                          "max_seq_len": config.max_seq_len, "long_samples": config.long_samples,
                          "stats": summary.to_json()})
         os.replace(tmp, out)
@@ -269,7 +269,7 @@ def _prepare_into(fh, files, config: PrepareConfig, renderer: ChatRenderer, summ
             if not any(mask):
                 summary.skip("empty", where, "no supervised token within --max-seq-len")
                 continue
-        fh.write(json.dumps({"id": rid, "input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+        fh.write(format_record({"id": rid, "input_ids": ids, "loss_mask": mask}) + "\n")
         summary.written += 1
         summary.tokens += len(ids)
         summary.supervised_tokens += sum(mask)

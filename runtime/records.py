@@ -1,0 +1,189 @@
+"""The input record and its sidecar: what dflash-prepare / dflash-generate write, dflash-extract
+caches and dflash-eval takes prompts from.
+
+A record is one JSON object per line of a JSONL file (optionally gzipped):
+  {"input_ids": [...], "loss_mask": [0/1 ...]}      or
+  {"input_ids": [...], "labels": [-100 | id ...]}   (loss where labels != -100)   or
+  {"input_ids": [...], "prompt_len": P}             (loss on tokens P..end)
+plus an optional "id". The first of loss_mask, labels, prompt_len present is used.
+
+A prepared file's sidecar `<file>.meta.json` records how its records were rendered (chat
+template sha256 and kwargs, loss_on, the tokenizer), what produced them and the counts of the
+run; dflash-extract copies its rendering keys into the cache manifest (docs/prepare.md).
+
+Torch-free (numpy only): every stage reads its input here without loading a model stack.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .fsio import atomic_write_json
+
+META_SUFFIX = ".meta.json"  # the sidecar: how the records were rendered
+SKIPPED_SUFFIX = ".skipped.jsonl"  # dflash-generate's ids dropped for good
+SIDECAR_SUFFIXES = (META_SUFFIX, SKIPPED_SUFFIX)  # written beside a data file; not data
+META_VERSION = 1
+# What a prepared file's sidecar says about its rendering, copied into the manifest per file.
+RENDERING_KEYS = ("producer", "chat_template_sha256", "chat_template_kwargs", "chat_template_source",
+                  "loss_on", "supervise_empty_reasoning", "tokenizer", "generation")
+
+
+class BadRecord(Exception):
+    """A record failed validation; the message is the reason, without the location."""
+
+
+class NotJson(BadRecord):
+    """A line that is not valid UTF-8 JSON; `detail` is the decoder's reason."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
+
+
+# -- reading lines ----------------------------------------------------------------------------
+
+
+def open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def iter_lines(files: Iterable[Path]) -> Iterator[tuple[str, bytes]]:
+    """(where, line) for every non-blank line of `files` in order, where = 'file, line N'."""
+    for f in files:
+        try:
+            with open_binary(f) as fh:
+                for line_no, line in enumerate(fh, 1):
+                    if line.strip():
+                        yield f"{f}, line {line_no}", line
+        except (OSError, EOFError) as e:
+            raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
+
+
+def read_json(line: bytes) -> Any:
+    """The JSON value of one line; raises NotJson."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NotJson(f"the line is not valid UTF-8 (bad byte at offset {e.start})",
+                      f"not UTF-8: bad byte at offset {e.start}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise NotJson(f"the line is not valid JSON ({e.msg} at column {e.colno})", e.msg) from None
+
+
+def format_record(record: dict[str, Any]) -> str:
+    """One record as its JSONL line (compact, without the newline)."""
+    return json.dumps(record, separators=(",", ":"))
+
+
+# -- validating a record ----------------------------------------------------------------------
+
+
+def _int_array(value: Any, name: str) -> np.ndarray:
+    if not isinstance(value, list):
+        raise BadRecord(f"{name} must be a list of integers, not {type(value).__name__}")
+    arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iub":
+        raise BadRecord(f"{name} must be a flat list of integers")
+    return arr.astype(np.int64)
+
+
+def parse_record(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One JSONL line -> (input_ids int64 [T], loss_mask uint8 [T]); raises BadRecord."""
+    rec = read_json(line)
+    if not isinstance(rec, dict):
+        raise BadRecord("the record must be a JSON object with input_ids and a loss mask")
+    if "input_ids" not in rec:
+        raise BadRecord("the record has no input_ids")
+    ids = _int_array(rec["input_ids"], "input_ids")
+    if ids.size == 0:
+        raise BadRecord("the sample is empty (input_ids has no tokens)")
+    if ids.min() < 0:
+        raise BadRecord(f"token id {int(ids.min())} is negative")
+    if ids.max() >= vocab_size:
+        raise BadRecord(
+            f"token id {int(ids.max())} is outside the target's vocabulary ({vocab_size} entries)"
+        )
+    if "id" in rec and not isinstance(rec["id"], str | int):
+        raise BadRecord("id must be a string or an integer")
+    n = ids.size
+    if "loss_mask" in rec:
+        mask = _int_array(rec["loss_mask"], "loss_mask")
+        if mask.size != n:
+            raise BadRecord(f"loss_mask has {mask.size} entries but input_ids has {n}")
+        if mask.size and (mask.min() < 0 or mask.max() > 1):
+            raise BadRecord("loss_mask must hold only 0 and 1")
+        return ids, mask.astype(np.uint8)
+    if "labels" in rec:
+        labels = _int_array(rec["labels"], "labels")
+        if labels.size != n:
+            raise BadRecord(f"labels has {labels.size} entries but input_ids has {n}")
+        return ids, (labels != -100).astype(np.uint8)
+    if "prompt_len" in rec:
+        p = rec["prompt_len"]
+        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= n:
+            raise BadRecord(f"prompt_len must be an integer between 0 and {n} (the sample length)")
+        mask = np.ones(n, dtype=np.uint8)
+        mask[:p] = 0
+        return ids, mask
+    raise BadRecord("the record has no loss mask: give loss_mask, labels or prompt_len")
+
+
+def completion_start(record: dict[str, Any]) -> int | None:
+    """Where a record's completion starts, if it says so: the first 1 of `loss_mask`, the first
+    label that is not -100, or `prompt_len`, the first of them present (as parse_record reads
+    them, so a prompt ends where the extraction's loss starts)."""
+    if isinstance(record.get("loss_mask"), list):
+        return next((i for i, m in enumerate(record["loss_mask"]) if m), None)
+    if isinstance(record.get("labels"), list):
+        return next((i for i, lab in enumerate(record["labels"]) if lab != -100), None)
+    if record.get("prompt_len") is not None:
+        return int(record["prompt_len"])
+    return None
+
+
+# -- the sidecar ------------------------------------------------------------------------------
+
+
+def sidecar_path(data_file: str | Path) -> Path:
+    """`<data_file>.meta.json`."""
+    data_file = Path(data_file)
+    return data_file.with_name(data_file.name + META_SUFFIX)
+
+
+def write_sidecar(data_file: str | Path, meta: dict[str, Any]) -> Path:
+    path = sidecar_path(data_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"meta_version": META_VERSION, **meta})
+    return path
+
+
+def read_sidecar(data_file: str | Path) -> dict[str, Any] | None:
+    """The sidecar of `data_file`, or None when it has none; an unreadable one is an InputError."""
+    side = sidecar_path(data_file)
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{side}: cannot read the sidecar of {Path(data_file).name} ({e}). Restore it, "
+                         "or rerun dflash-prepare / dflash-generate to write it again.") from e
+    if not isinstance(meta, dict):
+        raise InputError(f"{side}: the sidecar of {Path(data_file).name} is not a JSON object. Restore it, "
+                         "or rerun dflash-prepare / dflash-generate to write it again.")
+    return meta
+
+
+def read_rendering(data_file: str | Path) -> dict[str, Any] | None:
+    """The rendering keys of `data_file`'s sidecar (chat template sha256, kwargs, ...)."""
+    meta = read_sidecar(data_file)
+    return None if meta is None else {k: meta[k] for k in RENDERING_KEYS if k in meta}
