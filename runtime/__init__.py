@@ -6,6 +6,7 @@
 - `signals`: SIGINT/SIGTERM: stop after the unit of work in progress, or at once;
 - `fsio`: atomic files and directories, fsync, advisory locks, stale temporaries;
 - `devices`: the dtype names and the device choice of every command.
+- `records`: the input record (JSONL) and its sidecar, read and validated for every stage.
 
 Nothing here imports torch at module level: `--help` of every command stays fast.
 """
