@@ -154,6 +154,23 @@ def main() -> None:
                         print(f"{name:<28} {nb:>10,.0f} {nb / raw:>7.3f} {e['rel_mean']:>9.4f} "
                               f"{e['rel_p999']:>7.4f} {e['rel_max']:>7.4f} {e['cos_mean']:>9.5f} {e['cos_min']:>8.5f}",
                               flush=True)
+        shipped(acts, k, raw, dev)
+
+
+def shipped(acts: torch.Tensor, k: int, raw: int, dev: str) -> None:
+    """The cache's nf4 codec itself: quantize_nf4 (as extraction runs it), its stored chunks
+    (Blosc as the writer stores them, crc32c and index entries), decode_nf4 (as the reader)."""
+    from dflash.cache_tools.codecs import HiddenCodec, decode_nf4
+    from dflash.runtime.quantize import quantize_nf4
+
+    width = acts.shape[1]
+    rows = torch.cat([quantize_nf4(acts[s: s + 4096].to(dev)).cpu() for s in range(0, acts.shape[0], 4096)]).numpy()
+    codec = HiddenCodec(name="nf4")
+    nb = sum(len(codec.compress(rows[s: s + 128].copy())) + 20 for s in range(0, rows.shape[0], 128)) / rows.shape[0]
+    dec = torch.from_numpy(decode_nf4(rows, width).view(np.int16)).view(torch.bfloat16).float()
+    e = row_errors(acts, dec, k)
+    print(f"{'shipped nf4 (cache codec)':<28} {nb:>10,.0f} {nb / raw:>7.3f} {e['rel_mean']:>9.4f} "
+          f"{e['rel_p999']:>7.4f} {e['rel_max']:>7.4f} {e['cos_mean']:>9.5f} {e['cos_min']:>8.5f}", flush=True)
 
 
 if __name__ == "__main__":
