@@ -1,11 +1,13 @@
 """Resume is exact: a run killed (SIGKILL) or stopped (SIGINT/SIGTERM) at a random step and
-resumed ends with the same weights, bit for bit, as a run that was never interrupted."""
+resumed ends with the same weights, bit for bit, as a run that was never interrupted; for
+DFlash2 too (its convolutions and candidate selector), whose resume refuses other DFlash2 shapes."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import assert_same_weights, final_weights, read_metrics, tiny_train_config
+from dflash.runtime.cli import paragraph
 from dflash.train.cli import main
 from dflash.train.loop import train
 
@@ -22,8 +25,8 @@ SETTINGS = dict(max_steps=STEPS, epochs=5, grad_accum=2, save_interval=3, keep_c
                 noise_type="uniform", noise_start=0.05, noise_end=0.0, eval_fraction=0.1)
 
 
-def config_file(world: dict[str, Path], path: Path) -> Path:
-    values = tiny_train_config(world["cache"], world["target"], Path("unused"), **SETTINGS).to_dict()
+def config_file(world: dict[str, Path], path: Path, **overrides) -> Path:
+    values = tiny_train_config(world["cache"], world["target"], Path("unused"), **{**SETTINGS, **overrides}).to_dict()
     del values["output_dir"]
     path.write_text(json.dumps(values))
     return path
@@ -125,3 +128,60 @@ def test_sigterm_then_a_second_signal_exits_at_once(tiny_world, zygote, tmp_path
     assert status == {"SIGTERM": 143, "SIGINT": 130}[second], output
     assert f"{first} received: finishing" in output
     assert f"Second {second}: exiting now without a checkpoint" in output
+
+
+# -- DFlash2 ------------------------------------------------------------------------------------
+
+DFLASH2_STEPS = 12
+DFLASH2 = dict(max_steps=DFLASH2_STEPS, drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8,
+               conv_kernel_size=2, num_workers=0)  # (the DataLoader worker's side of resume is DFlash's test's)
+
+
+@pytest.fixture(scope="module")
+def dflash2_reference(tiny_world, tmp_path_factory) -> Path:
+    """The uninterrupted DFlash2 run (its directory), trained in this process."""
+    out = tmp_path_factory.mktemp("dflash2-reference") / "run"
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, **{**SETTINGS, **DFLASH2}))
+    assert result.step == DFLASH2_STEPS and result.exit_status == 0
+    return out
+
+
+def test_a_dflash2_run_killed_at_a_random_step_resumes_to_identical_weights(
+        tiny_world, dflash2_reference, zygote, tmp_path):
+    reference = final_weights(dflash2_reference)
+    # Every DFlash2 tensor left its init (the convolutions' identity, the selector's zero
+    # projection), so the comparison below covers what DFlash2 adds.
+    assert reference["candidate_selector.hidden_projection.weight"].abs().amax() > 0
+    for conv in ("attention_conv", "mlp_conv"):
+        assert reference[f"layers.0.{conv}.kernel_projection.weight"].abs().amax() > 0
+        assert reference[f"layers.0.{conv}.base_kernel"][:, 1].abs().amax() > 0
+    out = tmp_path / "run"
+    # (a sleep per batch keeps the run alive past the kill; it changes no number)
+    proc = zygote.run("train", ["--config", config_file(tiny_world, tmp_path / "train.json", **DFLASH2),
+                                "--output-dir", out], env={"DFLASH_TEST_SLEEP_PER_BATCH": "0.02"})
+    wait_for_step(proc, out, random.Random(2).randint(4, 8))
+    proc.signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert_same_threads(out)
+    assert max(r["step"] for r in read_metrics(out) if r["kind"] == "train") < DFLASH2_STEPS
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, resume=True,
+                                     **{**SETTINGS, **DFLASH2}))
+    assert result.step == DFLASH2_STEPS and result.exit_status == 0
+    assert_same_weights(final_weights(out), reference)
+
+
+def test_a_dflash2_resume_with_another_selector_top_k_is_refused_in_one_paragraph(
+        tiny_world, dflash2_reference, tmp_path):
+    latest = sorted((dflash2_reference / "checkpoints").glob("step-*"))[0]
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(latest, out / "checkpoints" / latest.name)
+    config = config_file(tiny_world, tmp_path / "train.json", **{**DFLASH2, "selector_top_k": 3})
+    result = CliRunner().invoke(main, ["--config", str(config), "--output-dir", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    text = paragraph(result.output)
+    assert f"Cannot resume from {out / 'checkpoints' / latest.name}" in text
+    assert "model.selector_top_k: checkpoint has 4, this run has 3" in text
+    assert "Rerun with the checkpoint's settings, or start a new run with another --output-dir." in text
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [latest.name]  # nothing written
