@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-CHECK_LIMITS = {"fp8": 0.08}
+CHECK_LIMITS = {"fp8": 0.08, "nf4": 0.2}
 """Relative error a cache may show against a single-sample forward beyond what batching alone
 moves (others: 0.03; `check_passes`)."""
 

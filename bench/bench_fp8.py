@@ -1,6 +1,6 @@
-"""What the fp8 codec costs on the GPU per extraction batch: the quantizer (eager and fused by
-torch.compile) alone, and the stop-after-last-layer forward with each encoding, timed with
-CUDA events on a Qwen3-8B-shaped model (random init) and one 32K-token batch.
+"""What the fp8 and nf4 codecs cost on the GPU per extraction batch: each quantizer (eager and
+fused by torch.compile) alone, and the stop-after-last-layer forward with each encoding, timed
+with CUDA events on a Qwen3-8B-shaped model (random init) and one 32K-token batch.
 
     python bench/bench_fp8.py
 """
@@ -11,7 +11,7 @@ import time
 
 import torch
 from bench_extract import FULL, build_model
-from dflash.extract.engine import _compiled_quantizer
+from dflash.extract.engine import _compiled_quantizer, quantize_nf4_rows
 from dflash.extract.target import LayerCapture
 from dflash.runtime.quantize import quantize_fp8
 
@@ -43,6 +43,13 @@ def main() -> None:
     print(f"quantizer on [{tokens}, {layers * hidden}] bf16: eager {eager_ms:.1f} ms, fused {fused_ms:.1f} ms; "
           f"bytes differing {(q1 != q2).float().mean().item():.2e}, scales max diff {(s1 - s2).abs().max().item():.2e}")
 
+    t = time.perf_counter()
+    nf4 = _compiled_quantizer(device, [(layers, hidden)], quantize_nf4_rows)
+    print(f"nf4 compile: {time.perf_counter() - t:.1f} s ({'fused' if nf4 is not quantize_nf4_rows else 'eager fallback'})")
+    n1, n2 = quantize_nf4_rows(x, layers)[0], nf4(x, layers)[0]
+    print(f"nf4 quantizer: eager {gpu_ms(lambda: quantize_nf4_rows(x, layers)):.1f} ms, fused "
+          f"{gpu_ms(lambda: nf4(x, layers)):.1f} ms; bytes differing {(n1 != n2).float().mean().item():.2e}")
+
     model = build_model(FULL, device)
     capture = LayerCapture(model, [1, 9, 17, 25, 33], need_last=False)
     ids = torch.randint(0, FULL["vocab_size"], (15, 2048), device=device)
@@ -55,7 +62,8 @@ def main() -> None:
     with torch.inference_mode():
         rows = [("forward + bf16 (no encoding)", gpu_ms(lambda: forward(lambda p: p.view(torch.int16)))),
                 ("forward + fp8 eager", gpu_ms(lambda: forward(lambda p: quantize_fp8(p, layers)))),
-                ("forward + fp8 fused", gpu_ms(lambda: forward(lambda p: compiled(p, layers))))]
+                ("forward + fp8 fused", gpu_ms(lambda: forward(lambda p: compiled(p, layers)))),
+                ("forward + nf4 fused", gpu_ms(lambda: forward(lambda p: nf4(p, layers))))]
     for name, ms in rows:
         print(f"{name:32s} {ms:8.1f} ms per 30,720-token batch ({ms / rows[0][1]:.3f}x)")
 

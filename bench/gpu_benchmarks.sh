@@ -8,7 +8,11 @@
 #                                          # the figures as JSON in RESULTS (default $OUT, else /tmp/dflash-seed27b);
 #                                          # SEED27B_SHAPE=27b-dense extracts a dense Qwen3 of that size instead, SKIP_TRAIN=1
 #                                          # extracts only (then `python3 bench/gpu_hours.py EXTRACT.json TRAIN.json` makes the table)
-#   bash bench/gpu_benchmarks.sh fp8       # ~1 min: the fp8 quantizer eager and fused, on one batch
+#   bash bench/gpu_benchmarks.sh fp8       # ~1.5 min: the fp8 and nf4 quantizers eager and fused, on one batch
+#   bash bench/gpu_benchmarks.sh nf4       # ~3.5 min: bf16 and nf4 extraction of the 8B shape against the bare forward, 1M tokens
+#   bash bench/gpu_benchmarks.sh quality-nf4  # ~14 min: the quality benchmark on a bf16 and on an nf4 cache (prep + main "2",
+#                                          # block 16; WORKDIR prefix QUALITY_WORKDIR, default /dev/shm/dflash-quality): nf4's tau cost
+#   bash bench/gpu_benchmarks.sh colocate  # ~4 min: extraction and training at once on one GPU (two processes) against each alone
 #   bash bench/gpu_benchmarks.sh train     # ~3 min: Qwen3-8B-shaped drafter step, FLOP/s, data wait, memory
 #   bash bench/gpu_benchmarks.sh train2    # ~4 min, 2 GPUs: the same on 1 GPU, then DDP on 2 (scaling)
 #   bash bench/gpu_benchmarks.sh scale     # 2-8 GPUs of one host (GPUS, default: all visible): extraction on 1 and GPUS ranks into
@@ -81,6 +85,20 @@ PY
       python3 bench/gpu_hours.py "$results/extract-scale-$n.json" "$results/train-$n-ddp.json" | tee "$results/gpu-hours-$n.md"
       rm -rf "$scratch/ts" ;;
     fp8) (cd bench && python3 bench_fp8.py) ;;
+    nf4) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" --codecs bf16,nf4 \
+      ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ;;
+    quality-nf4)
+      qbase=${QUALITY_WORKDIR:-/dev/shm/dflash-quality}
+      qres=${RESULTS:-${OUT:-/tmp/dflash-quality}}
+      for codec in bf16 nf4; do
+        WORKDIR="$qbase-$codec" RESULTS="$qres/$codec" QUALITY_SETS="--set extract_args=--store-topk,8,--codec,$codec" \
+          bash bench/quality/device.sh prep
+        WORKDIR="$qbase-$codec" RESULTS="$qres/$codec" EVAL_BLOCKS=16 bash bench/quality/device.sh main "2"
+      done
+      for codec in bf16 nf4; do echo "== $codec cache"; WORKDIR="$qbase-$codec" bash bench/quality/device.sh table; done ;;
+    colocate)
+      results=${RESULTS:-${OUT:-/tmp/dflash-colocate}}; mkdir -p "$results"
+      python3 bench/bench_colocate.py --workdir "$scratch/colocate" --json "$results/colocate.json" ;;
     train) python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --trace-steps 3 ;;
     train2)
       python3 bench/bench_train.py --workdir "$scratch/train" --samples 96 --steps 40 --warmup-steps 8 --compile --keep
@@ -98,6 +116,6 @@ PY
           --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
-    *) echo "unknown benchmark '$what' (extract, seed27b, scale, fp8, train, train2, cache, eval)" >&2; exit 2 ;;
+    *) echo "unknown benchmark '$what' (extract, seed27b, scale, fp8, nf4, quality-nf4, colocate, train, train2, cache, eval)" >&2; exit 2 ;;
   esac
 done

@@ -22,6 +22,22 @@ both benches and the online pipeline's rate count them):
   ratio       online / offline.
 Start-up (model load, compilation, writer start) is left out of every figure: per billion tokens
 it is minutes against tens to hundreds of hours.
+
+A user's plan (`plan`): disk and GPU-hours for a target shape, token count, epochs, codec and
+disk budget, from the measured one-GPU rates of docs/BENCHMARKS.md (or bench JSON files):
+
+    python bench/gpu_hours.py plan --shape 8b --tokens 2e9 --epochs 6 --codec fp8 --disk-budget 10T
+    python bench/gpu_hours.py plan --hidden-size 5120 --layers 5 --extract-rate 8945 --train-rate 10456 ...
+
+  disk        tokens x stored bytes/token of the codec (its measured ratio to raw bf16 K x D x 2,
+              plus the per-token ids and masks)
+  offline     extract once + epochs x train (the cache holds everything)
+  follow      --follow with --disk-budget: the trainer reads parts as they are extracted and a
+              part is evicted once trained on; with a budget b below the cache's size d, every
+              epoch after the first re-extracts the fraction 1 - b/d that was evicted:
+              extract x (1 + (epochs - 1)(1 - b/d)) + epochs x train
+  online      the target's forward every epoch on the same GPU as the training (one GPU's rates:
+              epochs x (extract + train)), and the seed's online pipeline (R tokens/s on G GPUs)
 """
 
 from __future__ import annotations
@@ -117,7 +133,138 @@ def format_table(rows: list[Row], epochs: int) -> str:
     return "\n".join(lines)
 
 
+# Measured one-GPU rates (docs/BENCHMARKS.md): full-extraction tokens/s per codec, training
+# context tokens/s, and each codec's stored bytes as a fraction of raw bf16 K x D x 2 (bf16 and
+# fp8 on a trained model's activations, bench/gpu_benchmarks.sh cache; nf4 by
+# bench/bench_codec4.py). nf4's extraction rate is fp8's until `gpu_benchmarks.sh nf4` measures it.
+SHAPES = {
+    "8b": {"hidden_size": 4096, "layers": 5, "extract": {"bf16": 32_354.0, "fp8": 32_593.0, "nf4": 32_593.0,
+                                                         "raw": 32_354.0}, "train": 20_170.0},
+    "27b": {"hidden_size": 5120, "layers": 5, "extract": {"bf16": 8_863.0, "fp8": 8_945.0, "nf4": 8_945.0,
+                                                          "raw": 8_863.0}, "train": 10_456.0},
+}
+CODEC_FRACTION = {"raw": 1.0, "bf16": 1 / 1.535, "fp8": 1 / 2.383, "nf4": 0.263}
+PER_TOKEN_EXTRA_BYTES = 8  # input_ids, loss_mask, top1_ids (before compression)
+
+
+@dataclass(frozen=True)
+class Plan:
+    tokens: float
+    epochs: int
+    codec: str
+    disk_budget: float | None
+    bytes_per_token: float
+    extract_tokens_per_second: float
+    train_tokens_per_second: float
+
+    @property
+    def disk_bytes(self) -> float:
+        return self.tokens * self.bytes_per_token
+
+    @property
+    def extract_hours(self) -> float:
+        return self.tokens / self.extract_tokens_per_second / 3600
+
+    @property
+    def train_hours(self) -> float:
+        return self.epochs * self.tokens / self.train_tokens_per_second / 3600
+
+    @property
+    def kept_fraction(self) -> float:
+        """The share of the cache a disk budget keeps from one epoch to the next."""
+        if self.disk_budget is None:
+            return 1.0
+        return min(1.0, self.disk_budget / self.disk_bytes)
+
+    @property
+    def offline_hours(self) -> float:
+        return self.extract_hours + self.train_hours
+
+    @property
+    def follow_hours(self) -> float:
+        return self.extract_hours * (1 + (self.epochs - 1) * (1 - self.kept_fraction)) + self.train_hours
+
+    @property
+    def online_hours(self) -> float:
+        return self.epochs * self.extract_hours + self.train_hours
+
+
+def make_plan(*, tokens: float, epochs: int, codec: str, disk_budget: float | None, hidden_size: int, layers: int,
+              extract_tokens_per_second: float, train_tokens_per_second: float) -> Plan:
+    if codec not in CODEC_FRACTION:
+        raise SystemExit(f"codec {codec!r}: choose one of {', '.join(CODEC_FRACTION)}")
+    per_token = layers * hidden_size * 2 * CODEC_FRACTION[codec] + PER_TOKEN_EXTRA_BYTES
+    return Plan(tokens, epochs, codec, disk_budget, per_token, extract_tokens_per_second, train_tokens_per_second)
+
+
+def format_plan(p: Plan, online_tokens_per_second: float, online_gpus: int) -> str:
+    from dflash.cache_tools.staging import format_size
+
+    seed = online_gpus * p.epochs * p.tokens / online_tokens_per_second / 3600
+    budget = "none" if p.disk_budget is None else format_size(p.disk_budget)
+    kept = p.kept_fraction
+    lines = [
+        f"plan: {p.tokens:,.0f} tokens, {p.epochs} epochs, codec {p.codec}, disk budget {budget}",
+        f"  disk needed for the whole cache: {format_size(p.disk_bytes)} ({p.bytes_per_token:,.0f} B/token)",
+        f"  rates (one GPU): extraction {p.extract_tokens_per_second:,.0f} tok/s, training "
+        f"{p.train_tokens_per_second:,.0f} context tok/s",
+        "",
+        "| mode | disk | GPU-hours | extraction GPU-h | training GPU-h |",
+        "|---|---:|---:|---:|---:|",
+        f"| offline (extract once, then train) | {format_size(p.disk_bytes)} | {p.offline_hours:,.1f} | "
+        f"{p.extract_hours:,.1f} | {p.train_hours:,.1f} |",
+        f"| follow with the budget ({kept:.0%} of the cache kept; "
+        f"{(p.epochs - 1) * (1 - kept):.2f} re-extractions) | "
+        f"{format_size(min(p.disk_bytes, p.disk_budget or p.disk_bytes))} | {p.follow_hours:,.1f} | "
+        f"{p.follow_hours - p.train_hours:,.1f} | {p.train_hours:,.1f} |",
+        f"| online (the target every epoch, one GPU's rates) | 0 | {p.online_hours:,.1f} | "
+        f"{p.online_hours - p.train_hours:,.1f} | {p.train_hours:,.1f} |",
+        f"| the seed's online pipeline ({online_tokens_per_second:,.0f} tok/s on {online_gpus} GPUs) | 0 | "
+        f"{seed:,.1f} | | |",
+    ]
+    return "\n".join(lines)
+
+
+def plan_main(argv: list[str]) -> None:
+    from dflash.cache_tools.staging import parse_size
+
+    ap = argparse.ArgumentParser(prog="gpu_hours.py plan", description="Disk and GPU-hours of a user's plan.")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="measured shape whose rates to use [8b]")
+    ap.add_argument("--tokens", type=float, required=True, help="training tokens (e.g. 1e9)")
+    ap.add_argument("--epochs", type=int, default=EPOCHS)
+    ap.add_argument("--codec", default="fp8", choices=sorted(CODEC_FRACTION))
+    ap.add_argument("--disk-budget", default=None, help="e.g. 2T, 500G (default: none, the whole cache on disk)")
+    ap.add_argument("--hidden-size", type=int, help="target hidden size [the shape's]")
+    ap.add_argument("--layers", type=int, help="captured layers K [the shape's]")
+    ap.add_argument("--extract-rate", type=float, help="extraction tokens/s on one GPU [the shape's, per codec]")
+    ap.add_argument("--train-rate", type=float, help="training context tokens/s on one GPU [the shape's]")
+    ap.add_argument("--figures", nargs="*", type=Path, default=[],
+                    help="bench_extract.py / bench_train.py JSON whose rates replace the shape's")
+    ap.add_argument("--online-tokens-per-second", type=float, default=ONLINE_TOKENS_PER_SECOND)
+    ap.add_argument("--online-gpus", type=int, default=ONLINE_GPUS)
+    a = ap.parse_args(argv)
+    shape = SHAPES[a.shape]
+    extract_rate, train_rate = shape["extract"][a.codec], shape["train"]
+    for f in map(read_figures, a.figures):
+        if kind(f) == "extract" and a.codec in f["extract"]:
+            extract_rate = f["extract"][a.codec]["tokens_per_second"] / f.get("gpus", 1)
+        elif kind(f) == "train":
+            train_rate = f["context_tokens_per_second"] / f.get("processes", 1)
+    p = make_plan(tokens=a.tokens, epochs=a.epochs, codec=a.codec,
+                  disk_budget=None if a.disk_budget is None else float(parse_size(a.disk_budget)),
+                  hidden_size=a.hidden_size or shape["hidden_size"], layers=a.layers or shape["layers"],
+                  extract_tokens_per_second=a.extract_rate or extract_rate,
+                  train_tokens_per_second=a.train_rate or train_rate)
+    print(format_plan(p, a.online_tokens_per_second, a.online_gpus))
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        plan_main(argv[1:])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path,
                     help="bench_extract.py and bench_train.py figures (one train file; any number of extract files)")

@@ -131,3 +131,22 @@ def test_scale_bench_kills_a_rank_and_the_resumed_cache_is_the_shared_run_s(tmp_
     assert row.extract_gpu_hours == pytest.approx(2 * 1e9 / figures["extract"]["bf16"]["tokens_per_second"] / 3600)
     assert "on 2 GPUs" in row.what
     assert not (tmp_path / "work").exists()  # removed without --keep
+
+
+def test_a_plan_trades_disk_for_re_extraction_between_offline_and_online():
+    def plan(budget):
+        return gpu_hours.make_plan(tokens=1e9, epochs=6, codec="fp8", disk_budget=budget, hidden_size=4096, layers=5,
+                                   extract_tokens_per_second=10_000.0, train_tokens_per_second=20_000.0)
+
+    whole = plan(None)
+    # By hand: 1e9 tokens x (5 x 4096 x 2 B / 2.383 + 8 B); extraction 1e9 / 1e4 s = 27.78 h.
+    assert whole.disk_bytes == pytest.approx(1e9 * (40960 / 2.383 + 8))
+    assert whole.extract_hours == pytest.approx(27.7778, abs=1e-3)
+    assert whole.follow_hours == whole.offline_hours  # no budget: extract once
+    assert plan(2 * whole.disk_bytes).follow_hours == whole.offline_hours
+    half = plan(whole.disk_bytes / 2)  # half of each later epoch re-extracted: 1 + 5 x 0.5 extractions
+    assert half.follow_hours == pytest.approx(whole.extract_hours * 3.5 + whole.train_hours)
+    assert whole.offline_hours < half.follow_hours < plan(1.0).follow_hours
+    assert plan(1.0).follow_hours == pytest.approx(whole.online_hours, rel=1e-6)  # ~nothing kept: online's cost
+    text = gpu_hours.format_plan(half, 14_500.0, 8)
+    assert "follow with the budget (50% of the cache kept; 2.50 re-extractions)" in text
