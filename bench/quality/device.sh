@@ -10,8 +10,10 @@
 #                                                     # and the table marks them so)
 #   bash bench/quality/device.sh table
 #
+# DOMAIN=prose runs the prose domain (default code), VOCAB=bytes the byte-level target (default
+# bpe); each pair has its own WORKDIR (default /dev/shm/dflash-quality-DOMAIN[-bytes]).
 # SMALL=1 runs the CPU size (a check of the script). EVAL_BLOCKS=16 decodes at block 16 only
-# (default: main the sizes' eval_block_sizes, side 16,8). STAGES=train: main and side train without decoding (STAGES=eval then decodes what they trained). WORKDIR (default /dev/shm/dflash-quality) keeps every stage; a rerun skips what is recorded.
+# (default: main the sizes' eval_block_sizes, side 16,8). STAGES=train: main and side train without decoding (STAGES=eval then decodes what they trained). WORKDIR keeps every stage; a rerun skips what is recorded.
 # RESULTS (default $OUT, else WORKDIR/results) receives results.tgz (stage records, eval
 # reports, logs, metrics.jsonl) whenever the script exits, also on a timeout's SIGTERM, so give
 # the whole command a deadline a little under the host's (`timeout 570 bash ...`).
@@ -19,7 +21,9 @@
 # wheels may come from a `.whl/` folder beside it (installed into a private directory).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-work=${WORKDIR:-/dev/shm/dflash-quality}
+domain=${DOMAIN:-code}
+vocab=${VOCAB:-bpe}
+work=${WORKDIR:-/dev/shm/dflash-quality-$domain$([ "$vocab" = bpe ] || echo "-$vocab")}
 results=${RESULTS:-${OUT:-$work/results}}
 sets=(--set extract_args=--store-topk,8 ${QUALITY_SETS:-})  # QUALITY_SETS: more, e.g. "--set vocab_size=32768" (its own WORKDIR)
 mkdir -p "$work" "$results"
@@ -46,7 +50,7 @@ collect() {
 trap collect EXIT
 trap 'exit 143' TERM
 
-bench() { python3 bench/quality/run.py --workdir "$work" ${SMALL:+--small --device cpu} "${sets[@]}" "$@"; }
+bench() { python3 bench/quality/run.py --workdir "$work" --domain "$domain" --vocab "$vocab" ${SMALL:+--small --device cpu} "${sets[@]}" "$@"; }
 what=${1:-}; shift || true
 case "$what" in
   prep) bench --stages target,generate,extract --variant 1 ;;

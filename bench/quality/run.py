@@ -2,14 +2,18 @@
 
 Stages (each resumable: a stage already recorded in WORKDIR/stages/ is skipped):
 
-  target    train a byte-level Qwen3 LM on the Python sources of installed packages (torch,
-            transformers, numpy), files split by a hash of their path; report its held-out loss
+  target    learn the vocabulary (a byte-level BPE of 8,192 ids, or --vocab bytes) and train a
+            Qwen3 LM on a domain of the installed packages (torch, transformers, numpy): their
+            Python sources (--domain code) or their docstrings' English (--domain prose, also
+            sympy and networkx), files split by a hash of their path; report its held-out loss
   generate  its completions (greedy and sampled batches alternate) of prompts cut from training
             files, evaluation prompts cut from held-out files, and greedy fp32 completions of
             those (decoded_set) and of other held-out prompts (estimate_set)
   extract   dflash-extract the hidden states of the completions, estimate_set and decoded_set
-  train     dflash-train a drafter per --variant (--eval-cache: greedy completions of other
-            held-out prompts; the trainer's walk over them is the held-out estimate)
+  train     dflash-train a drafter per --variant, with the trainer's defaults: its held-out
+            estimate comes from its own held-out split of the training data (a variant
+            with `--eval-cache estimate_cache` reads greedy completions of other held-out
+            prompts instead, the older estimate)
   eval      dflash-train estimate of each drafter on the decoded prompts' completions (the
             estimate without prompt-sampling noise), then dflash-eval at the block sizes (16
             and 8), prompt lookup beside it
@@ -20,7 +24,9 @@ Stages (each resumable: a stage already recorded in WORKDIR/stages/ is skipped):
     python bench/quality/run.py --workdir /dev/shm/dflash-quality --variant 1 --variant 2
     python bench/quality/run.py --small --workdir /tmp/quality-small --device cpu    # CPU smoke run
 
-A variant is `EPOCHS [dflash-train flags]`, e.g. `--variant "2 --soft-label-weight 0.5"`.
+A variant is `EPOCHS [dflash-train flags]`, e.g. `--variant "2 --soft-label-weight 0.5"`; a
+relative `--cache`/`--eval-cache` value names a cache of the work directory (`--cache
+extra_cache`: also the extra sampled completions of `--set extra_samples=N`).
 """
 
 from __future__ import annotations
@@ -36,14 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from corpus import DOMAINS
 from stages import (
-    FULL,
-    SMALL,
     BenchError,
     Sizes,
     Variant,
     Work,
     check_settings,
+    preset,
     stage_eval,
     stage_extract,
     stage_generate,
@@ -101,6 +107,10 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
 def estimate_for(train: dict[str, Any], block: int) -> float | None:
     """The held-out estimate of decoding at `block`: the walk at the drafter's block, or at half of it."""
     size = train.get("block_size", 16)
@@ -114,16 +124,18 @@ def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int)
 
 
 def table(work: Work) -> str:
-    """One row per trained variant: samples, epochs, GPU-seconds, then per block size the held-out
-    estimate (over other held-out prompts, and over the decoded prompts themselves), the decoded
-    tau and speedup, and prompt lookup's."""
+    """One row per trained variant: samples, epochs, GPU-seconds, then per block size the trainer's
+    held-out estimate (and dflash-train estimate over the decoded prompts themselves), the decoded
+    tau pooled (tokens / verification cycles) and as the per-prompt mean, estimate / tau, tau /
+    prompt lookup's tau, the speedup, and prompt lookup's figures."""
     s = work.sizes
     target, data = work.done("target") or {}, work.done("generate") or {}
     blocks = list(s.eval_block_sizes)
     head = ["variant", "samples", "epochs", "train GPU-s", "per-block mean"]
     for b in blocks:
-        head += [f"B={b} est. tau", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} speedup",
-                 f"B={b} lookup tau", f"B={b} lookup speedup"]
+        head += [f"B={b} est. tau", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} tau per-prompt mean",
+                 f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
+                 f"B={b} lookup per-prompt mean", f"B={b} lookup speedup"]
     head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "lossless"]
     rows = []
     for path in sorted((work.root / "stages").glob("train-*.json")):
@@ -137,9 +149,13 @@ def table(work: Work) -> str:
         shared = " (shared)" if evaluated.get("sharing_gpu", 1) > 1 else ""  # decoded beside other variants
         for b in blocks:
             e = ev.get(str(b), {})
-            row += [_fmt(estimate_for(train, b)), _fmt(same_prompts_estimate(train, evaluated, b)),
-                    _fmt(e.get("tau")), _fmt(e.get("speedup"), ".2f") + ("x" + shared if e else ""),
-                    _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_speedup"), ".2f") + ("x" + shared if e else "")]
+            estimate = estimate_for(train, b)
+            row += [_fmt(estimate), _fmt(same_prompts_estimate(train, evaluated, b)),
+                    _fmt(e.get("tau")), _fmt(e.get("tau_per_prompt_mean")),
+                    _fmt(_ratio(estimate, e.get("tau")), ".3f"), _fmt(_ratio(e.get("tau"), e.get("lookup_tau"))) + ("x" if e else ""),
+                    _fmt(e.get("speedup"), ".2f") + ("x" + shared if e else ""),
+                    _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_tau_per_prompt_mean")),
+                    _fmt(e.get("lookup_speedup"), ".2f") + ("x" + shared if e else "")]
         first = ev.get(str(blocks[0]), {})  # the longest prompts alone: where a window would show
         row.append("–" if "tau_longest_prompts" not in first else
                    f"{first['tau_longest_prompts']:.2f} / {first['lookup_tau_longest_prompts']:.2f} "
@@ -149,15 +165,22 @@ def table(work: Work) -> str:
         rows.append(row)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    about = (f"target: {_fmt(target.get('parameters', 0) / 1e6, '.1f')}M parameters, {target.get('train_files', '–')} "
+    vocab = (f"BPE of {s.vocab_size:,} ids (digest {target.get('vocab_digest', '–')})" if s.vocab == "bpe"
+             else f"bytes ({s.vocab_size} ids)")
+    about = (f"domain: {s.domain}, vocabulary: {vocab}, {_fmt(target.get('bytes_per_token'))} bytes a token; "
+             f"target: {_fmt(target.get('parameters', 0) / 1e6, '.1f')}M parameters, {target.get('train_files', '–')} "
              f"training / {target.get('held_out_files', '–')} held-out files (digest {target.get('corpus_digest', '–')}), "
-             f"held-out loss {_fmt(target.get('held_out_loss'), '.3f')} nats/byte "
+             f"held-out loss {_fmt(target.get('held_out_loss'), '.3f')} nats/token "
              f"({_fmt(target.get('held_out_bits_per_byte'))} bits/byte; training windows "
              f"{_fmt(target.get('train_loss'), '.3f')}); {data.get('samples', '–')} completions of "
-             f"{s.completion_tokens} tokens, {data.get('tokens', '–')} tokens; {data.get('eval_prompts', '–')} held-out "
+             f"{s.completion_tokens} tokens (half greedy, half T={s.sample_temperature}), {data.get('tokens', '–')} tokens"
+             + (f", {data.get('extra_samples')} more sampled (extra_cache)" if data.get("extra_samples") else "")
+             + f"; {data.get('eval_prompts', '–')} held-out "
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch 1, prompt lookup n <= {s.lookup_ngram}; "
-             f"estimate: the trainer's held-out walk over {data.get('estimate_prompts', '–')} greedy completions of "
-             "other held-out prompts (--eval-cache), at the exported (best) step; est. (same prompts): "
+             "tau: accepted tokens / verification cycles over all prompts (pooled), per-prompt mean beside it; "
+             "est.: the trainer's held-out estimate at the exported (best) step (its default held-out split "
+             "of the training data, unless the variant passes --eval-cache estimate_cache: greedy completions "
+             f"of {data.get('estimate_prompts', '–')} other held-out prompts); est. (same prompts): "
              "dflash-train estimate of the exported drafter over greedy completions of the decoded prompts "
              "themselves; per-block mean: the old estimator")
     return "\n".join([about, "", *lines])
@@ -192,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/dev/shm/dflash-quality", help="Where every artifact goes.")
     parser.add_argument("--small", action="store_true", help="The CPU smoke run (tiny target, a few hundred samples).")
+    parser.add_argument("--domain", choices=DOMAINS, default="code",
+                        help="code (Python sources) or prose (docstring English) of the installed packages [default: code].")
+    parser.add_argument("--vocab", choices=("bpe", "bytes"), default="bpe",
+                        help="The target's vocabulary: a learned BPE (vocab_size ids) or bytes [default: bpe].")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"Comma-separated subset of {','.join(STAGES)}.")
     parser.add_argument("--variant", action="append", default=None,
                         help="'EPOCHS [dflash-train flags]' (repeatable) [default: '2'].")
@@ -208,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise BenchError(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}.")
         variants = parse_variants(args.variant or ["2"])
-        sizes = apply_overrides(SMALL if args.small else FULL, args.overrides)
+        sizes = apply_overrides(preset(args.domain, args.vocab, args.small), args.overrides)
         work = Work(Path(args.workdir), sizes, device, log=lambda m: print(m, flush=True),
                     eval_blocks=tuple(int(b) for b in args.eval_blocks.split(",")) if args.eval_blocks else None)
         if work.sizes.cpu_threads and device == "cpu":

@@ -4,6 +4,7 @@ skipped on a rerun and one run of a few minutes can do one or two stages."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -16,10 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from corpus import (
-    MASK_ID,
-    VOCAB_SIZE,
     Document,
     corpus_digest,
     cut_prompts,
@@ -27,12 +27,30 @@ from corpus import (
     token_stream,
 )
 from target import build_target, complete, mean_loss, train_target
+from vocab import (
+    BYTE_VOCAB_SIZE,
+    ByteVocabulary,
+    Encoded,
+    Vocabulary,
+    load_vocabulary,
+    train_bpe,
+    vocabulary_digest,
+)
 
 
 @dataclass(kw_only=True)
 class Sizes:
     """Everything that decides the benchmark's figures (recorded in settings.json)."""
 
+    domain: str = "code"
+    """code (the packages' Python sources) or prose (the English of their docstrings): corpus.py."""
+    vocab: str = "bpe"
+    """bpe (learned from the training documents, vocab_size ids) or bytes (256 and 4 specials)."""
+    vocab_size: int = 8192
+    """bpe: the learned vocabulary's size; bytes: 260, padded with ids no text uses when larger
+    (e.g. 32768, to see what a real target's large vocabulary changes for the drafter)."""
+    bpe_train_bytes: int = 32_000_000
+    """The BPE is learned from the first this many bytes of the training documents (0: all)."""
     packages: tuple[str, ...] = ("torch", "transformers", "numpy")
     """Installed packages whose `*.py` files are the corpus."""
     held_out_percent: int = 10
@@ -41,18 +59,21 @@ class Sizes:
     """Keep only the first N training files (0: all)."""
     target_hidden: int = 384
     target_layers: int = 6
-    # the target's training: AdamW steps of target_batch windows of target_seq_len bytes
-    target_steps: int = 4000
+    # the target's training: AdamW steps of target_batch windows of target_seq_len tokens
+    target_steps: int = 3000
     target_batch: int = 64
-    target_seq_len: int = 512
+    target_seq_len: int = 384
     target_lr: float = 2e-3
-    prompt_lengths: tuple[int, ...] = (64, 96, 128, 160, 192)
-    """Prompt lengths in bytes (cycled over the batches of completions and the eval prompts)."""
+    prompt_lengths: tuple[int, ...] = (64, 96, 128)
+    """Prompt lengths in tokens (cycled over the batches of completions and the eval prompts)."""
     loss_windows: int = 256
-    """Held-out windows of target_seq_len bytes for the target's held-out loss."""
+    """Held-out windows of target_seq_len tokens for the target's held-out loss."""
     completions: int = 32768
     """Target-generated drafter training samples (half greedy, half sampled)."""
-    sample_temperature: float = 0.8
+    sample_temperature: float = 0.7
+    extra_samples: int = 0
+    """More sampled completions of every training prompt (completions_extra/, extracted to
+    extra_cache): a variant trains on them too with `--cache extra_cache`."""
     completion_tokens: int = 160
     generate_batch: int = 4096
     batches_per_part: int = 2
@@ -63,24 +84,25 @@ class Sizes:
     """Held-out-file prompts dflash-eval decodes."""
     eval_new_tokens: int = 160
     estimate_prompts: int = 512
-    """Other held-out-file prompts whose greedy fp32 completions are the trainer's --eval-cache:
-    its held-out estimate (docs/train.md, "Estimator") and the best checkpoint come from them."""
+    """Other held-out-file prompts whose greedy fp32 completions make estimate_cache. A variant
+    reads it only when it says so (`--eval-cache estimate_cache`: the benchmark's old estimate);
+    by default the trainer holds out a share of the training data, as users run it."""
     eval_block_sizes: tuple[int, ...] = (16, 8)
     lookup_ngram: int = 4
     train_args: tuple[str, ...] = ()
     """Extra dflash-train flags every variant gets (sizes for a CPU run)."""
     extract_args: tuple[str, ...] = ()
     """Extra dflash-extract flags."""
-    vocab_size: int = VOCAB_SIZE
-    """The target's vocabulary: 256 bytes and 4 specials, padded with ids no text uses when larger
-    (e.g. 32768, to see what a real target's large vocabulary changes for the drafter)."""
     seed: int = 0
     cpu_threads: int = 0
     """torch threads on CPU, also for the child commands (0: torch's default)."""
 
 
 FULL = Sizes()
-SMALL = Sizes(packages=("numpy",), max_files=40, target_hidden=64, target_layers=3, target_steps=30,
+"""One H200: a 17M-parameter target over 8,192 BPE ids, 74M tokens of training (about two
+minutes; the byte target's 4,000 steps of 64 x 512 took 156 s, and a BPE token costs about 1.3
+of a byte's FLOPs at this width), 32,768 completions of 64-128-token prompts."""
+SMALL = Sizes(packages=("numpy",), max_files=40, vocab_size=512, target_hidden=64, target_layers=3, target_steps=30,
               target_batch=8, target_seq_len=128, loss_windows=16, completions=256, prompt_lengths=(24, 32, 48),
               completion_tokens=24, generate_batch=64, target_layer_ids=(0, 1), eval_prompts=3, eval_new_tokens=24,
               estimate_prompts=12,
@@ -89,6 +111,28 @@ SMALL = Sizes(packages=("numpy",), max_files=40, target_hidden=64, target_layers
                           "--num-workers", "0", "--dtype", "fp32", "--lr", "3e-3", "--block-size", "8"),
               extract_args=("--dtype", "fp32", "--num-writers", "0"), cpu_threads=1)
 """The CPU smoke run (seconds of compute; CI): the code path, not the figures."""
+
+PROSE_PACKAGES = ("torch", "transformers", "numpy", "sympy", "networkx")
+"""About 10 MB of docstring prose (sympy and networkx come with torch)."""
+BYTES = {"vocab": "bytes", "vocab_size": BYTE_VOCAB_SIZE, "target_steps": 4000, "target_seq_len": 512,
+         "prompt_lengths": (64, 96, 128, 160, 192), "sample_temperature": 0.8}
+"""The byte-level benchmark of the earlier recipe tables (docs/benchmarks-history.md)."""
+
+
+def preset(domain: str = "code", vocab: str = "bpe", small: bool = False) -> Sizes:
+    """The sizes of a domain and vocabulary, at the H200 size or the CPU smoke size."""
+    base = SMALL if small else FULL
+    changes: dict[str, Any] = {"domain": domain}
+    if domain == "prose" and not small:
+        # ~2.5M training tokens: 2,000 steps are ~20 passes already (held-out loss shows overfitting)
+        changes.update(packages=PROSE_PACKAGES, target_steps=2000)
+    if vocab == "bytes":
+        changes.update({k: v for k, v in BYTES.items() if not small or k in ("vocab", "vocab_size")})
+        if domain == "prose" and not small:
+            changes["target_steps"] = 2000
+    elif vocab != "bpe":
+        raise BenchError(f"--vocab {vocab!r}: choose bpe or bytes.")
+    return dataclasses.replace(base, **changes)
 
 
 class BenchError(RuntimeError):
@@ -107,6 +151,8 @@ class Work:
     """Block sizes the eval stage decodes at (default: sizes.eval_block_sizes); those above a
     drafter's own block are skipped."""
     _corpus: tuple[list[Document], list[Document]] | None = field(default=None, repr=False)
+    _vocab: Vocabulary | None = field(default=None, repr=False)
+    _encoded: tuple[list[Encoded], list[Encoded]] | None = field(default=None, repr=False)
 
     def stage_path(self, name: str) -> Path:
         return self.root / "stages" / f"{name}.json"
@@ -130,8 +176,59 @@ class Work:
     def corpus(self) -> tuple[list[Document], list[Document]]:
         if self._corpus is None:
             s = self.sizes
-            self._corpus = load_corpus(list(s.packages), s.held_out_percent, s.max_files)
+            self._corpus = load_corpus(list(s.packages), s.held_out_percent, s.max_files, domain=s.domain)
         return self._corpus
+
+    def vocab(self) -> Vocabulary:
+        """The target's vocabulary: learned here the first time (bpe), else read from target/."""
+        if self._vocab is None:
+            s = self.sizes
+            if s.vocab == "bytes":
+                self._vocab = ByteVocabulary(s.vocab_size)
+            elif (self.root / "target" / "tokenizer.json").is_file():
+                self._vocab = load_vocabulary(s.vocab, s.vocab_size, self.root / "target")
+            else:
+                start = time.perf_counter()
+                self._vocab = train_bpe([d.data for d in self.corpus()[0]], s.vocab_size, s.bpe_train_bytes)
+                self.log(f"  BPE of {self._vocab.tokenizer.get_vocab_size()} ids learned in "
+                         f"{time.perf_counter() - start:.1f} s (digest {vocabulary_digest(self._vocab)})")
+        return self._vocab
+
+    def encoded(self) -> tuple[list[Encoded], list[Encoded]]:
+        """The (training, held-out) documents as token ids, kept in WORKDIR/tokens.npz once
+        made (encoding tens of MB takes longer than reading them back)."""
+        if self._encoded is None:
+            path = self.root / "tokens.npz"
+            if path.is_file():
+                self._encoded = _read_encoded(path)
+            else:
+                train, held = self.corpus()
+                vocab = self.vocab()
+                self._encoded = (vocab.encode([d.data for d in train]), vocab.encode([d.data for d in held]))
+                _write_encoded(path, *self._encoded)
+        return self._encoded
+
+
+def _write_encoded(path: Path, train: list[Encoded], held: list[Encoded]) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for split, docs in (("train", train), ("held", held)):
+        arrays[f"{split}_tokens"] = np.concatenate([e.tokens for e in docs])
+        arrays[f"{split}_token_counts"] = np.array([len(e.tokens) for e in docs], dtype=np.int64)
+        arrays[f"{split}_starts"] = np.concatenate([e.line_starts for e in docs])
+        arrays[f"{split}_start_counts"] = np.array([len(e.line_starts) for e in docs], dtype=np.int64)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _read_encoded(path: Path) -> tuple[list[Encoded], list[Encoded]]:
+    with np.load(path) as z:
+        out = []
+        for split in ("train", "held"):
+            tokens = np.split(z[f"{split}_tokens"], np.cumsum(z[f"{split}_token_counts"])[:-1])
+            starts = np.split(z[f"{split}_starts"], np.cumsum(z[f"{split}_start_counts"])[:-1])
+            out.append([Encoded(t, s) for t, s in zip(tokens, starts)])
+    return out[0], out[1]
 
 
 def check_settings(work: Work) -> None:
@@ -161,30 +258,41 @@ def _sync(device: str) -> None:
 def stage_target(work: Work) -> dict[str, Any]:
     s, device = work.sizes, torch.device(work.device)
     train, held = work.corpus()
-    work.log(f"corpus: {len(train)} training files ({sum(len(d.data) for d in train) / 1e6:.1f} MB), "
+    work.log(f"corpus ({s.domain}): {len(train)} training files ({sum(len(d.data) for d in train) / 1e6:.1f} MB), "
              f"{len(held)} held-out files ({sum(len(d.data) for d in held) / 1e6:.1f} MB)")
     start = time.perf_counter()
-    model = build_target(s.target_hidden, s.target_layers, s.seed, vocab_size=s.vocab_size)
+    vocab = work.vocab()
+    train_enc, held_enc = work.encoded()
+    train_stream = token_stream(train_enc, vocab.bos_id, vocab.eos_id)
+    held_stream = token_stream(held_enc, vocab.bos_id, vocab.eos_id)
+    bytes_per_token = sum(len(d.data) for d in held) / max(1, sum(len(e.tokens) for e in held_enc))
+    work.log(f"  {len(train_stream) / 1e6:.1f}M training tokens, {len(held_stream) / 1e6:.2f}M held out "
+             f"({bytes_per_token:.2f} bytes a token)")
+    model = build_target(s.target_hidden, s.target_layers, s.seed, vocab=vocab)
     params = sum(p.numel() for p in model.parameters())
-    trained = train_target(model, token_stream(train), steps=s.target_steps, batch_size=s.target_batch,
+    trained = train_target(model, train_stream, steps=s.target_steps, batch_size=s.target_batch,
                            seq_len=s.target_seq_len, lr=s.target_lr, seed=s.seed, device=device, log=work.log)
     if device.type == "cuda":
         # The saved weights are bf16 (half the bytes to move) and they are the model measured
         # and sampled below: the drafter's data comes from exactly the target it is evaluated on.
         model.to(torch.bfloat16)
-    held_loss = mean_loss(model, token_stream(held), windows=s.loss_windows, seq_len=s.target_seq_len,
+    held_loss = mean_loss(model, held_stream, windows=s.loss_windows, seq_len=s.target_seq_len,
                           seed=s.seed + 1, device=device)
-    train_loss = mean_loss(model, token_stream(train), windows=s.loss_windows, seq_len=s.target_seq_len,
+    train_loss = mean_loss(model, train_stream, windows=s.loss_windows, seq_len=s.target_seq_len,
                            seed=s.seed + 2, device=device)
     _sync(work.device)
     seconds = time.perf_counter() - start
     model.save_pretrained(str(work.root / "target"))
-    result = {"parameters": params, "train_files": len(train), "held_out_files": len(held),
+    vocab.save(work.root / "target")
+    result = {"parameters": params, "domain": s.domain, "vocab": vocab.kind, "vocab_size": vocab.size,
+              "vocab_digest": vocabulary_digest(vocab), "train_files": len(train), "held_out_files": len(held),
               "train_bytes": sum(len(d.data) for d in train), "held_out_bytes": sum(len(d.data) for d in held),
+              "train_tokens": len(train_stream), "held_out_tokens": len(held_stream),
+              "bytes_per_token": bytes_per_token,
               "corpus_digest": corpus_digest(train + held), "held_out_loss": held_loss,
-              "held_out_bits_per_byte": held_loss / 0.6931471805599453, "train_loss": train_loss,
+              "held_out_bits_per_byte": held_loss / 0.6931471805599453 / bytes_per_token, "train_loss": train_loss,
               "seconds": seconds, **trained}
-    work.log(f"target: {params / 1e6:.1f}M parameters, held-out loss {held_loss:.3f} nats/byte "
+    work.log(f"target: {params / 1e6:.1f}M parameters, held-out loss {held_loss:.3f} nats/token "
              f"({result['held_out_bits_per_byte']:.2f} bits/byte), training windows {train_loss:.3f}, {seconds:.0f} s")
     return result
 
@@ -199,31 +307,39 @@ def _load_target(work: Work) -> Any:
 
 
 def stage_generate(work: Work) -> dict[str, Any]:
-    """Target completions of training-file prompts (batches alternate greedy and sampled), and
+    """Target completions of training-file prompts (batches alternate greedy and sampled; with
+    extra_samples, more sampled completions of the same prompts in completions_extra/), and
     evaluation prompts from held-out files."""
     s = work.sizes
-    train, held = work.corpus()
+    train, held = work.encoded()
     model = _load_target(work)
+    device = torch.device(work.device)
     start = time.perf_counter()
     batches = -(-s.completions // s.generate_batch)
-    tokens = 0
-    parts = work.root / "completions"
-    shutil.rmtree(parts, ignore_errors=True)
+    tokens = extra = 0
+    parts, extra_parts = work.root / "completions", work.root / "completions_extra"
+    for d in (parts, extra_parts):
+        shutil.rmtree(d, ignore_errors=True)
     parts.mkdir()
+    if s.extra_samples:
+        extra_parts.mkdir()
     for first in range(0, batches, s.batches_per_part):
-        with gzip.open(parts / f"part-{first // s.batches_per_part:03d}.jsonl.gz", "wt", compresslevel=6) as f:
+        name = f"part-{first // s.batches_per_part:03d}.jsonl.gz"
+        with gzip.open(parts / name, "wt", compresslevel=6) as f, \
+                (gzip.open(extra_parts / name, "wt", compresslevel=6) if s.extra_samples else open(os.devnull, "w")) as fx:
             for b in range(first, min(batches, first + s.batches_per_part)):
                 count = min(s.generate_batch, s.completions - b * s.generate_batch)
                 length = s.prompt_lengths[b % len(s.prompt_lengths)]
                 prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=0)
                 temperature = 0.0 if b % 2 == 0 else s.sample_temperature
-                for prompt, new in zip(prompts, complete(model, prompts, s.completion_tokens, temperature,
-                                                         s.seed * 1000 + b, torch.device(work.device))):
-                    tokens += len(prompt) + len(new)
-                    record = {"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}
-                    f.write(json.dumps(record) + "\n")
+                tokens += _write_completions(f, prompts, complete(model, prompts, s.completion_tokens, temperature,
+                                                                  s.seed * 1000 + b, device))
+                for k in range(s.extra_samples):  # other samples of the same prompts, other seeds
+                    extra += _write_completions(fx, prompts, complete(
+                        model, prompts, s.completion_tokens, s.sample_temperature, (s.seed * 1000 + b) * 64 + k + 1, device))
                 work.log(f"  completions batch {b + 1}/{batches} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
-                         f"prompts of {length} bytes)  {time.perf_counter() - start:.0f} s")
+                         f"prompts of {length} tokens" + (f", {s.extra_samples} more sampled" if s.extra_samples else "")
+                         + f")  {time.perf_counter() - start:.0f} s")
     prompts = cut_prompts(held, s.eval_prompts, list(s.prompt_lengths), seed=s.seed + 7, tail=s.eval_new_tokens)
     with open(work.root / "eval_prompts.jsonl", "w") as f:
         for p in prompts:
@@ -233,11 +349,21 @@ def stage_generate(work: Work) -> dict[str, Any]:
     # tau varies widely, so another prompt set alone moves a 40-prompt tau by several percent).
     decoded = write_estimate_set(work, prompts, "decoded_set")
     _sync(work.device)
-    return {"samples": s.completions, "tokens": tokens, "eval_prompts": len(prompts),
+    return {"samples": s.completions, "tokens": tokens, "extra_samples": s.completions * s.extra_samples,
+            "extra_tokens": extra, "eval_prompts": len(prompts),
             "estimate_prompts": estimate, "decoded_prompts": decoded, "seconds": time.perf_counter() - start}
 
 
-def estimate_prompts(s: Sizes, held: list[Document]) -> list[list[int]]:
+def _write_completions(f: Any, prompts: list[list[int]], completions: list[list[int]]) -> int:
+    """One JSONL record per prompt and its completion (loss on the completion); tokens written."""
+    tokens = 0
+    for prompt, new in zip(prompts, completions):
+        tokens += len(prompt) + len(new)
+        f.write(json.dumps({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
+    return tokens
+
+
+def estimate_prompts(s: Sizes, held: list[Encoded]) -> list[list[int]]:
     """The --eval-cache's prompts: `estimate_prompts` held-out-file prompts other than the decoded ones."""
     prompts: list[list[int]] = []
     for i, length in enumerate(s.prompt_lengths):
@@ -298,7 +424,9 @@ def run_command(name: str, module: str, args: list[str], log_path: Path, stdout:
 def stage_extract(work: Work) -> dict[str, Any]:
     s = work.sizes
     seconds = {}
-    sets = (("completions", "cache"), ("estimate_set", "estimate_cache"), ("decoded_set", "decoded_cache"))
+    sets = [("completions", "cache"), ("estimate_set", "estimate_cache"), ("decoded_set", "decoded_cache")]
+    if s.extra_samples:
+        sets.append(("completions_extra", "extra_cache"))
     for data, cache in sets:
         seconds[cache] = run_command("dflash-extract", "dflash.extract.cli", [
             "--target-model", str(work.root / "target"), "--data", str(work.root / data),
@@ -306,7 +434,7 @@ def stage_extract(work: Work) -> dict[str, Any]:
             "--device", work.device, "--no-progress", *s.extract_args], work.root / f"extract-{cache}.log",
             env=work.child_env())
     return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"],
-            "decoded_seconds": seconds["decoded_cache"]}
+            "decoded_seconds": seconds["decoded_cache"], "extra_seconds": seconds.get("extra_cache")}
 
 
 @dataclass(frozen=True)
@@ -322,16 +450,35 @@ class Variant:
         return f"e{self.epochs}" + (f"-{extra}" if extra else "")
 
 
+WORKDIR_PATH_FLAGS = ("--cache", "--eval-cache")
+"""Variant flags whose relative value names a cache of the work directory (`--eval-cache
+estimate_cache`: the old estimate over greedy completions of other held-out prompts; `--cache
+extra_cache`: the extra sampled completions as well)."""
+
+
+def variant_args(work: Work, variant: Variant) -> list[str]:
+    """The variant's dflash-train flags, a relative cache name made a path of the work directory."""
+    args = list(variant.train_args)
+    for i, (flag, value) in enumerate(zip(args, args[1:])):
+        if flag in WORKDIR_PATH_FLAGS and not Path(value).is_absolute():
+            if not (work.root / value / "manifest.json").is_file():
+                raise BenchError(f"--variant {variant.name}: {flag} {value}: no cache {work.root / value} "
+                                 "(extra_cache needs --set extra_samples=N before the generate stage).")
+            args[i + 1] = str(work.root / value)
+    return args
+
+
 def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
     s = work.sizes
     run_dir = work.root / f"run-{variant.name}"
+    # No --eval-cache unless the variant asks: the trainer's own held-out split of the (half
+    # sampled) training data, with its greedy replay against the cached top-1, is what users get.
     seconds = run_command("dflash-train", "dflash.train.cli", [
         "--cache", str(work.root / "cache"), "--target-model", str(work.root / "target"),
         "--output-dir", str(run_dir), "--epochs", str(variant.epochs), "--seed", str(s.seed),
-        "--eval-cache", str(work.root / "estimate_cache"),
-        "--mask-token-id", str(MASK_ID), "--device", work.device, "--save-interval", "0",
-        "--no-progress", "--no-tensorboard", *s.train_args, *variant.train_args], work.root / f"train-{variant.name}.log",
-        env=work.child_env())
+        "--mask-token-id", str(work.vocab().mask_id), "--device", work.device, "--save-interval", "0",
+        "--no-progress", "--no-tensorboard", *s.train_args, *variant_args(work, variant)],
+        work.root / f"train-{variant.name}.log", env=work.child_env())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     trained_on = re.search(r"(\d+) for training", (work.root / f"train-{variant.name}.log").read_text())
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -413,15 +560,17 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
         [r] = json.loads(out.read_text())["prompt_sets"]
         lookup = r["prompt_lookup"]
         results[str(block)] = {
-            "tau": r["tau"], "speedup": r["speedup"], "lossless": r["lossless"].get("identical"),
-            "lookup_tau": lookup["tau"], "lookup_speedup": lookup["speedup"],
+            "tau": r["tau"], "tau_per_prompt_mean": r.get("tau_per_prompt_mean"), "speedup": r["speedup"],
+            "lossless": r["lossless"].get("identical"),
+            "lookup_tau": lookup["tau"], "lookup_tau_per_prompt_mean": lookup.get("tau_per_prompt_mean"),
+            "lookup_speedup": lookup["speedup"],
             "lookup_lossless": lookup["lossless"].get("identical"), "seconds": seconds,
             # the longest prompts alone (the sliding-window comparison's figure)
             "longest_prompt_tokens": max(p["prompt_tokens"] for p in r["per_prompt"]),
             "tau_longest_prompts": _longest_tau(r["per_prompt"]),
             "lookup_tau_longest_prompts": _longest_tau(lookup["per_prompt"]),
         }
-        work.log(f"  block {block}: drafter tau {r['tau']:.2f} ({r['speedup']:.2f}x), "
-                 f"prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
+        work.log(f"  block {block}: drafter tau {r['tau']:.2f} (per-prompt mean {r['tau_per_prompt_mean']:.2f}; "
+                 f"{r['speedup']:.2f}x), prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
     return {"variant": variant.name, "estimate_same_prompts": same_prompts, "blocks": results,
             "sharing_gpu": sharing_gpu()}

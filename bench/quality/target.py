@@ -1,5 +1,5 @@
-"""The benchmark's target: a byte-level Qwen3 LM trained from scratch on the code corpus, and
-its own completions (the drafter's training data)."""
+"""The benchmark's target: a Qwen3 LM trained from scratch on a domain's corpus (over bytes or
+a learned BPE), and its own completions (the drafter's training data)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
-from corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from dflash.eval.speculative import forward_with_cache, new_kv_cache
+from vocab import ByteVocabulary, Vocabulary
 
 
-def build_target(hidden_size: int, num_layers: int, seed: int, vocab_size: int = VOCAB_SIZE) -> Any:
-    """A randomly initialized Qwen3 causal LM over the byte vocabulary (head width 64, or less).
-    A `vocab_size` above the bytes and specials adds ids no text uses: training drives their
-    logits down, as a real target's rare tokens, and the drafter shares their head rows."""
-    if vocab_size < VOCAB_SIZE:
-        raise ValueError(f"vocab_size {vocab_size} is below the {VOCAB_SIZE} ids of the bytes and specials.")
+def build_target(hidden_size: int, num_layers: int, seed: int, vocab: Vocabulary | None = None) -> Any:
+    """A randomly initialized Qwen3 causal LM over `vocab` (default: bytes; head width 64, or
+    less). Ids of the vocabulary no text uses (a byte vocabulary padded to a real target's size)
+    get their logits driven down by training, as a real target's rare tokens, and the drafter
+    shares their head rows."""
     from transformers import AutoModelForCausalLM, Qwen3Config
+
+    vocab = vocab or ByteVocabulary()
+    vocab_size = vocab.size
 
     head_dim = min(64, hidden_size // 2)
     heads = hidden_size // head_dim
@@ -26,7 +29,7 @@ def build_target(hidden_size: int, num_layers: int, seed: int, vocab_size: int =
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=(8 * hidden_size) // 3 // 64 * 64 or 128,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 3),
         head_dim=head_dim, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        bos_token_id=vocab.bos_id, eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id,
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
@@ -43,10 +46,10 @@ def _autocast(device: torch.device, enabled: bool = True) -> Any:
     return torch.autocast("cpu", enabled=False)
 
 
-def train_target(model: Any, stream: list[int], *, steps: int, batch_size: int, seq_len: int, lr: float,
+def train_target(model: Any, stream: np.ndarray, *, steps: int, batch_size: int, seq_len: int, lr: float,
                  seed: int, device: torch.device, log: Any = print) -> dict[str, float]:
     """Next-token training on random windows of the stream (AdamW, warmup + cosine, bf16 on CUDA)."""
-    data = torch.tensor(stream, dtype=torch.long)
+    data = torch.from_numpy(stream.astype(np.int64))
     g = torch.Generator().manual_seed(seed)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=device.type == "cuda")
@@ -71,9 +74,9 @@ def train_target(model: Any, stream: list[int], *, steps: int, batch_size: int, 
 
 
 @torch.no_grad()
-def mean_loss(model: Any, stream: list[int], *, windows: int, seq_len: int, seed: int, device: torch.device) -> float:
-    """Mean next-token cross-entropy (nats per byte) on `windows` fixed random windows of the stream."""
-    data = torch.tensor(stream, dtype=torch.long)
+def mean_loss(model: Any, stream: np.ndarray, *, windows: int, seq_len: int, seed: int, device: torch.device) -> float:
+    """Mean next-token cross-entropy (nats per token) on `windows` fixed random windows of the stream."""
+    data = torch.from_numpy(stream.astype(np.int64))
     batch = _windows(data, windows, seq_len, torch.Generator().manual_seed(seed))
     model.eval()
     total = 0.0
