@@ -127,12 +127,13 @@ def test_extract_second_signal_exits_at_once_and_stops_the_writers(zygote, world
 # -- training --------------------------------------------------------------------------------
 
 
-def finish_training(zygote, world, config, out) -> None:
+def finish_training(zygote, world, config, out, expected: str | None = None) -> None:
+    """Rerun the command; it must end with `expected` (the reference run's weights hash)."""
     had_checkpoint = bool(complete_checkpoints(out))
     rerun = zygote.run("train", ["--config", config, "--output-dir", out])
     assert rerun.wait() == 0, rerun.output()
     assert ("Resuming from" in rerun.output()) == had_checkpoint
-    assert weights_hash(out) == world["weights_hash"]
+    assert weights_hash(out) == (expected or world["weights_hash"])
 
 
 def no_staging(out) -> bool:
@@ -186,6 +187,25 @@ def test_train_signal_during_a_checkpoint_save_leaves_complete_checkpoints(zygot
         assert {p.name for p in (out / "checkpoints" / name).iterdir()} == {
             "model.safetensors", "optimizer.pt", "trainer.pt", "meta.json"}
     finish_training(zygote, world, config, out)
+
+
+def test_train_dflash2_sigint_checkpoints_and_the_rerun_ends_like_an_uninterrupted_run(zygote, world, tmp_path):
+    # DFlash2's convolutions and candidate selector are in the checkpoint and the resumed state.
+    config = train_config_file(tmp_path / "train.json", world["cache"], world["target"], drafter_type="dflash2",
+                               selector_rank=8, selector_top_k=4, conv_group_size=8)
+    reference = zygote.run("train", ["--config", config, "--output-dir", tmp_path / "reference"])
+    out = tmp_path / "run"
+    run = zygote.run("train", ["--config", config, "--output-dir", out], env={"DFLASH_TEST_SLEEP_PER_BATCH": "0.05"})
+    wait_until(lambda: len(logged_steps(out)) >= 3, what="step 3")
+    sent = run.signal(signal.SIGINT)
+    text = assert_stopped(run, signal.SIGINT, sent)
+    assert "finishing this step, writing a checkpoint" in text
+    last = logged_steps(out)[-1]
+    assert complete_checkpoints(out)[-1] == f"step-{last:06d}" and no_staging(out)
+    assert reference.wait(timeout=120) == 0, reference.output()
+    assert last < logged_steps(tmp_path / "reference")[-1]  # stopped before the end
+    finish_training(zygote, world, config, out, expected=weights_hash(tmp_path / "reference"))
+    assert weights_hash(out) != world["weights_hash"]  # (a DFlash2 run: not the DFlash reference's weights)
 
 
 def test_train_second_signal_exits_at_once_and_stops_the_workers(zygote, world, tmp_path):
