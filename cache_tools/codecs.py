@@ -38,7 +38,6 @@ NF4_LEVELS = np.array([
     0.7229568362236023, 1.0], dtype=np.float32)
 NF4_GROUP = 32
 NF4_SCALE_CANDIDATES = (1.0, 0.9, 0.8, 0.7)
-EMPTY_CHUNK = 2**64 - 1  # a zarr shard index entry (offset and size) of a chunk that is not stored
 
 # Codec fields of earlier versions, which chose how the chunks were packed (zstd frames written
 # by the project's own Blosc encoder). Any Blosc decoder reads those chunks; the fields are

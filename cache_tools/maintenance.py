@@ -30,7 +30,7 @@ from .manifest import (
     decode_log_line,
     read_header,
 )
-from .reader import EMPTY, CacheReader, PartFiles
+from .reader import CacheReader, PartFiles
 from .schema import (
     HIDDEN,
     HIDDEN_ARRAYS,
@@ -43,6 +43,7 @@ from .schema import (
     scale_of,
     shard_key,
 )
+from .shard_format import EMPTY
 from .writer import find_orphans, orphan_name, remove_orphans
 
 

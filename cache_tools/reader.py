@@ -25,17 +25,16 @@ import torch
 from dflash.runtime.quantize import dequantize_fp8
 from numcodecs.zstd import Zstd
 
-from .checksum import crc32c
-from .codecs import EMPTY_CHUNK, decode_nf4
+from .codecs import decode_nf4
 from .errors import CacheCorruptError
 from .manifest import HEADER_FILE, PARTS_DIR, Manifest, PartRecord, read_manifest
 from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
+from .shard_format import EMPTY, decode_index, unframe_chunk
 
 # Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
 # DataLoader workers safe and makes throughput per core a meaningful figure.
 numcodecs.blosc.use_threads = False
 
-EMPTY = np.uint64(EMPTY_CHUNK)
 _ZSTD = Zstd()
 
 
@@ -107,13 +106,6 @@ class _Where:
         return self.part.where(self.array, f", chunk {self.chunk}")
 
 
-def _checksum_mismatch(what: str | _Where) -> CacheCorruptError:
-    return CacheCorruptError(
-        f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
-        "verify` to list every damaged chunk, then re-extract the part."
-    )
-
-
 class PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
@@ -176,21 +168,11 @@ class PartFiles:
             self.maps[name] = m
         return m
 
-    def _checked(self, buf: memoryview, what: str | _Where, has_crc: bool) -> memoryview:
-        if not has_crc:
-            return buf
-        if len(buf) < 4:
-            raise CacheCorruptError(f"{what}: chunk is shorter than its checksum (truncated).")
-        body = buf[:-4]
-        if self.verify and crc32c(body) != int.from_bytes(buf[-4:], "little"):
-            raise _checksum_mismatch(what)
-        return body
-
     def _decode(self, buf: memoryview, meta: ArrayMeta, nbytes: int, what: str | _Where, out=None):
         """Decode one stored chunk; returns a buffer of `nbytes` (possibly `out` itself)."""
         names = list(meta.codecs)
         if names and names[-1] == "crc32c":
-            buf = self._checked(buf, what, True)
+            buf = unframe_chunk(buf, what, self.verify)
             names.pop()
         try:
             for name in reversed(names):
@@ -212,16 +194,9 @@ class PartFiles:
         m = self._map(array, key)
         idx = self.indexes.get(f"{array}/{key}")
         if idx is None:
-            n_inner = meta.shard_rows // meta.chunk_rows
-            size = n_inner * 16 + (4 if meta.index_checked else 0)
             what = self.where(array, f", shard file {key}, index")
-            if len(m) < size:
-                raise CacheCorruptError(f"{what}: the shard file is truncated ({len(m)} bytes).")
-            raw = self._checked(memoryview(m)[len(m) - size:], what, meta.index_checked)
-            idx = np.frombuffer(raw, dtype="<u8").reshape(n_inner, 2).copy()
-            live = idx[:, 0] != EMPTY
-            if np.any(idx[live, 0] + idx[live, 1] > len(m) - size):
-                raise CacheCorruptError(f"{what}: chunk offsets point past the end of the file (truncated).")
+            idx = decode_index(memoryview(m), meta.shard_rows // meta.chunk_rows, meta.index_checked,
+                               self.verify, what)
             self.indexes[f"{array}/{key}"] = idx
         return m, idx
 
@@ -418,7 +393,9 @@ class CacheReader:
         meta = pf.array_meta(array)
         shape = (stop - start, self.schema.value_width(array) if self._codec.packed else meta.shape[1])
         raw_fp8 = self._codec.has_scale and not dequantize
-        dtype = torch.uint8 if raw_fp8 else torch.bfloat16
+        if self._codec.packed and not dequantize:
+            shape = (stop - start, meta.shape[1])
+        dtype = torch.uint8 if raw_fp8 or (self._codec.packed and not dequantize) else torch.bfloat16
         out = into.get(array)
         if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
             kind = str(dtype).removeprefix("torch.")
@@ -436,6 +413,10 @@ class CacheReader:
                 return {array: out.copy_(h)}
             return {array: h.pin_memory() if self.pin_memory else h}
         h = out if out is not None else self._empty(shape, torch.bfloat16)
+        if self._codec.packed and not dequantize:  # nf4 rows as stored, for the trainer's GPU to decode
+            q = out if out is not None else self._empty((stop - start, meta.shape[1]), torch.uint8)
+            pf.read_rows(array, start, stop, q.numpy())
+            return {array: q}
         if self._codec.packed:  # nf4: the stored rows, decoded into the bf16 output
             stored = np.empty((stop - start, meta.shape[1]), dtype=np.uint8)
             pf.read_rows(array, start, stop, stored)

@@ -36,8 +36,7 @@ from dflash.runtime.fsio import (
 from dflash.runtime.locks import LockedError, WriterLock
 from dflash.runtime.quantize import bf16_bits, quantize_fp8, quantize_nf4
 
-from .checksum import crc32c
-from .codecs import EMPTY_CHUNK, HiddenCodec
+from .codecs import HiddenCodec
 from .errors import CacheError, CacheStorageError
 from .identity import Purpose
 from .manifest import (
@@ -69,6 +68,7 @@ from .schema import (
     scale_of,
     shard_key,
 )
+from .shard_format import encode_index, frame_chunk
 
 TMP_PREFIX = TEMP_PREFIX  # what runtime.fsio.temp_name starts with
 
@@ -486,54 +486,35 @@ def write_part_group(
             arr[...] = data
 
 
-def _chunk_encoder(codec: HiddenCodec):
-    """array -> stored chunk: the codec's Blosc stage (none for raw), then the crc32c suffix,
-    laid out as zarr's BloscCodec + Crc32cCodec lay them out."""
-
-    def encode(chunk: np.ndarray) -> list[bytes]:
-        body = codec.compress(chunk)
-        return [body, crc32c(body).to_bytes(4, "little")]
-
-    return encode
-
-
 def write_shards(array_dir: Path, data: np.ndarray, chunk_rows: int, shard_rows: int,
                  codec: HiddenCodec) -> None:
     """The shard files of a 2-D zarr v3 array sharded along rows (`shard_rows` rows of
-    `chunk_rows`-row chunks, inner codecs = `codec`, index at the end: little-endian
-    (offset, nbytes) uint64 pairs + crc32c). Chunks are encoded on several threads (Blosc,
+    `chunk_rows`-row chunks, inner codecs = `codec`, laid out by shard_format). Chunks are encoded on several threads (Blosc,
     the checksum and numpy release the GIL); the last chunk is padded with the fill value 0 to full size, as
     zarr does."""
     rows = data.shape[0]
     per_shard = shard_rows // chunk_rows
-    encode = _chunk_encoder(codec)
-
     def chunk(c: int) -> list[bytes]:
         block = data[c * chunk_rows:(c + 1) * chunk_rows]
         if block.shape[0] < chunk_rows:
             padded = np.zeros((chunk_rows, *data.shape[1:]), dtype=data.dtype)
             padded[:block.shape[0]] = block
             block = padded
-        return encode(np.ascontiguousarray(block))
+        # the codec's Blosc stage (none for raw), then the crc32c suffix, as zarr's
+        # BloscCodec + Crc32cCodec lay them out
+        return frame_chunk(codec.compress(np.ascontiguousarray(block)))
 
     num_chunks = -(-rows // chunk_rows)
     num_shards = -(-rows // shard_rows)
 
     def write_shard(shard: int, encoded: list[list[bytes]]) -> None:
-        index = np.full((per_shard, 2), EMPTY_CHUNK, dtype="<u8")
-        pos = 0
-        for j, pieces in enumerate(encoded):
-            size = sum(len(p) for p in pieces)
-            index[j] = (pos, size)
-            pos += size
-        index_bytes = index.tobytes()
+        index = encode_index([sum(len(p) for p in pieces) for pieces in encoded], per_shard)
         target = array_dir / shard_key(shard, data.ndim)
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as f:
             for pieces in encoded:
                 f.writelines(pieces)
-            f.write(index_bytes)
-            f.write(crc32c(index_bytes).to_bytes(4, "little"))
+            f.write(index)
 
     # Every chunk is queued for encoding on all cores at once (at the end of a run few parts
     # are left, and they are what the run waits for); each shard file is written by its own

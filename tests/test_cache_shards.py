@@ -1,4 +1,5 @@
-"""The writer's own shard files are byte for byte the files zarr writes, and read by zarr."""
+"""The writer's own shard files are byte for byte the files zarr writes, and read by zarr; the shard
+index and chunk framing have one encoder and decoder (shard_format)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import numpy as np
 import pytest
 import zarr
 from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.errors import CacheCorruptError
+from dflash.cache_tools.shard_format import (
+    EMPTY,
+    decode_index,
+    encode_index,
+    frame_chunk,
+    unframe_chunk,
+)
 from dflash.cache_tools.writer import write_shards
 
 
@@ -36,3 +45,26 @@ def test_shard_files_match_zarrs_and_read_back(tmp_path, codec_name, dtype, rows
     back = zarr.open_array(zarr.storage.LocalStore(tmp_path / "by_writer"), path="hidden")[...]
     np.testing.assert_array_equal(back, data)
 
+
+
+def test_the_index_decodes_to_what_was_encoded_and_damage_is_named():
+    """shard_format is the one encoder and decoder of the index: the reader reads back the
+    offsets the writer wrote, and a flipped bit, a truncated file or an offset past the data
+    is refused with the shard named."""
+    chunks = [frame_chunk(bytes([i]) * (10 + i)) for i in range(3)]
+    data = b"".join(b"".join(c) for c in chunks)
+    shard = data + encode_index([sum(map(len, c)) for c in chunks], 4)
+    idx = decode_index(memoryview(shard), 4, checked=True, verify=True, what="shard 0")
+    assert idx[3].tolist() == [EMPTY, EMPTY]
+    for i, (off, nb) in enumerate(idx[:3].tolist()):
+        assert bytes(unframe_chunk(memoryview(shard)[off:off + nb], "chunk", True)) == bytes([i]) * (10 + i)
+    flipped = bytearray(shard)
+    flipped[-10] ^= 1
+    with pytest.raises(CacheCorruptError, match="shard 0: checksum mismatch"):
+        decode_index(memoryview(bytes(flipped)), 4, checked=True, verify=True, what="shard 0")
+    with pytest.raises(CacheCorruptError, match="shard 0: the shard file is truncated"):
+        decode_index(memoryview(shard[-20:]), 4, checked=True, verify=True, what="shard 0")
+    with pytest.raises(CacheCorruptError, match="past the end of the file"):
+        decode_index(memoryview(data[:-1] + shard[len(data):]), 4, checked=True, verify=True, what="shard 0")
+    with pytest.raises(CacheCorruptError, match="chunk: checksum mismatch"):
+        unframe_chunk(memoryview(b"\x07" + shard[1:idx[0, 1]]), "chunk", True)
