@@ -96,3 +96,20 @@ def quantize_nf4(hidden: torch.Tensor) -> torch.Tensor:
     packed = codes[..., 0] | (codes[..., 1] << 4)
     scale_bytes = best_scale.reshape(tokens, width // NF4_GROUP).view(torch.uint8)
     return torch.cat([packed, scale_bytes], dim=1)
+
+
+def dequantize_nf4(rows: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Inverse of quantize_nf4 on the rows' device: [..., W/2 + W/16] uint8 -> [..., W] out_dtype
+    (the trainer decodes nf4 batches on the GPU: a quarter of bf16's bytes cross to it)."""
+    from dflash.cache_tools.codecs import NF4_GROUP, NF4_LEVELS
+
+    stored = rows.shape[-1]
+    width = stored * 16 // 9
+    flat = rows.reshape(-1, stored)
+    levels = torch.as_tensor(NF4_LEVELS, device=rows.device)
+    codes = flat[:, : width // 2]
+    values = torch.stack([levels[(codes & 15).long()], levels[(codes >> 4).long()]], dim=-1)
+    scales = flat[:, width // 2:].contiguous().view(torch.bfloat16).float()
+    # + 0.0: padding rows (zero bytes: code 0 = -1.0 times scale 0) decode to +0.0, as padding is
+    out = values.reshape(-1, width // NF4_GROUP, NF4_GROUP) * scales.unsqueeze(-1) + 0.0
+    return out.reshape(*rows.shape[:-1], width).to(out_dtype)

@@ -51,6 +51,33 @@ def test_fp8_batches_travel_as_bytes_and_dequantize_to_the_same_values(tmp_path)
         np.testing.assert_array_equal(bits(got[key]), bits(want[key]))
 
 
+def test_nf4_batches_travel_as_stored_rows_and_decode_like_the_reader(tmp_path):
+    caches = CacheSet([str(write(tmp_path / "a", "nf4", 0)), str(write(tmp_path / "b", "nf4", 1))],
+                      max_seq_len=64)
+    indices = [1, 6, 0, 3]
+    got = read_batch(caches, indices)
+    assert got["hidden"].dtype == torch.uint8 and got["hidden"].shape == (4, 64, 64 // 2 + 64 // 16)
+    got = dequantize_batch(got)  # torch, on the training device
+    assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (4, 64, 64)
+    want = collate([caches.read(i) for i in indices])  # decoded per sample by the reader (numpy)
+    for key in ("hidden", "last_hidden"):
+        np.testing.assert_array_equal(bits(got[key]), bits(want[key]))
+    mixed = CacheSet([str(write(tmp_path / "c", "bf16", 2)), str(tmp_path / "a")], max_seq_len=64)
+    batch = read_batch(mixed, [0, 5])  # codecs differ: decoded to bf16 on the host
+    assert batch["hidden"].dtype == torch.bfloat16 and batch["hidden"].shape[-1] == 64
+    np.testing.assert_array_equal(bits(batch["hidden"][1, :33]), bits(mixed.read(5)["hidden"][:33]))
+
+
+def test_training_from_an_nf4_cache_runs_to_the_end(tiny_world, tmp_path):
+    from conftest import tiny_train_config
+    from dflash.cache_tools.rewrite import recompress_cache
+    from dflash.train.loop import train
+
+    recompress_cache(tiny_world["cache"], tmp_path / "nf4", codec="nf4", progress=False)
+    result = train(tiny_train_config(tmp_path / "nf4", tiny_world["target"], tmp_path / "run", max_steps=3))
+    assert result.step == 3
+
+
 def test_training_from_an_fp8_cache_runs_to_the_end_and_exports(tiny_world, tmp_path):
     from conftest import tiny_train_config
     from dflash.cache_tools.rewrite import recompress_cache

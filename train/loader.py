@@ -39,7 +39,7 @@ from dflash.cache_tools.schema import (
     scale_of,
 )
 from dflash.runtime.errors import CorruptDataError, DflashError
-from dflash.runtime.quantize import dequantize_fp8
+from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
 from .config import ResumeMismatchError, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, open_follow, part_groups
@@ -124,28 +124,32 @@ def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
     lengths = [int(caches.lengths[j]) for j in indices]
     schema = caches.readers[0].schema
     fp8 = all(r.manifest.codec.has_scale for r in caches.readers)
-    dtype = torch.uint8 if fp8 else torch.bfloat16
+    nf4 = all(r.manifest.codec.packed for r in caches.readers)  # stored rows, decoded on the GPU too
+    dtype = torch.uint8 if fp8 or nf4 else torch.bfloat16
     shape = (len(indices), max(lengths))
     padded = {}
     for spec in schema.hidden_arrays():
-        padded[spec.name] = torch.empty((*shape, spec.width), dtype=dtype)
+        width = spec.width if fp8 or nf4 else schema.value_width(spec.name)  # stored, or decoded bf16
+        padded[spec.name] = torch.empty((*shape, width), dtype=dtype)
         if fp8:
             padded[scale_of(spec.name)] = torch.empty((*shape, schema.scale_width(spec.name)), dtype=torch.float32)
     samples = []
     for b, (j, n) in enumerate(zip(indices, lengths)):
-        samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}, dequantize=not fp8))
+        samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}, dequantize=not (fp8 or nf4)))
         for v in padded.values():
             v[b, n:] = 0
     return collate(samples, padded)
 
 
 def dequantize_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp8 rows + scales of `read_batch` -> bf16 rows, where the batch now lives (the GPU)."""
+    """fp8 rows + scales (or nf4 rows) of `read_batch` -> bf16 rows, where the batch now lives (the GPU)."""
     for name in HIDDEN_ARRAYS:
         scale = batch.pop(scale_of(name), None)
         if scale is not None:
             q = batch[name]
             batch[name] = dequantize_fp8(q.flatten(0, 1), scale.flatten(0, 1)).view(*q.shape)
+        elif name in batch and batch[name].dtype == torch.uint8:  # nf4: codes and scales in each row
+            batch[name] = dequantize_nf4(batch[name])
     return batch
 
 
