@@ -66,3 +66,41 @@ def test_estimate_help_does_not_import_torch():
               "    main(['estimate', '--help'])\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_a_dflash2_estimate_reports_the_selector_tau_beside_the_backbone_tau_of_dflash(tiny_world, tmp_path):
+    import torch
+    from dflash.train.export import export_drafter
+    from dflash.train.model import DFlashDrafter
+
+    cache, target = tiny_world["cache"], tiny_world["target"]
+    shape = dict(num_hidden_layers=1, target_layer_ids=[1, 2], block_size=8, mask_token_id=63, attention_backend="sdpa")
+    dflash = DFlashDrafter.from_target(target, **shape)
+    dflash2 = DFlashDrafter.from_target(target, **shape, drafter_type="dflash2", selector_rank=8, selector_top_k=4,
+                                        conv_group_size=8)
+    dflash2.load_state_dict(dflash.state_dict(), strict=False)  # the same backbone; identity convolutions
+
+    def estimate(drafter, name):
+        export_drafter(drafter, tmp_path / name, dtype=torch.float32)
+        out = invoke("estimate", tmp_path / name, "--cache", cache, "--target-model", target, *SETTINGS, "--json")
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout)
+
+    plain, fresh = estimate(dflash, "dflash"), estimate(dflash2, "dflash2")
+    assert "tau_backbone" not in plain and 1.0 < plain["tau"] <= 8.0  # (some drafts are accepted)
+    # A fresh DFlash2 computes DFlash's states, and its untrained selector (a zero projection:
+    # every edge is the candidate's own logit) walks the backbone's top-1.
+    assert fresh["tau_backbone"] == plain["tau"]
+    assert fresh["tau"] == fresh["tau_backbone"] and fresh["tau_b4"] == plain["tau_b4"]
+    assert fresh["walked_samples"] == plain["walked_samples"] > 0
+
+    # A selector that moves changes the selector path's tau, never the backbone's.
+    with torch.no_grad():
+        dflash2.candidate_selector.hidden_projection.weight.normal_(std=5.0)
+        dflash2.candidate_selector.predecessor_codebook.normal_(std=5.0)
+    moved = estimate(dflash2, "moved")
+    assert moved["tau_backbone"] == plain["tau"] and moved["tau"] != plain["tau"]
+    line = invoke("estimate", tmp_path / "moved", "--cache", cache, "--target-model", target, *SETTINGS)
+    assert line.exit_code == 0, line.output
+    assert line.stdout.startswith(f"tau {moved['tau']:.3f} (labels walk, block 8)")
+    assert f"backbone tau {plain['tau']:.3f}" in line.stdout
