@@ -13,6 +13,7 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
 from cache_utils import bits, make_cache
 from click.testing import CliRunner
 
@@ -182,3 +183,21 @@ def test_staging_keeps_within_the_disk_budget_plus_one_part(tmp_path, s3):
     assert peak <= budget + part, (peak, budget, part)
     staged = [n for n in stage.index.parts if stage.is_staged(n)]
     assert 0 < len(staged) < 6  # parts were evicted to stay within the budget
+
+
+def test_training_from_an_s3_cache_gives_the_weights_of_training_from_the_local_copy(tiny_world, tmp_path, s3,
+                                                                                   monkeypatch):
+    from conftest import tiny_train_config
+    from dflash.train.loop import train
+    from safetensors.torch import load_file
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    remote.upload_cache(tiny_world["cache"], url)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default staging directory
+    local = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "local", max_steps=4))
+    staged = train(tiny_train_config(url, tiny_world["target"], tmp_path / "s3", max_steps=4))
+    assert local.step == staged.step == 4
+    a = load_file(tmp_path / "local" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "s3" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert list((tmp_path / "xdg" / "dflash" / "staging").iterdir())  # it read through the staging directory
