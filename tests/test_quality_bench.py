@@ -14,6 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"
 import corpus  # noqa: E402
 import run as quality  # noqa: E402
 import stages  # noqa: E402
+import vocab  # noqa: E402
+
+TEXT = b"import os\nx = 1\ny = 2\n" * 20
 
 
 def test_the_split_is_by_path_and_prompts_start_at_line_starts():
@@ -21,10 +24,79 @@ def test_the_split_is_by_path_and_prompts_start_at_line_starts():
     names = [f"pkg/m{i}.py" for i in range(2000)]
     share = sum(corpus.is_held_out(n, 10) for n in names) / len(names)
     assert 0.07 < share < 0.13
-    docs = [corpus.Document("a.py", b"import os\nx = 1\ny = 2\n" * 20)]
-    for p in corpus.cut_prompts(docs, 20, [8, 12], seed=3, tail=4):
+    encoded = vocab.ByteVocabulary().encode([TEXT])
+    for p in corpus.cut_prompts(encoded, 20, [8, 12], seed=3, tail=4):
         assert len(p) in (8, 12) and bytes(p).startswith((b"import o", b"x = 1\n", b"y = 2\n"))
-    assert corpus.token_stream(docs)[0] == corpus.BOS_ID and corpus.token_stream(docs)[-1] == corpus.EOS_ID
+    stream = corpus.token_stream(encoded, corpus.BOS_ID, corpus.EOS_ID)
+    assert stream[0] == corpus.BOS_ID and stream[-1] == corpus.EOS_ID and len(stream) == len(TEXT) + 2
+
+
+def _bpe_digest(texts: list[bytes], size: int) -> str:
+    return vocab.vocabulary_digest(vocab.train_bpe(texts, size))
+
+
+def test_the_learned_bpe_is_the_same_in_another_process_and_its_prompts_start_at_line_starts(tmp_path):
+    """Same documents, same vocabulary (another process, another hash seed); prompts cut from
+    its tokens decode to text that starts a line of the document."""
+    import os
+    import subprocess
+
+    root = Path(corpus.package_root("json"))
+    texts = [p.read_bytes() for p in sorted(root.glob("*.py"))]
+    bpe = vocab.train_bpe(texts, 1024)
+    assert bpe.tokenizer.get_vocab_size() == 1024 and (bpe.pad_id, bpe.bos_id, bpe.eos_id, bpe.mask_id) == (0, 1, 2, 3)
+    here = vocab.vocabulary_digest(bpe)
+    script = (f"import sys, pathlib; sys.path.insert(0, {str(Path(vocab.__file__).parent)!r}); import vocab; "
+              f"texts = [p.read_bytes() for p in sorted(pathlib.Path({str(root)!r}).glob('*.py'))]; "
+              "print(vocab.vocabulary_digest(vocab.train_bpe(texts, 1024)))")
+    there = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert there == here
+    assert _bpe_digest(texts[1:], 1024) != here  # the digest does tell vocabularies apart
+    encoded = bpe.encode(texts)
+    assert all(len(e.tokens) < len(t) / 2 for e, t in zip(encoded, texts))  # merges: under half a token a byte
+    whole = [t.decode() for t in texts]
+    for p in corpus.cut_prompts(encoded, 30, [16, 24], seed=1, tail=8):
+        text = bpe.decode(p)
+        assert len(p) in (16, 24) and any(w.startswith(text) or f"\n{text}" in w for w in whole)
+    # Saved beside the target, it loads back as the same vocabulary (and as a transformers tokenizer).
+    bpe.save(tmp_path)
+    again = vocab.load_vocabulary("bpe", 1024, tmp_path)
+    assert vocab.vocabulary_digest(again) == here
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).mask_token_id == bpe.mask_id
+
+
+def test_prose_is_the_sentences_of_docstrings_not_their_code_or_parameter_lists():
+    source = '''"""A module that does things.
+
+This module reads the files of a package and writes them back in order, so that
+their names are kept.
+"""
+
+def f(x):
+    """Return the square of its argument, computed the usual way for every number.
+
+    Args:
+        x: the number.
+
+    >>> f(2)
+    4
+
+    Parameters
+    ----------
+    x : int
+        The number to square and return to the caller.
+    """
+    y = """not a docstring: it is an assignment of a string to a name in the body"""
+    return x * x
+'''
+    prose = corpus.docstring_prose(source)
+    assert prose == ("This module reads the files of a package and writes them back in order, so that\n"
+                     "their names are kept.\n\n"
+                     "Return the square of its argument, computed the usual way for every number.\n")
+    assert corpus.docstring_prose("x = 1\n") == ""
 
 
 @pytest.mark.slow
@@ -56,15 +128,18 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     out = capsys.readouterr().out
     assert "[target] done earlier" in out and "[generate] done earlier" in out
     header = next(line for line in out.splitlines() if line.startswith("| variant"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
     for column in ("samples", "epochs", "train GPU-s", "B=8 est. tau", "B=8 est. (same prompts)", "B=8 tau",
-                   "B=8 speedup", "B=8 lookup tau", "B=4 est. tau", "B=4 est. (same prompts)", "B=4 tau",
-                   "B=4 lookup tau", "B=8 tau / lookup tau, longest prompts", "lossless"):
-        assert column in header
+                   "B=8 tau per-prompt mean", "B=8 est. / tau", "B=8 tau / lookup", "B=8 speedup",
+                   "B=8 lookup tau", "B=8 lookup per-prompt mean", "B=4 est. tau", "B=4 est. (same prompts)",
+                   "B=4 tau", "B=4 lookup tau", "B=8 tau / lookup tau, longest prompts", "lossless"):
+        assert column in columns
     [row] = [line for line in out.splitlines() if line.startswith("| e2 ")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == header.count("|") - 1
-    assert cells[1] == str(stages.SMALL.completions) and cells[2] == "2"
+    assert cells[2] == "2"
     assert "–" not in cells and cells[-1] == "yes"  # every figure present, both decoders lossless
+    assert "domain: code, vocabulary: BPE of 512 ids" in out
     assert (work / "table.md").read_text().strip() in out
     # The longest prompts' own tau is read off dflash-eval's per-prompt figures.
     blocks = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]
@@ -73,16 +148,27 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     b8 = blocks["8"]
     assert cells[-2] == (f"{b8['tau_longest_prompts']:.2f} / {b8['lookup_tau_longest_prompts']:.2f} "
                          f"({b8['longest_prompt_tokens']} tokens)")
-    # The estimate is the trainer's walk over the estimate set, at the exported (best) step.
+    # The estimate is the trainer's greedy walk over its own held-out split of the training data
+    # (no --eval-cache: the cached top-1 replays verification), at the exported (best) step.
     train = json.loads((work / "stages" / "train-e2.json").read_text())
-    assert train["estimator"] == "labels walk" and train["best_step"] is not None
-    assert train["train_samples"] == stages.SMALL.completions  # the trainer's data line, read back
-    assert cells[5] == f"{train['heldout_tau']:.2f}"  # B=8 est. tau: the drafter's own block
+    assert train["estimator"] == "greedy walk" and train["best_step"] is not None
+    assert "--eval-cache" not in (work / "train-e2.log").read_text().splitlines()[0]
+    assert 0 < train["train_samples"] < stages.SMALL.completions  # the trainer's data line: some held out
+    assert cells[1] == str(train["train_samples"])
+    col = {c: i for i, c in enumerate(columns)}
+    assert cells[col["B=8 est. tau"]] == f"{train['heldout_tau']:.2f}"  # the drafter's own block
+    b8 = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]["8"]
+    assert cells[col["B=8 tau"]] == f"{b8['tau']:.2f}"
+    assert cells[col["B=8 tau per-prompt mean"]] == f"{b8['tau_per_prompt_mean']:.2f}"
+    assert cells[col["B=8 lookup per-prompt mean"]] == f"{b8['lookup_tau_per_prompt_mean']:.2f}"
+    assert cells[col["B=8 est. / tau"]] == f"{train['heldout_tau'] / b8['tau']:.3f}"
+    assert cells[col["B=8 tau / lookup"]] == f"{b8['tau'] / b8['lookup_tau']:.2f}x"
     # est. (same prompts): dflash-train estimate over the decoded prompts' completions, both blocks.
     same = json.loads((work / "stages" / "eval-e2.json").read_text())["estimate_same_prompts"]
     assert same["walked_samples"] == same["samples"] == stages.SMALL.eval_prompts
     assert same["estimator"] == train["estimator"]
-    assert cells[6] == f"{same['tau']:.2f}" and cells[6 + 6] == f"{same['tau_b4']:.2f}"
+    assert cells[col["B=8 est. (same prompts)"]] == f"{same['tau']:.2f}"
+    assert cells[col["B=4 est. (same prompts)"]] == f"{same['tau_b4']:.2f}"
     assert 1.0 <= same["tau_b4"] <= 4.0 and 1.0 <= same["tau"] <= 8.0  # a walk at width B accepts 1..B a cycle
     assert train["sharing_gpu"] == 1 and "sharing" not in row and "shared" not in row  # run alone
 
@@ -93,7 +179,8 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert quality.main(["--small", "--workdir", str(work), "--device", "cpu", "--stages", "table"]) == 0
     [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| e2 ")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[3].endswith("(3 sharing)") and cells[8].endswith("x (shared)") and cells[10].endswith("x (shared)")
+    assert cells[3].endswith("(3 sharing)") and cells[col["B=8 speedup"]].endswith("x (shared)")
+    assert cells[col["B=8 lookup speedup"]].endswith("x (shared)")
 
 
 def test_a_workdir_of_other_settings_is_refused(tmp_path, capsys):
@@ -116,15 +203,17 @@ def test_variant_names_keep_every_flag_apart_and_clashes_are_refused():
                                 "1 --draft-layer-types sliding-draft --sliding-window 128"])
 
 
-def test_a_larger_vocabulary_pads_the_target_with_ids_no_text_uses():
-    """--set vocab_size=N (a real target's vocabulary size, for the drafter's shared head) pads the
-    byte vocabulary; the bytes and specials keep their ids, and a smaller one is refused."""
+def test_a_larger_vocabulary_pads_the_byte_target_with_ids_no_text_uses():
+    """--vocab bytes --set vocab_size=N (a real target's vocabulary size, for the drafter's shared
+    head) pads the byte vocabulary; the bytes and specials keep their ids, and a smaller one is refused."""
     import target
 
-    sizes = quality.apply_overrides(stages.SMALL, ["vocab_size=1000"])
-    assert sizes.vocab_size == 1000 and stages.SMALL.vocab_size == corpus.VOCAB_SIZE
-    model = target.build_target(sizes.target_hidden, sizes.target_layers, sizes.seed, vocab_size=sizes.vocab_size)
+    sizes = quality.apply_overrides(stages.preset("code", "bytes", small=True), ["vocab_size=1000"])
+    assert sizes.vocab == "bytes" and sizes.vocab_size == 1000
+    assert stages.preset("code", "bytes").vocab_size == corpus.VOCAB_SIZE and stages.FULL.vocab_size == 8192
+    model = target.build_target(sizes.target_hidden, sizes.target_layers, sizes.seed,
+                                vocab=vocab.ByteVocabulary(sizes.vocab_size))
     assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().weight.shape[0] == 1000
     assert model.config.eos_token_id == corpus.EOS_ID and corpus.MASK_ID < corpus.VOCAB_SIZE
     with pytest.raises(ValueError, match="below"):
-        target.build_target(64, 2, 0, vocab_size=corpus.VOCAB_SIZE - 1)
+        vocab.ByteVocabulary(corpus.VOCAB_SIZE - 1)

@@ -285,7 +285,7 @@ def stage_target(work: Work) -> dict[str, Any]:
     model.save_pretrained(str(work.root / "target"))
     vocab.save(work.root / "target")
     result = {"parameters": params, "domain": s.domain, "vocab": vocab.kind, "vocab_size": vocab.size,
-              "vocab_digest": vocabulary_digest(vocab), "train_files": len(train), "held_out_files": len(held),
+              "vocab_digest": vocabulary_digest(vocab), "mask_token_id": vocab.mask_id, "train_files": len(train), "held_out_files": len(held),
               "train_bytes": sum(len(d.data) for d in train), "held_out_bytes": sum(len(d.data) for d in held),
               "train_tokens": len(train_stream), "held_out_tokens": len(held_stream),
               "bytes_per_token": bytes_per_token,
