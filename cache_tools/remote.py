@@ -288,6 +288,7 @@ class StagedCache:
         self.retries = max(1, retries)
         self.threads = threads
         self._store: RemoteStore | None = None
+        self._store_pid = 0
         self._index: FilesIndex | None = None
         self._small: set[str] | None = None
         self._prefetcher: threading.Thread | None = None
@@ -301,8 +302,10 @@ class StagedCache:
 
     @property
     def store(self) -> RemoteStore:
-        if self._store is None:
-            self._store = RemoteStore(self.url)
+        # A forked DataLoader worker makes its own client: the parent's (its runtime's threads)
+        # does not survive a fork.
+        if self._store is None or self._store_pid != os.getpid():
+            self._store, self._store_pid = RemoteStore(self.url), os.getpid()
         return self._store
 
     @property
@@ -372,8 +375,13 @@ class StagedCache:
         with self._part_lock(name):
             if marker.exists():
                 return
-            self.budget.wait_for_room(self.part_bytes(name), make_room=lambda need: self.evict_lru(need, keep={name}),
-                                      poll_s=0.2)
+            need = self.part_bytes(name)
+            while not self.budget.has_room(need):
+                if self.evict_lru(need, keep={name}):
+                    continue
+                if not any(p.name != name for p in (self.path / STAGED_DIR).iterdir()):
+                    break  # nothing left to evict: this part goes in alone (the budget plus one part)
+                time.sleep(0.2)  # the staged parts are being fetched by other processes: wait for one
             self._fetch_part(name)
 
     def _fetch_part(self, name: str) -> None:

@@ -201,3 +201,15 @@ def test_training_from_an_s3_cache_gives_the_weights_of_training_from_the_local_
     b = load_file(tmp_path / "s3" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert list((tmp_path / "xdg" / "dflash" / "staging").iterdir())  # it read through the staging directory
+
+
+def test_a_budget_smaller_than_one_part_still_reads_every_part_one_at_a_time(tmp_path, s3):
+    local, url, _ = uploaded(tmp_path, s3, parts=3)
+    stage = remote.StagedCache(url, tmp_path / "stage", disk_budget=1).open()
+    skeleton = disk_usage(stage.path / "parts")
+    reader = CacheReader(stage.path, stage=stage)
+    local_reader = CacheReader(local)
+    for i in range(len(reader)):
+        np.testing.assert_array_equal(bits(reader.read_sample(i)["hidden"]), bits(local_reader.read_sample(i)["hidden"]))
+        assert disk_usage(stage.path / "parts") <= skeleton + max(stage.part_bytes(n) for n in stage.index.parts)
+        reader.close()
