@@ -29,8 +29,9 @@ from .writer import CacheWriter, PartWriter
 
 
 def _same_storage(a: HiddenCodec, b: HiddenCodec) -> bool:
-    """Whether stored hidden arrays can be passed through unchanged (only re-compressed)."""
-    return a.has_scale == b.has_scale
+    """Whether stored hidden arrays can be passed through unchanged (only re-compressed): bf16
+    and raw store the same bits; fp8 and nf4 only their own."""
+    return (a.storage_dtype, a.has_scale, a.packed) == (b.storage_dtype, b.has_scale, b.packed)
 
 
 def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCodec) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -104,6 +104,19 @@ def test_nf4_stores_at_most_three_tenths_of_raw_bf16(tmp_path):
     assert sizes["nf4"] < 0.75 * sizes["fp8"], sizes
 
 
+def test_recompressing_to_and_from_nf4_decodes_and_re_encodes(tmp_path):
+    from dflash.cache_tools.rewrite import recompress_cache
+
+    written = write_cache(tmp_path / "bf16", "bf16", [40, 300], hidden_size=256)
+    recompress_cache(tmp_path / "bf16", tmp_path / "nf4", codec="nf4", progress=False)
+    recompress_cache(tmp_path / "nf4", tmp_path / "back", codec="bf16", progress=False)
+    nf4, back = CacheReader(tmp_path / "nf4"), CacheReader(tmp_path / "back")
+    for i, ref in enumerate(written):
+        got = nf4.read_sample(i)["hidden"]
+        assert float(rel_error_per_token_layer(ref["hidden"], got, 2).max()) <= NF4_BOUND
+        np.testing.assert_array_equal(bits(back.read_sample(i)["hidden"]), bits(got))  # bf16 keeps nf4's values
+
+
 def test_fp8_stores_less_than_half_the_bytes_of_raw_bf16(tmp_path):
     sizes = {}
     for codec in ("raw", "bf16", "fp8"):
