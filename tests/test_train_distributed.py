@@ -16,8 +16,9 @@ from dflash.train.loop import train
 from safetensors.torch import load_file
 
 SETTINGS = dict(max_steps=6, save_interval=3, keep_checkpoints=5, epochs=3)
+# DFlash2 with a held-out share: its evaluation (the selector's and the backbone's tau) runs on both ranks.
 DRAFTERS = {"dflash": {}, "dflash2": dict(drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8,
-                                          selector_loss_weight=1.0)}
+                                          selector_loss_weight=1.0, eval_fraction=0.3)}
 
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -84,3 +85,9 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(t
         resumed = tmp_path / f"{mode}-resumed-on-one"
         resume_on_one_process(tiny_world, two / "checkpoints" / "step-000003", resumed, **kind)
         assert_close_weights(weights(resumed, 6), weights(two, 6))
+    if "eval_fraction" in kind:  # the held-out evaluation ran on both ranks, the same under DDP and FSDP
+        ddp, fsdp = ([r for r in read_metrics(runs[mode]) if r["kind"] == "eval"] for mode in ("ddp", "fsdp"))
+        assert ddp and len(fsdp) == len(ddp)
+        for a, b in zip(fsdp, ddp):
+            assert a["blocks"] == b["blocks"] > 0
+            assert a["tau"] == pytest.approx(b["tau"]) and a["tau_backbone"] == pytest.approx(b["tau_backbone"])

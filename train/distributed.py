@@ -70,7 +70,9 @@ def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
     state (3/4 of the training memory of the weights) stay sharded. DFlash2's candidate selector
     is a unit of its own: the loss calls it after the drafter's forward, on the drafter's states,
     so its own call gathers its parameters (they are not left to the drafter's unit staying
-    gathered after its forward) and its backward reduce-scatters their gradients.
+    gathered after its forward) and its backward reduce-scatters their gradients. Like the
+    drafter's unit it stays gathered until that backward: the held-out evaluation calls it once
+    per anchor chunk, a number that differs between ranks, and a gather per call would wait forever.
     """
     if not info.distributed:
         return model
@@ -78,7 +80,7 @@ def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         if getattr(model, "candidate_selector", None) is not None:
-            fully_shard(model.candidate_selector)
+            fully_shard(model.candidate_selector, reshard_after_forward=False)
         fully_shard(model)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
