@@ -72,11 +72,6 @@ from .shard_format import encode_index, frame_chunk
 
 TMP_PREFIX = TEMP_PREFIX  # what runtime.fsio.temp_name starts with
 
-# Test-only: seconds to sleep between writing a part's files and committing it, so that fault
-# tests can signal or kill a writer in that window. Never set it in real runs.
-TEST_SLEEP_BEFORE_COMMIT_ENV = "DFLASH_TEST_SLEEP_BEFORE_COMMIT"
-
-
 def _as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
@@ -439,8 +434,6 @@ class PartWriter:
         if not self._sample_ids:
             raise CacheError(f"Part {self.name} has no samples: nothing to commit.")
         write_part_group(self._tmp, self.cache, self._cols, self._sample_ids, self._lengths, self.name)
-        if sleep := float(os.environ.get(TEST_SLEEP_BEFORE_COMMIT_ENV, "0") or 0):
-            time.sleep(sleep)
         fsync_tree(self._tmp)
         nbytes = sum(f.stat().st_size for f in self._tmp.rglob("*") if f.is_file())
         record = PartRecord(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,10 +34,6 @@ from torch import nn
 from .batching import Batch
 from .buffers import PartGroup
 from .target import LayerCapture, top1_ids, topk_logprobs
-
-# Test-only: seconds to sleep at the start of every forward, so that fault tests can signal a
-# run while a forward is in progress. Never set it in real runs.
-_TEST_SLEEP_PER_FORWARD = float(os.environ.get("DFLASH_TEST_SLEEP_PER_FORWARD", "0") or 0)
 
 # Diagnostic: quantize fp8 with the eager (unfused) code on the GPU too.
 EAGER_FP8_ENV = "DFLASH_EXTRACT_EAGER_FP8"
@@ -152,8 +147,6 @@ class ExtractionEngine:
             ids, gather = ids.pin_memory(), gather.pin_memory()
         ids = ids.to(self.device, non_blocking=True)
         gather = gather.to(self.device, non_blocking=True)
-        if _TEST_SLEEP_PER_FORWARD:
-            time.sleep(_TEST_SLEEP_PER_FORWARD)
         if self._timeline is not None:
             started = torch.cuda.Event(enable_timing=True)
             started.record()

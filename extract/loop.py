@@ -25,10 +25,6 @@ from .data import PartPlan, PartRules, plan_windows
 from .engine import ExtractionEngine, Pending
 from .writers import WriterPool
 
-# Test-only: seconds to sleep after each part is handed to the writers, so that tests can
-# interrupt or kill a run midway. Never set it in real runs.
-TEST_SLEEP_ENV = "DFLASH_TEST_SLEEP_PER_PART"
-
 
 class StageTimer:
     """Wall time of the main loop's stages, printed at the end with DFLASH_PROFILE_EXTRACT=1."""
@@ -71,7 +67,6 @@ class ExtractionLoop:
         self.engine, self.pool, self.progress, self.summary = engine, pool, progress, summary
         self.direct = direct
         self.timer = StageTimer()
-        self.sleep_per_part = float(os.environ.get(TEST_SLEEP_ENV, "0") or 0)
         self.open_buffers: list[PartBuffer] = []  # parts being filled
         self.in_flight: deque[tuple[PartGroup, Pending, Future]] = deque()  # launched, not finished
         self._slab_copiers: ThreadPoolExecutor | None = None
@@ -166,5 +161,3 @@ class ExtractionLoop:
             setattr(summary, key, getattr(summary, key) + plan.stats[key])
         summary.skips += plan.stats["skips"]
         self.progress.advance(plan, self.pool.nbytes)
-        if self.sleep_per_part:
-            time.sleep(self.sleep_per_part)

@@ -12,7 +12,7 @@ import torch
 from conftest import make_tiny_target
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
-from dflash.extract.loop import TEST_SLEEP_ENV
+from faults.site.fault_points import SLEEP_PER_PART
 
 
 def make_target(path: Path, kind: str = "qwen3", layers: int = 6, seed: int = 0) -> Path:
@@ -73,7 +73,7 @@ def start(zygote, target, data, out, *extra, sleep: float):
     """dflash-extract with the tests' settings as a forked run of `zygote` (the conftest fixture),
     sleeping `sleep` s per part; returns its faults.helpers.Run."""
     argv = ["--target-model", target, "--data", data, "--output", out, *ARGS, *extra]
-    return zygote.run("extract", argv, env={TEST_SLEEP_ENV: str(sleep)})
+    return zygote.run("extract", argv, env={SLEEP_PER_PART: str(sleep)})
 
 
 def committed_parts(out) -> list[str]:

@@ -16,11 +16,9 @@ other ranks wait at a barrier.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +43,6 @@ class CheckpointCorruptError(CorruptDataError):
     """A checkpoint's files cannot be read, or hold something dflash-train never writes there."""
 
 
-# Test-only: seconds to sleep after a checkpoint's files are staged and before it is renamed
-# into place, so that fault tests can signal or kill a run mid-save. Never set it in real runs.
-TEST_SLEEP_IN_CHECKPOINT_ENV = "DFLASH_TEST_SLEEP_IN_CHECKPOINT"
-# Test-only: "checkpoint-saved:STEP" holds the run (asleep until it is killed) once the checkpoint
-# of STEP is in place and the old ones are pruned, after printing "test hold: checkpoint-saved
-# STEP" to stderr, so that fault tests kill it at exactly that moment. Never set it in real runs.
-TEST_HOLD_AT_ENV = "DFLASH_TEST_HOLD_AT"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE = "model.safetensors", "optimizer.pt", "trainer.pt", "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -102,15 +93,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value
-
-
-def hold_for_tests(point: str, step: int) -> None:
-    """Stop here for good when `DFLASH_TEST_HOLD_AT` names this point and step (test-only)."""
-    if os.environ.get(TEST_HOLD_AT_ENV) == f"{point}:{step}":
-        sys.stderr.write(f"test hold: {point} {step}\n")
-        sys.stderr.flush()
-        while True:
-            time.sleep(3600)
 
 
 def compute_settings() -> dict[str, Any]:
@@ -195,10 +177,7 @@ class Checkpointer:
             meta = {"version": CHECKPOINT_VERSION, "step": step, "time": time.time(),
                     "compute": compute_settings(), **meta}
             (stage / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
-            if sleep := float(os.environ.get(TEST_SLEEP_IN_CHECKPOINT_ENV, "0") or 0):
-                time.sleep(sleep)
         self.prune()
-        hold_for_tests("checkpoint-saved", step)
         return final
 
     def prune(self) -> None:

@@ -50,9 +50,6 @@ from .workers import worker_init
 LOADER_STATE_VERSION = 1
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 FEW_TRAINING = 8192  # fewer training samples than this: the summary says what such data gave (docs/recipe.md)
-# Test-only: seconds each batch read sleeps (in the DataLoader worker when there are workers),
-# so that fault tests can signal or kill a run while a worker is busy. Never set it in real runs.
-TEST_SLEEP_PER_BATCH_ENV = "DFLASH_TEST_SLEEP_PER_BATCH"
 
 
 @dataclass(kw_only=True)
@@ -211,8 +208,6 @@ class _BatchList(torch.utils.data.Dataset):
         return len(self.batches)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if sleep := float(os.environ.get(TEST_SLEEP_PER_BATCH_ENV, "0") or 0):
-            time.sleep(sleep)
         try:
             batch = read_batch(self.caches, self.batches[i])
             if self.prepare is not None:

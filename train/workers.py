@@ -5,13 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import torch
-
-# Test-only: seconds each DataLoader worker sleeps at its start (before torch's watchdog reads its
-# parent pid), so that fault tests can kill the trainer then. Never set it in real runs.
-TEST_SLEEP_IN_WORKER_INIT_ENV = "DFLASH_TEST_SLEEP_IN_WORKER_INIT"
 
 
 def worker_init(_: int, trainer_pid: int) -> None:
@@ -26,8 +21,6 @@ def worker_init(_: int, trainer_pid: int) -> None:
     _exit_with_parent()
     if os.getppid() != trainer_pid:
         os._exit(0)
-    if sleep := float(os.environ.get(TEST_SLEEP_IN_WORKER_INIT_ENV, "0") or 0):
-        time.sleep(sleep)
 
 
 def _exit_with_parent() -> None:

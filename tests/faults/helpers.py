@@ -22,6 +22,7 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 
 HIDDEN, VOCAB, TARGET_LAYERS, LAYER_IDS = 32, 64, 4, "1,2"
+SITE_DIR = Path(__file__).with_name("site")
 # Samples up to 40 tokens, parts of at most 100 tokens: ~16 parts for 60 records.
 EXTRACT_ARGS = ["--dtype", "fp32", "--target-layer-ids", LAYER_IDS, "--part-tokens", "100", "--sort-window-tokens", "200",
                 "--token-budget", "128", "--num-writers", "0", "--no-progress"]
@@ -228,6 +229,9 @@ class Zygote:
         self._count = 0
         self._pids: list[int] = []
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
+        # site/ (fault_points and its sitecustomize) for the zygote and every interpreter a run
+        # starts afresh (the writers' fork server): the slow points live there, not in the product.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py"))], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, cwd=str(log_dir),

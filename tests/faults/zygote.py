@@ -8,7 +8,8 @@ group. The zygote never runs a torch op, so its children start as clean as a new
 
 Protocol: one JSON request per line on stdin, one JSON answer per line on stdout:
   {"op": "run", "prog": "extract"|"train", "argv": [...], "env": {...}, "log": PATH} -> {"pid": N}
-    (the run's env is set before its code runs; an OMP_NUM_THREADS there sets torch's thread count)
+    (the run's env is set before its code runs; an OMP_NUM_THREADS there sets torch's thread count;
+    the slow points it names are installed then: site/fault_points.py)
   {"op": "wait", "pid": N, "timeout": S}  -> {"status": exit status or -signal, or null}
 """
 
@@ -35,6 +36,9 @@ def _child(req: dict) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.environ.update(req.get("env", {}))
+        import fault_points  # on PYTHONPATH (Zygote): the slow points this run's env names
+
+        fault_points.install()
         if "OMP_NUM_THREADS" in req.get("env", {}):  # torch read it at import, in the zygote
             import torch
 
