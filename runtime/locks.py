@@ -17,7 +17,10 @@ import contextlib
 import errno
 import fcntl
 import os
+import random
 import socket
+import time
+import weakref
 from pathlib import Path
 
 from .errors import EnvironmentFault, UsageError
@@ -54,9 +57,26 @@ def _flock(fd: int, op: int) -> bool:
     return True
 
 
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker, a writer process) closes its copies of the held
+    locks' descriptors: a lock is its taker's and must end with the taker's death, even while
+    children it forked live on. Closing a copy leaves the parent's lock as it is."""
+    for lock in list(_HELD):
+        if lock._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock._fd)
+            lock._fd = None
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class WriterLock:
     """A held lock on `path` (released by `release()`, by the context's end, or by the
-    process's death)."""
+    process's death; forked children do not hold it)."""
 
     def __init__(self, path: str | os.PathLike, *, what: str, shared: bool = False, fix: str = ""):
         """`what` names the thing written ("the cache at X"), `fix` what the refused user can do."""
@@ -64,7 +84,7 @@ class WriterLock:
         self.shared = shared
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if not self._take():
+            if not self._take_retrying():
                 held_by = holders(self.path)
                 raise LockedError(
                     f"{what[:1].upper()}{what[1:]} is being written by another process "
@@ -75,6 +95,18 @@ class WriterLock:
             os.close(self._fd)
             self._fd = None
             raise
+        _HELD.add(self)
+
+    def _take_retrying(self) -> bool:
+        """`_take`, retried for a moment when shared: another taker of the same run holds the
+        lock exclusively for the instant it converts to shared, which must not refuse this one."""
+        attempts = 50 if self.shared else 1
+        for attempt in range(attempts):
+            if self._take():
+                return True
+            if attempt + 1 < attempts:
+                time.sleep(0.02 + random.random() * 0.02)
+        return False
 
     def _take(self) -> bool:
         fd = self._fd

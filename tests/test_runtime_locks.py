@@ -66,3 +66,54 @@ def test_paths_through_links_are_the_same(tmp_path):
     assert same_path(tmp_path / "link" / "new", tmp_path / "d" / "new")  # not there yet
     assert not same_path(tmp_path / "d" / "f", tmp_path / "d" / "g")
     assert inside(tmp_path / "link" / "cache", tmp_path / "d") and not inside(tmp_path, tmp_path / "d")
+
+
+
+CONVERTER = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a shared taker does for an instant when it is alone
+    print("alone", flush=True)
+    time.sleep(0.3)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    time.sleep(60)
+""")
+
+
+def test_a_shared_taker_is_not_refused_by_another_taker_of_the_run_converting_to_shared(tmp_path):
+    path = tmp_path / ".lock"
+    child = subprocess.Popen([sys.executable, "-c", CONVERTER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "alone"
+        with WriterLock(path, what="the cache", shared=True) as lock:  # waits out the instant
+            assert lock.shared
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+FORKING_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    from dflash.runtime.locks import WriterLock
+    lock = WriterLock(sys.argv[1], what="the run directory")
+    worker = os.fork()
+    if worker == 0:  # a worker process (a DataLoader's), alive after its parent dies
+        time.sleep(30)
+        os._exit(0)
+    print("held", worker, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_killed_holders_forked_workers_do_not_keep_its_lock(tmp_path):
+    path = tmp_path / ".lock"
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    said, worker = holder.stdout.readline().split()
+    assert said == "held"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    try:
+        with WriterLock(path, what="the run directory"):  # the orphaned worker holds nothing
+            pass
+    finally:
+        os.kill(int(worker), signal.SIGKILL)
