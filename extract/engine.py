@@ -28,7 +28,7 @@ from dflash.cache_tools.schema import (
     TOPK_LOGPROBS,
     scale_of,
 )
-from dflash.runtime.quantize import quantize_fp8, quantize_nf4
+from dflash.runtime.quantize import dequantize_nf4, quantize_fp8, quantize_nf4
 from torch import nn
 
 from .batching import Batch
@@ -70,9 +70,12 @@ def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quanti
             probe = torch.randn(tokens, layers * hidden, device=device, dtype=torch.bfloat16)
             q, scale = compiled(probe, layers)
             ref_q, ref_scale = quantize(probe, layers)
-            if scale is None:  # nf4: a fused division may round a value across a code boundary
-                same = (q == ref_q).float().mean().item() if q.shape == ref_q.shape else 0.0
-                if same < 0.99:
+            if scale is None:  # nf4: fused arithmetic may pick another of two near-equal scales of a
+                # group (a few bytes differ), so the check is the decoded error, not the bytes
+                if q.shape != ref_q.shape:
+                    raise RuntimeError("compiled nf4 quantization differs from the eager code")
+                err, ref_err = ((dequantize_nf4(t).float() - probe.float()).norm() for t in (q, ref_q))
+                if err > ref_err * 1.01:
                     raise RuntimeError("compiled nf4 quantization differs from the eager code")
             elif q.shape != ref_q.shape or not torch.allclose(scale, ref_scale, rtol=1e-5):
                 raise RuntimeError("compiled fp8 quantization differs from the eager code")

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from dflash.cache_tools.codecs import NF4_GROUP, NF4_LEVELS, NF4_SCALE_CANDIDATES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# nf4's levels (the format's, cache_tools.codecs) as Python floats, and the midpoints between
+# neighbours: constants to torch.compile, so the quantizer traces into one graph.
+_NF4_LEVELS = [float(v) for v in NF4_LEVELS]
+_NF4_MIDS = [(a + b) / 2 for a, b in zip(_NF4_LEVELS[:-1], _NF4_LEVELS[1:])]
 
 
 def quantize_fp8(
@@ -70,11 +75,8 @@ def quantize_nf4(hidden: torch.Tensor) -> torch.Tensor:
     error measured here is the error a reader sees. Elementwise work and one reduction per
     candidate: torch.compile fuses it into a few kernels on the GPU (extraction's encode).
     """
-    from dflash.cache_tools.codecs import NF4_GROUP, NF4_LEVELS, NF4_SCALE_CANDIDATES
-
     tokens, width = hidden.shape
-    levels = torch.as_tensor(NF4_LEVELS, device=hidden.device)
-    mids = (levels[1:] + levels[:-1]) / 2
+    levels = torch.tensor(_NF4_LEVELS, device=hidden.device)
     g = hidden.reshape(tokens, width // NF4_GROUP, NF4_GROUP).float()
     absmax = g.abs().amax(dim=-1, keepdim=True)
     best_code = best_scale = best_err = None
@@ -82,7 +84,7 @@ def quantize_nf4(hidden: torch.Tensor) -> torch.Tensor:
         scale = (absmax * factor).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
         y = g / scale.float()
         code = torch.zeros_like(y, dtype=torch.uint8)
-        for m in mids.tolist():  # nearest level: count the midpoints below (15 compares, fused)
+        for m in _NF4_MIDS:  # nearest level: count the midpoints below (15 compares, fused)
             code += (y > m).to(torch.uint8)
         err = (levels[code.long()] - y).square().sum(dim=-1, keepdim=True) * scale.float().square()
         if best_code is None:
@@ -101,12 +103,10 @@ def quantize_nf4(hidden: torch.Tensor) -> torch.Tensor:
 def dequantize_nf4(rows: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Inverse of quantize_nf4 on the rows' device: [..., W/2 + W/16] uint8 -> [..., W] out_dtype
     (the trainer decodes nf4 batches on the GPU: a quarter of bf16's bytes cross to it)."""
-    from dflash.cache_tools.codecs import NF4_GROUP, NF4_LEVELS
-
     stored = rows.shape[-1]
     width = stored * 16 // 9
     flat = rows.reshape(-1, stored)
-    levels = torch.as_tensor(NF4_LEVELS, device=rows.device)
+    levels = torch.tensor(_NF4_LEVELS, device=rows.device)
     codes = flat[:, : width // 2]
     values = torch.stack([levels[(codes & 15).long()], levels[(codes >> 4).long()]], dim=-1)
     scales = flat[:, width // 2:].contiguous().view(torch.bfloat16).float()
