@@ -245,8 +245,8 @@ def target_generate(model: Any, prompts: Sequence[Sequence[int]], config: Decode
 class DraftContext:
     """The drafter's per-layer context keys/values for a batch of sequences of any lengths.
 
-    Same content as `DFlashDrafter.new_context_cache()`, plus a validity mask [B, L] so that
-    rows can hold padding and rejected slots (holes); positions are given per token.
+    Each layer's context keys and values as training computes them, plus a validity mask [B, L]
+    so that rows can hold padding and rejected slots (holes); positions are given per token.
     """
 
     def __init__(self, drafter: DFlashDrafter) -> None:

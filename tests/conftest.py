@@ -185,6 +185,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
+def block_metrics(correct, valid, loss=None) -> dict[str, float]:
+    """BlockMetrics of a single batch (train/metrics.py defines them)."""
+    from dflash.train.metrics import BlockMetrics
+
+    m = BlockMetrics(block_size=correct.shape[-1] + 1)
+    m.update(correct, valid, loss)
+    return m.compute()
+
+
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory) -> dict[str, Path]:
     """One tiny target and one tiny cache of its layers 1, 2, built once per session (read-only)."""

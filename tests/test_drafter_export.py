@@ -12,6 +12,7 @@ from dflash.train.drafter_config import DrafterConfig
 from dflash.train.export import export_drafter, load_drafter
 from dflash.train.model import DFlashDrafter
 from dflash.train.objective import ObjectiveConfig, compute_loss
+from reference_decoding import ContextCache
 from safetensors import safe_open
 from test_drafter_support import (
     HEAD_DIM,
@@ -304,9 +305,9 @@ def test_partial_rotary_target_exports_a_full_rotary_drafter(tmp_path, rope):
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 40, 2 * HIDDEN, generator=g)
-    cache = drafter.new_context_cache()
-    drafter.append_context(cache, hidden)
-    got = drafter.draft_block(cache, torch.tensor([3]))
+    cache = ContextCache(drafter)
+    cache.append_context(hidden)
+    got = cache.draft_block(torch.tensor([3]))
     expected = full_rotary_qwen3_block(drafter, hidden, 3, rope)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # The comparison has teeth: the same block under the other RoPE settings differs.

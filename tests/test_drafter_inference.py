@@ -6,6 +6,7 @@ import pytest
 import torch
 from dflash.train.attention import build_layer_masks
 from dflash.train.objective import build_blocks
+from reference_decoding import ContextCache
 from test_drafter_support import HIDDEN, tiny_drafter
 
 
@@ -40,14 +41,14 @@ def test_incremental_context_drafts_the_same_block_logits_as_training(rope, laye
     reference = training_block_logits(drafter, hidden, input_ids, anchors)
 
     for b in range(2):
-        cache = drafter.new_context_cache()
+        cache = ContextCache(drafter)
         done = 0
         for a, p in enumerate(anchors[b].tolist()):
             # Context arrives in uneven chunks, as accepted tokens do in an engine.
-            drafter.append_context(cache, hidden[b : b + 1, done:p])
+            cache.append_context(hidden[b : b + 1, done:p])
             done = p
             assert cache.length == p
-            logits = drafter.draft_block(cache, input_ids[b : b + 1, p])
+            logits = cache.draft_block(input_ids[b : b + 1, p])
             torch.testing.assert_close(logits[0], reference[b, a], rtol=1e-4, atol=1e-4)
 
 
@@ -56,15 +57,15 @@ def test_cropping_rejected_context_restores_the_draft():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(1, 12, 2 * HIDDEN, generator=g)
     anchor = torch.tensor([7])
-    cache = drafter.new_context_cache()
-    drafter.append_context(cache, hidden[:, :6])
-    expected = drafter.draft_block(cache, anchor)
-    drafter.append_context(cache, hidden[:, 6:11])  # tokens the target then rejects
-    assert not torch.allclose(drafter.draft_block(cache, anchor), expected)
+    cache = ContextCache(drafter)
+    cache.append_context(hidden[:, :6])
+    expected = cache.draft_block(anchor)
+    cache.append_context(hidden[:, 6:11])  # tokens the target then rejects
+    assert not torch.allclose(cache.draft_block(anchor), expected)
     cache.crop(6)
-    torch.testing.assert_close(drafter.draft_block(cache, anchor), expected, rtol=0, atol=0)
+    torch.testing.assert_close(cache.draft_block(anchor), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="append_context"):
-        drafter.draft_block(drafter.new_context_cache(), anchor)
+        ContextCache(drafter).draft_block(anchor)
 
 
 def test_a_sliding_layer_ignores_context_outside_its_window():
@@ -74,9 +75,9 @@ def test_a_sliding_layer_ignores_context_outside_its_window():
     anchor = torch.tensor([5])
 
     def draft(h):
-        cache = drafter.new_context_cache()
-        drafter.append_context(cache, h)
-        return drafter.draft_block(cache, anchor)
+        cache = ContextCache(drafter)
+        cache.append_context(h)
+        return cache.draft_block(anchor)
 
     base = draft(hidden)
     far, near = hidden.clone(), hidden.clone()
@@ -103,9 +104,9 @@ def test_batched_draft_context_with_holes_keeps_each_row_window_by_position():
     anchors = torch.tensor([5, 9, 2])
     drafted = context.draft(anchors, valid.sum(1), 4)
     for row in range(3):
-        alone = drafter.new_context_cache()
-        drafter.append_context(alone, hidden[row : row + 1, valid[row]])
-        expected = drafter.draft_block(alone, anchors[row : row + 1])[0]
+        alone = ContextCache(drafter)
+        alone.append_context(hidden[row : row + 1, valid[row]])
+        expected = alone.draft_block(anchors[row : row + 1])[0]
         torch.testing.assert_close(drafted[row], expected, rtol=1e-5, atol=1e-5)
 
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import block_metrics
 from dflash.train.attention import build_attention_mask
-from dflash.train.metrics import BlockMetrics, block_metrics, tau_from_accuracies
+from dflash.train.metrics import BlockMetrics, tau_from_accuracies
 from dflash.train.objective import (
     ObjectiveConfig,
     add_hidden_noise,

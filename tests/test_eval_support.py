@@ -29,6 +29,7 @@ from dflash.train.drafter_config import DrafterConfig
 from dflash.train.model import DFlashDrafter
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from dflash.train.target_weights import TargetWeights
+from reference_decoding import ContextCache
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 VOCAB, PERIOD, LAYER_IDS = 32, 5, [1, 3]
@@ -258,9 +259,9 @@ def test_draft_context_with_padding_and_holes_equals_the_drafter_incremental_pat
     context.append(hidden[:, 4:], positions[:, 4:], valid[:, 4:])
     got = context.draft(anchors, valid.sum(1), 4)
     for row in range(2):
-        cache = drafter.new_context_cache()
-        drafter.append_context(cache, hidden[row : row + 1, valid[row]])
-        torch.testing.assert_close(got[row], drafter.draft_block(cache, anchors[row : row + 1])[0], rtol=1e-5, atol=1e-5)
+        cache = ContextCache(drafter)
+        cache.append_context(hidden[row : row + 1, valid[row]])
+        torch.testing.assert_close(got[row], cache.draft_block(anchors[row : row + 1])[0], rtol=1e-5, atol=1e-5)
 
 
 def test_tiny_target_learns_to_continue_the_period():

@@ -17,6 +17,7 @@ import torch
 from conftest import (
     HIDDEN,
     TARGET_LAYERS,
+    block_metrics,
     random_records,
     read_metrics,
     tiny_train_config,
@@ -38,7 +39,7 @@ from dflash.train.config import TrainConfig, TrainConfigError
 from dflash.train.heldout import eval_split
 from dflash.train.loader import open_training_data
 from dflash.train.loop import train
-from dflash.train.metrics import VerificationWalk, block_metrics, greedy_replay
+from dflash.train.metrics import VerificationWalk, greedy_replay
 from dflash.train.objective import LossOutput
 from extract_utils import make_target, run_cli
 from safetensors.torch import load_file

@@ -83,13 +83,6 @@ def tau_from_accuracies(acc: list[float]) -> float:
     return total
 
 
-def block_metrics(correct: torch.Tensor, valid: torch.Tensor, loss: float | torch.Tensor | None = None) -> dict[str, float]:
-    """Metrics of a single batch (see the module docstring for the definitions)."""
-    m = BlockMetrics(block_size=correct.shape[-1] + 1)
-    m.update(correct, valid, loss)
-    return m.compute()
-
-
 def target_top1(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """[B, T] the target's greedy next token after each row (top1_ids, else the first of
     topk_ids), None when the batch has neither."""

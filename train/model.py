@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +39,6 @@ from .target_weights import (
 )
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
-
-
-@dataclass
-class ContextCache:
-    """Per-layer keys/values of the fused context seen so far (the inference path)."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def crop(self, length: int) -> None:
-        """Forget context positions >= `length` (after the target rejects drafted tokens)."""
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
 
 
 class DFlashDrafter(nn.Module):
@@ -248,39 +230,3 @@ class DFlashDrafter(nn.Module):
         context = self.fuse_context(hidden)
         positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
         return self.run_block(block_ids, block_positions, self._layer_context_kv(context, positions), mask)
-
-    # -- inference path ---------------------------------------------------------------------
-
-    def new_context_cache(self) -> ContextCache:
-        return ContextCache(keys=[], values=[])
-
-    @torch.no_grad()
-    def append_context(self, cache: ContextCache, hidden: torch.Tensor) -> None:
-        """Add the captured target states [B, n, K*D] of the next n tokens to `cache`."""
-        start = cache.length
-        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-        new = self._layer_context_kv(self.fuse_context(hidden), positions)
-        if not cache.keys:
-            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
-            return
-        cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
-        cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
-
-    @torch.no_grad()
-    def draft_block(self, cache: ContextCache, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, block_size-1, V] for the block after the anchors [B].
-
-        The anchor sits at position `cache.length`: the cache holds exactly the context before
-        it, as in training (the anchor's own target state is not yet known to an engine).
-        """
-        c = self.config
-        if cache.length == 0:
-            raise ValueError("append_context at least one token before drafting a block.")
-        batch = anchor_ids.shape[0]
-        block_ids = torch.full((batch, c.block_size), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
-        block_ids[:, 0] = anchor_ids
-        positions = cache.length + torch.arange(c.block_size, device=anchor_ids.device).expand(batch, -1)
-        context_positions = torch.arange(cache.length, device=anchor_ids.device).expand(batch, -1)
-        masks = self.block_masks(context_positions, None, positions)
-        h = self.run_block(block_ids, positions, list(zip(cache.keys, cache.values)), masks)
-        return self.logits(h[:, 1:])
