@@ -10,6 +10,8 @@
 #                                          # extracts only (then `python3 bench/gpu_hours.py EXTRACT.json TRAIN.json` makes the table)
 #   bash bench/gpu_benchmarks.sh fp8       # ~1.5 min: the fp8 and nf4 quantizers eager and fused, on one batch
 #   bash bench/gpu_benchmarks.sh nf4       # ~3.5 min: bf16 and nf4 extraction of the 8B shape against the bare forward, 1M tokens
+#   bash bench/gpu_benchmarks.sh codec4    # ~3 min: 4-bit candidates (int4, e2m1, NF4; group sizes, scale forms) and the shipped nf4
+#                                          # codec on a trained model's activations (bench/bench_codec4.py): bytes vs bf16, error
 #   bash bench/gpu_benchmarks.sh quality-nf4  # ~14 min: the quality benchmark on a bf16 and on an nf4 cache (prep + main "2",
 #                                          # block 16; WORKDIR prefix QUALITY_WORKDIR, default /dev/shm/dflash-quality): nf4's tau cost
 #   bash bench/gpu_benchmarks.sh colocate  # ~4 min: extraction and training at once on one GPU (two processes) against each alone
@@ -87,6 +89,7 @@ PY
     fp8) (cd bench && python3 bench_fp8.py) ;;
     nf4) DFLASH_PROFILE_EXTRACT=1 python3 bench/bench_extract.py --output "$scratch/extract" --codecs bf16,nf4 \
       ${EXTRACT_TOKENS:+--tokens "$EXTRACT_TOKENS"} ;;
+    codec4) python3 bench/bench_codec4.py ;;
     quality-nf4)
       qbase=${QUALITY_WORKDIR:-/dev/shm/dflash-quality}
       qres=${RESULTS:-${OUT:-/tmp/dflash-quality}}
@@ -116,6 +119,6 @@ PY
           --prompts "$demo/heldout_prompts.jsonl" --device cuda --dtype float32 \
           --batch-size "$batch" --block-size 8
       done ;;
-    *) echo "unknown benchmark '$what' (extract, seed27b, scale, fp8, nf4, quality-nf4, colocate, train, train2, cache, eval)" >&2; exit 2 ;;
+    *) echo "unknown benchmark '$what' (extract, seed27b, scale, fp8, nf4, codec4, quality-nf4, colocate, train, train2, cache, eval)" >&2; exit 2 ;;
   esac
 done
