@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
-from dflash.runtime.errors import InputError
+from dflash.runtime.errors import InputError, MismatchError
 from dflash.runtime.records import (
     SIDECAR_SUFFIXES,
     BadRecord,
+    PrefixReader,
     iter_lines,
-    open_binary,
     parse_record,
     read_rendering,
 )
@@ -70,33 +70,116 @@ def _is_cache_dir(path: Path) -> bool:
     return (path / HEADER_FILE).is_file() and (path / PARTS_DIR).is_dir()
 
 
-def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
-    """Names (relative to `root`), sizes and sha256 of the input files, plus one overall hash.
+@dataclass
+class DataSnapshot:
+    """The input files as this run reads them: each file's size and mtime when the run started
+    and the sha256 of those first bytes (the manifest's `data.files` entries). The run reads
+    only those bytes and hashes them again as it reads (`lines`), so the cache holds what its
+    manifest fingerprints: lines appended meanwhile are left out, an edit in place is named."""
 
-    Paths are relative so that moving the data does not change the identity; any change of
-    content does. Also counts records (non-blank lines) for the progress bar.
-    """
+    files: list[Path]
+    entries: list[dict[str, Any]]  # per file: path (relative to --data), bytes, sha256[, rendering]
+    records: int  # non-blank lines within those bytes (the progress bar's total)
+    stats: dict[Path, tuple[int, int]]  # (size, mtime_ns) when the run started
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.entries, sort_keys=True).encode()).hexdigest()
+
+    def __iter__(self) -> Iterator[Path]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index):
+        return self.files[index]
+
+    def lines(self) -> Iterator[tuple[str, bytes]]:
+        prefixes = {f: (e["bytes"], e["sha256"]) for f, e in zip(self.files, self.entries, strict=True)}
+        return iter_lines(self.files, prefixes=prefixes)
+
+    def changes_since_start(self) -> list[str]:
+        """One sentence per file whose size or mtime is no longer the one at the start."""
+        out = []
+        for f, entry in zip(self.files, self.entries, strict=True):
+            try:
+                st = f.stat()
+                now = (st.st_size, st.st_mtime_ns)
+            except OSError:
+                now = None
+            if now != self.stats[f]:
+                what = "is gone" if now is None else f"is now {now[0]:,} bytes"
+                out.append(
+                    f"{f} changed during the extraction (it {what}; {self.stats[f][0]:,} when the run "
+                    f"started): the cache holds its first {entry['bytes']:,} bytes, as read and as its "
+                    "manifest's fingerprint records; what changed later is not in it. Pass --force (or "
+                    "choose a new --output) to extract the file as it is now."
+                )
+        return out
+
+
+def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, Any] | None = None) -> DataSnapshot:
+    """Fingerprint the input files as they are now (see DataSnapshot).
+
+    `recorded`: the `data` section of the cache this run resumes. A file that has grown since
+    (its recorded bytes still its first ones) is read up to its recorded size, with a note;
+    a file edited, shortened, added or removed since is a MismatchError naming it."""
     root = Path(root)
-    entries = []
-    records = 0
+    entries, records, stats = [], 0, {}
+    old = {e.get("path"): e for e in (recorded or {}).get("files", []) if isinstance(e, dict)}
+    notes, changed = [], []
     for f in files:
-        h = hashlib.sha256()
+        name = f.name if f == root else str(f.relative_to(root))
         try:
-            with open(f, "rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    h.update(chunk)
-            with open_binary(f) as fh:
-                records += sum(1 for line in fh if line.strip())
+            st = f.stat()
+            stats[f] = (st.st_size, st.st_mtime_ns)
+            prefix = old.get(name, {}).get("bytes") if old else None
+            nbytes = prefix if isinstance(prefix, int) and prefix < st.st_size else st.st_size
+            reader = PrefixReader(f, nbytes)
+            with reader:
+                records += sum(1 for line in reader.lines() if line.strip())
+                digest = reader.hexdigest()
         except (OSError, EOFError) as e:
             raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
-        name = f.name if f == root else str(f.relative_to(root))
-        entry = {"path": name, "bytes": f.stat().st_size, "sha256": h.hexdigest()}
+        entry = {"path": name, "bytes": nbytes, "sha256": digest}
         rendering = read_rendering(f)
         if rendering:
             entry["rendering"] = rendering
         entries.append(entry)
-    total = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
-    return {"files": entries, "sha256": total, "records": records}
+        if old:
+            was = old.get(name)
+            if was is None:
+                changed.append(f"{f} is not among the files the cache was extracted from")
+            elif (was.get("bytes"), was.get("sha256")) != (nbytes, digest):
+                changed.append(f"{f} changed since the cache was extracted from it (its first "
+                               f"{nbytes:,} bytes differ from the ones fingerprinted then)")
+            elif nbytes < st.st_size:
+                notes.append(
+                    f"{f} has grown by {st.st_size - nbytes:,} bytes since the cache was started: "
+                    f"this run reads its first {nbytes:,} bytes, as the cache's manifest fingerprints; "
+                    "the lines added since are not extracted (pass --force, or choose a new --output, "
+                    "to extract the file as it is now)."
+                )
+    if old:
+        names = {e["path"] for e in entries}
+        changed += [f"{root / n} was extracted into the cache but is no longer in --data"
+                    for n in old if n not in names]
+    if changed:
+        raise MismatchError(
+            "The input data differs from the data the cache was extracted from: "
+            + "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
+            + ". Restore the data, pass --force to extract the cache anew, or choose a new --output."
+        )
+    return DataSnapshot(list(files), entries, records, stats, notes)
+
+
+def fingerprint_data(files: list[Path], root: str | Path) -> dict[str, Any]:
+    """Names (relative to `root`), sizes and sha256 of the input files, plus one overall hash and
+    the count of records (non-blank lines): the manifest's `data` section (see snapshot_data)."""
+    snap = snapshot_data(files, root)
+    return {"files": snap.entries, "sha256": snap.sha256, "records": snap.records}
 
 
 @dataclass
@@ -149,7 +232,7 @@ class PartRules:
     window_tokens: int = 0  # sort window; at most part_tokens: each window is one part
 
 
-def plan_windows(files: list[Path], rules: PartRules) -> Iterator[list[PartPlan]]:
+def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator[list[PartPlan]]:
     """Stream the input as sort windows, each the list of its parts (see the module docstring).
 
     A window closes before the sample that would take it past `window_tokens` (at least
@@ -161,7 +244,8 @@ def plan_windows(files: list[Path], rules: PartRules) -> Iterator[list[PartPlan]
     window_tokens = max(rules.window_tokens, rules.part_tokens)
     window, tokens, first_index, number = [], 0, 0, 0
     skips = PartPlan(-1)  # the current window's skipped records
-    for sample_id, (where, line) in enumerate(iter_lines(files)):
+    lines = files.lines() if isinstance(files, DataSnapshot) else iter_lines(files)
+    for sample_id, (where, line) in enumerate(lines):
         try:
             ids, mask = parse_record(line, rules.vocab_size)
         except BadRecord as e:

@@ -12,22 +12,24 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.identity import target_provenance
 from dflash.cache_tools.layers import default_target_layer_ids
-from dflash.cache_tools.manifest import make_header
+from dflash.cache_tools.manifest import make_header, read_header
 from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
-from dflash.runtime.signals import StopRequest
+from dflash.runtime.errors import DflashError
 from dflash.runtime.locks import refuse_output_among_inputs
+from dflash.runtime.signals import StopRequest
 from torch import nn
 from tqdm import tqdm
 
 from .config import ExtractConfig
-from .data import PartPlan, fingerprint_data, list_data_files
+from .data import DataSnapshot, PartPlan, list_data_files, snapshot_data
 from .engine import ExtractionEngine
 from .loop import ExtractionLoop
 from .pinned import SegmentPinner
@@ -62,6 +64,7 @@ class ExtractSummary:
     setup_seconds: float = 0.0  # writers started, part segments page-locked (before the first batch)
     teardown_seconds: float = 0.0  # writers stopped, segments released (after the last commit)
     interrupted_by: int | None = None  # signal number when stopped by SIGINT/SIGTERM
+    notes: list[str] = field(default_factory=list)  # input files that changed (data.DataSnapshot)
     leftovers_removed: int = 0  # temporary or unrecorded parts of dead writers, removed at open
     skips: list[dict] = field(default_factory=list)
 
@@ -86,6 +89,7 @@ class ExtractSummary:
             f"this rank's parts: {self.parts_this_rank} of {self.parts_total}."
             + (f" Removed {self.leftovers_removed} leftover(s) of interrupted writers."
                if self.leftovers_removed else "")
+            + "".join(f"\nNote: {note}" for note in self.notes)
         )
 
 
@@ -125,16 +129,25 @@ def writer_count(config: ExtractConfig, device: torch.device) -> int:
     return config.num_writers if config.num_writers is not None else default_num_writers(device)
 
 
-def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data_fp) -> dict:
+def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data: DataSnapshot) -> dict:
     ident = target_identity(model, model_dir)
     return make_header(
         target=ident, target_layer_ids=layer_ids, hidden_size=ident["hidden_size"],
         codec=HiddenCodec(name=config.codec), chunk_rows=config.chunk_rows,
         shard_rows=config.shard_rows, store_last_hidden=config.store_last_hidden,
         topk=config.store_topk, top1=top1_dtype(ident["vocab_size"]) if config.store_top1 else None,
-        data={"files": data_fp["files"], "sha256": data_fp["sha256"]},
+        data={"files": data.entries, "sha256": data.sha256},
         settings=config.content_settings(), provenance=target_provenance(model_dir),
     )
+
+
+def recorded_data(cache_dir) -> dict | None:
+    """The `data` section of the cache at `cache_dir`, if one is there to resume (a damaged or
+    missing manifest is left to CacheWriter to name)."""
+    try:
+        return read_header(Path(cache_dir)).get("data")
+    except (DflashError, OSError, ValueError):
+        return None
 
 
 def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> ExtractSummary:
@@ -165,20 +178,20 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     )
     capture = LayerCapture(model, layer_ids,  # checks the ids (cache_tools.layers)
                            need_last=config.store_last_hidden or config.store_topk > 0 or config.store_top1)
-    data_fp = fingerprint_data(files, config.data)
-    header = build_header(config, model, model_dir, layer_ids, data_fp)
+    data = snapshot_data(files, config.data, recorded=None if config.force else recorded_data(config.output))
+    header = build_header(config, model, model_dir, layer_ids, data)
     if config.force and (run := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
         header["provenance"]["forced_run"] = run  # what the other ranks wait for (CacheWriter)
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     rules = config.part_rules(header["target"]["vocab_size"])
-    ensure_plan(config.output, files, rules)  # what a following trainer plans from
+    ensure_plan(config.output, data, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget, top1=cache.header["extras"].get("top1"))
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
-    summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans))
-    progress = Progress(data_fp["records"], config.progress)
+    summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans), notes=list(data.notes))
+    progress = Progress(data.records, config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
     try:
         pool = _writer_pool(config, cache, engine, direct)
@@ -186,7 +199,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         capture.close()
         progress.close()
         raise
-    loop = ExtractionLoop(files=files, rules=rules, rank=config.rank,
+    loop = ExtractionLoop(files=data, rules=rules, rank=config.rank,
                           world_size=config.world_size, token_budget=config.token_budget,
                           committed=set(cache.committed()), engine=engine, pool=pool, progress=progress,
                           summary=summary, direct=direct)
@@ -210,8 +223,9 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     finally:
         capture.close()
         progress.close()
-    summary.bytes = pool.nbytes
         cache.close()
+    summary.bytes = pool.nbytes
+    summary.notes += data.changes_since_start()
     summary.setup_seconds = engine_seconds + pool.setup_seconds
     summary.teardown_seconds = time.perf_counter() - t0 - summary.seconds
     return summary

@@ -17,8 +17,10 @@ Torch-free (numpy only): every stage reads its input here without loading a mode
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +57,67 @@ def open_binary(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def iter_lines(files: Iterable[Path]) -> Iterator[tuple[str, bytes]]:
-    """(where, line) for every non-blank line of `files` in order, where = 'file, line N'."""
+class FileChangedError(InputError):
+    """A file's bytes, hashed as they were read, are not the ones fingerprinted before."""
+
+
+class PrefixReader(io.RawIOBase):
+    """The first `nbytes` bytes of a file (what a run fingerprinted at its start: lines appended
+    later are not read), hashed as they are read; `lines()` decompresses a .gz file."""
+
+    def __init__(self, path: Path, nbytes: int):
+        super().__init__()
+        self.path, self.left = Path(path), nbytes
+        self.sha256 = hashlib.sha256()
+        self._fh = open(path, "rb")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._fh.read(min(len(buffer), self.left))
+        buffer[:len(data)] = data
+        self.left -= len(data)
+        self.sha256.update(data)
+        return len(data)
+
+    def lines(self) -> Iterator[bytes]:
+        # (kept: a buffer freed with its iterator would close this reader before hexdigest)
+        self._buffered = io.BufferedReader(self, buffer_size=1 << 20)
+        return iter(gzip.GzipFile(fileobj=self._buffered) if self.path.suffix == ".gz" else self._buffered)
+
+    def hexdigest(self) -> str:
+        """The sha256 of the prefix (read to its end first: gzip may stop short of it)."""
+        while self.left > 0 and self.readinto(bytearray(min(self.left, 1 << 20))):
+            pass
+        return self.sha256.hexdigest()
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+
+def iter_lines(files: Iterable[Path], *, prefixes: Mapping[Path, tuple[int, str]] | None = None
+               ) -> Iterator[tuple[str, bytes]]:
+    """(where, line) for every non-blank line of `files` in order, where = 'file, line N'.
+
+    `prefixes`: (bytes, sha256) per file, as fingerprinted: only those bytes are read, and a
+    file whose bytes hash otherwise as they are read raises FileChangedError (edited in place)."""
     for f in files:
+        prefix = (prefixes or {}).get(f)
         try:
-            with open_binary(f) as fh:
-                for line_no, line in enumerate(fh, 1):
+            reader = PrefixReader(f, prefix[0]) if prefix else None
+            with reader or open_binary(f) as fh:
+                for line_no, line in enumerate(reader.lines() if reader else fh, 1):
                     if line.strip():
                         yield f"{f}, line {line_no}", line
+                if reader and reader.hexdigest() != prefix[1]:
+                    raise FileChangedError(
+                        f"{f} changed while it was read: its first {prefix[0]:,} bytes no longer have "
+                        "the sha256 fingerprinted when the run started (the file was edited or "
+                        "truncated in place, not only appended to). What was read may mix both "
+                        "versions: restore the file, or pass --force to start anew from it as it is now."
+                    )
         except (OSError, EOFError) as e:
             raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
 
