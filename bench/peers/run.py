@@ -198,15 +198,35 @@ def draft_config(work: Work, ours: Ours, *, layers: int, target_layer_ids: list[
     }
 
 
+def peer_layer_rule(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """SpecForge's and ModelOpt's default target layers: one per draft layer, spread over
+    1..N-3 (both packages' rule, which agree for N >= 4)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start = min(1, num_target_layers - 1)
+    span = max(start, num_target_layers - 3) - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def own_layer_ids(num_target_layers: int, num_draft_layers: int, ours: Ours) -> tuple[list[int] | None, str]:
+    """(explicit target layers or None for the peer's own rule, a note): the rule repeats a layer
+    on a shallow target (6 layers, 5 draft layers: [1, 2, 2, 2, 3]), which no engine serves; ours then."""
+    rule = peer_layer_rule(num_target_layers, num_draft_layers)
+    if len(set(rule)) == len(rule) and rule == sorted(rule):
+        return None, f"target layers {rule} by the peer's rule"
+    return list(ours.target_layer_ids), (f"target layers ours {list(ours.target_layer_ids)}: the peer's rule gives "
+                                         f"{rule} on this {num_target_layers}-layer target, repeated layers no engine serves")
+
+
 def specforge_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(run.yaml as a dict, the draft config, the settings that differ from ours)."""
     cpu = work.device == "cpu"
     t = json.loads((work.root / "target" / "config.json").read_text())
     run = work.run_dir("specforge-own" if own else "specforge-same")
     if own:  # configs/qwen3-8b-dflash.json + examples/configs/.../qwen3-8b-dflash*.yaml
-        layers, layer_ids, block, epochs, batch = 5, None, 16, 6, 4
-        differs = ["draft layers 5, target layers by SpecForge's rule", "block 16", "epochs 6",
-                   "batch 4 sequences", "gamma 7"]
+        layers, block, epochs, batch = 5, 16, 6, 4
+        layer_ids, note = own_layer_ids(t["num_hidden_layers"], 5, ours)
+        differs = [f"draft layers 5, {note}", "block 16", "epochs 6", "batch 4 sequences", "gamma 7"]
     else:
         layers, layer_ids, block, epochs, batch = (ours.num_draft_layers, ours.target_layer_ids, ours.block_size,
                                                    ours.epochs, ours.batch_samples)
@@ -248,14 +268,22 @@ def modelopt_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any], 
     (`training`), and the settings that differ from ours."""
     cpu = work.device == "cpu"
     if own:  # modelopt_recipes/general/speculative_decoding/dflash.yaml (0.47.0)
+        t = json.loads((work.root / "target" / "config.json").read_text())
+        layer_ids, note = own_layer_ids(t["num_hidden_layers"], 5, ours)
+        arch: dict[str, Any] = {"num_hidden_layers": 5}
+        if layer_ids is not None:  # one target layer per draft layer: ModelOpt's draft shrinks to them
+            arch = {"num_hidden_layers": len(layer_ids), "target_layer_ids": layer_ids}
+            note = f"draft layers {len(layer_ids)}, {note}"
+        else:
+            note = f"draft layers 5, {note}"
         dflash = {"dflash_block_size": 8, "dflash_num_anchors": 512, "dflash_self_logit_distillation": True,
-                  "dflash_loss_decay_factor": 4.0, "dflash_architecture_config": {"num_hidden_layers": 5}}
+                  "dflash_loss_decay_factor": 4.0, "dflash_architecture_config": arch}
         # Its recipe is per_device_train_batch_size 1 of training_seq_len 4096 tokens: the same
         # tokens per step as sequences of our length.
         batch = max(1, 4096 // max(1, ours.max_seq_len))
         training = {"num_train_epochs": 10, "per_device_train_batch_size": batch, "learning_rate": 6e-4,
                     "warmup_steps": 100, "lr_scheduler_type": "linear", "weight_decay": 0.0}
-        differs = ["block 8", "draft layers 5, target layers by ModelOpt's rule", "epochs 10",
+        differs = ["block 8", note, "epochs 10",
                    "draft attention and MLP at Qwen3Config's defaults (32 heads of 128, MLP 22016: ModelOpt "
                    "keeps them over the target's)",
                    f"batch {batch} sequences (its 4096 tokens a step)", "logit distillation", "D-PACE weights",
@@ -333,12 +361,35 @@ def _run(command: list[str], log_path: Path, stdout: Path | None = None) -> floa
     return time.perf_counter() - start
 
 
+SPECFORGE_LAYER_IDS = """
+import sys, json
+from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+print(json.dumps(list(AutoDraftModel.from_config(AutoDraftModelConfig.from_file(sys.argv[1])).target_layer_ids)))
+"""
+"""The target layers SpecForge's draft reads (its own rule when draft.json names none)."""
+
+UNTRAINED_SPECFORGE_CHECKPOINT = """
+import sys, pathlib, torch
+from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(sys.argv[1]), torch_dtype=torch.bfloat16)
+pathlib.Path(sys.argv[2]).parent.mkdir(parents=True, exist_ok=True)
+torch.save({"draft_state_dict": model.state_dict()}, sys.argv[2])
+"""
+
+
 def train(work: Work, run: str) -> dict[str, Any]:
     d = work.run_dir(run)
     if not (d / "differs.json").is_file():
         raise PeerBenchError(f"{d} has no configs; run the prep step first.")
-    if run.startswith("specforge"):
+    if run.startswith("specforge") and work.device == "cpu":
+        # SpecForge wraps the draft in FSDP, which needs an accelerator: the CPU smoke writes the
+        # checkpoint its export reads from an untrained draft that SpecForge itself builds.
+        seconds = _run([sys.executable, "-c", UNTRAINED_SPECFORGE_CHECKPOINT, str(d / "draft.json"),
+                        str(d / "output" / "training_state.pt")], d / "train.log")
+    elif run.startswith("specforge"):
         seconds = _run([sys.executable, "-m", "specforge.cli", "train", "-c", str(d / "run.yaml")], d / "train.log")
+    if run.startswith("specforge"):
+        _run([sys.executable, "-c", SPECFORGE_LAYER_IDS, str(d / "draft.json")], d / "layers.log", stdout=d / "layers.json")
         export_seconds = _run([sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint",
                                str(d / "output"), "--draft-config", str(d / "draft.json"), "--output-dir",
                                str(d / "export")], d / "export.log")
@@ -370,6 +421,8 @@ def evaluate(work: Work, run: str, ours: Ours) -> dict[str, Any]:
     if refusal is not None:
         block = int(exported.get("block_size") or (exported.get("dflash_config") or {}).get("block_size"))
         layer_ids = (exported.get("dflash_config") or {}).get("target_layer_ids") or exported.get("target_layer_ids")
+        if layer_ids is None and (d / "layers.json").is_file():  # what the peer's draft read
+            layer_ids = json.loads((d / "layers.json").read_text())
         t = json.loads((target / "config.json").read_text())
         drafter = d / "export-dflash"
         notes = normalize_export(export, drafter, block_size=block, mask_token_id=ours.mask_token_id,
