@@ -170,7 +170,7 @@ def traced_train(config, *, skip: int, warm: int, active: int) -> None:
     from dflash.train import loop
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    cuda = torch.cuda.is_available() and config.device != "cpu"
+    cuda = torch.cuda.is_available() and config.runtime.device != "cpu"
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
                    schedule=schedule(wait=skip, warmup=warm, active=active, repeat=1))
     stamps: list[float] = []
@@ -213,24 +213,24 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
     """The measured steps' figures from the run's metrics.jsonl."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     measured = [r for r in records if r["kind"] == "train" and warmup < r["step"] <= warmup + steps]
-    seconds = sum(r["seconds_per_step"] * config.log_interval for r in measured)
-    n = len(measured) * config.log_interval
+    seconds = sum(r["seconds_per_step"] * config.logging.log_interval for r in measured)
+    n = len(measured) * config.logging.log_interval
     step_time = seconds / n
-    context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
-    anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.log_interval
+    context = sum(r["context_tokens_per_second"] * r["seconds_per_step"] * config.logging.log_interval for r in measured) / n
+    anchors = sum(r["block_tokens_per_second"] * r["seconds_per_step"] * config.logging.log_interval
                   for r in measured) / n / shape.block_size
-    samples = sum(r["samples_per_second"] * r["seconds_per_step"] * config.log_interval for r in measured) / n
+    samples = sum(r["samples_per_second"] * r["seconds_per_step"] * config.logging.log_interval for r in measured) / n
     # The logged counts are over all processes and samples; attention is per sample (its own context).
-    dflash2 = ({k: getattr(config, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                 "selector_top_k")} if config.drafter_type == "dflash2" else None)
+    dflash2 = ({k: getattr(config.model, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                 "selector_top_k")} if config.model.drafter_type == "dflash2" else None)
     flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)), dflash2)
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
                   "27b": "Qwen3.6-27B drafter (hidden 5120, 5 layers), K=5, B=16",
                   "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[shape_name],
-        "drafter_type": config.drafter_type,
-        "compile": config.compile, "compile_mode": config.compile_mode, "steps_per_second": 1 / step_time,
+        "drafter_type": config.model.drafter_type,
+        "compile": config.runtime.compile, "compile_mode": config.runtime.compile_mode, "steps_per_second": 1 / step_time,
         "processes": world,
         "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
         "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
@@ -283,6 +283,7 @@ def main() -> None:
     parser = build_parser()
     a = parser.parse_args()
 
+    from dflash.runtime.settings import convert_file_value, settings_of
     from dflash.train.config import TrainConfig
     from dflash.train.loop import train
 
@@ -319,27 +320,25 @@ def main() -> None:
     prepared = time.perf_counter() - start
     print(f"target + cache ready in {prepared:.1f} s ({cache})", flush=True)
 
-    config = TrainConfig(
+    values = dict(
         cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
         block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len * batch,
         max_batch_size=batch,
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
-        max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run, log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
+        max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run,
+        log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
         profile_interval=a.profile_interval, drafter_type=a.drafter_type,
     )
+    settings = settings_of(TrainConfig)
     for item in a.train_arg:
         name, _, value = item.partition("=")
-        if not hasattr(config, name):
-            parser.error(f"--train-arg {item!r}: TrainConfig has no field {name!r}.")
-        current = getattr(config, name)
-        if isinstance(current, bool):
-            value = value.lower() in ("1", "true", "yes", "on")
-        elif current is not None:
-            value = type(current)(value)
-        setattr(config, name, value)
-    if (resumed_from + warmup) % config.log_interval or steps % config.log_interval:
-        config.log_interval = 1
+        if name not in settings:
+            parser.error(f"--train-arg {item!r}: dflash-train has no setting {name!r}.")
+        values[name] = convert_file_value(settings[name], value, "--train-arg")  # as its flag takes it
+    if (resumed_from + warmup) % values["log_interval"] or steps % values["log_interval"]:
+        values["log_interval"] = 1
+    config = TrainConfig.from_dict(values)
     train_start = time.perf_counter()
     if a.trace_steps:
         traced_train(config, skip=warmup + steps, warm=2, active=a.trace_steps)

@@ -161,7 +161,7 @@ def tiny_train_config(cache: Path | list[Path], target: Path, out: Path, **overr
         attention_backend="sdpa",
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_dict(values)
 
 
 def final_weights(run_dir: Path) -> dict:

@@ -7,7 +7,6 @@ import json
 
 import torch
 from dflash.train.checkpoint import (
-    CheckpointConfig,
     Checkpointer,
     compute_changes,
     compute_settings,
@@ -15,7 +14,7 @@ from dflash.train.checkpoint import (
 
 
 def test_a_checkpoint_records_its_compute_settings_and_a_resume_under_others_is_told(tmp_path):
-    checkpoints = Checkpointer(CheckpointConfig(run_dir=tmp_path))
+    checkpoints = Checkpointer(tmp_path)
     model = torch.nn.Linear(2, 2)
     path = checkpoints.save(1, model.state_dict(), {}, {}, {"identity": {}})
     saved = json.loads((path / "meta.json").read_text())["compute"]

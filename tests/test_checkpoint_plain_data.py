@@ -11,7 +11,6 @@ import pytest
 import torch
 from dflash.train.checkpoint import (
     TRAINER_FILE,
-    CheckpointConfig,
     CheckpointCorruptError,
     Checkpointer,
     capture_rng,
@@ -20,7 +19,7 @@ from dflash.train.checkpoint import (
 
 
 def _save(tmp_path, trainer_state):
-    checkpoints = Checkpointer(CheckpointConfig(run_dir=tmp_path / "run"))
+    checkpoints = Checkpointer(tmp_path / "run")
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()

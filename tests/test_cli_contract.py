@@ -184,7 +184,7 @@ def test_every_command_takes_the_same_dtype_names(tmp_path, captured_extract, ca
     base = ["--target-model", tmp_path, "--data", _data_file(tmp_path), "--output", tmp_path / "c"]
     assert invoke(extract_main, *base, "--dtype", "float32").exit_code == 0
     assert captured_extract[0].dtype == "fp32"
-    assert TrainConfig(cache=["c"], target_model="m", output_dir="o", dtype="bfloat16").dtype == "bf16"
+    assert TrainConfig.from_dict(dict(cache=["c"], target_model="m", output_dir="o", dtype="bfloat16")).runtime.dtype == "bf16"
     evaluated = invoke(eval_main, "--target-model", tmp_path, "--drafter", tmp_path, "--prompts",
                        _data_file(tmp_path), "--dtype", "bfloat16", "--json")
     assert evaluated.exit_code == 0 and captured_eval[0]["dtype"] == "bf16"
@@ -201,11 +201,11 @@ def test_generated_train_flags_list_their_choices_in_help():
 def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
     from dflash.cache_tools import cli as cache_cli
     from dflash.cache_tools.codecs import CODEC_NAMES
-    from dflash.train import config, objective
+    from dflash.train import attention, config, dflash2
 
     assert cache_cli.CODEC_CHOICES == CODEC_NAMES
-    assert config.NOISE_TYPES == objective.NOISE_TYPES
-    assert config.LOSS_WEIGHTINGS == objective.LOSS_WEIGHTINGS
+    assert config.ATTENTION_BACKENDS == attention.ATTENTION_BACKENDS
+    assert config.DRAFTER_TYPES == dflash2.DRAFTER_TYPES
 
 
 def test_every_console_script_runs_under_the_contract():

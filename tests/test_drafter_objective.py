@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import block_metrics
 from dflash.train.attention import build_attention_mask
+from dflash.train.config import TrainConfigError
 from dflash.train.metrics import BlockMetrics, tau_from_accuracies
 from dflash.train.objective import (
     ObjectiveConfig,
@@ -116,7 +117,7 @@ def test_noise_follows_its_schedule_and_generator():
     gauss = add_hidden_noise(hidden, ObjectiveConfig(noise_type="gaussian", noise_start=0.5), 0.3)
     assert gauss.std().item() == pytest.approx(0.5, rel=0.1)
     assert add_hidden_noise(hidden, ObjectiveConfig(), 0.5) is hidden
-    with pytest.raises(ValueError, match="noise_type"):
+    with pytest.raises(TrainConfigError, match="noise-type"):
         ObjectiveConfig(noise_type="laplace")
 
 

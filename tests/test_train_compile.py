@@ -11,7 +11,8 @@ import torch
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.train import config as train_config
 from dflash.train import model as train_model
-from dflash.train.loader import LoaderConfig, TrainLoader
+from dflash.train.config import DataConfig
+from dflash.train.loader import TrainLoader
 from dflash.train.loop import draw_anchors
 from dflash.train.objective import ObjectiveConfig, compute_loss
 from test_drafter_objective import hand_batch
@@ -92,10 +93,10 @@ def test_anchors_drawn_in_the_loader_workers_are_the_trainers_draws(tiny_world, 
     """Each batch carries the anchors of its (epoch, global batch index), as the trainer drew
     them itself before: the same in a worker process, on any rank, across an epoch boundary."""
     caches = CacheSet([str(tiny_world["cache"])], max_seq_len=64)
-    config = LoaderConfig(token_budget=128, max_batch_size=4, max_seq_len=64, shuffle_window=16, seed=3,
-                          num_workers=1)
+    config = DataConfig(cache=["unused"], token_budget=128, max_batch_size=4, max_seq_len=64, shuffle_window=16,
+                        num_workers=1)
     draw = functools.partial(draw_anchors, seed=7, max_anchors=3, block_size=4)
-    loader = TrainLoader(caches, np.arange(len(caches)), config, epochs=2, rank=world_size - 1,
+    loader = TrainLoader(caches, np.arange(len(caches)), config, seed=3, epochs=2, rank=world_size - 1,
                          world_size=world_size, prepare=draw)
     seen, iterators = set(), set()
     for _ in range(sum(loader.steps_per_epoch) + 1):

@@ -84,8 +84,8 @@ def test_heldout_split_is_stable_when_a_cache_grows(tmp_path):
 
     # The trainer's own split (the default settings) and its evaluation cap agree.
     def data(cache: Path, **kw):
-        cfg = TrainConfig(cache=[str(cache)], target_model=str(target), output_dir=str(tmp_path / "unused"),
-                          num_workers=0, max_seq_len=64, token_budget=128, max_batch_size=4, **kw)
+        cfg = TrainConfig.from_dict(dict(cache=[str(cache)], target_model=str(target), num_workers=0, max_seq_len=64,
+                                         output_dir=str(tmp_path / "unused"), token_budget=128, max_batch_size=4, **kw))
         d = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
         ids = d.caches.sample_ids()
         return set(ids[d.train_indices].tolist()), set(ids[d.eval_indices].tolist())
@@ -102,9 +102,9 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
         cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "unused", **kw)
         return open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
 
-    defaults = TrainConfig(cache=["c"], target_model="t", output_dir="o")
-    assert defaults.eval_fraction > 0 and defaults.eval_interval is None
-    assert defaults.eval_every(1000) == 100 and defaults.eval_every(7) == 1
+    defaults = TrainConfig.from_dict(dict(cache=["c"], target_model="t", output_dir="o"))
+    assert defaults.data.eval_fraction > 0 and defaults.logging.eval_interval is None
+    assert defaults.logging.eval_every(1000) == 100 and defaults.logging.eval_every(7) == 1
     on = data(eval_fraction=0.25)
     assert on.heldout_count == len(on.eval_indices) > 0
     assert len(on.train_indices) + on.heldout_count == len(on.caches)

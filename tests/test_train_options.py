@@ -155,7 +155,7 @@ def test_acceptance_loss_weighting_and_wsd_schedule_train_and_change_the_run(tin
     with pytest.raises(TrainConfigError, match="--loss-weighting decay"):
         tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "g", gamma=3.0)
     assert tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "g", gamma=3.0,
-                             loss_weighting="decay").gamma == 3.0
+                             loss_weighting="decay").objective.gamma == 3.0
     # Same init, same batches: the weighting changes the first step's loss, the schedule its lr.
     assert records["acceptance"][0]["loss"] != records["decay"][0]["loss"]
     assert records["wsd"][0]["loss"] == records["decay"][0]["loss"]

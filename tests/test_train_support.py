@@ -9,28 +9,30 @@ import numpy as np
 import pytest
 import torch
 from dflash.cache_tools.cache_set import CacheSet
-from dflash.train.config import TrainConfigError, load_config_file, make_config
+from dflash.train.config import DataConfig, TrainConfigError, load_config_file, make_config
 from dflash.train.heldout import eval_split
-from dflash.train.loader import LoaderConfig, TrainLoader
+from dflash.train.loader import TrainLoader
 from dflash.train.loop import lr_multiplier
 from dflash.train.plans import plan_epoch
 
 # -- batch plans and the loader position --------------------------------------------------------
 
 
-def _loader_config(**kw) -> LoaderConfig:
-    return LoaderConfig(**{**dict(token_budget=128, max_batch_size=4, max_seq_len=64, shuffle_window=16,
-                                  seed=3, num_workers=0), **kw})
+def _loader_config(**kw) -> DataConfig:
+    return DataConfig(**{**dict(cache=["unused"], token_budget=128, max_batch_size=4, max_seq_len=64,
+                                shuffle_window=16, num_workers=0), **kw})
 
 
 def test_epoch_plans_are_a_pure_function_of_seed_epoch_and_lengths():
     lengths = np.random.default_rng(0).integers(5, 64, size=200)
     index = np.arange(200)
     config = _loader_config()
-    a, b = plan_epoch(index, lengths, config, 1), plan_epoch(index, lengths, config, 1)
+    a, b = plan_epoch(index, lengths, config, 1, seed=3), plan_epoch(index, lengths, config, 1, seed=3)
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
-    other_epoch = plan_epoch(index, lengths, config, 2)
+    other_epoch = plan_epoch(index, lengths, config, 2, seed=3)
+    other_seed = plan_epoch(index, lengths, config, 1, seed=4)
     assert [x.tolist() for x in a] != [x.tolist() for x in other_epoch]
+    assert [x.tolist() for x in a] != [x.tolist() for x in other_seed]
     # every sample exactly once, each batch under the token budget and the size limit
     assert sorted(np.concatenate(a).tolist()) == list(range(200))
     assert all(len(x) * lengths[x].max() <= 128 and len(x) <= 4 for x in a)
@@ -39,7 +41,7 @@ def test_epoch_plans_are_a_pure_function_of_seed_epoch_and_lengths():
 def test_length_bucketing_keeps_padding_low():
     lengths = np.random.default_rng(1).integers(8, 512, size=4000)
     config = _loader_config(token_budget=2048, max_batch_size=64, max_seq_len=512, shuffle_window=1024)
-    batches = plan_epoch(np.arange(4000), lengths, config, 0)
+    batches = plan_epoch(np.arange(4000), lengths, config, 0, seed=3)
     padded = sum(len(x) * lengths[x].max() for x in batches)
     assert lengths.sum() / padded > 0.9
 
@@ -49,7 +51,7 @@ def test_resumed_loader_yields_exactly_the_remaining_batches(tiny_world):
     index = np.arange(len(caches))
 
     def loader() -> TrainLoader:
-        return TrainLoader(caches, index, _loader_config(), epochs=3, grad_accum=2)
+        return TrainLoader(caches, index, _loader_config(), seed=3, epochs=3, grad_accum=2)
 
     full = loader()
     total = 2 * sum(full.steps_per_epoch)
@@ -66,8 +68,8 @@ def test_resumed_loader_yields_exactly_the_remaining_batches(tiny_world):
 def test_ranks_split_each_step_of_the_global_batch_list(tiny_world):
     caches = CacheSet([str(tiny_world["cache"])], max_seq_len=64)
     index = np.arange(len(caches))
-    single = TrainLoader(caches, index, _loader_config(), epochs=1, grad_accum=2)
-    ranks = [TrainLoader(caches, index, _loader_config(), epochs=1, rank=r, world_size=2) for r in range(2)]
+    single = TrainLoader(caches, index, _loader_config(), seed=3, epochs=1, grad_accum=2)
+    ranks = [TrainLoader(caches, index, _loader_config(), seed=3, epochs=1, rank=r, world_size=2) for r in range(2)]
     assert single.steps_per_epoch == ranks[0].steps_per_epoch
     for _ in range(single.steps_per_epoch[0]):
         one = {tuple(single.next_batch()["sample_ids"].tolist()) for _ in range(2)}
@@ -118,8 +120,8 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
     path.write_text(json.dumps({"cache": "c", "target-model": "t", "output_dir": "o", "lr": "3e-4",
                                 "adam_betas": [0.9, 0.95], "compile": "false"}))
     config = make_config(load_config_file(path), {"lr": 1e-3, "seed": None})
-    assert config.lr == 1e-3 and config.adam_betas == (0.9, 0.95) and config.compile is False
-    assert config.cache == ["c"]
+    assert config.optimization.lr == 1e-3 and config.optimization.adam_betas == (0.9, 0.95)
+    assert config.runtime.compile is False and config.data.cache == ["c"]
     path.write_text(json.dumps({"cache": "c", "learning_rate": 1}))
     with pytest.raises(TrainConfigError, match="unknown setting.*learning_rate"):
         load_config_file(path)
@@ -129,7 +131,7 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
     yaml_path = tmp_path / "train.yaml"
     yaml_path.write_text("cache: [a, b]\ntarget-model: t\noutput_dir: o\nmax_steps: 5\n")
     pytest.importorskip("yaml")
-    assert make_config(load_config_file(yaml_path), {}).cache == ["a", "b"]
+    assert make_config(load_config_file(yaml_path), {}).data.cache == ["a", "b"]
 
 
 def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():

@@ -48,21 +48,6 @@ MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE = "model.safetensors", "opti
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """Where and how many checkpoints are kept."""
-
-    run_dir: Path
-    """The run directory; checkpoints go to run_dir/checkpoints."""
-    keep_checkpoints: int = 3
-    """Number of most recent checkpoints kept."""
-
-    def __post_init__(self) -> None:
-        if self.keep_checkpoints < 1:
-            raise TrainConfigError("--keep-checkpoints must be at least 1.")
-        self.run_dir = Path(self.run_dir)
-
-
 @dataclass
 class Checkpoint:
     """A checkpoint read back from disk."""
@@ -143,9 +128,12 @@ def restore_rng(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Writes, lists, prunes and reads the checkpoints of one run directory."""
 
-    def __init__(self, config: CheckpointConfig):
-        self.config = config
-        self.dir = config.run_dir / CHECKPOINTS_DIR
+    def __init__(self, run_dir: str | Path, *, keep_checkpoints: int = 3):
+        if keep_checkpoints < 1:
+            raise TrainConfigError("--keep-checkpoints must be at least 1.")
+        self.keep_checkpoints = keep_checkpoints
+        """The most recent checkpoints kept (older ones are deleted, except the best one)."""
+        self.dir = Path(run_dir) / CHECKPOINTS_DIR
         self.best_step: int | None = None
         """The step of the best held-out evaluation: its checkpoint outlives the rotation."""
 
@@ -182,7 +170,7 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Delete all but the last `keep_checkpoints`, and never the best one (`best_step`)."""
-        for old in self.complete()[:-self.config.keep_checkpoints]:
+        for old in self.complete()[:-self.keep_checkpoints]:
             if old.name == step_dir_name(self.best_step):
                 continue
             remove_dir(old)  # renamed first: a half-deleted one never looks like a complete checkpoint
@@ -253,7 +241,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     """`dflash-train export`: a checkpoint directory -> an HF drafter directory (no target needed)."""
     path = Path(checkpoint_dir)
     if not (path / META_FILE).is_file() and (path / CHECKPOINTS_DIR).is_dir():
-        latest = Checkpointer(CheckpointConfig(run_dir=path)).latest()
+        latest = Checkpointer(path).latest()
         if latest is None:
             raise InputError(f"{path} holds no complete checkpoint to export.")
         path = latest

@@ -1,44 +1,41 @@
 """Settings of one training run: every `dflash-train` flag, its config-file key and its field here
-share one name. The components take their own small configs from it (`objective_config()`,
-`drafter_overrides()`), so the training loop reads one object. Importing this module does not
-import torch: `dflash-train --help` builds its flags from it.
+share one name. `TrainConfig` is made of sections, one per component, each declared once: `data`
+(the caches, the split and the batches: what the loader reads), `model` (the drafter's settings;
+`DrafterSettings` is the part a drafter records in its own `DrafterConfig`), `objective` (how
+blocks are drawn and scored: `ObjectiveConfig`, what the loss reads), `optimization`, `runtime`
+and `logging`. Flags and config-file keys stay flat (`--lr`, `lr`, not `optimization.lr`), and so
+does `to_dict()`, the settings a checkpoint records. Importing this module does not import torch:
+`dflash-train --help` builds its flags from it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
 from dflash.runtime.errors import MismatchError, UsageError
 from dflash.runtime.settings import (
     build_settings,
-    field_docs,
+    flat_values,
     read_settings_file,
+    section,
     setting,
     settings_of,
 )
 
 from .layer_types import parse_layer_types
 
-if TYPE_CHECKING:  # the objective (torch) loads when a run starts, not for --help
-    from .objective import ObjectiveConfig
-
 DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.devices) training supports
 PARALLEL_MODES = ("ddp", "fsdp")
-NOISE_TYPES = ("none", "uniform", "gaussian")  # objective.NOISE_TYPES (a test checks they agree)
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
-LOSS_WEIGHTINGS = ("decay", "acceptance")  # objective.LOSS_WEIGHTINGS
+NOISE_TYPES = ("none", "uniform", "gaussian")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")  # attention.ATTENTION_BACKENDS (a test checks they agree)
+LOSS_WEIGHTINGS = ("decay", "acceptance")
 LR_SCHEDULES = ("cosine", "wsd")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # model.COMPILE_MODES
 DRAFTER_TYPES = ("dflash", "dflash2")  # dflash2.DRAFTER_TYPES
-CHOICES = {"dtype": DTYPES, "parallel": PARALLEL_MODES, "noise_type": NOISE_TYPES,
-           "attention_backend": ATTENTION_BACKENDS, "compile_mode": COMPILE_MODES,
-           "loss_weighting": LOSS_WEIGHTINGS, "lr_schedule": LR_SCHEDULES, "drafter_type": DRAFTER_TYPES}
-"""The settings that take one of a few names: checked here, shown as choices in --help."""
 
 
 class TrainConfigError(UsageError):
@@ -50,17 +47,34 @@ class ResumeMismatchError(MismatchError):
     a version of dflash-train that wrote another layout."""
 
 
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Everything `dflash-train` needs; the same names as its flags and config-file keys."""
+def flag(name: str) -> str:
+    return name.replace("_", "-")
 
-    # -- data ------------------------------------------------------------------------------
+
+def _check_choices(obj: Any, choices: dict[str, tuple[str, ...]]) -> None:
+    for name, allowed in choices.items():
+        if getattr(obj, name) not in allowed:
+            raise TrainConfigError(f"--{flag(name)} {getattr(obj, name)!r} is not one of {', '.join(allowed)}.")
+
+
+def _check_at_least(obj: Any, names: tuple[str, ...], low: int) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            bound = "at least 1" if low == 1 else "0 or more"
+            raise TrainConfigError(f"--{flag(name)} must be {bound} (got {value}).")
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+@section
+@dataclass(kw_only=True)
+class DataConfig:
+    """The caches, the held-out split and how samples become micro-batches (what the loader reads)."""
+
     cache: list[str] = field(default_factory=list)
     """Hidden-state cache directory (repeat for several caches of the same target and layers)."""
-    target_model: str = ""
-    """Target model directory: only its config.json, embedding and lm_head are read."""
-    output_dir: str = ""
-    """Run directory: checkpoints/, metrics.jsonl, final/ (the exported drafter)."""
     eval_cache: list[str] = field(default_factory=list)
     """Held-out cache(s) for evaluation; when given, no training sample is held out (--eval-fraction is unused)."""
     eval_fraction: float = 0.02
@@ -93,14 +107,62 @@ class TrainConfig:
     """Micro-batches each worker prepares ahead."""
     verify_checksums: bool = True
     """Check every chunk's crc32c while reading (turn off only for a trusted cache)."""
-    # -- model and objective ---------------------------------------------------------------
-    num_draft_layers: int = 5
-    """Decoder layers of the drafter."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, str):
+            self.cache = [self.cache]
+        if isinstance(self.eval_cache, str):
+            self.eval_cache = [self.eval_cache]
+        self.cache, self.eval_cache = [str(c) for c in self.cache], [str(c) for c in self.eval_cache]
+        if not self.cache:
+            raise TrainConfigError("--cache is required: the directory of a hidden-state cache.")
+        _check_at_least(self, ("token_budget", "max_batch_size", "max_seq_len", "shuffle_window",
+                               "prefetch_factor"), 1)
+        _check_at_least(self, ("num_workers", "eval_max_samples", "eval_max_batches", "max_train_samples",
+                               "shuffle_parts"), 0)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
+
+
+# -- model ------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class DrafterSettings:
+    """The drafter's settings a run chooses and a drafter records (`DrafterConfig` is a
+    `DrafterSettings` too, with the target's dimensions and the resolved layer attention)."""
+
     block_size: int = 16
     """Tokens per drafted block: the anchor plus block_size-1 predictions."""
     mask_token_id: int | None = None
     """Embedding row used for masked block positions (default: the tokenizer's mask token, else an
     unused or reserved row; the choice is kept in checkpoints and the export)."""
+    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
+    """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
+    drafter_type: str = setting("dflash", choices=DRAFTER_TYPES)
+    """dflash, or dflash2: DFlash plus an in-block convolution around every sublayer and a candidate
+    selector over the target head's top-K, served by vLLM and SGLang as DFlash2DraftModel (docs/drafter.md)."""
+    selector_top_k: int = 16
+    """dflash2: candidates per slot, the target head's top-K."""
+    selector_rank: int = 256
+    """dflash2: rank of the selector's codebooks and hidden projection."""
+    # vLLM requires conv_kernel_size in the checkpoint (no default of its own); the shipped DFlash2
+    # checkpoints and the peers' trainers use two taps.
+    conv_kernel_size: int = 2
+    """dflash2: taps of the in-block convolutions."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic tap offset (must divide the target's hidden size)."""
+
+
+@section
+@dataclass(kw_only=True)
+class ModelConfig(DrafterSettings):
+    """The target and the drafter's shape (the rest of the drafter's dimensions are the target's)."""
+
+    target_model: str = ""
+    """Target model directory: only its config.json, embedding and lm_head are read."""
+    num_draft_layers: int = 5
+    """Decoder layers of the drafter."""
     draft_layer_types: str = "full"
     """Attention of the draft layers: full, sliding, or one per layer (e.g. sliding,sliding,full)."""
     draft_sliding_window: int | None = None
@@ -108,8 +170,46 @@ class TrainConfig:
     draft_causal: bool | None = None
     """Block tokens see only earlier block tokens (default: causal for sliding layers, bidirectional
     for full ones, as vLLM and SGLang serve them)."""
-    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
-    """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
+
+    def __post_init__(self) -> None:
+        if not self.target_model:
+            raise TrainConfigError("--target-model is required.")
+        _check_at_least(self, ("num_draft_layers", "selector_top_k", "selector_rank", "conv_kernel_size",
+                               "conv_group_size"), 1)
+        if self.block_size < 2:
+            raise TrainConfigError(f"--block-size must be at least 2 (got {self.block_size}).")
+        _check_choices(self, {"attention_backend": ATTENTION_BACKENDS, "drafter_type": DRAFTER_TYPES})
+        try:
+            types = parse_layer_types(self.draft_layer_types, self.num_draft_layers)
+        except ValueError as e:
+            raise TrainConfigError(f"--draft-layer-types: {e}") from e
+        if "sliding_attention" in types and (self.draft_sliding_window or 0) < 1:
+            raise TrainConfigError(f"--draft-layer-types {self.draft_layer_types} has sliding layers: pass "
+                                   "--draft-sliding-window N (N >= 1 tokens).")
+
+    def drafter_overrides(self) -> dict[str, Any]:
+        """DrafterConfig fields set by this run (the rest come from the target's config)."""
+        out: dict[str, Any] = {"num_hidden_layers": self.num_draft_layers, "block_size": self.block_size,
+                               "attention_backend": self.attention_backend}
+        if self.mask_token_id is not None:
+            out["mask_token_id"] = self.mask_token_id
+        out.update(layer_types=self.draft_layer_types, sliding_window=self.draft_sliding_window,
+                   causal=self.draft_causal)
+        if self.drafter_type != "dflash":
+            out.update(drafter_type=self.drafter_type, selector_top_k=self.selector_top_k,
+                       selector_rank=self.selector_rank, conv_kernel_size=self.conv_kernel_size,
+                       conv_group_size=self.conv_group_size)
+        return out
+
+
+# -- objective --------------------------------------------------------------------------------
+
+
+@section
+@dataclass(kw_only=True)
+class ObjectiveConfig:
+    """How blocks are drawn and scored (what `objective.compute_loss` reads)."""
+
     max_anchors: int = 512
     """Most anchors (blocks) drawn per sequence, redrawn every epoch."""
     loss_weighting: str = setting("acceptance", choices=LOSS_WEIGHTINGS)
@@ -121,29 +221,51 @@ class TrainConfig:
     gamma: float | None = None
     """Decay of the per-position loss weights under --loss-weighting decay (default: 7/5/4 for blocks of 16/10/8)."""
     noise_type: str = setting("none", choices=NOISE_TYPES)
-    """Noise on the cached hidden states: none, uniform or gaussian."""
+    """Noise on the cached hidden states: none, uniform U(-a, a) or gaussian N(0, a^2)."""
     noise_start: float = 0.0
-    """Noise amplitude at the start of training."""
+    """Noise amplitude a at the start of training."""
     noise_end: float | None = None
     """Noise amplitude at the end of training (linear in between; default: noise_start)."""
     soft_label_weight: float = 0.0
-    """Weight of KL to the target's distribution (needs last_hidden or top-k in the cache)."""
-    drafter_type: str = "dflash"
-    """dflash, or dflash2: DFlash plus an in-block convolution around every sublayer and a candidate
-    selector over the target head's top-K, served by vLLM and SGLang as DFlash2DraftModel (docs/drafter.md)."""
+    """Weight w of KL to the target's distribution, loss = (1 - w) CE + w KL (needs last_hidden or top-k in the cache)."""
     selector_loss_weight: float = 1.0
     """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
-    selector_top_k: int = 16
-    """dflash2: candidates per slot, the target head's top-K."""
-    selector_rank: int = 256
-    """dflash2: rank of the selector's codebooks and hidden projection."""
     selector_stop_gradient: bool = False
     """dflash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
-    conv_kernel_size: int = 2
-    """dflash2: taps of the in-block convolutions."""
-    conv_group_size: int = 16
-    """dflash2: channels sharing one dynamic tap offset (must divide the target's hidden size)."""
-    # -- optimization ----------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        _check_at_least(self, ("max_anchors",), 1)
+        _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
+        if self.gamma is not None and self.gamma <= 0:
+            raise TrainConfigError(f"--gamma must be > 0 (got {self.gamma}); leave it out for the default.")
+        if self.gamma is not None and self.loss_weighting != "decay":
+            raise TrainConfigError(f"--gamma {self.gamma} sets the exp-decay loss weights, but --loss-weighting is "
+                                   f"{self.loss_weighting} (the default since tau 5.01 vs 4.56 on the quality "
+                                   "benchmark, docs/recipe.md), which does not use it: add --loss-weighting decay "
+                                   "to train with the decay, or drop --gamma.")
+        if self.noise_start < 0 or (self.noise_end is not None and self.noise_end < 0):
+            raise TrainConfigError(f"--noise-start and --noise-end are amplitudes and must be 0 or more "
+                                   f"(got {self.noise_start} and {self.noise_end}).")
+        if not 0.0 <= self.soft_label_weight <= 1.0:
+            raise TrainConfigError(f"--soft-label-weight must be in [0, 1] (got {self.soft_label_weight}).")
+        if self.selector_loss_weight < 0:
+            raise TrainConfigError(f"--selector-loss-weight must be 0 or more (got {self.selector_loss_weight}).")
+
+    def noise_amplitude(self, progress: float) -> float:
+        """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""
+        end = self.noise_start if self.noise_end is None else self.noise_end
+        t = min(max(float(progress), 0.0), 1.0)
+        return self.noise_start + (end - self.noise_start) * t
+
+
+# -- optimization -----------------------------------------------------------------------------
+
+
+@section
+@dataclass(kw_only=True)
+class OptimizationConfig:
+    """AdamW, the learning-rate schedule, the steps and the seed."""
+
     lr: float = 6e-4
     """Peak learning rate of AdamW."""
     lr_schedule: str = setting("wsd", choices=LR_SCHEDULES)
@@ -172,7 +294,30 @@ class TrainConfig:
     """Stop after this many optimizer steps (0: run all epochs); the schedule spans them."""
     seed: int = 0
     """Seed of the model init, the per-epoch shuffle and every batch's anchors and noise."""
-    # -- runtime ---------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
+        _check_at_least(self, ("grad_accum", "epochs"), 1)
+        _check_at_least(self, ("max_steps", "weight_decay", "grad_clip", "seed"), 0)
+        _check_choices(self, {"lr_schedule": LR_SCHEDULES})
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise TrainConfigError("--warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1].")
+        if not 0.0 <= self.decay_ratio <= 1.0 or self.warmup_ratio + self.decay_ratio > 1.0:
+            raise TrainConfigError(f"--decay-ratio must be in [0, 1] and, with --warmup-ratio, at most 1 "
+                                   f"(got {self.decay_ratio} and {self.warmup_ratio}).")
+        if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise TrainConfigError(f"--lr must be > 0 and --adam-betas two numbers in [0, 1) "
+                                   f"(got {self.lr}, {self.adam_betas}).")
+
+
+# -- runtime ----------------------------------------------------------------------------------
+
+
+@section
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    """Where and how the steps run: device, dtype, compilation, parallelism."""
+
     dtype: str = setting("auto", type=DtypeChoice(DTYPES))
     """bf16 (autocast, float32 master weights), fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
     compile: bool | None = None
@@ -189,7 +334,22 @@ class TrainConfig:
     """With several processes: ddp (replicated drafter) or fsdp (FSDP2, sharded drafter)."""
     device: str | None = None
     """Torch device (default: this rank's CUDA device, else cpu)."""
-    # -- logging, evaluation, checkpoints --------------------------------------------------
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)  # bfloat16 -> bf16, ...
+        _check_choices(self, {"dtype": DTYPES, "compile_mode": COMPILE_MODES, "parallel": PARALLEL_MODES})
+
+
+# -- logging, evaluation, checkpoints ---------------------------------------------------------
+
+
+@section
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """The run directory: metrics, evaluations, checkpoints."""
+
+    output_dir: str = ""
+    """Run directory: checkpoints/, metrics.jsonl, final/ (the exported drafter)."""
     log_interval: int = 10
     """Optimizer steps between metric logs (console, metrics.jsonl, TensorBoard)."""
     eval_interval: int | None = None
@@ -208,65 +368,15 @@ class TrainConfig:
     """Require a checkpoint to resume from (without it, a run resumes when one exists)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.cache, str):
-            self.cache = [self.cache]
-        if isinstance(self.eval_cache, str):
-            self.eval_cache = [self.eval_cache]
-        self.cache, self.eval_cache = [str(c) for c in self.cache], [str(c) for c in self.eval_cache]
-        self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
-        if not self.cache:
-            raise TrainConfigError("--cache is required: the directory of a hidden-state cache.")
-        for name in ("target_model", "output_dir"):
-            if not getattr(self, name):
-                raise TrainConfigError(f"--{flag(name)} is required.")
-        positive = ("token_budget", "max_batch_size", "max_seq_len", "shuffle_window", "num_draft_layers",
-                    "selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size",
-                    "max_anchors", "grad_accum", "epochs", "log_interval", "keep_checkpoints", "prefetch_factor")
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise TrainConfigError(f"--{flag(name)} must be at least 1 (got {getattr(self, name)}).")
-        non_negative = ("num_workers", "max_steps", "eval_interval", "save_interval", "profile_interval",
-                        "eval_max_samples", "eval_max_batches", "max_train_samples", "weight_decay", "grad_clip", "noise_start", "seed")
-        for name in non_negative:
-            if (getattr(self, name) or 0) < 0:
-                raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")
-        if self.block_size < 2:
-            raise TrainConfigError(f"--block-size must be at least 2 (got {self.block_size}).")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise TrainConfigError("--warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1].")
-        if not 0.0 <= self.decay_ratio <= 1.0 or self.warmup_ratio + self.decay_ratio > 1.0:
-            raise TrainConfigError(f"--decay-ratio must be in [0, 1] and, with --warmup-ratio, at most 1 "
-                                   f"(got {self.decay_ratio} and {self.warmup_ratio}).")
-        if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise TrainConfigError(f"--lr must be > 0 and --adam-betas two numbers in [0, 1) "
-                                   f"(got {self.lr}, {self.adam_betas}).")
-        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)  # bfloat16 -> bf16, ...
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise TrainConfigError(f"--{flag(name)} {getattr(self, name)!r} is not one of {', '.join(allowed)}.")
+        if not self.output_dir:
+            raise TrainConfigError("--output-dir is required.")
+        _check_at_least(self, ("log_interval", "keep_checkpoints"), 1)
+        _check_at_least(self, ("eval_interval", "save_interval", "profile_interval"), 0)
         if self.profile_interval == 0 and os.environ.get("DFLASH_PROFILE_INTERVAL"):
             try:
                 self.profile_interval = int(os.environ["DFLASH_PROFILE_INTERVAL"])
             except ValueError:
                 raise TrainConfigError("DFLASH_PROFILE_INTERVAL must be an integer.") from None
-        if self.gamma is not None and self.loss_weighting != "decay":
-            raise TrainConfigError(f"--gamma {self.gamma} sets the exp-decay loss weights, but --loss-weighting is "
-                                   f"{self.loss_weighting} (the default since tau 5.01 vs 4.56 on the quality "
-                                   "benchmark, docs/recipe.md), which does not use it: add --loss-weighting decay "
-                                   "to train with the decay, or drop --gamma.")
-        try:
-            self.objective_config()
-        except ValueError as e:
-            raise TrainConfigError(f"Invalid objective setting: {e}") from e
-        try:
-            types = parse_layer_types(self.draft_layer_types, self.num_draft_layers)
-        except ValueError as e:
-            raise TrainConfigError(f"--draft-layer-types: {e}") from e
-        if "sliding_attention" in types and (self.draft_sliding_window or 0) < 1:
-            raise TrainConfigError(f"--draft-layer-types {self.draft_layer_types} has sliding layers: pass "
-                                   "--draft-sliding-window N (N >= 1 tokens).")
 
     def eval_every(self, total_steps: int) -> int:
         """Steps between evaluations: --eval-interval, or 10 evaluations per run by default."""
@@ -274,47 +384,39 @@ class TrainConfig:
             return self.eval_interval
         return max(1, math.ceil(total_steps / 10))
 
-    def objective_config(self) -> ObjectiveConfig:
-        from .objective import ObjectiveConfig
 
-        return ObjectiveConfig(
-            max_anchors=self.max_anchors, gamma=self.gamma, loss_weighting=self.loss_weighting,
-            noise_type=self.noise_type,
-            noise_start=self.noise_start, noise_end=self.noise_end,
-            soft_label_weight=self.soft_label_weight,
-            selector_loss_weight=self.selector_loss_weight, selector_stop_gradient=self.selector_stop_gradient,
-        )
+# -- the run ----------------------------------------------------------------------------------
 
-    def drafter_overrides(self) -> dict[str, Any]:
-        """DrafterConfig fields set by this run (the rest come from the target's config)."""
-        out: dict[str, Any] = {"num_hidden_layers": self.num_draft_layers, "block_size": self.block_size,
-                               "attention_backend": self.attention_backend}
-        if self.mask_token_id is not None:
-            out["mask_token_id"] = self.mask_token_id
-        out.update(layer_types=self.draft_layer_types, sliding_window=self.draft_sliding_window,
-                   causal=self.draft_causal)
-        if self.drafter_type != "dflash":
-            out.update(drafter_type=self.drafter_type, selector_top_k=self.selector_top_k,
-                       selector_rank=self.selector_rank, conv_kernel_size=self.conv_kernel_size,
-                       conv_group_size=self.conv_group_size)
-        return out
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything `dflash-train` needs, by section; each setting's name is its flag's and its key's."""
+
+    data: DataConfig
+    model: ModelConfig
+    objective: ObjectiveConfig
+    optimization: OptimizationConfig
+    runtime: RuntimeConfig
+    logging: LoggingConfig
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["adam_betas"] = list(self.adam_betas)
+        """{setting: value}, flat (the settings a checkpoint records; the shape of a config file)."""
+        out = flat_values(self)
+        out["adam_betas"] = list(self.optimization.adam_betas)
         return out
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """A TrainConfig from flat {setting: value} (`to_dict`'s shape); unknown names refused."""
+        unknown = sorted(set(values) - set(settings_of(cls)))
+        if unknown:
+            raise TrainConfigError(f"Unknown training setting(s) {', '.join(unknown)}; the settings are "
+                                   f"{', '.join(CONFIG_KEYS)}.")
+        return build_settings(cls, values, error=TrainConfigError)
 
-def flag(name: str) -> str:
-    return name.replace("_", "-")
 
-
-CONFIG_KEYS = tuple(f.name for f in fields(TrainConfig))
-
-
-def field_help() -> dict[str, str]:
-    """The docstring under each TrainConfig field (they are the flags' --help)."""
-    return field_docs(TrainConfig)
+CONFIG_KEYS = tuple(settings_of(TrainConfig))
+"""Every setting of a run, flat: its flags' names, its config-file keys, `to_dict()`'s keys."""
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:

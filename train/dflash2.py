@@ -31,12 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 DRAFTER_TYPES = ("dflash", "dflash2")
-DEFAULT_CONV_KERNEL_SIZE = 2
-"""Taps of the convolution: vLLM requires `conv_kernel_size` in the checkpoint (no default of its
-own); the shipped DFlash2 checkpoints and the peers' trainers use two taps."""
-DEFAULT_CONV_GROUP_SIZE = 16
-DEFAULT_SELECTOR_RANK = 256
-DEFAULT_SELECTOR_TOP_K = 16
 
 
 class GroupedDynamicConv(nn.Module):

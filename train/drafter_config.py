@@ -11,21 +11,21 @@ from typing import Any
 from dflash.runtime.logits import post_head_steps
 
 from .attention import ATTENTION_BACKENDS
-from .dflash2 import (
-    DEFAULT_CONV_GROUP_SIZE,
-    DEFAULT_CONV_KERNEL_SIZE,
-    DEFAULT_SELECTOR_RANK,
-    DEFAULT_SELECTOR_TOP_K,
-    DRAFTER_TYPES,
-)
+from .config import DrafterSettings
+from .dflash2 import DRAFTER_TYPES
 from .layer_types import parse_layer_types
 from .rope import drafter_rope_parameters, rope_parameters_from_config
 from .target_weights import default_target_layer_ids
 
 
 @dataclass(kw_only=True)
-class DrafterConfig:
-    """Dimensions and DFlash settings of a drafter (usually built by `from_target_config`)."""
+class DrafterConfig(DrafterSettings):
+    """Dimensions and DFlash settings of a drafter (usually built by `from_target_config`).
+
+    The settings a run chooses (block_size, mask_token_id, attention_backend, drafter_type and
+    DFlash2's selector and convolutions) are `DrafterSettings`, declared once with the trainer's
+    model section; a None mask_token_id here means vocab_size - 1 (`from_target` picks it from the
+    tokenizer instead: `target_head.choose_mask_token`)."""
 
     hidden_size: int
     """Width of the target's hidden states; the drafter must match it."""
@@ -45,11 +45,6 @@ class DrafterConfig:
     """Number of draft decoder layers."""
     target_layer_ids: list[int] | None = None
     """Target layers whose outputs are fused; None picks `default_target_layer_ids`."""
-    block_size: int = 16
-    """Tokens per drafted block: the anchor plus block_size-1 predictions."""
-    mask_token_id: int | None = None
-    """Embedding row used for the masked block positions; None means vocab_size - 1
-    (`from_target` picks it from the tokenizer instead: `target_head.choose_mask_token`)."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     rope_parameters: dict[str, Any] = field(
@@ -58,8 +53,6 @@ class DrafterConfig:
     """RoPE settings, transformers 5.x style: {"rope_type", "rope_theta", scaling keys...}."""
     max_position_embeddings: int = 40960
     """Longest position the RoPE settings are meant for (copied from the target)."""
-    attention_backend: str = "auto"
-    """"sdpa" (dense mask, any device), "flex" (block-sparse, compiled on CUDA) or "auto"."""
     layer_types: list[str] | None = None
     """Per draft layer "full_attention" or "sliding_attention" (None: all full)."""
     sliding_window: int | None = None
@@ -69,17 +62,6 @@ class DrafterConfig:
     layers causal, full layers bidirectional."""
     mask_token: str | None = None
     """The mask token's string in the target tokenizer, when it has one (written to the export)."""
-    drafter_type: str = "dflash"
-    """"dflash", or "dflash2": the same drafter plus in-block convolutions around every sublayer and
-    a candidate selector over the target head's top-K (train/dflash2.py)."""
-    conv_kernel_size: int = DEFAULT_CONV_KERNEL_SIZE
-    """DFlash2: taps of the in-block convolutions."""
-    conv_group_size: int = DEFAULT_CONV_GROUP_SIZE
-    """DFlash2: channels sharing one dynamic tap offset (must divide hidden_size)."""
-    selector_rank: int = DEFAULT_SELECTOR_RANK
-    """DFlash2: rank of the selector's codebooks and hidden projection."""
-    selector_top_k: int = DEFAULT_SELECTOR_TOP_K
-    """DFlash2: candidates per slot (the target head's top-K)."""
     output_multiplier: float = 1.0
     """The target's factor on its logits (Cohere's logit_scale, 1 / Granite's logits_scaling), applied
     to the selector's candidate scores as the engines do."""

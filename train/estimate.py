@@ -28,8 +28,8 @@ def estimate_config(drafter_dir: str, settings: dict[str, Any]) -> TrainConfig:
     """The run settings the evaluation reads: every sample of --cache is the held-out set."""
     caches = list(settings.get("cache") or [])
     # TrainConfig wants a run directory; an estimate writes nothing, so the drafter's stands in.
-    return TrainConfig(**settings, eval_cache=caches, output_dir=drafter_dir, eval_max_samples=0, epochs=1,
-                       progress=False, tensorboard=False)
+    return TrainConfig.from_dict({**settings, "eval_cache": caches, "output_dir": drafter_dir, "eval_max_samples": 0,
+                                  "epochs": 1, "progress": False, "tensorboard": False})
 
 
 def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -42,8 +42,8 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
         raise InputError(
             f"{path} is not an exported drafter: it needs {CONFIG_NAME} and {WEIGHTS_NAME}. Pass a directory "
             "written by `dflash-train export` or a run's RUN_DIR/final.")
-    target_config = load_target_config_or_fail(cfg.target_model)
-    device = resolve_device(cfg.device)
+    target_config = load_target_config_or_fail(cfg.model.target_model)
+    device = resolve_device(cfg.runtime.device)
     data = open_training_data(cfg, rank=0, world_size=1, pin_memory=device.type == "cuda")
     try:
         return _evaluate(cfg, data, target_config, device, path)
@@ -53,11 +53,11 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
 
 def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path: Path) -> dict[str, Any]:
     manifest = data.caches.manifest
-    check_cache_target(manifest, target_config, cfg.target_model)
+    check_cache_target(manifest, target_config, cfg.model.target_model)
     try:  # float32 weights: the trainer's master weights (--dtype bf16 is autocast over them, as in training)
-        drafter = load_drafter(path, cfg.target_model, attention_backend=cfg.attention_backend)
+        drafter = load_drafter(path, cfg.model.target_model, attention_backend=cfg.model.attention_backend)
     except (OSError, ValueError) as e:
-        raise InputError(f"Cannot load the drafter {path} for the target {cfg.target_model}: {e}") from e
+        raise InputError(f"Cannot load the drafter {path} for the target {cfg.model.target_model}: {e}") from e
     if list(drafter.config.target_layer_ids) != list(manifest.target_layer_ids):
         raise ConfigMismatchError(
             f"The drafter {path} reads target layers {list(drafter.config.target_layer_ids)} but the cache "
@@ -65,11 +65,11 @@ def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path
             f"--target-layer-ids {','.join(map(str, drafter.config.target_layer_ids))}.")
     drafter = drafter.to(device)
     info = DistInfo(device=device)
-    result = evaluate(LossModel(drafter, drafter), data, cfg.objective_config(), autocast_context(cfg.dtype, device),
+    result = evaluate(LossModel(drafter, drafter), data, cfg.objective, autocast_context(cfg.runtime.dtype, device),
                       cfg, info)
     if result is None:
-        raise TrainConfigError(f"The cache(s) {', '.join(cfg.cache)} hold no sample to evaluate.")
-    return {"drafter": str(path), "cache": list(cfg.cache), "block_size": drafter.config.block_size,
+        raise TrainConfigError(f"The cache(s) {', '.join(cfg.data.cache)} hold no sample to evaluate.")
+    return {"drafter": str(path), "cache": list(cfg.data.cache), "block_size": drafter.config.block_size,
             "samples": len(data.eval_indices), **result}
 
 

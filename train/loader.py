@@ -41,7 +41,7 @@ from dflash.cache_tools.schema import (
 from dflash.runtime.errors import CorruptDataError, DflashError
 from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
-from .config import ResumeMismatchError, TrainConfigError
+from .config import DataConfig, ResumeMismatchError, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
 from .plans import check_budget, plan_epoch, plan_eval
@@ -50,34 +50,6 @@ from .workers import worker_init
 LOADER_STATE_VERSION = 1
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 FEW_TRAINING = 8192  # fewer training samples than this: the summary says what such data gave (docs/recipe.md)
-
-
-@dataclass(kw_only=True)
-class LoaderConfig:
-    """How samples become micro-batches."""
-
-    token_budget: int
-    """Padded tokens per micro-batch (batch size x longest sample in it)."""
-    max_batch_size: int
-    """Most samples per micro-batch."""
-    max_seq_len: int
-    """Samples are truncated to this many tokens."""
-    shuffle_window: int = 8192
-    """Samples sorted by length together before packing."""
-    shuffle_parts: int = 0
-    """0: shuffle the whole data; N: plan each group of N consecutive parts on its own (follow.py)."""
-    seed: int = 0
-    """Seed of the per-epoch shuffles."""
-    num_workers: int = 4
-    """DataLoader worker processes (fork); 0 reads in the calling process."""
-    prefetch_factor: int = 4
-    """Micro-batches each worker prepares ahead."""
-    pin_memory: bool = False
-    """Collate into pinned host memory (for asynchronous host-to-device copies)."""
-
-    def __post_init__(self) -> None:
-        if min(self.token_budget, self.max_batch_size, self.max_seq_len, self.shuffle_window) < 1:
-            raise TrainConfigError("token_budget, max_batch_size, max_seq_len and shuffle_window must be >= 1.")
 
 
 # -- batch plans ------------------------------------------------------------------------------
@@ -175,7 +147,7 @@ class RankBatches:
         self.epochs = np.concatenate([np.full(len(s), loader.epoch + i) for i, s in enumerate(spans)])
         self.index, self.last_epoch = np.concatenate(spans), last
         self._plan = functools.partial(plan_epoch, loader.indices, loader.caches.lengths, loader.config,
-                                       groups=loader.groups)
+                                       groups=loader.groups, seed=loader.seed)
         self._cached = (loader.epoch, loader.epoch_batches(loader.epoch))
 
     def __len__(self) -> int:
@@ -219,12 +191,15 @@ class _BatchList(torch.utils.data.Dataset):
             raise WorkerReadError(str(e)) from None
 
 
-def data_loader(caches: CacheSet, batches: Sequence[np.ndarray], config: LoaderConfig,
-                prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None) -> torch.utils.data.DataLoader:
+def data_loader(caches: CacheSet, batches: Sequence[np.ndarray], config: DataConfig,
+                prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None, *,
+                pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader of `batches` (worker processes and prefetch of the data section;
+    `pin_memory`: collate into pinned host memory, for asynchronous host-to-device copies)."""
     workers = config.num_workers if batches else 0
     return torch.utils.data.DataLoader(
         _BatchList(caches, batches, prepare), batch_size=None, shuffle=False, num_workers=workers,
-        pin_memory=config.pin_memory,
+        pin_memory=pin_memory,
         worker_init_fn=functools.partial(worker_init, trainer_pid=os.getpid()) if workers else None,
         prefetch_factor=config.prefetch_factor if workers else None,
         multiprocessing_context="fork" if workers else None,
@@ -237,10 +212,11 @@ def data_loader(caches: CacheSet, batches: Sequence[np.ndarray], config: LoaderC
 class TrainLoader:
     """This rank's micro-batches, epoch after epoch, from a resumable position."""
 
-    def __init__(self, caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, epochs: int,
+    def __init__(self, caches: CacheSet, indices: np.ndarray, config: DataConfig, *, seed: int, epochs: int,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1, prepare: BatchPrepare | None = None,
-                 groups: np.ndarray | None = None):
+                 groups: np.ndarray | None = None, pin_memory: bool = False):
         self.caches, self.indices, self.config = caches, indices, config
+        self.seed, self.pin_memory = seed, pin_memory  # the run's --seed shuffles each epoch's plan
         self.groups = groups  # each sample's plan group under --shuffle-parts (follow.part_groups)
         self.prepare = prepare
         """Run on every batch where it is read (the trainer's anchors: off its own thread)."""
@@ -269,7 +245,8 @@ class TrainLoader:
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         if epoch not in self._plans:
-            self._plans = {epoch: plan_epoch(self.indices, self.caches.lengths, self.config, epoch, self.groups)}
+            self._plans = {epoch: plan_epoch(self.indices, self.caches.lengths, self.config, epoch, self.groups,
+                                               seed=self.seed)}
         return self._plans[epoch]
 
     def state_dict(self) -> dict[str, Any]:
@@ -297,7 +274,8 @@ class TrainLoader:
             self.close()
             mine = RankBatches(self)
             prepare = None if self.prepare is None else functools.partial(_prepare_at, self.prepare, mine)
-            self._iter, self._iter_last_epoch = iter(data_loader(self.caches, mine, self.config, prepare)), mine.last_epoch
+            self._iter, self._iter_last_epoch = iter(data_loader(self.caches, mine, self.config, prepare,
+                                                pin_memory=self.pin_memory)), mine.last_epoch
         start = time.perf_counter()
         batch = next(self._iter)
         self.wait_seconds += time.perf_counter() - start
@@ -319,8 +297,8 @@ def _prepare_at(prepare: BatchPrepare, batches: RankBatches, batch: dict[str, to
     prepare(batch, *batches.position(k))
 
 
-def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *, rank: int, world_size: int,
-                 max_batches: int = 0) -> torch.utils.data.DataLoader | None:
+def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, rank: int, world_size: int,
+                 max_batches: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader | None:
     """A DataLoader over this rank's share of the held-out batches (None when there are none)."""
     if len(indices) < world_size:
         return None
@@ -330,7 +308,7 @@ def eval_batches(caches: CacheSet, indices: np.ndarray, config: LoaderConfig, *,
     batches = batches[:len(batches) // world_size * world_size][rank::world_size]
     if max_batches:
         batches = batches[:max_batches]
-    return data_loader(caches, batches, config)
+    return data_loader(caches, batches, config, pin_memory=pin_memory)
 
 
 def check_cache_target(manifest: Any, target_config: Any, target_dir: str) -> None:
@@ -364,7 +342,9 @@ class TrainingData:
     eval_caches: CacheSet | None
     eval_indices: np.ndarray
     """The samples evaluated (at most --eval-max-samples of the held-out ones)."""
-    config: LoaderConfig
+    config: DataConfig
+    pin_memory: bool = False
+    """Batches collate into pinned host memory (the run's device is a GPU)."""
     heldout_count: int = 0
     """Samples kept out of training (of the training caches, or of --eval-cache)."""
     train_cap: int = 0
@@ -373,7 +353,7 @@ class TrainingData:
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
         caches = self.eval_caches if self.eval_caches is not None else self.caches
         return eval_batches(caches, self.eval_indices, self.config, rank=rank, world_size=world_size,
-                            max_batches=max_batches)
+                            max_batches=max_batches, pin_memory=self.pin_memory)
 
     def summary(self) -> str:
         c = self.caches
@@ -425,23 +405,20 @@ def rendering_summary(headers: list[dict[str, Any]]) -> str:
             "that most of the data used, or prepare the data again with one")
 
 
-def open_caches(config: Any) -> CacheSet | FollowCacheSet:
-    """The training caches: finished ones, or with --follow one that is still being extracted."""
+def open_caches(config: DataConfig) -> CacheSet | FollowCacheSet:
+    """The training caches of the data section: finished ones, or with --follow one that is still
+    being extracted."""
     if getattr(config, "follow", False):
         return open_follow(config)
     return CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
                     disk_budget=getattr(config, "disk_budget", None), staging_dir=getattr(config, "staging_dir", None))
 
 
-def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
-    """Open the caches (manifests, and the sample ids for the split), split them and plan the
-    batches of every epoch. --eval-cache, when given, replaces the held-out split."""
-    loader_config = LoaderConfig(
-        token_budget=config.token_budget, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-        shuffle_window=config.shuffle_window, shuffle_parts=config.shuffle_parts, seed=config.seed,
-        num_workers=config.num_workers,
-        prefetch_factor=config.prefetch_factor, pin_memory=pin_memory,
-    )
+def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
+    """Open the caches of the run's data section (manifests, and the sample ids for the split),
+    split them and plan the batches of every epoch. --eval-cache, when given, replaces the
+    held-out split."""
+    config, optimization = run.data, run.optimization
     caches = open_caches(config)
     eval_caches = None
     if config.eval_cache:
@@ -466,8 +443,9 @@ def open_training_data(config: Any, *, rank: int, world_size: int, pin_memory: b
     # Plans start from sample id order: batches never depend on the order parts were committed in.
     train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
     groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
-    loader = TrainLoader(caches, train_indices, loader_config, epochs=config.epochs, rank=rank,
-                         world_size=world_size, grad_accum=config.grad_accum, groups=groups)
+    loader = TrainLoader(caches, train_indices, config, seed=optimization.seed, epochs=optimization.epochs,
+                         rank=rank, world_size=world_size, grad_accum=optimization.grad_accum, groups=groups,
+                         pin_memory=pin_memory)
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
-                        eval_indices=eval_indices, config=loader_config, heldout_count=len(heldout),
+                        eval_indices=eval_indices, config=config, pin_memory=pin_memory, heldout_count=len(heldout),
                         train_cap=train_cap)

@@ -29,7 +29,6 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from .checkpoint import (
     MODEL_FILE,
-    CheckpointConfig,
     Checkpointer,
     capture_rng,
     check_resume,
@@ -90,8 +89,8 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
-    info = init_distributed(cfg.device)
-    run_dir = Path(cfg.output_dir)
+    info = init_distributed(cfg.runtime.device)
+    run_dir = Path(cfg.logging.output_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # One run per directory: a second would delete the first's checkpoints and mix its logs.
@@ -99,33 +98,33 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
             run_dir / RUN_LOCK_FILE, what=f"the run directory {run_dir}",
             fix="Two runs cannot share an --output-dir: wait for that run to finish or stop it, or "
                 "choose another --output-dir."))
-    log = RunLogger(run_dir, enabled=info.is_main, progress=cfg.progress, tensorboard=cfg.tensorboard)
-    seed_everything(cfg.seed)
+    log = RunLogger(run_dir, enabled=info.is_main, progress=cfg.logging.progress, tensorboard=cfg.logging.tensorboard)
+    seed_everything(cfg.optimization.seed)
 
     # Data: manifests only. Every epoch's batch list is planned here, before any part is read.
     data = open_training_data(cfg, rank=info.rank, world_size=info.world_size,
                               pin_memory=info.device.type == "cuda")
     cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
-    target_config = load_target_config_or_fail(cfg.target_model)
-    check_cache_target(data.caches.manifest, target_config, cfg.target_model)
+    target_config = load_target_config_or_fail(cfg.model.target_model)
+    check_cache_target(data.caches.manifest, target_config, cfg.model.target_model)
     log.info(data.summary())
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
     drafter = build_drafter(cfg, data, announce=log.info).to(info.device)
-    model = wrap_model(drafter, cfg.parallel, info)
+    model = wrap_model(drafter, cfg.runtime.parallel, info)
     optimizer = build_optimizer(cfg, model, info.device)
-    total_steps = min(cfg.max_steps or math.inf, data.loader.total_steps)
+    total_steps = min(cfg.optimization.max_steps or math.inf, data.loader.total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio,
-        schedule=cfg.lr_schedule, decay_ratio=cfg.decay_ratio))
-    objective, autocast = cfg.objective_config(), autocast_context(cfg.dtype, info.device)
+        lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.optimization.warmup_ratio, min_lr_ratio=cfg.optimization.min_lr_ratio,
+        schedule=cfg.optimization.lr_schedule, decay_ratio=cfg.optimization.decay_ratio))
+    objective, autocast = cfg.objective, autocast_context(cfg.runtime.dtype, info.device)
     loss_model = LossModel(model, drafter)
     # Anchors are drawn where each batch is read (a loader worker), off the training thread.
-    data.loader.prepare = functools.partial(draw_anchors, seed=cfg.seed, max_anchors=objective.max_anchors,
+    data.loader.prepare = functools.partial(draw_anchors, seed=cfg.optimization.seed, max_anchors=objective.max_anchors,
                                             block_size=drafter.config.block_size)
 
     # Resume from the latest complete checkpoint when there is one and it is this run's.
-    checkpoints = Checkpointer(CheckpointConfig(run_dir=run_dir, keep_checkpoints=cfg.keep_checkpoints))
+    checkpoints = Checkpointer(run_dir, keep_checkpoints=cfg.logging.keep_checkpoints)
     identity = run_identity(cfg, data, drafter, target_config, info)
     heldout = HeldoutTracker()  # best held-out evaluation so far: part of every checkpoint
     step = resume(cfg, checkpoints, identity, model, optimizer, scheduler, data, log, heldout)
@@ -148,10 +147,10 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         return path
 
     metrics = RunningMetrics(drafter.config.block_size, info.device)
-    profiler = StepProfiler(cfg.profile_interval, info.device)
+    profiler = StepProfiler(cfg.logging.profile_interval, info.device)
     # saved_step: the step of the newest checkpoint (the one resumed from, or none yet: -1)
     last, saved_step, last_checkpoint, eval_metrics = {}, (step if step else -1), checkpoints.latest(), None
-    eval_every = cfg.eval_every(total_steps)
+    eval_every = cfg.logging.eval_every(total_steps)
     log.start(total_steps, step)
     with StopRequest(finishing="finishing this step, writing a checkpoint, then exiting",
                      abandoning="exiting now without a checkpoint") as stop:
@@ -159,24 +158,24 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
             profiler.begin(step)
             model.train()
             wait_before = data.loader.wait_seconds
-            for micro in range(cfg.grad_accum):
+            for micro in range(cfg.optimization.grad_accum):
                 with profiler.section("data_wait"):
                     batch = data.loader.next_batch()
                 # Anchors and noise come from a generator seeded by this batch's place in the run:
                 # no stream state to carry over a resume, and the same draws on any world size.
-                generators = batch_generators(cfg.seed, data.loader.epoch, data.loader.last_index, info.device)
+                generators = batch_generators(cfg.optimization.seed, data.loader.epoch, data.loader.last_index, info.device)
                 with profiler.section("host_to_device"):  # the batch holds its anchors (draw_anchors)
                     batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
-                last_micro = micro == cfg.grad_accum - 1
+                last_micro = micro == cfg.optimization.grad_accum - 1
                 with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
                     with profiler.section("forward"), autocast:
                         out = compute_loss(loss_model, batch, objective, generator=generators[0],
                                            noise_generator=generators[1], progress=step / total_steps)
                     with profiler.section("backward"):
-                        (out.loss / cfg.grad_accum).backward()
+                        (out.loss / cfg.optimization.grad_accum).backward()
                 metrics.update(out, batch)
             with profiler.section("optimizer"):
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optimization.grad_clip or math.inf)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -187,7 +186,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 log.info(f"[step {step}] {report}")
 
             eval_due = (eval_every and step % eval_every == 0) or step == total_steps
-            if step % cfg.log_interval == 0 or step == total_steps or eval_due:
+            if step % cfg.logging.log_interval == 0 or step == total_steps or eval_due:
                 last = metrics.compute(info)  # CPU-GPU sync point: only every log_interval steps
                 last.update(lr=scheduler.get_last_lr()[0], epoch=data.loader.epoch,
                             gpu_mem_gib=gpu_memory_gib(info.device))
@@ -204,7 +203,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 checkpoints.best_step = heldout.best_step  # kept from now on, whatever keep_checkpoints says
             # A signal on any rank stops every rank after the same step (agreed on the CPU).
             stopping = any_rank(stop.signum, info)
-            if (cfg.save_interval and step % cfg.save_interval == 0) or stopping or new_best:
+            if (cfg.logging.save_interval and step % cfg.logging.save_interval == 0) or stopping or new_best:
                 last_checkpoint, saved_step = save(step), step
             if stopping:
                 log.info(f"stopped at step {step}; rerun the same command to resume.")
@@ -243,27 +242,27 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
                   announce: Callable[[str], None] | None = None) -> DFlashDrafter:
     """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache."""
     manifest = data.caches.manifest
-    if cfg.soft_label_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
+    if cfg.objective.soft_label_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
         raise TrainConfigError(
-            f"--soft-label-weight {cfg.soft_label_weight} needs soft labels in the cache, but "
+            f"--soft-label-weight {cfg.objective.soft_label_weight} needs soft labels in the cache, but "
             f"{manifest.cache_dir} stores neither last_hidden nor top-k log-probs. Extract with "
             "--store-last-hidden or --store-topk, or set --soft-label-weight 0."
         )
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.optimization.seed)
     try:
         drafter = DFlashDrafter.from_target(
-            cfg.target_model, with_final_norm=cfg.soft_label_weight > 0 and not manifest.topk,
-            target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.drafter_overrides())
+            cfg.model.target_model, with_final_norm=cfg.objective.soft_label_weight > 0 and not manifest.topk,
+            target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.model.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
-        raise InputError(f"Cannot build the drafter from {cfg.target_model}: {e}") from e
-    if cfg.gradient_checkpointing:
+        raise InputError(f"Cannot build the drafter from {cfg.model.target_model}: {e}") from e
+    if cfg.runtime.gradient_checkpointing:
         for layer in drafter.layers:
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
-    on_cuda = str(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if cfg.compile or (cfg.compile is None and on_cuda):  # None: compiled on CUDA
+    on_cuda = str(cfg.runtime.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cfg.runtime.compile or (cfg.runtime.compile is None and on_cuda):  # None: compiled on CUDA
         # One graph for the whole forward; FSDP's hooks and recomputed layers keep one per layer.
-        drafter.compile_training(cfg.compile_mode, per_layer=cfg.parallel == "fsdp" or cfg.gradient_checkpointing,
-                                 dynamic=cfg.compile_dynamic)
+        drafter.compile_training(cfg.runtime.compile_mode, per_layer=cfg.runtime.parallel == "fsdp" or cfg.runtime.gradient_checkpointing,
+                                 dynamic=cfg.runtime.compile_dynamic)
         if announce is not None:
             announce("compiling the training forward: the first steps, and a few later ones whose batch "
                      "shapes are new to it, take longer (about 4 minutes in all for bench/quality's drafter "
@@ -274,8 +273,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    return torch.optim.AdamW(params, lr=cfg.optimization.lr, betas=cfg.optimization.adam_betas, eps=cfg.optimization.adam_eps,
+                             weight_decay=cfg.optimization.weight_decay, fused=device.type == "cuda")
 
 
 def lr_multiplier(step: int, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float,
@@ -370,7 +369,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
              autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, Any] | None:
     """Metrics on the held-out batches (no noise, a block at every eligible position),
     reduced over ranks."""
-    loader = data.eval_loader(info.rank, info.world_size, cfg.eval_max_batches)
+    loader = data.eval_loader(info.rank, info.world_size, cfg.data.eval_max_batches)
     if loader is None:
         return None
     loss_model.wrapped.eval()
@@ -431,15 +430,15 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
         "caches": data.caches.identity(),
         "eval_caches": data.eval_caches.identity() if data.eval_caches is not None else [],
         # the held-out split (by sample id) decides the training samples; --eval-cache replaces it
-        "eval_fraction": 0.0 if cfg.eval_cache else cfg.eval_fraction,
+        "eval_fraction": 0.0 if cfg.data.eval_cache else cfg.data.eval_fraction,
         "eval_split": "sample_id hash",
-        **({"max_train_samples": cfg.max_train_samples} if cfg.max_train_samples else {}),
+        **({"max_train_samples": cfg.data.max_train_samples} if cfg.data.max_train_samples else {}),
         # the target's identity (cache_tools.identity): its files, never its path
-        "target": comparable(target_identity(target_config, cfg.target_model)),
-        "batching": {"token_budget": cfg.token_budget, "max_batch_size": cfg.max_batch_size,
-                     "max_seq_len": cfg.max_seq_len, "shuffle_window": cfg.shuffle_window, "seed": cfg.seed,
-                     "sample_order": "sample_id", **({"shuffle_parts": cfg.shuffle_parts} if cfg.shuffle_parts else {}),
-                     "batches_per_step (world_size x grad_accum)": info.world_size * cfg.grad_accum},
+        "target": comparable(target_identity(target_config, cfg.model.target_model)),
+        "batching": {"token_budget": cfg.data.token_budget, "max_batch_size": cfg.data.max_batch_size,
+                     "max_seq_len": cfg.data.max_seq_len, "shuffle_window": cfg.data.shuffle_window, "seed": cfg.optimization.seed,
+                     "sample_order": "sample_id", **({"shuffle_parts": cfg.data.shuffle_parts} if cfg.data.shuffle_parts else {}),
+                     "batches_per_step (world_size x grad_accum)": info.world_size * cfg.optimization.grad_accum},
         "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
                   "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                   "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal,
@@ -455,7 +454,7 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     """Load the latest checkpoint of this run directory; returns the step to continue from."""
     latest = checkpoints.latest()
     if latest is None:
-        if cfg.resume:
+        if cfg.logging.resume:
             raise TrainConfigError(f"--resume was given but {checkpoints.dir} holds no complete checkpoint.")
         return 0
     ckpt = checkpoints.load(latest)
@@ -467,8 +466,8 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     if "heldout" in ckpt.trainer:  # the best held-out evaluation so far and the train-tau window
         heldout.load_state_dict(ckpt.trainer["heldout"])
         checkpoints.best_step = heldout.best_step
-    changed = {k: (v, getattr(cfg, k)) for k, v in ckpt.meta.get("config", {}).items()
-               if k in cfg.to_dict() and cfg.to_dict()[k] != v}
+    now = cfg.to_dict()
+    changed = {k: (v, now[k]) for k, v in ckpt.meta.get("config", {}).items() if k in now and now[k] != v}
     log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data.loader.epoch}). To start over, "
              "use a new --output-dir.")
     if changed:

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from .attention import build_layer_masks
+from .config import ObjectiveConfig
 from .dflash2 import selector_objective
 from .model import DFlashDrafter
 
-NOISE_TYPES = ("none", "uniform", "gaussian")
-LOSS_WEIGHTINGS = ("decay", "acceptance")
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -69,54 +68,6 @@ def scored_slots(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torc
     """
     _labels, valid = block_targets(input_ids, loss_mask, lengths, anchor_positions, anchor_valid, block_size)
     return torch.stack(valid.nonzero(as_tuple=True))
-
-
-@dataclass(kw_only=True)
-class ObjectiveConfig:
-    """How blocks are drawn and scored."""
-
-    max_anchors: int = 512
-    """Most anchors drawn per sequence (fewer when the completion is shorter)."""
-    gamma: float | None = None
-    """Decay of the per-position loss weights; None uses `default_gamma(block_size)`."""
-    loss_weighting: str = "acceptance"
-    """"decay" (exp(-(k-1)/gamma)) or "acceptance" (`acceptance_weights`)."""
-    noise_type: str = "none"
-    """Noise added to the cached hidden states: "none", "uniform" U(-a, a) or "gaussian" N(0, a^2)."""
-    noise_start: float = 0.0
-    """Noise amplitude a at the start of training (progress 0)."""
-    noise_end: float | None = None
-    """Noise amplitude at the end (progress 1), linear in between; None keeps noise_start."""
-    soft_label_weight: float = 0.0
-    """Loss = (1 - w) * CE + w * KL(target || drafter) when the batch carries soft labels."""
-    attention_backend: str | None = None
-    """Overrides the drafter's attention_backend ("sdpa", "flex", "auto") when set."""
-    selector_loss_weight: float = 1.0
-    """DFlash2: loss = loss + w * the candidate selector's K-way cross-entropy (dflash2.selector_objective)."""
-    selector_stop_gradient: bool = False
-    """DFlash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
-
-    def __post_init__(self) -> None:
-        if self.max_anchors < 1:
-            raise ValueError(f"max_anchors must be >= 1, got {self.max_anchors}.")
-        if self.gamma is not None and self.gamma <= 0:
-            raise ValueError(f"gamma must be > 0, got {self.gamma}; use None for the default.")
-        if self.loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
-        if self.noise_type not in NOISE_TYPES:
-            raise ValueError(f"noise_type must be one of {NOISE_TYPES}, got {self.noise_type!r}.")
-        if self.noise_start < 0 or (self.noise_end is not None and self.noise_end < 0):
-            raise ValueError("noise_start and noise_end are amplitudes and must be >= 0.")
-        if not 0.0 <= self.soft_label_weight <= 1.0:
-            raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}.")
-        if self.selector_loss_weight < 0:
-            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}.")
-
-    def noise_amplitude(self, progress: float) -> float:
-        """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""
-        end = self.noise_start if self.noise_end is None else self.noise_end
-        t = min(max(float(progress), 0.0), 1.0)
-        return self.noise_start + (end - self.noise_start) * t
 
 
 def add_hidden_noise(
@@ -296,8 +247,7 @@ def compute_loss(
     block_ids, block_positions = build_blocks(input_ids, anchors, c.mask_token_id, block_size)
     labels, valid = block_targets(input_ids, loss_mask, lengths, anchors, anchor_valid, block_size)
     kinds = [c.layer_attention(i) for i in range(c.num_hidden_layers)]
-    mask = build_layer_masks(anchors, hidden.shape[1], block_size, kinds,
-                             config.attention_backend or c.attention_backend)
+    mask = build_layer_masks(anchors, hidden.shape[1], block_size, kinds, c.attention_backend)
     hidden = add_hidden_noise(hidden, config, progress, noise_generator or generator)
     states = drafter(hidden, block_ids, block_positions, mask)  # [B, A*Bs, D]
     states = states.view(anchors.shape[0], anchors.shape[1], block_size, -1)[:, :, 1:]

@@ -13,14 +13,13 @@ from .config import TrainConfigError
 
 
 class PlanSettings(Protocol):
-    """What a plan reads of the loader's settings (`loader.LoaderConfig`)."""
+    """What a plan reads of the run's data section (`config.DataConfig`)."""
 
     token_budget: int
     max_batch_size: int
     max_seq_len: int
     shuffle_window: int
     shuffle_parts: int
-    seed: int
 
 
 def pack_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int, max_batch_size: int) -> list[np.ndarray]:
@@ -37,15 +36,15 @@ def pack_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int, max_
 
 
 def plan_epoch(indices: np.ndarray, lengths: np.ndarray, config: PlanSettings, epoch: int,
-               groups: np.ndarray | None = None) -> list[np.ndarray]:
+               groups: np.ndarray | None = None, *, seed: int) -> list[np.ndarray]:
     """The global batch list of one epoch: a pure function of its arguments. Under
     --shuffle-parts (`groups`: each sample's group of parts) the groups come one after the
     other in the extraction's order, each planned on its own with its own stream."""
     if config.shuffle_parts and groups is not None:
         of = groups[indices]
         return [b for g in np.unique(of)
-                for b in _plan_span(indices[of == g], lengths, config, [config.seed, epoch, 0x5EED, int(g)])]
-    return _plan_span(indices, lengths, config, [config.seed, epoch, 0x5EED])
+                for b in _plan_span(indices[of == g], lengths, config, [seed, epoch, 0x5EED, int(g)])]
+    return _plan_span(indices, lengths, config, [seed, epoch, 0x5EED])
 
 
 def _plan_span(indices: np.ndarray, lengths: np.ndarray, config: PlanSettings, seed: list[int]) -> list[np.ndarray]:

@@ -8,7 +8,7 @@ import random
 import signal
 
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.checkpoint import CheckpointConfig, Checkpointer
+from dflash.train.checkpoint import Checkpointer
 
 from .helpers import (
     cache_hash,
@@ -86,7 +86,7 @@ def test_training_killed_20_times_at_random_moments_ends_with_identical_weights(
         return runs[-1]
 
     def check(chain):
-        checkpoints = Checkpointer(CheckpointConfig(run_dir=out(chain)))
+        checkpoints = Checkpointer(out(chain))
         for name in complete_checkpoints(out(chain)):  # a step-N directory is always complete
             checkpoints.load(out(chain) / "checkpoints" / name)
 

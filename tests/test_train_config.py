@@ -1,0 +1,114 @@
+"""TrainConfig is made of sections, each setting declared once: the components (loader,
+objective, drafter) read their section, while flags, config keys and the settings a checkpoint
+records stay flat."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import typing
+
+import pytest
+from conftest import make_tiny_target
+from dflash.runtime.settings import settings_of
+from dflash.train.config import (
+    CONFIG_KEYS,
+    DrafterSettings,
+    ModelConfig,
+    TrainConfig,
+    TrainConfigError,
+)
+
+# The flat settings of dflash-train: its flags (with dashes), its config-file keys and the keys of
+# the "config" a checkpoint records. Renaming one breaks users' config files and the comparison a
+# resumed run makes with its checkpoint.
+FLAT_SETTINGS = {
+    "cache", "target_model", "output_dir", "eval_cache", "eval_fraction", "eval_max_samples", "eval_max_batches",
+    "max_train_samples", "token_budget", "max_batch_size", "max_seq_len", "shuffle_window", "shuffle_parts",
+    "follow", "num_workers", "prefetch_factor", "verify_checksums", "num_draft_layers", "block_size",
+    "mask_token_id", "draft_layer_types", "draft_sliding_window", "draft_causal", "attention_backend",
+    "max_anchors", "loss_weighting", "gamma", "noise_type", "noise_start", "noise_end", "soft_label_weight",
+    "drafter_type", "selector_loss_weight", "selector_top_k", "selector_rank", "selector_stop_gradient",
+    "conv_kernel_size", "conv_group_size", "lr", "lr_schedule", "decay_ratio", "min_lr_ratio", "warmup_ratio",
+    "weight_decay", "adam_betas", "adam_eps", "grad_accum", "grad_clip", "epochs", "max_steps", "seed", "dtype",
+    "compile", "compile_mode", "compile_dynamic", "gradient_checkpointing", "parallel", "device", "log_interval",
+    "eval_interval", "profile_interval", "progress", "tensorboard", "save_interval", "keep_checkpoints", "resume",
+}
+REQUIRED = {"cache": ["c"], "target_model": "t", "output_dir": "o"}
+
+
+def _config_classes() -> list[type]:
+    """Every settings dataclass of the trainer: TrainConfig's sections and each module's *Config."""
+    import dflash.train
+
+    found: dict[str, type] = {}
+    for module in pkgutil.iter_modules(dflash.train.__path__):
+        if module.name == "cli":
+            continue
+        mod = importlib.import_module(f"dflash.train.{module.name}")
+        for value in vars(mod).values():
+            if (isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == mod.__name__
+                    and value.__name__.endswith(("Config", "Settings"))):
+                found[value.__qualname__] = value
+    return list(found.values())
+
+
+def test_no_setting_is_declared_in_two_config_dataclasses():
+    classes = _config_classes()
+    sections = {typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)}
+    assert sections <= set(classes) and {"DrafterConfig", "ObjectiveConfig", "DataConfig"} <= {
+        c.__name__ for c in classes}
+    declared: dict[str, list[str]] = {}
+    for cls in classes:
+        for name in vars(cls).get("__annotations__", {}):
+            declared.setdefault(name, []).append(cls.__name__)
+    twice = {name: owners for name, owners in declared.items() if len(owners) > 1}
+    assert not twice, f"declared in more than one config dataclass: {twice}"
+
+
+def test_flags_config_keys_and_to_dict_stay_flat_and_come_back():
+    assert set(CONFIG_KEYS) == FLAT_SETTINGS
+    assert {s.flag for s in settings_of(TrainConfig).values()} == {f"--{n.replace('_', '-')}" for n in FLAT_SETTINGS}
+    config = TrainConfig.from_dict({**REQUIRED, "lr": 3e-4, "adam_betas": [0.9, 0.95], "drafter_type": "dflash2",
+                                    "max_anchors": 7, "shuffle_parts": 2, "dtype": "bf16", "resume": True})
+    flat = config.to_dict()
+    assert set(flat) == FLAT_SETTINGS and flat["adam_betas"] == [0.9, 0.95]
+    assert (config.optimization.lr, config.model.drafter_type, config.objective.max_anchors,
+            config.data.shuffle_parts, config.runtime.dtype, config.logging.resume) == (
+        3e-4, "dflash2", 7, 2, "bf16", True)
+    assert TrainConfig.from_dict(flat) == config
+    with pytest.raises(TrainConfigError, match="learning_rate"):
+        TrainConfig.from_dict({**REQUIRED, "learning_rate": 1e-3})
+
+
+def test_the_drafter_takes_every_drafter_setting_of_the_model_section(tmp_path):
+    from dflash.train.drafter_config import DrafterConfig
+    from transformers import AutoConfig
+
+    target = make_tiny_target(tmp_path / "target")
+    model = ModelConfig(target_model=str(target), drafter_type="dflash2", block_size=8, mask_token_id=3,
+                        attention_backend="sdpa", selector_top_k=4, selector_rank=8, conv_kernel_size=3,
+                        conv_group_size=8, num_draft_layers=2, draft_layer_types="sliding,full",
+                        draft_sliding_window=5, draft_causal=True)
+    drafter = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target), **model.drafter_overrides())
+    for f in dataclasses.fields(DrafterSettings):
+        assert getattr(drafter, f.name) == getattr(model, f.name), f.name
+    assert (drafter.num_hidden_layers, drafter.layer_types, drafter.sliding_window, drafter.causal) == (
+        2, ["sliding_attention", "full_attention"], 5, True)
+
+
+@pytest.mark.parametrize("values,fragment", [
+    ({"cache": []}, "--cache is required"),
+    ({"target_model": ""}, "--target-model is required"),
+    ({"output_dir": ""}, "--output-dir is required"),
+    ({"noise_type": "laplace"}, "--noise-type 'laplace'"),
+    ({"gamma": 5.0}, "--loss-weighting decay"),
+    ({"max_anchors": 0}, "--max-anchors must be at least 1"),
+    ({"draft_layer_types": "sliding"}, "--draft-sliding-window"),
+    ({"decay_ratio": 0.99}, "--decay-ratio"),
+    ({"save_interval": -1}, "--save-interval must be 0 or more"),
+])
+def test_each_section_checks_its_settings_naming_the_flag(values, fragment):
+    with pytest.raises(TrainConfigError, match=fragment.replace("(", r"\(")):
+        TrainConfig.from_dict({**REQUIRED, **values})
