@@ -7,6 +7,11 @@ A cache header's `target` section holds the target's identity:
   config_hash         sha256 of the canonical JSON of its config.json (sorted keys, no
                       whitespace, `transformers_version` left out)
   tokenizer_hash      sha256 over the tokenizer files of the model directory (None: it has none)
+  weights_hash        sha256 over the weight files of the model directory (name and content
+                      sha256 of each *.safetensors, *.bin, *.pt, *.pth; None: in-memory model).
+                      A file's sha256 is computed once (in 16 MB chunks) and reused while its
+                      size and mtime hold, from the user's cache directory
+                      ($XDG_CACHE_HOME or ~/.cache, dflash/weights-hashes.json)
 
 Where the model lay is provenance, not identity: it goes to the header's `provenance`
 section. The same files at two mount points, or a model directory moved between two runs,
@@ -15,20 +20,28 @@ are the same target: their caches resume, merge and train together.
 Purposes (`Purpose`): `resume` (an extraction continues a cache), `merge` (caches become one),
 `train-together` (caches feed one training run) compare every identity field; `train` (a cache
 feeds a drafter of the target model given to the trainer) compares the same fields, read
-from that model's directory. Each comparison uses only the fields both sides record: a cache
-written before `tokenizer_hash` existed still resumes, merges and trains (its other fields
-must agree), and an older header's `target.path` is set aside as provenance.
+from that model's directory, but for the weights: other weights of the same config are a
+warning there (`weights_note`), since the drafter trains on the cache's hidden states and the
+target gives only its embedding and head. Each comparison uses only the fields both sides
+record: a cache written before `tokenizer_hash` or `weights_hash` existed still resumes, merges
+and trains (its other fields must agree; `unrecorded_weights_note` says what was not checked),
+and an older header's `target.path` is set aside as provenance.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-IDENTITY_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size", "config_hash", "tokenizer_hash")
+IDENTITY_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size", "config_hash", "tokenizer_hash",
+                   "weights_hash")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+WEIGHTS_HASHES_FILE = "weights-hashes.json"  # in the user's cache directory: sha256 per weight file
+HASH_CHUNK = 1 << 24
 # Tokenizer files whose bytes decide what the token ids mean. tokenizer_config.json is hashed
 # without its chat template: the template changes how text becomes a conversation, not the ids.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -88,6 +101,62 @@ def tokenizer_hash(model_dir: str | Path) -> str | None:
     return digest.hexdigest() if found else None
 
 
+def weights_hashes_path() -> Path:
+    """Where each weight file's sha256 is kept (the model directory may be read-only)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / WEIGHTS_HASHES_FILE
+
+
+def _read_known() -> dict[str, Any]:
+    try:
+        known = json.loads(weights_hashes_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_known(known: dict[str, Any]) -> None:
+    """Best effort: a cache directory that cannot be written only costs the next run a rehash."""
+    from dflash.runtime.fsio import atomic_write_json
+
+    known = {k: v for k, v in known.items() if os.path.exists(k)}  # files since deleted go
+    try:
+        weights_hashes_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(weights_hashes_path(), known)
+    except OSError:
+        pass
+
+
+def file_sha256(path: Path, known: dict[str, Any]) -> str:
+    """sha256 of a file's content: `known`'s entry while the file's size and mtime hold, else
+    hashed in chunks (and entered in `known`)."""
+    st = path.stat()
+    key = str(path.resolve())
+    entry = known.get(key)
+    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        return entry["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            digest.update(chunk)
+    known[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def weights_hash(model_dir: str | Path) -> str | None:
+    """sha256 over the weight files of a model directory (name and content); None without any."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
+    if not files:
+        return None
+    known = _read_known()
+    before = json.dumps(known, sort_keys=True)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + bytes.fromhex(file_sha256(path, known)))
+    if json.dumps(known, sort_keys=True) != before:
+        _write_known(known)
+    return digest.hexdigest()
+
+
 def target_identity(config: Any, model_dir: str | Path | None, *, num_hidden_layers: int | None = None,
                     architecture: str | None = None) -> dict[str, Any]:
     """The identity fields of a target from its (text) config and, when it has one, its directory.
@@ -105,6 +174,7 @@ def target_identity(config: Any, model_dir: str | Path | None, *, num_hidden_lay
         "vocab_size": int(text.vocab_size),
         "config_hash": config_file_hash(model_dir) if has_dir else config_object_hash(config),
         "tokenizer_hash": tokenizer_hash(model_dir) if has_dir else None,
+        "weights_hash": weights_hash(model_dir) if has_dir else None,
     }
 
 
@@ -119,9 +189,12 @@ def comparable(target: dict[str, Any] | None) -> dict[str, Any]:
     return {k: target[k] for k in IDENTITY_FIELDS if target.get(k) is not None}
 
 
-# The fields each purpose compares. All of them today: the purposes are explicit so that a rule
-# for one of them (say, training accepting a re-saved config) changes here and nowhere else.
-PURPOSE_FIELDS: dict[Purpose, tuple[str, ...]] = {p: IDENTITY_FIELDS for p in Purpose}
+# The fields each purpose compares: the purposes are explicit so that a rule for one of them
+# changes here and nowhere else. Training from a cache takes only the target's embedding and
+# head: other weights of the same config are a warning there (weights_note), not a refusal.
+PURPOSE_FIELDS: dict[Purpose, tuple[str, ...]] = {
+    p: tuple(f for f in IDENTITY_FIELDS if p != Purpose.TRAIN or f != "weights_hash") for p in Purpose
+}
 
 
 def target_differences(expected: dict[str, Any] | None, found: dict[str, Any] | None,
@@ -131,3 +204,24 @@ def target_differences(expected: dict[str, Any] | None, found: dict[str, Any] | 
     first, second = comparable(expected), comparable(found)
     fields = [k for k in PURPOSE_FIELDS[Purpose(purpose)] if k in first and k in second]
     return [(k, first[k], second[k]) for k in fields if first[k] != second[k]]
+
+
+def weights_note(expected: dict[str, Any] | None, found: dict[str, Any] | None, *, expected_what: str,
+                 found_what: str) -> str | None:
+    """A sentence when both sides record weight hashes and they differ (the same config, other
+    weights), naming both sides; None otherwise."""
+    a, b = (expected or {}).get("weights_hash"), (found or {}).get("weights_hash")
+    if a is None or b is None or a == b:
+        return None
+    return (f"{expected_what} has other weights (sha256 {a[:12]}) than {found_what} (sha256 {b[:12]}), "
+            "with the same config: the hidden states and the model they are used with come from "
+            "different checkpoints of it.")
+
+
+def unrecorded_weights_note(recorded: dict[str, Any] | None, current: dict[str, Any] | None, *, what: str) -> str | None:
+    """A sentence when `recorded` (an older cache's or checkpoint's target) has no weights hash
+    while `current` does: accepted, but the weights could not be checked."""
+    if (recorded or {}).get("weights_hash") is None and (current or {}).get("weights_hash") is not None:
+        return (f"{what} records no hash of its target's weights (written before they were "
+                "recorded): that this target's weights are the same ones is not checked.")
+    return None

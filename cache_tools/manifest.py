@@ -311,15 +311,25 @@ def read_manifest(cache_dir: str | os.PathLike) -> Manifest:
 
 
 def diff_identity(expected: dict[str, Any], found: dict[str, Any], prefix: str = "") -> list[str]:
-    """Human-readable list of the keys where two identities differ (recursing into dicts)."""
-    out: list[str] = []
-    for key in sorted(set(expected) | set(found)):
-        a, b = expected.get(key), found.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += diff_identity(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: cache has {b!r}, requested {a!r}")
-    return out
+    """Human-readable list of the keys where two identities differ (recursing into dicts, and
+    into lists of dicts of one length by index), each value shortened: the keys that differ, never a
+    dump of both identities."""
+    return _diff_values(expected, found, prefix.rstrip("."))
+
+
+def _diff_values(a: Any, b: Any, name: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b))
+                for d in _diff_values(a.get(k), b.get(k), f"{name}.{k}" if name else str(k))]
+    if (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+            and all(isinstance(x, dict) for x in a + b)):  # (a list of numbers reads best whole)
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff_values(x, y, f"{name}[{i}]")]
+    return [] if a == b else [f"{name}: cache has {_short(b)}, requested {_short(a)}"]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def identity_differences(expected: dict[str, Any], found: dict[str, Any], purpose: Purpose,
@@ -344,10 +354,13 @@ def _leaf_differences(a: Any, b: Any, key: str) -> list[tuple[str, Any, Any]]:
 
 def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, what: str) -> None:
     """Raise ConfigMismatchError when `expected_header` would produce a different cache."""
-    diffs = [f"{key}: cache has {found!r}, requested {want!r}"
-             for key, want, found in identity_differences(expected_header, manifest.header, Purpose.RESUME)]
+    found_diffs = identity_differences(expected_header, manifest.header, Purpose.RESUME)
+    diffs = [f"{key}: cache has {_short(found)}, requested {_short(want)}" for key, want, found in found_diffs]
     if diffs:
         shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
+        if any(key.startswith("target.") for key, _, _ in found_diffs):
+            paths = [h.get("provenance", {}).get("target_path", "?") for h in (manifest.header, expected_header)]
+            shown += f" (the cache's target was {paths[0]}, this {what}'s is {paths[1]})"
         raise ConfigMismatchError(
             f"The cache at {manifest.cache_dir} was written with other settings than this "
             f"{what}: {shown}. Rerun with the cache's settings, choose a new output directory, "

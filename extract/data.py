@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
-from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.errors import InputError
 from dflash.runtime.records import (
     SIDECAR_SUFFIXES,
     BadRecord,
@@ -125,7 +126,7 @@ def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, An
 
     `recorded`: the `data` section of the cache this run resumes. A file that has grown since
     (its recorded bytes still its first ones) is read up to its recorded size, with a note;
-    a file edited, shortened, added or removed since is a MismatchError naming it."""
+    a file edited, shortened, added or removed since is a ConfigMismatchError naming it."""
     root = Path(root)
     entries, records, stats = [], 0, {}
     old = {e.get("path"): e for e in (recorded or {}).get("files", []) if isinstance(e, dict)}
@@ -164,10 +165,11 @@ def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, An
                 )
     if old:
         names = {e["path"] for e in entries}
-        changed += [f"{root / n} was extracted into the cache but is no longer in --data"
+        base = root if root.is_dir() else root.parent
+        changed += [f"{base / n} was extracted into the cache but is no longer in --data"
                     for n in old if n not in names]
     if changed:
-        raise MismatchError(
+        raise ConfigMismatchError(
             "The input data differs from the data the cache was extracted from: "
             + "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
             + ". Restore the data, pass --force to extract the cache anew, or choose a new --output."

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
-from dflash.cache_tools.identity import target_provenance
+from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import make_header, read_header
 from dflash.cache_tools.schema import top1_dtype
@@ -141,13 +141,13 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
     )
 
 
-def recorded_data(cache_dir) -> dict | None:
-    """The `data` section of the cache at `cache_dir`, if one is there to resume (a damaged or
-    missing manifest is left to CacheWriter to name)."""
+def recorded_header(cache_dir) -> dict:
+    """The header of the cache at `cache_dir`, if one is there to resume ({} if not: a damaged
+    or missing manifest is left to CacheWriter to name)."""
     try:
-        return read_header(Path(cache_dir)).get("data")
+        return read_header(Path(cache_dir))
     except (DflashError, OSError, ValueError):
-        return None
+        return {}
 
 
 def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> ExtractSummary:
@@ -178,8 +178,12 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     )
     capture = LayerCapture(model, layer_ids,  # checks the ids (cache_tools.layers)
                            need_last=config.store_last_hidden or config.store_topk > 0 or config.store_top1)
-    data = snapshot_data(files, config.data, recorded=None if config.force else recorded_data(config.output))
+    old = {} if config.force else recorded_header(config.output)
+    data = snapshot_data(files, config.data, recorded=old.get("data"))
     header = build_header(config, model, model_dir, layer_ids, data)
+    if old and (note := unrecorded_weights_note(old.get("target"), header["target"],
+                                                what=f"The cache at {config.output}")):
+        data.notes.append(note)
     if config.force and (run := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
         header["provenance"]["forced_run"] = run  # what the other ranks wait for (CacheWriter)
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,

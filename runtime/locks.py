@@ -47,6 +47,18 @@ def holders(path: str | os.PathLike) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
+def is_held(path: str | os.PathLike) -> bool | None:
+    """Whether some process holds a lock on `path` now (Linux: /proc/locks, nothing opened or
+    taken); None where that cannot be told."""
+    try:
+        st = os.stat(path)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(key in line.split() and "->" not in line for line in table.splitlines())
+
+
 def _flock(fd: int, op: int) -> bool:
     try:
         fcntl.flock(fd, op | fcntl.LOCK_NB)

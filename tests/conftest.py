@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ import pytest
 # spinning (a 2-thread training beside one busy process: 1.76 s spinning, 0.62 s passive).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The weight-file hashes of every tiny target (cache_tools.identity) go to a cache directory of
+# this session, not to the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dflash-tests-cache-")
 
 VOCAB = 128
 """Token ids of `random_records` are below this (the vocabulary of `make_tiny_target`'s default)."""

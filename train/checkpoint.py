@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.cache_tools.identity import unrecorded_weights_note
 from dflash.cache_tools.manifest import diff_identity
 from dflash.runtime.errors import CorruptDataError, InputError
 from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
@@ -207,18 +208,29 @@ def _load_plain(file: Path) -> Any:
         ) from None
 
 
-def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> None:
-    """Refuse to continue a checkpoint whose data, target or model shape differ from this run's."""
+def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> list[str]:
+    """Refuse to continue a checkpoint whose data, target or model shape differ from this run's,
+    in one paragraph naming the keys that differ; returns notes (a checkpoint written before
+    the target's weights were hashed resumes, unchecked)."""
     current = json.loads(json.dumps(identity, default=str))
+    notes = []
+    saved_target, target = saved_identity.get("target") or {}, current.get("target") or {}
+    if (note := unrecorded_weights_note(saved_target, target, what=f"The checkpoint {path}")) is not None:
+        notes.append(note)
+        current["target"] = {k: v for k, v in target.items() if k != "weights_hash"}
     diffs = diff_identity(current, saved_identity)
     if diffs:
         shown = "; ".join(d.replace("cache has", "checkpoint has").replace("requested", "this run has")
                           for d in diffs[:8]) + ("; ..." if len(diffs) > 8 else "")
+        grown = any(d.startswith("caches[") and (".samples:" in d or ".tokens:" in d) for d in diffs)
         raise ResumeMismatchError(
             f"Cannot resume from {path}: it was trained with other data, target or batching/model "
-            f"settings: {shown}. Rerun with the checkpoint's settings, or start a new run with "
-            "another --output-dir."
+            f"settings: {shown}."
+            + (" A cache holds other samples than when the checkpoint was written (was it still being "
+               "extracted? `dflash-train --follow` trains on a cache while it is written)." if grown else "")
+            + " Rerun with the checkpoint's settings, or start a new run with another --output-dir."
         )
+    return notes
 
 
 class _ExportView:

@@ -26,9 +26,15 @@ import numpy as np
 import torch
 from dflash.cache_tools.cache_set import CacheSet, check_compatible
 from dflash.cache_tools.errors import ConfigMismatchError
-from dflash.cache_tools.identity import Purpose, target_differences, target_identity
+from dflash.cache_tools.identity import (
+    Purpose,
+    target_differences,
+    target_identity,
+    unrecorded_weights_note,
+    weights_note,
+)
 from dflash.cache_tools.layers import validate_target_layer_ids
-from dflash.cache_tools.manifest import chat_templates
+from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
 from dflash.cache_tools.schema import (
     HIDDEN_ARRAYS,
     INPUT_IDS,
@@ -39,6 +45,7 @@ from dflash.cache_tools.schema import (
     scale_of,
 )
 from dflash.runtime.errors import CorruptDataError, DflashError
+from dflash.runtime.locks import is_held
 from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
 from .config import DataConfig, ResumeMismatchError, TrainConfig, TrainConfigError
@@ -311,9 +318,11 @@ def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, r
     return data_loader(caches, batches, config, pin_memory=pin_memory)
 
 
-def check_cache_target(manifest: Any, target_config: Any, target_dir: str) -> None:
+def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, caches: Any = None) -> list[str]:
     """Refuse a cache extracted from another model than the target given to the trainer (the
-    identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use."""
+    identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use.
+    Returns notes: the target's weights differ from the cache's (same config), the cache is
+    still being written (unless `caches` follow it)."""
     current = target_identity(target_config, target_dir)
     diffs = [f"{k}: cache has {b!r}, target has {a!r}"
              for k, a, b in target_differences(current, manifest.header.get("target"), Purpose.TRAIN)]
@@ -330,6 +339,14 @@ def check_cache_target(manifest: Any, target_config: Any, target_dir: str) -> No
     validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers,
                               where=f"the cache at {manifest.cache_dir}",
                               fix="Re-extract the cache with --target-layer-ids such ids")
+    notes = [weights_note(manifest.header.get("target"), current, expected_what=f"The cache at {manifest.cache_dir}",
+                          found_what=f"the target model at {target_dir}"),
+             unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}")]
+    if not isinstance(caches, FollowCacheSet) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
+        notes.append(f"The cache at {manifest.cache_dir} is being written by a live extraction: this run trains on "
+                     f"the {len(manifest.parts)} parts committed when it started. `dflash-train --follow` trains on "
+                     "a cache while it is written; a later resume of this run on the grown cache is refused.")
+    return [n for n in notes if n]
 
 
 @dataclass

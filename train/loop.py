@@ -106,7 +106,9 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                               pin_memory=info.device.type == "cuda")
     cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
     target_config = load_target_config_or_fail(cfg.model.target_model)
-    check_cache_target(data.caches.manifest, target_config, cfg.model.target_model)
+    for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
+                                   caches=data.caches):
+        log.info(f"Note: {note}")
     log.info(data.summary())
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
@@ -458,7 +460,8 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
             raise TrainConfigError(f"--resume was given but {checkpoints.dir} holds no complete checkpoint.")
         return 0
     ckpt = checkpoints.load(latest)
-    check_resume(ckpt.meta["identity"], identity, latest)
+    for note in check_resume(ckpt.meta["identity"], identity, latest):
+        log.info(f"Note: {note}")
     load_full_state(model, optimizer, ckpt.model, ckpt.optimizer)
     scheduler.load_state_dict(ckpt.trainer["scheduler"])
     data.loader.load_state_dict(ckpt.trainer["loader"])
