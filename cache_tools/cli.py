@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import MISSING, dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
 from dflash.runtime.cli import EXIT_FAILED, Group
+from dflash.runtime.settings import setting, settings_options
 
 if TYPE_CHECKING:
     from .rewrite import CopyReport
@@ -21,6 +23,70 @@ if TYPE_CHECKING:
 # The names of `codecs.CODEC_NAMES`, spelled here so that --help need not import the codecs
 # (torch); tests/test_cli_contract.py checks that the two agree.
 CODEC_CHOICES = ("bf16", "fp8", "nf4", "raw")
+
+
+# -- the settings of each command (flags, --config keys and --help: dflash.runtime.settings) ----
+
+
+@dataclass(kw_only=True)
+class InfoSettings:
+    as_json: bool = setting(False, flag="--json", one_way=True)
+    """Print the summary as JSON (for scripts)."""
+
+
+@dataclass(kw_only=True)
+class VerifySettings:
+    fast: bool = setting(False, one_way=True)
+    """Check structure only (files, metadata, shard indexes, sizes); do not decode chunks."""
+    progress: bool | None = None
+    """Show a progress bar (default: on a terminal)."""
+
+
+@dataclass(kw_only=True)
+class StatsSettings:
+    num_tokens: int = setting(4096, type=click.IntRange(min=1))
+    """How many random tokens to sample."""
+    seed: int = 0
+    """Seed of the token sample."""
+    outlier_sigma: float = setting(6.0, type=click.FloatRange(min=0, min_open=True))
+    """A value is an outlier when |x| exceeds this many times the RMS of its (token, layer) row."""
+    as_json: bool = setting(False, flag="--json", one_way=True)
+    """Print the statistics as JSON."""
+    progress: bool | None = None
+    """Show a progress bar (default: on a terminal)."""
+
+
+@dataclass(kw_only=True)
+class RecompressSettings:
+    codec: str = setting(MISSING, choices=CODEC_CHOICES)
+    """bf16 (lossless), fp8 (e4m3, one scale per token and layer; ~2-3 % error), nf4 (4-bit, one
+    scale per 32 values), raw (uncompressed)."""
+    clevel: int = setting(1, type=click.IntRange(0, 22))
+    """zstd level inside Blosc."""
+    force: bool = setting(False, one_way=True)
+    """Delete a DST cache written with other settings and start anew."""
+    progress: bool | None = None
+    """Show a progress bar (default: on a terminal)."""
+
+
+@dataclass(kw_only=True)
+class MergeSettings:
+    force: bool = setting(False, one_way=True)
+    """Delete a DST cache written with other settings and start anew."""
+    progress: bool | None = None
+    """Show a progress bar (default: on a terminal)."""
+
+
+@dataclass(kw_only=True)
+class UploadSettings:
+    threads: int = setting(8, type=click.IntRange(min=1))
+    """Parallel uploads."""
+
+
+@dataclass(kw_only=True)
+class PruneSettings:
+    dry_run: bool = setting(False, one_way=True)
+    """List what would be removed; remove nothing."""
 
 
 def _packing(codec: dict) -> str:
@@ -69,8 +135,8 @@ def main() -> None:
 
 @main.command()
 @CACHE_ARG
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (for scripts).")
-def info(cache: str, as_json: bool) -> None:
+@settings_options(InfoSettings)
+def info(cache: str, settings: InfoSettings) -> None:
     """Summarize CACHE from its manifest: target, layers, codec, sizes, compression.
 
     Reads only the manifest files, so it is instant on any cache size. The compression ratio
@@ -85,7 +151,7 @@ def info(cache: str, as_json: bool) -> None:
     from .summary import cache_info
 
     s = cache_info(cache)
-    if as_json:
+    if settings.as_json:
         _echo_json(s)
         return
     target = ", ".join(f"{k}={v}" for k, v in s["target"].items()) or "(not recorded)"
@@ -120,10 +186,8 @@ def info(cache: str, as_json: bool) -> None:
 
 @main.command()
 @CACHE_ARG
-@click.option("--fast", is_flag=True,
-              help="Check structure only (files, metadata, shard indexes, sizes); do not decode chunks.")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
-def verify(cache: str, fast: bool, progress: bool | None) -> None:
+@settings_options(VerifySettings)
+def verify(cache: str, settings: VerifySettings) -> None:
     """Check CACHE for damage: every chunk of every array of every committed part.
 
     The full check re-reads every chunk and compares its crc32c, and checks each part's
@@ -147,10 +211,11 @@ def verify(cache: str, fast: bool, progress: bool | None) -> None:
     """
     from . import maintenance, remote
 
+    fast = settings.fast
     if remote.is_remote(cache):
         _verify_remote(cache, fast)
         return
-    report = maintenance.verify_cache(cache, fast=fast, progress=progress)
+    report = maintenance.verify_cache(cache, fast=fast, progress=settings.progress)
     for note in report.notes:
         click.echo(f"note: {note}")
     mode = "structure" if fast else f"{report.chunks} chunks"
@@ -168,14 +233,8 @@ def verify(cache: str, fast: bool, progress: bool | None) -> None:
 
 @main.command()
 @CACHE_ARG
-@click.option("--num-tokens", default=4096, show_default=True, type=click.IntRange(min=1),
-              help="How many random tokens to sample.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the token sample.")
-@click.option("--outlier-sigma", default=6.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="A value is an outlier when |x| exceeds this many times the RMS of its (token, layer) row.")
-@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
-def stats(cache: str, num_tokens: int, seed: int, outlier_sigma: float, as_json: bool, progress: bool | None) -> None:
+@settings_options(StatsSettings)
+def stats(cache: str, settings: StatsSettings) -> None:
     """Value statistics of CACHE's hidden states per target layer, and sample lengths.
 
     Samples --num-tokens random tokens and prints, for each captured layer, mean, std, absmax,
@@ -189,9 +248,9 @@ def stats(cache: str, num_tokens: int, seed: int, outlier_sigma: float, as_json:
     """
     from . import maintenance
 
-    s = maintenance.cache_stats(cache, num_tokens=num_tokens, seed=seed, outlier_sigma=outlier_sigma,
-                                progress=progress)
-    if as_json:
+    s = maintenance.cache_stats(cache, num_tokens=settings.num_tokens, seed=settings.seed,
+                                outlier_sigma=settings.outlier_sigma, progress=settings.progress)
+    if settings.as_json:
         _echo_json(s)
         return
     click.echo(f"{s['sampled_tokens']} random tokens (seed {s['seed']}); loss_mask=1 on "
@@ -220,12 +279,8 @@ def _echo_copy(report: CopyReport, verb: str) -> None:
 @main.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=str))
 @click.argument("dst", type=click.Path(file_okay=False, path_type=str))
-@click.option("--codec", "codec", required=True, type=click.Choice(CODEC_CHOICES),
-              help="bf16 (lossless), fp8 (e4m3, one scale per token and layer; ~2-3 % error), raw (uncompressed).")
-@click.option("--clevel", default=1, show_default=True, type=click.IntRange(0, 22), help="zstd level inside Blosc.")
-@click.option("--force", is_flag=True, help="Delete a DST cache written with other settings and start anew.")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
-def recompress(src: str, dst: str, codec: str, clevel: int, force: bool, progress: bool | None) -> None:
+@settings_options(RecompressSettings)
+def recompress(src: str, dst: str, settings: RecompressSettings) -> None:
     """Write a copy of cache SRC into DST with another hidden-state codec.
 
     DST gets the same parts, in the same order, with the same samples and sample ids. Each
@@ -239,16 +294,16 @@ def recompress(src: str, dst: str, codec: str, clevel: int, force: bool, progres
     """
     from . import rewrite
 
-    report = rewrite.recompress_cache(src, dst, codec=codec, clevel=clevel, force=force, progress=progress)
+    report = rewrite.recompress_cache(src, dst, codec=settings.codec, clevel=settings.clevel, force=settings.force,
+                                      progress=settings.progress)
     _echo_copy(report, "Recompressed")
 
 
 @main.command()
 @click.argument("dst", type=click.Path(file_okay=False, path_type=str))
 @click.argument("srcs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
-@click.option("--force", is_flag=True, help="Delete a DST cache written with other settings and start anew.")
-@click.option("--progress/--no-progress", default=None, help="Show a progress bar (default: on a terminal).")
-def merge(dst: str, srcs: tuple[str, ...], force: bool, progress: bool | None) -> None:
+@settings_options(MergeSettings)
+def merge(dst: str, srcs: tuple[str, ...], settings: MergeSettings) -> None:
     """Merge the caches SRCS... into one new cache DST.
 
     The sources must share target model, target_layer_ids, codec and extraction settings
@@ -262,7 +317,7 @@ def merge(dst: str, srcs: tuple[str, ...], force: bool, progress: bool | None) -
     """
     from . import rewrite
 
-    report = rewrite.merge_caches(dst, list(srcs), force=force, progress=progress)
+    report = rewrite.merge_caches(dst, list(srcs), force=settings.force, progress=settings.progress)
     _echo_copy(report, "Merged")
 
 
@@ -284,8 +339,8 @@ def _verify_remote(url: str, fast: bool) -> None:
 @main.command()
 @CACHE_ARG
 @click.argument("url")
-@click.option("--threads", default=8, show_default=True, type=click.IntRange(min=1), help="Parallel uploads.")
-def upload(cache: str, url: str, threads: int) -> None:
+@settings_options(UploadSettings)
+def upload(cache: str, url: str, settings: UploadSettings) -> None:
     """Copy the local cache CACHE to object storage at URL (s3://bucket/prefix).
 
     Parts go first, then a file index (each file's size and crc32c), the commit log and the
@@ -302,15 +357,15 @@ def upload(cache: str, url: str, threads: int) -> None:
 
     if not remote.is_remote(url):
         raise click.BadParameter(f"{url} is not a remote cache URL: write s3://bucket/prefix.", param_hint="URL")
-    done = remote.upload_cache(cache, url, threads=threads)
+    done = remote.upload_cache(cache, url, threads=settings.threads)
     click.echo(f"Uploaded {done['parts']} parts to {url}: {done['files_uploaded']} files written, "
                f"{done['files_kept']} already there, {_human_bytes(done['bytes'])} in all.")
 
 
 @main.command()
 @CACHE_ARG
-@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
-def prune(cache: str, dry_run: bool) -> None:
+@settings_options(PruneSettings)
+def prune(cache: str, settings: PruneSettings) -> None:
     """Remove leftovers of interrupted writers from CACHE.
 
     Deletes temporary parts (parts/.tmp-*) whose writer is no longer alive and part
@@ -324,6 +379,7 @@ def prune(cache: str, dry_run: bool) -> None:
     """
     from . import maintenance
 
+    dry_run = settings.dry_run
     removed = maintenance.prune_cache(cache, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for name, nbytes in removed:

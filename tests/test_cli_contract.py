@@ -98,6 +98,33 @@ def test_config_files_refuse_unknown_keys_listing_the_valid_ones(tmp_path, comma
     assert_one_paragraph_error(result, "unknown setting(s) no_such_setting", "Known settings:", valid)
 
 
+def _subcommands(group: click.Group) -> list[tuple[str, click.Command]]:
+    return [(f"{group.name} {name}", command) for name, command in sorted(group.commands.items())]
+
+
+@pytest.mark.parametrize("name,command", _subcommands(cache_main) + _subcommands(train_main), ids=lambda x: str(x))
+def test_every_subcommand_takes_a_config_file_and_refuses_unknown_keys(tmp_path, name, command):
+    assert any("--config" in p.opts for p in command.params), f"{name} takes no --config"
+    args = [tmp_path if p.nargs == 1 else tmp_path / "x" for p in command.params if isinstance(p, click.Argument)]
+    path = tmp_path / "settings.json"
+    path.write_text('{"no_such_setting": 1}\n')
+    group = cache_main if name.startswith(cache_main.name) else train_main
+    result = invoke(group, command.name, *args, "--config", path)
+    assert_one_paragraph_error(result, "unknown setting(s) no_such_setting", "Known settings:")
+
+
+def test_cache_config_values_are_checked_like_flags_and_can_give_a_required_setting(tmp_path):
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"num_tokens": 0}))
+    refused = invoke(cache_main, "stats", tmp_path, "--config", path)
+    assert_one_paragraph_error(refused, "setting num_tokens = ", "--num-tokens")
+    assert_one_paragraph_error(invoke(cache_main, "recompress", tmp_path / "none", tmp_path / "dst"), "--codec")
+    path.write_text(json.dumps({"codec": "fp8", "clevel": "3"}))
+    given = invoke(cache_main, "recompress", tmp_path / "none", tmp_path / "dst", "--config", path)
+    assert_one_paragraph_error(given, "none")  # past the settings: the missing source cache is named
+    assert "--codec" not in given.stderr
+
+
 @pytest.fixture
 def captured_eval(monkeypatch):
     """dflash-eval with the measurement replaced: what the command asked for."""

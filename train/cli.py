@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import click
 from dflash.runtime.cli import Group
 from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice, torch_dtype
-from dflash.runtime.settings import settings_options
+from dflash.runtime.settings import setting, settings_options
 
 from .config import TrainConfig, TrainConfigError
 
@@ -76,17 +77,24 @@ def run(settings: TrainConfig) -> None:
         sys.exit(result.exit_status)
 
 
+@dataclass(kw_only=True)
+class ExportConfig:
+    """The settings of `dflash-train export`."""
+
+    dtype: str = setting("bf16", type=DtypeChoice(DTYPE_NAMES))
+    """dtype of the exported weights."""
+
+
 @main.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--dtype", type=DtypeChoice(DTYPE_NAMES), default="bf16", show_default=True,
-              help="dtype of the exported weights.")
-def export(checkpoint_dir: str, out_dir: str, dtype: str) -> None:
+@settings_options(ExportConfig, error=TrainConfigError)
+def export(checkpoint_dir: str, out_dir: str, settings: ExportConfig) -> None:
     """Export a checkpoint (RUN_DIR/checkpoints/step-N, or a run directory: its latest) as an HF
     drafter directory that z-lab's DFlashDraftModel, SGLang and vLLM load."""
     from .checkpoint import export_checkpoint  # torch
 
-    path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(dtype))
+    path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(settings.dtype))
     click.echo(f"exported drafter to {path}")
 
 
@@ -102,7 +110,7 @@ ESTIMATE_HELP = {"max_anchors": "Most blocks of a sequence run together (all its
 @main.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.argument("drafter_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@settings_options(TrainConfig, config=False, only=ESTIMATE_SETTINGS, build=False, help_overrides=ESTIMATE_HELP,
+@settings_options(TrainConfig, only=ESTIMATE_SETTINGS, build=False, help_overrides=ESTIMATE_HELP,
                   error=TrainConfigError)
 def estimate(drafter_dir: str, as_json: bool, settings: dict[str, Any]) -> None:
     """The trainer's held-out estimate (docs/train.md, "Estimator") of an exported drafter
