@@ -123,9 +123,10 @@ def iter_lines(files: Iterable[Path], *, prefixes: Mapping[Path, tuple[int, str]
 
 
 def read_json(line: bytes) -> Any:
-    """The JSON value of one line; raises NotJson."""
+    """The JSON value of one line; raises NotJson. A UTF-8 byte order mark before it (an editor's,
+    at the start of a file) is left out, as dflash-prepare's reader does."""
     try:
-        text = line.decode("utf-8")
+        text = line.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise NotJson(f"the line is not valid UTF-8 (bad byte at offset {e.start})",
                       f"not UTF-8: bad byte at offset {e.start}") from None
@@ -146,8 +147,10 @@ def format_record(record: dict[str, Any]) -> str:
 def _int_array(value: Any, name: str) -> np.ndarray:
     if not isinstance(value, list):
         raise BadRecord(f"{name} must be a list of integers, not {type(value).__name__}")
+    if any(isinstance(v, bool) for v in value):  # (JSON true/false would read as 1/0)
+        raise BadRecord(f"{name} must be a list of integers, not of booleans (true/false)")
     arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iub":
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise BadRecord(f"{name} must be a flat list of integers")
     return arr.astype(np.int64)
 

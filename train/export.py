@@ -19,6 +19,8 @@ written. Every engine must read the same model from it (docs/serving.md):
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,8 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.
         save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
         config = drafter_hf_config(drafter.config, dtype)
         (stage / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        # safetensors creates its file private (0600); the export is read like config.json
+        os.chmod(stage / WEIGHTS_NAME, stat.S_IMODE((stage / CONFIG_NAME).stat().st_mode))
     return Path(out_dir)
 
 

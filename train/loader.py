@@ -45,7 +45,7 @@ from dflash.cache_tools.schema import (
     scale_of,
 )
 from dflash.runtime.errors import CorruptDataError, DflashError
-from dflash.runtime.locks import is_held
+from dflash.runtime.locks import is_held, same_path
 from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
 from .config import DataConfig, ResumeMismatchError, TrainConfig, TrainConfigError
@@ -431,11 +431,30 @@ def open_caches(config: DataConfig) -> CacheSet | FollowCacheSet:
                     disk_budget=getattr(config, "disk_budget", None), staging_dir=getattr(config, "staging_dir", None))
 
 
+def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
+    """The same cache twice among --cache (its samples would train twice an epoch), or one of
+    them as --eval-cache too (the held-out tau would be measured on training samples)."""
+    given = [(c, "--cache") for c in caches] + [(c, "--eval-cache") for c in eval_caches]
+    for i, (path, flag) in enumerate(given):
+        for other, other_flag in given[:i]:
+            remote = str(path).startswith("s3://") or str(other).startswith("s3://")
+            if not (str(path).rstrip("/") == str(other).rstrip("/") if remote else same_path(path, other)):
+                continue
+            if flag == other_flag:
+                raise TrainConfigError(f"{flag} {path} is given twice ({other}): each of its samples would "
+                                       "be trained on twice an epoch. Give each cache once.")
+            raise TrainConfigError(f"--eval-cache {path} is also a --cache ({other}): the held-out "
+                                   "evaluation would measure samples the drafter trains on. Give a cache "
+                                   "extracted from other data as --eval-cache, or leave it out (a "
+                                   "held-out split of --cache is used).")
+
+
 def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
     """Open the caches of the run's data section (manifests, and the sample ids for the split),
     split them and plan the batches of every epoch. --eval-cache, when given, replaces the
     held-out split."""
     config, optimization = run.data, run.optimization
+    refuse_repeated_caches(list(config.cache), list(config.eval_cache or []))
     caches = open_caches(config)
     eval_caches = None
     if config.eval_cache:
