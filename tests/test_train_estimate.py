@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -23,7 +24,9 @@ def invoke(*args: object):
 def test_estimate_is_the_final_evaluation_of_a_run_on_the_same_cache(tiny_world, tmp_path):
     cache, target = tiny_world["cache"], tiny_world["target"]
     run_dir = tmp_path / "run"
-    result = train(tiny_train_config(cache, target, run_dir, eval_cache=[str(cache)], block_size=8, max_steps=2,
+    same_samples = tmp_path / "held-out-copy"  # the cache's own samples, held out (one path may not be both)
+    shutil.copytree(cache, same_samples)
+    result = train(tiny_train_config(cache, target, run_dir, eval_cache=[str(same_samples)], block_size=8, max_steps=2,
                                      eval_interval=1))
     assert result.exit_status == 0
     evals = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]

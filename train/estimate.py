@@ -44,7 +44,7 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
             "written by `dflash-train export` or a run's RUN_DIR/final.")
     target_config = load_target_config_or_fail(cfg.model.target_model)
     device = resolve_device(cfg.runtime.device)
-    data = open_training_data(cfg, rank=0, world_size=1, pin_memory=device.type == "cuda")
+    data = open_training_data(cfg, rank=0, world_size=1, pin_memory=device.type == "cuda", estimate=True)
     try:
         return _evaluate(cfg, data, target_config, device, path)
     finally:

@@ -449,12 +449,15 @@ def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
                                    "held-out split of --cache is used).")
 
 
-def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> TrainingData:
+def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memory: bool,
+                       estimate: bool = False) -> TrainingData:
     """Open the caches of the run's data section (manifests, and the sample ids for the split),
     split them and plan the batches of every epoch. --eval-cache, when given, replaces the
-    held-out split."""
+    held-out split. `estimate`: `dflash-train estimate`, whose --cache is its held-out set (it
+    trains on nothing, so the cache stands as --eval-cache too)."""
     config, optimization = run.data, run.optimization
-    refuse_repeated_caches(list(config.cache), list(config.eval_cache or []))
+    if not estimate:
+        refuse_repeated_caches(list(config.cache), list(config.eval_cache or []))
     caches = open_caches(config)
     eval_caches = None
     if config.eval_cache:
