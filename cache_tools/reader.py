@@ -340,6 +340,12 @@ class CacheReader:
             pf.close()
         self._open.clear()
 
+    def close_part(self, part_idx: int) -> None:
+        """Drop one part's maps (its files were evicted or replaced: a read opens them anew)."""
+        pf = self._open.pop(part_idx, None)
+        if pf is not None:
+            pf.close()
+
     def __len__(self) -> int:
         return int(self._part_start[-1])
 

@@ -38,6 +38,7 @@ from dflash.runtime.quantize import bf16_bits, quantize_fp8, quantize_nf4
 
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheStorageError
+from .eviction import EVICTION_FILE, TRAINED_PREFIX, EvictionLog, restore_part
 from .identity import Purpose
 from .manifest import (
     HEADER_FILE,
@@ -205,8 +206,10 @@ class CacheWriter:
 
     def _wipe(self) -> None:
         """--force: remove the old cache's manifest and parts (only cache files)."""
-        for name in (LOG_FILE, HEADER_FILE):
+        for name in (LOG_FILE, HEADER_FILE, EVICTION_FILE):
             (self.cache_dir / name).unlink(missing_ok=True)
+        for path in self.cache_dir.glob(f"{TRAINED_PREFIX}*"):
+            path.unlink(missing_ok=True)
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         self.parts_dir.mkdir()
         fsync_dir(self.cache_dir)
@@ -234,12 +237,18 @@ class CacheWriter:
         """Move a finished, fsynced temporary part into place and record it.
 
         Returns False (and discards the temporary part) when another writer committed a part
-        of that name first: one writer per part wins, the other's work is dropped whole.
+        of that name first: one writer per part wins, the other's work is dropped whole. A part
+        evicted under a disk budget (cache_tools/eviction.py) is committed again, once its files
+        are checked to be the evicted copy's.
         """
         final = self.parts_dir / record.name
         with file_lock(self.cache_dir / LOCK_FILE):
             self._log.refresh()
             if record.name in self._log.records:
+                state = EvictionLog(self.cache_dir).refresh().state(record.name)
+                if state.evicted:  # evicted under a disk budget: its re-extraction comes back
+                    restore_part(self.cache_dir, tmp_dir, record, self._log.records[record.name], state)
+                    return True
                 shutil.rmtree(tmp_dir, ignore_errors=True)
                 return False
             # A `final` already there was renamed by a writer that died before recording it:

@@ -86,6 +86,13 @@ class ExtractConfig:
     """Number of extraction processes sharing the cache [default: $WORLD_SIZE or 1]."""
     force: bool = setting(False, one_way=True)
     """Delete an existing cache with other settings and start anew (rank 0 only)."""
+    disk_budget: str | None = None
+    """Most bytes of parts the cache holds on disk (e.g. 500G, 2T; plus at most one part): the
+    extraction waits for room and evicts parts every rank of a `dflash-train --follow` run has
+    trained on (default: no budget)."""
+    follow_epochs: int = 1
+    """With --disk-budget: keep extracting for this many training epochs, extracting again, in
+    the order the trainer reads them, the parts evicted after the epoch before."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -113,6 +120,16 @@ class ExtractConfig:
             raise bad(f"--store-topk must be 0 (off) or positive (got {self.store_topk}).")
         if self.sort_window_tokens is not None and self.sort_window_tokens < 0:
             raise bad(f"--sort-window-tokens must be 0 or more (got {self.sort_window_tokens}).")
+        if self.disk_budget is not None:
+            from dflash.cache_tools.staging import parse_size
+
+            if parse_size(self.disk_budget) < 1:
+                raise bad(f"--disk-budget must be a positive size such as 500G (got {self.disk_budget!r}).")
+        if self.follow_epochs < 1:
+            raise bad(f"--follow-epochs must be at least 1 (got {self.follow_epochs}).")
+        if self.follow_epochs > 1 and self.disk_budget is None:
+            raise bad("--follow-epochs extracts again what a --disk-budget evicted: give --disk-budget too "
+                      "(without a budget nothing is evicted and one extraction serves every epoch).")
         if self.num_writers is not None and self.num_writers < 0:
             raise bad(f"--num-writers must be 0 or more (got {self.num_writers}).")
         if self.target_layer_ids is not None:

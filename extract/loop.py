@@ -60,8 +60,11 @@ class ExtractionLoop:
 
     def __init__(self, *, files: list, rules: PartRules, rank: int, world_size: int, token_budget: int,
                  committed: set[str], engine: ExtractionEngine, pool: WriterPool, progress: Any,
-                 summary: Any, direct: bool):
+                 summary: Any, direct: bool, budget: Any = None, follow_epochs: int = 1):
+        """`budget`: an extract.budget.ExtractionBudget (--disk-budget), with which the loop extracts
+        again, for each of `follow_epochs` - 1 later epochs, the parts evicted after the one before."""
         self.files, self.rules = files, rules
+        self.budget, self.follow_epochs = budget, follow_epochs if budget is not None else 1
         self.rank, self.world_size, self.token_budget = rank, world_size, token_budget
         self.committed = committed
         self.engine, self.pool, self.progress, self.summary = engine, pool, progress, summary
@@ -89,6 +92,12 @@ class ExtractionLoop:
                     self.progress.skip(plan)
             if any(todo):
                 yield PartGroup(plans, todo)
+        for epoch in range(1, self.follow_epochs):  # --disk-budget: what the next epoch reads again
+            for plans in plan_windows(self.files, self.rules):
+                if plans[0].window % self.world_size == self.rank:
+                    todo = [self.budget.todo_for_epoch(plan.name, epoch) for plan in plans]
+                    if any(todo):
+                        yield PartGroup(plans, todo)
 
     def own_batches(self) -> Iterator[tuple[PartGroup, Batch]]:
         for group in self.own_groups():
@@ -108,10 +117,13 @@ class ExtractionLoop:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-copy", **on_device) as copier, \
                 ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-slab") as slab_copiers:
             self._slab_copiers = slab_copiers if engine.cuda else None
+            self._stop = stop
             for group, batch in self.own_batches():
                 if stop.requested:
                     break
                 group.open(batch.members, self._new_buffer)
+                if stop.requested:  # (it came while waiting for room under --disk-budget)
+                    break
                 with self.timer("launch"):
                     handle = engine.launch(batch, group if self.direct else None)
                 self.in_flight.append((group, handle, copier.submit(self._copy_rows, group, handle)))
@@ -126,7 +138,24 @@ class ExtractionLoop:
         self.summary.interrupted_by = stop.signum or None
         self.timer.report()
 
+    def _admit(self, plan: PartPlan) -> None:
+        """Room under --disk-budget for a part about to be started. Before waiting for it, the
+        batches in flight are finished and their parts committed (a trainer may wait for them);
+        a part still open then needs this batch to finish, so the new one goes in over the budget
+        (the bound's "plus one part") rather than wait for a trainer that may be waiting for it."""
+        def finish_in_flight() -> None:
+            while self.in_flight:
+                self._finish(*self.in_flight.popleft())
+            self.pool.drain()
+
+        with self.timer("disk_budget"):
+            self.budget.admit([(plan.name, plan.num_tokens)], should_stop=lambda: self._stop.requested,
+                              before_wait=finish_in_flight, poll=self.pool.poll,
+                              may_exceed=lambda: bool(self.open_buffers))
+
     def _new_buffer(self, plan: PartPlan) -> PartBuffer:
+        if self.budget is not None:
+            self._admit(plan)  # (a stop request while waiting: the loop stops before the launch)
         with self.timer("new_buffer"):
             buf = self.pool.new_buffer(plan)
         self.open_buffers.append(buf)

@@ -20,6 +20,7 @@ from dflash.cache_tools.identity import target_provenance, unrecorded_weights_no
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import make_header, read_header
 from dflash.cache_tools.schema import top1_dtype
+from dflash.cache_tools.staging import parse_size
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import DflashError
@@ -28,6 +29,7 @@ from dflash.runtime.signals import StopRequest
 from torch import nn
 from tqdm import tqdm
 
+from .budget import ExtractionBudget
 from .config import ExtractConfig
 from .data import DataSnapshot, PartPlan, list_data_files, snapshot_data
 from .engine import ExtractionEngine
@@ -206,7 +208,8 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     loop = ExtractionLoop(files=data, rules=rules, rank=config.rank,
                           world_size=config.world_size, token_budget=config.token_budget,
                           committed=set(cache.committed()), engine=engine, pool=pool, progress=progress,
-                          summary=summary, direct=direct)
+                          summary=summary, direct=direct, budget=_disk_budget(config, cache),
+                          follow_epochs=config.follow_epochs)
     t0 = time.perf_counter()
     engine.mark_start()
     try:
@@ -233,6 +236,14 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     summary.setup_seconds = engine_seconds + pool.setup_seconds
     summary.teardown_seconds = time.perf_counter() - t0 - summary.seconds
     return summary
+
+
+def _disk_budget(config: ExtractConfig, cache: CacheWriter) -> ExtractionBudget | None:
+    """--disk-budget: the parts' bytes kept within it, evicting what the trainer consumed (budget.py)."""
+    if config.disk_budget is None:
+        return None
+    return ExtractionBudget(config.output, cache.header, parse_size(config.disk_budget),
+                            follow_epochs=config.follow_epochs, schema=cache.schema)
 
 
 def _writer_pool(config: ExtractConfig, cache: CacheWriter, engine: ExtractionEngine, direct: bool) -> WriterPool:

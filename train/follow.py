@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
+from dflash.cache_tools.eviction import EvictionLog, PartState, write_trained
 from dflash.cache_tools.manifest import CommitLog, Manifest, header_identity, read_header
 from dflash.cache_tools.plan import ExtractionPlan, extraction_progress, read_plan
 from dflash.cache_tools.reader import CacheReader
@@ -122,7 +123,9 @@ class FollowCacheSet:
         self.starts = np.array([0, len(ids)], dtype=np.int64)
         self._numbers = np.array([part_number(p.name, k) for k, p in enumerate(parts)], np.int64)[self._part]
         self._log = CommitLog(self.cache_dir)
+        self._evictions = EvictionLog(self.cache_dir)  # parts evicted under a disk budget
         self._in_reader: dict[int, int] = {}  # planned part -> its index in the reader's part list
+        self._opened_as: dict[int, PartState] = {}  # planned part -> its state when last found present
         self._offsets: dict[int, np.ndarray] = {}
         self.announce = announce
 
@@ -163,25 +166,33 @@ class FollowCacheSet:
         return result
 
     def _committed(self, planned: int) -> int:
-        """The reader's index of a planned part, waiting until it is committed."""
+        """The reader's index of a planned part, waiting until it is committed and on disk (a part
+        evicted under a disk budget is waited for until it is extracted again; the maps of the
+        evicted copy are dropped, so its disk space is freed)."""
+        want = self.plan.parts[planned]
+        self._evictions.refresh()
         idx = self._in_reader.get(planned)
         if idx is not None:
-            return idx
-        want = self.plan.parts[planned]
+            if self._evictions.state(want.name) == self._opened_as[planned]:
+                return idx
+            self.reader.close_part(idx)
         start, poll, noticed = time.monotonic(), POLL_SECONDS, 0.0
         while True:
             self._log.refresh()
             record = self._log.records.get(want.name)
-            if record is not None:
+            state = self._evictions.state(want.name)
+            if record is not None and not state.evicted:
                 break
             waited = time.monotonic() - start
             if waited - noticed >= NOTICE_SECONDS:
                 noticed = waited
-                done = extraction_progress(self.plan, self._log)
-                self.announce(f"--follow: waiting {waited:.0f} s for part {want.name} of {self.cache_dir} "
-                              f"({done.committed} of {done.planned} planned parts committed so far)")
+                self.announce(self._wait_notice(want.name, waited, state if record is not None else None))
             time.sleep(poll)
             poll = min(poll * 2, MAX_POLL_SECONDS)
+            self._evictions.refresh()
+        self._opened_as[planned] = state
+        if idx is not None:
+            return idx
         if record.lengths != want.lengths:
             raise CacheCorruptError(
                 f"cache part {want.name!r} at {self.cache_dir}: its commit record lists other samples than the "
@@ -190,6 +201,16 @@ class FollowCacheSet:
         self.reader.parts.append(record)
         idx = self._in_reader[planned] = len(self.reader.parts) - 1
         return idx
+
+    def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> str:
+        done = extraction_progress(self.plan, self._log)
+        where = f"--follow: waiting {waited:.0f} s for part {name} of {self.cache_dir}"
+        if evicted is None:
+            return f"{where} ({done.committed} of {done.planned} planned parts committed so far)"
+        again = ("dflash-extract extracts it again for this epoch" if evicted.reextract else
+                 "the extraction that evicted it does not extract it again: rerun dflash-extract on the cache "
+                 "with --disk-budget and --follow-epochs of at least this run's --epochs")
+        return f"{where}: it was evicted under the disk budget after epoch {evicted.epoch}; {again}"
 
 
 def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowCacheSet:
@@ -206,20 +227,33 @@ def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowC
 def trained_parts(caches: Any, loader: Any) -> int:
     """Planned parts whose training samples all come in the batches this run has consumed in
     its current epoch (what progress shows, and what a disk budget may evict)."""
-    return len(trained_part_names(caches, loader))
+    return len(trained_part_names(caches, loader)[1])
 
 
-def trained_part_names(caches: FollowCacheSet, loader: Any) -> list[str]:
-    """(`loader` is the run's `loader.TrainLoader`, which imports this module.)"""
-    batches = loader.epoch_batches(loader.epoch)[:loader.consumed]
+def trained_part_names(caches: FollowCacheSet, loader: Any) -> tuple[int, list[str]]:
+    """The epoch of the loader's position and the planned parts that none of its remaining
+    batches reads (parts without training samples among them); an epoch whose usable batches are
+    all consumed is done: (epoch + 1, []). (`loader` is the run's `loader.TrainLoader`.)"""
+    epoch, consumed = loader.epoch, loader.consumed
+    if consumed >= loader.usable(epoch):
+        return epoch + 1, []
+    batches = loader.epoch_batches(epoch)[:consumed]
     done = np.zeros(len(caches), dtype=bool)
     if batches:
         done[np.concatenate(batches)] = True
     needed = np.zeros(len(caches), dtype=bool)
     needed[loader.indices] = True
-    open_parts = np.unique(caches._part[needed & ~done])
-    trained = np.setdiff1d(np.unique(caches._part[needed]), open_parts)
-    return [caches.plan.parts[int(k)].name for k in trained]
+    open_parts = set(np.unique(caches._part[needed & ~done]).tolist())
+    return epoch, [p.name for k, p in enumerate(caches.plan.parts) if k not in open_parts]
+
+
+def report_consumption(data: Any, rank: int, world_size: int) -> None:
+    """--follow: record in the cache what this rank has trained on as of its checkpoint just
+    written (cache_tools/eviction.py), so that an extraction under a disk budget may evict it."""
+    caches = data.caches
+    if isinstance(caches, FollowCacheSet):
+        epoch, parts = trained_part_names(caches, data.loader)
+        write_trained(caches.cache_dir, rank=rank, world_size=world_size, epoch=epoch, parts=parts)
 
 
 def follow_fields(data: Any) -> dict[str, float]:

@@ -49,7 +49,7 @@ from .distributed import (
     unwrap,
     wrap_model,
 )
-from .follow import follow_fields
+from .follow import follow_fields, report_consumption
 from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
 from .metrics import VerificationWalk, greedy_path, greedy_replay
 from .model import DFlashDrafter
@@ -146,6 +146,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
             path = checkpoints.save(step, model_state, optim_state, trainer_state, meta)
             log.info(f"checkpoint: {path}")
         barrier(info)
+        report_consumption(data, info.rank, info.world_size)  # --follow: what a disk budget may evict
         return path
 
     metrics = RunningMetrics(drafter.config.block_size, info.device)

@@ -29,8 +29,9 @@ SLEEP_PER_BATCH = "DFLASH_TEST_SLEEP_PER_BATCH"  # before every batch read (in t
 SLEEP_IN_WORKER_INIT = "DFLASH_TEST_SLEEP_IN_WORKER_INIT"  # at the end of a DataLoader worker's init
 SLEEP_IN_CHECKPOINT = "DFLASH_TEST_SLEEP_IN_CHECKPOINT"  # a checkpoint staged, before its rename
 HOLD_AT = "DFLASH_TEST_HOLD_AT"  # "checkpoint-saved:STEP": asleep for good once STEP is saved
+USAGE_AT_COMMIT = "DFLASH_TEST_USAGE_AT_COMMIT"  # a file: each commit appends the parts' bytes on disk
 POINTS = (SLEEP_PER_PART, SLEEP_PER_FORWARD, SLEEP_BEFORE_COMMIT, SLEEP_PER_BATCH, SLEEP_IN_WORKER_INIT,
-          SLEEP_IN_CHECKPOINT, HOLD_AT)
+          SLEEP_IN_CHECKPOINT, HOLD_AT, USAGE_AT_COMMIT)
 
 
 
@@ -77,6 +78,8 @@ PATCHES = {
                           lambda m, v: setattr(m, "staged_dir", _slow_stage(m.staged_dir, _seconds(v)))),
     HOLD_AT: ("dflash.train.checkpoint",
               lambda m, v: setattr(m.Checkpointer, "save", _hold_after_save(m.Checkpointer.save, v))),
+    USAGE_AT_COMMIT: ("dflash.cache_tools.writer",
+                      lambda m, v: setattr(m.CacheWriter, "commit", _usage_after_commit(m.CacheWriter.commit, v))),
 }
 _installed: set[str] = set()
 _pending: dict[str, list[tuple[str, str]]] = {}  # module not imported yet -> [(point, value)]
@@ -155,3 +158,21 @@ def _hold_after_save(real, hold_at: str):
 
     save.fault_point = True
     return save
+
+
+def _usage_after_commit(real, path: str):
+    """CacheWriter.commit that appends "<part> <bytes under parts/> <bytes of the committed part>"
+    to `path` right after each commit, under the cache lock (no eviction can run meanwhile)."""
+    from dflash.cache_tools.manifest import LOCK_FILE, PARTS_DIR
+    from dflash.cache_tools.staging import disk_usage
+    from dflash.runtime.fsio import file_lock
+
+    @functools.wraps(real)
+    def commit(self, tmp_dir, record):
+        done = real(self, tmp_dir, record)
+        with file_lock(self.cache_dir / LOCK_FILE), open(path, "a") as f:
+            f.write(f"{record.name} {disk_usage(self.cache_dir / PARTS_DIR)} {record.nbytes}\n")
+        return done
+
+    commit.fault_point = True
+    return commit

@@ -1,0 +1,259 @@
+"""Parts evicted under a disk budget, re-extracted bit for bit, and what the trainers have consumed.
+
+`dflash-extract --disk-budget SIZE` keeps the cache's bytes within a budget while a trainer
+follows it (`dflash-train --follow`): a part every training rank has trained on for the epoch it
+was extracted for may be deleted (evicted) to make room, and, with `--follow-epochs N`, is
+extracted again for the next epoch that reads it. Two kinds of small files carry this:
+
+  manifest.evicted.jsonl        the eviction log: one checksummed line per event, appended under
+                                the cache lock (as the commit log is), never rewritten:
+                                  evicted   the part's files are deleted (the line is written
+                                            first, then the files go); it records the epoch the
+                                            part was trained in, its bytes and the sha256 of its
+                                            files, which a re-extraction must reproduce
+                                  restored  re-extracted and committed again (for epoch + 1)
+                                  kept      a part still on disk kept for a later epoch
+  manifest.trained-rankNNNNN.json  one per training rank, written atomically after each of its
+                                checkpoints: the epoch of that checkpoint's data position and the
+                                parts this epoch's consumed batches cover. A resume from the last
+                                checkpoint therefore never needs an evicted part.
+
+The commit log keeps one record per part; a part's state is its commit record plus the last
+event of the eviction log: present (serving an epoch: 0 when first committed) or evicted.
+Readers of a cache without the eviction log see every committed part as present, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.runtime.fsio import atomic_write_bytes, file_lock, fsync_dir, publish_dir
+
+from .checksum import crc32c
+from .errors import CacheCorruptError
+from .manifest import LOCK_FILE, PARTS_DIR, PartRecord
+
+EVICTION_FILE = "manifest.evicted.jsonl"
+TRAINED_PREFIX = "manifest.trained-rank"
+EVICTED, RESTORED, KEPT = "evicted", "restored", "kept"
+
+
+class ReextractionMismatchError(CacheCorruptError):
+    """A re-extracted part's bytes differ from those of the copy that was evicted."""
+
+
+@dataclass(frozen=True)
+class PartState:
+    """A committed part's state by the eviction log."""
+
+    evicted: bool
+    epoch: int  # present: the epoch the copy on disk serves; evicted: the epoch it was trained in
+    nbytes: int = 0
+    sha256: str = ""
+    reextract: bool = True  # evicted: whether the extraction that evicted it extracts it again
+
+
+PRESENT = PartState(evicted=False, epoch=0)
+
+
+class EvictionLog:
+    """Incremental reader of manifest.evicted.jsonl (reads only what was appended since)."""
+
+    def __init__(self, cache_dir: str | os.PathLike):
+        self.path = Path(cache_dir) / EVICTION_FILE
+        self.states: dict[str, PartState] = {}
+        self.evictions = 0  # evicted events read so far
+        self._offset = 0
+        self._line_no = 0
+
+    def refresh(self) -> EvictionLog:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self
+        end = data.rfind(b"\n") + 1  # a torn last line (a writer killed mid-append) never happened
+        for line in data[:end].splitlines():
+            self._line_no += 1
+            self._apply(decode_event(line, f"{self.path}, line {self._line_no}"))
+        self._offset += end
+        return self
+
+    def _apply(self, e: dict[str, Any]) -> None:
+        name, event = e["part"], e["event"]
+        if event == EVICTED:
+            self.evictions += 1
+            self.states[name] = PartState(True, int(e["epoch"]), int(e["bytes"]), str(e["sha256"]),
+                                          bool(e.get("reextract", True)))
+        elif event == RESTORED:
+            self.states[name] = PartState(False, int(e["epoch"]))
+        elif event == KEPT:
+            self.states[name] = PartState(False, int(e["epoch"]))
+
+    def state(self, name: str) -> PartState:
+        return self.states.get(name, PRESENT)
+
+    def is_evicted(self, name: str) -> bool:
+        return self.state(name).evicted
+
+    def evicted(self) -> dict[str, PartState]:
+        return {n: s for n, s in self.states.items() if s.evicted}
+
+
+def encode_event(event: dict[str, Any]) -> bytes:
+    body = json.dumps(event, sort_keys=True, separators=(",", ":"))
+    return f"{body} {crc32c(body.encode()):08x}\n".encode()
+
+
+def decode_event(line: bytes, where: str) -> dict[str, Any]:
+    try:
+        body, crc = line.rsplit(b" ", 1)
+        if int(crc, 16) == crc32c(body):
+            return json.loads(body)
+    except ValueError:
+        pass
+    raise CacheCorruptError(f"{where}: the eviction record is damaged (checksum mismatch). Run `dflash-cache "
+                            "verify` on the cache; a part whose state is unknown must be re-extracted.")
+
+
+def append_event(cache_dir: Path, event: dict[str, Any]) -> None:
+    """Append one event durably. Caller holds the cache lock (so a torn tail is only at the end)."""
+    path = cache_dir / EVICTION_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:  # drop a torn tail left by a process killed mid-append
+            tail = os.pread(fd, min(size, 1 << 16), max(0, size - (1 << 16)))
+            keep = size - len(tail) + tail.rfind(b"\n") + 1
+            if keep != size:
+                os.ftruncate(fd, keep)
+        line = encode_event(event)
+        if os.write(fd, line) != len(line):
+            raise OSError(f"short write of an eviction record to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def files_digest(part_dir: Path) -> str:
+    """sha256 over a part's files (relative path, size and bytes, in path order)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in part_dir.rglob("*") if p.is_file()):
+        rel = f.relative_to(part_dir).as_posix().encode()
+        h.update(len(rel).to_bytes(8, "little") + rel + f.stat().st_size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def evict_part(cache_dir: str | os.PathLike, record: PartRecord, trained_epoch: int, *,
+               reextract: bool = True) -> int:
+    """Delete a committed part's files after recording why (under the cache lock). Returns the
+    bytes freed (0 when it was evicted already, by another extraction rank). `reextract`: whether
+    this extraction will extract it again for the next epoch (what a waiting trainer is told)."""
+    cache_dir = Path(cache_dir)
+    part_dir = cache_dir / PARTS_DIR / record.name
+    with file_lock(cache_dir / LOCK_FILE):
+        if EvictionLog(cache_dir).refresh().is_evicted(record.name):
+            remove_evicted_dir(part_dir)  # a crash between the line and the delete left it
+            return 0
+        nbytes = sum(f.stat().st_size for f in part_dir.rglob("*") if f.is_file())
+        append_event(cache_dir, {"part": record.name, "event": EVICTED, "epoch": int(trained_epoch),
+                                 "bytes": nbytes, "sha256": files_digest(part_dir), "reextract": reextract})
+        remove_evicted_dir(part_dir)
+    return nbytes
+
+
+def remove_evicted_dir(part_dir: Path) -> None:
+    if part_dir.exists():
+        shutil.rmtree(part_dir, ignore_errors=True)
+        fsync_dir(part_dir.parent)
+
+
+def restore_part(cache_dir: Path, tmp_dir: Path, record: PartRecord, committed: PartRecord,
+                 state: PartState) -> None:
+    """Commit a re-extraction of an evicted part (caller holds the cache lock): its files must
+    be the evicted copy's, byte for byte, else nothing is published."""
+    digest = files_digest(tmp_dir)
+    if record.lengths != committed.lengths or digest != state.sha256:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ReextractionMismatchError(
+            f"cache part {record.name!r} at {cache_dir}: its re-extraction gave other bytes than the copy "
+            f"evicted after epoch {state.epoch} (sha256 {digest[:12]}.. of {record.nbytes} bytes, evicted "
+            f"{state.sha256[:12]}.. of {state.nbytes}). A part's bytes follow from the data, the cache's "
+            "identity and the extraction's batching: rerun dflash-extract with the first run's --token-budget, "
+            "dtype, attention implementation and device kind (and the same torch), or start the cache anew "
+            "with --force.")
+    publish_dir(tmp_dir, cache_dir / PARTS_DIR / record.name, synced=True)
+    append_event(cache_dir, {"part": record.name, "event": RESTORED, "epoch": state.epoch + 1})
+
+
+def keep_part(cache_dir: str | os.PathLike, name: str, epoch: int) -> bool:
+    """Keep a part on disk for `epoch` (it is not evicted before a trainer has read it then).
+    Returns False when it is evicted (it must be extracted again)."""
+    cache_dir = Path(cache_dir)
+    with file_lock(cache_dir / LOCK_FILE):
+        state = EvictionLog(cache_dir).refresh().state(name)
+        if state.evicted:
+            return False
+        if state.epoch < epoch:
+            append_event(cache_dir, {"part": name, "event": KEPT, "epoch": int(epoch)})
+    return True
+
+
+# -- what the trainers consumed ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainedReport:
+    """One training rank's position at its last checkpoint."""
+
+    rank: int
+    world_size: int
+    epoch: int
+    parts: frozenset[str]  # trained on in `epoch` (every planned part when the epoch is done)
+
+    def trained_in(self, name: str, epoch: int) -> bool:
+        """Whether this rank has read every training sample of `name` for `epoch`."""
+        return self.epoch > epoch or (self.epoch == epoch and name in self.parts)
+
+
+def trained_path(cache_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(cache_dir) / f"{TRAINED_PREFIX}{rank:05d}.json"
+
+
+def write_trained(cache_dir: str | os.PathLike, *, rank: int, world_size: int, epoch: int,
+                  parts: Iterable[str]) -> None:
+    """Record a rank's consumption (atomically; the trainer calls it after each checkpoint)."""
+    body = {"rank": rank, "world_size": world_size, "epoch": epoch, "parts": sorted(parts)}
+    atomic_write_bytes(trained_path(cache_dir, rank), json.dumps(body, separators=(",", ":")).encode())
+
+
+def read_trained(cache_dir: str | os.PathLike) -> list[TrainedReport] | None:
+    """Every training rank's report, or None until all ranks of the run have written one."""
+    reports = []
+    for path in sorted(Path(cache_dir).glob(f"{TRAINED_PREFIX}*.json")):
+        try:
+            body = json.loads(path.read_bytes())
+            reports.append(TrainedReport(int(body["rank"]), int(body["world_size"]), int(body["epoch"]),
+                                         frozenset(body["parts"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # replaced meanwhile or foreign: the next look reads it
+    if not reports:
+        return None
+    world = max(r.world_size for r in reports)
+    mine = {r.rank: r for r in reports if r.world_size == world}
+    return [mine[r] for r in range(world)] if len(mine) == world else None
+
+
+def trained_by_all(reports: list[TrainedReport] | None, name: str, epoch: int) -> bool:
+    return bool(reports) and all(r.trained_in(name, epoch) for r in reports)
