@@ -62,6 +62,7 @@ from .schema import (
     LOSS_MASK,
     OFFSETS,
     SAMPLE_IDS,
+    TOP1_IDS,
     TOPK_IDS,
     TOPK_LOGPROBS,
     PartSchema,
@@ -344,6 +345,7 @@ class PartWriter:
         last_hidden_scale: np.ndarray | None = None,
         topk_ids: Any = None,
         topk_logprobs: Any = None,
+        top1_ids: Any = None,
     ) -> None:
         """Add one sample. `hidden` is [T, K*D]: a float/bf16 tensor (encoded here) or an
         array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8)."""
@@ -359,6 +361,9 @@ class PartWriter:
         if topk_ids is not None:
             cols[TOPK_IDS] = _as_numpy(topk_ids, np.int32)
             cols[TOPK_LOGPROBS] = _as_numpy(topk_logprobs, np.float32)
+        if top1_ids is not None:  # (a cache that does not store them refuses them in _add)
+            dtype = self.cache.schema[TOP1_IDS].dtype if TOP1_IDS in self.cache.schema else np.int32
+            cols[TOP1_IDS] = _as_numpy(top1_ids, dtype).reshape(-1, 1)
         self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]])
 
     def add_samples(
