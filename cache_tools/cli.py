@@ -173,6 +173,10 @@ def info(cache: str, settings: InfoSettings) -> None:
         f"raw bf16 bytes   {s['raw_bf16_bytes']} ({_human_bytes(s['raw_bf16_bytes'])})",
         f"compression      {s['compression_ratio']:.3f}x vs raw bf16",
     ]
+    if s["evicted_parts"]:
+        lines.append(f"evicted          {len(s['evicted_parts'])} parts, {s['evicted_bytes']} bytes "
+                     f"({_human_bytes(s['evicted_bytes'])}) under a disk budget (extracted again when next read); "
+                     f"on disk now {_human_bytes(s['bytes'] - s['evicted_bytes'])}")
     if s["part_stats"]:
         lines.append("part stats       " + ", ".join(f"{k}={v}" for k, v in sorted(s["part_stats"].items())))
     for rendering in chat_templates({"data": s["data"]}):

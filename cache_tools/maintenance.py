@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .codecs import nf4_scale_bits
 from .errors import CacheCorruptError
+from .eviction import EvictionLog
 from .manifest import (
     LOCK_FILE,
     LOG_FILE,
@@ -259,10 +260,13 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
     total_chunks = 0 if fast else sum(
         math.ceil(e.rows / m.chunk_rows) for rec in records for e in expected_arrays(m, rec).values() if e.chunked
     )
+    evicted = EvictionLog(cache_dir).refresh()  # parts evicted under a disk budget are not damage
     with progress_bar(len(records) if fast else total_chunks, "verify", "part" if fast else "chunk", progress) as bar:
         for i, rec in enumerate(records):
             report.parts += 1
             pf = reader.part_arrays(i)
+            if evicted.is_evicted(rec.name) and not pf.dir.is_dir():
+                continue
             if not pf.dir.is_dir():
                 report.problems.append(Problem(rec.name, None, "", f"the part directory {pf.dir} is missing"))
                 continue
@@ -289,6 +293,10 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
             else:
                 bar.update(1)
             pf.close()
+    if gone := evicted.evicted():
+        report.notes.append(f"{len(gone)} parts ({sum(st.nbytes for st in gone.values())} bytes) are evicted under a "
+                            "disk budget (manifest.evicted.jsonl): not checked; dflash-extract with --follow-epochs "
+                            "extracts them again, byte for byte.")
     if (cache_dir / PARTS_DIR).is_dir():
         names = {r.name for r in records}
         extra = [p.name for p in (cache_dir / PARTS_DIR).iterdir() if p.name not in names]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .eviction import EvictionLog
 from .manifest import Manifest, read_manifest
 from .schema import PartSchema
 
@@ -25,6 +26,7 @@ def raw_bf16_bytes(manifest: Manifest) -> int:
 def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
     """Summary of a cache from its manifest alone (no part is opened)."""
     m = read_manifest(cache_dir)
+    evicted = EvictionLog(m.cache_dir).refresh().evicted()  # under a disk budget (eviction.py)
     nbytes = m.nbytes
     raw = raw_bf16_bytes(m)
     lengths = np.concatenate([np.asarray(p.lengths, np.int64) for p in m.parts]) if m.parts else np.zeros(0, np.int64)
@@ -62,4 +64,6 @@ def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
         "raw_bf16_bytes": raw,
         "compression_ratio": raw / nbytes if nbytes else 0.0,
         "part_stats": part_stats,
+        "evicted_parts": sorted(evicted),
+        "evicted_bytes": sum(st.nbytes for st in evicted.values()),
     }

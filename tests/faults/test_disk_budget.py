@@ -10,7 +10,9 @@ import signal
 from pathlib import Path
 
 from dflash.cache_tools.eviction import EVICTED, RESTORED, EvictionLog
+from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.manifest import read_manifest
+from dflash.cache_tools.summary import cache_info
 
 from .helpers import cache_hash, extract_argv, train_config_file, weights_hash
 
@@ -75,9 +77,9 @@ def test_follow_under_a_budget_below_the_cache_gives_the_offline_weights(zygote,
 
 
 def test_evicted_parts_come_back_bit_identical(zygote, world, tmp_path):
-    """After a budgeted run, extracting the evicted parts again (a plain resume does it once they
-    are marked restored... here: the same extraction with a budget as large as the cache, for
-    one more epoch) gives exactly the reference cache."""
+    """After a budgeted run, verify and info report the evicted parts as evicted; an extraction
+    for one more epoch brings them back, each checked against its evicted copy's sha256, and the
+    cache is then exactly the reference cache."""
     budget, total, _ = budget_of(world)
     cache = tmp_path / "cache"
     config = train_config_file(tmp_path / "follow.json", cache, world["target"], follow=True, **SETTINGS)
@@ -88,6 +90,13 @@ def test_evicted_parts_come_back_bit_identical(zygote, world, tmp_path):
     assert trainer.wait(timeout=300) == 0, trainer.output()
     gone = EvictionLog(cache).refresh().evicted()
     assert gone, "nothing was evicted"
+    # verify and info stay truthful: evicted is not damage, and info names what is gone.
+    report = verify_cache(cache, progress=False)
+    assert report.ok, report.problems
+    assert any(f"{len(gone)} parts" in note and "evicted" in note for note in report.notes), report.notes
+    info = cache_info(cache)
+    assert info["evicted_parts"] == sorted(gone)
+    assert info["evicted_bytes"] == sum(st.nbytes for st in gone.values())
     # The trainer is done (its reports say epoch EPOCHS): one more pass for epoch EPOCHS - 1 after
     # it brings back what the last epoch evicted, checked against each evicted copy's sha256.
     again = zygote.run("extract", extract_argv(world["target"], world["data"], cache, "--disk-budget",
