@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.runtime.locks import OutputIsInputError, same_path
 
 from .codecs import HiddenCodec
-from .errors import CacheError, CacheNotFoundError, ConfigMismatchError
+from .errors import CacheError, CacheNotFoundError, CacheStorageError, ConfigMismatchError
 from .identity import Purpose
 from .maintenance import progress_bar
 from .manifest import HEADER_FILE, IDENTITY_KEYS, identity_differences
@@ -90,8 +91,15 @@ def _copy_parts(
             if name in done:
                 report.skipped.append(name)
             else:
-                with writer.part_writer(name) as pw:
-                    _copy_part(reader, i, pw, writer.codec)
+                try:
+                    with writer.part_writer(name) as pw:
+                        _copy_part(reader, i, pw, writer.codec)
+                except OSError as e:  # a full disk: its OSError names no file (a write's)
+                    raise CacheStorageError(
+                        f"Writing part {name} into {writer.cache_dir} failed: {e.strerror or e}"
+                        f"{f' ({e.filename})' if e.filename else ''}. Free space there (or fix the cause), "
+                        "then rerun the same command: the parts written so far are kept and skipped."
+                    ) from e
                 (report.written if pw.committed else report.skipped).append(name)
             reader.part_arrays(i).close()
             bar.update(reader.parts[i].tokens)
@@ -100,9 +108,20 @@ def _copy_parts(
 
 
 def _check_distinct(dst: Path, srcs: list[Path]) -> None:
-    for s in srcs:
-        if dst.resolve() == s.resolve():
-            raise CacheError(f"The destination {dst} is also a source: write into a new directory.")
+    """The destination is none of the sources, and no source is given twice (also through links)."""
+    for i, s in enumerate(srcs):
+        if same_path(dst, s):
+            raise OutputIsInputError(f"The destination {dst} is also a source{'' if dst == s else f' ({s})'}: "
+                                     "write into a new directory.")
+        for earlier in srcs[:i]:
+            if same_path(earlier, s):
+                raise OutputIsInputError(
+                    f"The source cache {s} is given twice{'' if earlier == s else f' (as {earlier} too)'}: "
+                    "merging it with itself would hold every sample twice. Name each cache once.")
+
+
+_SOLE_WRITER = ("{command} writes the destination cache alone: wait for the other writer to finish or "
+                "stop it, then rerun (or choose another destination).")
 
 
 def recompress_cache(
@@ -122,7 +141,7 @@ def recompress_cache(
     header["hidden"]["codec"] = new_codec.to_dict()
     header["hidden"]["storage_dtype"] = new_codec.storage_dtype.name
     header["producer"] = {**header.get("producer", {}), "recompressed_from": reader.manifest.codec.to_dict()}
-    writer = CacheWriter(dst, header, force=force)
+    writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER.format(command="recompress"))
     report = CopyReport(dst=dst, src_bytes=reader.manifest.nbytes)
     jobs = [(reader, i, p.name) for i, p in enumerate(reader.parts)]
     _copy_parts(jobs, writer, report, "recompress", progress)
@@ -171,7 +190,7 @@ def merge_caches(
          "parts": len(r.parts), "samples": r.manifest.num_samples, "tokens": r.manifest.num_tokens}
         for i, (p, r) in enumerate(zip(paths, readers))
     ]}
-    writer = CacheWriter(dst, header, force=force)
+    writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER.format(command="merge"))
     report = CopyReport(dst=dst, src_bytes=sum(r.manifest.nbytes for r in readers))
     jobs = [(r, j, f"s{i}-{rec.name}") for i, r in enumerate(readers) for j, rec in enumerate(r.parts)]
     _copy_parts(jobs, writer, report, "merge", progress)

@@ -84,10 +84,13 @@ class CacheWriter:
     """Create a cache, or reopen one whose identity matches `header`, for committing parts."""
 
     def __init__(self, cache_dir: str | os.PathLike, header: dict[str, Any], *, force: bool = False,
-                 wait_for_force: float = 0.0):
+                 wait_for_force: float = 0.0, sole_writer: str = ""):
         """`force` starts the cache anew; the other ranks of a forced run wait up to `wait_for_force`
-        s for rank 0's new header (`_forced_for_this_run`) instead of refusing or joining the old."""
+        s for rank 0's new header (`_forced_for_this_run`) instead of refusing or joining the old.
+        `sole_writer`: this process writes the cache alone (recompress, merge: the writer lock is
+        held exclusively), the sentence telling a refused user what to do."""
         self.cache_dir = Path(cache_dir)
+        self.sole_writer = sole_writer
         self.header = header
         self.codec = HiddenCodec.from_dict(header["hidden"]["codec"])
         self.schema = PartSchema.from_header(header)
@@ -135,7 +138,7 @@ class CacheWriter:
             return False  # rank 0 has not started the cache anew yet (nothing held meanwhile)
         try:
             try:
-                self._writer_lock = self._take_writer_lock(exclusive=force)
+                self._writer_lock = self._take_writer_lock(exclusive=force or bool(self.sole_writer))
             except LockedError:
                 if waiting:  # rank 0 still wipes or writes the new header
                     return False
@@ -153,7 +156,8 @@ class CacheWriter:
                 if not (self.cache_dir / HEADER_FILE).exists():
                     atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                 self.removed_orphans = self._remove_orphans_locked()
-            self._writer_lock.share()  # after a wipe: the ranks and writers of this run join
+            if not self.sole_writer:
+                self._writer_lock.share()  # after a wipe: the ranks and writers of this run join
         except OSError as e:
             self.close()
             raise CacheStorageError(
@@ -173,8 +177,8 @@ class CacheWriter:
         if not exclusive:
             return WriterLock(path, what=what, shared=True,
                               fix="It is being started anew (--force); rerun once that run has begun.")
-        fix = ("--force deletes the cache, which another extraction is writing: wait for it to "
-               "finish or stop it, then rerun (or choose another --output).")
+        fix = self.sole_writer or ("--force deletes the cache, which another extraction is writing: wait "
+                                   "for it to finish or stop it, then rerun (or choose another --output).")
         deadline = time.monotonic() + 2.0  # a waiting rank of this run may hold it for a moment
         while True:
             try:
