@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .signals import signals_deferred
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Flush a directory entry (a rename or a new file) to stable storage."""
@@ -121,13 +123,14 @@ def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: b
     if not synced:
         fsync_tree(stage)
     old = None
-    if final.exists():
-        old = temp_name(final)
-        os.replace(final, old)
-    os.replace(stage, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with signals_deferred():  # a stop signal between the two renames would leave no `final`
+        if final.exists():
+            old = temp_name(final)
+            os.replace(final, old)
+        os.replace(stage, final)
+        fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -54,6 +54,29 @@ def stop_at_once() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Within the block, SIGINT/SIGTERM wait: a signal that arrives is handed to the handler that
+    was in place once the block ends (a step of a few instructions that must not be cut in two,
+    such as the two renames that swap a directory). Elsewhere than the main thread, a no-op."""
+    if not _in_main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:
+            handler = previous[received[0]]
+            if callable(handler):
+                handler(received[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(received[0])
+
+
 def kill_worker_processes() -> None:
     """Kill this process's multiprocessing children (e.g. DataLoader workers, which ignore signals)."""
     for child in multiprocessing.active_children():

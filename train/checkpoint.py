@@ -30,6 +30,7 @@ from dflash.cache_tools.identity import unrecorded_weights_note
 from dflash.cache_tools.manifest import diff_identity
 from dflash.runtime.errors import CorruptDataError, InputError
 from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
+from dflash.runtime.locks import OutputIsInputError, inside, output_lock, same_path
 from dflash.runtime.safetensors_files import check_safetensors
 from safetensors.torch import load_file, save_file
 
@@ -260,7 +261,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     if not (path / META_FILE).is_file() or not (path / MODEL_FILE).is_file():
         raise InputError(f"{path} is not a dflash-train checkpoint: it needs {META_FILE} and {MODEL_FILE} "
                                "(pass RUN_DIR/checkpoints/step-N or the run directory).")
+    out = Path(out_dir)
+    if inside(path, out):  # publishing the export would swap the checkpoint (or its run) out and delete it
+        raise OutputIsInputError(f"OUT_DIR {out} {'is' if same_path(path, out) else 'holds'} the checkpoint "
+                                 f"being exported ({path}): the export would replace it. Choose another OUT_DIR.")
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**meta["drafter_config"])
     check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")
-    return export_from_state(config, load_file(str(path / MODEL_FILE)), Path(out_dir), dtype)
+    with output_lock(out, what=f"the export directory {out}",
+                     fix="Wait for that dflash-train export to finish or stop it, then rerun."):
+        return export_from_state(config, load_file(str(path / MODEL_FILE)), out, dtype)

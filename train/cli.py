@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -92,9 +94,24 @@ class ExportConfig:
 def export(checkpoint_dir: str, out_dir: str, settings: ExportConfig) -> None:
     """Export a checkpoint (RUN_DIR/checkpoints/step-N, or a run directory: its latest) as an HF
     drafter directory that z-lab's DFlashDraftModel, SGLang and vLLM load."""
-    from .checkpoint import export_checkpoint  # torch
+    from dflash.runtime.cli import paragraph
+    from dflash.runtime.errors import Interrupted
+    from dflash.runtime.signals import exit_status, signal_name
 
-    path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(settings.dtype))
+    started = time.time()
+    try:
+        from .checkpoint import export_checkpoint  # torch
+
+        path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(settings.dtype))
+    except Interrupted as e:  # the export is staged beside OUT_DIR and renamed into place whole
+        config = Path(out_dir) / "config.json"
+        done = config.is_file() and config.stat().st_mtime >= started
+        click.echo(paragraph(
+            f"dflash-train export stopped by {signal_name(e.signum)}: "
+            + (f"the export to {out_dir} was complete before it stopped." if done else
+               f"nothing was written to {out_dir} (an export there before is kept as it was). Rerun the "
+               "same command to export.")), err=True)
+        sys.exit(exit_status(e.signum))
     click.echo(f"exported drafter to {path}")
 
 
