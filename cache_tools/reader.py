@@ -110,11 +110,12 @@ class PartFiles:
     """One part's arrays, opened lazily in one process: metadata, shard maps and indexes."""
 
     def __init__(self, part_dir: Path, record: PartRecord, verify: bool, scratch: _Scratch,
-                 stage: Any = None):
+                 stage: Any = None, schema: PartSchema | None = None):
         self.dir = part_dir
         self.stage = stage  # a remote cache's staging (remote.StagedCache): fetches data files on demand
         self.record = record
         self.verify = verify
+        self.schema = schema  # given: each array's metadata is checked against it when first parsed
         self.meta: dict[str, ArrayMeta] = {}
         self.maps: dict[str, mmap.mmap | None] = {}
         self.indexes: dict[str, np.ndarray] = {}
@@ -143,8 +144,27 @@ class PartFiles:
                 ) from None
             except json.JSONDecodeError as e:
                 raise CacheCorruptError(f"{self.where(array)}: zarr.json is not valid JSON ({e}).") from e
-            meta = self.meta[array] = ArrayMeta.parse(raw, self.where(array))
+            meta = ArrayMeta.parse(raw, self.where(array))
+            if self.schema is not None and array in self.schema:
+                self._check_meta(array, meta)
+            self.meta[array] = meta
         return meta
+
+    def _check_meta(self, array: str, meta: ArrayMeta) -> None:
+        """An array's metadata against the manifest (its shape and dtype), as verify checks it,
+        when the array is first read: a part written with other settings (a --force run of other
+        settings beside this one, an edited manifest) is named here instead of failing a copy
+        later. Checked per array as it is read, so that opening a cache of many parts, or reading
+        only their sample ids, parses no other array's metadata."""
+        spec, rec = self.schema[array], self.record
+        want = (spec.rows(rec.tokens, rec.samples), *spec.row_shape)
+        if tuple(meta.shape) != want or meta.dtype != spec.dtype:
+            raise CacheCorruptError(
+                f"{self.where(array)}: its metadata says shape {tuple(meta.shape)} {meta.dtype}, but the "
+                f"manifest expects {want} {spec.dtype}: the part and {HEADER_FILE} disagree (a part written "
+                "with other settings, or an edited manifest). Run `dflash-cache verify` and re-extract "
+                "the parts it names."
+            )
 
     def _map(self, array: str, key: str) -> mmap.mmap:
         """The mmap of one chunk or shard file, e.g. key 'c/0/0'."""
@@ -269,8 +289,8 @@ class CacheReader:
         stage: Any = None,
         check_metadata: bool = True,
     ):
-        """`check_metadata`: each part's array metadata is checked against the manifest when the
-        part is opened (off only for verify, which collects those problems itself)."""
+        """`check_metadata`: each array's metadata is checked against the manifest when the array
+        is first read (off only for verify, which collects those problems itself)."""
         self.cache_dir = Path(cache_dir)
         self.check_metadata = check_metadata
         self.stage = stage  # a StagedCache whose directory cache_dir is: parts are fetched as read
@@ -308,32 +328,13 @@ class CacheReader:
         if pf is None:
             record = self.parts[part_idx]
             pf = PartFiles(self.cache_dir / PARTS_DIR / record.name, record, self.verify_checksums,
-                            self._scratch, self.stage)
-            if self.check_metadata:
-                self._check_part_meta(pf)
+                            self._scratch, self.stage, self.schema if self.check_metadata else None)
             self._open[part_idx] = pf
             if len(self._open) > self.max_open_parts:
                 self._open.popitem(last=False)[1].close()
         else:
             self._open.move_to_end(part_idx)
         return pf
-
-    def _check_part_meta(self, pf: PartFiles) -> None:
-        """Each array's metadata against the manifest (its shape and dtype), as verify checks
-        it: a part written with other settings (a --force run of other settings beside this
-        one, an edited manifest) is named here instead of failing a copy later."""
-        rec = pf.record
-        for spec in self.schema:
-            meta = pf.array_meta(spec.name)
-            want = (spec.rows(rec.tokens, rec.samples), *spec.row_shape)
-            if tuple(meta.shape) != want or meta.dtype != spec.dtype:
-                pf.close()
-                raise CacheCorruptError(
-                    f"{pf.where(spec.name)}: its metadata says shape {tuple(meta.shape)} {meta.dtype}, but the "
-                    f"manifest expects {want} {spec.dtype}: the part and {HEADER_FILE} disagree (a part written "
-                    "with other settings, or an edited manifest). Run `dflash-cache verify` and re-extract "
-                    "the parts it names."
-                )
 
     def close(self) -> None:
         for pf in self._open.values():
