@@ -81,9 +81,11 @@ class CacheSet:
                                                dequantize=dequantize)
 
     def sample_ids(self) -> np.ndarray:
-        """The global sample id of every sample, in index order (read from each part once)."""
+        """The global sample id of every sample, in index order: from the commit records, or, for
+        a part whose record predates them, read from the part once."""
         if self._sample_ids is None:
-            ids = [r.part_arrays(p).small_array(SAMPLE_IDS) for r in self.readers for p in range(len(r.parts))]
+            ids = [np.asarray(rec.sample_ids, np.int64) if rec.sample_ids is not None
+                   else r.part_arrays(p).small_array(SAMPLE_IDS) for r in self.readers for p, rec in enumerate(r.parts)]
             self._sample_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
             for r in self.readers:
                 r.close()  # DataLoader workers open their own maps

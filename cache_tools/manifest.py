@@ -49,19 +49,27 @@ class PartRecord:
     lengths: tuple[int, ...]
     nbytes: int
     stats: dict[str, Any] = field(default_factory=dict)
+    sample_ids: tuple[int, ...] | None = None
+    """The part's sample ids in stored order (None: a record written before they were recorded;
+    the part's sample_ids array holds them). A trainer orders its samples by id at startup: from
+    the commit log that opens no part."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "part": self.name, "samples": self.samples, "tokens": self.tokens,
             "lengths": list(self.lengths), "bytes": self.nbytes, "stats": self.stats,
         }
+        if self.sample_ids is not None:
+            out["sample_ids"] = list(self.sample_ids)
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRecord:
+        ids = d.get("sample_ids")
         return cls(
             name=d["part"], samples=int(d["samples"]), tokens=int(d["tokens"]),
             lengths=tuple(int(x) for x in d["lengths"]), nbytes=int(d["bytes"]),
-            stats=dict(d.get("stats", {})),
+            stats=dict(d.get("stats", {})), sample_ids=None if ids is None else tuple(int(x) for x in ids),
         )
 
 
@@ -78,8 +86,9 @@ def decode_log_line(line: bytes, where: str) -> PartRecord:
         ok = False
     if not ok:
         raise CacheCorruptError(
-            f"{where}: the commit record is damaged (checksum mismatch). The part it names "
-            "cannot be trusted; run `dflash-cache verify` on the cache and re-extract that part."
+            f"{where}: the commit record is damaged (checksum mismatch: it was edited or torn). The part "
+            "it names cannot be trusted: `dflash-cache verify --quarantine CACHE` takes it out of the cache, "
+            "then rerun the dflash-extract command that wrote the cache to extract it again."
         )
     return PartRecord.from_json(json.loads(body))
 
@@ -297,8 +306,58 @@ def read_header(cache_dir: Path) -> dict[str, Any]:
         )
     missing = [k for k in ("target", "target_layer_ids", "hidden", "extras") if k not in header]
     if missing:
-        raise CacheCorruptError(f"{path} lacks the keys {missing}: the manifest is damaged.")
+        raise CacheCorruptError(f"{path} lacks the keys {missing}: the manifest is damaged. Restore it from a "
+                                "backup, or re-extract into a new cache.")
+    problem = header_problem(header)
+    if problem:
+        raise CacheCorruptError(
+            f"{path} is not a valid cache manifest: {problem}. The manifest was edited or damaged (the parts "
+            "were written as the header first said): undo the edit or restore manifest.json from a backup, "
+            "or re-extract into a new cache. `dflash-cache verify` cannot check parts against it."
+        )
     return header
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def header_problem(header: dict[str, Any]) -> str | None:
+    """What in a header's own format is wrong (a hand edit: a wrong type, a field that
+    disagrees with another), or None; the parts are checked against a sound header elsewhere."""
+    from .schema import TOP1_DTYPES
+
+    ids, hidden, extras = header["target_layer_ids"], header["hidden"], header["extras"]
+    for key in ("target", "hidden", "extras", "data", "settings", "producer", "provenance"):
+        if key in header and not isinstance(header[key], dict):
+            return f"{key} is {_short(header[key])}, not an object"
+    if not isinstance(ids, list) or not ids or not all(_is_int(x) and x >= 0 for x in ids):
+        return f"target_layer_ids is {_short(ids)}, not a list of layer numbers"
+    if len(set(ids)) != len(ids):
+        return f"target_layer_ids {ids} names a layer twice"
+    if not isinstance(hidden.get("codec"), dict):
+        return f"hidden.codec is {_short(hidden.get('codec'))}, not an object"
+    try:
+        codec = HiddenCodec.from_dict(hidden["codec"])
+    except (CacheError, TypeError, ValueError) as e:
+        return f"hidden.codec: {e}".rstrip(".")
+    for key in ("hidden_size", "chunk_rows", "shard_rows"):
+        if not _is_int(hidden.get(key)) or hidden[key] <= 0:
+            return f"hidden.{key} is {_short(hidden.get(key))}, not a positive integer"
+    if hidden["shard_rows"] % hidden["chunk_rows"]:
+        return f"hidden.shard_rows {hidden['shard_rows']} is not a multiple of hidden.chunk_rows {hidden['chunk_rows']}"
+    if "num_layers" in hidden and hidden["num_layers"] != len(ids):
+        return f"hidden.num_layers is {_short(hidden['num_layers'])}, but target_layer_ids names {len(ids)} layers"
+    if "storage_dtype" in hidden and hidden["storage_dtype"] != codec.storage_dtype.name:
+        return (f"hidden.storage_dtype is {_short(hidden['storage_dtype'])}, but the codec {codec.name} stores "
+                f"{codec.storage_dtype.name}")
+    if not isinstance(extras.get("last_hidden", False), bool):
+        return f"extras.last_hidden is {_short(extras['last_hidden'])}, not true or false"
+    if not _is_int(extras.get("topk", 0)) or extras.get("topk", 0) < 0:
+        return f"extras.topk is {_short(extras['topk'])}, not a count"
+    if extras.get("top1") and extras["top1"] not in TOP1_DTYPES:
+        return f"extras.top1 is {_short(extras['top1'])}, not one of {', '.join(TOP1_DTYPES)}"
+    return None
 
 
 def read_manifest(cache_dir: str | os.PathLike) -> Manifest:

@@ -27,7 +27,7 @@ from numcodecs.zstd import Zstd
 
 from .codecs import decode_nf4
 from .errors import CacheCorruptError
-from .manifest import HEADER_FILE, PARTS_DIR, Manifest, PartRecord, read_manifest
+from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, Manifest, PartRecord, read_manifest
 from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
 from .shard_format import EMPTY, decode_index, unframe_chunk
 
@@ -264,6 +264,13 @@ class PartFiles:
             arr = np.empty(meta.shape, dtype=meta.dtype)
             if meta.shape[0]:
                 self.read_rows(array, 0, meta.shape[0], arr)
+            recorded = self.record.sample_ids
+            if array == SAMPLE_IDS and self.schema is not None and recorded is not None and (
+                    len(recorded) != len(arr) or not np.array_equal(arr, recorded)):
+                raise CacheCorruptError(
+                    f"{self.where(array)}: the part holds other sample ids than its commit record in "
+                    f"{LOG_FILE} lists (the part's files were replaced after it was committed). Run "
+                    "`dflash-cache verify` and re-extract the part.")
             self.small[array] = arr
         return arr
 

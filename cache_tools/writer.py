@@ -457,6 +457,7 @@ class PartWriter:
         record = PartRecord(
             name=self.name, samples=len(self._sample_ids), tokens=self.num_tokens,
             lengths=tuple(self._lengths), nbytes=nbytes, stats=dict(self.stats),
+            sample_ids=tuple(int(i) for i in self._sample_ids),
         )
         self.committed = self.cache.commit(self._tmp, record)
 

@@ -167,6 +167,24 @@ def test_open_of_10000_parts_reads_only_the_manifest(tmp_path):
     assert elapsed < 10.0, elapsed
 
 
+def test_the_commit_log_lists_each_parts_sample_ids_and_a_part_holding_others_is_named(tmp_path):
+    """The trainer orders its samples by id from the commit records (no part opened at startup);
+    a part whose files hold other ids than its record (files swapped after the commit) is named
+    when its ids are read."""
+    cache = tmp_path / "c"
+    make_cache(cache, parts=2)
+    reader = CacheReader(cache)
+    assert [p.sample_ids for p in reader.parts] == [(0, 1), (10, 11)]
+    assert reader.read_sample(3)["sample_id"] == 11
+    lines = (cache / LOG_FILE).read_bytes().splitlines(keepends=True)
+    swapped = PartRecord(**{**reader.parts[1].__dict__, "sample_ids": (10, 12)})
+    (cache / LOG_FILE).write_bytes(lines[0] + encode_log_line(swapped))
+    reader = CacheReader(cache)
+    reader.read_sample(0)  # the other part is unaffected
+    with pytest.raises(CacheCorruptError, match=r"part 'part-000001' \(array sample_ids\).*other sample ids"):
+        reader.read_sample(2)
+
+
 @pytest.mark.parametrize("codec", ["bf16", "raw", "fp8", "nf4"])
 def test_decoding_into_a_slice_of_a_padded_batch_equals_a_plain_read(tmp_path, codec):
     cache = tmp_path / "c"
