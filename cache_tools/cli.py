@@ -38,6 +38,9 @@ class InfoSettings:
 class VerifySettings:
     fast: bool = setting(False, one_way=True)
     """Check structure only (files, metadata, shard indexes, sizes); do not decode chunks."""
+    quarantine: bool = setting(False, one_way=True)
+    """Move the damaged parts out of the cache (into CACHE/quarantine/), so that rerunning the
+    command that wrote them (dflash-extract, recompress, merge) writes exactly those parts again."""
     progress: bool | None = None
     """Show a progress bar (default: on a terminal)."""
 
@@ -201,8 +204,11 @@ def verify(cache: str, settings: VerifySettings) -> None:
     --fast checks the structure only (part files present, metadata, shard indexes, sizes on
     disk), which reads a few KiB per part.
 
-    Exit status 0 when the cache is sound, 1 when anything is damaged. Re-extract the parts
-    named in the report (delete the cache or use a new output directory) to repair it.
+    Exit status 0 when the cache is sound, 1 when anything is damaged (also with --quarantine).
+    To repair it, `--quarantine` takes the damaged parts out of the commit log (their files and
+    records are kept under CACHE/quarantine/<time>-<pid>/); then rerun the dflash-extract command
+    that wrote the cache: it extracts exactly those parts again. Quarantine waits for no one: it
+    is refused while an extraction writes the cache.
 
     A remote cache (s3://bucket/prefix) is checked against its file index: every committed
     part is indexed and every file is stored with its size (--fast) and its crc32c (read
@@ -211,12 +217,16 @@ def verify(cache: str, settings: VerifySettings) -> None:
     \b
     Example:
       dflash-cache verify runs/cache && echo sound
+      dflash-cache verify --quarantine runs/cache; dflash-extract ...   # the same command as before
       dflash-cache verify s3://bucket/caches/qwen3-8b
     """
     from . import maintenance, remote
 
     fast = settings.fast
     if remote.is_remote(cache):
+        if settings.quarantine:
+            raise click.BadParameter("a remote cache is repaired by uploading its parts again from a sound "
+                                     "local copy: quarantine works on local caches.", param_hint="--quarantine")
         _verify_remote(cache, fast)
         return
     report = maintenance.verify_cache(cache, fast=fast, progress=settings.progress)
@@ -230,9 +240,32 @@ def verify(cache: str, settings: VerifySettings) -> None:
         click.echo(f"BAD {problem}")
     click.echo(
         f"FAILED: {len(report.problems)} problems in {len(report.bad_parts)} of {report.parts} parts "
-        f"({', '.join(report.bad_parts) or 'the commit log'}); {mode} checked. Re-extract the damaged parts."
+        f"({', '.join(report.bad_parts) or 'the commit log'}); {mode} checked."
+        + ("" if settings.quarantine else
+           f" To re-extract the damaged parts: `dflash-cache verify --quarantine {cache}` takes them out of "
+           "the cache, then rerun the dflash-extract command that wrote it (or recompress / merge).")
     )
+    if settings.quarantine:
+        _quarantine(cache, report)
     sys.exit(EXIT_FAILED)
+
+
+def _quarantine(cache: str, report: Any) -> None:
+    from .quarantine import quarantine_damaged
+
+    done = quarantine_damaged(cache, report)
+    for name in done.moved:
+        click.echo(f"quarantined {name} -> {done.directory / 'parts' / name}")
+    for name in sorted(set(done.parts) - set(done.moved)):
+        click.echo(f"quarantined {name} (its commit record; the part directory was missing)")
+    for number in done.damaged_lines:
+        click.echo(f"quarantined the damaged commit record of line {number} -> {done.directory / 'manifest.parts.jsonl'}")
+    if done.parts or done.damaged_lines:
+        click.echo(f"Quarantine: {len(done.parts)} parts left the cache (kept in {done.directory}). Rerun the "
+                   "dflash-extract command that wrote the cache (or the recompress / merge that did) to write "
+                   "exactly them again, then verify again.")
+    else:
+        click.echo("Quarantine: no part to take out (the problems are not in a committed part).")
 
 
 @main.command()

@@ -102,10 +102,18 @@ class CommitLog:
         self.order: list[str] = []
         self._offset = 0
         self._line_no = 0
+        self._inode: int | None = None  # the log's file, which only grows while a cache is written
 
     def refresh(self) -> None:
         try:
             with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if self._inode is not None and inode != self._inode:
+                    raise CacheError(
+                        f"{self.path} was replaced while this process read the cache (`dflash-cache verify "
+                        "--quarantine` took parts out of it, or --force started it anew): rerun the command "
+                        "to read the cache as it is now.")
+                self._inode = inode
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:

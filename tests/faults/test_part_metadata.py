@@ -15,9 +15,13 @@ from dflash.train.cli import main as train_main
 
 from .helpers import train_config_file
 
+# Each edit keeps the header consistent in itself (one that is not is refused as the damaged
+# file first: tests/test_cache_hand_edits.py), so that only the parts disagree with it.
 EDITS = {
-    "layers": lambda h: h.update(target_layer_ids=h["target_layer_ids"][:1]),  # hidden half as wide
-    "codec": lambda h: h["hidden"]["codec"].update(name="fp8"),  # other dtype, scales missing
+    "layers": lambda h: (h.update(target_layer_ids=h["target_layer_ids"][:1]),  # hidden half as wide
+                         h["hidden"].update(num_layers=1)),
+    "codec": lambda h: (h["hidden"]["codec"].update(name="fp8"),  # other dtype, scales missing
+                        h["hidden"].update(storage_dtype="uint8")),
 }
 
 
