@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dflash.runtime.locks import OutputIsInputError, same_path
+from dflash.runtime.locks import same_path
 
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheNotFoundError, CacheStorageError, ConfigMismatchError
@@ -111,11 +111,11 @@ def _check_distinct(dst: Path, srcs: list[Path]) -> None:
     """The destination is none of the sources, and no source is given twice (also through links)."""
     for i, s in enumerate(srcs):
         if same_path(dst, s):
-            raise OutputIsInputError(f"The destination {dst} is also a source{'' if dst == s else f' ({s})'}: "
-                                     "write into a new directory.")
+            raise CacheError(f"The destination {dst} is also a source{'' if dst == s else f' ({s})'}: "
+                             "write into a new directory.")
         for earlier in srcs[:i]:
             if same_path(earlier, s):
-                raise OutputIsInputError(
+                raise CacheError(
                     f"The source cache {s} is given twice{'' if earlier == s else f' (as {earlier} too)'}: "
                     "merging it with itself would hold every sample twice. Name each cache once.")
 
