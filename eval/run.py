@@ -10,6 +10,8 @@ line is `cli.py` (it loads this module, and torch, only when it runs).
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError, UsageError
 from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
-from dflash.runtime.safetensors_files import check_weight_dir
+from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
 
 from .lookup import lookup_generate
 from .speculative import (
@@ -226,6 +228,28 @@ def lossless_check(baseline: list[Generation], speculative: list[Generation], co
 # -- loading ----------------------------------------------------------------------------------
 
 
+def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> str | None:
+    """A sentence when the export records the target it was trained against (config.json's
+    dflash_training) and that is not this one (another config, tokenizer or weights), naming both."""
+    from dflash.cache_tools.identity import Purpose, comparable, target_differences, target_identity
+    from dflash.train.export import TRAINING_KEY
+
+    try:
+        trained = json.loads((Path(drafter_dir) / "config.json").read_text()).get(TRAINING_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(trained, dict) or not isinstance(trained.get("target"), dict):
+        return None  # an export written before it was recorded, or by another trainer
+    current = comparable(target_identity(target_config, target_dir))
+    diffs = target_differences(trained["target"], current, Purpose.RESUME)
+    if not diffs:
+        return None
+    shown = "; ".join(f"{key} {str(then)[:16]} when trained, {str(now)[:16]} here" for key, then, now in diffs)
+    return (f"the drafter {drafter_dir} was trained against another target ({trained.get('target_path', '?')}) "
+            f"than {Path(target_dir).resolve()}: {shown}. Its acceptance here measures a drafter of other hidden "
+            "states; evaluate it with the target it was trained against, or train one for this target.")
+
+
 def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
                 attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
@@ -235,6 +259,7 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    refuse_drafter_as_target(target_dir)
     check_weight_dir(target_dir, fix="Copy the target model's weight files again (a copy that stopped or a "
                      "full disk leaves them short), then rerun.")
     try:
@@ -242,6 +267,8 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot load the target {target_dir} with the drafter {drafter_dir}: {e}") from e
+    if note := training_target_note(drafter_dir, model.config, target_dir):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     n_layers = model.config.get_text_config().num_hidden_layers
     if max(drafter.config.target_layer_ids) >= n_layers:
         raise MismatchError(

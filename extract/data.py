@@ -39,12 +39,14 @@ DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
 MAX_SKIPS_LISTED = 50  # per part, in the manifest's part stats
 
 
-def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = ()) -> list[Path]:
+def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = (),
+                    skipped: list[Path] | None = None) -> list[Path]:
     """The input files: `data` itself, or the JSONL files of a directory in sorted order.
 
     A directory's scan skips dflash caches (a cache kept inside its data directory: its
     manifest and part metadata are .json files, not data) and the directories in `exclude`
-    (this run's --output)."""
+    (this run's --output); `skipped` receives the other files it leaves out (not one of
+    DATA_SUFFIXES: `.bz2`, `.JSONL`, ...), but for hidden files and sidecars."""
     path = Path(data)
     if path.is_file():
         return [path]
@@ -57,6 +59,9 @@ def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = ()) -
         dirnames[:] = sorted(d for d in dirnames if (here / d).resolve() not in excluded
                              and not _is_cache_dir(here / d))
         files += [here / n for n in filenames if n.endswith(DATA_SUFFIXES) and not n.endswith(SIDECAR_SUFFIXES)]
+        if skipped is not None:
+            skipped += [here / n for n in filenames if not n.endswith(DATA_SUFFIXES) and not n.startswith(".")
+                        and not n.endswith(SIDECAR_SUFFIXES)]
     files.sort()
     if not files:
         raise InputError(
@@ -64,6 +69,20 @@ def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = ()) -
             "to the directory with the tokenized completions."
         )
     return files
+
+
+def skipped_files_note(data: str | Path, skipped: list[Path], shown: int = 8) -> str | None:
+    """One sentence naming the files a directory scan left out, or None."""
+    if not skipped:
+        return None
+    names = [str(p.relative_to(data)) for p in sorted(skipped)]
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    cased = [n for n in names if n.lower().endswith(DATA_SUFFIXES)]
+    return (f"the scan of {data} reads only {', '.join('*' + s for s in DATA_SUFFIXES)} (lower case) and skipped "
+            f"{len(names)} other file{'s' if len(names) > 1 else ''}: {listed}."
+            + (f" Rename {cased[0]}{' and the like' if len(cased) > 1 else ''} with a lower-case suffix to read it."
+               if cased else "")
+            + " Decompress or convert the others to JSONL (or .jsonl.gz) if they are data.")
 
 
 def _is_cache_dir(path: Path) -> bool:

@@ -21,7 +21,7 @@ from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import torch_dtype
 from dflash.runtime.errors import InputError
 from dflash.runtime.logits import apply_post_head, post_head_steps
-from dflash.runtime.safetensors_files import check_weight_dir
+from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
 from torch import nn
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -53,6 +53,7 @@ def load_target(
             f"{path} has a config.json but no weights (*.safetensors). Download or copy the "
             "model's weight files into that directory."
         )
+    refuse_drafter_as_target(path)
     check_weight_dir(path, fix="Copy the target model's weight files again (a copy that stopped or a "
                            "full disk leaves them short), then rerun.")
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "local_files_only": True}

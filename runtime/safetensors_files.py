@@ -13,7 +13,7 @@ import os
 import struct
 from pathlib import Path
 
-from .errors import CorruptDataError
+from .errors import CorruptDataError, InputError
 
 MAX_HEADER_BYTES = 100 << 20  # the format's own limit
 
@@ -70,3 +70,28 @@ def check_weight_dir(directory: str | os.PathLike, *, fix: str) -> None:
     """Check every *.safetensors file of a model directory (a target, a drafter)."""
     for path in sorted(Path(directory).glob("*.safetensors")):
         check_safetensors(path, fix=fix)
+
+
+# The architectures of a drafter export (train/export.py writes them); no target has them.
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+class DrafterAsTargetError(InputError):
+    """A drafter export was given where the target model belongs."""
+
+
+def refuse_drafter_as_target(directory: str | os.PathLike, *, flag: str = "--target-model") -> None:
+    """A DFlash drafter export passed as the target is refused by name (it loads as a small Qwen3
+    and fails later, or not at all, with a message about something else)."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # missing or unreadable: the loader's own check names it
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    found = [a for a in architectures or [] if a in DRAFTER_ARCHITECTURES]
+    if found:
+        raise DrafterAsTargetError(
+            f"{directory} is a DFlash drafter export (config.json architectures {found}), not a target "
+            f"model: pass the target model the drafter drafts for as {flag} (a drafter goes to "
+            "dflash-eval's --drafter)."
+        )

@@ -86,9 +86,12 @@ def test_export_writes_every_key_and_reloads_with_identical_logits(tmp_path, fam
         target, num_hidden_layers=DRAFT_LAYERS, target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=7,
         attention_backend="sdpa",
     ))
-    out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    # with the record of the target it trained against, a key of its own that loaders carry unread
+    trained = {"target": {"architecture": "Qwen3ForCausalLM", "weights_hash": "ab" * 32}, "target_path": "/t"}
+    out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32, training_target=trained)
 
     config = json.loads((out / "config.json").read_text())
+    assert config["dflash_training"] == trained
     expected = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 4,
         "num_target_layers": TARGET_LAYERS, "num_hidden_layers": DRAFT_LAYERS,

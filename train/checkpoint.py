@@ -245,9 +245,19 @@ class _ExportView:
 
 
 def export_from_state(drafter_config: DrafterConfig, model_state: dict[str, torch.Tensor], out_dir: Path,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
+                      dtype: torch.dtype = torch.bfloat16, *, training_target: dict[str, Any] | None = None) -> Path:
     """Export full trainable weights (from a checkpoint or `full_state`) as an HF drafter directory."""
-    return export_drafter(_ExportView(drafter_config, model_state), out_dir, dtype=dtype)  # type: ignore[arg-type]
+    return export_drafter(_ExportView(drafter_config, model_state), out_dir, dtype=dtype,  # type: ignore[arg-type]
+                          training_target=training_target)
+
+
+def training_target(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """What an export records of the target a run trained against (its checkpoint's meta.json)."""
+    target = (meta.get("identity") or {}).get("target")
+    if not target:
+        return None
+    path = ((meta.get("config") or {}).get("target_model"))
+    return {"target": target, **({"target_path": str(Path(path).resolve())} if path else {})}
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -270,4 +280,5 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")
     with output_lock(out, what=f"the export directory {out}",
                      fix="Wait for that dflash-train export to finish or stop it, then rerun."):
-        return export_from_state(config, load_file(str(path / MODEL_FILE)), out, dtype)
+        return export_from_state(config, load_file(str(path / MODEL_FILE)), out, dtype,
+                                 training_target=training_target(meta))

@@ -48,8 +48,16 @@ def _uniform_causality(config: DrafterConfig) -> bool | None:
     return values.pop() if len(values) == 1 else None
 
 
-def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The config.json dict of an export."""
+# config.json's record of the target a drafter was trained against (cache_tools.identity, with
+# the weights' hash, and where it lay): dflash-eval compares it with the target it is given.
+# A top-level key of its own, which the engines' loaders and transformers' configs carry along
+# unread (tests/test_drafter_export.py loads an export that has it).
+TRAINING_KEY = "dflash_training"
+
+
+def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16, *,
+                      training_target: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of an export (`training_target`: {"target": identity, "target_path": ...})."""
     rope = dict(config.rope_parameters)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     dtype_name = _DTYPE_NAMES[dtype]
@@ -105,10 +113,13 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
     }
     if causal is not None:
         out["is_causal"] = causal
+    if training_target:
+        out[TRAINING_KEY] = dict(training_target)
     return out
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                   training_target: dict[str, Any] | None = None) -> Path:
     """Write `drafter` as an HF directory at `out_dir`, atomically (`runtime.fsio.staged_dir`).
 
     Files are staged in a unique sibling temporary folder, fsynced, and the folder is renamed
@@ -120,7 +131,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.
     with staged_dir(out_dir) as stage:
         tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
         save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = drafter_hf_config(drafter.config, dtype)
+        config = drafter_hf_config(drafter.config, dtype, training_target=training_target)
         (stage / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         # safetensors creates its file private (0600); the export is read like config.json
         os.chmod(stage / WEIGHTS_NAME, stat.S_IMODE((stage / CONFIG_NAME).stat().st_mode))

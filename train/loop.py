@@ -110,6 +110,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                                    caches=data.caches):
         log.info(f"Note: {note}")
     log.info(data.summary())
+    refuse_nothing_to_learn(data, cfg.model.block_size)
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
     drafter = build_drafter(cfg, data, announce=log.info).to(info.device)
@@ -219,7 +220,9 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     # RUN_DIR/final is the best held-out checkpoint; the last step's stays in checkpoints/.
     best = heldout.best_step if heldout.best_step not in (None, step) else None
     final_dir = export_final(model, optimizer, drafter, run_dir / "final", info, log,
-                             best=checkpoints.dir / step_dir_name(best) if best is not None else None)
+                             best=checkpoints.dir / step_dir_name(best) if best is not None else None,
+                             training_target={"target": identity["target"],
+                                              "target_path": str(Path(cfg.model.target_model).resolve())})
     log.info(heldout.final_message(step, final_dir, last_checkpoint))
     log.close()
     return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics, heldout.best_step)
@@ -232,6 +235,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:
+    """A run whose training samples are all too short for one block (a block starts at a token
+    and predicts the next: 2 tokens at least) would end with loss 0 and an untrained drafter."""
+    lengths = getattr(data.caches, "lengths", None)
+    if lengths is None or not len(data.train_indices) or data.config.follow:  # (a followed cache grows)
+        return
+    longest = int(np.max(np.asarray(lengths)[data.train_indices]))
+    if longest < 2:
+        raise InputError(
+            f"Nothing to learn: every one of the {len(data.train_indices)} training samples is {longest} token "
+            f"long, and a block (--block-size {block_size}) starts at a token of the completion and predicts the "
+            "next, so a sample needs 2 tokens at least. Extract the full completions (check the data's "
+            "input_ids and --max-seq-len of dflash-extract) and train on that cache."
+        )
 
 
 def load_target_config_or_fail(target_dir: str) -> Any:
@@ -483,7 +502,8 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
 
 
 def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,
-                 info: DistInfo, log: RunLogger, *, best: Path | None = None) -> Path | None:
+                 info: DistInfo, log: RunLogger, *, best: Path | None = None,
+                 training_target: dict[str, Any] | None = None) -> Path | None:
     """Export the drafter as it is now or, given `best`, the weights of that checkpoint (rank 0
     reads it; if it is gone, every rank falls back to the current weights, and the log says so)."""
     if best is not None and any_rank(int(info.is_main and not (best / MODEL_FILE).is_file()), info):
@@ -493,10 +513,12 @@ def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DF
     if best is not None:
         path = None
         if info.is_main:
-            path = export_from_state(unwrap(drafter).config, load_file(str(best / MODEL_FILE)), out_dir)
+            path = export_from_state(unwrap(drafter).config, load_file(str(best / MODEL_FILE)), out_dir,
+                                     training_target=training_target)
         barrier(info)
         return path
     model_state, _ = full_state(model, optimizer, info, with_optimizer=False)
-    path = export_from_state(unwrap(drafter).config, model_state, out_dir) if info.is_main else None
+    path = (export_from_state(unwrap(drafter).config, model_state, out_dir, training_target=training_target)
+            if info.is_main else None)
     barrier(info)
     return path

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.layers import default_target_layer_ids
-from dflash.runtime.safetensors_files import check_weight_dir
+from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
 from safetensors import safe_open
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -33,6 +33,7 @@ def load_target_config(target_dir: str | Path) -> Any:
             f"no config.json in target directory {target_dir}; pass the folder of a Hugging "
             "Face checkpoint (the one holding config.json and *.safetensors)."
         )
+    refuse_drafter_as_target(target_dir)
     config = AutoConfig.from_pretrained(str(target_dir), local_files_only=True)
     # Multimodal wrappers keep the decoder's dimensions in a text sub-config.
     return config.get_text_config() if hasattr(config, "get_text_config") else config
