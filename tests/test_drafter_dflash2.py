@@ -39,6 +39,17 @@ def test_a_fresh_dflash2_drafter_gives_exactly_the_dflash_logits_of_the_same_wei
     assert not torch.allclose(block_logits(dflash, batch), block_logits(dflash2, batch))
 
 
+def test_under_bf16_autocast_a_fresh_dflash2_drafter_still_gives_exactly_the_dflash_logits():
+    # The convolutions compute in the activations' autocast dtype; at the identity that rounds
+    # nothing the sublayers' own bf16 casts do not round already.
+    dflash, dflash2 = tiny_drafter(seed=3, **THREE_LAYERS), tiny_drafter(seed=3, **DFLASH2)
+    dflash2.load_state_dict(dflash.state_dict(), strict=False)
+    batch = sample_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, convolved = block_logits(dflash, batch), block_logits(dflash2, batch)
+    assert plain.dtype == torch.bfloat16 and torch.equal(plain, convolved)
+
+
 def reference_conv(x, base, delta, block_size, group_size):
     """out[i, c] = sum_t (base[t, c] + delta[i, t, c // group_size]) * x[i - t, c], same block only."""
     out = torch.zeros_like(x)
@@ -134,6 +145,41 @@ def test_the_selector_loss_puts_a_missed_label_among_the_candidates():
                                                                  predecessors[:1])[0].argmax()]
     loss_missed.backward()
     assert selector.successor_codebook.grad[missed].abs().sum() > 0  # the label's row learns
+
+
+def test_the_selector_loss_has_the_gradients_of_its_definition():
+    # The definition, written plainly: top-K values with their gradient, the codebooks indexed.
+    selector = tiny_selector(top_k=4)
+    g = torch.Generator().manual_seed(4)
+    states, logits = torch.randn(6, HIDDEN, generator=g), 2 * torch.randn(6, VOCAB, generator=g)
+    top = logits.topk(4).indices
+    labels = torch.tensor([int(top[0, 0]), int(top[1, 3]), 0, 1, 2, int(top[5, 1])])
+    labels[2:5] = torch.tensor([next(t for t in range(VOCAB) if t not in top[i].tolist()) for i in range(2, 5)])
+    predecessors, weights = torch.tensor([3, 3, 3, 5, 7, 3]), torch.rand(6, generator=g)
+
+    def grads(loss_of):
+        selector.zero_grad()
+        x, z = states.clone().requires_grad_(), logits.clone().requires_grad_()
+        loss_of(x, z).backward()
+        return [x.grad, z.grad] + [p.grad for p in selector.parameters()]
+
+    def definition(x, z):
+        losses = []
+        for i in range(6):
+            values, ids = z[i].topk(4)
+            if labels[i] not in ids:
+                values, ids = torch.cat([values[:3], z[i, labels[i]][None]]), torch.cat([ids[:3], labels[i][None]])
+            unary = torch.tanh(0.5 * values / 3.0) * 3.0
+            h = selector.hidden_projection(x[i])
+            edges = unary + (selector.predecessor_codebook[predecessors[i]] * h) @ selector.successor_codebook[ids].T
+            losses.append(-torch.log_softmax(edges, -1)[(ids == labels[i]).nonzero().item()])
+        return (weights * torch.stack(losses)).sum() / weights.sum()
+
+    fast = grads(lambda x, z: selector_objective(selector, x, z, predecessors, labels, weights,
+                                                 output_multiplier=0.5, softcap=3.0)[0])
+    for got, expected in zip(fast, grads(definition)):
+        torch.testing.assert_close(got, expected)
+    assert (fast[1] != 0).sum(-1).max() <= 5  # the logits' gradient: the K candidates and the label only
 
 
 def test_the_objective_adds_the_weighted_selector_loss_and_can_stop_its_gradient():

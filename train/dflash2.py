@@ -69,8 +69,12 @@ class GroupedDynamicConv(nn.Module):
 
     def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
         # x [B, Q, D] holds whole blocks laid end to end: token i is slot i % block_size of its block.
-        grouped = x.unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, gs]
-        base = self.base_kernel[side].view(self.taps, self.groups, self.group_size)
+        # Computed in the projection's dtype (bf16 under autocast, as the engines run it; float32
+        # when training in float32): a float32 base kernel would make every product a float32
+        # copy of the activations, each kept for the backward.
+        dtype = delta.dtype
+        grouped = x.to(dtype).unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, gs]
+        base = self.base_kernel[side].to(dtype).view(self.taps, self.groups, self.group_size)
         out = (base[0] + delta[..., 0, :, None]) * grouped
         length = x.shape[1]
         slot = torch.arange(length, device=x.device) % block_size
@@ -107,8 +111,12 @@ class CandidateSelector(nn.Module):
         """Edge scores [..., P, C]: `states` [..., D], `candidate_ids` / `unary` [..., C] (the
         successors), `predecessor_ids` [..., P]."""
         h = self.hidden_projection(states)
-        left = self.predecessor_codebook[predecessor_ids] * h.unsqueeze(-2)  # [..., P, r]
-        right = self.successor_codebook[candidate_ids]  # [..., C, r]
+        # The codebooks' rows in the projection's dtype (bf16 under autocast): the [..., C, r]
+        # gather is the largest tensor of the selector. Through F.embedding, whose backward sums
+        # the rows of a repeated token in parallel (the candidates of most slots are the same few
+        # tokens; an indexing backward accumulates each token's repeats one after another).
+        left = F.embedding(predecessor_ids, self.predecessor_codebook.to(h.dtype)) * h.unsqueeze(-2)  # [..., P, r]
+        right = F.embedding(candidate_ids, self.successor_codebook.to(h.dtype))  # [..., C, r]
         return unary.unsqueeze(-2).float() + (left @ right.transpose(-1, -2)).float()
 
 
@@ -126,8 +134,8 @@ def transform_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
 def top_candidates(logits: torch.Tensor, top_k: int, output_multiplier: float = 1.0,
                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, unary scores) [..., K] of the K best tokens of `logits` [..., V], best first."""
-    values, ids = torch.topk(logits, top_k, dim=-1)
-    return ids, transform_logits(values, output_multiplier, softcap)
+    ids = torch.topk(logits.detach(), top_k, dim=-1).indices  # a gradient through topk is a dense [..., V]
+    return ids, transform_logits(logits.gather(-1, ids), output_multiplier, softcap)
 
 
 def block_lattice(selector: CandidateSelector, states: torch.Tensor, logits: torch.Tensor,
@@ -186,10 +194,11 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
     """
     if stop_gradient:
         states, logits = states.detach(), logits.detach()
-    ids, unary = top_candidates(logits, selector.top_k, output_multiplier, softcap)
+    ids = torch.topk(logits.detach(), selector.top_k, dim=-1).indices
     k = ids.shape[-1]
-    gold = transform_logits(logits.gather(-1, labels[:, None]), output_multiplier, softcap)
-    candidates, scores_in = torch.cat([ids, labels[:, None]], dim=-1), torch.cat([unary, gold], dim=-1)
+    candidates = torch.cat([ids, labels[:, None]], dim=-1)
+    # One gather of the K + 1 scores: its backward is the one dense [N, V] the selector adds.
+    scores_in = transform_logits(logits.gather(-1, candidates), output_multiplier, softcap)
     scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
     found = ids == labels[:, None]
     present = found.any(-1)

@@ -258,7 +258,8 @@ def compute_loss(
         b, a, k = batch["scored_slots"].to(valid.device, non_blocking=True).unbind(0)
     else:
         b, a, k = valid.nonzero(as_tuple=True)
-    logits = drafter.logits(states[b, a, k])
+    scored = states[b, a, k]  # [N, D], once: the selector reads them too
+    logits = drafter.logits(scored)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = labels[b, a, k]
     if config.loss_weighting == "acceptance":
@@ -293,7 +294,7 @@ def compute_loss(
     # DFlash2: slot k+1 (index k) follows the true token at p+k (the anchor for k = 0).
     predecessors = input_ids[b, anchors[b, a] + k]
     selector_loss, choice = selector_objective(
-        selector, states[b, a, k], logits, predecessors, target, weights.detach(),
+        selector, scored, logits, predecessors, target, weights.detach(),
         output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
         stop_gradient=config.selector_stop_gradient)
     chosen = torch.full_like(labels, -1)
