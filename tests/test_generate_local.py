@@ -143,12 +143,17 @@ def test_prompt_only_records_get_the_targets_answer(target, tmp_path):
 
 
 def test_a_damaged_output_line_is_named(target, tmp_path):
-    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "prompt": "q"}])
+    # An output dflash-generate wrote (it has its sidecar) whose second line was damaged since:
+    # the resume names that line instead of counting or rewriting it.
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "prompt": "q"}, {"id": "b", "prompt": "r"}])
     out = tmp_path / "gen.jsonl"
-    out.write_text('{"id": "a", "input_ids": [1]}\nnot json\n')
+    assert run(target, data, out, "--max-tokens", "4").exit_code == 0
+    assert (tmp_path / "gen.jsonl.meta.json").exists()
+    first = out.read_text().splitlines(keepends=True)[0]
+    out.write_text(first + "not json\n")
     result = run(target, data, out, "--max-tokens", "4")
-    assert result.exit_code == 2 and "gen.jsonl, line 2" in result.output
-    assert out.read_text().endswith("not json\n")  # nothing rewritten
+    assert result.exit_code == 2 and "gen.jsonl, line 2" in result.output, result.output
+    assert out.read_text() == first + "not json\n"  # nothing rewritten
 
 
 def test_batches_are_sorted_by_prompt_length_and_each_answer_is_the_prompts_own(target, tmp_path, monkeypatch):
