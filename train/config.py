@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
-from dflash.runtime.errors import MismatchError, UsageError
+from dflash.runtime.errors import DflashError, MismatchError, UsageError
 from dflash.runtime.settings import (
     build_settings,
     flat_values,
@@ -101,6 +101,15 @@ class DataConfig:
     follow: bool = False
     """Train on a cache dflash-extract is still filling: wait for each part as it is needed, until
     every part of the extraction's plan is committed (one --cache; weights as on the finished cache)."""
+    disk_budget: str | None = setting(None, metavar="SIZE")
+    """Local disk the run may fill with cache parts (e.g. 500G, 2T; plus at most one part): an s3://
+    cache's staging directory stays within it (per remote cache); with --follow, the budget the
+    extraction was given with its own --disk-budget, which checks that what the run reads at once
+    fits it (default: no budget). It changes where bytes live, never the batches: a run resumes
+    with another budget."""
+    staging_dir: str | None = setting(None, metavar="DIR")
+    """Directory under which an s3:// cache is staged, one subdirectory per URL (default:
+    ~/.cache/dflash/staging; a resumed run finds what it fetched there)."""
     num_workers: int = 4
     """DataLoader worker processes reading and decoding the cache (0: in the main process)."""
     prefetch_factor: int = 4
@@ -122,6 +131,50 @@ class DataConfig:
                                "shuffle_parts"), 0)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
+        self._check_disk_settings()
+
+    def disk_budget_bytes(self) -> int | None:
+        """--disk-budget in bytes (None: no budget)."""
+        from dflash.cache_tools.staging import parse_size  # (no torch)
+
+        return None if self.disk_budget is None else parse_size(self.disk_budget)
+
+    def _check_disk_settings(self) -> None:
+        remote = any(c.startswith("s3://") for c in (*self.cache, *self.eval_cache))
+        if self.staging_dir is not None and not remote:
+            raise TrainConfigError(f"--staging-dir {self.staging_dir} is where an s3:// cache is staged, but no "
+                                   "--cache or --eval-cache is one (a local cache is read in place): drop it.")
+        if self.disk_budget is None:
+            return
+        self.disk_budget = str(self.disk_budget)
+        try:
+            budget = self.disk_budget_bytes()
+        except DflashError as e:
+            raise TrainConfigError(f"--disk-budget: {e}") from None
+        if budget is None or budget < 1:
+            raise TrainConfigError(f"--disk-budget must be a positive size such as 500G (got {self.disk_budget!r}).")
+        if not (remote or self.follow):
+            raise TrainConfigError(
+                f"--disk-budget {self.disk_budget} bounds the local disk a run fills with parts: an s3:// cache's "
+                "staging directory, or, with --follow, a cache an extraction fills under its own --disk-budget. "
+                "These caches are local and finished, read in place: drop --disk-budget, or add --follow to "
+                "train while dflash-extract --disk-budget fills the cache.")
+        if not self.follow:
+            return
+        if self.shuffle_parts == 0:
+            raise TrainConfigError(
+                f"--follow with --disk-budget {self.disk_budget} needs --shuffle-parts N: without it an epoch is "
+                "planned over the whole cache, so its first batches read samples of every part and the extraction "
+                "can evict nothing until the epoch ends (it waits for room that never comes once the cache "
+                "outgrows the budget). Pass --shuffle-parts 8 (or the largest group of parts that fits the "
+                "budget; docs/train.md, \"A disk budget\").")
+        if not self.eval_cache and self.eval_fraction > 0:
+            raise TrainConfigError(
+                f"--follow with --disk-budget {self.disk_budget} and a held-out split of the followed cache "
+                f"(--eval-fraction {self.eval_fraction}): the split's samples are spread over every part, so each "
+                "evaluation would read every part again, more than the budget holds (the extraction would "
+                "re-extract the whole cache for it, or wait). Hold out a separate cache with --eval-cache, or "
+                "pass --eval-fraction 0.")
 
 
 # -- model ------------------------------------------------------------------------------------

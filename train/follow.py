@@ -193,7 +193,7 @@ class FollowCacheSet:
         self._opened_as[planned] = state
         if idx is not None:
             return idx
-        if record.lengths != want.lengths:
+        if record.lengths != want.lengths or record.sample_ids not in (None, want.sample_ids):
             raise CacheCorruptError(
                 f"cache part {want.name!r} at {self.cache_dir}: its commit record lists other samples than the "
                 "extraction plan (manifest.plan.json). The cache was written with another plan: start it anew "
@@ -222,6 +222,44 @@ def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowC
                                "follow one, or train on finished caches without --follow.")
     return FollowCacheSet(config.cache[0], max_seq_len=config.max_seq_len,
                           verify_checksums=config.verify_checksums, announce=announce)
+
+
+def group_budget_warning(caches: FollowCacheSet, shuffle_parts: int, budget: int) -> str:
+    """A warning when one --shuffle-parts group of planned parts does not fit the disk budget
+    (empty when every group fits). A group's bytes are its tokens times the bytes per token of the
+    parts committed so far or, before any, of the arrays' raw size (above the compressed size)."""
+    caches._log.refresh()
+    committed = list(caches._log.records.values())
+    tokens = sum(r.tokens for r in committed)
+    if tokens:
+        per_token, how = sum(r.nbytes for r in committed) / tokens, f"measured on {len(committed)} committed part(s)"
+    else:
+        per_token = float(sum((spec.width or 1) * spec.dtype.itemsize for spec in caches.reader.schema
+                              if spec.per == "token"))
+        how = "the arrays' raw size: no part is committed yet"
+    group_tokens: dict[int, int] = {}
+    group_parts: dict[int, int] = {}
+    for k, part in enumerate(caches.plan.parts):
+        g = part_number(part.name, k) // shuffle_parts
+        group_tokens[g] = group_tokens.get(g, 0) + part.tokens
+        group_parts[g] = group_parts.get(g, 0) + 1
+    if not group_tokens:
+        return ""
+    largest = max(group_tokens, key=group_tokens.__getitem__)
+    need = group_tokens[largest] * per_token
+    if need <= budget:
+        return ""
+    from dflash.cache_tools.staging import format_size
+
+    part_bytes = need / group_parts[largest]
+    fits = max(1, int(budget // part_bytes) - 1)  # a group plus the bound's one part
+    return (f"warning: a group of --shuffle-parts {shuffle_parts} planned parts needs about {format_size(need)} "
+            f"({group_parts[largest]} parts, {group_tokens[largest]:,} tokens at {per_token:,.0f} B/token, "
+            f"{how}), more than --disk-budget {format_size(budget)}: the run reads a group's parts in "
+            "shuffled order and reports a part as trained only when the group's batches are past it, so "
+            "the extraction waits for room while the trainer waits for the group's other parts. Lower "
+            f"--shuffle-parts to about {fits}, or raise --disk-budget here and in dflash-extract "
+            "(docs/train.md, \"A disk budget\")")
 
 
 def trained_parts(caches: Any, loader: Any) -> int:

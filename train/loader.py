@@ -19,7 +19,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ from dflash.runtime.locks import is_held, same_path
 from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
 from .config import DataConfig, ResumeMismatchError, TrainConfig, TrainConfigError
-from .follow import FollowCacheSet, canonical_order, open_follow, part_groups
+from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
 from .plans import check_budget, plan_epoch, plan_eval
 from .workers import worker_init
@@ -366,6 +366,8 @@ class TrainingData:
     """Samples kept out of training (of the training caches, or of --eval-cache)."""
     train_cap: int = 0
     """--max-train-samples, when it left samples out of training."""
+    warnings: list[str] = field(default_factory=list)
+    """What the summary warns of beyond the split (a --shuffle-parts group larger than --disk-budget)."""
 
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
         caches = self.eval_caches if self.eval_caches is not None else self.caches
@@ -399,6 +401,7 @@ class TrainingData:
                      "4,096 target completions made a drafter that lost to prompt lookup and slowed decoding "
                      "down, 32,768 one that beat it (docs/recipe.md); more target-generated data "
                      "(dflash-generate) helps more than more epochs")
+        text += "".join(f"; {w}" for w in self.warnings)
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
                      f"truncated ({c.truncated_tokens} tokens dropped)")
@@ -425,10 +428,16 @@ def rendering_summary(headers: list[dict[str, Any]]) -> str:
 def open_caches(config: DataConfig) -> CacheSet | FollowCacheSet:
     """The training caches of the data section: finished ones, or with --follow one that is still
     being extracted."""
-    if getattr(config, "follow", False):
+    if config.follow:
         return open_follow(config)
-    return CacheSet(config.cache, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
-                    disk_budget=getattr(config, "disk_budget", None), staging_dir=getattr(config, "staging_dir", None))
+    return open_cache_set(config.cache, config)
+
+
+def open_cache_set(cache_dirs: list[str], config: DataConfig) -> CacheSet:
+    """Finished caches as one list of samples; an s3:// one is staged under --staging-dir within
+    --disk-budget."""
+    return CacheSet(cache_dirs, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
+                    disk_budget=config.disk_budget_bytes(), staging_dir=config.staging_dir)
 
 
 def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
@@ -461,8 +470,7 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     caches = open_caches(config)
     eval_caches = None
     if config.eval_cache:
-        eval_caches = CacheSet(config.eval_cache, max_seq_len=config.max_seq_len,
-                               verify_checksums=config.verify_checksums)
+        eval_caches = open_cache_set(config.eval_cache, config)
         check_compatible(caches.readers[0], eval_caches.readers[0])
         train_indices = np.arange(len(caches), dtype=np.int64)
         heldout, scored = np.arange(len(eval_caches), dtype=np.int64), eval_caches
@@ -482,9 +490,12 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     # Plans start from sample id order: batches never depend on the order parts were committed in.
     train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
     groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
+    warnings = []
+    if isinstance(caches, FollowCacheSet) and config.disk_budget is not None:  # (the config asks for groups)
+        warnings.append(group_budget_warning(caches, config.shuffle_parts, config.disk_budget_bytes()))
     loader = TrainLoader(caches, train_indices, config, seed=optimization.seed, epochs=optimization.epochs,
                          rank=rank, world_size=world_size, grad_accum=optimization.grad_accum, groups=groups,
                          pin_memory=pin_memory)
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
                         eval_indices=eval_indices, config=config, pin_memory=pin_memory, heldout_count=len(heldout),
-                        train_cap=train_cap)
+                        train_cap=train_cap, warnings=[w for w in warnings if w])

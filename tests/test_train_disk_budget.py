@@ -1,0 +1,113 @@
+"""dflash-train --disk-budget and --staging-dir: settings of the data section. With --follow on a
+cache an extraction fills under a budget they refuse what cannot work within it (no
+--shuffle-parts, a held-out split of the followed cache) and warn of a --shuffle-parts group
+larger than the budget; on finished local caches, where they would do nothing, they are refused.
+(Remote caches: tests/test_cache_remote.py.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+from conftest import tiny_train_config, write_tiny_cache
+from dflash.cache_tools.manifest import read_manifest
+from dflash.cache_tools.plan import PlannedPart, write_plan
+from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.schema import SAMPLE_IDS
+from dflash.train.cli import main
+from dflash.train.loader import open_training_data
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, " ".join(result.output.split())
+
+
+def base_args(world, out, *extra: str) -> list[str]:
+    return ["--cache", str(world["cache"]), "--target-model", str(world["target"]), "--output-dir", str(out),
+            "--num-draft-layers", "1", "--block-size", "4", "--no-progress", "--no-tensorboard", *extra]
+
+
+def assert_refused(code: int, text: str, *fragments: str) -> None:
+    assert code == 2 and text.startswith("Error: ") and "Traceback" not in text, text
+    for fragment in fragments:
+        assert fragment in text, text
+
+
+def test_follow_under_a_budget_without_shuffle_parts_is_refused_saying_why_and_what_to_pass(tiny_world, tmp_path):
+    code, text = run_cli(*base_args(tiny_world, tmp_path / "run", "--follow", "--disk-budget", "2T", "--eval-fraction", "0"))
+    assert_refused(code, text, "--follow with --disk-budget 2T needs --shuffle-parts N",
+                   "first batches read samples of every part", "Pass --shuffle-parts 8")
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_follow_under_a_budget_with_a_heldout_split_of_the_followed_cache_is_refused(tiny_world, tmp_path):
+    code, text = run_cli(*base_args(tiny_world, tmp_path / "run", "--follow", "--disk-budget", "2T", "--shuffle-parts", "4"))
+    assert_refused(code, text, "held-out split of the followed cache (--eval-fraction 0.02)",
+                   "each evaluation would read every part", "--eval-cache", "--eval-fraction 0")
+    # Either way out is accepted: no split, or a separate held-out cache.
+    base = dict(follow=True, disk_budget="2T", shuffle_parts=4)
+    assert tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "a", eval_fraction=0,
+                             **base).data.disk_budget_bytes() == 2 << 40
+    tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "b",
+                      eval_cache=[str(tmp_path / "heldout")], **base)
+    # Without a budget the split is allowed (evaluation waits for its parts, nothing is evicted).
+    tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "c", follow=True, shuffle_parts=4)
+
+
+@pytest.mark.parametrize("flags,fragments", [
+    (("--disk-budget", "2T"), ("bounds the local disk", "local and finished, read in place", "add --follow")),
+    (("--staging-dir", "/somewhere"), ("--staging-dir /somewhere is where an s3:// cache is staged",
+                                       "a local cache is read in place")),
+    (("--follow", "--shuffle-parts", "2", "--eval-fraction", "0", "--disk-budget", "lots"),
+     ("--disk-budget: Disk size 'lots' is not a size", "500G")),
+    (("--follow", "--shuffle-parts", "2", "--eval-fraction", "0", "--disk-budget", "0"),
+     ("--disk-budget must be a positive size",)),
+])
+def test_disk_settings_that_would_do_nothing_or_are_not_sizes_are_refused(tiny_world, tmp_path, flags, fragments):
+    assert_refused(*run_cli(*base_args(tiny_world, tmp_path / "run", *flags)), *fragments)
+
+
+def planned_cache(tmp_path, parts: int = 8):
+    """A finished cache with the extraction plan a --follow run reads (its parts in plan order)."""
+    cache = write_tiny_cache(tmp_path / "cache", samples=4 * parts, parts=parts)
+    manifest = read_manifest(cache)
+    reader = CacheReader(cache)
+    planned = [PlannedPart(p.name, tuple(int(i) for i in reader.part_arrays(k).small_array(SAMPLE_IDS)), p.lengths)
+               for k, p in enumerate(manifest.parts)]
+    write_plan(cache, manifest.header, planned)
+    return cache, max(p.nbytes for p in manifest.parts)
+
+
+def test_a_shuffle_parts_group_larger_than_the_budget_is_warned_with_a_group_that_fits(tiny_world, tmp_path):
+    cache, part = planned_cache(tmp_path)
+    budget = int(2.5 * part)
+
+    def summary(shuffle_parts: int) -> str:
+        config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", follow=True, eval_fraction=0,
+                                   disk_budget=str(budget), shuffle_parts=shuffle_parts, epochs=1)
+        data = open_training_data(config, rank=0, world_size=1, pin_memory=False)
+        data.loader.close()
+        return data.summary()
+
+    text = summary(4)
+    assert "warning: a group of --shuffle-parts 4 planned parts needs about" in text, text
+    assert "more than --disk-budget" in text and "measured on 8 committed part(s)" in text
+    fits = int(re.search(r"Lower --shuffle-parts to about (\d+)", text).group(1))
+    assert 1 <= fits < 4
+    assert "--shuffle-parts" not in summary(fits)  # the group it proposes fits the budget
+
+
+def test_the_budget_does_not_change_the_batches(tiny_world, tmp_path):
+    cache, part = planned_cache(tmp_path)
+
+    def batches(**budget) -> list[list[int]]:
+        config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", follow=True, eval_fraction=0,
+                                   shuffle_parts=2, epochs=2, **budget)
+        data = open_training_data(config, rank=0, world_size=1, pin_memory=False)
+        data.loader.close()
+        return [[b.tolist() for b in data.loader.epoch_batches(e)] for e in range(2)]
+
+    assert batches(disk_budget=str(3 * part)) == batches()
+
