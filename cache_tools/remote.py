@@ -26,6 +26,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,6 +57,16 @@ class RemoteCacheError(CacheError):
     """A remote cache cannot be reached, or a file of it cannot be fetched."""
 
 
+# obstore runs its requests on one tokio runtime per process, which does not survive a fork: a
+# process forked after its parent used obstore (a DataLoader worker) hangs in its first request,
+# with a client of its own too. Such a process fetches through a fresh interpreter instead.
+_OBSTORE_PID: int | None = None  # the process that first used obstore
+
+
+def _obstore_usable() -> bool:
+    return _OBSTORE_PID is None or _OBSTORE_PID == os.getpid()
+
+
 def is_remote(path: str | os.PathLike) -> bool:
     return str(path).startswith(REMOTE_SCHEMES)
 
@@ -82,6 +94,11 @@ class RemoteStore:
             raise CacheError(
                 f"Reading {url} needs obstore: pip install 'dflash-pipeline[s3]' (or pip install obstore)."
             ) from None
+        global _OBSTORE_PID
+        if not _obstore_usable():
+            raise RemoteCacheError(f"{url}: obstore was used before this process was forked and cannot be "
+                                   "used in it; fetch through a fresh process (StagedCache does).")
+        _OBSTORE_PID = _OBSTORE_PID or os.getpid()
         self.url = url.rstrip("/")
         self._obs = obstore
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
@@ -385,12 +402,26 @@ class StagedCache:
             self._fetch_part(name)
 
     def _fetch_part(self, name: str) -> None:
+        if not _obstore_usable():  # a forked DataLoader worker: the caller holds the part's lock
+            self._fetch_part_in_new_process(name)
+            return
         files = [f for f in self.index.parts[name] if not (self.path / PARTS_DIR / name / f.path).exists()
                  or (self.path / PARTS_DIR / name / f.path).stat().st_size != f.size]
         with ThreadPoolExecutor(max(1, min(self.threads, len(files) or 1))) as pool:
             list(pool.map(lambda f: self._fetch_checked(name, f), files))
         marker = self.path / STAGED_DIR / name
         marker.write_bytes(b"")
+
+    def _fetch_part_in_new_process(self, name: str) -> None:
+        """`_fetch_part` run by a fresh interpreter (this module's __main__), its error re-raised
+        here as the same paragraph; a few hundred milliseconds per part of hundreds of MB."""
+        argv = [sys.executable, "-m", __name__, str(self.url), str(self.path), name, str(self.retries),
+                str(self.threads)]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+            kind, _, text = message.partition(": ")
+            raise (CacheCorruptError if kind == "CacheCorruptError" else RemoteCacheError)(text or message)
 
     def _fetch_checked(self, name: str, f: RemoteFile) -> None:
         """Download one file to a temporary name, check its size and crc32c, rename it into place;
@@ -557,3 +588,19 @@ def open_reader(path: str | os.PathLike, *, verify_checksums: bool = True, stagi
     if prefetch:
         stage.prefetch(p.name for p in reader.parts)
     return reader
+
+
+def _fetch_part_main(argv: list[str]) -> int:
+    """python -m dflash.cache_tools.remote URL STAGING_DIR PART RETRIES THREADS: fetch one part
+    into a staging directory (`StagedCache._fetch_part_in_new_process`)."""
+    url, path, name, retries, threads = argv
+    try:
+        StagedCache(url, path, retries=int(retries), threads=int(threads))._fetch_part(name)
+    except CacheError as e:
+        print(f"{type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_fetch_part_main(sys.argv[1:]))

@@ -203,6 +203,42 @@ def test_training_from_an_s3_cache_gives_the_weights_of_training_from_the_local_
     assert list((tmp_path / "xdg" / "dflash" / "staging").iterdir())  # it read through the staging directory
 
 
+def test_training_with_staging_dir_and_disk_budget_stages_there_within_the_budget_and_resumes_without(
+        tiny_world, tmp_path, s3, monkeypatch):
+    """dflash-train --staging-dir DIR --disk-budget SIZE: the cache is staged under DIR, holds at most
+    the budget plus one part, the weights are those of the local copy's run, and the run resumes
+    with no budget (a budget changes where bytes live, not the batches)."""
+    from conftest import tiny_train_config
+    from dflash.train.loop import train
+    from safetensors.torch import load_file
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    remote.upload_cache(tiny_world["cache"], url)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default staging directory
+    probe = remote.StagedCache(url, tmp_path / "probe").open()
+    skeleton, part = disk_usage(probe.path / "parts"), max(probe.part_bytes(n) for n in probe.index.parts)
+    budget = skeleton + int(1.5 * part)
+    settings = dict(num_workers=1, shuffle_parts=0)  # a forked worker fetches too (obstore is not fork-safe)
+    local = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "local", max_steps=4,
+                                    **settings))
+    staged = train(tiny_train_config(url, tiny_world["target"], tmp_path / "s3", max_steps=4, **settings,
+                                     staging_dir=str(tmp_path / "mine"), disk_budget=str(budget)))
+    assert local.step == staged.step == 4
+    a = load_file(tmp_path / "local" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "s3" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (stage_dir,) = list((tmp_path / "mine").iterdir())  # one directory per URL, under --staging-dir
+    assert stage_dir.name == remote.default_staging_dir(url).name
+    assert not (tmp_path / "xdg" / "dflash" / "staging").exists()
+    assert disk_usage(stage_dir / "parts") <= budget + part
+    names = list(probe.index.parts)
+    staged = [n for n in names if (stage_dir / remote.STAGED_DIR / n).exists()]
+    assert 0 < len(staged) < len(names)  # parts went to stay within the budget
+    resumed = train(tiny_train_config(url, tiny_world["target"], tmp_path / "s3", max_steps=6, **settings,
+                                      staging_dir=str(tmp_path / "mine")))
+    assert resumed.step == 6
+
+
 def test_a_budget_smaller_than_one_part_still_reads_every_part_one_at_a_time(tmp_path, s3):
     local, url, _ = uploaded(tmp_path, s3, parts=3)
     stage = remote.StagedCache(url, tmp_path / "stage", disk_budget=1).open()
