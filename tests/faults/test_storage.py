@@ -71,21 +71,20 @@ def test_disk_full_mid_part_is_one_clear_error_and_a_rerun_completes(world, tmp_
     """An injected ENOSPC while the fourth part's arrays are being written."""
     out = tmp_path / "cache"
     real_create = zarr.create_array
-    calls = {"n": 0}
-    started: list[str] = []  # parts in the order they are written (a sort window's batch order)
+    arrays: dict[str, int] = {}  # arrays created per part, parts in the order they are written
 
     def create_array(store, *args, **kwargs):
-        calls["n"] += 1
         name = re.search(r"part-\d{6}", str(getattr(store, "root", store))).group(0)
-        if name not in started:
-            started.append(name)
-        if calls["n"] == 3 * 5 + 2:  # 5 arrays per part: the 2nd array of the fourth part
+        arrays[name] = arrays.get(name, 0) + 1
+        if len(arrays) == 4 and arrays[name] == 2:  # the 2nd array of the fourth part
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_create(store, *args, **kwargs)
 
     monkeypatch.setattr(zarr, "create_array", create_array)
     res = extract(world, out)
     assert res.exit_code == 2, res.output
+    started = list(arrays)  # (a sort window's batch order)
+    assert len(started) == 4, res.output
     assert (f"Error: Writing part {started[3]} into {out} failed: [Errno 28] No space left on device. "
             "Free space or fix the cause, then rerun the same command: committed parts are kept and "
             "the rest is redone.") in res.output
