@@ -227,6 +227,9 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
                 print(timeline, file=sys.stderr, flush=True)
         summary.seconds = time.perf_counter() - t0  # every part committed
         pool.close()
+    except Exception:
+        pool.stop_after_error()  # (bounded: writers that do not stop within seconds are killed)
+        raise
     except BaseException:
         pool.kill()
         raise

@@ -9,6 +9,7 @@ With num_writers == 0 parts are written in the main process (CPU runs, tests).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -209,6 +210,9 @@ class WriterPool:
         self.nbytes = 0  # stored bytes of the committed parts in `results`
         self._buffers: dict[str, PartBuffer] = {}
         self._free: list[SharedMemory] = []  # segments of committed parts, kept for reuse
+        # every segment this pool made, by name: an error may leave one in a part the loop still
+        # fills (neither in a writer's hands nor free), which kill() must remove too
+        self._created: dict[str, SharedMemory] = {}
         self._procs: list[mp.Process] = []
         self._max_buffers = num_writers + 1
         if num_writers and segment_tokens:
@@ -241,6 +245,7 @@ class WriterPool:
         if self.pinner is not None and pinned_segments:
             try:
                 self._free = touched_segments(pinned_segments, part_layout(specs, segment_tokens)[1])
+                self._created.update((shm.name, shm) for shm in self._free)
                 self._fixed = sum(self.pinner.register(shm) for shm in self._free) > 0
             except BaseException:
                 self.close()
@@ -287,13 +292,18 @@ class WriterPool:
                 return fits[0]
             # A part larger than the segments (one long sample), or every segment is still
             # being filled: a plain segment for this part (its rows go through host copies).
-            return SharedMemory(create=True, size=need)
+            return self._new_segment(need)
         while self._free:
             shm = self._free.pop()
             if shm.size >= need:
                 return shm
             unlink_segment(shm)  # a larger part than before: make a larger segment
-        return SharedMemory(create=True, size=need + need // 8)
+        return self._new_segment(need + need // 8)
+
+    def _new_segment(self, size: int) -> SharedMemory:
+        shm = SharedMemory(create=True, size=size)
+        self._created[shm.name] = shm
+        return shm
 
     def _is_pinned(self, shm: SharedMemory) -> bool:
         return self.pinner is not None and self.pinner.is_pinned(shm)
@@ -399,6 +409,21 @@ class WriterPool:
             unlink_segment(shm, self.pinner)
         self._free.clear()
 
+    def stop_after_error(self, grace: float = 5.0) -> None:
+        """An error ends the run: the writers are asked to stop and given `grace` s to exit on
+        their own (a part a writer holds may still be committed), so that their exit handlers
+        remove what they made (numcodecs' semaphore: a killed writer leaves it to the resource
+        tracker, which warns after the error); the rest are killed, as by kill()."""
+        if self._procs:
+            with contextlib.suppress(OSError, ValueError):  # (a queue already closed)
+                for p in self._procs:
+                    if p.is_alive():
+                        self._tasks.put(None)
+            deadline = time.monotonic() + grace
+            for p in self._procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
     def kill(self) -> None:
         """Second signal or an error: end the workers at once (uncommitted parts are lost, as
         after kill -9)."""
@@ -416,6 +441,10 @@ class WriterPool:
         for shm in self._free:
             unlink_segment(shm, unmap=False)
         self._free.clear()
+        for shm in self._created.values():  # the rest: a part the loop was filling
+            with contextlib.suppress(FileNotFoundError):  # (removed already)
+                unlink_segment(shm, unmap=False)
+        self._created.clear()
 
 
 SHM_DIR = "/dev/shm"

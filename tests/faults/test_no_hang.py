@@ -6,6 +6,8 @@ larger than the pipe's buffer, which the killed writer never read)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 
 import pytest
@@ -31,3 +33,18 @@ def test_a_full_disk_ends_the_extraction_and_its_writers_within_seconds(zygote, 
         assert status == 2, f"status {status} after {time.monotonic() - start:.0f} s: {text[-2000:]}"
         assert "No space left on device" in text and "Traceback" not in text
         assert run.surviving_children(grace=5.0) == []
+
+
+def test_a_full_disk_ends_a_fresh_interpreter_without_leaked_resource_warnings(world, tmp_path):
+    """The console script in a fresh interpreter (the zygote's runs share its resource tracker,
+    which never reported): after the error paragraph came the resource tracker's "leaked
+    semaphore" (numcodecs' lock in a writer killed instead of stopped) and "leaked shared_memory"
+    (the segment of a part the loop was filling) warnings."""
+    data = write_jsonl(tmp_path / "data.jsonl", make_records(2000, seed=2))
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        run = subprocess.run([shutil.which("dflash-extract"), *extract_argv(
+            world["target"], data, mnt / "cache", "--part-tokens", "20000", "--sort-window-tokens", "0",
+            "--num-writers", "1")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    error = run.stderr[run.stderr.index("Error: "):]
+    assert "No space left on device" in error and "leaked" not in error and "Warning" not in error, error
