@@ -54,7 +54,9 @@ def test_follow_under_a_budget_below_the_cache_gives_the_offline_weights(zygote,
     reference = offline_reference(zygote, world, tmp_path)
     budget, total, largest = budget_of(world)
     cache, usage = tmp_path / "cache", tmp_path / "usage.txt"
-    config = train_config_file(tmp_path / "follow.json", cache, world["target"], follow=True, **SETTINGS)
+    # The trainer is told the budget too (its checks: the groups fit, no split of this cache).
+    config = train_config_file(tmp_path / "follow.json", cache, world["target"], follow=True,
+                               disk_budget=str(budget), **SETTINGS)
     trainer = zygote.run("train", ["--config", config, "--output-dir", tmp_path / "follow"],
                          env={"DFLASH_TEST_SLEEP_PER_BATCH": "0.01"})
     extraction = zygote.run("extract", extract_argv(world["target"], world["data"], cache, "--disk-budget",
