@@ -253,6 +253,10 @@ class PartRules:
     window_tokens: int = 0  # sort window; at most part_tokens: each window is one part
 
 
+class BadRecordError(InputError):
+    """A record that cannot be read (and no --skip-bad): names its file and line."""
+
+
 def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator[list[PartPlan]]:
     """Stream the input as sort windows, each the list of its parts (see the module docstring).
 
@@ -271,7 +275,7 @@ def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator
             ids, mask = parse_record(line, rules.vocab_size)
         except BadRecord as e:
             if not rules.skip_bad:
-                raise InputError(f"{where}: {e}. Fix the record or pass --skip-bad to skip it.") from None
+                raise BadRecordError(f"{where}: {e}. Fix the record or pass --skip-bad to skip it.") from None
             skips.stats["records"] += 1
             skips.record_skip(sample_id, where, str(e), "skipped_bad")
             continue

@@ -9,7 +9,7 @@ from pathlib import Path
 from dflash.cache_tools.manifest import read_header
 from dflash.cache_tools.plan import PlannedPart, read_plan, write_plan
 
-from .data import PartRules, plan_windows
+from .data import BadRecordError, PartRules, plan_windows
 
 
 def planned_parts(files: list[Path], rules: PartRules) -> list[PlannedPart]:
@@ -20,7 +20,17 @@ def planned_parts(files: list[Path], rules: PartRules) -> list[PlannedPart]:
 
 def ensure_plan(cache_dir: str | Path, files: list[Path], rules: PartRules) -> None:
     """Write the cache's plan unless a current one is there (a resumed run, another rank); keyed
-    by the header on disk, the one a trainer reads."""
+    by the header on disk, the one a trainer reads.
+
+    A plan promises every part of the cache, so input with a bad record (without --skip-bad)
+    gets none: a follower would otherwise take the parts before that record for the whole
+    cache. The extraction still streams the input, commits the parts before the record and
+    stops at it with this same error (file and line), as it did before plans existed."""
     header = read_header(Path(cache_dir))
-    if read_plan(cache_dir, header) is None:
-        write_plan(cache_dir, header, planned_parts(files, rules))
+    if read_plan(cache_dir, header) is not None:
+        return
+    try:
+        parts = planned_parts(files, rules)
+    except BadRecordError:
+        return  # raised again by the extraction when it reaches the record
+    write_plan(cache_dir, header, parts)

@@ -91,13 +91,19 @@ def test_a_bad_record_midway_keeps_the_parts_before_it_and_the_fixed_data_needs_
             "Fix the record or pass --skip-bad to skip it.") in res.output
     kept = committed_parts(out)
     assert kept  # the parts before line 31 are committed and kept
+    # A plan promises every part: none is written for input that stops at a bad record (a
+    # follower would take the parts before it for the whole cache).
+    assert not (out / "manifest.plan.json").exists()
     records[30] = {"input_ids": [1, 2, 3], "prompt_len": 1}
     write_jsonl(data, records)
     res = extract(world["target"], data, out)
-    assert res.exit_code == 2 and "data.sha256" in res.output and "--force" in res.output
+    text = res.output.replace("\n", " ")
+    assert res.exit_code == 2 and f"{data} changed since the cache was extracted from it" in text, res.output
+    assert "pass --force" in text
     assert committed_parts(out) == kept
     res = extract(world["target"], data, out, "--force")
     assert res.exit_code == 0, res.output
+    assert (out / "manifest.plan.json").exists()
 
 
 @pytest.mark.parametrize("content", [b"", b"\n\n  \n"])
