@@ -94,7 +94,8 @@ class WriterLock:
         """`what` names the thing written ("the cache at X"), `fix` what the refused user can do."""
         self.path = Path(path)
         self.shared = shared
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = None  # (set first: __del__ runs even when the open below fails)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not self._take_retrying():
                 held_by = holders(self.path)
