@@ -341,8 +341,8 @@ def header_problem(header: dict[str, Any]) -> str | None:
             return f"{key} is {_short(header[key])}, not an object"
     if not isinstance(ids, list) or not ids or not all(_is_int(x) and x >= 0 for x in ids):
         return f"target_layer_ids is {_short(ids)}, not a list of layer numbers"
-    if len(set(ids)) != len(ids):
-        return f"target_layer_ids {ids} names a layer twice"
+    # Repeated or unsorted ids are not a hand edit: caches of the old layer rule hold them, and the
+    # layer rule (layers.validate_target_layer_ids) refuses them where they are used, saying why.
     if not isinstance(hidden.get("codec"), dict):
         return f"hidden.codec is {_short(hidden.get('codec'))}, not an object"
     try:
