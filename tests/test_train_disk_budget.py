@@ -16,7 +16,7 @@ from dflash.cache_tools.plan import PlannedPart, write_plan
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import SAMPLE_IDS
 from dflash.train.cli import main
-from dflash.train.loader import open_training_data
+from dflash.train.data import open_training_data
 
 
 def run_cli(*args: str) -> tuple[int, str]:

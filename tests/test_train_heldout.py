@@ -36,8 +36,8 @@ from dflash.cache_tools.manifest import (
 )
 from dflash.cache_tools.writer import CacheWriter
 from dflash.train.config import TrainConfig, TrainConfigError
+from dflash.train.data import open_training_data
 from dflash.train.heldout import eval_split
-from dflash.train.loader import open_training_data
 from dflash.train.loop import train
 from dflash.train.metrics import VerificationWalk, greedy_replay
 from dflash.train.objective import LossOutput
@@ -110,9 +110,9 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     assert len(on.train_indices) + on.heldout_count == len(on.caches)
     assert "noisy estimate" in on.summary()  # a dozen held-out samples: the summary says so
     assert f"only {len(on.train_indices)} training samples" in on.summary()  # and a few dozen training ones
-    from dflash.train import loader
+    from dflash.train import data as training_data
 
-    monkeypatch.setattr(loader, "FEW_TRAINING", len(on.train_indices))  # as many as the notice asks for
+    monkeypatch.setattr(training_data, "FEW_TRAINING", len(on.train_indices))  # as many as the notice asks for
     assert "training samples:" not in on.summary()
     off = data(eval_fraction=0)
     assert off.heldout_count == 0 and len(off.train_indices) == len(off.caches)

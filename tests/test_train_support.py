@@ -135,7 +135,7 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
 
 
 def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():
-    from dflash.train.loader import rendering_summary
+    from dflash.train.data import rendering_summary
 
     def header(sha, kwargs):
         return {"data": {"files": [{"path": "a.jsonl", "rendering": {"chat_template_sha256": sha,

@@ -11,7 +11,7 @@ import pytest
 from conftest import random_records, tiny_train_config, write_jsonl
 from dflash.runtime.records import BadRecord, parse_record
 from dflash.train.config import TrainConfigError
-from dflash.train.loader import refuse_repeated_caches
+from dflash.train.data import refuse_repeated_caches
 from extract_utils import assert_same_contents, cache_contents, extract, make_target
 
 

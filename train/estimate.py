@@ -18,9 +18,9 @@ from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import InputError
 
 from .config import TrainConfig, TrainConfigError
+from .data import check_cache_target, open_training_data
 from .distributed import DistInfo
 from .export import CONFIG_NAME, WEIGHTS_NAME, load_drafter
-from .loader import check_cache_target, open_training_data
 from .loop import LossModel, autocast_context, evaluate, load_target_config_or_fail
 
 

@@ -1,4 +1,5 @@
-"""Batches of cached samples for the trainer: length-bucketed, deterministic, resumable.
+"""Batches of cached samples for the trainer: length-bucketed, deterministic, resumable (what
+the run trains on, opened, checked and split, is data.py's).
 
 Startup reads the caches' manifests (every sample length is in the commit log) and, for the
 held-out split (heldout.py), each part's sample ids. An epoch's batch list is a pure function
@@ -15,26 +16,14 @@ last epoch, so its workers read on across epoch boundaries.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.cache_set import CacheSet, check_compatible
-from dflash.cache_tools.errors import ConfigMismatchError
-from dflash.cache_tools.identity import (
-    Purpose,
-    target_differences,
-    target_identity,
-    unrecorded_weights_note,
-    weights_note,
-)
-from dflash.cache_tools.layers import validate_target_layer_ids
-from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
+from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.schema import (
     HIDDEN_ARRAYS,
     INPUT_IDS,
@@ -45,18 +34,13 @@ from dflash.cache_tools.schema import (
     scale_of,
 )
 from dflash.runtime.errors import CorruptDataError, DflashError
-from dflash.runtime.locks import is_held, same_path
 from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
-from .config import DataConfig, ResumeMismatchError, TrainConfig, TrainConfigError
-from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
-from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
+from .config import DataConfig, ResumeMismatchError, TrainConfigError
 from .plans import check_budget, plan_epoch, plan_eval
 from .workers import worker_init
 
 LOADER_STATE_VERSION = 1
-FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
-FEW_TRAINING = 8192  # fewer training samples than this: the summary says what such data gave (docs/recipe.md)
 
 
 # -- batch plans ------------------------------------------------------------------------------
@@ -316,186 +300,3 @@ def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, r
     if max_batches:
         batches = batches[:max_batches]
     return data_loader(caches, batches, config, pin_memory=pin_memory)
-
-
-def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, caches: Any = None) -> list[str]:
-    """Refuse a cache extracted from another model than the target given to the trainer (the
-    identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use.
-    Returns notes: the target's weights differ from the cache's (same config), the cache is
-    still being written (unless `caches` follow it)."""
-    current = target_identity(target_config, target_dir)
-    diffs = [f"{k}: cache has {b!r}, target has {a!r}"
-             for k, a, b in target_differences(current, manifest.header.get("target"), Purpose.TRAIN)]
-    if manifest.hidden_size != target_config.hidden_size:
-        diffs.append(f"hidden.hidden_size: cache has {manifest.hidden_size}, target has {target_config.hidden_size}")
-    bad_layers = [i for i in manifest.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
-    if bad_layers:
-        diffs.append(f"target_layer_ids {bad_layers} do not exist in a {target_config.num_hidden_layers}-layer target")
-    if diffs:
-        raise ConfigMismatchError(
-            f"The cache at {manifest.cache_dir} was not extracted from the target model at {target_dir}: "
-            f"{'; '.join(dict.fromkeys(diffs))}. Pass the --target-model the cache was extracted with."
-        )
-    validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers,
-                              where=f"the cache at {manifest.cache_dir}",
-                              fix="Re-extract the cache with --target-layer-ids such ids")
-    notes = [weights_note(manifest.header.get("target"), current, expected_what=f"The cache at {manifest.cache_dir}",
-                          found_what=f"the target model at {target_dir}"),
-             unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}")]
-    if not isinstance(caches, FollowCacheSet) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
-        notes.append(f"The cache at {manifest.cache_dir} is being written by a live extraction: this run trains on "
-                     f"the {len(manifest.parts)} parts committed when it started. `dflash-train --follow` trains on "
-                     "a cache while it is written; a later resume of this run on the grown cache is refused.")
-    return [n for n in notes if n]
-
-
-@dataclass
-class TrainingData:
-    """The caches, the split and the loaders of a run."""
-
-    caches: CacheSet
-    train_indices: np.ndarray
-    loader: TrainLoader
-    eval_caches: CacheSet | None
-    eval_indices: np.ndarray
-    """The samples evaluated (at most --eval-max-samples of the held-out ones)."""
-    config: DataConfig
-    pin_memory: bool = False
-    """Batches collate into pinned host memory (the run's device is a GPU)."""
-    heldout_count: int = 0
-    """Samples kept out of training (of the training caches, or of --eval-cache)."""
-    train_cap: int = 0
-    """--max-train-samples, when it left samples out of training."""
-    warnings: list[str] = field(default_factory=list)
-    """What the summary warns of beyond the split (a --shuffle-parts group larger than --disk-budget)."""
-
-    def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
-        caches = self.eval_caches if self.eval_caches is not None else self.caches
-        return eval_batches(caches, self.eval_indices, self.config, rank=rank, world_size=world_size,
-                            max_batches=max_batches, pin_memory=self.pin_memory)
-
-    def summary(self) -> str:
-        c = self.caches
-        where = "in --eval-cache" if self.eval_caches is not None else "held out"
-        text = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
-                f"{len(self.train_indices)} for training, {self.heldout_count} {where}")
-        if self.train_cap:
-            text += f" (training capped at {self.train_cap} samples by --max-train-samples)"
-        if len(self.eval_indices) < self.heldout_count:
-            text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
-        text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
-        if not self.heldout_count:
-            text += ("; no held-out samples: the logged tau is measured on training batches only "
-                     "(set --eval-fraction or --eval-cache for an honest estimate)")
-        elif len(self.eval_indices) < FEW_HELDOUT:
-            text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
-                     "estimate (raise --eval-fraction or give --eval-cache)")
-        held = (self.eval_caches if self.eval_caches is not None else c).manifest
-        if self.heldout_count and not held.top1 and not held.topk:
-            text += ("; warning: the held-out cache stores no target top-1 (extracted before it was stored "
-                     "by default, or with --no-store-top1), so the held-out estimate checks drafts against "
-                     "the samples' own tokens: on sampled completions it under-reads what greedy decoding "
-                     "accepts; extract again without --no-store-top1, or give --eval-cache of greedy completions")
-        if len(self.train_indices) < FEW_TRAINING:
-            text += (f"; only {len(self.train_indices)} training samples: on the project's quality benchmark "
-                     "4,096 target completions made a drafter that lost to prompt lookup and slowed decoding "
-                     "down, 32,768 one that beat it (docs/recipe.md); more target-generated data "
-                     "(dflash-generate) helps more than more epochs")
-        text += "".join(f"; {w}" for w in self.warnings)
-        if c.truncated_samples:
-            text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
-                     f"truncated ({c.truncated_tokens} tokens dropped)")
-        return text + rendering_summary([r.manifest.header for r in c.readers])
-
-
-def rendering_summary(headers: list[dict[str, Any]]) -> str:
-    """Which chat template (and kwargs) the caches' data was rendered with, as dflash-prepare /
-    dflash-generate recorded it; a warning when they differ (serving renders with one)."""
-    renderings: list[dict[str, Any]] = []
-    for header in headers:
-        renderings += [r for r in chat_templates(header) if r not in renderings]
-    if not renderings:
-        return ""
-    described = [f"sha256 {str(r.get('chat_template_sha256'))[:12]} kwargs {json.dumps(r.get('chat_template_kwargs', {}))}"
-                 for r in renderings]
-    if len(renderings) == 1:
-        return f"; rendered with chat template {described[0]} (serve with the same template and kwargs)"
-    return (f"; WARNING: the data was rendered with {len(renderings)} different chat templates or kwargs "
-            f"({'; '.join(described)}): a drafter learns the rendering it trains on, so serve with the one "
-            "that most of the data used, or prepare the data again with one")
-
-
-def open_caches(config: DataConfig) -> CacheSet | FollowCacheSet:
-    """The training caches of the data section: finished ones, or with --follow one that is still
-    being extracted."""
-    if config.follow:
-        return open_follow(config)
-    return open_cache_set(config.cache, config)
-
-
-def open_cache_set(cache_dirs: list[str], config: DataConfig) -> CacheSet:
-    """Finished caches as one list of samples; an s3:// one is staged under --staging-dir within
-    --disk-budget."""
-    return CacheSet(cache_dirs, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
-                    disk_budget=config.disk_budget_bytes(), staging_dir=config.staging_dir)
-
-
-def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
-    """The same cache twice among --cache (its samples would train twice an epoch), or one of
-    them as --eval-cache too (the held-out tau would be measured on training samples)."""
-    given = [(c, "--cache") for c in caches] + [(c, "--eval-cache") for c in eval_caches]
-    for i, (path, flag) in enumerate(given):
-        for other, other_flag in given[:i]:
-            remote = str(path).startswith("s3://") or str(other).startswith("s3://")
-            if not (str(path).rstrip("/") == str(other).rstrip("/") if remote else same_path(path, other)):
-                continue
-            if flag == other_flag:
-                raise TrainConfigError(f"{flag} {path} is given twice ({other}): each of its samples would "
-                                       "be trained on twice an epoch. Give each cache once.")
-            raise TrainConfigError(f"--eval-cache {path} is also a --cache ({other}): the held-out "
-                                   "evaluation would measure samples the drafter trains on. Give a cache "
-                                   "extracted from other data as --eval-cache, or leave it out (a "
-                                   "held-out split of --cache is used).")
-
-
-def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memory: bool,
-                       estimate: bool = False) -> TrainingData:
-    """Open the caches of the run's data section (manifests, and the sample ids for the split),
-    split them and plan the batches of every epoch. --eval-cache, when given, replaces the
-    held-out split. `estimate`: `dflash-train estimate`, whose --cache is its held-out set (it
-    trains on nothing, so the cache stands as --eval-cache too)."""
-    config, optimization = run.data, run.optimization
-    if not estimate:
-        refuse_repeated_caches(list(config.cache), list(config.eval_cache or []))
-    caches = open_caches(config)
-    eval_caches = None
-    if config.eval_cache:
-        eval_caches = open_cache_set(config.eval_cache, config)
-        check_compatible(caches.readers[0], eval_caches.readers[0])
-        train_indices = np.arange(len(caches), dtype=np.int64)
-        heldout, scored = np.arange(len(eval_caches), dtype=np.int64), eval_caches
-    else:
-        train_indices, heldout = eval_split(caches, config.eval_fraction)
-        scored = caches
-    train_cap = 0
-    if config.max_train_samples and len(train_indices) > config.max_train_samples:
-        train_cap = config.max_train_samples
-        train_indices = cap_by_score(train_indices, subset_scores(caches.sample_ids()), config.max_train_samples)
-    if len(train_indices) == 0:
-        raise TrainConfigError(f"No training samples: the caches {config.cache} hold {len(caches)} samples "
-                               f"and --eval-fraction {config.eval_fraction} holds out all of them.")
-    eval_indices = heldout
-    if config.eval_max_samples and len(heldout) > config.eval_max_samples:
-        eval_indices = cap_by_score(heldout, heldout_scores(scored.sample_ids()), config.eval_max_samples)
-    # Plans start from sample id order: batches never depend on the order parts were committed in.
-    train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
-    groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
-    warnings = []
-    if isinstance(caches, FollowCacheSet) and config.disk_budget is not None:  # (the config asks for groups)
-        warnings.append(group_budget_warning(caches, config.shuffle_parts, config.disk_budget_bytes()))
-    loader = TrainLoader(caches, train_indices, config, seed=optimization.seed, epochs=optimization.epochs,
-                         rank=rank, world_size=world_size, grad_accum=optimization.grad_accum, groups=groups,
-                         pin_memory=pin_memory)
-    return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
-                        eval_indices=eval_indices, config=config, pin_memory=pin_memory, heldout_count=len(heldout),
-                        train_cap=train_cap, warnings=[w for w in warnings if w])

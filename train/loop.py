@@ -38,6 +38,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .config import TrainConfig, TrainConfigError
+from .data import TrainingData, check_cache_target, open_training_data
 from .distributed import (
     DistInfo,
     all_reduce_sum,
@@ -50,7 +51,7 @@ from .distributed import (
     wrap_model,
 )
 from .follow import follow_fields, report_consumption
-from .loader import TrainingData, check_cache_target, dequantize_batch, open_training_data
+from .loader import dequantize_batch
 from .metrics import VerificationWalk, greedy_path, greedy_replay
 from .model import DFlashDrafter
 from .objective import (
