@@ -359,9 +359,9 @@ def merge(dst: str, srcs: tuple[str, ...], settings: MergeSettings) -> None:
 
 
 def _verify_remote(url: str, fast: bool) -> None:
-    from . import remote
+    from . import remote_upload
 
-    report = remote.verify_remote(url, fast=fast)
+    report = remote_upload.verify_remote(url, fast=fast)
     mode = "sizes" if fast else "sizes and crc32c"
     if report.ok:
         click.echo(f"OK: {report.parts} parts, {report.files} files, {mode} checked, no problems found.")
@@ -390,11 +390,11 @@ def upload(cache: str, url: str, settings: UploadSettings) -> None:
     Example:
       dflash-cache upload runs/cache s3://bucket/caches/qwen3-8b
     """
-    from . import remote
+    from . import remote, remote_upload
 
     if not remote.is_remote(url):
         raise click.BadParameter(f"{url} is not a remote cache URL: write s3://bucket/prefix.", param_hint="URL")
-    done = remote.upload_cache(cache, url, threads=settings.threads)
+    done = remote_upload.upload_cache(cache, url, threads=settings.threads)
     click.echo(f"Uploaded {done['parts']} parts to {url}: {done['files_uploaded']} files written, "
                f"{done['files_kept']} already there, {_human_bytes(done['bytes'])} in all.")
 

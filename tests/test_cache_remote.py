@@ -21,7 +21,7 @@ pytest.importorskip("obstore")
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from dflash.cache_tools import remote  # noqa: E402
+from dflash.cache_tools import remote, remote_upload  # noqa: E402
 from dflash.cache_tools.cache_set import CacheSet  # noqa: E402
 from dflash.cache_tools.cli import main as cache_main  # noqa: E402
 from dflash.cache_tools.errors import CacheCorruptError  # noqa: E402
@@ -55,7 +55,7 @@ def uploaded(tmp_path, s3, **kw):
     """A local cache, uploaded to a fresh prefix: (local dir, url, samples)."""
     samples = make_cache(tmp_path / "local", **kw)
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
-    remote.upload_cache(tmp_path / "local", url)
+    remote_upload.upload_cache(tmp_path / "local", url)
     return tmp_path / "local", url, samples
 
 
@@ -192,7 +192,7 @@ def test_training_from_an_s3_cache_gives_the_weights_of_training_from_the_local_
     from safetensors.torch import load_file
 
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
-    remote.upload_cache(tiny_world["cache"], url)
+    remote_upload.upload_cache(tiny_world["cache"], url)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default staging directory
     local = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "local", max_steps=4))
     staged = train(tiny_train_config(url, tiny_world["target"], tmp_path / "s3", max_steps=4))
@@ -213,7 +213,7 @@ def test_training_with_staging_dir_and_disk_budget_stages_there_within_the_budge
     from safetensors.torch import load_file
 
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
-    remote.upload_cache(tiny_world["cache"], url)
+    remote_upload.upload_cache(tiny_world["cache"], url)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default staging directory
     probe = remote.StagedCache(url, tmp_path / "probe").open()
     skeleton, part = disk_usage(probe.path / "parts"), max(probe.part_bytes(n) for n in probe.index.parts)
