@@ -33,7 +33,7 @@ from torch import nn
 
 from .batching import Batch
 from .buffers import PartGroup
-from .target import LayerCapture, top1_ids, topk_logprobs
+from .target import LayerCapture, next_token_outputs
 
 # Diagnostic: quantize fp8 with the eager (unfused) code on the GPU too.
 EAGER_FP8_ENV = "DFLASH_EXTRACT_EAGER_FP8"
@@ -165,11 +165,11 @@ class ExtractionEngine:
             last = cap.last_hidden.reshape(-1, cap.last_hidden.shape[-1])
             last = last.index_select(0, gather.to(last.device))
             out.update(self._encode(last.to(self.device), 1, LAST_HIDDEN))
-            if self.topk:
-                ids_k, lp_k = topk_logprobs(self.model, last, self.topk)
-                out[TOPK_IDS], out[TOPK_LOGPROBS] = ids_k.to(self.device), lp_k.to(self.device)
-            if self.top1:
-                out[TOP1_IDS] = top1_ids(self.model, last, self.top1).to(self.device)
+            if self.topk or self.top1:  # one pass of the head for both
+                heads = next_token_outputs(self.model, last, topk=self.topk, top1=self.top1)
+                for key, name in (("topk_ids", TOPK_IDS), ("topk_logprobs", TOPK_LOGPROBS), ("top1_ids", TOP1_IDS)):
+                    if key in heads:
+                        out[name] = heads[key].to(self.device)
         if self._timeline is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()

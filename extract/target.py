@@ -168,45 +168,43 @@ class LayerCapture:
         )
 
 
-@torch.inference_mode()
-def topk_logprobs(model: nn.Module, last_hidden: torch.Tensor, k: int, chunk_tokens: int = 2048):
-    """Top-k next-token log-probs from pre-norm last hidden states [T, D], in token chunks
-    (full logits of 32K tokens x 150K vocab would not fit), through the target's own final norm,
-    lm_head and post-head steps (runtime/logits.py). Returns (ids int32, logprobs f32)."""
+def _final_norm_and_head(model: nn.Module, what: str, fix: str = "") -> tuple[nn.Module, nn.Module]:
     norm = getattr(model.model, "norm", None)
     head = model.get_output_embeddings()
     if norm is None or head is None:
-        raise TargetError(
-            "--store-topk needs the target's final norm (model.model.norm) and lm_head; this "
-            f"model ({type(model).__name__}) lacks one of them."
-        )
+        raise TargetError(f"{what} needs the target's final norm (model.model.norm) and lm_head; this "
+                          f"model ({type(model).__name__}) lacks one of them{fix}.")
+    return norm, head
+
+
+@torch.inference_mode()
+def next_token_outputs(model: nn.Module, last_hidden: torch.Tensor, *, topk: int = 0, top1: str | None = None,
+                       chunk_tokens: int = 2048) -> dict[str, torch.Tensor]:
+    """What the cache stores of the target's next-token distribution, from pre-norm last hidden
+    states [T, D] in token chunks (full logits of 32K tokens x 150K vocab would not fit), through
+    the target's own final norm, lm_head and post-head steps (runtime/logits.py), one head pass
+    for both:
+    - `topk`: "topk_ids" (int32) and "topk_logprobs" (f32), the top-k log-probs;
+    - `top1`: "top1_ids" [T, 1], the greedy next token (argmax) in the bits of that dtype
+      (schema.TOP1_DTYPES: uint16 ids travel as int16 of the same bits). What greedy
+      verification checks a draft against: the trainer's held-out estimate replays it."""
+    norm, head = (_final_norm_and_head(model, "--store-topk") if topk else
+                  _final_norm_and_head(model, "Storing the target's top-1", ": pass --no-store-top1"))
     steps = post_head_steps(model.config)  # the logits the target's forward returns (soft cap, scale)
-    ids_out, lp_out = [], []
+    ids_k, lp_k, ids_1 = [], [], []
     for start in range(0, last_hidden.shape[0], chunk_tokens):
         logits = apply_post_head(head(norm(last_hidden[start:start + chunk_tokens])).float(), **steps)
-        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-        ids_out.append(ids.to(torch.int32))
-        lp_out.append(lp)
-    return torch.cat(ids_out), torch.cat(lp_out)
-
-
-@torch.inference_mode()
-def top1_ids(model: nn.Module, last_hidden: torch.Tensor, dtype: str, chunk_tokens: int = 2048) -> torch.Tensor:
-    """The target's greedy next token (argmax of its logits) per row of pre-norm last hidden
-    states [T, D], as [T, 1] in the bits of `dtype` (schema.TOP1_DTYPES: uint16 ids travel as
-    int16 of the same bits). What greedy verification checks a draft against: the trainer's
-    held-out estimate replays it (train/metrics.py)."""
-    norm = getattr(model.model, "norm", None)
-    head = model.get_output_embeddings()
-    if norm is None or head is None:
-        raise TargetError(
-            "Storing the target's top-1 needs its final norm (model.model.norm) and lm_head; this "
-            f"model ({type(model).__name__}) lacks one of them: pass --no-store-top1."
-        )
-    steps = post_head_steps(model.config)  # a soft cap or scale never moves the argmax, but stays exact
-    out = []
-    for start in range(0, last_hidden.shape[0], chunk_tokens):
-        ids = apply_post_head(head(norm(last_hidden[start:start + chunk_tokens])).float(), **steps).argmax(dim=-1)
-        out.append(torch.where(ids >= 1 << 15, ids - (1 << 16), ids).to(torch.int16) if dtype == "uint16"
-                   else ids.to(torch.int32))
-    return torch.cat(out)[:, None]
+        if topk:
+            lp, ids = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
+            ids_k.append(ids.to(torch.int32))
+            lp_k.append(lp)
+        if top1:
+            ids = logits.argmax(dim=-1)
+            ids_1.append(torch.where(ids >= 1 << 15, ids - (1 << 16), ids).to(torch.int16) if top1 == "uint16"
+                         else ids.to(torch.int32))
+    out = {}
+    if topk:
+        out["topk_ids"], out["topk_logprobs"] = torch.cat(ids_k), torch.cat(lp_k)
+    if top1:
+        out["top1_ids"] = torch.cat(ids_1)[:, None]
+    return out
