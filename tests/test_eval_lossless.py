@@ -62,6 +62,17 @@ def test_greedy_speculative_output_equals_the_target_greedy_output(target, draft
         assert tau < 1.5
 
 
+@pytest.mark.parametrize("which", ["trained", "dflash2 trained"])
+def test_batching_leaves_each_prompts_acceptance_lengths_unchanged(target, drafters, prompts, which):
+    """A batch's prompts accept, cycle by cycle, what each accepts decoded alone: tau measured at any
+    --batch-size is the batch-1 tau (only the speed figures are batched ones)."""
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    alone = [speculative_generate(target, drafters[which], [p], config)[0] for p in prompts]
+    batched = speculative_generate(target, drafters[which], prompts, config)
+    assert [g.acceptance_lengths for g in batched] == [g.acceptance_lengths for g in alone]
+    assert len({tuple(g.acceptance_lengths) for g in alone}) > 1  # the prompts do differ in acceptance
+
+
 def test_batched_target_only_decoding_equals_one_prompt_at_a_time(target, prompts, reference):
     gens = target_generate(target, prompts, DecodeConfig(max_new_tokens=NEW_TOKENS))
     assert [g.tokens for g in gens] == reference

@@ -176,7 +176,7 @@ def table(work: Work) -> str:
              f"{s.completion_tokens} tokens (half greedy, half T={s.sample_temperature}), {data.get('tokens', '–')} tokens"
              + (f", {data.get('extra_samples')} more sampled (extra_cache)" if data.get("extra_samples") else "")
              + f"; {data.get('eval_prompts', '–')} held-out "
-             f"prompts, greedy, {s.eval_new_tokens} new tokens, batch 1, prompt lookup n <= {s.lookup_ngram}; "
+             f"prompts, greedy, {s.eval_new_tokens} new tokens, batch {s.eval_batch}, prompt lookup n <= {s.lookup_ngram}; "
              "tau: accepted tokens / verification cycles over all prompts (pooled), per-prompt mean beside it; "
              "est.: the trainer's held-out estimate at the exported (best) step (its default held-out split "
              "of the training data, unless the variant passes --eval-cache estimate_cache: greedy completions "
