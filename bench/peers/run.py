@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -89,11 +91,18 @@ class Ours:
         return max(1, min(self.max_batch_size, self.token_budget // max(1, self.max_seq_len)))
 
 
+SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+
+
 @dataclass
 class Work:
     root: Path
     device: str = "cuda"
     log: Any = print
+    eval_batch: int | None = None
+    """Prompts dflash-eval decodes at once (None: settings.json's eval_batch, else 1)."""
+    specforge_sharding: str = "NO_SHARD"
+    """SpecForge's training.fsdp_sharding: NO_SHARD wraps the draft in DDP, the others in FSDP."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -116,6 +125,43 @@ class Work:
         return result
 
 
+def benchmark_mask_token_id(root: Path) -> int:
+    """The mask token the benchmark trained its drafters with: MASK_TOKEN_ID when set, else the
+    target stage's record (stages/target.json), else the target's tokenizer (its mask token), else
+    the byte vocabulary's (bench/quality/corpus.py), for work directories older than the record."""
+    if os.environ.get("MASK_TOKEN_ID"):
+        return int(os.environ["MASK_TOKEN_ID"])
+    stage = root / "stages" / "target.json"
+    if stage.is_file():
+        recorded = json.loads(stage.read_text()).get("mask_token_id")
+        if recorded is not None:
+            return int(recorded)
+    tokenizer_id = tokenizer_mask_token_id(root / "target")
+    if tokenizer_id is not None:
+        return tokenizer_id
+    import corpus  # bench/quality: the byte vocabulary's ids
+
+    return int(corpus.MASK_ID)
+
+
+def tokenizer_mask_token_id(target: Path) -> int | None:
+    """The id of the mask token that the tokenizer files in `target` name, or None."""
+    config_path, tokenizer_path = target / "tokenizer_config.json", target / "tokenizer.json"
+    if not config_path.is_file() or not tokenizer_path.is_file():
+        return None
+    mask = json.loads(config_path.read_text()).get("mask_token")
+    if isinstance(mask, dict):  # an AddedToken's serialized form
+        mask = mask.get("content")
+    if not mask:
+        return None
+    tokenizer = json.loads(tokenizer_path.read_text())
+    for added in tokenizer.get("added_tokens") or []:
+        if added.get("content") == mask:
+            return int(added["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    return int(vocab[mask]) if isinstance(vocab, dict) and mask in vocab else None
+
+
 def our_settings(work: Work, epochs: int | None) -> Ours:
     """Our drafter's settings on this work directory: the benchmark's sizes and train_args on top
     of dflash-train's defaults, the mask token the benchmark passes, the cache's lengths."""
@@ -125,7 +171,6 @@ def our_settings(work: Work, epochs: int | None) -> Ours:
                              "`bash bench/quality/device.sh prep` with WORKDIR set to it first.")
     s = json.loads(settings_path.read_text())
     args = list(s.get("train_args") or [])
-    import corpus  # bench/quality: the benchmark's own mask token
     from dflash.cache_tools.manifest import read_manifest
 
     manifest = read_manifest(work.root / "cache")
@@ -134,7 +179,7 @@ def our_settings(work: Work, epochs: int | None) -> Ours:
     return Ours(target_layer_ids=manifest.target_layer_ids,
                 num_draft_layers=int(_flag(args, "--num-draft-layers", "5")),
                 block_size=int(_flag(args, "--block-size", "16")),
-                mask_token_id=int(os.environ.get("MASK_TOKEN_ID", getattr(corpus, "MASK_ID", 0))),
+                mask_token_id=benchmark_mask_token_id(work.root),
                 epochs=epochs or 6, lr=float(_flag(args, "--lr", "6e-4")),
                 max_anchors=int(_flag(args, "--max-anchors", "512")),
                 token_budget=int(_flag(args, "--token-budget", "16384")),
@@ -233,13 +278,19 @@ def specforge_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any],
         differs = [f"batch {batch} sequences (ours: a budget of {ours.token_budget} padded tokens)",
                    "loss weights exp(-(k-1)/gamma) (ours: acceptance)"]
     draft = draft_config(work, ours, layers=layers, target_layer_ids=layer_ids, block_size=block)
+    if work.specforge_sharding == "NO_SHARD":
+        differs.append("one process under DDP (fsdp_sharding NO_SHARD; its default FSDP SHARD_GRAD_OP makes the "
+                       "same update on one rank and has no CPU path)")
+    # The draft's weights are bf16 (fp32 masters in SpecForge's optimizer) on the CPU too: the
+    # .ckpt hidden states are bf16, and only FSDP's mixed precision would cast fp32 weights to them.
     config = {
         "model": {"target_model_path": str(peer_target(work)), "draft_model_config": str(run / "draft.json"),
                   "mask_token_id": ours.mask_token_id, "tokenizer_pad_token_id": int(t.get("pad_token_id") or 0),
-                  "torch_dtype": "float32" if cpu else "bfloat16"},
+                  "torch_dtype": "bfloat16"},
         "data": {"hidden_states_path": str(work.peers / "ckpt"), "max_length": max(ours.max_seq_len, 16),
                  "dataloader_num_workers": 0 if cpu else 4},
         "training": {"strategy": "dflash", "num_epochs": epochs, "batch_size": batch,
+                     "fsdp_sharding": work.specforge_sharding,
                      "learning_rate": 6e-4 if own else ours.lr, "warmup_ratio": 0.04 if own else ours.warmup_ratio,
                      "max_grad_norm": 1.0 if own else ours.grad_clip, "lr_scheduler": "cosine",
                      "attention_backend": "sdpa" if cpu else "flex_attention", "num_anchors": 512 if own else ours.max_anchors,
@@ -250,7 +301,7 @@ def specforge_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any],
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
     if cpu:
-        differs.append("CPU smoke: sdpa, fp32")
+        differs.append("CPU smoke: sdpa (flex_attention has no backward on a CPU)")
     return config, draft, differs
 
 
@@ -368,27 +419,33 @@ print(json.dumps(list(AutoDraftModel.from_config(AutoDraftModelConfig.from_file(
 """
 """The target layers SpecForge's draft reads (its own rule when draft.json names none)."""
 
-UNTRAINED_SPECFORGE_CHECKPOINT = """
-import sys, pathlib, torch
-from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
-model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(sys.argv[1]), torch_dtype=torch.bfloat16)
-pathlib.Path(sys.argv[2]).parent.mkdir(parents=True, exist_ok=True)
-torch.save({"draft_state_dict": model.state_dict()}, sys.argv[2])
-"""
+SPECFORGE_STEP = re.compile(r"^step (\d+): \{.*'loss': ([^,}]+)", re.MULTILINE)
+"""A logged line of SpecForge's trainer: `step N: {'acc': ..., 'loss': ..., ...}`."""
+
+
+def specforge_steps(log_text: str) -> dict[str, Any]:
+    """The steps and losses SpecForge's trainer logged (every log_interval steps)."""
+    steps = [(int(n), float(loss)) for n, loss in SPECFORGE_STEP.findall(log_text)]
+    if not steps:
+        return {"logged_steps": 0}
+    return {"logged_steps": len(steps), "last_step": steps[-1][0], "first_loss": steps[0][1],
+            "last_loss": steps[-1][1]}
 
 
 def train(work: Work, run: str) -> dict[str, Any]:
     d = work.run_dir(run)
     if not (d / "differs.json").is_file():
         raise PeerBenchError(f"{d} has no configs; run the prep step first.")
-    if run.startswith("specforge") and work.device == "cpu":
-        # SpecForge wraps the draft in FSDP, which needs an accelerator: the CPU smoke writes the
-        # checkpoint its export reads from an untrained draft that SpecForge itself builds.
-        seconds = _run([sys.executable, "-c", UNTRAINED_SPECFORGE_CHECKPOINT, str(d / "draft.json"),
-                        str(d / "output" / "training_state.pt")], d / "train.log")
-    elif run.startswith("specforge"):
-        seconds = _run([sys.executable, "-m", "specforge.cli", "train", "-c", str(d / "run.yaml")], d / "train.log")
+    logged: dict[str, Any] = {}
     if run.startswith("specforge"):
+        # One process: SpecForge's CLI sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+        # MASTER_PORT itself and trains in this process (no torchrun), on the GPU with NCCL and
+        # on a CPU with gloo. A fresh output directory: its export reads the newest checkpoint.
+        shutil.rmtree(d / "output", ignore_errors=True)
+        seconds = _run([sys.executable, "-m", "specforge.cli", "train", "-c", str(d / "run.yaml")], d / "train.log")
+        logged = specforge_steps((d / "train.log").read_text())
+        if not logged["logged_steps"]:
+            raise PeerBenchError(f"SpecForge's trainer exited without logging a step (log in {d / 'train.log'}).")
         _run([sys.executable, "-c", SPECFORGE_LAYER_IDS, str(d / "draft.json")], d / "layers.log", stdout=d / "layers.json")
         export_seconds = _run([sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint",
                                str(d / "output"), "--draft-config", str(d / "draft.json"), "--output-dir",
@@ -396,7 +453,7 @@ def train(work: Work, run: str) -> dict[str, Any]:
     else:
         seconds = _run([sys.executable, str(HERE / "modelopt_train.py"), str(d / "recipe.json")], d / "train.log")
         export_seconds = 0.0  # modelopt_train.py exports in the same process (its time is in seconds)
-    return {"run": run, "seconds": seconds, "export_seconds": export_seconds}
+    return {"run": run, "seconds": seconds, "export_seconds": export_seconds, **logged}
 
 
 def load_as_is(export: Path, target: Path) -> str | None:
@@ -436,7 +493,7 @@ def evaluate(work: Work, run: str, ours: Ours) -> dict[str, Any]:
     seconds = _run([sys.executable, "-c", "import sys; sys.argv[0] = 'dflash-eval'; from dflash.eval.cli import main; main()",
                     "--target-model", str(target), "--drafter", str(drafter), "--prompts", str(work.root / "eval_prompts.jsonl"),
                     "--max-new-tokens", str(s["eval_new_tokens"]), "--ignore-eos", "--block-size", str(block),
-                    "--batch-size", "1", "--device", work.device, "--dtype", "float32",
+                    "--batch-size", str(work.eval_batch or int(s.get("eval_batch") or 1)), "--device", work.device, "--dtype", "float32",
                     "--lookup-ngram", str(s["lookup_ngram"]), "--json"], d / f"eval-b{block}.log", stdout=out)
     report = json.loads(out.read_text())
     [r] = report["prompt_sets"]
@@ -500,10 +557,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="A prepared quality-benchmark work directory.")
     parser.add_argument("--device", default="cuda", help="cuda or cpu (cpu: the smoke run's settings).")
     parser.add_argument("--epochs", type=int, default=None, help="Epochs of the same-settings runs [default: 6, ours].")
+    parser.add_argument("--eval-batch", type=int, default=None,
+                        help="Prompts dflash-eval decodes at once [default: settings.json's eval_batch, else 1].")
+    parser.add_argument("--specforge-sharding", choices=SHARDINGS, default="NO_SHARD",
+                        help="SpecForge's training.fsdp_sharding [default: NO_SHARD, DDP on one process].")
     parser.add_argument("step", choices=("prep", "train", "eval", "table"))
     parser.add_argument("runs", nargs="*", help=f"Runs for train/eval [default: all of {', '.join(RUNS)}].")
     args = parser.parse_args(argv)
-    work = Work(Path(args.workdir), device=args.device)
+    work = Work(Path(args.workdir), device=args.device, eval_batch=args.eval_batch,
+                specforge_sharding=args.specforge_sharding)
     try:
         ours = our_settings(work, args.epochs)
         if args.step == "prep":
@@ -518,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
                 work.log(f"[{args.step} {run}]")
                 result = train(work, run) if args.step == "train" else evaluate(work, run, ours)
                 work.record(run, args.step, result)
-                work.log(f"[{args.step} {run}] " + (f"{result['seconds']:.0f} s" if args.step == "train" else
+                trained = f"{result['seconds']:.0f} s" + (f", loss {result['first_loss']:.3f} -> {result['last_loss']:.3f} "
+                                                          f"by step {result['last_step']}" if "last_loss" in result else "")
+                work.log(f"[{args.step} {run}] " + (trained if args.step == "train" else
                          f"tau {result['tau']:.2f} (lookup {result['lookup_tau']:.2f}), lossless {result['lossless']}"))
         text = table(work, ours)
         (work.peers / "table.md").write_text(text + "\n")
