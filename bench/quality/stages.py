@@ -97,6 +97,10 @@ class Sizes:
     """Extra dflash-train flags every variant gets (sizes for a CPU run)."""
     extract_args: tuple[str, ...] = ()
     """Extra dflash-extract flags."""
+    extra_codecs: tuple[str, ...] = ()
+    """The completions also extracted with each of these codecs, into cache-CODEC (e.g. nf4): a
+    variant trains on one instead of `cache` with `--bench-cache cache-nf4`, so a codec's cost is
+    measured on the same completions and target."""
     seed: int = 0
     cpu_threads: int = 0
     """torch threads on CPU, also for the child commands (0: torch's default)."""
@@ -433,14 +437,17 @@ def stage_extract(work: Work) -> dict[str, Any]:
     sets = [("completions", "cache"), ("estimate_set", "estimate_cache"), ("decoded_set", "decoded_cache")]
     if s.extra_samples:
         sets.append(("completions_extra", "extra_cache"))
+    sets += [("completions", f"cache-{codec}") for codec in s.extra_codecs]
     for data, cache in sets:
+        codec = cache.removeprefix("cache-") if cache.startswith("cache-") else None
         seconds[cache] = run_command("dflash-extract", "dflash.extract.cli", [
             "--target-model", str(work.root / "target"), "--data", str(work.root / data),
             "--output", str(work.root / cache), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
-            "--device", work.device, "--no-progress", *s.extract_args], work.root / f"extract-{cache}.log",
-            env=work.child_env())
+            "--device", work.device, "--no-progress", *s.extract_args, *(("--codec", codec) if codec else ())],
+            work.root / f"extract-{cache}.log", env=work.child_env())
     return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"],
-            "decoded_seconds": seconds["decoded_cache"], "extra_seconds": seconds.get("extra_cache")}
+            "decoded_seconds": seconds["decoded_cache"], "extra_seconds": seconds.get("extra_cache"),
+            **{f"{codec}_seconds": seconds[f"cache-{codec}"] for codec in s.extra_codecs}}
 
 
 @dataclass(frozen=True)
@@ -462,9 +469,28 @@ estimate_cache`: the old estimate over greedy completions of other held-out prom
 extra_cache`: the extra sampled completions as well)."""
 
 
-def variant_args(work: Work, variant: Variant) -> list[str]:
-    """The variant's dflash-train flags, a relative cache name made a path of the work directory."""
+BENCH_CACHE_FLAG = "--bench-cache"
+"""A variant flag of the benchmark's own (not dflash-train's): train on this cache of the work
+directory instead of `cache` (`--bench-cache cache-nf4`: the same completions in another codec)."""
+
+
+def training_cache(work: Work, variant: Variant) -> Path:
+    """The cache a variant trains on: `cache`, or the one its --bench-cache names."""
     args = list(variant.train_args)
+    name = next((v for a, v in zip(args, args[1:]) if a == BENCH_CACHE_FLAG), "cache")
+    if not (work.root / name / "manifest.json").is_file():
+        raise BenchError(f"--variant {variant.name}: {BENCH_CACHE_FLAG} {name}: no cache {work.root / name} "
+                         "(cache-CODEC needs --set extra_codecs=CODEC before the extract stage).")
+    return work.root / name
+
+
+def variant_args(work: Work, variant: Variant) -> list[str]:
+    """The variant's dflash-train flags, a relative cache name made a path of the work directory
+    (the benchmark's own --bench-cache is taken out: training_cache reads it)."""
+    args = list(variant.train_args)
+    if BENCH_CACHE_FLAG in args:
+        at = args.index(BENCH_CACHE_FLAG)
+        del args[at : at + 2]
     for i, (flag, value) in enumerate(zip(args, args[1:])):
         if flag in WORKDIR_PATH_FLAGS and not Path(value).is_absolute():
             if not (work.root / value / "manifest.json").is_file():
@@ -480,7 +506,7 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
     # No --eval-cache unless the variant asks: the trainer's own held-out split of the (half
     # sampled) training data, with its greedy replay against the cached top-1, is what users get.
     seconds = run_command("dflash-train", "dflash.train.cli", [
-        "--cache", str(work.root / "cache"), "--target-model", str(work.root / "target"),
+        "--cache", str(training_cache(work, variant)), "--target-model", str(work.root / "target"),
         "--output-dir", str(run_dir), "--epochs", str(variant.epochs), "--seed", str(s.seed),
         "--mask-token-id", str(work.vocab().mask_id), "--device", work.device, "--save-interval", "0",
         "--no-progress", "--no-tensorboard", *s.train_args, *variant_args(work, variant)],

@@ -1,0 +1,269 @@
+"""A round of GPU benchmarks as one detached pipeline of jobs, so that it outlives one command.
+
+A GPU host may limit each command to minutes while a round of measurements takes longer. This
+runner starts the round's jobs in a process of its own session (it runs on after the command that
+started it returns) and lets later commands wait for it and collect what it wrote:
+
+    python3 bench/gpu_round.py start leaderboard   # returns at once; the round runs on
+    python3 bench/gpu_round.py wait 560            # until it ends or 560 s pass; writes $OUT/round.tgz
+    python3 bench/gpu_round.py status
+
+A job is a shell command with the jobs it needs, a priority and a share of the GPU: at most
+SLOTS jobs run at once (default 4, small models leave an H200 mostly idle), lowest priority
+number first, and an `alone` job (a timing that must not share the GPU) runs by itself. A job
+whose needs failed is skipped, and says so. Each job's output is ROUND/logs/NAME.log, its state
+ROUND/jobs/NAME.json; `start` again reruns what did not finish. ROUND defaults to
+/dev/shm/dflash-round.
+
+Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs GPU time):
+
+  leaderboard   bench/quality on each domain of DOMAINS (default "code prose") at COMPLETIONS
+                (default 4096) completions: ours (DFlash, DFlash2, 24 epochs; on code also the
+                extra sampled completions and an nf4 cache), SpecForge's and ModelOpt's drafters
+                on the same data (bench/peers), each decoded by dflash-eval; then, alone on the
+                GPU, extraction of the 8B shape in bf16, fp8 and nf4 (bench/bench_extract.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Job:
+    name: str
+    command: str
+    needs: list[str] = field(default_factory=list)
+    priority: int = 5
+    alone: bool = False
+    after: list[str] = field(default_factory=list)
+    """Jobs that must have ended first, well or not (where `needs` must have succeeded)."""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def round_dir() -> Path:
+    return Path(os.environ.get("ROUND", "/dev/shm/dflash-round"))
+
+
+# -- plans ------------------------------------------------------------------------------------------
+
+
+def leaderboard() -> list[Job]:
+    small = bool(os.environ.get("ROUND_SMALL"))
+    completions = os.environ.get("COMPLETIONS", "64" if small else "4096")
+    epochs = os.environ.get("EPOCHS", "1" if small else "6")
+    more_epochs = str(4 * int(epochs))
+    root = round_dir()
+    jobs: list[Job] = []
+    quality = "bash bench/quality/device.sh"
+    for domain in os.environ.get("DOMAINS", "code prose").split():
+        work = root / f"quality-{domain}"
+        sets = f"--set completions={completions}"
+        if domain == "code":
+            sets += " --set extra_samples=2 --set extra_codecs=nf4"
+        env = {"WORKDIR": str(work), "DOMAIN": domain, "QUALITY_SETS": sets, "EVAL_BLOCKS": "16" if not small else "8",
+               "DFLASH_QUALITY_SIDE_BY_SIDE": os.environ.get("SLOTS", "4"), **({"SMALL": "1"} if small else {})}
+
+        def quality_job(name: str, variant: str, priority: int, domain: str = domain, env: dict = env) -> Job:
+            return Job(f"{domain}-{name}", f'{quality} main "{variant}"', [f"{domain}-prep"], priority,
+                       env={**env, "RESULTS": str(root / "results" / f"{domain}-{name}")})
+
+        jobs.append(Job(f"{domain}-prep", f"{quality} prep", [], 1,
+                        env={**env, "RESULTS": str(root / "results" / f"{domain}-prep")}))
+        jobs += [quality_job("dflash", epochs, 2), quality_job("dflash2", f"{epochs} --drafter-type dflash2", 2)]
+        peers = "bash bench/peers/device.sh " + str(work)
+        peer_env = {**env, "EPOCHS": epochs, **({"DEVICE": "cpu"} if small else {})}
+        jobs.append(Job(f"{domain}-peers-prep", peers, [f"{domain}-prep"], 3,
+                        env={**peer_env, "RUNS": " ", "RESULTS": str(root / "results" / f"{domain}-peers-prep")}))
+        for run in ("specforge-same", "modelopt-same"):
+            jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3,
+                            env={**peer_env, "RUNS": run, "RESULTS": str(root / "results" / f"{domain}-{run}")}))
+        jobs.append(quality_job(f"e{more_epochs}", more_epochs, 4))
+        if domain == "code":
+            jobs += [quality_job("extra", f"{epochs} --cache extra_cache", 4),
+                     quality_job("nf4", f"{epochs} --bench-cache cache-nf4", 4)]
+    ends = [j.name for j in jobs]
+    for domain in os.environ.get("DOMAINS", "code prose").split():
+        work = root / f"quality-{domain}"
+        env = next(j.env for j in jobs if j.name == f"{domain}-prep")
+        jobs.append(Job(f"{domain}-tables", f"{quality} table; python3 bench/peers/run.py --workdir {work} table "
+                        f"> {work}/peers/table.md; cat {work}/peers/table.md", [], 8, after=ends,
+                        env={**env, "EPOCHS": epochs, "RESULTS": str(root / "results" / f"{domain}-tables")}))
+    if not os.environ.get("SKIP_EXTRACT"):
+        extract = (f"python3 bench/bench_extract.py --output {root}/extract-scratch --codecs bf16,fp8,nf4 "
+                   f"--json {root}/results/extract-8b.json" + (" --small" if small else "")
+                   + f"; rc=$?; rm -rf {root}/extract-scratch; exit $rc")
+        jobs.append(Job("extract-8b", extract, [], 9, alone=True, after=[j.name for j in jobs],
+                        env={"DFLASH_PROFILE_EXTRACT": "1"}))
+    return jobs
+
+
+PLANS = {"leaderboard": leaderboard}
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+def _state(name: str) -> dict:
+    path = round_dir() / "jobs" / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else {"state": "waiting"}
+
+
+def _write_state(name: str, **state) -> None:
+    path = round_dir() / "jobs" / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"name": name, **state}) + "\n")
+    tmp.replace(path)
+
+
+def run_plan(plan: str, slots: int) -> int:
+    root = round_dir()
+    (root / "jobs").mkdir(parents=True, exist_ok=True)
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    jobs = {j.name: j for j in PLANS[plan]()}
+    (root / "plan.json").write_text(json.dumps([asdict(j) for j in jobs.values()], indent=1) + "\n")
+    done = {n for n in jobs if _state(n).get("state") == "done"}
+    failed: set[str] = set()
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    stop = False
+
+    def on_term(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    while not stop:
+        for name, (proc, started) in list(running.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            del running[name]
+            (done if rc == 0 else failed).add(name)
+            _write_state(name, state="done" if rc == 0 else "failed", rc=rc, start=started,
+                         seconds=round(time.time() - started, 1))
+        for name, job in jobs.items():
+            if name in done or name in failed or name in running:
+                continue
+            if any(n in failed for n in job.needs) and _state(name).get("state") != "skipped":
+                failed.add(name)
+                _write_state(name, state="skipped", why="needs failed: " + ", ".join(n for n in job.needs if n in failed))
+        ready = sorted((j for n, j in jobs.items() if n not in done | failed | set(running)
+                        and all(d in done for d in j.needs) and all(d in done | failed for d in j.after)),
+                       key=lambda j: j.priority)
+        for job in ready:
+            if any(jobs[n].alone for n in running) or (job.alone and running) or len(running) >= slots:
+                break
+            log = open(root / "logs" / f"{job.name}.log", "w")
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **job.env}
+            proc = subprocess.Popen(["bash", "-c", job.command], cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            running[job.name] = (proc, time.time())
+            _write_state(job.name, state="running", start=time.time(), pid=proc.pid)
+        if not running and not ready:
+            break
+        time.sleep(2)
+    for name, (proc, started) in running.items():  # stopped: the unfinished jobs rerun next start
+        os.killpg(proc.pid, signal.SIGTERM)
+        _write_state(name, state="stopped", start=started)
+    (root / "finished").write_text(json.dumps({"done": sorted(done), "failed": sorted(failed)}) + "\n")
+    return 0 if not failed else 1
+
+
+def start(plan: str, slots: int) -> int:
+    root = round_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "finished").unlink(missing_ok=True)
+    pid_file = root / "runner.pid"
+    if pid_file.is_file():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            print(f"a round is already running (pid {pid_file.read_text().strip()}); `wait` for it")
+            return 1
+        except (OSError, ValueError):
+            pass
+    with open(root / "runner.log", "a") as log:
+        proc = subprocess.Popen([sys.executable, __file__, "run", plan, "--slots", str(slots)], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pid_file.write_text(f"{proc.pid}\n")
+    print(f"round {plan} started (pid {proc.pid}) in {root}")
+    return 0
+
+
+def status() -> str:
+    root = round_dir()
+    lines = []
+    for path in sorted((root / "jobs").glob("*.json")):
+        s = json.loads(path.read_text())
+        took = s.get("seconds") or (round(time.time() - s["start"]) if s.get("start") else "")
+        lines.append(f"  {s['name']:<28} {s['state']:<8} {took!s:>6} s  {s.get('why', '')}")
+    return "\n".join(lines)
+
+
+def collect(out: Path) -> None:
+    """Everything small the round wrote (logs, states, results) as out/round.tgz."""
+    root = round_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out / "round.tgz", "w:gz") as tar:
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and path.stat().st_size < 4 << 20 and path.suffix in {
+                    ".json", ".log", ".jsonl", ".md", ".tgz", ".txt", ".yaml"} and "/peers/ckpt/" not in str(path) \
+                    and not any(p in path.parts for p in ("checkpoints", "target", "cache", "cache-nf4", "extra_cache",
+                                                          "estimate_cache", "decoded_cache", "completions")):
+                tar.add(path, arcname=str(path.relative_to(root)))
+
+
+def wait(seconds: float) -> int:
+    root = round_dir()
+    deadline = time.time() + seconds
+    while time.time() < deadline and not (root / "finished").is_file():
+        if not (root / "runner.pid").is_file():
+            print(f"no round in {root}")
+            return 2
+        time.sleep(5)
+    print(status())
+    for path in sorted((root / "jobs").glob("*.json")):
+        s = json.loads(path.read_text())
+        if s["state"] == "failed":
+            log = (root / "logs" / f"{s['name']}.log").read_text().splitlines()[-12:]
+            print(f"--- {s['name']} (status {s.get('rc')}):\n" + "\n".join(log))
+    out = os.environ.get("OUT")
+    if out:
+        collect(Path(out))
+    finished = (root / "finished").is_file()
+    print("round finished" if finished else "round still running")
+    return 0 if finished else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("start", "run", "wait", "status"))
+    ap.add_argument("arg", nargs="?", help="start/run: the plan; wait: seconds")
+    ap.add_argument("--slots", type=int, default=int(os.environ.get("SLOTS", "4")))
+    a = ap.parse_args(argv)
+    if a.what in ("start", "run") and a.arg not in PLANS:
+        ap.error(f"plan: one of {', '.join(PLANS)}")
+    if a.what == "start":
+        return start(a.arg, a.slots)
+    if a.what == "run":
+        return run_plan(a.arg, a.slots)
+    if a.what == "wait":
+        return wait(float(a.arg or 0))
+    print(status())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
