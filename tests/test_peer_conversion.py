@@ -77,3 +77,88 @@ def test_normalized_export_holds_the_renamed_tensors_and_the_new_config(tmp_path
         assert list(f.keys()) == ["fc.weight"] and torch.equal(f.get_tensor("fc.weight"), fc)
     assert json.loads((tmp_path / "dst" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 7
     assert any("model-00001.safetensors -> one model.safetensors" in n for n in notes)
+
+
+# -- run.py: the settings the peers are given --------------------------------------------------
+
+def _peers_run():
+    """bench/peers/run.py under its own name (bench/quality has a run.py too)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "peers" / "run.py"
+    spec = importlib.util.spec_from_file_location("peers_run", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["peers_run"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _work_dir(root, *, stage_mask=None, settings=None):
+    """A prepared quality-benchmark work directory in miniature: settings, a cache, a target config."""
+    from transformers import Qwen3Config
+
+    make_cache(root / "cache", parts=1, length=40)
+    Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, pad_token_id=0).save_pretrained(root / "target")
+    (root / "settings.json").write_text(json.dumps({"train_args": ["--block-size", "8"], "seed": 0, **(settings or {})}))
+    if stage_mask is not None:
+        (root / "stages").mkdir()
+        (root / "stages" / "target.json").write_text(json.dumps({"vocab": "bpe", "mask_token_id": stage_mask}))
+    return root
+
+
+def test_the_peers_mask_token_is_the_benchmarks_recorded_one_not_the_byte_vocabularys(tmp_path, monkeypatch):
+    monkeypatch.delenv("MASK_TOKEN_ID", raising=False)
+    peers = _peers_run()
+    work = peers.Work(_work_dir(tmp_path, stage_mask=3), device="cpu")
+    ours = peers.our_settings(work, None)
+    assert ours.mask_token_id == 3 and ours.block_size == 8  # the byte vocabulary's is 259
+    config, draft, _ = peers.specforge_config(work, ours, own=False)
+    assert config["model"]["mask_token_id"] == draft["dflash_config"]["mask_token_id"] == 3
+    recipe, _ = peers.modelopt_config(work, ours, own=True)
+    assert recipe["dflash"]["dflash_mask_token_id"] == 3
+
+
+def test_without_a_stage_record_the_mask_token_comes_from_the_targets_tokenizer_then_the_byte_vocabulary(
+        tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    monkeypatch.delenv("MASK_TOKEN_ID", raising=False)
+    peers = _peers_run()
+    root = _work_dir(tmp_path)
+    assert peers.benchmark_mask_token_id(root) == 259  # a byte-level work directory: corpus.MASK_ID
+    tok = Tokenizer(WordLevel({"<pad>": 0, "a": 1, "b": 2}, unk_token="a"))
+    tok.add_special_tokens(["<bos>", "<mask>"])
+    tok.save(str(root / "target" / "tokenizer.json"))
+    (root / "target" / "tokenizer_config.json").write_text(json.dumps({"mask_token": "<mask>", "pad_token": "<pad>"}))
+    assert peers.benchmark_mask_token_id(root) == 4
+    monkeypatch.setenv("MASK_TOKEN_ID", "7")
+    assert peers.benchmark_mask_token_id(root) == 7
+
+
+def test_specforge_trains_bf16_weights_under_ddp_and_dflash_eval_takes_the_benchmarks_eval_batch(tmp_path):
+    peers = _peers_run()
+    root = _work_dir(tmp_path, stage_mask=3, settings={"eval_batch": 4})
+    for device, attention in (("cpu", "sdpa"), ("cuda", "flex_attention")):
+        work = peers.Work(root, device=device)
+        config, _, differs = peers.specforge_config(work, peers.our_settings(work, 2), own=False)
+        # the .ckpt hidden states are bf16: fp32 weights without FSDP's casts fail in the first matmul
+        assert config["model"]["torch_dtype"] == "bfloat16"
+        assert config["training"]["fsdp_sharding"] == "NO_SHARD" and config["training"]["num_epochs"] == 2
+        assert config["training"]["attention_backend"] == attention
+        assert any("NO_SHARD" in d for d in differs)
+    assert peers.eval_batch_size(peers.Work(root)) == 4
+    assert peers.eval_batch_size(peers.Work(root, eval_batch=2)) == 2
+    (root / "settings.json").write_text(json.dumps({"train_args": []}))
+    assert peers.eval_batch_size(peers.Work(root)) == 1
+
+
+def test_specforge_log_lines_give_the_steps_and_losses():
+    peers = _peers_run()
+    log = ("Loading ['model.embed_tokens.weight'] ...\n"
+           "step 20: {'acc': 0.45, 'loss': 4.297890663146973, 'grad_norm': 5.65, 'lr': 0.0024}\n"
+           "step 40: {'acc': 0.71, 'loss': 4.057, 'grad_norm': 0.6, 'lr': 0.0}\n")
+    assert peers.specforge_steps(log) == {"logged_steps": 2, "last_step": 40, "first_loss": 4.297890663146973,
+                                          "last_loss": 4.057}
+    assert peers.specforge_steps("Traceback ...")["logged_steps"] == 0

@@ -467,6 +467,15 @@ def load_as_is(export: Path, target: Path) -> str | None:
     return None
 
 
+def eval_batch_size(work: Work) -> int:
+    """Prompts dflash-eval decodes at once: --eval-batch, else the benchmark's eval_batch, else 1
+    (batched decoding gives the same tokens and is much faster on a GPU)."""
+    if work.eval_batch:
+        return work.eval_batch
+    s = json.loads((work.root / "settings.json").read_text())
+    return int(s.get("eval_batch") or 1)
+
+
 def evaluate(work: Work, run: str, ours: Ours) -> dict[str, Any]:
     d, target = work.run_dir(run), work.root / "target"
     s = json.loads((work.root / "settings.json").read_text())
@@ -493,7 +502,7 @@ def evaluate(work: Work, run: str, ours: Ours) -> dict[str, Any]:
     seconds = _run([sys.executable, "-c", "import sys; sys.argv[0] = 'dflash-eval'; from dflash.eval.cli import main; main()",
                     "--target-model", str(target), "--drafter", str(drafter), "--prompts", str(work.root / "eval_prompts.jsonl"),
                     "--max-new-tokens", str(s["eval_new_tokens"]), "--ignore-eos", "--block-size", str(block),
-                    "--batch-size", str(work.eval_batch or int(s.get("eval_batch") or 1)), "--device", work.device, "--dtype", "float32",
+                    "--batch-size", str(eval_batch_size(work)), "--device", work.device, "--dtype", "float32",
                     "--lookup-ngram", str(s["lookup_ngram"]), "--json"], d / f"eval-b{block}.log", stdout=out)
     report = json.loads(out.read_text())
     [r] = report["prompt_sets"]
@@ -504,7 +513,7 @@ def evaluate(work: Work, run: str, ours: Ours) -> dict[str, Any]:
             "tau": r["tau"], "tau_per_prompt_mean": r["tau_per_prompt_mean"],
             "lossless": r["lossless"].get("identical"), "lookup_tau": lookup["tau"],
             "lookup_tau_per_prompt_mean": lookup["tau_per_prompt_mean"], "lookup_lossless": lookup["lossless"].get("identical"),
-            "speedup": r["speedup"], "seconds": seconds}
+            "speedup": r["speedup"], "eval_batch": eval_batch_size(work), "seconds": seconds}
 
 
 # -- table -----------------------------------------------------------------------------------------
