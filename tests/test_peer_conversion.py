@@ -148,6 +148,9 @@ def test_specforge_trains_bf16_weights_under_ddp_and_dflash_eval_takes_the_bench
         assert config["training"]["fsdp_sharding"] == "NO_SHARD" and config["training"]["num_epochs"] == 2
         assert config["training"]["attention_backend"] == attention
         assert any("NO_SHARD" in d for d in differs)
+    ours = peers.our_settings(work, None)
+    own, _, _ = peers.specforge_config(work, ours, own=True)  # its 4 sequences of 3072 tokens a step
+    assert own["training"]["batch_size"] == 4 * 3072 // ours.max_seq_len and own["training"]["num_epochs"] == 6
     assert peers.eval_batch_size(peers.Work(root)) == 4
     assert peers.eval_batch_size(peers.Work(root, eval_batch=2)) == 2
     (root / "settings.json").write_text(json.dumps({"train_args": []}))

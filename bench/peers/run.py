@@ -10,7 +10,8 @@ Runs (each resumable: a stage recorded in WORKDIR/peers/RUN/<stage>.json is skip
   specforge-same   SpecForge offline DFlash from our cache (as .ckpt files): our target layers,
                    draft layers, block size, mask token, epochs, lr, warmup, clip, anchors, gamma
   specforge-own    SpecForge's Qwen3-8B DFlash recipe (configs/qwen3-8b-dflash.json, 5 draft layers,
-                   target layers by its rule; batch 4, 6 epochs, lr 6e-4, warmup 0.04, gamma 7)
+                   target layers by its rule; batch 4 of 3072 tokens (as sequences of the cache's
+                   length: the same tokens a step), 6 epochs, lr 6e-4, warmup 0.04, gamma 7)
   modelopt-same    ModelOpt's DFlash (HF Trainer on the in-process target) at our settings; it
                    needs one target layer per draft layer, so its draft has len(target_layer_ids) layers
   modelopt-own     ModelOpt 0.47.0's modelopt_recipes/general/speculative_decoding/dflash.yaml:
@@ -269,9 +270,13 @@ def specforge_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any],
     t = json.loads((work.root / "target" / "config.json").read_text())
     run = work.run_dir("specforge-own" if own else "specforge-same")
     if own:  # configs/qwen3-8b-dflash.json + examples/configs/.../qwen3-8b-dflash*.yaml
-        layers, block, epochs, batch = 5, 16, 6, 4
+        # Its recipe is batch 4 of max_length 3072 tokens: the same tokens per step as sequences of
+        # our length (4 of ours would be ~12x the steps of its recipe on the same tokens).
+        batch = max(1, 4 * 3072 // max(1, ours.max_seq_len))
+        layers, block, epochs = 5, 16, 6
         layer_ids, note = own_layer_ids(t["num_hidden_layers"], 5, ours)
-        differs = [f"draft layers 5, {note}", "block 16", "epochs 6", "batch 4 sequences", "gamma 7"]
+        differs = [f"draft layers 5, {note}", "block 16", "epochs 6",
+                   f"batch {batch} sequences (its 4 of 3072 tokens a step)", "gamma 7"]
     else:
         layers, layer_ids, block, epochs, batch = (ours.num_draft_layers, ours.target_layer_ids, ours.block_size,
                                                    ours.epochs, ours.batch_samples)
