@@ -163,6 +163,24 @@ def tokenizer_mask_token_id(target: Path) -> int | None:
     return int(vocab[mask]) if isinstance(vocab, dict) and mask in vocab else None
 
 
+def write_config(path: Path, text: str) -> None:
+    """Write `text` to `path` unless it holds it already, through a unique temporary name and a
+    rename: device.sh's jobs run side by side and each runs prep, while another one's peer may be
+    reading the file."""
+    if path.is_file() and path.read_text() == text:
+        return
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def our_settings(work: Work, epochs: int | None) -> Ours:
     """Our drafter's settings on this work directory: the benchmark's sizes and train_args on top
     of dflash-train's defaults, the mask token the benchmark passes, the cache's lengths."""
@@ -203,7 +221,10 @@ def peer_target(work: Work) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in TARGET_FILES + TOKENIZER_FILES:
         if (src / name).is_file() and not (out / name).exists():
-            (out / name).symlink_to((src / name).resolve())
+            try:
+                (out / name).symlink_to((src / name).resolve())
+            except FileExistsError:  # a prep beside this one made it
+                pass
     if not (out / "tokenizer.json").exists():
         from tokenizers import Tokenizer
         from tokenizers.models import WordLevel
@@ -213,9 +234,9 @@ def peer_target(work: Work) -> Path:
         vocab = {str(i): i for i in range(int(config["vocab_size"]))}
         tok = Tokenizer(WordLevel(vocab, unk_token="0"))
         tok.pre_tokenizer = WhitespaceSplit()
-        tok.save(str(out / "tokenizer.json"))
+        write_config(out / "tokenizer.json", tok.to_str())
         pad = config.get("pad_token_id")
-        (out / "tokenizer_config.json").write_text(json.dumps({
+        write_config(out / "tokenizer_config.json", json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
             **({"pad_token": str(pad)} if pad is not None else {})}) + "\n")
     return out
@@ -375,7 +396,7 @@ def prep(work: Work, ours: Ours) -> None:
         start = time.perf_counter()
         info = cache_to_ckpt_dir(work.root / "cache", work.peers / "ckpt")
         info["seconds"] = time.perf_counter() - start
-        (work.peers / "ckpt.json").write_text(json.dumps(info, indent=2) + "\n")
+        write_config(work.peers / "ckpt.json", json.dumps(info, indent=2) + "\n")
         work.log(f"[prep] {info['samples']} samples as .ckpt files ({info['skipped']} skipped), {info['seconds']:.0f} s")
     for run in RUNS:
         d = work.run_dir(run)
@@ -383,15 +404,15 @@ def prep(work: Work, ours: Ours) -> None:
         own = run.endswith("-own")
         if run.startswith("specforge"):
             config, draft, differs = specforge_config(work, ours, own)
-            (d / "draft.json").write_text(json.dumps(draft, indent=2) + "\n")
+            write_config(d / "draft.json", json.dumps(draft, indent=2) + "\n")
             import yaml
 
-            (d / "run.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            write_config(d / "run.yaml", yaml.safe_dump(config, sort_keys=False))
         else:
             config, differs = modelopt_config(work, ours, own)
-            (d / "recipe.json").write_text(json.dumps(config, indent=2) + "\n")
-        (d / "differs.json").write_text(json.dumps(differs, indent=2) + "\n")
-    (work.peers / "ours.json").write_text(json.dumps(asdict(ours), indent=2) + "\n")
+            write_config(d / "recipe.json", json.dumps(config, indent=2) + "\n")
+        write_config(d / "differs.json", json.dumps(differs, indent=2) + "\n")
+    write_config(work.peers / "ours.json", json.dumps(asdict(ours), indent=2) + "\n")
     work.log(f"[prep] configs for {', '.join(RUNS)} in {work.peers}")
 
 
