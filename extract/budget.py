@@ -2,9 +2,12 @@
 trainer follows it, evicting what every training rank has trained on (cache_tools/eviction.py).
 
 Before a part is started, `admit` reserves its estimated bytes (its tokens times the mean bytes
-per token of the parts committed so far; before any, the arrays' raw size): the part starts when
-the bytes in `parts/` plus the reservations of this process's parts not yet committed leave room
-for it, or when nothing is held at all (a part larger than the budget goes through alone).
+per token of the parts committed so far, before any the arrays' raw size, plus the mean blocks a
+part takes beyond its files' sizes): the part starts when the cache's bytes plus the reservations
+of this process's parts not yet committed leave room for it, or when no part is held at all (a
+part larger than the budget goes through alone). The bytes are what the file system allocates for
+the whole cache directory (blocks; manifest files and temporary parts included), not the files'
+sizes: a part's dozen metadata files take a block each, and ENOSPC is decided on blocks.
 Otherwise it evicts, or waits for the trainer to consume more (it reports its consumption after
 each checkpoint). A part that a batch shares with the part still open before it is admitted over
 the budget rather than wait (the trainer may be waiting for the open one): with the estimate's
@@ -34,11 +37,11 @@ from dflash.cache_tools.eviction import (
 )
 from dflash.cache_tools.manifest import PARTS_DIR, CommitLog
 from dflash.cache_tools.plan import read_plan
-from dflash.cache_tools.staging import StagingBudget, format_size
+from dflash.cache_tools.staging import disk_usage, format_size
 
 NOTICE_SECONDS = 30.0  # a waiting extraction says why this often
 POLL_SECONDS = 0.05
-PART_OVERHEAD_BYTES = 16 << 10  # a part's zarr metadata files, before any part is measured
+PART_OVERHEAD_BYTES = 128 << 10  # a part's metadata files and folders (blocks), until one is measured
 
 
 class ExtractionBudget:
@@ -48,13 +51,14 @@ class ExtractionBudget:
                  schema: Any, announce: Callable[[str], None] | None = None):
         self.cache_dir = Path(cache_dir)
         self.limit, self.follow_epochs = int(limit), int(follow_epochs)
-        self.budget = StagingBudget(self.cache_dir / PARTS_DIR, self.limit)
         self.commits, self.evictions = CommitLog(self.cache_dir), EvictionLog(self.cache_dir)
         plan = read_plan(self.cache_dir, header)
         self.order = {name: i for i, name in enumerate(plan.names())} if plan is not None else {}
         raw = sum((spec.width or 1) * spec.dtype.itemsize for spec in schema if spec.per == "token")
         self.bytes_per_token, self.overhead = float(raw), PART_OVERHEAD_BYTES  # until parts are measured
         self.reserved: dict[str, int] = {}  # admitted parts of this process, not yet committed
+        # committed part -> the blocks it takes beyond its files' sizes (metadata files, folders)
+        self.overheads: dict[str, int] = {}
         self.evicted_here = 0
         self.announce = announce or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
@@ -65,12 +69,26 @@ class ExtractionBudget:
         tokens = sum(r.tokens for r in self.commits.records.values())
         if tokens:  # the mean of the committed parts: a short estimate is the bound's one part
             self.bytes_per_token = sum(r.nbytes for r in self.commits.records.values()) / tokens
-            self.overhead = 0
+        for name, record in self.commits.records.items():
+            if name not in self.overheads and self.present(name):
+                part_dir = self.cache_dir / PARTS_DIR / name
+                allocated = disk_usage(part_dir, allocated=True)
+                if part_dir.is_dir():  # (not evicted meanwhile by another rank)
+                    self.overheads[name] = max(0, allocated - record.nbytes)
+        if self.overheads:
+            self.overhead = sum(self.overheads.values()) // len(self.overheads)
         for name in [n for n in self.reserved if self.present(n)]:
             del self.reserved[name]
 
     def present(self, name: str) -> bool:
         return name in self.commits.records and not self.evictions.is_evicted(name)
+
+    def used(self) -> int:
+        return disk_usage(self.cache_dir, allocated=True)
+
+    def holds_no_part(self) -> bool:
+        parts = self.cache_dir / PARTS_DIR
+        return not parts.is_dir() or not any(parts.iterdir())
 
     def estimate(self, tokens: int) -> int:
         return int(tokens * self.bytes_per_token) + self.overhead
@@ -89,8 +107,8 @@ class ExtractionBudget:
         while True:
             self.refresh()
             need = sum(self.estimate(tokens) for _, tokens in parts)
-            used, held = self.budget.used(), sum(self.reserved.values())
-            if used + held + need <= self.limit or (used == 0 and held == 0):
+            used, held = self.used(), sum(self.reserved.values())
+            if used + held + need <= self.limit or (held == 0 and self.holds_no_part()):
                 for name, tokens in parts:
                     self.reserved[name] = self.estimate(tokens)
                 return True

@@ -161,9 +161,10 @@ def _hold_after_save(real, hold_at: str):
 
 
 def _usage_after_commit(real, path: str):
-    """CacheWriter.commit that appends "<part> <bytes under parts/> <bytes of the committed part>"
-    to `path` right after each commit, under the cache lock (no eviction can run meanwhile)."""
-    from dflash.cache_tools.manifest import LOCK_FILE, PARTS_DIR
+    """CacheWriter.commit that appends "<part> <bytes the cache allocates> <bytes of the committed
+    part>" to `path` right after each commit, under the cache lock (no eviction can run meanwhile):
+    the blocks of the whole cache directory, what --disk-budget counts."""
+    from dflash.cache_tools.manifest import LOCK_FILE
     from dflash.cache_tools.staging import disk_usage
     from dflash.runtime.fsio import file_lock
 
@@ -171,7 +172,7 @@ def _usage_after_commit(real, path: str):
     def commit(self, tmp_dir, record):
         done = real(self, tmp_dir, record)
         with file_lock(self.cache_dir / LOCK_FILE), open(path, "a") as f:
-            f.write(f"{record.name} {disk_usage(self.cache_dir / PARTS_DIR)} {record.nbytes}\n")
+            f.write(f"{record.name} {disk_usage(self.cache_dir, allocated=True)} {record.nbytes}\n")
         return done
 
     commit.fault_point = True
