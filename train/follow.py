@@ -126,6 +126,7 @@ class FollowCacheSet:
         self._evictions = EvictionLog(self.cache_dir)  # parts evicted under a disk budget
         self._in_reader: dict[int, int] = {}  # planned part -> its index in the reader's part list
         self._opened_as: dict[int, PartState] = {}  # planned part -> its state when last found present
+        self._evictions_seen = 0  # evicted events whose maps were dropped (_drop_evicted)
         self._offsets: dict[int, np.ndarray] = {}
         self.announce = announce
 
@@ -170,7 +171,7 @@ class FollowCacheSet:
         evicted under a disk budget is waited for until it is extracted again; the maps of the
         evicted copy are dropped, so its disk space is freed)."""
         want = self.plan.parts[planned]
-        self._evictions.refresh()
+        self._drop_evicted()
         idx = self._in_reader.get(planned)
         if idx is not None:
             if self._evictions.state(want.name) == self._opened_as[planned]:
@@ -189,7 +190,7 @@ class FollowCacheSet:
                 self.announce(self._wait_notice(want.name, waited, state if record is not None else None))
             time.sleep(poll)
             poll = min(poll * 2, MAX_POLL_SECONDS)
-            self._evictions.refresh()
+            self._drop_evicted()
         self._opened_as[planned] = state
         if idx is not None:
             return idx
@@ -201,6 +202,18 @@ class FollowCacheSet:
         self.reader.parts.append(record)
         idx = self._in_reader[planned] = len(self.reader.parts) - 1
         return idx
+
+    def _drop_evicted(self) -> None:
+        """Read the eviction log; close the maps of every opened part evicted since. A deleted
+        file's blocks stay allocated while it is mapped: kept until the part was next read, the
+        evicted parts still filled the disk the extraction counted as freed (ENOSPC under a budget)."""
+        self._evictions.refresh()
+        if self._evictions.evictions == self._evictions_seen:
+            return
+        self._evictions_seen = self._evictions.evictions
+        for planned, idx in self._in_reader.items():
+            if self._evictions.state(self.plan.parts[planned].name) != self._opened_as[planned]:
+                self.reader.close_part(idx)
 
     def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> str:
         done = extraction_progress(self.plan, self._log)
