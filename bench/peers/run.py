@@ -81,6 +81,8 @@ class Ours:
     max_seq_len: int = 0
     """Longest sample of the cache (the peers' max length)."""
     mean_seq_len: float = 0.0
+    samples: int = 0
+    """Samples in the cache."""
 
     @property
     def gamma(self) -> float:
@@ -204,7 +206,7 @@ def our_settings(work: Work, epochs: int | None) -> Ours:
                 token_budget=int(_flag(args, "--token-budget", "16384")),
                 max_batch_size=int(_flag(args, "--max-batch-size", "64")), seed=int(s.get("seed", 0)),
                 dtype="fp32" if work.device == "cpu" else dtype,
-                max_seq_len=max(lengths), mean_seq_len=sum(lengths) / len(lengths))
+                max_seq_len=max(lengths), mean_seq_len=sum(lengths) / len(lengths), samples=len(lengths))
 
 
 # -- prep: the data and the configs -------------------------------------------------------------
@@ -320,7 +322,8 @@ def specforge_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any],
                      "learning_rate": 6e-4 if own else ours.lr, "warmup_ratio": 0.04 if own else ours.warmup_ratio,
                      "max_grad_norm": 1.0 if own else ours.grad_clip, "lr_scheduler": "cosine",
                      "attention_backend": "sdpa" if cpu else "flex_attention", "num_anchors": 512 if own else ours.max_anchors,
-                     "loss_decay_gamma": 7.0 if own else ours.gamma, "save_interval": 0, "log_interval": 20,
+                     "loss_decay_gamma": 7.0 if own else ours.gamma, "save_interval": 0,
+                     "log_interval": max(1, min(20, epochs * (ours.samples // batch) // 5)),
                      "seed": 42 if own else ours.seed},
         "tracking": {"report_to": "none"},
         "run_id": run.name, "output_dir": str(run / "output"),
@@ -419,15 +422,17 @@ def prep(work: Work, ours: Ours) -> None:
 # -- train, export, eval ---------------------------------------------------------------------------
 
 
-def _run(command: list[str], log_path: Path, stdout: Path | None = None) -> float:
-    """Run `command` (output to log_path, stdout to `stdout` when given); wall seconds."""
+def _run(command: list[str], log_path: Path, stdout: Path | None = None, env: dict[str, str] | None = None) -> float:
+    """Run `command` (output to log_path, stdout to `stdout` when given, `env` on top of ours);
+    wall seconds."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         log.write(shlex.join(command) + "\n")
         log.flush()
         out = open(stdout, "w") if stdout else log
         try:
-            done = subprocess.run(command, stdout=out, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            done = subprocess.run(command, stdout=out, stderr=log,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         finally:
             if stdout:
                 out.close()
@@ -468,7 +473,9 @@ def train(work: Work, run: str) -> dict[str, Any]:
         # MASTER_PORT itself and trains in this process (no torchrun), on the GPU with NCCL and
         # on a CPU with gloo. A fresh output directory: its export reads the newest checkpoint.
         shutil.rmtree(d / "output", ignore_errors=True)
-        seconds = _run([sys.executable, "-m", "specforge.cli", "train", "-c", str(d / "run.yaml")], d / "train.log")
+        # SPECFORGE_DEVICE: the device asked for, not the one it finds (a CPU smoke on a GPU host)
+        seconds = _run([sys.executable, "-m", "specforge.cli", "train", "-c", str(d / "run.yaml")], d / "train.log",
+                       env={"SPECFORGE_DEVICE": "cpu" if work.device == "cpu" else "cuda"})
         logged = specforge_steps((d / "train.log").read_text())
         if not logged["logged_steps"]:
             raise PeerBenchError(f"SpecForge's trainer exited without logging a step (log in {d / 'train.log'}).")
