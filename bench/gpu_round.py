@@ -174,7 +174,7 @@ def run_plan(plan: str, slots: int) -> int:
             _write_state(job.name, state="running", start=time.time(), pid=proc.pid)
         if not running and not ready:
             break
-        time.sleep(2)
+        time.sleep(float(os.environ.get("ROUND_POLL", "2")))
     for name, (proc, started) in running.items():  # stopped: the unfinished jobs rerun next start
         os.killpg(proc.pid, signal.SIGTERM)
         _write_state(name, state="stopped", start=started)

@@ -1,0 +1,107 @@
+"""bench/gpu_round.py: the detached runner of a round of GPU benchmark jobs (needs, priorities,
+slots, jobs that run alone, skips, resume), on tiny shell jobs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import gpu_round  # noqa: E402
+from gpu_round import Job  # noqa: E402
+
+
+@pytest.fixture
+def round_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROUND", str(tmp_path / "round"))
+    monkeypatch.setenv("ROUND_POLL", "0.05")
+    return tmp_path / "round"
+
+
+def plan(monkeypatch, jobs):
+    monkeypatch.setitem(gpu_round.PLANS, "t", lambda: jobs)
+
+
+def states(root: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (root / "jobs").glob("*.json")}
+
+
+def events(root: Path) -> list[str]:
+    return (root / "events").read_text().split()
+
+
+def mark(name: str, root: Path, seconds: float = 0.0) -> str:
+    """A job that logs its start and end (with a pause between) to ROUND/events."""
+    return f"echo {name}+ >> {root}/events; sleep {seconds}; echo {name}- >> {root}/events"
+
+
+def test_needs_order_the_jobs_and_a_failed_need_skips_its_dependents(round_dir, monkeypatch):
+    round_dir.mkdir()
+    plan(monkeypatch, [
+        Job("prep", mark("prep", round_dir, 0.2), [], 1),
+        Job("a", mark("a", round_dir), ["prep"], 2),
+        Job("bad", "exit 3", ["prep"], 2),
+        Job("after-bad", mark("after-bad", round_dir), ["bad"], 3),
+        Job("last", mark("last", round_dir), [], 9, after=["a", "bad", "after-bad"]),
+    ])
+    assert gpu_round.run_plan("t", slots=4) == 1
+    s = states(round_dir)
+    assert s["prep"]["state"] == s["a"]["state"] == s["last"]["state"] == "done"
+    assert s["bad"]["state"] == "failed" and s["bad"]["rc"] == 3
+    assert s["after-bad"]["state"] == "skipped" and "bad" in s["after-bad"]["why"]
+    ev = events(round_dir)
+    assert ev.index("prep-") < ev.index("a+")  # a need ends before its dependent starts
+    assert ev[-2:] == ["last+", "last-"]  # `after` waits for jobs that failed or were skipped too
+    assert "after-bad+" not in ev
+    assert json.loads((round_dir / "finished").read_text())["failed"] == ["after-bad", "bad"]
+
+
+def test_slots_bound_the_jobs_at_once_and_an_alone_job_shares_the_gpu_with_none(round_dir, monkeypatch):
+    round_dir.mkdir()
+    plan(monkeypatch, [Job(f"j{i}", mark(f"j{i}", round_dir, 0.3), [], 2) for i in range(4)]
+         + [Job("timing", mark("timing", round_dir, 0.3), [], 1, alone=True)])
+    assert gpu_round.run_plan("t", slots=2) == 0
+    running, most = set(), 0
+    for e in events(round_dir):
+        name, edge = e[:-1], e[-1]
+        if edge == "+":
+            running.add(name)
+            most = max(most, len(running))
+            assert name != "timing" or running == {"timing"}
+            assert "timing" not in running or name == "timing"
+        else:
+            running.discard(name)
+    assert most == 2
+    assert events(round_dir)[:2] == ["timing+", "timing-"]  # the lowest priority number goes first
+
+
+def test_a_rerun_skips_what_is_done_and_reruns_what_failed(round_dir, monkeypatch):
+    round_dir.mkdir()
+    flag = round_dir / "fixed"
+    plan(monkeypatch, [Job("once", mark("once", round_dir), [], 1),
+                       Job("flaky", f"test -f {flag}", [], 1)])
+    assert gpu_round.run_plan("t", slots=2) == 1
+    flag.touch()
+    assert gpu_round.run_plan("t", slots=2) == 0
+    assert events(round_dir).count("once+") == 1
+    assert states(round_dir)["flaky"]["state"] == "done"
+
+
+def test_collect_keeps_records_and_logs_and_leaves_caches_and_weights(round_dir, monkeypatch, tmp_path):
+    (round_dir / "logs").mkdir(parents=True)
+    (round_dir / "logs" / "a.log").write_text("hello\n")
+    (round_dir / "quality-code" / "cache").mkdir(parents=True)
+    (round_dir / "quality-code" / "cache" / "manifest.json").write_text("{}")
+    (round_dir / "quality-code" / "stages").mkdir()
+    (round_dir / "quality-code" / "stages" / "target.json").write_text("{}")
+    (round_dir / "quality-code" / "run-e6" / "final").mkdir(parents=True)
+    (round_dir / "quality-code" / "run-e6" / "final" / "model.safetensors").write_bytes(b"x" * 10)
+    gpu_round.collect(tmp_path / "out")
+    import tarfile
+
+    with tarfile.open(tmp_path / "out" / "round.tgz") as tar:
+        names = set(tar.getnames())
+    assert names == {"logs/a.log", "quality-code/stages/target.json"}
