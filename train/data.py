@@ -23,11 +23,12 @@ from dflash.cache_tools.identity import (
 )
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
+from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
 from dflash.runtime.locks import is_held, same_path
 
 from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
-from .heldout import cap_by_score, eval_split, heldout_scores, subset_scores
+from .heldout import cap_by_score, eval_split
 from .loader import TrainLoader, eval_batches
 
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy

@@ -4,7 +4,8 @@ A sample is held out when a hash of its sample id (its source record, stored per
 cache) falls below the held-out fraction. Its side depends on that id only, so it does not
 move when a cache grows, is extracted again as a superset, merged, or listed in another order;
 the evaluation cap keeps the held-out samples of lowest hash, a set that only loses members as
-samples are added.
+samples are added. The hash is the cache contract's (cache_tools/sample_scores.py): extraction
+stores the target's top-1 for the samples of lowest hash, the held-out ones first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from dflash.cache_tools.sample_scores import heldout_scores
 
 if TYPE_CHECKING:
     from dflash.cache_tools.cache_set import CacheSet
@@ -29,17 +31,6 @@ def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarra
     return index[~held_out], index[held_out]
 
 
-def heldout_scores(sample_ids: np.ndarray) -> np.ndarray:
-    """A pseudo-random value in [0, 1) per sample id (the split and the evaluation cap use it)."""
-    return _unit_hash(sample_ids.astype(np.int64).view(np.uint64))
-
-
-def subset_scores(sample_ids: np.ndarray) -> np.ndarray:
-    """Another pseudo-random value in [0, 1) per sample id, independent of heldout_scores (the
-    --max-train-samples cap uses it, so the training subset is not drawn from the split's edge)."""
-    return _unit_hash(sample_ids.astype(np.int64).view(np.uint64) ^ np.uint64(0x5DEECE66D2545F49))
-
-
 def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> np.ndarray:
     """The `max_samples` indices of lowest score (all of them for 0), in index order; the
     chosen set only loses members as samples are added, never gains old ones."""
@@ -47,13 +38,3 @@ def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> n
         return indices
     keep = np.argsort(scores[indices], kind="stable")[:max_samples]
     return np.sort(indices[keep])
-
-
-def _unit_hash(x: np.ndarray) -> np.ndarray:
-    """splitmix64 of each value, mapped to [0, 1)."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
