@@ -11,6 +11,8 @@ text, its token ids where known, why it ended.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import json
 import random
@@ -39,6 +41,7 @@ class Request:
     messages: list[dict[str, Any]]
     tools: list | None = None
     prompt_ids: list[int] | None = None  # the local rendering, once the in-process backend made it
+    sample: int = 0  # which of the conversation's --samples-per-prompt answers (its seed)
 
 
 @dataclass
@@ -60,6 +63,16 @@ class Sampling:
     stop: list[str] | None = None
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The sampling seed of sample `sample`: --seed itself for sample 0, a 31-bit value derived
+    from (seed, sample) for the others (one seed for every sample would make a seeded server
+    draw the same answer N times); None stays None."""
+    if seed is None or sample == 0:
+        return seed
+    digest = hashlib.sha256(f"dflash-generate sample seed {seed} {sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass
@@ -101,8 +114,9 @@ class ServerBackend:
             body["tools"] = request.tools
         if s.stop:
             body["stop"] = s.stop
-        if s.seed is not None:
-            body["seed"] = s.seed
+        seed = sample_seed(s.seed, request.sample)
+        if seed is not None:
+            body["seed"] = seed
         if s.chat_template_kwargs:
             body["chat_template_kwargs"] = s.chat_template_kwargs
         if url not in self.text_only:
@@ -200,7 +214,9 @@ class HFBackend:
     """Batched `generate()` of a local HF model (left padding; greedy when temperature is 0).
 
     A seed is set once, here: successive batches draw on one random stream (the same seed,
-    data and batch size give the same records)."""
+    data and batch size give the same records). Sample k > 0 of --samples-per-prompt has a
+    stream of its own, seeded from `sample_seed(seed, k)` and kept between its batches, so
+    sample 0 draws exactly what a single-sample run draws. A batch holds one sample index."""
 
     def __init__(self, model_dir: str, renderer: Any, sampling: Sampling, *, device: str | None = None,
                  dtype: str = "bf16", stop_flag: Any = None):
@@ -218,6 +234,7 @@ class HFBackend:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
+        self._streams: dict[int, tuple[Any, Any]] = {}  # sample > 0 -> its saved (CPU, CUDA) RNG state
 
         class _Stop(StoppingCriteria):  # Ctrl-C ends a batch within one decoding step
             def __call__(self, input_ids, scores, **kwargs):
@@ -236,8 +253,34 @@ class HFBackend:
         for r, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
             r.prompt_ids = list(ids)
 
+    @contextlib.contextmanager
+    def _stream(self, sample: int):
+        """Draw on sample `sample`'s own random stream inside the block (sample 0, or no seed:
+        the process's stream, as a single-sample run)."""
+        seed = sample_seed(self.sampling.seed, sample)
+        if sample == 0 or seed is None or self.sampling.temperature <= 0:
+            yield
+            return
+        torch = self.torch
+        dev = torch.device(self.device)
+        cuda = dev.type == "cuda"
+        index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else None
+        with torch.random.fork_rng(devices=[index] if cuda else []):  # the process's stream is put back after
+            state = self._streams.get(sample)
+            if state is None:
+                torch.manual_seed(seed)
+            else:
+                torch.set_rng_state(state[0])
+                if cuda:
+                    torch.cuda.set_rng_state(state[1], index)
+            yield
+            self._streams[sample] = (torch.get_rng_state(), torch.cuda.get_rng_state(index) if cuda else None)
+
     def complete_batch(self, requests: list[Request]) -> list[Completion]:
         torch = self.torch
+        samples = {r.sample for r in requests}
+        if len(samples) != 1:
+            raise ValueError(f"a batch holds the requests of one sample index, not {sorted(samples)}")
         self.render(requests)
         prompts = [r.prompt_ids for r in requests]
         width = max(len(p) for p in prompts)
@@ -256,7 +299,7 @@ class HFBackend:
         if s.stop:
             kwargs.update(stop_strings=s.stop, tokenizer=self.tokenizer)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stream(samples.pop()):
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         except torch.OutOfMemoryError:
             raise BatchTooLargeError(

@@ -1,11 +1,14 @@
 """Driving `regenerate()` over a dataset: server worker threads or in-process batches.
 
-Server: `concurrency` daemon threads each take a conversation, run its requests, and hand the
+The unit of work is one sample of one conversation (--samples-per-prompt N gives N of them).
+Server: `concurrency` daemon threads each take a sample, run its requests, and hand the
 outcome to the main thread, the only writer. In-process: the main thread reads
-`batch_size * sort_window` conversations ahead, renders their pending requests, sorts them by
-prompt length (longest first: a batch too large for the device fails at once) and runs them
-`batch_size` at a time through one `generate()` each, writing each batch's finished records
-before the next starts (later turns of --regenerate all form the next round).
+`batch_size * sort_window` conversations ahead, renders their pending requests, and for each
+sample index in turn sorts that sample's requests by prompt length (longest first: a batch too
+large for the device fails at once) and runs them `batch_size` at a time through one
+`generate()` each, writing each batch's finished records before the next starts (later turns
+of --regenerate all form the next round). Sample 0's batches are then those of a
+single-sample run, drawn on the same random stream.
 A first SIGINT/SIGTERM stops feeding new work and returns within a second (server; in-process
 within one decoding step), abandoning what is in flight; a rerun regenerates it.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -66,7 +70,12 @@ class GenerateConfig(RenderConfig):
     stop: list[str] = field(default_factory=list)
     """A stop string (repeat the flag for several)."""
     seed: int | None = None
-    """Sampling seed sent with each request."""
+    """Sampling seed sent with each request (sample k > 0 of --samples-per-prompt: a seed derived
+    from it and k)."""
+    samples_per_prompt: int = 1
+    """Answers per conversation, each one record: sample 0 as a single-sample run writes it,
+    samples 1..N-1 drawn at --temperature with seeds of their own (ids <id>#1, <id>#2, ...).
+    Raising it on a rerun adds only the missing samples."""
     regenerate: str = setting("last", choices=("last", "all"))
     """Regenerate the last assistant turn, or every one in order on the target's own earlier answers."""
     drop_truncated: bool = setting(False, secondary="--keep-truncated")
@@ -91,9 +100,16 @@ class GenerateConfig(RenderConfig):
             raise PrepareConfigError(f"--regenerate must be last or all, not {self.regenerate!r}.")
         if self.token_ids not in ("auto", "server", "text"):
             raise PrepareConfigError(f"--token-ids must be auto, server or text, not {self.token_ids!r}.")
-        for name in ("concurrency", "max_tokens", "batch_size", "sort_window"):
+        for name in ("concurrency", "max_tokens", "batch_size", "sort_window", "samples_per_prompt"):
             if getattr(self, name) <= 0:
                 raise PrepareConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}.")
+        if self.samples_per_prompt > 1 and self.temperature <= 0:
+            raise PrepareConfigError(
+                f"--samples-per-prompt {self.samples_per_prompt} with --temperature {self.temperature:g} "
+                f"would write {self.samples_per_prompt} identical greedy answers per conversation, which "
+                "teach the drafter nothing the first does not. Sample the extra answers with a temperature "
+                "(e.g. --temperature 0.7, as the target is served), or keep --samples-per-prompt 1."
+            )
 
     def sampling(self) -> Sampling:
         return Sampling(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
@@ -175,8 +191,11 @@ def _run_generate(config: GenerateConfig, renderer, files, meta: dict[str, Any],
     log = OutputLog(config.output)
     summary = GenerateSummary(done_before=len(log.done))
     # A first pass checks every record and counts this rank's work (for the ETA) without
-    # holding the dataset in memory; the second streams it.
-    total = sum(1 for _ in _todo(files, config, log.done, rank, world))
+    # holding the dataset in memory (but for its ids, with several samples); the second streams it.
+    ids: set[str] | None = set() if config.samples_per_prompt > 1 else None
+    total = sum(len(samples) for _, samples in _todo(files, config, log.done, rank, world, ids))
+    if ids:
+        _refuse_clashing_ids(ids, config.samples_per_prompt)
     todo = _todo(files, config, set(log.done), rank, world)
     t0 = time.perf_counter()
     progress = _Progress(total, config.progress)
@@ -195,17 +214,38 @@ def _run_generate(config: GenerateConfig, renderer, files, meta: dict[str, Any],
     return summary
 
 
-def _todo(files, config: GenerateConfig, done: set[str], rank: int, world: int) -> Iterator[Conversation]:
-    """This rank's conversations not done yet (every WORLD_SIZE-th record); a bad record stops."""
+def _todo(files, config: GenerateConfig, done: set[tuple[str, int]], rank: int, world: int,
+          ids: set[str] | None = None) -> Iterator[tuple[Conversation, list[int]]]:
+    """This rank's conversations (every WORLD_SIZE-th record, all samples of one on one rank)
+    with their sample indices not done yet; a bad record stops. `ids` collects every source id."""
     for n, item in enumerate(iter_conversations(files, config.format)):
         if isinstance(item, tuple):
             raise InputError(f"{item[0]}: {item[1]}. Fix the record (dflash-prepare --skip-bad lists them all).")
-        if n % world == rank and item.id not in done:
-            yield item
+        if ids is not None:
+            ids.add(item.id)
+        if n % world != rank:
+            continue
+        samples = [k for k in range(config.samples_per_prompt) if (item.id, k) not in done]
+        if samples:
+            yield item, samples
 
 
-def _drive_server(config, renderer, todo: Iterator[Conversation], log: OutputLog, summary: GenerateSummary,
-                  progress: _Progress, stop: StopRequest) -> None:
+def _refuse_clashing_ids(ids: set[str], samples_per_prompt: int) -> None:
+    """Refuse a dataset where a source id is another's sample id (`a#1` beside `a`)."""
+    for rid in ids:
+        m = re.fullmatch(r"(.*)#([1-9][0-9]*)", rid, flags=re.DOTALL)
+        if m and m.group(1) in ids and int(m.group(2)) < samples_per_prompt:
+            raise InputError(
+                f"The dataset has records with the ids {m.group(1)!r} and {rid!r}: with --samples-per-prompt "
+                f"{samples_per_prompt} the sample {m.group(2)} of {m.group(1)!r} would get the id {rid!r} too. "
+                "Rename one of the two records (their id field), then rerun."
+            )
+
+
+def _drive_server(config, renderer, todo: Iterator[tuple[Conversation, list[int]]], log: OutputLog,
+                  summary: GenerateSummary, progress: _Progress, stop: StopRequest) -> None:
+    """One request (per turn) for each sample: each has its own seed and is resumed on its own
+    (the API's `n` would share one seed and one history)."""
     urls = [u for u in config.server.split(",") if u]
     backend = ServerBackend(urls, config.sampling(), model=config.model, request_timeout=config.request_timeout,
                             max_retries=config.max_retries, token_ids=config.token_ids)
@@ -216,24 +256,25 @@ def _drive_server(config, renderer, todo: Iterator[Conversation], log: OutputLog
     def work() -> None:
         while not stop.requested:
             try:
-                conv = jobs.get(timeout=0.2)
+                conv, sample = jobs.get(timeout=0.2)
             except queue.Empty:
                 if fed["done"]:
                     return
                 continue
             try:
-                results.put(_run_one(conv, renderer, config, backend.complete))
+                results.put(_run_one(conv, sample, renderer, config, backend.complete))
             except Exception as e:  # a failed request, a server mismatch or a bug: the main thread decides
-                results.put((conv, e))
+                results.put((conv, sample, e))
 
     workers = [threading.Thread(target=work, daemon=True) for _ in range(config.concurrency)]
     for w in workers:
         w.start()
     received = 0
-    for conv in todo:
+    units = ((conv, k) for conv, samples in todo for k in samples)
+    for unit in units:
         while not stop.requested:
             try:
-                jobs.put(conv, timeout=0.05)
+                jobs.put(unit, timeout=0.05)
                 fed["count"] += 1
                 break
             except queue.Full:
@@ -257,11 +298,12 @@ def _collect(results: queue.Queue, log: OutputLog, summary: GenerateSummary, pro
             return n
         n += 1
         if isinstance(item, tuple):
-            conv, e = item
+            conv, sample, e = item
             if not isinstance(e, RequestFailed):
                 raise e
             summary.failed += 1
-            summary.failures.append(f"{conv.where} (id {conv.id}): {e}")
+            what = f"id {conv.id}" + (f", sample {sample}" if sample else "")
+            summary.failures.append(f"{conv.where} ({what}): {e}")
         else:
             log.append(item)
             summary.add(item)
@@ -270,9 +312,9 @@ def _collect(results: queue.Queue, log: OutputLog, summary: GenerateSummary, pro
         progress.update(summary)
 
 
-def _run_one(conv: Conversation, renderer, config: GenerateConfig, complete) -> Outcome:
+def _run_one(conv: Conversation, sample: int, renderer, config: GenerateConfig, complete) -> Outcome:
     gen = regenerate(conv, renderer, mode=config.regenerate, drop_truncated=config.drop_truncated,
-                     loss_on=config.loss_on)
+                     loss_on=config.loss_on, sample=sample)
     try:
         request = next(gen)
         while True:
@@ -281,8 +323,8 @@ def _run_one(conv: Conversation, renderer, config: GenerateConfig, complete) -> 
         return done.value
 
 
-def _drive_local(config, renderer, todo: Iterator[Conversation], log: OutputLog, summary: GenerateSummary,
-                 progress: _Progress, stop: StopRequest) -> None:
+def _drive_local(config, renderer, todo: Iterator[tuple[Conversation, list[int]]], log: OutputLog,
+                 summary: GenerateSummary, progress: _Progress, stop: StopRequest) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     import torch
 
@@ -296,25 +338,28 @@ def _drive_local(config, renderer, todo: Iterator[Conversation], log: OutputLog,
             return
         gens = {}
         pending = {}
-        for conv in window:
-            g = regenerate(conv, renderer, mode=config.regenerate, drop_truncated=config.drop_truncated,
-                           loss_on=config.loss_on)
-            gens[conv.id] = g
-            pending[conv.id] = _advance(g, None, log, summary, progress)
+        for conv, samples in window:
+            for sample in samples:
+                g = regenerate(conv, renderer, mode=config.regenerate, drop_truncated=config.drop_truncated,
+                               loss_on=config.loss_on, sample=sample)
+                gens[conv.id, sample] = g
+                pending[conv.id, sample] = _advance(g, None, log, summary, progress)
         while not stop.requested:  # one round per turn (--regenerate all: the next turns after it)
             live = [(k, r) for k, r in pending.items() if r is not None]
             if not live:
                 break
             backend.render([r for _, r in live])
-            live.sort(key=lambda kr: -len(kr[1].prompt_ids))  # stable: equal lengths keep input order
             pending = {}
-            for first in range(0, len(live), config.batch_size):
-                part = live[first: first + config.batch_size]
-                completions = backend.complete_batch([r for _, r in part])
-                if stop.requested:
-                    return  # the batch was cut short: its answers are not the target's whole answers
-                for (k, _), c in zip(part, completions):
-                    pending[k] = _advance(gens[k], c, log, summary, progress)
+            for sample in sorted({r.sample for _, r in live}):  # each sample's batches on its own stream
+                group = [(k, r) for k, r in live if r.sample == sample]
+                group.sort(key=lambda kr: -len(kr[1].prompt_ids))  # stable: equal lengths keep input order
+                for first in range(0, len(group), config.batch_size):
+                    part = group[first: first + config.batch_size]
+                    completions = backend.complete_batch([r for _, r in part])
+                    if stop.requested:
+                        return  # the batch was cut short: its answers are not the target's whole answers
+                    for (k, _), c in zip(part, completions):
+                        pending[k] = _advance(gens[k], c, log, summary, progress)
 
 
 def _advance(gen, completion, log: OutputLog, summary: GenerateSummary, progress: _Progress):

@@ -1,16 +1,19 @@
 """`dflash-generate`'s work: regenerate the assistant turns of a chat dataset with the target.
 
-Each conversation becomes one record in dflash-extract's input format, keyed by its source id:
-the prompt as the local chat template renders it, then the target's answer with its
-end-of-turn token, loss on the answer (and, under --loss-on all-assistant with
---regenerate all, on every regenerated turn). `regenerate()` is a coroutine that yields the
+Each conversation becomes one record in dflash-extract's input format per sample (N with
+--samples-per-prompt N), keyed by its source id and sample index: the prompt as the local chat
+template renders it, then the target's answer with its end-of-turn token, loss on the answer
+(and, under --loss-on all-assistant with --regenerate all, on every regenerated turn).
+Sample 0 is the record of a single-sample run, byte for byte (id = the source id, no sample
+key); sample k > 0 has the id `<source id>#k`, a `"sample": k` key, and its own seed
+(backends.sample_seed). `regenerate()` is a coroutine that yields the
 requests of one conversation turn by turn and returns its outcome, so that the server
 backend (one per worker thread) and the batched in-process backend drive the same logic.
 
 The output is append-only: every finished record is one line, flushed at once (a kill loses
 only the requests in flight), and `<output>.skipped.jsonl` records the ids dropped for good
 (truncated under --drop-truncated, answers that do not re-tokenize); a rerun reads both and
-skips those ids, so records are never duplicated. Failed requests are not recorded: a rerun
+skips those (source id, sample) keys, so records are never duplicated. Failed requests are not recorded: a rerun
 retries them.
 """
 
@@ -40,45 +43,60 @@ class GenerateMismatchError(MismatchError):
     """An existing output was generated with other settings."""
 
 
+def sample_record_id(source_id: str, sample: int) -> str:
+    """The record id of a conversation's sample: the source id itself for sample 0 (the
+    record of a single-sample run), `<source id>#<sample>` for the others."""
+    return source_id if sample == 0 else f"{source_id}#{sample}"
+
+
 @dataclass
 class Outcome:
-    id: str
+    id: str  # the source id
     record: dict[str, Any] | None = None
     drop_reason: str | None = None  # recorded as skipped for good
     finish_reason: str = "stop"
     completion_tokens: int = 0
+    sample: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.id, self.sample
 
 
 def regenerate(conv: Conversation, renderer: ChatRenderer, *, mode: str, drop_truncated: bool,
-               loss_on: str) -> Generator[Request, Completion, Outcome]:
+               loss_on: str, sample: int = 0) -> Generator[Request, Completion, Outcome]:
     """Yield the conversation's requests: the last assistant turn, or every one in order; a
     conversation that ends with a user (or tool) message gets its answer after it instead
-    (--regenerate last) or as well (all), so prompt-only data works as it is."""
+    (--regenerate last) or as well (all), so prompt-only data works as it is. `sample` is the
+    sample index, carried by every request (its seed) and by the outcome (its record's id)."""
     turns = conv.assistant_turns()
     todo = turns[-1:] if mode == "last" else turns
     if conv.messages and conv.messages[-1]["role"] != "assistant":
         todo = (todo if mode == "all" else []) + [len(conv.messages)]
     todo = [i for i in todo if i > 0]  # an opening assistant greeting answers nothing: kept as context
     if not todo:
-        return Outcome(conv.id, drop_reason="nothing to answer (no message before an assistant turn)")
+        return Outcome(conv.id, drop_reason="nothing to answer (no message before an assistant turn)",
+                       sample=sample)
     messages = list(conv.messages[: todo[0]])
     completion: Completion | None = None
     tokens = 0
     for n, i in enumerate(todo):
         if n:  # the source messages between the previous turn and this one (user, tool)
             messages += conv.messages[todo[n - 1] + 1: i]
-        completion = yield Request(messages=list(messages), tools=conv.tools)
+        completion = yield Request(messages=list(messages), tools=conv.tools, sample=sample)
         tokens += len(completion.token_ids or []) or len(renderer.tokenize(completion.text))
         if completion.finish_reason == "length":
             break
         messages.append(_assistant_message(completion))
     if completion.finish_reason == "length" and drop_truncated:
-        return Outcome(conv.id, drop_reason="truncated (finish_reason length)", finish_reason="length")
+        return Outcome(conv.id, drop_reason="truncated (finish_reason length)", finish_reason="length",
+                       sample=sample)
     try:
-        record = build_record(conv, messages, completion, renderer, loss_on=loss_on)
+        record = build_record(conv, messages, completion, renderer, loss_on=loss_on, sample=sample)
     except RenderError as e:
-        return Outcome(conv.id, drop_reason=str(e), finish_reason=completion.finish_reason)
-    return Outcome(conv.id, record=record, finish_reason=completion.finish_reason, completion_tokens=tokens)
+        return Outcome(conv.id, drop_reason=str(e), finish_reason=completion.finish_reason, sample=sample)
+    return Outcome(conv.id, record=record, finish_reason=completion.finish_reason, completion_tokens=tokens,
+                   sample=sample)
 
 
 def _assistant_message(c: Completion) -> dict[str, Any]:
@@ -91,7 +109,7 @@ def _assistant_message(c: Completion) -> dict[str, Any]:
 
 
 def build_record(conv: Conversation, messages: list[dict], last: Completion, renderer: ChatRenderer,
-                 *, loss_on: str) -> dict[str, Any]:
+                 *, loss_on: str, sample: int = 0) -> dict[str, Any]:
     """The record of a regenerated conversation: the prompt as the local template renders it,
     then the answer's tokens (the backend's ids, or the text re-tokenized and checked)."""
     prompt_messages = messages if last.finish_reason == "length" else messages[:-1]
@@ -112,8 +130,16 @@ def build_record(conv: Conversation, messages: list[dict], last: Completion, ren
     else:
         answer = _answer_from_text(conv, messages, last, renderer, prompt)
     mask = _prompt_mask(conv, prompt_messages, last, prompt, renderer, loss_on)
-    return {"id": conv.id, "input_ids": prompt + answer, "loss_mask": mask + [1] * len(answer),
+    return {**_record_key(conv.id, sample), "input_ids": prompt + answer, "loss_mask": mask + [1] * len(answer),
             "finish_reason": last.finish_reason}
+
+
+def _record_key(source_id: str, sample: int) -> dict[str, Any]:
+    """A line's leading keys: {"id"} for sample 0 (as a single-sample run writes it), else
+    {"id": "<source id>#k", "sample": k}."""
+    if sample == 0:
+        return {"id": source_id}
+    return {"id": sample_record_id(source_id, sample), "sample": sample}
 
 
 def _answer_from_text(conv, messages, last: Completion, renderer: ChatRenderer, prompt: list[int]) -> list[int]:
@@ -151,15 +177,16 @@ def _prompt_mask(conv, prompt_messages, last: Completion, prompt: list[int], ren
 
 
 class OutputLog:
-    """The append-only output and its skipped-ids log; safe for several processes (flock)."""
+    """The append-only output and its skipped-ids log; safe for several processes (flock).
+    `done` holds the (source id, sample) keys of both."""
 
     def __init__(self, output: str | Path):
         self.path = Path(output)
         self.skipped_path = self.path.with_name(self.path.name + SKIPPED_SUFFIX)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.done: set[str] = set()
+        self.done: set[tuple[str, int]] = set()
         for p in (self.path, self.skipped_path):
-            self.done |= _read_ids(p)
+            self.done |= _read_keys(p)
         self._files = {p: open(p, "ab") for p in (self.path, self.skipped_path)}
         self._synced = time.monotonic()
 
@@ -167,7 +194,8 @@ class OutputLog:
         if outcome.record is not None:
             line, path = format_record(outcome.record), self.path
         else:
-            line, path = json.dumps({"id": outcome.id, "reason": outcome.drop_reason}), self.skipped_path
+            line = json.dumps({**_record_key(outcome.id, outcome.sample), "reason": outcome.drop_reason})
+            path = self.skipped_path
         f = self._files[path]
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -175,7 +203,7 @@ class OutputLog:
             f.flush()  # in the page cache now: a killed process loses nothing written
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-        self.done.add(outcome.id)
+        self.done.add(outcome.key)
         if time.monotonic() - self._synced > FSYNC_SECONDS:
             self.sync()
 
@@ -190,8 +218,9 @@ class OutputLog:
             f.close()
 
 
-def _read_ids(path: Path) -> set[str]:
-    """Ids of the complete lines of `path`; a torn last line (a kill mid-write) is cut off."""
+def _read_keys(path: Path) -> set[tuple[str, int]]:
+    """(source id, sample) of the complete lines of `path`; a torn last line (a kill
+    mid-write) is cut off."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -199,18 +228,31 @@ def _read_ids(path: Path) -> set[str]:
     if end != len(data):
         with open(path, "r+b") as f:
             f.truncate(end)
-    ids = set()
+    keys = set()
     for line_no, line in enumerate(data[:end].splitlines(), 1):
         if not line.strip():
             continue
         try:
-            ids.add(str(read_json(line)["id"]))
-        except (BadRecord, KeyError, TypeError):
+            keys.add(_line_key(read_json(line)))
+        except (BadRecord, KeyError, TypeError, ValueError):
             raise InputError(
-                f"{path}, line {line_no}: not a record of dflash-generate (no JSON object with an id). "
-                "Point --output to a new file, or remove the line to resume."
+                f"{path}, line {line_no}: not a record of dflash-generate (no JSON object with an id, "
+                "or a sample index that does not match its id). Point --output to a new file, or "
+                "remove the line to resume."
             ) from None
-    return ids
+    return keys
+
+
+def _line_key(rec: dict[str, Any]) -> tuple[str, int]:
+    rid, sample = str(rec["id"]), rec.get("sample", 0)
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+        raise ValueError("bad sample index")
+    suffix = f"#{sample}"
+    if sample == 0:
+        return rid, 0
+    if not rid.endswith(suffix):
+        raise ValueError("the id does not end with its sample index")
+    return rid[: -len(suffix)], sample
 
 
 @dataclass
