@@ -23,8 +23,9 @@ EXIT_INCOMPLETE = 1
 def main(settings: GenerateConfig) -> int:
     """Regenerate the assistant turns of a chat dataset with the target, in dflash-extract's format.
 
-    Output is append-only and keyed by source id: rerunning the same command skips finished
-    records and never duplicates one; Ctrl-C stops within seconds. Under torchrun (in-process
+    Output is append-only and keyed by source id and sample (--samples-per-prompt N: N records
+    per conversation): rerunning the same command skips finished records and never duplicates
+    one, and a larger N adds only the missing samples; Ctrl-C stops within seconds. Under torchrun (in-process
     backend) each rank takes every WORLD_SIZE-th conversation and appends to the same file.
     Exit status: 0 done, 1 some requests failed after their retries (rerun to retry them),
     2 bad settings or input, 130/143 stopped by a signal.
