@@ -22,6 +22,9 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 extra sampled completions and an nf4 cache), SpecForge's and ModelOpt's drafters
                 on the same data (bench/peers), each decoded by dflash-eval; then, alone on the
                 GPU, extraction of the 8B shape in bf16, fp8 and nf4 (bench/bench_extract.py).
+  followup      alone on the GPU: the 8B extraction (bf16, nf4), the DFlash2 step's parts against
+                DFlash at the 8B shape (bench/profile_step.py), extraction and training at once
+                (bench/bench_colocate.py); with QUALITY=1 then the leaderboard's quality jobs.
 """
 
 from __future__ import annotations
@@ -109,7 +112,37 @@ def leaderboard() -> list[Job]:
     return jobs
 
 
-PLANS = {"leaderboard": leaderboard}
+def followup() -> list[Job]:
+    """The figures the leaderboard round left open, each alone on the GPU first: the 8B extraction
+    (bf16 and nf4, the top-1 share as extracted by default), the DFlash2 step's parts at the 8B
+    shape (profile_step.py: the convolutions, the top-K and the selector against DFlash), and
+    extraction and training at once on one GPU (bench_colocate.py); then, with QUALITY=1, the
+    leaderboard's quality jobs (DOMAINS, COMPLETIONS as there)."""
+    small = bool(os.environ.get("ROUND_SMALL"))
+    root = round_dir()
+    res = root / "results"
+    tiny = " --small" if small else ""
+    shape = "quality" if small else "8b"
+    device = " --device cpu --samples 1 --steps 1 --vocab 512" if small else " --dtype bf16 --compile"
+    jobs = [
+        Job("extract-8b", f"python3 bench/bench_extract.py --output {root}/extract-scratch --codecs bf16,nf4 "
+            f"--json {res}/extract-8b.json{tiny}; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 1,
+            alone=True, env={"DFLASH_PROFILE_EXTRACT": "1"}),
+        *[Job(f"profile-{kind}", f"python3 bench/profile_step.py --shape {shape} --drafter-type {kind} --profile"
+              f"{device} --json {res}/profile-{kind}.json", [], 2, alone=True) for kind in ("dflash", "dflash2")],
+        Job("colocate", f"python3 bench/bench_colocate.py --workdir {root}/colocate --json {res}/colocate.json{tiny}"
+            f"; rc=$?; rm -rf {root}/colocate; exit $rc", [], 3, alone=True),
+    ]
+    if os.environ.get("QUALITY"):
+        os.environ.setdefault("SKIP_EXTRACT", "1")
+        timings = [j.name for j in jobs]
+        for j in leaderboard():
+            jobs.append(Job(j.name, j.command, j.needs, j.priority + 10, j.alone, j.after or timings, j.env))
+    res.mkdir(parents=True, exist_ok=True)
+    return jobs
+
+
+PLANS = {"leaderboard": leaderboard, "followup": followup}
 
 
 # -- the runner -------------------------------------------------------------------------------------
