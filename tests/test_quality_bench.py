@@ -217,3 +217,34 @@ def test_a_larger_vocabulary_pads_the_byte_target_with_ids_no_text_uses():
     assert model.config.eos_token_id == corpus.EOS_ID and corpus.MASK_ID < corpus.VOCAB_SIZE
     with pytest.raises(ValueError, match="below"):
         vocab.ByteVocabulary(corpus.VOCAB_SIZE - 1)
+
+
+def test_an_extra_codec_extracts_the_same_completions_and_a_variant_trains_on_it_alone(tmp_path, monkeypatch):
+    """`--set extra_codecs=nf4` extracts `completions` once more with that codec into cache-nf4, and a
+    variant's `--bench-cache cache-nf4` trains on it instead of `cache` (dflash-train never sees the flag)."""
+    calls = []
+
+    def fake(name, module, args, log_path, stdout=None, env=None):
+        calls.append((name, args))
+        if name == "dflash-extract":
+            out = Path(args[args.index("--output") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "manifest.json").write_text("{}")
+        return 1.0
+
+    monkeypatch.setattr(stages, "run_command", fake)
+    sizes = stages.preset(small=True)
+    sizes = stages.dataclasses.replace(sizes, extra_codecs=("nf4",))
+    work = stages.Work(root=tmp_path, sizes=sizes, device="cpu", log=lambda *a: None)
+    record = stages.stage_extract(work)
+    by_output = {Path(a[a.index("--output") + 1]).name: a for n, a in calls}
+    assert by_output["cache-nf4"][by_output["cache-nf4"].index("--data") + 1] == str(tmp_path / "completions")
+    assert by_output["cache-nf4"][-2:] == ["--codec", "nf4"] and "--codec" not in by_output["cache"]
+    assert record["nf4_seconds"] == 1.0
+
+    variant = stages.Variant(6, ("--bench-cache", "cache-nf4", "--lr", "1e-3"))
+    assert stages.training_cache(work, variant) == tmp_path / "cache-nf4"
+    assert stages.variant_args(work, variant) == ["--lr", "1e-3"]
+    assert stages.training_cache(work, stages.Variant(6)) == tmp_path / "cache"
+    with pytest.raises(stages.BenchError, match="extra_codecs"):
+        stages.training_cache(work, stages.Variant(6, ("--bench-cache", "cache-fp8")))
