@@ -23,11 +23,13 @@ from .schema import SAMPLE_IDS
 
 
 # Header parts that must agree between caches trained on together (the codec may differ: every
-# codec decodes to the same bf16 states; the target is compared by cache_tools.identity).
+# codec decodes to the same bf16 states; the top-1 share too: each sample says whether it has
+# its top-1; the target is compared by cache_tools.identity).
 def train_together_identity(reader: CacheReader) -> dict[str, Any]:
     h = reader.manifest.header
+    extras = {k: v for k, v in (h.get("extras") or {}).items() if k != "top1_share"}
     return {"format_version": h.get("format_version"), "target_layer_ids": h.get("target_layer_ids"),
-            "hidden_size": h["hidden"].get("hidden_size"), "extras": h.get("extras")}
+            "hidden_size": h["hidden"].get("hidden_size"), "extras": extras}
 
 
 def check_compatible(first: CacheReader, other: CacheReader) -> None:

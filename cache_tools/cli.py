@@ -167,7 +167,8 @@ def info(cache: str, settings: InfoSettings) -> None:
         f"codec            {codec['name']} (zstd level {codec['clevel']}{_packing(codec)}, "
         f"blocksize {codec['blocksize']}), "
         f"chunk_rows {s['chunk_rows']}, shard_rows {s['shard_rows']}",
-        f"extras           last_hidden={s['extras'].get('last_hidden')}, topk={s['extras'].get('topk')}",
+        f"extras           last_hidden={s['extras'].get('last_hidden')}, topk={s['extras'].get('topk')}, "
+        f"top1={_top1_line(s)}",
         f"parts            {s['parts']}",
         f"samples          {s['samples']} (length min {lengths['min']}, mean {lengths['mean']:.1f}, "
         f"max {lengths['max']})",
@@ -189,6 +190,18 @@ def info(cache: str, settings: InfoSettings) -> None:
     if s["data"]:
         lines.append(f"data             {json.dumps(s['data'], default=str)[:300]}")
     click.echo("\n".join(lines))
+
+
+def _top1_line(s: dict) -> str:
+    """Whether and for which samples the cache stores the target's top-1."""
+    dtype, share = s["extras"].get("top1"), s["top1_share"]
+    if not dtype:
+        return "none"
+    counted = "?" if s["top1_samples"] is None else s["top1_samples"]
+    if share >= 1:
+        return f"{dtype} (every sample)"
+    return (f"{dtype} for {counted} of {s['samples']} samples (--top1-share {share:g}: those the held-out split "
+            "takes first)")
 
 
 @main.command()

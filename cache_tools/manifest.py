@@ -200,6 +200,11 @@ class Manifest:
         return self.header["extras"].get("top1") or None
 
     @property
+    def top1_share(self) -> float:
+        """The share of samples whose top1_ids hold the target's top-1 (header_top1_share)."""
+        return header_top1_share(self.header)
+
+    @property
     def num_samples(self) -> int:
         return sum(p.samples for p in self.parts)
 
@@ -226,6 +231,16 @@ def chat_templates(header: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def header_top1_share(header: dict[str, Any]) -> float:
+    """The share of samples for which the cache stores the target's top-1: those whose score
+    (sample_scores.top1_selected) is below it. 0 without top1_ids, 1 where the header records no
+    share (every sample, as caches had before `extras.top1_share` existed)."""
+    extras = header.get("extras") or {}
+    if not extras.get("top1"):
+        return 0.0
+    return float(extras.get("top1_share", 1.0))
+
+
 def header_identity(header: dict[str, Any]) -> dict[str, Any]:
     """What makes two caches' contents the same: the identity keys of a header, less the
     codec fields that only change how chunks are packed (they decode the same), and less the
@@ -250,6 +265,7 @@ def make_header(
     store_last_hidden: bool = False,
     topk: int = 0,
     top1: str | None = None,
+    top1_share: float = 1.0,
     data: dict[str, Any] | None = None,
     settings: dict[str, Any] | None = None,
     producer: dict[str, Any] | None = None,
@@ -276,8 +292,10 @@ def make_header(
             "chunk_rows": int(chunk_rows),
             "shard_rows": int(shard_rows),
         },
-        # top1 only when stored: a header without it is the same as before it existed
-        "extras": {"last_hidden": bool(store_last_hidden), "topk": int(topk), **({"top1": top1} if top1 else {})},
+        # top1 only when stored, its share only below 1: a header without them is the same as
+        # before they existed (the share decides the bytes of top1_ids, so it is cache identity)
+        "extras": {"last_hidden": bool(store_last_hidden), "topk": int(topk), **({"top1": top1} if top1 else {}),
+                   **({"top1_share": float(top1_share)} if top1 and top1_share < 1 else {})},
         "data": dict(data or {}),
         "settings": dict(settings or {}),
         "producer": dict(producer or {"name": "dflash-pipeline"}),
@@ -365,6 +383,12 @@ def header_problem(header: dict[str, Any]) -> str | None:
         return f"extras.topk is {_short(extras['topk'])}, not a count"
     if extras.get("top1") and extras["top1"] not in TOP1_DTYPES:
         return f"extras.top1 is {_short(extras['top1'])}, not one of {', '.join(TOP1_DTYPES)}"
+    if "top1_share" in extras:
+        share = extras["top1_share"]
+        if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
+            return f"extras.top1_share is {_short(share)}, not a share between 0 and 1"
+        if not extras.get("top1"):
+            return "extras.top1_share is set, but extras.top1 says the cache stores no top-1"
     return None
 
 

@@ -28,7 +28,18 @@ from numcodecs.zstd import Zstd
 from .codecs import decode_nf4
 from .errors import CacheCorruptError
 from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, Manifest, PartRecord, read_manifest
-from .schema import DATA, HIDDEN_ARRAYS, SAMPLE_IDS, PartSchema, sample_offsets, scale_of, shard_key
+from .sample_scores import top1_selected
+from .schema import (
+    DATA,
+    HIDDEN_ARRAYS,
+    SAMPLE_IDS,
+    TOP1_IDS,
+    TOP1_KNOWN,
+    PartSchema,
+    sample_offsets,
+    scale_of,
+    shard_key,
+)
 from .shard_format import EMPTY, decode_index, unframe_chunk
 
 # Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
@@ -282,7 +293,10 @@ class CacheReader:
       hidden      [T, K*D] bfloat16 (fp8 caches are dequantized with their scales)
       input_ids   [T] int64, loss_mask [T] uint8, sample_id (int)
       last_hidden [T, D] bfloat16, topk_ids [T, k] int64, topk_logprobs [T, k] float32,
-                  top1_ids [T, 1] int64 when the cache stores them.
+                  top1_ids [T, 1] int64 when the cache stores them;
+      top1_known  (bool, with top1_ids) whether top1_ids hold the target's top-1: a cache of
+                  --top1-share F holds it for the samples of score below F only
+                  (sample_scores.top1_selected), zeros for the others.
     """
 
     def __init__(
@@ -318,6 +332,11 @@ class CacheReader:
         self._scratch = _Scratch()
         self._token_offsets: dict[int, np.ndarray] = {}
         self._pid = os.getpid()
+
+    @property
+    def top1_share(self) -> float:
+        """The share of samples whose top1_ids hold the target's top-1 (0: none stored)."""
+        return self.manifest.top1_share
 
     # Forked / pickled copies must not share maps or caches with their parent.
     def __getstate__(self) -> dict[str, Any]:
@@ -395,6 +414,9 @@ class CacheReader:
             stop = min(stop, start + max_tokens)
         result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
         result["sample_id"] = int(self._part(part_idx).small_array(SAMPLE_IDS)[local])
+        if TOP1_IDS in result:  # --top1-share: the other samples' rows hold 0, not a top-1
+            result[TOP1_KNOWN] = self.top1_share >= 1 or bool(
+                top1_selected(np.array([result["sample_id"]]), self.top1_share)[0])
         return result
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

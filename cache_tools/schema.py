@@ -12,7 +12,9 @@ Per token (T rows):
   topk_ids          [T, k]   int32, with --store-topk k
   topk_logprobs     [T, k]   float32, with --store-topk k
   top1_ids          [T, 1]   uint16 (vocab <= 65,536) or int32: the target's greedy next token
-                             (argmax), by default (--no-store-top1 leaves it out; older caches lack it)
+                             (argmax), by default (--no-store-top1 leaves it out; older caches lack it);
+                             with extras.top1_share F < 1 only for the samples of score below F
+                             (sample_scores.top1_selected), 0 in every row of the others
   input_ids         [T]      int32
   loss_mask         [T]      uint8
 Per sample (S of them):
@@ -39,6 +41,7 @@ LAST_HIDDEN_SCALE = "last_hidden_scale"
 TOPK_IDS = "topk_ids"
 TOPK_LOGPROBS = "topk_logprobs"
 TOP1_IDS = "top1_ids"
+TOP1_KNOWN = "top1_known"  # not an array: the reader's flag of a sample whose top1_ids hold its top-1
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 OFFSETS = "offsets"

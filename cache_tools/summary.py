@@ -13,6 +13,7 @@ import numpy as np
 
 from .eviction import EvictionLog
 from .manifest import Manifest, read_manifest
+from .sample_scores import top1_selected
 from .schema import PartSchema
 
 
@@ -21,6 +22,18 @@ def raw_bf16_bytes(manifest: Manifest) -> int:
     schema = PartSchema.from_header(manifest.header)
     per_token = sum(schema.value_width(spec.name) * 2 for spec in schema.hidden_arrays())
     return manifest.num_tokens * per_token
+
+
+def top1_samples(manifest: Manifest) -> int | None:
+    """How many samples hold the target's top-1 (every one below share 1, by sample id, from the
+    commit records); None where a record predates its sample ids."""
+    share = manifest.top1_share
+    if share >= 1 or share <= 0:
+        return manifest.num_samples if share >= 1 else 0
+    if any(p.sample_ids is None for p in manifest.parts):
+        return None
+    ids = np.array([i for p in manifest.parts for i in p.sample_ids], dtype=np.int64)
+    return int(top1_selected(ids, share).sum())
 
 
 def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
@@ -49,6 +62,8 @@ def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
         "chunk_rows": m.chunk_rows,
         "shard_rows": m.shard_rows,
         "extras": m.header["extras"],
+        "top1_share": m.top1_share,
+        "top1_samples": top1_samples(m),
         "data": m.header.get("data", {}),
         "settings": m.header.get("settings", {}),
         "parts": len(m.parts),

@@ -7,7 +7,7 @@ never attends to a later (padded) position, so its hidden states do not depend o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ class Batch:
     input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
     gather_index: torch.Tensor  # int64 [T_real]: flat positions (b * L + t) of real tokens
     lengths: list[int]
+    sample_ids: list[int] = field(default_factory=list)  # the global id of each row's sample
 
     @property
     def real_tokens(self) -> int:
@@ -31,6 +32,18 @@ class Batch:
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def row_tokens(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(gather, dest) of the real tokens of batch rows `rows` (ascending): their flat
+        positions (i * L + t) in a [len(rows), L] tensor of just those rows, and their places
+        among the batch's packed real tokens (the order of `gather_index`)."""
+        width = int(self.input_ids.shape[1])
+        starts = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        gather = [np.arange(n) + i * width for i, n in enumerate(self.lengths[r] for r in rows)]
+        dest = [np.arange(starts[r], starts[r + 1]) for r in rows]
+        empty = np.zeros(0, np.int64)
+        return (np.concatenate(gather).astype(np.int64) if gather else empty,
+                np.concatenate(dest).astype(np.int64) if dest else empty)
 
 
 def group_by_budget(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -62,7 +75,7 @@ def make_batch(samples: list[Sample], members: list[int]) -> Batch:
         pos += n
     return Batch(
         members=list(members), input_ids=torch.from_numpy(ids), gather_index=torch.from_numpy(gather),
-        lengths=lengths,
+        lengths=lengths, sample_ids=[samples[i].sample_id for i in members],
     )
 
 

@@ -75,8 +75,15 @@ class ExtractConfig:
     store_topk: int = 0
     """Also store the target's top-k next-token log-probs (0: off)."""
     store_top1: bool = True
-    """Store the target's greedy next token per token (2 bytes a token up to 65,536 ids, else 4):
-    the trainer's held-out estimate replays greedy verification against it."""
+    """Store the target's greedy next token per token (2 bytes a token up to 65,536 ids, else 4),
+    for the samples of --top1-share: the trainer's held-out estimate replays greedy verification
+    against it."""
+    top1_share: float = 0.05
+    """The share of samples whose top-1 is stored: those the trainer's held-out split takes first
+    (a hash of the sample id below it; the split holds out those below --eval-fraction, 0.02 by
+    default), the only ones it reads it for. The others cost no layer past the captured ones and
+    no lm_head. 1: every sample (a cache for --eval-cache or `dflash-train estimate --cache`);
+    0: none, as --no-store-top1."""
     num_writers: int | None = None
     """Writer processes compressing and committing parts; 0 writes in the main process [default: 0
     on cpu, else min(cores - 2, 12)]."""
@@ -116,6 +123,9 @@ class ExtractConfig:
                      "chunk_rows", "shard_rows"):
             if int(getattr(self, name)) < 1:
                 raise bad(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
+        if not 0.0 <= self.top1_share <= 1.0:
+            raise bad(f"--top1-share must be between 0 and 1 (got {self.top1_share}): the share of samples "
+                      "whose target top-1 is stored, 1 for all of them, 0 for none.")
         if self.store_topk < 0:
             raise bad(f"--store-topk must be 0 (off) or positive (got {self.store_topk}).")
         if self.sort_window_tokens is not None and self.sort_window_tokens < 0:
@@ -144,6 +154,10 @@ class ExtractConfig:
                 f"Rank {self.rank} of world size {self.world_size} is invalid: need "
                 "0 <= rank < world_size (set --rank/--world-size or RANK/WORLD_SIZE)."
             )
+
+    def stored_top1_share(self) -> float:
+        """The share of samples whose top-1 the cache stores (0: none)."""
+        return float(self.top1_share) if self.store_top1 else 0.0
 
     def window_tokens(self) -> int:
         """Tokens of a sort window (fixed by the settings, never by the run's state)."""

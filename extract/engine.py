@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.sample_scores import top1_selected
 from dflash.cache_tools.schema import (
     HIDDEN,
     LAST_HIDDEN,
@@ -99,13 +100,15 @@ class ExtractionEngine:
     NUM_SLOTS = 3
 
     def __init__(self, model: nn.Module, capture: LayerCapture, codec: HiddenCodec, *,
-                 device: torch.device, topk: int, min_rows: int = 1024, top1: str | None = None):
+                 device: torch.device, topk: int, min_rows: int = 1024, top1: str | None = None,
+                 top1_share: float = 1.0):
         self.model = model
         self.capture = capture
         self.codec = codec
         self.device = device
         self.topk = topk
         self.top1 = top1  # the storage dtype of the target's greedy next token, None: not stored
+        self.top1_share = top1_share  # stored for the samples of score below it (sample_scores.top1_selected)
         self.min_rows = min_rows
         self.cuda = device.type == "cuda"
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
@@ -156,20 +159,25 @@ class ExtractionEngine:
         # No attention mask: rows are right-padded and attention is causal, so a real token
         # never sees a pad. Without a padding mask the model takes its plain causal path,
         # which is faster and has no host synchronisation (mask checks) inside the forward.
-        cap = self.capture(ids, None)
+        selected = self._top1_rows(batch)
+        cap = self.capture(ids, None, rows=None if selected is None else self._on_device(selected))
         # Only real tokens leave the device; index_select avoids the host sync of a bool mask.
         packed = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, gather.to(h.device))
                             for h in cap.layers], dim=1).to(self.device)
         out = self._encode(packed, len(cap.layers), HIDDEN)
+        heads: dict[str, torch.Tensor] = {}
+        last = None
         if cap.last_hidden is not None:
             last = cap.last_hidden.reshape(-1, cap.last_hidden.shape[-1])
             last = last.index_select(0, gather.to(last.device))
             out.update(self._encode(last.to(self.device), 1, LAST_HIDDEN))
-            if self.topk or self.top1:  # one pass of the head for both
+            if self.topk or (self.top1 and selected is None):  # one pass of the head for both
                 heads = next_token_outputs(self.model, last, topk=self.topk, top1=self.top1)
-                for key, name in (("topk_ids", TOPK_IDS), ("topk_logprobs", TOPK_LOGPROBS), ("top1_ids", TOP1_IDS)):
-                    if key in heads:
-                        out[name] = heads[key].to(self.device)
+        if self.top1 and selected is not None:
+            heads[TOP1_IDS] = self._selected_top1(batch, selected, cap, last, heads.get(TOP1_IDS))
+        for key, name in ((TOPK_IDS, TOPK_IDS), (TOPK_LOGPROBS, TOPK_LOGPROBS), (TOP1_IDS, TOP1_IDS)):
+            if key in heads:
+                out[name] = heads[key].to(self.device)
         if self._timeline is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
@@ -188,6 +196,40 @@ class ExtractionEngine:
                 event = torch.cuda.Event()
                 event.record()
         return Pending(batch, slot, batch.real_tokens, event, direct)
+
+    def _top1_rows(self, batch: Batch) -> np.ndarray | None:
+        """The batch rows whose samples get the target's top-1 (--top1-share); None: every row
+        (share 1, as before the share existed) or no top-1 stored."""
+        if not self.top1 or self.top1_share >= 1:
+            return None
+        return np.flatnonzero(top1_selected(np.asarray(batch.sample_ids, np.int64), self.top1_share))
+
+    def _on_device(self, index: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(index)
+        return (t.pin_memory() if self.cuda else t).to(self.device, non_blocking=True)
+
+    def _selected_top1(self, batch: Batch, rows: np.ndarray, cap, last: torch.Tensor | None,
+                       all_top1: torch.Tensor | None) -> torch.Tensor:
+        """top1_ids [T_real, 1] of the batch: the target's top-1 for the tokens of `rows`, 0 for
+        the others (their samples carry none). The head runs over the tokens of `rows` only: from
+        every row's last layer when the capture ran them all (`last`, or `all_top1` when the head
+        already ran), else from the rows' own continued forward (`cap.rows_last_hidden`)."""
+        dtype = torch.int16 if self.top1 == "uint16" else torch.int32
+        top1 = torch.zeros((batch.real_tokens, 1), dtype=dtype, device=self.device)
+        if not rows.size:
+            return top1  # no row selected: no layer past the captured ones, no head
+        gather, dest = batch.row_tokens(rows)
+        dest_d = self._on_device(dest)
+        if all_top1 is not None:
+            values = all_top1.index_select(0, dest_d.to(all_top1.device))
+        else:
+            if last is not None:
+                hidden = last.index_select(0, dest_d.to(last.device))
+            else:
+                h = cap.rows_last_hidden
+                hidden = h.reshape(-1, h.shape[-1]).index_select(0, self._on_device(gather).to(h.device))
+            values = next_token_outputs(self.model, hidden, top1=self.top1)[TOP1_IDS]
+        return top1.index_copy_(0, dest_d, values.to(self.device))
 
     def mark_start(self) -> None:
         """Profiling: the moment the loop starts, for `timeline_report`."""

@@ -18,7 +18,7 @@ import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
-from dflash.cache_tools.manifest import make_header, read_header
+from dflash.cache_tools.manifest import header_top1_share, make_header, read_header
 from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.staging import parse_size
 from dflash.cache_tools.writer import CacheWriter
@@ -137,7 +137,8 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
         target=ident, target_layer_ids=layer_ids, hidden_size=ident["hidden_size"],
         codec=HiddenCodec(name=config.codec), chunk_rows=config.chunk_rows,
         shard_rows=config.shard_rows, store_last_hidden=config.store_last_hidden,
-        topk=config.store_topk, top1=top1_dtype(ident["vocab_size"]) if config.store_top1 else None,
+        topk=config.store_topk, top1=top1_dtype(ident["vocab_size"]) if config.stored_top1_share() else None,
+        top1_share=config.stored_top1_share(),
         data={"files": data.entries, "sha256": data.sha256},
         settings=config.content_settings(), provenance=target_provenance(model_dir),
     )
@@ -181,8 +182,11 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     layer_ids = config.target_layer_ids or default_target_layer_ids(
         len(decoder_layers(model)), config.num_captured_layers
     )
+    # Every row to the last layer for the last hidden state or the top-k; for the top-1 only the
+    # rows of the samples that get one (--top1-share; all of them at share 1).
+    need_last = config.store_last_hidden or config.store_topk > 0 or config.stored_top1_share() >= 1
     capture = LayerCapture(model, layer_ids,  # checks the ids (cache_tools.layers)
-                           need_last=config.store_last_hidden or config.store_topk > 0 or config.store_top1)
+                           need_last=need_last, top1_rows=config.stored_top1_share() > 0)
     old = {} if config.force else recorded_header(config.output)
     data = snapshot_data(files, config.data, recorded=old.get("data"))
     header = build_header(config, model, model_dir, layer_ids, data)
@@ -197,7 +201,8 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     ensure_plan(config.output, data, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
-                              min_rows=config.token_budget, top1=cache.header["extras"].get("top1"))
+                              min_rows=config.token_budget, top1=cache.header["extras"].get("top1"),
+                              top1_share=header_top1_share(cache.header))
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans), notes=list(data.notes))
     progress = Progress(data.records, config.progress)

@@ -5,6 +5,13 @@ Layer id l is the output of decoder layer l (HF's `hidden_states[l + 1]`), befor
 norm. Forward hooks on `model.model.layers[l]` keep those outputs; the hook of the deepest
 layer needed raises `_StopForward`, which ends the forward there: no later layers, no final
 norm, no lm_head.
+
+The target's top-1 is stored for a few samples only (--top1-share): for those rows of a batch
+the forward goes on past the deepest captured layer to the last one (`LayerCapture(top1_rows=
+True)`): a pre-hook on each later layer slices its inputs (hidden states, masks, position
+embeddings: every tensor with the batch as its first dimension) to those rows, so the other
+rows pay nothing past the captured layers, and a batch without such a row stops where it would
+without top-1.
 """
 
 from __future__ import annotations
@@ -121,12 +128,42 @@ class Captured:
 
     layers: list[torch.Tensor]  # in target_layer_ids order
     last_hidden: torch.Tensor | None  # last decoder layer's output (pre-norm), if requested
+    # top1_rows: the last decoder layer's output (pre-norm) of just the rows asked for, [R, L, D]
+    rows_last_hidden: torch.Tensor | None = None
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device)
+
+
+def _sliceable(value: Any) -> bool:
+    """Whether a layer input is one `_slice_rows` handles (else: a full forward of the rows)."""
+    if isinstance(value, tuple | list):
+        return all(_sliceable(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _slice_rows(value: Any, rows: torch.Tensor, batch: int, done: dict[int, Any]) -> Any:
+    """`value` with every tensor of the batch as its first dimension cut to `rows`; 1-D tensors
+    (cache positions) and broadcast ones (first dimension 1) as they are. `done` keeps the cut of
+    each tensor for the later layers, which receive the same masks and position embeddings."""
+    if isinstance(value, tuple | list):
+        return type(value)(_slice_rows(v, rows, batch, done) for v in value)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != batch:
+        return value
+    key = id(value)
+    if key not in done:
+        done[key] = (value, value.index_select(0, rows.to(value.device)))
+    return done[key][1]
 
 
 class LayerCapture:
-    """Runs the target's decoder up to the deepest needed layer and returns the captures."""
+    """Runs the target's decoder up to the deepest needed layer and returns the captures.
 
-    def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_last: bool):
+    `need_last`: every row to the last decoder layer (--store-last-hidden, --store-topk).
+    `top1_rows`: the rows given to a call (`rows=`) go on to the last layer, the others stop at
+    the deepest captured one (--top1-share)."""
+
+    def __init__(self, model: nn.Module, target_layer_ids: list[int], *, need_last: bool, top1_rows: bool = False):
         self.model = model
         layers = decoder_layers(model)
         n = len(layers)
@@ -135,15 +172,42 @@ class LayerCapture:
         wanted = set(target_layer_ids) | ({n - 1} if need_last else set())
         self.stop_after = max(wanted)
         self.need_last = need_last
+        # Rows go on past stop_after only when the last layer lies beyond it.
+        self.continues = top1_rows and self.stop_after < n - 1
         self._out: dict[int, torch.Tensor] = {}
+        self._rows: torch.Tensor | None = None  # the rows of the call that go on (continues)
+        self._batch = 0
+        self._cut: dict[int, Any] = {}
+        self._unsliceable = False
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(wanted)]
+        if self.continues:
+            self._handles.append(layers[n - 1].register_forward_hook(self._last_hook))
+            self._handles += [layers[i].register_forward_pre_hook(self._slicing_hook, with_kwargs=True)
+                              for i in range(self.stop_after + 1, n)]
+        self.full_forwards = 0  # calls whose layer inputs could not be sliced (a forward of the rows)
 
     def _hook(self, idx: int):
         def hook(_module, _inputs, output):
             self._out[idx] = output[0] if isinstance(output, tuple) else output
-            if idx == self.stop_after:
+            if idx == self.stop_after and not self.continues:
                 raise _StopForward
         return hook
+
+    def _last_hook(self, _module, _inputs, output):
+        self._out[-1] = output[0] if isinstance(output, tuple) else output
+        raise _StopForward
+
+    def _slicing_hook(self, _module, args, kwargs):
+        rows = self._rows
+        if rows is None or self._unsliceable:  # no row goes on (or they go on in a forward of their own)
+            raise _StopForward
+        if rows.shape[0] == self._batch:  # every row: nothing to cut
+            return None
+        if not _sliceable(args) or not _sliceable(tuple(kwargs.values())):
+            self._unsliceable = True
+            raise _StopForward
+        return (_slice_rows(args, rows, self._batch, self._cut),
+                {k: _slice_rows(v, rows, self._batch, self._cut) for k, v in kwargs.items()})
 
     def close(self) -> None:
         for h in self._handles:
@@ -151,8 +215,32 @@ class LayerCapture:
         self._handles = []
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Captured:
-        self._out = {}
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 rows: torch.Tensor | None = None) -> Captured:
+        """`rows` (int64, with `top1_rows`): the batch rows to run on to the last layer, None or
+        empty for none."""
+        self._out, self._cut, self._unsliceable = {}, {}, False
+        self._rows = rows if self.continues and rows is not None and rows.numel() else None
+        self._batch = int(input_ids.shape[0])
+        self._forward(input_ids, attention_mask)
+        out = self._out
+        rows_last = out.get(-1)
+        if self._unsliceable:  # this family's layer inputs cannot be cut by row: run the rows alone
+            self.full_forwards += 1
+            pick = rows.to(input_ids.device)
+            self._out, self._unsliceable = {}, False
+            self._rows, self._batch = torch.arange(pick.shape[0], device=pick.device), int(pick.shape[0])
+            self._forward(input_ids.index_select(0, pick),
+                          None if attention_mask is None else attention_mask.index_select(0, pick))
+            rows_last = self._out[-1]
+        self._out, self._cut, self._rows = {}, {}, None
+        return Captured(
+            layers=[out[i] for i in self.target_layer_ids],
+            last_hidden=out[self.last_layer] if self.need_last else None,
+            rows_last_hidden=rows_last,
+        )
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         try:
             with _rows_not_packed():
                 self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -160,12 +248,6 @@ class LayerCapture:
             pass
         else:
             raise TargetError("The forward ended without reaching the last captured layer.")
-        out = self._out
-        self._out = {}
-        return Captured(
-            layers=[out[i] for i in self.target_layer_ids],
-            last_hidden=out[self.last_layer] if self.need_last else None,
-        )
 
 
 def _final_norm_and_head(model: nn.Module, what: str, fix: str = "") -> tuple[nn.Module, nn.Module]:

@@ -3,8 +3,22 @@ score in the cache contract, which samples carry a top-1, and what the stages ma
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import torch
+from conftest import tiny_train_config, write_jsonl
+from dflash.cache_tools.manifest import read_manifest
+from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores, top1_selected
+from dflash.extract.target import LayerCapture
+from dflash.train.data import open_training_data
+from dflash.train.metrics import VerificationWalk, greedy_path, greedy_replay, top1_known
+from dflash.train.objective import LossOutput
+from extract_utils import run_cli
+from test_target_families import FAMILIES, periodic_records, save_target
+from transformers import AutoModelForCausalLM
 
 MASK64 = (1 << 64) - 1
 
@@ -36,3 +50,230 @@ def test_top1_share_selects_the_samples_the_split_holds_out_first():
     # per-id shares (several caches read together)
     shares = np.where(ids % 2 == 0, 1.0, 0.0)
     assert np.array_equal(top1_selected(ids, shares), ids % 2 == 0)
+
+
+# -- extraction: the top-1 of the selected samples only ------------------------------------------
+
+SHARE = 0.5  # about half of the 12 samples: selected and non-selected ones in most batches
+
+
+def extract_cache(tmp_path: Path, target: Path, name: str, *extra: str, records: list[dict] | None = None) -> Path:
+    data = write_jsonl(tmp_path / f"{name}.jsonl", records or periodic_records())
+    cache = tmp_path / name
+    result = run_cli(["--target-model", target, "--data", data, "--output", cache, "--dtype", "fp32",
+                      "--target-layer-ids", "1,3", "--part-tokens", "200", "--token-budget", "256",
+                      "--num-writers", "0", *extra])
+    assert result.exit_code == 0, result.output
+    return cache
+
+
+def own_argmax(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids.long()[None]).logits[0].float().argmax(-1)
+
+
+def test_stored_top1_of_selected_samples_is_the_argmax_of_the_targets_own_forward_in_every_family(tmp_path):
+    for family, (make_config, _drafter) in sorted(FAMILIES.items()):
+        target, model = save_target(tmp_path / f"target-{family}", make_config())
+        cache = extract_cache(tmp_path, target, f"cache-{family}", "--top1-share", str(SHARE))
+        assert read_manifest(cache).top1_share == SHARE
+        reader = CacheReader(cache)
+        known = []
+        for i in range(len(reader)):
+            sample = reader.read_sample(i)
+            chosen = bool(top1_selected(np.array([sample["sample_id"]]), SHARE)[0])
+            assert sample["top1_known"] == chosen
+            known.append(chosen)
+            top1 = sample["top1_ids"][:, 0].long()
+            if chosen:
+                assert torch.equal(top1, own_argmax(model, sample["input_ids"])), (family, i)
+            else:
+                assert not top1.any(), (family, i)  # no top-1 computed for it
+        assert any(known) and not all(known), family
+        reader.close()
+
+
+def _tiny_qwen3():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(FAMILIES["qwen3"][0]()).eval()
+
+
+def _last_layer_rows(model: torch.nn.Module) -> tuple[list[int], object]:
+    seen: list[int] = []
+
+    def count(_module, args, kwargs):
+        seen.append(int((args[0] if args else kwargs["hidden_states"]).shape[0]))
+
+    return seen, model.model.layers[-1].register_forward_pre_hook(count, with_kwargs=True)
+
+
+def _reference_last_layer(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # HF's hidden_states[N] is after the final norm: hook the last layer itself
+        got = {}
+        handle = model.model.layers[-1].register_forward_hook(lambda m, i, o: got.update(h=o[0] if isinstance(o, tuple) else o))
+        model.model(input_ids=ids, use_cache=False)
+        handle.remove()
+    return got["h"]
+
+
+def test_only_the_selected_rows_run_past_the_captured_layers_and_a_batch_without_any_pays_nothing():
+    model = _tiny_qwen3()
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(1))
+    expected = _reference_last_layer(model, ids[[1, 3]])
+    seen, handle = _last_layer_rows(model)
+    capture = LayerCapture(model, [1, 3], need_last=False, top1_rows=True)
+    try:
+        got = capture(ids, None, rows=torch.tensor([1, 3]))
+        assert seen == [2]  # the last layer ran on the two selected rows only
+        torch.testing.assert_close(got.rows_last_hidden, expected, rtol=1e-5, atol=1e-5)
+        none = capture(ids, None, rows=torch.zeros(0, dtype=torch.long))
+        assert seen == [2] and none.rows_last_hidden is None  # no layer past layer 3 ran
+        assert capture.full_forwards == 0
+    finally:
+        capture.close()
+        handle.remove()
+
+
+def test_layer_inputs_that_cannot_be_cut_by_row_fall_back_to_a_forward_of_those_rows():
+    model = _tiny_qwen3()
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(2))
+    expected = _reference_last_layer(model, ids[[0, 2]])
+
+    class Opaque:  # a layer input of no known kind (as a flex-attention BlockMask would be)
+        pass
+
+    inject = model.model.layers[4].register_forward_pre_hook(lambda m, a, k: (a, {**k, "opaque": Opaque()}),
+                                                              with_kwargs=True)
+    capture = LayerCapture(model, [1, 3], need_last=False, top1_rows=True)
+    try:
+        got = capture(ids, None, rows=torch.tensor([0, 2]))
+        assert capture.full_forwards == 1
+        torch.testing.assert_close(got.rows_last_hidden, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        capture.close()
+        inject.remove()
+
+
+def hidden_bits(cache: Path) -> dict[int, np.ndarray]:
+    reader = CacheReader(cache)
+    try:
+        return {s["sample_id"]: s["hidden"].view(torch.int16).numpy().copy()
+                for s in (reader.read_sample(i) for i in range(len(reader)))}
+    finally:
+        reader.close()
+
+
+def test_share_one_is_the_cache_of_before_and_no_share_changes_the_hidden_state_bytes(tmp_path):
+    target, model = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
+    full = extract_cache(tmp_path, target, "full", "--top1-share", "1")
+    header = json.loads((full / "manifest.json").read_text())
+    assert "top1_share" not in header["extras"] and header["extras"]["top1"] == "uint16"  # the header of before
+    reader = CacheReader(full)
+    for i in range(len(reader)):
+        sample = reader.read_sample(i)
+        assert sample["top1_known"] and torch.equal(sample["top1_ids"][:, 0].long(), own_argmax(model, sample["input_ids"]))
+    reader.close()
+    # batches where no sample is selected (a share too small for any of the 12) store zeros and no share leaks
+    # into the hidden states: bf16 bytes equal across shares and without top-1
+    tiny = extract_cache(tmp_path, target, "tiny", "--top1-share", "0.001")
+    assert not any(CacheReader(tiny).read_sample(i)["top1_known"] for i in range(12))
+    half = extract_cache(tmp_path, target, "half", "--top1-share", str(SHARE))
+    off = extract_cache(tmp_path, target, "off", "--no-store-top1")
+    assert read_manifest(off).top1 is None and read_manifest(off).top1_share == 0.0
+    zero = extract_cache(tmp_path, target, "zero", "--top1-share", "0")
+    assert read_manifest(zero).top1 is None  # share 0 is the off switch too
+    reference = hidden_bits(full)
+    for other in (tiny, half, off, zero):
+        got = hidden_bits(other)
+        assert sorted(got) == sorted(reference)
+        for sid in reference:
+            np.testing.assert_array_equal(got[sid], reference[sid])
+
+
+# -- the trainer: held-out samples with and without their top-1 ----------------------------------
+
+
+def test_a_sample_without_its_top1_is_replayed_against_its_own_tokens_and_never_counts_as_greedy():
+    # Two rows, blocks of 4 at anchors 0 and 3. Row 0 has its top-1 (99 at row 2: the target
+    # would not write token 3 = 13); row 1 has none (zeros): it is checked against its tokens.
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]] * 2)
+    top1 = torch.tensor([[11, 12, 99, 14, 15, 16, 17, 0], [0] * 8])
+    predicted = torch.tensor([[[11, 12, 13], [14, 99, 16]]] * 2)
+    labels = torch.tensor([[[11, 12, 13], [14, 15, 16]]] * 2)
+    valid = torch.ones(2, 2, 3, dtype=torch.bool)
+    out = LossOutput(loss=torch.zeros(()), ce=torch.zeros(()), kl=None, correct=(predicted == labels) & valid,
+                     valid=valid, anchor_positions=torch.tensor([[0, 3]] * 2),
+                     anchor_valid=torch.ones(2, 2, dtype=torch.bool), predicted=predicted)
+    batch = {"input_ids": input_ids, "top1_ids": top1[..., None], "top1_known": torch.tensor([True, False]),
+             "lengths": torch.tensor([8, 8])}
+    replayed = greedy_replay(out, batch)
+    assert replayed.correct[0].tolist() == [[True, True, False], [True, False, True]]  # the target's top-1
+    assert torch.equal(replayed.correct[1], out.correct[1])  # its own tokens: as without top-1
+    path = greedy_path(batch)
+    assert not path[0, 3] and path[1].all()  # row 0 leaves the greedy path at token 3, row 1 is its own path
+    assert top1_known(batch).tolist() == [True, False]
+    eligible = torch.zeros(2, 8, dtype=torch.bool)
+    eligible[:, [0, 3]] = True
+    walk = VerificationWalk((4,))
+    walk.update([out], eligible, torch.ones(2, 8, dtype=torch.bool), top1_known(batch))
+    assert walk.greedy.samples == 1 and walk.others.samples == 1  # the row without top-1 is no greedy completion
+
+
+def share_cache(tmp_path: Path, target: Path, share: float) -> Path:
+    records = [{"input_ids": [int(x) for x in torch.randint(0, 128, (12 + i % 7,), generator=torch.Generator().manual_seed(i))],
+                "loss_mask": [0] * 3 + [1] * (9 + i % 7)} for i in range(60)]
+    return extract_cache(tmp_path, target, f"share-{share}", "--top1-share", str(share), records=records)
+
+
+def test_the_startup_summary_warns_when_the_heldout_split_is_larger_than_the_top1_share(tmp_path):
+    target, _ = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
+    cache = share_cache(tmp_path, target, 0.2)
+
+    def summary(**kw) -> tuple[str, int, int]:
+        cfg = tiny_train_config(cache, target, tmp_path / "run", eval_max_samples=0, **kw)
+        data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+        data.loader.close()
+        return data.summary(), data.eval_without_top1, len(data.eval_indices)
+
+    text, missing, evaluated = summary(eval_fraction=0.15)
+    assert missing == 0 and "--top1-share" not in text  # every held-out sample has its top-1
+    text, missing, evaluated = summary(eval_fraction=0.6)
+    ids = CacheReader(cache)
+    held = [s for s in (ids.read_sample(i)["sample_id"] for i in range(len(ids))) if heldout_scores(np.array([s]))[0] < 0.6]
+    expected = sum(1 for s in held if heldout_scores(np.array([s]))[0] >= 0.2)
+    assert evaluated == len(held) and missing == expected > 0
+    assert f"{missing} of the {evaluated} evaluated held-out samples have no target top-1" in text
+    assert "--top1-share" in text
+
+
+def test_cache_info_says_how_many_samples_hold_their_top1_and_verify_passes(tmp_path):
+    from click.testing import CliRunner
+    from dflash.cache_tools.cli import main as cache_main
+
+    target, _ = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
+    cache = share_cache(tmp_path, target, 0.3)
+    reader = CacheReader(cache)
+    known = sum(reader.read_sample(i)["top1_known"] for i in range(len(reader)))
+    reader.close()
+    info = CliRunner().invoke(cache_main, ["info", str(cache), "--json"])
+    assert info.exit_code == 0, info.output
+    summary = json.loads(info.stdout)
+    assert summary["top1_share"] == 0.3 and summary["top1_samples"] == known > 0
+    text = CliRunner().invoke(cache_main, ["info", str(cache)]).stdout
+    assert f"top1=uint16 for {known} of 60 samples (--top1-share 0.3" in text
+    verify = CliRunner().invoke(cache_main, ["verify", str(cache)])
+    assert verify.exit_code == 0, verify.output
+
+
+def test_the_share_is_cache_identity_a_resume_with_another_is_refused_naming_it(tmp_path):
+    target, _ = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
+    cache = extract_cache(tmp_path, target, "cache", "--top1-share", "0.3")
+    data = tmp_path / "cache.jsonl"
+    base = ["--target-model", target, "--data", data, "--output", cache, "--dtype", "fp32", "--target-layer-ids", "1,3",
+            "--part-tokens", "200", "--token-budget", "256", "--num-writers", "0"]
+    again = run_cli([*base, "--top1-share", "0.3"])
+    assert again.exit_code == 0, again.output  # the same share resumes
+    other = run_cli(base)  # the default share
+    assert other.exit_code == 2 and "extras.top1_share" in other.output and "Traceback" not in other.output
+    bad = run_cli([*base, "--top1-share", "1.5"])
+    assert bad.exit_code == 2 and "--top1-share must be between 0 and 1" in bad.output

@@ -28,7 +28,7 @@ from dflash.runtime.locks import is_held, same_path
 
 from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
-from .heldout import cap_by_score, eval_split
+from .heldout import cap_by_score, eval_split, without_top1
 from .loader import TrainLoader, eval_batches
 
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
@@ -83,6 +83,8 @@ class TrainingData:
     """Samples kept out of training (of the training caches, or of --eval-cache)."""
     train_cap: int = 0
     """--max-train-samples, when it left samples out of training."""
+    eval_without_top1: int = 0
+    """Evaluated samples whose cache holds no target top-1 for them (outside its --top1-share)."""
     warnings: list[str] = field(default_factory=list)
     """What the summary warns of beyond the split (a --shuffle-parts group larger than --disk-budget)."""
 
@@ -113,6 +115,14 @@ class TrainingData:
                      "by default, or with --no-store-top1), so the held-out estimate checks drafts against "
                      "the samples' own tokens: on sampled completions it under-reads what greedy decoding "
                      "accepts; extract again without --no-store-top1, or give --eval-cache of greedy completions")
+        elif self.eval_without_top1:
+            share = ", ".join(sorted({f"{r.top1_share:g}" for r in (self.eval_caches if self.eval_caches is not None else c).readers}))
+            text += (f"; warning: {self.eval_without_top1} of the {len(self.eval_indices)} evaluated held-out samples "
+                     f"have no target top-1 (the cache stores it for a share {share} of its samples, dflash-extract "
+                     f"--top1-share, and the held-out set is larger), so their estimate checks drafts against their own "
+                     f"tokens: on sampled completions it under-reads what greedy decoding accepts; extract with "
+                     f"--top1-share at least --eval-fraction (1 for a cache used whole, as --eval-cache), or lower "
+                     f"--eval-fraction or --eval-max-samples")
         if len(self.train_indices) < FEW_TRAINING:
             text += (f"; only {len(self.train_indices)} training samples: on the project's quality benchmark "
                      "4,096 target completions made a drafter that lost to prompt lookup and slowed decoding "
@@ -215,4 +225,5 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
                          pin_memory=pin_memory)
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
                         eval_indices=eval_indices, config=config, pin_memory=pin_memory, heldout_count=len(heldout),
-                        train_cap=train_cap, warnings=[w for w in warnings if w])
+                        train_cap=train_cap, warnings=[w for w in warnings if w],
+                        eval_without_top1=without_top1(scored, eval_indices))

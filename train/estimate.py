@@ -69,8 +69,10 @@ def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path
                       cfg, info)
     if result is None:
         raise TrainConfigError(f"The cache(s) {', '.join(cfg.data.cache)} hold no sample to evaluate.")
+    # A cache used whole needs the target's top-1 for every sample (--top1-share 1): the others are
+    # checked against their own tokens, as without top-1 (format_estimate says how many).
     return {"drafter": str(path), "cache": list(cfg.data.cache), "block_size": drafter.config.block_size,
-            "samples": len(data.eval_indices), **result}
+            "samples": len(data.eval_indices), "without_top1": data.eval_without_top1, **result}
 
 
 def format_estimate(result: dict[str, Any]) -> str:
@@ -81,4 +83,7 @@ def format_estimate(result: dict[str, Any]) -> str:
         smaller += f", backbone tau {result['tau_backbone']:.3f}"
     return (f"tau {result['tau']:.3f} ({result['estimator']}, block {block}){smaller}, tau_blocks "
             f"{result['tau_blocks']:.3f}; {int(result['walked_samples'])} of {result['samples']} samples walked, "
-            f"{int(result['blocks'])} blocks, loss {result['loss']:.4f}")
+            f"{int(result['blocks'])} blocks, loss {result['loss']:.4f}"
+            + (f"; warning: {result['without_top1']} of the samples have no target top-1 in the cache (extracted "
+               "with a --top1-share below 1, with --no-store-top1 or before it was stored), so their drafts are checked against their own tokens: extract the "
+               "cache with --top1-share 1 for the greedy walk of every sample" if result.get("without_top1") else ""))

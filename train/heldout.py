@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from dflash.cache_tools.sample_scores import heldout_scores
+from dflash.cache_tools.sample_scores import heldout_scores, top1_selected
 
 if TYPE_CHECKING:
     from dflash.cache_tools.cache_set import CacheSet
@@ -38,3 +38,15 @@ def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> n
         return indices
     keep = np.argsort(scores[indices], kind="stable")[:max_samples]
     return np.sort(indices[keep])
+
+
+def without_top1(caches: CacheSet, indices: np.ndarray) -> int:
+    """How many of the samples `indices` have no target top-1 in their cache (a cache without
+    top-1, or a sample outside its --top1-share): their held-out replay checks drafts against
+    their own tokens."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if not len(indices):
+        return 0
+    which = np.searchsorted(caches.starts, indices, side="right") - 1
+    shares = np.array([r.top1_share for r in caches.readers], dtype=np.float64)[which]
+    return int((~top1_selected(caches.sample_ids()[indices], shares)).sum())

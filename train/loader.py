@@ -30,6 +30,7 @@ from dflash.cache_tools.schema import (
     LOSS_MASK,
     SAMPLE_IDS,
     TOP1_IDS,
+    TOP1_KNOWN,
     TOPK_ARRAYS,
     scale_of,
 )
@@ -69,6 +70,8 @@ def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | Non
             t[b, n:] = 0
         out[key] = t
     out[SAMPLE_IDS] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.long)
+    if TOP1_IDS in out:  # which rows' top1_ids hold the target's top-1 (a cache of --top1-share < 1: some)
+        out[TOP1_KNOWN] = torch.tensor([bool(s.get(TOP1_KNOWN, True)) for s in samples])
     return out
 
 

@@ -52,7 +52,7 @@ from .distributed import (
 )
 from .follow import follow_fields, report_consumption
 from .loader import dequantize_batch
-from .metrics import VerificationWalk, greedy_path, greedy_replay
+from .metrics import VerificationWalk, greedy_path, greedy_replay, top1_known
 from .model import DFlashDrafter
 from .objective import (
     ObjectiveConfig,
@@ -424,9 +424,10 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                     greedy.update(out, chunk)
                 outs.append(out)
             path = greedy_path(batch) if replay else None  # where sampled tokens leave it
-            walk.update(outs, eligible, path)
+            known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
+            walk.update(outs, eligible, path, known)
             if backbone_outs:
-                backbone_walk.update(backbone_outs, eligible, path)
+                backbone_walk.update(backbone_outs, eligible, path, known)
     loss_model.wrapped.train()
     by_labels = labels.compute(info)
     result = greedy.compute(info) if replay else by_labels

@@ -85,12 +85,31 @@ def tau_from_accuracies(acc: list[float]) -> float:
 
 def target_top1(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """[B, T] the target's greedy next token after each row (top1_ids, else the first of
-    topk_ids), None when the batch has neither."""
+    topk_ids), None when the batch has neither. A sample whose cache holds no top-1 for it
+    (outside a --top1-share, `top1_known`) gets the first of its top-k, else its own next token,
+    so that its replay checks the drafts against its tokens, as for a cache without top-1."""
     if "top1_ids" in batch:
-        return batch["top1_ids"][..., 0]
+        top1 = batch["top1_ids"][..., 0]
+        known = batch.get("top1_known")
+        if known is None:
+            return top1
+        if "topk_ids" in batch:
+            other = batch["topk_ids"][..., 0].to(device=top1.device, dtype=top1.dtype)
+        else:
+            other = torch.zeros_like(top1)
+            other[:, :-1] = batch["input_ids"][:, 1:].to(device=top1.device, dtype=top1.dtype)
+        return torch.where(known.to(top1.device)[:, None], top1, other)
     if "topk_ids" in batch:
         return batch["topk_ids"][..., 0]  # topk is sorted, best first
     return None
+
+
+def top1_known(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """[B] bool: which samples of the batch have the target's top-1 (the others are replayed
+    against their own tokens, `target_top1`); None when all of them have it."""
+    if "top1_known" not in batch or "topk_ids" in batch:
+        return None
+    return batch["top1_known"]
 
 
 def greedy_path(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -233,10 +252,13 @@ class VerificationWalk:
     def samples(self) -> int:
         return self.greedy.samples + self.others.samples
 
-    def update(self, outs: list[LossOutput], eligible: torch.Tensor, on_path: torch.Tensor | None = None) -> None:
+    def update(self, outs: list[LossOutput], eligible: torch.Tensor, on_path: torch.Tensor | None = None,
+               has_top1: torch.Tensor | None = None) -> None:
         """Add one batch: its outputs (blocks of one batch over one or more anchor chunks),
-        `eligible` [B, T] bool, `objective.eligible_anchors` of the batch, and `on_path`
-        [B, T] bool, `greedy_path` of the batch (None: the samples are the path)."""
+        `eligible` [B, T] bool, `objective.eligible_anchors` of the batch, `on_path`
+        [B, T] bool, `greedy_path` of the batch (None: the samples are the path), and `has_top1`
+        [B] bool, the batch's `top1_known`: a sample without its top-1 is walked along its own
+        tokens and never counted as a greedy completion (nothing says it is one)."""
         by_position: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]
         scored: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]  # scored slots per block
         for out in outs:
@@ -255,7 +277,8 @@ class VerificationWalk:
             counts = self.greedy
             if run is not None:
                 after = [run[p + 1] > 0 for p in blocks if p + 1 < len(run) and scored[b][p]]
-                counts = self.greedy if sum(after) >= GREEDY_SHARE * max(1, len(after)) else self.others
+                greedy = sum(after) >= GREEDY_SHARE * max(1, len(after)) and (has_top1 is None or bool(has_top1[b]))
+                counts = self.greedy if greedy else self.others
             for i, width in enumerate(self.block_sizes):
                 p = min(blocks)
                 while p in blocks:
