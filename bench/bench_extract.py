@@ -278,7 +278,8 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
                         codec="bf16", target_layer_ids=layer_ids, token_budget=budget,
                         part_tokens=args.part_tokens, sort_window_tokens=args.sort_window_tokens,
                         max_seq_len=2 * max(len(json.loads(x)["input_ids"]) for x in lines),
-                        num_writers=args.num_writers, device=str(device), progress=False)
+                        num_writers=args.num_writers, device=str(device), progress=False,
+                        top1_share=args.top1_share)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t = time.perf_counter()
     with profile(activities=acts) as prof:
@@ -333,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dflash-extract's sort window [1M: what the default 64K-token parts get; "
                          "16 x --part-tokens would be 512K here]. Larger windows, less padding.")
     ap.add_argument("--num-writers", type=int, help="Writer processes [default of dflash-extract].")
+    ap.add_argument("--top1-share", type=float, default=ExtractConfig.top1_share,
+                    help="dflash-extract's --top1-share: the share of samples whose target top-1 is stored "
+                         "(their rows run on to the last layer and the head) [its default, "
+                         f"{ExtractConfig.top1_share}]; 1: every sample, 0: none.")
     ap.add_argument("--codecs", default="bf16,fp8",
                     help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
                          "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison.")
@@ -375,7 +380,7 @@ class Bench:
             n = write_data(self.data, self.tokens, self.seq_len, shape["vocab_size"])
             print(f"data: {n} samples of ~{self.seq_len} tokens ({self.tokens} tokens), layers {self.layer_ids}; "
                   f"token budget {self.budget}, parts of {args.part_tokens} tokens, sort window "
-                  f"{args.sort_window_tokens} tokens")
+                  f"{args.sort_window_tokens} tokens, top-1 for a share {args.top1_share:g} of the samples")
             per_batch = max(1, self.budget // self.seq_len)
             gen = torch.Generator().manual_seed(0)
             self.batches = [torch.randint(0, shape["vocab_size"], (per_batch, self.seq_len), generator=gen).to(device)
@@ -394,7 +399,8 @@ class Bench:
         return ExtractConfig(target_model=self.label, data=str(data_file), output=str(cache), codec=codec,
                              target_layer_ids=self.layer_ids, token_budget=self.budget, part_tokens=a.part_tokens,
                              sort_window_tokens=a.sort_window_tokens, max_seq_len=self.seq_len * 2,
-                             num_writers=a.num_writers, device=str(self.device), progress=False)
+                             num_writers=a.num_writers, device=str(self.device), progress=False,
+                             top1_share=a.top1_share)
 
     def prefill_rate(self) -> float:
         with torch.inference_mode():
@@ -467,7 +473,7 @@ def main() -> None:
     result = {"bench": "extract", "shape": args.shape, "small": args.small, "architecture": architecture,
               "dims": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "build_seconds": b.build_seconds, "target_layer_ids": layer_ids,
+              "build_seconds": b.build_seconds, "target_layer_ids": layer_ids, "top1_share": args.top1_share,
               "tokens": b.tokens, "seq_len": b.seq_len, "token_budget": b.budget, "linear_attention": b.kernels,
               "prefill_tokens_per_second": b.prefill, "own_batches_tokens_per_second": own_rate,
               "raw_bytes_per_token": raw, "extract": {}, "stop_forward_tokens_per_second": stop_rates}

@@ -277,3 +277,23 @@ def test_the_share_is_cache_identity_a_resume_with_another_is_refused_naming_it(
     assert other.exit_code == 2 and "extras.top1_share" in other.output and "Traceback" not in other.output
     bad = run_cli([*base, "--top1-share", "1.5"])
     assert bad.exit_code == 2 and "--top1-share must be between 0 and 1" in bad.output
+
+
+def test_the_quality_bench_extracts_the_caches_it_estimates_on_whole_with_every_top1(tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
+    import stages
+
+    calls = []
+
+    def fake(name, module, args, log_path, stdout=None, env=None):
+        calls.append(args)
+        return 1.0
+
+    monkeypatch.setattr(stages, "run_command", fake)
+    work = stages.Work(root=tmp_path, sizes=stages.preset(small=True), device="cpu", log=lambda *a: None)
+    stages.stage_extract(work)
+    share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
+             for a in calls}
+    assert share == {"cache": None, "estimate_cache": "1", "decoded_cache": "1"}

@@ -443,7 +443,9 @@ def stage_extract(work: Work) -> dict[str, Any]:
         seconds[cache] = run_command("dflash-extract", "dflash.extract.cli", [
             "--target-model", str(work.root / "target"), "--data", str(work.root / data),
             "--output", str(work.root / cache), "--target-layer-ids", ",".join(map(str, s.target_layer_ids)),
-            "--device", work.device, "--no-progress", *s.extract_args, *(("--codec", codec) if codec else ())],
+            "--device", work.device, "--no-progress", *s.extract_args, *(("--codec", codec) if codec else ()),
+            # read whole by `dflash-train estimate --cache`: the target's top-1 of every sample
+            *(("--top1-share", "1") if cache in ("estimate_cache", "decoded_cache") else ())],
             work.root / f"extract-{cache}.log", env=work.child_env())
     return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"],
             "decoded_seconds": seconds["decoded_cache"], "extra_seconds": seconds.get("extra_cache"),
