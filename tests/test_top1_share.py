@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_train_config, write_jsonl
 from dflash.cache_tools.manifest import read_manifest
@@ -297,3 +298,21 @@ def test_the_quality_bench_extracts_the_caches_it_estimates_on_whole_with_every_
     share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
              for a in calls}
     assert share == {"cache": None, "estimate_cache": "1", "decoded_cache": "1"}
+
+
+def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tmp_path):
+    from dflash.cache_tools.cache_set import CacheSet
+    from dflash.cache_tools.errors import CacheCorruptError
+    from dflash.train.heldout import without_top1
+
+    target, _ = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
+    a, b = share_cache(tmp_path, target, 0.3), share_cache(tmp_path, target, 1.0)
+    both = CacheSet([str(a), str(b)], max_seq_len=64)  # no refusal: each sample says whether it has its top-1
+    index = np.arange(len(both))
+    expected = int((heldout_scores(both.sample_ids()[:60]) >= 0.3).sum())  # cache a's samples outside 0.3
+    assert without_top1(both, index) == expected > 0
+    header = json.loads((a / "manifest.json").read_text())
+    header["extras"]["top1_share"] = 1.5
+    (a / "manifest.json").write_text(json.dumps(header))
+    with pytest.raises(CacheCorruptError, match="extras.top1_share is 1.5"):
+        read_manifest(a)
