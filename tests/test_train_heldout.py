@@ -110,6 +110,10 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     assert len(on.train_indices) + on.heldout_count == len(on.caches)
     assert "noisy estimate" in on.summary()  # a dozen held-out samples: the summary says so
     assert f"only {len(on.train_indices)} training samples" in on.summary()  # and a few dozen training ones
+    # its advice names dflash-generate's flag for more answers per prompt, which exists
+    from dflash.prepare.driver import GenerateConfig
+
+    assert "--samples-per-prompt 3" in on.summary() and "samples_per_prompt" in GenerateConfig.__dataclass_fields__
     from dflash.train import data as training_data
 
     monkeypatch.setattr(training_data, "FEW_TRAINING", len(on.train_indices))  # as many as the notice asks for
