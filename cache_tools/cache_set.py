@@ -68,6 +68,7 @@ class CacheSet:
         self.truncated_samples = int((full > max_seq_len).sum())
         self.truncated_tokens = int((full - self.lengths).sum())
         self._sample_ids: np.ndarray | None = None
+        self._split_keys: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -92,6 +93,21 @@ class CacheSet:
             for r in self.readers:
                 r.close()  # DataLoader workers open their own maps
         return self._sample_ids
+
+    def split_keys(self) -> np.ndarray:
+        """The split key of every sample, in index order (what the held-out split, the evaluation
+        cap, --max-train-samples and the top-1 selection score): the key its commit record stores
+        (a hash of its prompt), else, for a part extracted before keys were stored, its sample
+        id, so that such a cache splits as it always did."""
+        if self._split_keys is None:
+            ids, keys, at = self.sample_ids(), [], 0
+            for r in self.readers:
+                for rec in r.parts:
+                    keys.append(ids[at: at + rec.samples] if rec.split_keys is None
+                                else np.asarray(rec.split_keys, np.int64))
+                    at += rec.samples
+            self._split_keys = np.concatenate(keys).astype(np.int64) if keys else np.zeros(0, np.int64)
+        return self._split_keys
 
     def identity(self) -> list[dict[str, Any]]:
         """What decides the samples: each cache's header identity and committed size (not its path)."""

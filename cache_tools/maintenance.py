@@ -32,6 +32,7 @@ from .manifest import (
     read_header,
 )
 from .reader import CacheReader, PartFiles
+from .sample_scores import prompt_split_key
 from .schema import (
     HIDDEN,
     HIDDEN_ARRAYS,
@@ -39,6 +40,7 @@ from .schema import (
     LOSS_MASK,
     OFFSETS,
     SAMPLE_IDS,
+    SPLIT_KEYS,
     PartSchema,
     sample_offsets,
     scale_of,
@@ -239,6 +241,13 @@ def _check_contents(pf: PartFiles, m: Manifest, arrays: dict[str, _Expected], ok
                           f"(first at token row {int(wrong[0])}: {int(x[wrong[0]])})")
     if LOSS_MASK in small and np.any(small[LOSS_MASK] > 1):
         bad(LOSS_MASK, "loss_mask holds values other than 0 and 1")
+    if rec.split_keys is not None and INPUT_IDS in small and LOSS_MASK in small:
+        off = sample_offsets(rec.lengths)
+        keys = [prompt_split_key(small[INPUT_IDS][a:b], small[LOSS_MASK][a:b]) for a, b in zip(off[:-1], off[1:])]
+        wrong = [j for j, (k, want) in enumerate(zip(keys, rec.split_keys)) if k != want]
+        if wrong:
+            bad(SPLIT_KEYS, f"the commit record's split keys of {len(wrong)} samples (first: sample {wrong[0]}) "
+                            "are not the hashes of their prompts as the part stores them (edited)")
     for name in map(scale_of, HIDDEN_ARRAYS):
         if name in small and not np.all(np.isfinite(small[name]) & (small[name] >= 0)):
             bad(name, "fp8 scales are negative, NaN or infinite")

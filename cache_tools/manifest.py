@@ -53,6 +53,10 @@ class PartRecord:
     """The part's sample ids in stored order (None: a record written before they were recorded;
     the part's sample_ids array holds them). A trainer orders its samples by id at startup: from
     the commit log that opens no part."""
+    split_keys: tuple[int, ...] | None = None
+    """The split key of each sample in stored order (sample_scores.prompt_split_key: a hash of
+    its prompt), which the held-out split and the top-1 selection score; None in a record
+    written before keys were stored, whose samples use their sample id as the key."""
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -61,15 +65,18 @@ class PartRecord:
         }
         if self.sample_ids is not None:
             out["sample_ids"] = list(self.sample_ids)
+        if self.split_keys is not None:
+            out["split_keys"] = list(self.split_keys)
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartRecord:
-        ids = d.get("sample_ids")
+        ids, keys = d.get("sample_ids"), d.get("split_keys")
         return cls(
             name=d["part"], samples=int(d["samples"]), tokens=int(d["tokens"]),
             lengths=tuple(int(x) for x in d["lengths"]), nbytes=int(d["bytes"]),
             stats=dict(d.get("stats", {})), sample_ids=None if ids is None else tuple(int(x) for x in ids),
+            split_keys=None if keys is None else tuple(int(x) for x in keys),
         )
 
 
@@ -90,7 +97,16 @@ def decode_log_line(line: bytes, where: str) -> PartRecord:
             "it names cannot be trusted: `dflash-cache verify --quarantine CACHE` takes it out of the cache, "
             "then rerun the dflash-extract command that wrote the cache to extract it again."
         )
-    return PartRecord.from_json(json.loads(body))
+    record = PartRecord.from_json(json.loads(body))
+    keys = record.split_keys
+    if keys is not None and (len(keys) != record.samples or any(not -(1 << 63) <= k < 1 << 63 for k in keys)):
+        raise CacheCorruptError(
+            f"{where}: the commit record of {record.name} lists {len(keys)} split keys for its "
+            f"{record.samples} samples, or keys outside 64 bits (it was edited). The part cannot be "
+            "trusted: `dflash-cache verify --quarantine CACHE` takes it out of the cache, then rerun the "
+            "dflash-extract command that wrote the cache to extract it again."
+        )
+    return record
 
 
 class CommitLog:

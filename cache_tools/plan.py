@@ -2,7 +2,8 @@
 
 `dflash-extract` cuts parts from the input data alone (extract/data.py: the same data and
 settings give the same parts whatever the number of ranks), so at its start it can write the
-whole list: `manifest.plan.json`, each planned part's name, sample ids and token counts. A
+whole list: `manifest.plan.json`, each planned part's name, sample ids, token counts and split
+keys (the hashes of the samples' prompts the held-out split groups by). A
 trainer following a cache that is still being filled (`dflash-train --follow`) plans its
 batches from this file, which is why its training order depends on the data and the seed and
 never on when parts arrive; the extraction is complete when every planned part is committed.
@@ -38,6 +39,7 @@ class PlannedPart:
     name: str
     sample_ids: tuple[int, ...]
     lengths: tuple[int, ...]
+    split_keys: tuple[int, ...] | None = None  # as its commit record will list them (None: a plan of before)
 
     @property
     def tokens(self) -> int:
@@ -74,8 +76,8 @@ def write_plan(cache_dir: str | os.PathLike, header: dict[str, Any], parts: list
     if read_plan(cache_dir, header) is not None:
         return
     body = {"plan_version": PLAN_VERSION, "identity_sha256": identity_digest(header),
-            "parts": [{"part": p.name, "sample_ids": list(p.sample_ids), "lengths": list(p.lengths)}
-                      for p in parts]}
+            "parts": [{"part": p.name, "sample_ids": list(p.sample_ids), "lengths": list(p.lengths),
+                       **({} if p.split_keys is None else {"split_keys": list(p.split_keys)})} for p in parts]}
     # Under the cache lock: a writer opening the cache removes temporary files there (orphans).
     with file_lock(cache_dir / LOCK_FILE):
         atomic_write_bytes(cache_dir / PLAN_FILE, json.dumps(body, separators=(",", ":")).encode())
@@ -95,8 +97,12 @@ def read_plan(cache_dir: str | os.PathLike, header: dict[str, Any]) -> Extractio
         return None
     try:
         parts = tuple(PlannedPart(str(p["part"]), tuple(int(x) for x in p["sample_ids"]),
-                                  tuple(int(x) for x in p["lengths"])) for p in body["parts"])
-    except (KeyError, TypeError, ValueError) as e:
+                                  tuple(int(x) for x in p["lengths"]),
+                                  None if p.get("split_keys") is None else tuple(int(x) for x in p["split_keys"]))
+                      for p in body["parts"])
+        if any(p.split_keys is not None and len(p.split_keys) != len(p.sample_ids) for p in parts):
+            raise ValueError("split keys for every sample")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CacheCorruptError(f"{path}: the extraction plan lacks {e}: it is damaged. Delete it and "
                                 "rerun dflash-extract on the cache to write it again.") from e
     return ExtractionPlan(parts)

@@ -295,7 +295,7 @@ class CacheReader:
       last_hidden [T, D] bfloat16, topk_ids [T, k] int64, topk_logprobs [T, k] float32,
                   top1_ids [T, 1] int64 when the cache stores them;
       top1_known  (bool, with top1_ids) whether top1_ids hold the target's top-1: a cache of
-                  --top1-share F holds it for the samples of score below F only
+                  --top1-share F holds it for the samples whose split key scores below F
                   (sample_scores.top1_selected), zeros for the others.
     """
 
@@ -415,9 +415,18 @@ class CacheReader:
         result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
         result["sample_id"] = int(self._part(part_idx).small_array(SAMPLE_IDS)[local])
         if TOP1_IDS in result:  # --top1-share: the other samples' rows hold 0, not a top-1
-            result[TOP1_KNOWN] = self.top1_share >= 1 or bool(
-                top1_selected(np.array([result["sample_id"]]), self.top1_share)[0])
+            result[TOP1_KNOWN] = self.top1_known(part_idx, local, result["sample_id"])
         return result
+
+    def top1_known(self, part_idx: int, local: int, sample_id: int) -> bool:
+        """Whether sample `local` of part `part_idx` has its top-1 in a cache of top-1 share below
+        1: the score of its split key (its part's recorded key, else its sample id, as the
+        extraction selected it) is below the share."""
+        if self.top1_share >= 1:
+            return True
+        keys = self.parts[part_idx].split_keys
+        key = sample_id if keys is None else keys[local]
+        return bool(top1_selected(np.array([key], np.int64), self.top1_share)[0])
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)

@@ -63,8 +63,9 @@ def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCode
 
 
 def _copy_part(reader: CacheReader, part_idx: int, pw: PartWriter, dst_codec: HiddenCodec) -> None:
-    for sid, kw in _iter_part_samples(reader, part_idx, dst_codec):
-        pw.add_sample(sid, **kw)
+    keys = reader.parts[part_idx].split_keys  # kept as they are (none: the copy splits by id, as its source)
+    for j, (sid, kw) in enumerate(_iter_part_samples(reader, part_idx, dst_codec)):
+        pw.add_sample(sid, **kw, split_key=None if keys is None else keys[j])
     pw.stats.update(reader.parts[part_idx].stats)
 
 

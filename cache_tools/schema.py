@@ -20,6 +20,8 @@ Per token (T rows):
 Per sample (S of them):
   offsets           [S+1]    int64, CSR: sample i is rows offsets[i]:offsets[i+1]
   sample_ids        [S]      int64, the global id of each sample (its source record)
+The commit record (manifest.PartRecord) lists the sample ids again and each sample's split key,
+a hash of its prompt (sample_scores.prompt_split_key), recomputable from input_ids and loss_mask.
 
 Storage: the hidden arrays (`HIDDEN_ARRAYS`) are sharded along rows (`shard_rows` rows of
 `chunk_rows`-row chunks, full width) with the header's codec; the top-k arrays likewise with
@@ -46,6 +48,7 @@ INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 OFFSETS = "offsets"
 SAMPLE_IDS = "sample_ids"
+SPLIT_KEYS = "split_keys"  # not an array: the commit record's hash of each sample's prompt (sample_scores)
 
 HIDDEN_ARRAYS = (HIDDEN, LAST_HIDDEN)
 """Arrays of hidden states: stored with the cache's codec, decoded to bf16 by readers."""

@@ -25,15 +25,16 @@ def raw_bf16_bytes(manifest: Manifest) -> int:
 
 
 def top1_samples(manifest: Manifest) -> int | None:
-    """How many samples hold the target's top-1 (every one below share 1, by sample id, from the
-    commit records); None where a record predates its sample ids."""
+    """How many samples hold the target's top-1 (every one below share 1, by split key, else
+    sample id, from the commit records); None where a record predates its sample ids."""
     share = manifest.top1_share
     if share >= 1 or share <= 0:
         return manifest.num_samples if share >= 1 else 0
-    if any(p.sample_ids is None for p in manifest.parts):
+    if any(p.sample_ids is None and p.split_keys is None for p in manifest.parts):
         return None
-    ids = np.array([i for p in manifest.parts for i in p.sample_ids], dtype=np.int64)
-    return int(top1_selected(ids, share).sum())
+    keys = np.array([k for p in manifest.parts for k in (p.sample_ids if p.split_keys is None else p.split_keys)],
+                    dtype=np.int64)
+    return int(top1_selected(keys, share).sum())
 
 
 def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:

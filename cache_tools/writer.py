@@ -311,6 +311,7 @@ class PartWriter:
         self.stats: dict[str, Any] = {}
         self._cols: dict[str, list[np.ndarray]] = {}
         self._sample_ids: list[int] = []
+        self._split_keys: list[int | None] = []  # None: a sample given without one
         self._lengths: list[int] = []
         self._tmp: Path | None = None
         self._lock_ctx = None
@@ -350,9 +351,12 @@ class PartWriter:
         topk_ids: Any = None,
         topk_logprobs: Any = None,
         top1_ids: Any = None,
+        split_key: int | None = None,
     ) -> None:
         """Add one sample. `hidden` is [T, K*D]: a float/bf16 tensor (encoded here) or an
-        array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8)."""
+        array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8).
+        `split_key`: its prompt's key (sample_scores.prompt_split_key); a part records keys
+        when every sample has one, none when none has."""
         ids = _as_numpy(input_ids, np.int32)
         if ids.shape[0] == 0:
             raise CacheError(f"Sample {sample_id} is empty: a cached sample needs at least one token.")
@@ -368,7 +372,7 @@ class PartWriter:
         if top1_ids is not None:  # (a cache that does not store them refuses them in _add)
             dtype = self.cache.schema[TOP1_IDS].dtype if TOP1_IDS in self.cache.schema else np.int32
             cols[TOP1_IDS] = _as_numpy(top1_ids, dtype).reshape(-1, 1)
-        self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]])
+        self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]], [split_key])
 
     def add_samples(
         self,
@@ -377,13 +381,15 @@ class PartWriter:
         input_ids: Any,
         loss_mask: Any,
         hidden: np.ndarray,
+        split_keys: Any = None,
         **extras: np.ndarray,
     ) -> None:
         """Add many consecutive samples at once from arrays already in storage form.
 
         `hidden` (and each of `extras`: hidden_scale, last_hidden, ...) holds the rows of all
         samples back to back, `lengths` their token counts. No per-sample copies are made:
-        this is the path that extraction's writer processes use for whole parts.
+        this is the path that extraction's writer processes use for whole parts. `split_keys`:
+        one per sample (see add_sample), or None.
         """
         lengths = [int(n) for n in lengths]
         sample_ids = [int(i) for i in sample_ids]
@@ -394,9 +400,13 @@ class PartWriter:
             )
         cols = {INPUT_IDS: _as_numpy(input_ids, np.int32), LOSS_MASK: _as_numpy(loss_mask, np.uint8),
                 HIDDEN: hidden, **extras}
-        self._add(f"Part {self.name}", cols, sample_ids, lengths)
+        keys = [None] * len(sample_ids) if split_keys is None else [int(k) for k in split_keys]
+        if len(keys) != len(sample_ids):
+            raise CacheError(f"Part {self.name}: {len(keys)} split keys for {len(sample_ids)} samples.")
+        self._add(f"Part {self.name}", cols, sample_ids, lengths, keys)
 
-    def _add(self, where: str, cols: dict[str, np.ndarray], sample_ids: list[int], lengths: list[int]) -> None:
+    def _add(self, where: str, cols: dict[str, np.ndarray], sample_ids: list[int], lengths: list[int],
+             split_keys: list[int | None]) -> None:
         """Check per-token rows against the part schema, then keep them for the commit."""
         schema, tokens = self.cache.schema, sum(lengths)
         wanted = [spec for spec in schema if spec.per == "token"]
@@ -423,6 +433,7 @@ class PartWriter:
         for key, arr in cols.items():
             self._cols.setdefault(key, []).append(arr)
         self._sample_ids += sample_ids
+        self._split_keys += split_keys
         self._lengths += lengths
 
     def _encode(self, x, scale, num_layers) -> tuple[np.ndarray, np.ndarray | None]:
@@ -451,6 +462,10 @@ class PartWriter:
     def _finish(self) -> None:
         if not self._sample_ids:
             raise CacheError(f"Part {self.name} has no samples: nothing to commit.")
+        given = sum(k is not None for k in self._split_keys)
+        if given not in (0, len(self._split_keys)):
+            raise CacheError(f"Part {self.name}: {given} of its {len(self._split_keys)} samples have a split "
+                             "key: give one for every sample or for none.")
         write_part_group(self._tmp, self.cache, self._cols, self._sample_ids, self._lengths, self.name)
         fsync_tree(self._tmp)
         nbytes = sum(f.stat().st_size for f in self._tmp.rglob("*") if f.is_file())
@@ -458,6 +473,7 @@ class PartWriter:
             name=self.name, samples=len(self._sample_ids), tokens=self.num_tokens,
             lengths=tuple(self._lengths), nbytes=nbytes, stats=dict(self.stats),
             sample_ids=tuple(int(i) for i in self._sample_ids),
+            split_keys=tuple(self._split_keys) if given else None,
         )
         self.committed = self.cache.commit(self._tmp, record)
 

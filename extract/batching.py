@@ -24,6 +24,7 @@ class Batch:
     gather_index: torch.Tensor  # int64 [T_real]: flat positions (b * L + t) of real tokens
     lengths: list[int]
     sample_ids: list[int] = field(default_factory=list)  # the global id of each row's sample
+    split_keys: list[int] = field(default_factory=list)  # the split key of each row's sample
 
     @property
     def real_tokens(self) -> int:
@@ -76,6 +77,7 @@ def make_batch(samples: list[Sample], members: list[int]) -> Batch:
     return Batch(
         members=list(members), input_ids=torch.from_numpy(ids), gather_index=torch.from_numpy(gather),
         lengths=lengths, sample_ids=[samples[i].sample_id for i in members],
+        split_keys=[samples[i].split_key for i in members],
     )
 
 

@@ -19,12 +19,14 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
+from dflash.cache_tools.sample_scores import prompt_split_key
 from dflash.runtime.errors import InputError
 from dflash.runtime.records import (
     SIDECAR_SUFFIXES,
@@ -212,6 +214,12 @@ class Sample:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @cached_property
+    def split_key(self) -> int:
+        """The hash of its prompt as the cache stores it (sample_scores.prompt_split_key): the
+        answers of one prompt share it, so the held-out split and the top-1 selection keep them together."""
+        return prompt_split_key(self.input_ids, self.loss_mask)
 
 
 @dataclass

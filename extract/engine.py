@@ -108,7 +108,7 @@ class ExtractionEngine:
         self.device = device
         self.topk = topk
         self.top1 = top1  # the storage dtype of the target's greedy next token, None: not stored
-        self.top1_share = top1_share  # stored for the samples of score below it (sample_scores.top1_selected)
+        self.top1_share = top1_share  # stored for the samples whose split key scores below it (top1_selected)
         self.min_rows = min_rows
         self.cuda = device.type == "cuda"
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
@@ -202,7 +202,7 @@ class ExtractionEngine:
         (share 1, as before the share existed) or no top-1 stored."""
         if not self.top1 or self.top1_share >= 1:
             return None
-        return np.flatnonzero(top1_selected(np.asarray(batch.sample_ids, np.int64), self.top1_share))
+        return np.flatnonzero(top1_selected(np.asarray(batch.split_keys, np.int64), self.top1_share))
 
     def _on_device(self, index: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(index)

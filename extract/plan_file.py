@@ -13,8 +13,10 @@ from .data import BadRecordError, PartRules, plan_windows
 
 
 def planned_parts(files: list[Path], rules: PartRules) -> list[PlannedPart]:
-    """The parts `plan_windows` cuts, with their samples' ids and lengths (one pass over the data)."""
-    return [PlannedPart(plan.name, tuple(s.sample_id for s in plan.samples), tuple(s.length for s in plan.samples))
+    """The parts `plan_windows` cuts, with their samples' ids, lengths and split keys (one pass
+    over the data; the keys are those the extraction records when it commits the parts)."""
+    return [PlannedPart(plan.name, tuple(s.sample_id for s in plan.samples), tuple(s.length for s in plan.samples),
+                        tuple(s.split_key for s in plan.samples))
             for window in plan_windows(files, rules) for plan in window]
 
 

@@ -44,6 +44,7 @@ class PartTask:
     shm_name: str | None
     layout: dict[str, tuple[int, tuple, str]]
     sample_ids: list[int]
+    split_keys: list[int]
     offsets: np.ndarray
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -64,7 +65,8 @@ def make_task(buf: PartBuffer) -> PartTask:
     samples = buf.plan.samples
     return PartTask(
         name=buf.plan.name, shm_name=buf.shm.name if buf.shm is not None else None,
-        layout=buf.layout, sample_ids=[s.sample_id for s in samples], offsets=buf.offsets,
+        layout=buf.layout, sample_ids=[s.sample_id for s in samples],
+        split_keys=[s.split_key for s in samples], offsets=buf.offsets,
         input_ids=np.concatenate([s.input_ids for s in samples]),
         loss_mask=np.concatenate([s.loss_mask for s in samples]), stats=buf.plan.stats,
     )
@@ -78,7 +80,7 @@ def write_part(cache: CacheWriter, task: PartTask, arrays: dict[str, np.ndarray]
         pw.stats.update(task.stats)
         extras = {name: arr for name, arr in arrays.items() if name != HIDDEN}
         pw.add_samples(task.sample_ids, np.diff(off), task.input_ids, task.loss_mask,
-                       arrays[HIDDEN], **extras)
+                       arrays[HIDDEN], split_keys=task.split_keys, **extras)
     record = cache.committed().get(task.name)
     return PartResult(
         name=task.name, committed=pw.committed, samples=len(task.sample_ids),

@@ -3,6 +3,7 @@ score in the cache contract, which samples carry a top-1, and what the stages ma
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -31,6 +32,19 @@ def splitmix64_unit(x: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     z ^= z >> 31
     return (z >> 11) / float(1 << 53)
+
+
+def prompt_key(input_ids, loss_mask) -> int:
+    """The split key by hand: blake2b-8 of the int32 ids before the first loss token (all of them
+    without one), read as a little-endian int64."""
+    ids, mask = [int(x) for x in input_ids], [int(m) for m in loss_mask]
+    start = mask.index(1) if 1 in mask else len(ids)
+    body = b"".join(i.to_bytes(4, "little", signed=True) for i in ids[:start])
+    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "little", signed=True)
+
+
+def sample_key(sample: dict) -> np.ndarray:
+    return np.array([prompt_key(sample["input_ids"].tolist(), sample["loss_mask"].tolist())], np.int64)
 
 
 def test_the_split_score_is_splitmix64_of_the_sample_id_so_existing_splits_stay_put():
@@ -82,7 +96,7 @@ def test_stored_top1_of_selected_samples_is_the_argmax_of_the_targets_own_forwar
         known = []
         for i in range(len(reader)):
             sample = reader.read_sample(i)
-            chosen = bool(top1_selected(np.array([sample["sample_id"]]), SHARE)[0])
+            chosen = bool(top1_selected(sample_key(sample), SHARE)[0])  # by its prompt's key
             assert sample["top1_known"] == chosen
             known.append(chosen)
             top1 = sample["top1_ids"][:, 0].long()
@@ -240,8 +254,9 @@ def test_the_startup_summary_warns_when_the_heldout_split_is_larger_than_the_top
     assert missing == 0 and "--top1-share" not in text  # every held-out sample has its top-1
     text, missing, evaluated = summary(eval_fraction=0.6)
     ids = CacheReader(cache)
-    held = [s for s in (ids.read_sample(i)["sample_id"] for i in range(len(ids))) if heldout_scores(np.array([s]))[0] < 0.6]
-    expected = sum(1 for s in held if heldout_scores(np.array([s]))[0] >= 0.2)
+    scores = [heldout_scores(sample_key(ids.read_sample(i)))[0] for i in range(len(ids))]
+    held = [s for s in scores if s < 0.6]
+    expected = sum(1 for s in held if s >= 0.2)
     assert evaluated == len(held) and missing == expected > 0
     assert f"{missing} of the {evaluated} evaluated held-out samples have no target top-1" in text
     assert "--top1-share" in text
@@ -309,7 +324,7 @@ def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tm
     a, b = share_cache(tmp_path, target, 0.3), share_cache(tmp_path, target, 1.0)
     both = CacheSet([str(a), str(b)], max_seq_len=64)  # no refusal: each sample says whether it has its top-1
     index = np.arange(len(both))
-    expected = int((heldout_scores(both.sample_ids()[:60]) >= 0.3).sum())  # cache a's samples outside 0.3
+    expected = int((heldout_scores(both.split_keys()[:60]) >= 0.3).sum())  # cache a's samples outside 0.3
     assert without_top1(both, index) == expected > 0
     header = json.loads((a / "manifest.json").read_text())
     header["extras"]["top1_share"] = 1.5

@@ -208,13 +208,13 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     train_cap = 0
     if config.max_train_samples and len(train_indices) > config.max_train_samples:
         train_cap = config.max_train_samples
-        train_indices = cap_by_score(train_indices, subset_scores(caches.sample_ids()), config.max_train_samples)
+        train_indices = cap_by_score(train_indices, subset_scores(caches.split_keys()), config.max_train_samples)
     if len(train_indices) == 0:
         raise TrainConfigError(f"No training samples: the caches {config.cache} hold {len(caches)} samples "
                                f"and --eval-fraction {config.eval_fraction} holds out all of them.")
     eval_indices = heldout
     if config.eval_max_samples and len(heldout) > config.eval_max_samples:
-        eval_indices = cap_by_score(heldout, heldout_scores(scored.sample_ids()), config.eval_max_samples)
+        eval_indices = cap_by_score(heldout, heldout_scores(scored.split_keys()), config.eval_max_samples)
     # Plans start from sample id order: batches never depend on the order parts were committed in.
     train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
     groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None

@@ -115,6 +115,10 @@ class FollowCacheSet:
         local = np.concatenate([np.arange(len(p.sample_ids), dtype=np.int64) for p in parts])
         order = np.argsort(ids, kind="stable")
         self._ids, self._part, self._local = ids[order], part[order], local[order]
+        # The split keys the commit records will list (a plan of before has none: the sample ids).
+        keys = np.array([k for p in parts for k in (p.sample_ids if p.split_keys is None else p.split_keys)],
+                        dtype=np.int64)
+        self._split_keys = keys[order]
         self.full_lengths = full[order]
         self.lengths = np.minimum(self.full_lengths, max_seq_len)
         self.max_seq_len = max_seq_len
@@ -135,6 +139,9 @@ class FollowCacheSet:
 
     def sample_ids(self) -> np.ndarray:
         return self._ids
+
+    def split_keys(self) -> np.ndarray:
+        return self._split_keys
 
     def part_numbers(self) -> np.ndarray:
         return self._numbers
@@ -164,6 +171,8 @@ class FollowCacheSet:
                 f"the extraction plan says {int(self._ids[index])}. The part does not match the plan: run "
                 "`dflash-cache verify` and re-extract it.")
         result["sample_id"] = stored
+        if "top1_ids" in result:  # (as CacheReader.read_sample: --top1-share leaves some without one)
+            result["top1_known"] = self.reader.top1_known(part_idx, local, stored)
         return result
 
     def _committed(self, planned: int) -> int:
@@ -194,7 +203,8 @@ class FollowCacheSet:
         self._opened_as[planned] = state
         if idx is not None:
             return idx
-        if record.lengths != want.lengths or record.sample_ids not in (None, want.sample_ids):
+        if record.lengths != want.lengths or record.sample_ids not in (None, want.sample_ids) or (
+                record.split_keys != want.split_keys and want.split_keys is not None):
             raise CacheCorruptError(
                 f"cache part {want.name!r} at {self.cache_dir}: its commit record lists other samples than the "
                 "extraction plan (manifest.plan.json). The cache was written with another plan: start it anew "

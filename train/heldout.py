@@ -1,11 +1,16 @@
-"""The held-out split: which samples a run never trains on, decided by their global sample id.
+"""The held-out split: which samples a run never trains on, decided by their split keys.
 
-A sample is held out when a hash of its sample id (its source record, stored per part in the
-cache) falls below the held-out fraction. Its side depends on that id only, so it does not
-move when a cache grows, is extracted again as a superset, merged, or listed in another order;
-the evaluation cap keeps the held-out samples of lowest hash, a set that only loses members as
-samples are added. The hash is the cache contract's (cache_tools/sample_scores.py): extraction
-stores the target's top-1 for the samples of lowest hash, the held-out ones first.
+A sample is held out when a hash of its split key falls below the held-out fraction. The key
+is a hash of its prompt (stored per sample in the commit records of a cache extracted now), so
+the answers of one prompt (dflash-generate --samples-per-prompt, a dataset that repeats
+prompts) all land on the same side and the estimate never reads an answer to a prompt the
+drafter trained on; a cache extracted before keys were stored uses its sample ids as keys and
+splits as it always did (CacheSet.split_keys). A sample's side depends on its key only, so it
+does not move when a cache grows, is extracted again as a superset, merged, or listed in
+another order; the evaluation cap keeps the held-out samples of lowest hash, a set that only
+loses members as samples are added. The hash is the cache contract's
+(cache_tools/sample_scores.py): extraction stores the target's top-1 for the samples of lowest
+hash, the held-out ones first.
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ if TYPE_CHECKING:
 
 
 def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) sample indices. A sample is held out when the hash of its global
-    sample id (its source record) falls below `fraction`: its side depends on that id only,
-    so it stays put when a cache grows, is re-extracted as a superset, merged, or listed in
-    another order, and the same record in two caches lands on the same side."""
+    """(train, held-out) sample indices. A sample is held out when the hash of its split key
+    (its prompt's hash, or its sample id in a cache of before) falls below `fraction`: its side
+    depends on that key only, so the answers of one prompt share a side, and it stays put when
+    a cache grows, is re-extracted as a superset, merged, or listed in another order."""
     index = np.arange(len(caches), dtype=np.int64)
     if fraction <= 0:
         return index, index[:0]
-    held_out = heldout_scores(caches.sample_ids()) < fraction
+    held_out = heldout_scores(caches.split_keys()) < fraction
     return index[~held_out], index[held_out]
 
 
@@ -49,4 +54,4 @@ def without_top1(caches: CacheSet, indices: np.ndarray) -> int:
         return 0
     which = np.searchsorted(caches.starts, indices, side="right") - 1
     shares = np.array([r.top1_share for r in caches.readers], dtype=np.float64)[which]
-    return int((~top1_selected(caches.sample_ids()[indices], shares)).sum())
+    return int((~top1_selected(caches.split_keys()[indices], shares)).sum())
