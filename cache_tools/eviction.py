@@ -25,6 +25,7 @@ Readers of a cache without the eviction log see every committed part as present,
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -129,15 +130,16 @@ def append_event(cache_dir: Path, event: dict[str, Any]) -> None:
     path = cache_dir / EVICTION_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        size = os.fstat(fd).st_size
+        size = keep = os.fstat(fd).st_size
         if size:  # drop a torn tail left by a process killed mid-append
             tail = os.pread(fd, min(size, 1 << 16), max(0, size - (1 << 16)))
             keep = size - len(tail) + tail.rfind(b"\n") + 1
             if keep != size:
                 os.ftruncate(fd, keep)
         line = encode_event(event)
-        if os.write(fd, line) != len(line):
-            raise OSError(f"short write of an eviction record to {path}")
+        if os.write(fd, line) != len(line):  # a full disk: leave no torn line behind either
+            os.ftruncate(fd, keep)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a short write of an eviction record)", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)

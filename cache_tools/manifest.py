@@ -163,8 +163,8 @@ def append_log_line(cache_dir: Path, record: PartRecord) -> None:
         written = os.write(fd, line)
         if written != len(line):  # a full disk can write part of the line and return a short count
             os.ftruncate(fd, keep)
-            raise OSError(errno.ENOSPC, f"short write of the commit record of {record.name} "
-                          f"({written} of {len(line)} bytes)", str(path))
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a short write of the commit record of "
+                          f"{record.name}: {written} of {len(line)} bytes)", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)
