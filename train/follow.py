@@ -213,6 +213,17 @@ class FollowCacheSet:
         idx = self._in_reader[planned] = len(self.reader.parts) - 1
         return idx
 
+    def release(self, names: list[str]) -> None:
+        """Close this process's maps of the named parts (those it has trained on for its current
+        epoch, which it reads no more this epoch). Called before it reports them trained: an
+        extraction under a disk budget may evict them from then on, and a part still mapped keeps
+        its blocks after its files are deleted, so until the next read the disk held both it and
+        the part written in its place (the budget plus two parts)."""
+        wanted = set(names)
+        for planned, idx in self._in_reader.items():
+            if self.plan.parts[planned].name in wanted:
+                self.reader.close_part(idx)
+
     def _drop_evicted(self) -> None:
         """Read the eviction log; close the maps of every opened part evicted since. A deleted
         file's blocks stay allocated while it is mapped: kept until the part was next read, the
@@ -314,6 +325,7 @@ def report_consumption(data: Any, rank: int, world_size: int) -> None:
     caches = data.caches
     if isinstance(caches, FollowCacheSet):
         epoch, parts = trained_part_names(caches, data.loader)
+        caches.release(parts)
         write_trained(caches.cache_dir, rank=rank, world_size=world_size, epoch=epoch, parts=parts)
 
 

@@ -66,6 +66,9 @@ class UsageSampler(threading.Thread):
         return self.peak, self.samples
 
 
+PAGE = 4096  # a tmpfs allocates whole pages
+
+
 def sizes_on_tmpfs(cache: Path, probe: Path) -> tuple[int, int]:
     """(the whole cache, its largest part) as a tmpfs allocates them: each copied in turn onto
     the empty tmpfs `probe`."""
@@ -186,7 +189,11 @@ def test_budgeted_follow_on_a_tmpfs_just_above_the_budget_never_fills_it(zygote,
                                  f"{trainer.output()[-3000:]}"
         assert "No space left on device" not in extraction.output() + trainer.output()
         assert weights_hash(tmp_path / "follow") == reference
-        assert samples > 100 and peak <= budget + part, (peak, budget, part, samples)
+        # The extraction keeps the cache within the budget plus one part at each of its checks; in
+        # between, the trainer rewrites its consumption record (trained-rank-N.json, through a
+        # temporary copy) and appends to the logs: a few pages that no budget check saw yet.
+        records = 4 * PAGE
+        assert samples > 100 and peak <= budget + part + records, (peak, budget, part, samples)
 
         # verify and info tell the truth about the cache that is left: evicted parts are noted,
         # not reported as damage, and the rest is sound.
