@@ -20,8 +20,9 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
   leaderboard   bench/quality on each domain of DOMAINS (default "code prose") at COMPLETIONS
                 (default 4096) completions: ours (DFlash, DFlash2, 24 epochs; on code also the
                 extra sampled completions and an nf4 cache), SpecForge's and ModelOpt's drafters
-                on the same data (bench/peers), each decoded by dflash-eval; then, alone on the
-                GPU, extraction of the 8B shape in bf16, fp8 and nf4 (bench/bench_extract.py).
+                on the same data (bench/peers; PEERS_OWN=1: also at their own recipes), each
+                decoded by dflash-eval; then, alone on the GPU, extraction of the 8B shape in
+                bf16, fp8 and nf4 (bench/bench_extract.py; SKIP_EXTRACT=1 leaves it out).
   followup      alone on the GPU: the 8B extraction (bf16, nf4), the DFlash2 step's parts against
                 DFlash at the 8B shape (bench/profile_step.py), extraction and training at once
                 (bench/bench_colocate.py); with QUALITY=1 then the leaderboard's quality jobs.
@@ -89,8 +90,9 @@ def leaderboard() -> list[Job]:
         peer_env = {**env, "EPOCHS": epochs, **({"DEVICE": "cpu"} if small else {})}
         jobs.append(Job(f"{domain}-peers-prep", peers, [f"{domain}-prep"], 3,
                         env={**peer_env, "RUNS": " ", "RESULTS": str(root / "results" / f"{domain}-peers-prep")}))
-        for run in ("specforge-same", "modelopt-same"):
-            jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3,
+        own = ("specforge-own", "modelopt-own") if os.environ.get("PEERS_OWN") else ()
+        for run in ("specforge-same", "modelopt-same", *own):
+            jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3 if run.endswith("same") else 5,
                             env={**peer_env, "RUNS": run, "RESULTS": str(root / "results" / f"{domain}-{run}")}))
         jobs.append(quality_job(f"e{more_epochs}", more_epochs, 4))
         if domain == "code":
