@@ -18,8 +18,9 @@ ROUND/jobs/NAME.json; `start` again reruns what did not finish. ROUND defaults t
 Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs GPU time):
 
   leaderboard   bench/quality on each domain of DOMAINS (default "code prose") at COMPLETIONS
-                (default 4096) completions: ours (DFlash, DFlash2, 24 epochs; on code also the
-                extra sampled completions and an nf4 cache), SpecForge's and ModelOpt's drafters
+                (default 4096) completions: ours (DFlash, DFlash2, 24 epochs, the peers' cosine
+                schedule and decay weights; on code also the extra sampled completions and an nf4
+                cache), SpecForge's and ModelOpt's drafters
                 on the same data (bench/peers; PEERS_OWN=1: also at their own recipes), each
                 decoded by dflash-eval; then, alone on the GPU, extraction of the 8B shape in
                 bf16, fp8 and nf4 (bench/bench_extract.py; SKIP_EXTRACT=1 leaves it out).
@@ -95,6 +96,9 @@ def leaderboard() -> list[Job]:
             jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3 if run.endswith("same") else 5,
                             env={**peer_env, "RUNS": run, "RESULTS": str(root / "results" / f"{domain}-{run}")}))
         jobs.append(quality_job(f"e{more_epochs}", more_epochs, 4))
+        # ours with the two recipe choices both peers make differently (cosine, exp-decay weights):
+        # whether they, or the peers' code, make the gap between us
+        jobs.append(quality_job("peer-recipe", f"{epochs} --lr-schedule cosine --loss-weighting decay", 4))
         if domain == "code":
             jobs += [quality_job("extra", f"{epochs} --cache extra_cache", 4),
                      quality_job("nf4", f"{epochs} --bench-cache cache-nf4", 4)]
