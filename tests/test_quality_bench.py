@@ -248,3 +248,14 @@ def test_an_extra_codec_extracts_the_same_completions_and_a_variant_trains_on_it
     assert stages.training_cache(work, stages.Variant(6)) == tmp_path / "cache"
     with pytest.raises(stages.BenchError, match="extra_codecs"):
         stages.training_cache(work, stages.Variant(6, ("--bench-cache", "cache-fp8")))
+
+
+def test_every_set_of_completions_is_half_greedy_and_half_sampled():
+    """Batches alternate greedy and sampled: a set no larger than one batch is cut in two, so
+    4,096 completions are not all greedy (they were, in one batch of 4,096)."""
+    for completions, batch in ((4096, 4096), (8192, 4096), (64, 64), (3, 4096), (32768, 4096)):
+        sizes = stages.dataclasses.replace(stages.FULL, completions=completions, generate_batch=batch)
+        size = stages.batch_size(sizes)
+        counts = [min(size, completions - b * size) for b in range(-(-completions // size))]
+        greedy, sampled = sum(counts[0::2]), sum(counts[1::2])
+        assert sum(counts) == completions and abs(greedy - sampled) <= size // 2 + 1 and sampled > 0

@@ -316,6 +316,13 @@ def _load_target(work: Work) -> Any:
 # -- stage 2: completions and evaluation prompts ---------------------------------------------------
 
 
+def batch_size(s: Sizes) -> int:
+    """Completions per generated batch: generate_batch, but at most half of them, so that a set of
+    at most generate_batch completions still has its greedy batch and its sampled one (4,096
+    completions in one batch of 4,096 were all greedy)."""
+    return max(1, min(s.generate_batch, -(-s.completions // 2)))
+
+
 def stage_generate(work: Work) -> dict[str, Any]:
     """Target completions of training-file prompts (batches alternate greedy and sampled; with
     extra_samples, more sampled completions of the same prompts in completions_extra/), and
@@ -325,7 +332,8 @@ def stage_generate(work: Work) -> dict[str, Any]:
     model = _load_target(work)
     device = torch.device(work.device)
     start = time.perf_counter()
-    batches = -(-s.completions // s.generate_batch)
+    size = batch_size(s)
+    batches = -(-s.completions // size)
     tokens = extra = 0
     parts, extra_parts = work.root / "completions", work.root / "completions_extra"
     for d in (parts, extra_parts):
@@ -338,7 +346,7 @@ def stage_generate(work: Work) -> dict[str, Any]:
         with gzip.open(parts / name, "wt", compresslevel=6) as f, \
                 (gzip.open(extra_parts / name, "wt", compresslevel=6) if s.extra_samples else open(os.devnull, "w")) as fx:
             for b in range(first, min(batches, first + s.batches_per_part)):
-                count = min(s.generate_batch, s.completions - b * s.generate_batch)
+                count = min(size, s.completions - b * size)
                 length = s.prompt_lengths[b % len(s.prompt_lengths)]
                 prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=0)
                 temperature = 0.0 if b % 2 == 0 else s.sample_temperature
