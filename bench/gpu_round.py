@@ -64,7 +64,9 @@ def round_dir() -> Path:
 # -- plans ------------------------------------------------------------------------------------------
 
 
-def leaderboard() -> list[Job]:
+def leaderboard(extract: bool | None = None) -> list[Job]:
+    """The leaderboard's jobs; `extract` (default: unless SKIP_EXTRACT is set) adds the 8B
+    extraction timing at the end."""
     small = bool(os.environ.get("ROUND_SMALL"))
     completions = os.environ.get("COMPLETIONS", "64" if small else "4096")
     epochs = os.environ.get("EPOCHS", "1" if small else "6")
@@ -109,11 +111,13 @@ def leaderboard() -> list[Job]:
         jobs.append(Job(f"{domain}-tables", f"{quality} table; python3 bench/peers/run.py --workdir {work} table "
                         f"> {work}/peers/table.md; cat {work}/peers/table.md", [], 8, after=ends,
                         env={**env, "EPOCHS": epochs, "RESULTS": str(root / "results" / f"{domain}-tables")}))
-    if not os.environ.get("SKIP_EXTRACT"):
-        extract = (f"python3 bench/bench_extract.py --output {root}/extract-scratch --codecs bf16,fp8,nf4 "
+    if extract is None:
+        extract = not os.environ.get("SKIP_EXTRACT")
+    if extract:
+        command = (f"python3 bench/bench_extract.py --output {root}/extract-scratch --codecs bf16,fp8,nf4 "
                    f"--json {root}/results/extract-8b.json" + (" --small" if small else "")
                    + f"; rc=$?; rm -rf {root}/extract-scratch; exit $rc")
-        jobs.append(Job("extract-8b", extract, [], 9, alone=True, after=[j.name for j in jobs],
+        jobs.append(Job("extract-8b", command, [], 9, alone=True, after=[j.name for j in jobs],
                         env={"DFLASH_PROFILE_EXTRACT": "1"}))
     return jobs
 
@@ -140,9 +144,8 @@ def followup() -> list[Job]:
             f"; rc=$?; rm -rf {root}/colocate; exit $rc", [], 3, alone=True),
     ]
     if os.environ.get("QUALITY"):
-        os.environ.setdefault("SKIP_EXTRACT", "1")
         timings = [j.name for j in jobs]
-        for j in leaderboard():
+        for j in leaderboard(extract=False):  # the extraction timing is this plan's own, first
             jobs.append(Job(j.name, j.command, j.needs, j.priority + 10, j.alone, j.after or timings, j.env))
     res.mkdir(parents=True, exist_ok=True)
     return jobs

@@ -25,8 +25,6 @@ from dflash.cache_tools.schema import (
     HIDDEN,
     LAST_HIDDEN,
     TOP1_IDS,
-    TOPK_IDS,
-    TOPK_LOGPROBS,
     scale_of,
 )
 from dflash.runtime.quantize import dequantize_nf4, quantize_fp8, quantize_nf4
@@ -175,9 +173,7 @@ class ExtractionEngine:
                 heads = next_token_outputs(self.model, last, topk=self.topk, top1=self.top1)
         if self.top1 and selected is not None:
             heads[TOP1_IDS] = self._selected_top1(batch, selected, cap, last, heads.get(TOP1_IDS))
-        for key, name in ((TOPK_IDS, TOPK_IDS), (TOPK_LOGPROBS, TOPK_LOGPROBS), (TOP1_IDS, TOP1_IDS)):
-            if key in heads:
-                out[name] = heads[key].to(self.device)
+        out.update({name: values.to(self.device) for name, values in heads.items()})
         if self._timeline is not None:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from dflash.cache_tools import identity
 from dflash.cache_tools.layers import validate_target_layer_ids
+from dflash.cache_tools.schema import TOP1_IDS, TOPK_IDS, TOPK_LOGPROBS
 from dflash.runtime.devices import torch_dtype
 from dflash.runtime.errors import InputError
 from dflash.runtime.logits import apply_post_head, post_head_steps
@@ -286,7 +287,7 @@ def next_token_outputs(model: nn.Module, last_hidden: torch.Tensor, *, topk: int
                          else ids.to(torch.int32))
     out = {}
     if topk:
-        out["topk_ids"], out["topk_logprobs"] = torch.cat(ids_k), torch.cat(lp_k)
+        out[TOPK_IDS], out[TOPK_LOGPROBS] = torch.cat(ids_k), torch.cat(lp_k)
     if top1:
-        out["top1_ids"] = torch.cat(ids_1)[:, None]
+        out[TOP1_IDS] = torch.cat(ids_1)[:, None]
     return out

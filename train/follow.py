@@ -220,9 +220,7 @@ class FollowCacheSet:
         its blocks after its files are deleted, so until the next read the disk held both it and
         the part written in its place (the budget plus two parts)."""
         wanted = set(names)
-        for planned, idx in self._in_reader.items():
-            if self.plan.parts[planned].name in wanted:
-                self.reader.close_part(idx)
+        self._close_parts(lambda planned: self.plan.parts[planned].name in wanted)
 
     def _drop_evicted(self) -> None:
         """Read the eviction log; close the maps of every opened part evicted since. A deleted
@@ -232,8 +230,13 @@ class FollowCacheSet:
         if self._evictions.evictions == self._evictions_seen:
             return
         self._evictions_seen = self._evictions.evictions
+        self._close_parts(lambda planned: self._evictions.state(self.plan.parts[planned].name)
+                          != self._opened_as[planned])
+
+    def _close_parts(self, which: Callable[[int], bool]) -> None:
+        """Close the reader's maps of the opened planned parts that `which` picks (a read reopens them)."""
         for planned, idx in self._in_reader.items():
-            if self._evictions.state(self.plan.parts[planned].name) != self._opened_as[planned]:
+            if which(planned):
                 self.reader.close_part(idx)
 
     def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> str:
