@@ -24,6 +24,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 on the same data (bench/peers; PEERS_OWN=1: also at their own recipes), each
                 decoded by dflash-eval; then, alone on the GPU, extraction of the 8B shape in
                 bf16, fp8 and nf4 (bench/bench_extract.py; SKIP_EXTRACT=1 leaves it out).
+                VARIANTS="dflash extra ...": only these runs of each domain (the names after
+                "DOMAIN-"), with the jobs they need.
   followup      alone on the GPU: the 8B extraction (bf16, nf4), the DFlash2 step's parts against
                 DFlash at the 8B shape (bench/profile_step.py), extraction and training at once
                 (bench/bench_colocate.py); with QUALITY=1 then the leaderboard's quality jobs.
@@ -74,11 +76,13 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
     root = round_dir()
     jobs: list[Job] = []
     quality = "bash bench/quality/device.sh"
+    keep = os.environ.get("VARIANTS", "").split()
     for domain in os.environ.get("DOMAINS", "code prose").split():
         work = root / f"quality-{domain}"
         sets = f"--set completions={completions}"
-        if domain == "code":
-            sets += " --set extra_samples=2 --set extra_codecs=nf4"
+        if domain == "code":  # the data only these variants train on
+            sets += " --set extra_samples=2" * (not keep or "extra" in keep)
+            sets += " --set extra_codecs=nf4" * (not keep or "nf4" in keep)
         env = {"WORKDIR": str(work), "DOMAIN": domain, "QUALITY_SETS": sets, "EVAL_BLOCKS": "16" if not small else "8",
                "DFLASH_QUALITY_SIDE_BY_SIDE": os.environ.get("SLOTS", "4"), **({"SMALL": "1"} if small else {})}
 
@@ -104,6 +108,11 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
         if domain == "code":
             jobs += [quality_job("extra", f"{epochs} --cache extra_cache", 4),
                      quality_job("nf4", f"{epochs} --bench-cache cache-nf4", 4)]
+    if keep:  # only these runs (and what they need)
+        runs = [j for j in jobs if j.name.split("-", 1)[1] in keep]
+        needed = {n for j in runs for n in j.needs}
+        needed |= {n for j in jobs if j.name in needed for n in j.needs}
+        jobs = [j for j in jobs if j in runs or j.name in needed]
     ends = [j.name for j in jobs]
     for domain in os.environ.get("DOMAINS", "code prose").split():
         work = root / f"quality-{domain}"

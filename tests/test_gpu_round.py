@@ -105,3 +105,14 @@ def test_collect_keeps_records_and_logs_and_leaves_caches_and_weights(round_dir,
     with tarfile.open(tmp_path / "out" / "round.tgz") as tar:
         names = set(tar.getnames())
     assert names == {"logs/a.log", "quality-code/stages/target.json"}
+
+
+def test_variants_keep_only_the_named_runs_and_what_they_need(round_dir, monkeypatch):
+    monkeypatch.setenv("ROUND_SMALL", "1")
+    monkeypatch.setenv("VARIANTS", "dflash extra specforge-same")
+    names = {j.name for j in gpu_round.leaderboard(extract=False)}
+    assert names == {"code-prep", "code-dflash", "code-extra", "code-peers-prep", "code-specforge-same",
+                     "prose-prep", "prose-dflash", "prose-peers-prep", "prose-specforge-same",
+                     "code-tables", "prose-tables"}
+    monkeypatch.delenv("VARIANTS")
+    assert {"code-dflash2", "prose-e4", "code-modelopt-same"} <= {j.name for j in gpu_round.leaderboard(extract=False)}

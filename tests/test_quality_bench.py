@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
@@ -112,6 +113,16 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) == sum(r["loss_mask"]) + r["loss_mask"].index(1)
                for r in records)
     assert all(sum(r["loss_mask"]) == stages.SMALL.completion_tokens for r in records)
+    # The drafter's prompts come from files the target never trained on (prompt_percent of them).
+    split = stages.Work(root=work, sizes=stages.preset(small=True), device="cpu", log=lambda *a: None).split_training()
+    target_docs, prompt_docs = split
+    assert target["target_files"] == len(target_docs) and target["prompt_files"] == len(prompt_docs) > 0
+    assert target["target_files"] + target["prompt_files"] == target["train_files"]
+    assert target["train_tokens"] == sum(len(e.tokens) + 2 for e in target_docs)  # <bos> doc <eos>, no prompt file
+    prompt_text = [e.tokens.tobytes() for e in prompt_docs]
+    for r in records[:: max(1, len(records) // 16)]:
+        prompt = np.asarray(r["input_ids"][: r["loss_mask"].index(1)], dtype=prompt_docs[0].tokens.dtype).tobytes()
+        assert any(prompt in text for text in prompt_text)
     estimate = [json.loads(line) for line in gzip.open(work / "estimate_set" / "part-000.jsonl.gz", "rt")]
     assert len(estimate) == stages.SMALL.estimate_prompts
     assert all(sum(r["loss_mask"]) == stages.SMALL.eval_new_tokens for r in estimate)

@@ -59,6 +59,12 @@ def is_held_out(name: str, held_out_percent: int) -> bool:
     return int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "little") % 100 < held_out_percent
 
 
+def is_prompt_file(name: str, prompt_percent: int) -> bool:
+    """Whether a training document is one of the drafter's prompt files (another hash of its name,
+    independent of is_held_out's): the target does not train on them."""
+    return int.from_bytes(hashlib.sha1(b"prompt:" + name.encode()).digest()[:4], "little") % 100 < prompt_percent
+
+
 _DOCSTRING = re.compile(r'(?:\A|:[ \t]*(?:#[^\n]*)?\n)[ \t]*[rRuU]?("""|\'\'\')(.*?)\1', re.S)
 """A module docstring, or a string right after a `def`/`class` header's colon."""
 _NOT_PROSE_LINE = re.compile(r"^\s*(?:[-=~^]{3,}|\w[\w, ]* : .*|\S+:)\s*$", re.M)
