@@ -11,7 +11,8 @@ started it returns) and lets later commands wait for it and collect what it wrot
 A job is a shell command with the jobs it needs, a priority and a share of the GPU: at most
 SLOTS jobs run at once (default 4, small models leave an H200 mostly idle), lowest priority
 number first, and an `alone` job (a timing that must not share the GPU) runs by itself. A job
-whose needs failed is skipped, and says so. Each job's output is ROUND/logs/NAME.log, its state
+whose needs failed is skipped, and says so; a job that failed for want of GPU memory beside others
+runs once more, alone (its first log kept as NAME.oom.log). Each job's output is ROUND/logs/NAME.log, its state
 ROUND/jobs/NAME.json; `start` again reruns what did not finish. ROUND defaults to
 /dev/shm/dflash-round.
 
@@ -41,7 +42,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,8 +118,10 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
     for domain in os.environ.get("DOMAINS", "code prose").split():
         work = root / f"quality-{domain}"
         env = next(j.env for j in jobs if j.name == f"{domain}-prep")
-        jobs.append(Job(f"{domain}-tables", f"{quality} table; python3 bench/peers/run.py --workdir {work} table "
-                        f"> {work}/peers/table.md; cat {work}/peers/table.md", [], 8, after=ends,
+        peers_table = (f"python3 bench/peers/run.py --workdir {work} table > {work}/peers/table.md "
+                       f"&& cat {work}/peers/table.md")
+        jobs.append(Job(f"{domain}-tables", f"{quality} table && {{ [ ! -d {work}/peers ] || {{ {peers_table}; }}; }}",
+                        [], 8, after=ends,
                         env={**env, "EPOCHS": epochs, "RESULTS": str(root / "results" / f"{domain}-tables")}))
     if extract is None:
         extract = not os.environ.get("SKIP_EXTRACT")
@@ -178,6 +181,16 @@ def _write_state(name: str, **state) -> None:
     tmp.replace(path)
 
 
+def _out_of_memory(log: Path) -> bool:
+    """Whether a job's log ends in CUDA's out-of-memory error (its last 64 KiB)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, log.stat().st_size - 65536))
+            return b"CUDA out of memory" in f.read()
+    except OSError:
+        return False
+
+
 def run_plan(plan: str, slots: int) -> int:
     root = round_dir()
     (root / "jobs").mkdir(parents=True, exist_ok=True)
@@ -186,6 +199,7 @@ def run_plan(plan: str, slots: int) -> int:
     (root / "plan.json").write_text(json.dumps([asdict(j) for j in jobs.values()], indent=1) + "\n")
     done = {n for n in jobs if _state(n).get("state") == "done"}
     failed: set[str] = set()
+    retried: set[str] = set()
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     stop = False
 
@@ -201,6 +215,13 @@ def run_plan(plan: str, slots: int) -> int:
             if rc is None:
                 continue
             del running[name]
+            if rc != 0 and name not in retried and _out_of_memory(root / "logs" / f"{name}.log"):
+                # the GPU's memory was shared out among too many jobs: once more, alone
+                retried.add(name)
+                jobs[name] = replace(jobs[name], alone=True)
+                os.replace(root / "logs" / f"{name}.log", root / "logs" / f"{name}.oom.log")
+                _write_state(name, state="waiting", why="out of GPU memory beside other jobs: rerun alone")
+                continue
             (done if rc == 0 else failed).add(name)
             _write_state(name, state="done" if rc == 0 else "failed", rc=rc, start=started,
                          seconds=round(time.time() - started, 1))

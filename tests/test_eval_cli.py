@@ -79,7 +79,7 @@ def test_prompt_lookup_runs_beside_the_drafter_under_the_same_lossless_check(pai
 
     text = run(pair, "--lookup-ngram", "2").stdout
     assert "tau (accepted+1 per cycle)" in text and "prompt lookup (n-gram <= 2, the free baseline):" in text
-    assert f"drafter/lookup: {r['tau'] / lookup['tau']:.2f}x" in run(pair).stdout
+    assert f"drafter / lookup: {r['tau'] / lookup['tau']:.2f}x" in run(pair).stdout
     assert text.count("identical to target") == 2  # the drafter's check and the baseline's
 
     result = run(pair, "--json", "--no-baseline")

@@ -116,3 +116,22 @@ def test_variants_keep_only_the_named_runs_and_what_they_need(round_dir, monkeyp
                      "code-tables", "prose-tables"}
     monkeypatch.delenv("VARIANTS")
     assert {"code-dflash2", "prose-e4", "code-modelopt-same"} <= {j.name for j in gpu_round.leaderboard(extract=False)}
+
+
+def test_a_job_out_of_gpu_memory_beside_others_runs_once_more_alone(round_dir, monkeypatch):
+    round_dir.mkdir()
+    flag = round_dir / "tried"
+    oom = (f"if [ ! -e {flag} ]; then touch {flag}; echo 'torch.OutOfMemoryError: CUDA out of memory.'; exit 1; fi; "
+           + mark("oom", round_dir))
+    plan(monkeypatch, [
+        Job("oom", oom, [], 1),
+        Job("other", mark("other", round_dir, 0.6), [], 1),
+        Job("plain-failure", "echo 'no memory here'; exit 2", [], 1),
+    ])
+    assert gpu_round.run_plan("t", slots=4) == 1
+    s = states(round_dir)
+    assert s["oom"]["state"] == "done" and s["plain-failure"]["state"] == "failed"
+    ev = events(round_dir)
+    assert ev.index("other-") < ev.index("oom+")  # the rerun waited for the GPU to itself
+    assert "CUDA out of memory" in (round_dir / "logs" / "oom.oom.log").read_text()
+    assert not (round_dir / "logs" / "plain-failure.oom.log").exists()

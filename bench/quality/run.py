@@ -123,11 +123,17 @@ def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int)
     return {size: same.get("tau"), size // 2: same.get(f"tau_b{size // 2}")}.get(block)
 
 
+def _span(interval: list[float] | None) -> str:
+    """` (a-b)`: a 95 % bootstrap interval over the decoded prompts, or nothing."""
+    return f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
+
+
 def table(work: Work) -> str:
     """One row per trained variant: samples, epochs, GPU-seconds, then per block size the trainer's
     held-out estimate (and dflash-train estimate over the decoded prompts themselves), the decoded
-    tau pooled (tokens / verification cycles) and as the per-prompt mean, estimate / tau, tau /
-    prompt lookup's tau, the speedup, and prompt lookup's figures."""
+    tau pooled (tokens / verification cycles, with its 95 % bootstrap interval over the prompts)
+    and as the per-prompt mean, estimate / tau, tau / prompt lookup's tau (its interval paired:
+    both resampled on the same prompts), the speedup, and prompt lookup's figures."""
     s = work.sizes
     target, data = work.done("target") or {}, work.done("generate") or {}
     blocks = list(s.eval_block_sizes)
@@ -151,8 +157,9 @@ def table(work: Work) -> str:
             e = ev.get(str(b), {})
             estimate = estimate_for(train, b)
             row += [_fmt(estimate), _fmt(same_prompts_estimate(train, evaluated, b)),
-                    _fmt(e.get("tau")), _fmt(e.get("tau_per_prompt_mean")),
-                    _fmt(_ratio(estimate, e.get("tau")), ".3f"), _fmt(_ratio(e.get("tau"), e.get("lookup_tau"))) + ("x" if e else ""),
+                    _fmt(e.get("tau")) + _span(e.get("tau_interval")), _fmt(e.get("tau_per_prompt_mean")),
+                    _fmt(_ratio(estimate, e.get("tau")), ".3f"),
+                    _fmt(_ratio(e.get("tau"), e.get("lookup_tau"))) + ("x" if e else "") + _span(e.get("tau_vs_lookup_interval")),
                     _fmt(e.get("speedup"), ".2f") + ("x" + shared if e else ""),
                     _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_tau_per_prompt_mean")),
                     _fmt(e.get("lookup_speedup"), ".2f") + ("x" + shared if e else "")]
@@ -177,7 +184,8 @@ def table(work: Work) -> str:
              + (f", {data.get('extra_samples')} more sampled (extra_cache)" if data.get("extra_samples") else "")
              + f"; {data.get('eval_prompts', '–')} held-out "
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch {s.eval_batch}, prompt lookup n <= {s.lookup_ngram}; "
-             "tau: accepted tokens / verification cycles over all prompts (pooled), per-prompt mean beside it; "
+             "tau: accepted tokens / verification cycles over all prompts (pooled; in parentheses its 95 % "
+             "bootstrap interval over the prompts, paired for tau / lookup), per-prompt mean beside it; "
              "est.: the trainer's held-out estimate at the exported (best) step (its default held-out split "
              "of the training data, unless the variant passes --eval-cache estimate_cache: greedy completions "
              f"of {data.get('estimate_prompts', '–')} other held-out prompts); est. (same prompts): "
