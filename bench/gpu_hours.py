@@ -36,6 +36,8 @@ disk budget, from the measured one-GPU rates of docs/BENCHMARKS.md (or bench JSO
               part is evicted once trained on; with a budget b below the cache's size d, every
               epoch after the first re-extracts the fraction 1 - b/d that was evicted:
               extract x (1 + (epochs - 1)(1 - b/d)) + epochs x train
+              (on one GPU the two stages share it at a combined 0.996 of running them one after
+              the other, bench_colocate.py on one H200, so the sum holds there too)
   online      the target's forward every epoch on the same GPU as the training (one GPU's rates:
               epochs x (extract + train)), and the seed's online pipeline (R tokens/s on G GPUs)
 """

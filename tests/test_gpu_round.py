@@ -135,3 +135,13 @@ def test_a_job_out_of_gpu_memory_beside_others_runs_once_more_alone(round_dir, m
     assert ev.index("other-") < ev.index("oom+")  # the rerun waited for the GPU to itself
     assert "CUDA out of memory" in (round_dir / "logs" / "oom.oom.log").read_text()
     assert not (round_dir / "logs" / "plain-failure.oom.log").exists()
+
+
+def test_a_sweep_adds_named_runs_of_ours_with_their_flags_on_each_domain(round_dir, monkeypatch):
+    monkeypatch.setenv("ROUND_SMALL", "1")
+    monkeypatch.setenv("SWEEP", "d2-a0.5=--drafter-type dflash2 --selector-loss-weight 0.5; k8=--selector-top-k 8")
+    monkeypatch.setenv("VARIANTS", "dflash d2-a0.5 k8")
+    jobs = {j.name: j for j in gpu_round.leaderboard(extract=False)}
+    assert {"code-d2-a0.5", "prose-d2-a0.5", "code-k8", "prose-k8", "code-dflash"} <= set(jobs)
+    assert jobs["prose-d2-a0.5"].command.endswith('main "1 --drafter-type dflash2 --selector-loss-weight 0.5"')
+    assert jobs["code-k8"].needs == ["code-prep"]
