@@ -169,11 +169,13 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     col = {c: i for i, c in enumerate(columns)}
     assert cells[col["B=8 est. tau"]] == f"{train['heldout_tau']:.2f}"  # the drafter's own block
     b8 = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]["8"]
-    assert cells[col["B=8 tau"]] == f"{b8['tau']:.2f}"
+    lo, hi = b8["tau_interval"]  # dflash-eval's 95 % interval over the prompts, beside the tau
+    assert lo <= b8["tau"] <= hi and cells[col["B=8 tau"]] == f"{b8['tau']:.2f} ({lo:.2f}-{hi:.2f})"
     assert cells[col["B=8 tau per-prompt mean"]] == f"{b8['tau_per_prompt_mean']:.2f}"
     assert cells[col["B=8 lookup per-prompt mean"]] == f"{b8['lookup_tau_per_prompt_mean']:.2f}"
     assert cells[col["B=8 est. / tau"]] == f"{train['heldout_tau'] / b8['tau']:.3f}"
-    assert cells[col["B=8 tau / lookup"]] == f"{b8['tau'] / b8['lookup_tau']:.2f}x"
+    lo, hi = b8["tau_vs_lookup_interval"]
+    assert cells[col["B=8 tau / lookup"]] == f"{b8['tau'] / b8['lookup_tau']:.2f}x ({lo:.2f}-{hi:.2f})"
     # est. (same prompts): dflash-train estimate over the decoded prompts' completions, both blocks.
     same = json.loads((work / "stages" / "eval-e2.json").read_text())["estimate_same_prompts"]
     assert same["walked_samples"] == same["samples"] == stages.SMALL.eval_prompts
