@@ -50,11 +50,12 @@ import numcodecs.blosc
 import numpy as np
 import torch
 import zarr
-from dflash.cache_tools import writer as writer_module
+from dflash.cache_tools import part_layout
 from dflash.cache_tools.checksum import crc32c
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.quantize import quantize_fp8
 
 
@@ -191,7 +192,7 @@ def write_cache(path: Path, hidden, scale, k: int, d: int, codec: HiddenCodec, a
     """A cache of 1024-token samples through CacheWriter; GB/s of raw bf16."""
     header = make_header(target={"model": "bench", "vocab_size": 256}, target_layer_ids=list(range(1, k + 1)),
                          hidden_size=d, codec=codec, chunk_rows=args.chunk_rows, shard_rows=args.shard_rows)
-    writer = writer_module.CacheWriter(path, header)
+    writer = CacheWriter(path, header)
     length, tokens = 1024, hidden.shape[0]
     t0 = time.perf_counter()
     for p, start in enumerate(range(0, tokens, args.part_tokens)):
@@ -217,12 +218,12 @@ def cache_end_to_end(acts: torch.Tensor, k: int, d: int, codec: HiddenCodec, wor
         device = "cuda" if torch.cuda.is_available() else "cpu"
         q, sc = zip(*(quantize_fp8(acts[s: s + 8192].to(device), k) for s in range(0, tokens, 8192)))
         hidden, scale = torch.cat(q).cpu().numpy(), torch.cat(sc).cpu().numpy()
-    own = writer_module.write_shards
+    own = part_layout.write_shards
     try:
-        writer_module.write_shards = zarr_array_write
+        part_layout.write_shards = zarr_array_write
         by_zarr = write_cache(work / "by-zarr", hidden, scale, k, d, codec, args)
     finally:
-        writer_module.write_shards = own
+        part_layout.write_shards = own
     shutil.rmtree(work / "by-zarr")
     write = write_cache(path, hidden, scale, k, d, codec, args)
     nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -31,6 +31,7 @@ from .manifest import (
     decode_log_line,
     read_header,
 )
+from .orphans import find_orphans, orphan_name, remove_orphans
 from .reader import CacheReader, PartFiles
 from .sample_scores import prompt_split_key
 from .schema import (
@@ -47,7 +48,6 @@ from .schema import (
     shard_key,
 )
 from .shard_format import EMPTY
-from .writer import find_orphans, orphan_name, remove_orphans
 
 
 def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> tqdm:

@@ -67,7 +67,7 @@ DATA = "data"  # the tokenized records
 INDEX = "index"  # the part's sample index
 
 # How an array is stored.
-HIDDEN_CHUNKS = "hidden"  # sharded row chunks, the header's codec (written by writer.write_shards)
+HIDDEN_CHUNKS = "hidden"  # sharded row chunks, the header's codec (written by part_layout.write_shards)
 ROW_CHUNKS = "rows"  # sharded row chunks, the small-array codecs
 ONE_CHUNK = "one"  # one chunk per part, the small-array codecs (read whole, once per part)
 

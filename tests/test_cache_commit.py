@@ -17,8 +17,9 @@ from cache_utils import bits, random_sample, tiny_header
 from dflash.cache_tools.errors import CacheError
 from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.manifest import LOG_FILE, read_manifest
+from dflash.cache_tools.orphans import remove_orphans
 from dflash.cache_tools.reader import CacheReader
-from dflash.cache_tools.writer import CacheWriter, remove_orphans
+from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.fsio import file_lock
 
 WRITER_SCRIPT = textwrap.dedent("""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from dflash.cache_tools import writer as cache_writer
+from dflash.cache_tools import part_layout
 from dflash.cache_tools.cli import main
 from dflash.cache_tools.manifest import WRITER_LOCK_FILE
 from dflash.cache_tools.reader import CacheReader
@@ -63,7 +63,7 @@ def test_a_destination_another_process_writes_is_refused_naming_it(tmp_path, com
 def test_a_full_disk_during_recompress_names_the_part_and_the_cache(tmp_path, monkeypatch):
     make_cache(tmp_path / "src", parts=3)
     dst = tmp_path / "dst"
-    real, calls = cache_writer.write_shards, {"n": 0}
+    real, calls = part_layout.write_shards, {"n": 0}
 
     def write_shards(*args, **kwargs):
         calls["n"] += 1
@@ -71,12 +71,12 @@ def test_a_full_disk_during_recompress_names_the_part_and_the_cache(tmp_path, mo
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache_writer, "write_shards", write_shards)
+    monkeypatch.setattr(part_layout, "write_shards", write_shards)
     res = run("recompress", tmp_path / "src", dst, "--codec", "raw", "--no-progress")
     assert res.exit_code == 2, res.output
     assert (f"Error: Writing part part-000001 into {dst} failed: No space left on device. Free space there "
             "(or fix the cause), then rerun the same command: the parts written so far are kept and "
             "skipped.") in flat(res.output)
-    monkeypatch.setattr(cache_writer, "write_shards", real)
+    monkeypatch.setattr(part_layout, "write_shards", real)
     res = run("recompress", tmp_path / "src", dst, "--codec", "raw", "--no-progress")
     assert res.exit_code == 0 and "Recompressed 2 parts, 1 already present" in res.output, res.output

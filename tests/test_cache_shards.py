@@ -8,6 +8,7 @@ import pytest
 import zarr
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.errors import CacheCorruptError
+from dflash.cache_tools.part_layout import write_shards
 from dflash.cache_tools.shard_format import (
     EMPTY,
     decode_index,
@@ -15,7 +16,6 @@ from dflash.cache_tools.shard_format import (
     frame_chunk,
     unframe_chunk,
 )
-from dflash.cache_tools.writer import write_shards
 
 
 @pytest.mark.parametrize("codec_name,dtype", [("bf16", np.uint16), ("fp8", np.uint8), ("raw", np.uint16)])
