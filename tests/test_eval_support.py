@@ -20,11 +20,11 @@ from dflash.eval.speculative import (
     DraftContext,
     Generation,
     acceptance_summary,
-    capture_hidden,
     first_divergence,
     speculative_generate,
     target_generate,
 )
+from dflash.eval.target import capture_hidden
 from dflash.train.drafter_config import DrafterConfig
 from dflash.train.model import DFlashDrafter
 from dflash.train.objective import ObjectiveConfig, compute_loss

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.eval.speculative import forward_with_cache, new_kv_cache
+from dflash.eval.target import forward_with_cache, new_kv_cache
 from vocab import ByteVocabulary, Vocabulary
 
 
