@@ -233,10 +233,10 @@ def verify(cache: str, settings: VerifySettings) -> None:
       dflash-cache verify --quarantine runs/cache; dflash-extract ...   # the same command as before
       dflash-cache verify s3://bucket/caches/qwen3-8b
     """
-    from . import maintenance, remote
+    from . import maintenance, remote_store
 
     fast = settings.fast
-    if remote.is_remote(cache):
+    if remote_store.is_remote(cache):
         if settings.quarantine:
             raise click.BadParameter("a remote cache is repaired by uploading its parts again from a sound "
                                      "local copy: quarantine works on local caches.", param_hint="--quarantine")
@@ -403,9 +403,9 @@ def upload(cache: str, url: str, settings: UploadSettings) -> None:
     Example:
       dflash-cache upload runs/cache s3://bucket/caches/qwen3-8b
     """
-    from . import remote, remote_upload
+    from . import remote_store, remote_upload
 
-    if not remote.is_remote(url):
+    if not remote_store.is_remote(url):
         raise click.BadParameter(f"{url} is not a remote cache URL: write s3://bucket/prefix.", param_hint="URL")
     done = remote_upload.upload_cache(cache, url, threads=settings.threads)
     click.echo(f"Uploaded {done['parts']} parts to {url}: {done['files_uploaded']} files written, "

@@ -14,7 +14,7 @@ from pathlib import Path
 import google_crc32c
 
 from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, read_manifest
-from .remote import (
+from .remote_store import (
     FILES_INDEX,
     FilesIndex,
     RemoteFile,

@@ -21,7 +21,7 @@ pytest.importorskip("obstore")
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
-from dflash.cache_tools import remote, remote_upload  # noqa: E402
+from dflash.cache_tools import remote, remote_store, remote_upload  # noqa: E402
 from dflash.cache_tools.cache_set import CacheSet  # noqa: E402
 from dflash.cache_tools.cli import main as cache_main  # noqa: E402
 from dflash.cache_tools.errors import CacheCorruptError  # noqa: E402
@@ -114,15 +114,15 @@ def test_a_corrupted_object_is_named_by_verify_and_by_the_reader(tmp_path, s3):
 def test_a_failed_download_is_retried(tmp_path, s3, monkeypatch):
     local, url, _ = uploaded(tmp_path, s3)
     failures = []
-    real = remote.RemoteStore.stream
+    real = remote_store.RemoteStore.stream
 
     def flaky(self, key):
         if "hidden/c" in key and len(failures) < 2:
             failures.append(key)
-            raise remote.RemoteCacheError(f"connection reset while fetching {key}")
+            raise remote_store.RemoteCacheError(f"connection reset while fetching {key}")
         return real(self, key)
 
-    monkeypatch.setattr(remote.RemoteStore, "stream", flaky)
+    monkeypatch.setattr(remote_store.RemoteStore, "stream", flaky)
     reader = remote.open_reader(url, staging_dir=tmp_path / "stage", prefetch=False)
     assert_same_samples(reader, local)
     assert len(failures) == 2
