@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_target, tiny_train_config
@@ -14,7 +15,7 @@ from dflash.eval.run import load_models
 from dflash.eval.speculative import DecodeConfig, speculative_generate, target_generate
 from dflash.train.estimate import estimate_drafter
 from dflash.train.loop import train
-from dflash.train.metrics import VerificationWalk
+from dflash.train.metrics import MIN_GREEDY_SAMPLES, VerificationWalk, walk_interval
 from dflash.train.objective import LossOutput
 from extract_utils import extract
 
@@ -84,18 +85,25 @@ def _write(path: Path, rows: list[list[int]]) -> Path:
     return path
 
 
-def _clipped_tau(acceptance: list[list[int]]) -> float:
-    """The decoder's tokens over its cycles, each prompt's last cycle's drafts cut at the
+def _clipped_sums(acceptance: list[list[int]]) -> list[tuple[int, int]]:
+    """Per prompt, the decoder's tokens and cycles, its last cycle's drafts cut at the
     completion's end (the first new token is the prefill's): what a walk over it counts."""
-    tokens = cycles = 0
+    sums = []
     for lengths in acceptance:
+        tokens = cycles = 0
         left = NEW - 1  # tokens after the first anchor
         for a in lengths:
             if left <= 0:
                 break
             drafts = min(a - 1, left)
             tokens, cycles, left = tokens + drafts + 1, cycles + 1, left - drafts - 1
-    return tokens / cycles
+        sums.append((tokens, cycles))
+    return sums
+
+
+def _clipped_tau(acceptance: list[list[int]]) -> float:
+    sums = _clipped_sums(acceptance)
+    return sum(t for t, _ in sums) / sum(c for _, c in sums)
 
 
 def test_estimate_on_sampled_completions_follows_the_greedy_decode(tmp_path):
@@ -147,6 +155,13 @@ def test_estimate_on_sampled_completions_follows_the_greedy_decode(tmp_path):
     mixed = estimate(caches["mixed"])
     assert mixed["greedy_samples"] == 8 and mixed["walked_samples"] == 16
     assert mixed["tau"] == pytest.approx(_clipped_tau([g.acceptance_lengths for g in decoded[:8]]), rel=1e-9)
+    # The estimate's 95 % interval resamples the samples it reads: the decoded prompts' own
+    # figures (all 16, then the greedy 8 alone), whatever order the cache stores them in.
+    for result, first in ((greedy, 16), (mixed, 8)):
+        sums = _clipped_sums([g.acceptance_lengths for g in decoded[:first]])
+        lo, hi = result["tau_interval"]
+        assert lo < result["tau"] < hi
+        assert [lo, hi] == pytest.approx(walk_interval([[1.0, t, c] for t, c in sums], result["tau"]), rel=1e-12)
     # All sampled: censored at the sampled tokens, far nearer the decode than checking the drafts
     # against the sampled tokens (what a cache without the top-1 gives).
     sampled, labels = estimate(caches["sampled"]), estimate(tmp_path / "labels-cache")
@@ -154,3 +169,23 @@ def test_estimate_on_sampled_completions_follows_the_greedy_decode(tmp_path):
     assert labels["estimator"] == "labels walk"
     print(f"decoded {tau:.3f}, sampled estimate {sampled['tau']:.3f}, labels {labels['tau']:.3f}")
     assert labels["tau"] < tau and abs(sampled["tau"] - tau) < abs(labels["tau"] - tau)
+
+
+def test_the_interval_reads_what_the_estimate_reads_and_narrows_with_more_samples():
+    """Greedy completions alone when there are MIN_GREEDY_SAMPLES of them (as the estimate), else
+    every walked sample; wider for fewer samples; none for fewer than two."""
+    rng = np.random.default_rng(0)
+
+    def rows(n: int, greedy: float, tau: float) -> list[list[float]]:
+        cycles = rng.integers(10, 40, n)
+        return [[greedy, float(round(c * tau * rng.uniform(0.6, 1.4))), float(c)] for c in cycles]
+
+    greedy, sampled = rows(MIN_GREEDY_SAMPLES, 1.0, 4.0), rows(40, 0.0, 1.5)
+    lo, hi = walk_interval(greedy + sampled, 4.0)
+    assert 3.0 < lo < 4.0 < hi < 5.0  # the greedy ones' alone, not pulled towards 1.5
+    lo, hi = walk_interval(greedy[:-1] + sampled, 1.7)
+    assert lo < 1.7 < hi < 2.5  # too few greedy ones: everything walked
+    few, many = rows(10, 1.0, 3.0), rows(400, 1.0, 3.0)
+    width = [(lambda s: s[1] - s[0])(walk_interval(r, 3.0)) for r in (few, many)]
+    assert width[1] < 0.4 * width[0]
+    assert walk_interval(few[:1], 3.0) == [] and walk_interval(few[::-1], 3.0) == walk_interval(few, 3.0)

@@ -91,3 +91,12 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(t
         for a, b in zip(fsdp, ddp):
             assert a["blocks"] == b["blocks"] > 0
             assert a["tau"] == pytest.approx(b["tau"]) and a["tau_backbone"] == pytest.approx(b["tau_backbone"])
+        # Every held-out batch is evaluated once whatever the ranks (an odd count is not cut to an
+        # even one), and the estimate's interval resamples every rank's walked samples: the
+        # one-process run's figures.
+        single = [r for r in read_metrics(one) if r["kind"] == "eval"]
+        assert len(single) == len(ddp) and all(len(r["tau_interval"]) == 2 for r in ddp)
+        for a, b in zip(ddp, single):
+            assert (a["walked_samples"], a["blocks"]) == (b["walked_samples"], b["blocks"])
+            assert a["tau"] == pytest.approx(b["tau"], rel=1e-6)
+            assert a["tau_interval"] == pytest.approx(b["tau_interval"], rel=1e-6)

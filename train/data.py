@@ -88,7 +88,9 @@ class TrainingData:
     warnings: list[str] = field(default_factory=list)
     """What the summary warns of beyond the split (a --shuffle-parts group larger than --disk-budget)."""
 
-    def eval_loader(self, rank: int, world_size: int, max_batches: int = 0) -> torch.utils.data.DataLoader | None:
+    def eval_loader(self, rank: int, world_size: int, max_batches: int = 0
+                    ) -> tuple[torch.utils.data.DataLoader, int] | None:
+        """loader.eval_batches over the held-out samples: the loader and how many of its batches count."""
         caches = self.eval_caches if self.eval_caches is not None else self.caches
         return eval_batches(caches, self.eval_indices, self.config, rank=rank, world_size=world_size,
                             max_batches=max_batches, pin_memory=self.pin_memory)

@@ -140,6 +140,15 @@ def all_reduce_sum(values: list[float] | torch.Tensor, info: DistInfo) -> torch.
     return t
 
 
+def all_gather_rows(rows: list[list[float]], info: DistInfo) -> list[list[float]]:
+    """Every rank's rows, concatenated in rank order (through the CPU control group)."""
+    if not info.distributed:
+        return list(rows)
+    parts: list[Any] = [None] * info.world_size
+    dist.all_gather_object(parts, rows, group=info.control_group)
+    return [row for part in parts for row in part]
+
+
 def any_rank(flag: int, info: DistInfo) -> int:
     """The largest of one small integer over ranks, through the CPU control group."""
     if not info.distributed:

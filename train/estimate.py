@@ -81,7 +81,9 @@ def format_estimate(result: dict[str, Any]) -> str:
     smaller = "".join(f", {k} {v:.3f}" for k, v in result.items() if k.startswith("tau_b") and k[5:].isdigit())
     if "tau_backbone" in result:  # DFlash2: tau is the selector path's
         smaller += f", backbone tau {result['tau_backbone']:.3f}"
-    return (f"tau {result['tau']:.3f} ({result['estimator']}, block {block}){smaller}, tau_blocks "
+    span = result.get("tau_interval") or []
+    interval = f" [95 %: {span[0]:.3f}-{span[1]:.3f} over the samples]" if len(span) == 2 else ""
+    return (f"tau {result['tau']:.3f}{interval} ({result['estimator']}, block {block}){smaller}, tau_blocks "
             f"{result['tau_blocks']:.3f}; {int(result['walked_samples'])} of {result['samples']} samples walked, "
             f"{int(result['blocks'])} blocks, loss {result['loss']:.4f}"
             + (f"; warning: {result['without_top1']} of the samples have no target top-1 in the cache (extracted "

@@ -292,14 +292,20 @@ def _prepare_at(prepare: BatchPrepare, batches: RankBatches, batch: dict[str, to
 
 
 def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, rank: int, world_size: int,
-                 max_batches: int = 0, pin_memory: bool = False) -> torch.utils.data.DataLoader | None:
-    """A DataLoader over this rank's share of the held-out batches (None when there are none)."""
-    if len(indices) < world_size:
+                 max_batches: int = 0, pin_memory: bool = False
+                 ) -> tuple[torch.utils.data.DataLoader, int] | None:
+    """A DataLoader over this rank's share of the held-out batches, and how many of its first
+    batches are its own (None when there are none). Every rank runs the same number of batches
+    (FSDP's forward is collective): a rank with fewer is given copies of others' to make up the
+    count, which the evaluation runs and does not count, so every held-out batch is counted once
+    on any number of ranks (`--eval-max-batches` caps each rank's own)."""
+    if not len(indices):
         return None
     check_budget(caches.lengths, indices, config)
     batches = plan_eval(indices, caches.lengths, config)
-    # Every rank runs the same number of batches (FSDP's forward is collective).
-    batches = batches[:len(batches) // world_size * world_size][rank::world_size]
+    own = batches[rank::world_size]
     if max_batches:
-        batches = batches[:max_batches]
-    return data_loader(caches, batches, config, pin_memory=pin_memory)
+        own = own[:max_batches]
+    count = min(-(-len(batches) // world_size), max_batches or len(batches))
+    padded = own + [batches[i % len(batches)] for i in range(count - len(own))]
+    return data_loader(caches, padded, config, pin_memory=pin_memory), len(own)

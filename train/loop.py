@@ -41,6 +41,7 @@ from .config import TrainConfig, TrainConfigError
 from .data import TrainingData, check_cache_target, open_training_data
 from .distributed import (
     DistInfo,
+    all_gather_rows,
     all_reduce_sum,
     any_rank,
     barrier,
@@ -52,7 +53,7 @@ from .distributed import (
 )
 from .follow import follow_fields, report_consumption
 from .loader import dequantize_batch
-from .metrics import VerificationWalk, greedy_path, greedy_replay, top1_known
+from .metrics import VerificationWalk, greedy_path, greedy_replay, top1_known, walk_interval
 from .model import DFlashDrafter
 from .objective import (
     ObjectiveConfig,
@@ -392,9 +393,10 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
              autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, Any] | None:
     """Metrics on the held-out batches (no noise, a block at every eligible position),
     reduced over ranks."""
-    loader = data.eval_loader(info.rank, info.world_size, cfg.data.eval_max_batches)
-    if loader is None:
+    planned = data.eval_loader(info.rank, info.world_size, cfg.data.eval_max_batches)
+    if planned is None:
         return None
+    loader, own = planned  # batches past `own` only keep the ranks in step (FSDP): not counted
     loss_model.wrapped.eval()
     # Against the samples' tokens, and (when the cache holds the target's top-1 or top-k) replayed
     # as greedy verification; tau walks the blocks as a decoder would (docs/train.md, "Estimator").
@@ -406,15 +408,21 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     replay = held.topk > 0 or held.top1 is not None
     clean = dataclasses.replace(objective, noise_type="none")
     with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
-        for batch in loader:
+        for index, batch in enumerate(loader):
             batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
             eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
             outs, backbone_outs = [], []
-            for positions, valid in anchor_chunks(eligible, objective.max_anchors):
+            chunks = anchor_chunks(eligible, objective.max_anchors)
+            mine = len(chunks)
+            if info.distributed:  # as many forwards on every rank (FSDP's are collective)
+                chunks += [chunks[-1]] * (any_rank(mine, info) - mine)
+            for i, (positions, valid) in enumerate(chunks):
                 chunk = {**batch, "anchor_positions": positions.to(info.device),
                          "anchor_valid": valid.to(info.device)}
                 with autocast:
                     out = compute_loss(loss_model, chunk, clean)
+                if index >= own or i >= mine:
+                    continue  # another rank's batch or a repeat, run to keep the ranks' forwards in step
                 labels.update(out, chunk)
                 if out.backbone_predicted is not None:
                     backbone = dataclasses.replace(out, predicted=out.backbone_predicted, correct=out.backbone_correct)
@@ -423,6 +431,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                     out = greedy_replay(out, chunk)
                     greedy.update(out, chunk)
                 outs.append(out)
+            if index >= own:
+                continue
             path = greedy_path(batch) if replay else None  # where sampled tokens leave it
             known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
             walk.update(outs, eligible, path, known)
@@ -433,6 +443,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     result = greedy.compute(info) if replay else by_labels
     walked = all_reduce_sum(walk.state(), info)
     taus = walk.taus(walked)
+    per_sample = all_gather_rows(walk.per_sample, info)
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
@@ -443,6 +454,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
             "tau_blocks": result["tau"], "tau_labels": by_labels["tau"],
             **walk.walked(walked),
+            # its 95 % bootstrap interval over the samples walked (the noise of a small held-out set)
+            "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
             "estimator": estimator}
 
 

@@ -245,8 +245,13 @@ class VerificationWalk:
     others: _WalkCounts = field(init=False)
     """The sampled ones."""
 
+    per_sample: list[list[float]] = field(init=False)
+    """Per walked sample, [greedy (1 or 0), tokens, cycles] at the first width: what the
+    estimate's interval resamples (`interval`)."""
+
     def __post_init__(self) -> None:
         self.greedy, self.others = _WalkCounts(self.block_sizes), _WalkCounts(self.block_sizes)
+        self.per_sample = []
 
     @property
     def samples(self) -> int:
@@ -279,6 +284,7 @@ class VerificationWalk:
                 after = [run[p + 1] > 0 for p in blocks if p + 1 < len(run) and scored[b][p]]
                 greedy = sum(after) >= GREEDY_SHARE * max(1, len(after)) and (has_top1 is None or bool(has_top1[b]))
                 counts = self.greedy if greedy else self.others
+            tokens, cycles = counts.tokens[0], counts.cycles[0]
             for i, width in enumerate(self.block_sizes):
                 p = min(blocks)
                 while p in blocks:
@@ -292,6 +298,8 @@ class VerificationWalk:
                     counts.count(i, accepted, censored)
                     p += accepted if censored else accepted + 1  # censored: on from the sampled token
             counts.samples += 1
+            self.per_sample.append([float(counts is self.greedy), float(counts.tokens[0] - tokens),
+                                    float(counts.cycles[0] - cycles)])
 
     def state(self) -> torch.Tensor:
         """The greedy samples' sums, then the sampled ones' (sum it over ranks)."""
@@ -320,6 +328,28 @@ class VerificationWalk:
         if greedy[3 * n] >= MIN_GREEDY_SAMPLES or not others[3 * n]:
             return self.greedy.taus(greedy)
         return self.greedy.taus([a + b for a, b in zip(greedy, others)])
+
+
+def walk_interval(per_sample: list[list[float]], tau: float, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """The 95 % bootstrap interval of a walk's estimate `tau` at its first width, over the
+    samples it reads (VerificationWalk.per_sample of every rank: the greedy completions when
+    there are MIN_GREEDY_SAMPLES of them, else all), resampled with replacement: the pooled
+    tokens / cycles of each resample, scaled by tau over the pooled figure (1 where no block was
+    censored; with censored blocks the Kaplan-Meier estimate's interval is taken as the pooled
+    ratio's, scaled). Empty with fewer than two samples."""
+    import numpy as np
+
+    rows = np.asarray(sorted(per_sample), dtype=np.float64).reshape(-1, 3)  # sorted: the same for any
+    # order of the samples (ranks, batches)
+    if int(rows[:, 0].sum()) >= MIN_GREEDY_SAMPLES:
+        rows = rows[rows[:, 0] == 1]
+    rows = rows[rows[:, 2] > 0]
+    if len(rows) < 2:
+        return []
+    draw = np.random.default_rng(seed).integers(0, len(rows), size=(resamples, len(rows)))
+    pooled = rows[draw, 1].sum(1) / rows[draw, 2].sum(1)
+    scale = tau / (rows[:, 1].sum() / rows[:, 2].sum())
+    return [float(np.percentile(pooled, 2.5) * scale), float(np.percentile(pooled, 97.5) * scale)]
 
 
 def _runs_on_path(on_path: torch.Tensor) -> list[list[int]]:

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,8 @@ class HeldoutTracker:
     best_tau: float = -math.inf
     best_train_tau: float = math.nan
     """Training tau over the evaluation interval that ended at the best step."""
+    best_interval: list[float] = field(default_factory=list)
+    """The best evaluation's 95 % interval over its held-out samples (evaluate's tau_interval)."""
     last_tau: float | None = None
     last_step: int | None = None
     evals_since_best: int = 0
@@ -138,6 +140,7 @@ class HeldoutTracker:
         warning = None
         if tau > self.best_tau:
             self.best_step, self.best_tau, self.best_train_tau = step, tau, train_tau
+            self.best_interval = list(heldout.get("tau_interval") or [])
             self.evals_since_best = 0
         else:
             self.evals_since_best += 1
@@ -176,8 +179,10 @@ class HeldoutTracker:
         if self.best_step is None:
             return (f"done: {step} steps; drafter exported to {final_dir} (no held-out samples: its quality "
                     "was not measured)")
+        span = (f", 95 % interval {self.best_interval[0]:.3f}-{self.best_interval[1]:.3f} over the held-out "
+                "samples" if len(self.best_interval) == 2 else "")
         text = (f"done: {step} steps; {final_dir} holds the best held-out checkpoint, step {self.best_step} "
-                f"(held-out tau {self.best_tau:.3f})")
+                f"(held-out tau {self.best_tau:.3f}{span})")
         if self.best_step != step:
             text += (f"; the last step's weights (held-out tau {self.last_tau:.3f}) are in {last_checkpoint} "
                      "(dflash-train export exports them)")
