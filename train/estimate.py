@@ -1,6 +1,6 @@
 """`dflash-train estimate`: the trainer's held-out estimate of an exported drafter, on any cache.
 
-It runs the evaluation a training run runs at its evaluations (`loop.evaluate`: the walk of
+It runs the evaluation a training run runs at its evaluations (`evaluation.evaluate`: the walk of
 docs/train.md, "Estimator") over every sample of the given cache(s), for a drafter directory
 that `dflash-train export` (or a run's final/) wrote. Given a cache of the target's greedy
 completions of exactly the prompts dflash-eval decodes, it is the estimate of that decoding
@@ -20,8 +20,9 @@ from dflash.runtime.errors import InputError
 from .config import TrainConfig, TrainConfigError
 from .data import check_cache_target, open_training_data
 from .distributed import DistInfo
+from .evaluation import LossModel, evaluate
 from .export import CONFIG_NAME, WEIGHTS_NAME, load_drafter
-from .loop import LossModel, autocast_context, evaluate, load_target_config_or_fail
+from .loop import autocast_context, load_target_config_or_fail
 
 
 def estimate_config(drafter_dir: str, settings: dict[str, Any]) -> TrainConfig:
@@ -35,7 +36,7 @@ def estimate_config(drafter_dir: str, settings: dict[str, Any]) -> TrainConfig:
 def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The held-out evaluation of the drafter in `drafter_dir` over the caches of `settings`
     (cli.ESTIMATE_SETTINGS: TrainConfig fields): tau (the walk at the drafter's block), tau_b{B/2}, tau_blocks,
-    estimator, walked_samples, blocks, loss, and the rest `loop.evaluate` reports."""
+    estimator, walked_samples, blocks, loss, and the rest `evaluation.evaluate` reports."""
     cfg = estimate_config(drafter_dir, settings)
     path = Path(drafter_dir)
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():

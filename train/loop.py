@@ -1,8 +1,9 @@
 """The training loop: `train(config)` reads top to bottom; each piece it wires lives in its own module.
 
 data (loader.py) -> drafter (model.py) -> loss (objective.py) -> optimizer/schedule (here)
--> metrics and logs (reporting.py) -> checkpoints (checkpoint.py), over any number of
-processes (distributed.py), stopped cleanly by SIGINT/SIGTERM (signals.py).
+-> held-out estimate (evaluation.py) -> metrics and logs (reporting.py) -> checkpoints
+(checkpoint.py), over any number of processes (distributed.py), stopped cleanly by SIGINT/SIGTERM
+(signals.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ from .config import TrainConfig, TrainConfigError
 from .data import TrainingData, check_cache_target, open_training_data
 from .distributed import (
     DistInfo,
-    all_gather_rows,
-    all_reduce_sum,
     any_rank,
     barrier,
     full_state,
@@ -51,15 +50,12 @@ from .distributed import (
     unwrap,
     wrap_model,
 )
+from .evaluation import LossModel, evaluate
 from .follow import follow_fields, report_consumption
 from .loader import dequantize_batch
-from .metrics import VerificationWalk, greedy_path, greedy_replay, top1_known, walk_interval
 from .model import DFlashDrafter
 from .objective import (
-    ObjectiveConfig,
-    anchor_chunks,
     compute_loss,
-    eligible_anchors,
     sample_anchors,
     scored_slots,
 )
@@ -323,19 +319,6 @@ def autocast_context(dtype: str, device: torch.device) -> contextlib.AbstractCon
     return contextlib.nullcontext()
 
 
-class LossModel:
-    """What compute_loss needs: calls go through the DDP/FSDP wrapper, attributes to the drafter."""
-
-    def __init__(self, wrapped: nn.Module, drafter: DFlashDrafter):
-        self.wrapped, self.drafter = wrapped, drafter
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.wrapped(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.drafter, name)
-
-
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     if enabled:
         return contextlib.nullcontext()
@@ -389,76 +372,6 @@ def batch_generators(seed: int, epoch: int, batch_index: int,
 
 
 @torch.no_grad()
-def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConfig,
-             autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, Any] | None:
-    """Metrics on the held-out batches (no noise, a block at every eligible position),
-    reduced over ranks."""
-    planned = data.eval_loader(info.rank, info.world_size, cfg.data.eval_max_batches)
-    if planned is None:
-        return None
-    loader, own = planned  # batches past `own` only keep the ranks in step (FSDP): not counted
-    loss_model.wrapped.eval()
-    # Against the samples' tokens, and (when the cache holds the target's top-1 or top-k) replayed
-    # as greedy verification; tau walks the blocks as a decoder would (docs/train.md, "Estimator").
-    block_size = loss_model.drafter.config.block_size
-    labels, greedy = RunningMetrics(block_size, info.device), RunningMetrics(block_size, info.device)
-    walk = VerificationWalk((block_size, block_size // 2) if block_size >= 8 else (block_size,))
-    backbone_walk = VerificationWalk((block_size,))  # DFlash2: the backbone's top-1 without the selector
-    held = (data.eval_caches if data.eval_caches is not None else data.caches).manifest
-    replay = held.topk > 0 or held.top1 is not None
-    clean = dataclasses.replace(objective, noise_type="none")
-    with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
-        for index, batch in enumerate(loader):
-            batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
-            eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
-            outs, backbone_outs = [], []
-            chunks = anchor_chunks(eligible, objective.max_anchors)
-            mine = len(chunks)
-            if info.distributed:  # as many forwards on every rank (FSDP's are collective)
-                chunks += [chunks[-1]] * (any_rank(mine, info) - mine)
-            for i, (positions, valid) in enumerate(chunks):
-                chunk = {**batch, "anchor_positions": positions.to(info.device),
-                         "anchor_valid": valid.to(info.device)}
-                with autocast:
-                    out = compute_loss(loss_model, chunk, clean)
-                if index >= own or i >= mine:
-                    continue  # another rank's batch or a repeat, run to keep the ranks' forwards in step
-                labels.update(out, chunk)
-                if out.backbone_predicted is not None:
-                    backbone = dataclasses.replace(out, predicted=out.backbone_predicted, correct=out.backbone_correct)
-                    backbone_outs.append(greedy_replay(backbone, chunk) if replay else backbone)
-                if replay:
-                    out = greedy_replay(out, chunk)
-                    greedy.update(out, chunk)
-                outs.append(out)
-            if index >= own:
-                continue
-            path = greedy_path(batch) if replay else None  # where sampled tokens leave it
-            known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
-            walk.update(outs, eligible, path, known)
-            if backbone_outs:
-                backbone_walk.update(backbone_outs, eligible, path, known)
-    loss_model.wrapped.train()
-    by_labels = labels.compute(info)
-    result = greedy.compute(info) if replay else by_labels
-    walked = all_reduce_sum(walk.state(), info)
-    taus = walk.taus(walked)
-    per_sample = all_gather_rows(walk.per_sample, info)
-    kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
-    estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
-    smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
-    if loss_model.drafter.candidate_selector is not None:  # DFlash2: the backbone's tau beside the selector's
-        backbone_taus = backbone_walk.taus(all_reduce_sum(backbone_walk.state(), info))
-        if block_size in backbone_taus:
-            smaller["tau_backbone"] = backbone_taus[block_size]
-    return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
-            "tau_blocks": result["tau"], "tau_labels": by_labels["tau"],
-            **walk.walked(walked),
-            # its 95 % bootstrap interval over the samples walked (the noise of a small held-out set)
-            "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
-            "estimator": estimator}
-
-
 def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
                  info: DistInfo) -> dict[str, Any]:
     """What a resumed run must share with its checkpoint: the data, its batches, the model's shape."""
