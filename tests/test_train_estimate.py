@@ -50,7 +50,10 @@ def test_estimate_is_the_final_evaluation_of_a_run_on_the_same_cache(tiny_world,
 
     line = invoke("estimate", tmp_path / "drafter", "--cache", cache, "--target-model", target, *SETTINGS)
     assert line.exit_code == 0 and len(line.stdout.strip().splitlines()) == 1
-    assert line.stdout.startswith(f"tau {best['heldout_tau']:.3f} (labels walk, block 8), tau_b4 ")
+    lo, hi = best["tau_interval"]  # the run's own interval over the samples, as the estimate's
+    assert got["tau_interval"] == [lo, hi] and lo <= got["tau"] <= hi
+    assert line.stdout.startswith(f"tau {best['heldout_tau']:.3f} [95 %: {lo:.3f}-{hi:.3f} over the samples] "
+                                  "(labels walk, block 8), tau_b4 ")
 
 
 def test_a_missing_drafter_or_cache_exits_2_with_one_paragraph(tiny_world, tmp_path):
@@ -105,5 +108,7 @@ def test_a_dflash2_estimate_reports_the_selector_tau_beside_the_backbone_tau_of_
     assert moved["tau_backbone"] == plain["tau"] and moved["tau"] != plain["tau"]
     line = invoke("estimate", tmp_path / "moved", "--cache", cache, "--target-model", target, *SETTINGS)
     assert line.exit_code == 0, line.output
-    assert line.stdout.startswith(f"tau {moved['tau']:.3f} (labels walk, block 8)")
+    lo, hi = moved["tau_interval"]
+    assert line.stdout.startswith(f"tau {moved['tau']:.3f} [95 %: {lo:.3f}-{hi:.3f} over the samples] "
+                                  "(labels walk, block 8)")
     assert f"backbone tau {plain['tau']:.3f}" in line.stdout
