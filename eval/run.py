@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError, UsageError
@@ -212,8 +213,6 @@ def tau_intervals(generations: list[Generation], baseline: list[Generation] | No
     same prompts decoded by another method), of the pooled ratio tau / baseline tau, the two
     resampled together. Tau varies so much from prompt to prompt that a few dozen prompts leave
     it uncertain by about +-15 %: two figures whose intervals overlap are not told apart."""
-    import numpy as np
-
     def sums(gens: list[Generation]) -> tuple[np.ndarray, np.ndarray]:
         return (np.array([sum(g.acceptance_lengths) for g in gens], dtype=np.float64),
                 np.array([len(g.acceptance_lengths) for g in gens], dtype=np.float64))

@@ -23,7 +23,6 @@ class Batch:
     input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
     gather_index: torch.Tensor  # int64 [T_real]: flat positions (b * L + t) of real tokens
     lengths: list[int]
-    sample_ids: list[int] = field(default_factory=list)  # the global id of each row's sample
     split_keys: list[int] = field(default_factory=list)  # the split key of each row's sample
 
     @property
@@ -76,8 +75,7 @@ def make_batch(samples: list[Sample], members: list[int]) -> Batch:
         pos += n
     return Batch(
         members=list(members), input_ids=torch.from_numpy(ids), gather_index=torch.from_numpy(gather),
-        lengths=lengths, sample_ids=[samples[i].sample_id for i in members],
-        split_keys=[samples[i].split_key for i in members],
+        lengths=lengths, split_keys=[samples[i].split_key for i in members],
     )
 
 

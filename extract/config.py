@@ -80,7 +80,7 @@ class ExtractConfig:
     against it."""
     top1_share: float = 0.05
     """The share of samples whose top-1 is stored: those the trainer's held-out split takes first
-    (a hash of the sample id below it; the split holds out those below --eval-fraction, 0.02 by
+    (a hash of its split key, the prompt's, below it; the split holds out those below --eval-fraction, 0.02 by
     default), the only ones it reads it for. The others cost no layer past the captured ones and
     no lm_head. 1: every sample (a cache for --eval-cache or `dflash-train estimate --cache`);
     0: none, as --no-store-top1."""

@@ -158,7 +158,7 @@ class ExtractionEngine:
         # never sees a pad. Without a padding mask the model takes its plain causal path,
         # which is faster and has no host synchronisation (mask checks) inside the forward.
         selected = self._top1_rows(batch)
-        cap = self.capture(ids, None, rows=None if selected is None else self._on_device(selected))
+        cap = self.capture(ids, None, rows=self._on_device(selected) if selected is not None and selected.size else None)
         # Only real tokens leave the device; index_select avoids the host sync of a bool mask.
         packed = torch.cat([h.reshape(-1, h.shape[-1]).index_select(0, gather.to(h.device))
                             for h in cap.layers], dim=1).to(self.device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .objective import LossOutput
@@ -337,8 +338,6 @@ def walk_interval(per_sample: list[list[float]], tau: float, resamples: int = 20
     tokens / cycles of each resample, scaled by tau over the pooled figure (1 where no block was
     censored; with censored blocks the Kaplan-Meier estimate's interval is taken as the pooled
     ratio's, scaled). Empty with fewer than two samples."""
-    import numpy as np
-
     rows = np.asarray(sorted(per_sample), dtype=np.float64).reshape(-1, 3)  # sorted: the same for any
     # order of the samples (ranks, batches)
     if int(rows[:, 0].sum()) >= MIN_GREEDY_SAMPLES:
