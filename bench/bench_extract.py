@@ -315,6 +315,21 @@ def print_table(rows: list, stop_rates: list[float], own_rate: float, raw: int) 
           "in real tokens/s)")
 
 
+def parse_codec(entry: str) -> tuple[str, float | None]:
+    """A --codecs entry: the codec and its own --top1-share ('bf16:0'), None for the flag's."""
+    codec, sep, share = entry.partition(":")
+    if not sep:
+        return codec, None
+    try:
+        value = float(share)
+    except ValueError:
+        raise SystemExit(f"--codecs entry {entry!r}: after ':' comes a top-1 share between 0 and 1, "
+                         f"e.g. 'bf16:0'") from None
+    if not 0.0 <= value <= 1.0:
+        raise SystemExit(f"--codecs entry {entry!r}: the top-1 share must be between 0 and 1")
+    return codec, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True, help="Scratch directory for data and caches (e.g. /dev/shm/x).")
@@ -340,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{ExtractConfig.top1_share}]; 1: every sample, 0: none.")
     ap.add_argument("--codecs", default="bf16,fp8",
                     help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
-                         "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison.")
+                         "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison; 'CODEC:SHARE' runs that "
+                         "codec at --top1-share SHARE (e.g. 'bf16,bf16:0': what storing the top-1 costs, "
+                         "side by side).")
     ap.add_argument("--trace-tokens", type=int, default=0,
                     help="Also extract this many tokens (bf16) under torch.profiler and print where the "
                          "host and the GPU spend their time.")
@@ -394,13 +411,13 @@ class Bench:
         if self.kernels:
             print(f"linear attention: {self.kernels['path']} ({json.dumps(self.kernels)})", flush=True)
 
-    def config(self, data_file: Path, cache: Path, codec: str) -> ExtractConfig:
+    def config(self, data_file: Path, cache: Path, codec: str, top1_share: float | None = None) -> ExtractConfig:
         a = self.args
         return ExtractConfig(target_model=self.label, data=str(data_file), output=str(cache), codec=codec,
                              target_layer_ids=self.layer_ids, token_budget=self.budget, part_tokens=a.part_tokens,
                              sort_window_tokens=a.sort_window_tokens, max_seq_len=self.seq_len * 2,
                              num_writers=a.num_writers, device=str(self.device), progress=False,
-                             top1_share=a.top1_share)
+                             top1_share=a.top1_share if top1_share is None else top1_share)
 
     def prefill_rate(self) -> float:
         with torch.inference_mode():
@@ -424,10 +441,11 @@ class Bench:
     def extract(self, name: str) -> tuple[object, float | None, dict[str, float]]:
         """One extraction with codec `name` (its cache checked, then deleted): the summary, the GPU
         utilisation over its timed span and the check's largest relative error per captured layer."""
-        codec, staged = name.removesuffix("-staged"), name.endswith("-staged")
-        cache = self.out / f"bench-cache-{name}"
+        codec, share = parse_codec(name)
+        codec, staged = codec.removesuffix("-staged"), codec.endswith("-staged")
+        cache = self.out / f"bench-cache-{name.replace(':', '-')}"
         shutil.rmtree(cache, ignore_errors=True)
-        cfg = self.config(self.data, cache, codec)
+        cfg = self.config(self.data, cache, codec, share)
         if staged:
             os.environ[STAGED_COPY_ENV] = "1"
         try:
@@ -452,6 +470,8 @@ class Bench:
 
 def main() -> None:
     args = build_parser().parse_args()
+    for entry in args.codecs.split(","):  # a bad entry stops here, before minutes of model building
+        parse_codec(entry)
     architecture, full_shape, small_shape = SHAPES[args.shape]
     shape = small_shape if args.small else full_shape
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
@@ -486,8 +506,12 @@ def main() -> None:
 
     write_json()
     failed = []
-    for name in args.codecs.split(","):
-        summary, util, per_layer, floor = b.extract(name)
+    for entry in args.codecs.split(","):
+        summary, util, per_layer, floor = b.extract(entry)
+        name, n = entry, 1
+        while name in result["extract"]:  # an entry again (before and after another): its own row
+            n += 1
+            name = f"{entry}#{n}"
         err = max(per_layer.values())
         stop_rates.append(b.stop_forward_rate())
         around = (stop_rates[-2] + stop_rates[-1]) / 2
@@ -497,8 +521,9 @@ def main() -> None:
             "tokens": summary.tokens, "seconds": summary.seconds, "tokens_per_second": summary.tokens_per_second,
             "vs_stop_forward": summary.tokens_per_second / around, "vs_own_batches": summary.tokens_per_second / own_rate,
             "gpu_util_percent": util, "bytes_per_token": bpt, "check_max_relative_error": err,
-            "check_relative_error_per_layer": per_layer, "batched_forward_relative_error_per_layer": floor}
-        limit = CHECK_LIMITS.get(name.removesuffix("-staged"), 0.03)
+            "check_relative_error_per_layer": per_layer, "batched_forward_relative_error_per_layer": floor,
+            "top1_share": args.top1_share if parse_codec(entry)[1] is None else parse_codec(entry)[1]}
+        limit = CHECK_LIMITS.get(parse_codec(entry)[0].removesuffix("-staged"), 0.03)
         if not check_passes(list(per_layer.values()), list(floor.values()), limit):
             failed.append(f"cache {name} does not match the target's states (error {err:.3f}; limit {limit} "
                           f"plus twice the batched forward's own error per layer: "

@@ -29,9 +29,11 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 "DOMAIN-"), with the jobs they need. SWEEP="NAME=FLAGS;NAME=FLAGS": more runs of
                 ours on each domain with these dflash-train flags (e.g. "d2-a0.5=--drafter-type
                 dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME.
-  followup      alone on the GPU: the 8B extraction (bf16, nf4), the DFlash2 step's parts against
-                DFlash at the 8B shape (bench/profile_step.py), extraction and training at once
-                (bench/bench_colocate.py); with QUALITY=1 then the leaderboard's quality jobs.
+  followup      alone on the GPU: the 8B extraction (bf16, nf4; EXTRACT_CODECS="bf16,bf16:0" other
+                --codecs of bench_extract), the DFlash2 step's parts against DFlash at the 8B shape
+                (bench/profile_step.py), extraction and training at once (bench/bench_colocate.py);
+                TIMINGS="extract-8b ..." only these of them; with QUALITY=1 then the leaderboard's
+                quality jobs.
 """
 
 from __future__ import annotations
@@ -151,8 +153,9 @@ def followup() -> list[Job]:
     tiny = " --small" if small else ""
     shape = "quality" if small else "8b"
     device = " --device cpu --samples 1 --steps 1 --vocab 512" if small else " --dtype bf16 --compile"
+    codecs = os.environ.get("EXTRACT_CODECS", "bf16,nf4")
     jobs = [
-        Job("extract-8b", f"python3 bench/bench_extract.py --output {root}/extract-scratch --codecs bf16,nf4 "
+        Job("extract-8b", f"python3 bench/bench_extract.py --output {root}/extract-scratch --codecs {codecs} "
             f"--json {res}/extract-8b.json{tiny}; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 1,
             alone=True, env={"DFLASH_PROFILE_EXTRACT": "1"}),
         *[Job(f"profile-{kind}", f"python3 bench/profile_step.py --shape {shape} --drafter-type {kind} --profile"
@@ -160,6 +163,13 @@ def followup() -> list[Job]:
         Job("colocate", f"python3 bench/bench_colocate.py --workdir {root}/colocate --json {res}/colocate.json{tiny}"
             f"; rc=$?; rm -rf {root}/colocate; exit $rc", [], 3, alone=True),
     ]
+    if os.environ.get("TIMINGS"):
+        wanted = os.environ["TIMINGS"].split()
+        unknown = set(wanted) - {j.name for j in jobs}
+        if unknown:
+            raise SystemExit(f"TIMINGS names {', '.join(sorted(unknown))}: followup's timings are "
+                             + ", ".join(j.name for j in jobs))
+        jobs = [j for j in jobs if j.name in wanted]
     if os.environ.get("QUALITY"):
         timings = [j.name for j in jobs]
         for j in leaderboard(extract=False):  # the extraction timing is this plan's own, first

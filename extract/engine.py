@@ -63,6 +63,16 @@ def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]], qua
     return compiled
 
 
+def _allocator_line(device: torch.device) -> str:
+    """Profiling: how often the caching allocator went to the driver (each cudaFree waits for the
+    whole device) and had to free its cache and retry, since the process started."""
+    stats = torch.cuda.memory_stats(device)
+    return (f"allocator: {stats.get('num_device_alloc', 0)} cudaMalloc, {stats.get('num_device_free', 0)} "
+            f"cudaFree, {stats.get('num_alloc_retries', 0)} retries, peak "
+            f"{stats.get('allocated_bytes.all.peak', 0) / 2**30:.1f} GiB of "
+            f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f}")
+
+
 def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quantize=quantize_fp8) -> None:
     for layers, hidden in widths:
         for tokens in (7, 33):  # two sizes: the token count stays symbolic
@@ -240,7 +250,8 @@ class ExtractionEngine:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         end.synchronize()
-        busy = sum(a.elapsed_time(b) for a, b in self._timeline) / 1e3
+        each = sorted(a.elapsed_time(b) for a, b in self._timeline)  # ms
+        busy = sum(each) / 1e3
         gaps = [self._timeline[i][1].elapsed_time(self._timeline[i + 1][0]) / 1e3
                 for i in range(len(self._timeline) - 1)]
         first = self._origin.elapsed_time(self._timeline[0][0]) / 1e3
@@ -250,7 +261,9 @@ class ExtractionEngine:
         return (f"GPU timeline: {total:.2f} s, forwards {busy:.2f} s ({len(self._timeline)}, "
                 f"{busy / len(self._timeline) * 1e3:.0f} ms each), before the first {first:.2f} s, "
                 f"gaps between forwards {sum(gaps):.2f} s (largest {', '.join(f'{g:.3f}' for g in big)}), "
-                f"after the last {tail:.2f} s")
+                f"after the last {tail:.2f} s; a forward's ms: median {each[len(each) // 2]:.0f}, "
+                f"first {self._timeline[0][0].elapsed_time(self._timeline[0][1]):.0f}, "
+                f"fastest {each[0]:.0f}, slowest {each[-1]:.0f}; {_allocator_line(self.device)}")
 
     @contextlib.contextmanager
     def _on_copy_stream(self, tensors: dict[str, torch.Tensor]):

@@ -274,9 +274,14 @@ def next_token_outputs(model: nn.Module, last_hidden: torch.Tensor, *, topk: int
     norm, head = (_final_norm_and_head(model, "--store-topk") if topk else
                   _final_norm_and_head(model, "Storing the target's top-1", ": pass --no-store-top1"))
     steps = post_head_steps(model.config)  # the logits the target's forward returns (soft cap, scale)
+    # The top-1 alone of a head with no post-head step: the argmax of the head's own output (a
+    # float32 copy has the same order, exactly, at twice the memory traffic of the widest tensor).
+    raw_argmax = not topk and not any(v is not None for v in steps.values())
     ids_k, lp_k, ids_1 = [], [], []
     for start in range(0, last_hidden.shape[0], chunk_tokens):
-        logits = apply_post_head(head(norm(last_hidden[start:start + chunk_tokens])).float(), **steps)
+        logits = head(norm(last_hidden[start:start + chunk_tokens]))
+        if not raw_argmax:
+            logits = apply_post_head(logits.float(), **steps)
         if topk:
             lp, ids = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
             ids_k.append(ids.to(torch.int32))

@@ -145,3 +145,18 @@ def test_a_sweep_adds_named_runs_of_ours_with_their_flags_on_each_domain(round_d
     assert {"code-d2-a0.5", "prose-d2-a0.5", "code-k8", "prose-k8", "code-dflash"} <= set(jobs)
     assert jobs["prose-d2-a0.5"].command.endswith('main "1 --drafter-type dflash2 --selector-loss-weight 0.5"')
     assert jobs["code-k8"].needs == ["code-prep"]
+
+
+def test_followup_timings_keep_only_the_named_ones_and_pass_the_extraction_codecs(round_dir, monkeypatch):
+    monkeypatch.setenv("ROUND_SMALL", "1")
+    monkeypatch.setenv("TIMINGS", "extract-8b")
+    monkeypatch.setenv("EXTRACT_CODECS", "bf16,bf16:0,bf16")
+    monkeypatch.setenv("QUALITY", "1")
+    monkeypatch.setenv("VARIANTS", "dflash")
+    jobs = {j.name: j for j in gpu_round.followup()}
+    assert not any(n.startswith(("profile-", "colocate")) for n in jobs)
+    assert "--codecs bf16,bf16:0,bf16 " in jobs["extract-8b"].command
+    assert jobs["code-dflash"].after == ["extract-8b"]  # the quality jobs wait for the timing
+    monkeypatch.setenv("TIMINGS", "extract-8b profiel-dflash")
+    with pytest.raises(SystemExit, match="profiel-dflash"):
+        gpu_round.followup()
