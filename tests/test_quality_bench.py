@@ -272,3 +272,19 @@ def test_every_set_of_completions_is_half_greedy_and_half_sampled():
         counts = [min(size, completions - b * size) for b in range(-(-completions // size))]
         greedy, sampled = sum(counts[0::2]), sum(counts[1::2])
         assert sum(counts) == completions and abs(greedy - sampled) <= size // 2 + 1 and sampled > 0
+
+
+def test_device_script_exits_with_a_failed_runs_status_after_printing_the_table(tmp_path):
+    # A run that fails (here: no prep before it) must fail the script, so that a round's runner
+    # sees it (and reruns a job that ran out of GPU memory) instead of recording a table without it.
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "WORKDIR": str(tmp_path / "w"), "SMALL": "1", "RESULTS": str(tmp_path / "res")}
+    done = subprocess.run(["bash", str(repo / "bench" / "quality" / "device.sh"), "main", "1"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "| variant |" in done.stdout  # the table of what there is still printed
+    assert "a run failed" in done.stderr
+    assert (tmp_path / "res" / "results.tgz").is_file()

@@ -374,3 +374,23 @@ def test_heldout_tau_is_the_greedy_replay_when_the_cache_holds_topk(tiny_world, 
     assert evals and all(r["estimator"] == "greedy walk" for r in evals)
     # On greedy completions the target's choice is the sample's token: both estimates agree.
     assert all(r["tau_blocks"] == r["tau_labels"] for r in evals)
+
+
+def test_the_heldout_evaluation_builds_no_autograd_graph(tiny_world, tmp_path, monkeypatch):
+    # With a graph, every anchor chunk's activations stay alive until its batch is walked: a
+    # held-out batch of a few thousand anchors took tens of GiB and ran out of GPU memory.
+    import dflash.train.evaluation as evaluation
+
+    seen = []
+    real = evaluation.compute_loss
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((torch.is_grad_enabled(), out.loss.requires_grad))
+        return out
+
+    monkeypatch.setattr(evaluation, "compute_loss", recording)
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", max_steps=4,
+                                     eval_fraction=0.25, eval_interval=2, log_interval=2))
+    assert seen and result.eval_metrics is not None
+    assert seen == [(False, False)] * len(seen)

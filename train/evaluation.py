@@ -38,11 +38,12 @@ class LossModel:
         return getattr(self.drafter, name)
 
 
-
+@torch.no_grad()
 def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConfig,
              autocast: contextlib.AbstractContextManager, cfg: TrainConfig, info: DistInfo) -> dict[str, Any] | None:
     """Metrics on the held-out batches (no noise, a block at every eligible position),
-    reduced over ranks."""
+    reduced over ranks. Without autograd: a graph kept per anchor chunk would hold every chunk's
+    activations until the batch is walked (tens of GiB at a few thousand anchors a chunk)."""
     planned = data.eval_loader(info.rank, info.world_size, cfg.data.eval_max_batches)
     if planned is None:
         return None

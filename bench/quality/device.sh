@@ -52,16 +52,23 @@ trap 'exit 143' TERM
 
 bench() { python3 bench/quality/run.py --workdir "$work" --domain "$domain" --vocab "$vocab" ${SMALL:+--small --device cpu} "${sets[@]}" "$@"; }
 what=${1:-}; shift || true
+rc=0  # the first failure's status: the table still prints, and the script exits with it
 case "$what" in
-  prep) bench --stages target,generate,extract --variant 1 ;;
-  main) for v in "$@"; do bench --stages "${STAGES:-train,eval}" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} --variant "$v"; done ;;
+  prep) bench --stages target,generate,extract --variant 1 || rc=$? ;;
+  main) for v in "$@"; do
+          bench --stages "${STAGES:-train,eval}" ${EVAL_BLOCKS:+--eval-blocks "$EVAL_BLOCKS"} --variant "$v" || { s=$?; [ $rc -ne 0 ] || rc=$s; }
+        done ;;
   side)
     export DFLASH_QUALITY_SIDE_BY_SIDE=$#  # the table marks their seconds as shared
+    pids=()
     for v in "$@"; do
       bench --stages "${STAGES:-train,eval}" --eval-blocks "${EVAL_BLOCKS:-16,8}" --variant "$v" > "$work/side-$(echo "$v" | tr -c 'a-zA-Z0-9' '_').log" 2>&1 &
+      pids+=($!)
     done
-    wait ;;
+    for pid in "${pids[@]}"; do wait "$pid" || { s=$?; [ $rc -ne 0 ] || rc=$s; }; done ;;
   table) ;;
   *) echo "usage: $0 prep | main VARIANT... | side VARIANT... | table"; exit 2 ;;
 esac
 bench --stages table --variant 1 | tail -20
+[ $rc -eq 0 ] || echo "bench/quality/device.sh: a run failed (status $rc); its error is above" >&2
+exit $rc
