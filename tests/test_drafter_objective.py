@@ -182,3 +182,53 @@ def test_anchors_drawn_by_the_caller_give_the_same_loss_as_drawn_inside():
     other = hand_batch()
     add_anchors(other, config.max_anchors, bs, torch.Generator().manual_seed(6))
     assert not torch.equal(compute_loss(drafter, other, config).anchor_positions, inside.anchor_positions)
+
+
+def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and_argmax():
+    # A micro-batch of many short samples scores N slots x V ids of logits at once (over 200
+    # GiB at 152K ids); label_logprobs holds one chunk of rows at a time. Same log-probs of the
+    # labels, same gradients of the states, same argmax, whatever the chunk.
+    from dflash.train.head_loss import chunk_rows, label_logprobs, needs_chunks
+
+    drafter = tiny_drafter(seed=3).train()
+    h = torch.randn(13, HIDDEN, requires_grad=True)
+    label = torch.randint(0, VOCAB, (13,))
+    g = torch.randn(13)
+    logprobs = torch.log_softmax(drafter.logits(h).float(), dim=-1)
+    want = logprobs.gather(1, label[:, None]).squeeze(1)
+    (want * g).sum().backward()
+    want_grad = h.grad.clone()
+    for rows in (1, 4, 7, 13, 50):
+        h.grad = None
+        got, top1 = label_logprobs(drafter, h, label, rows)
+        (got * g).sum().backward()
+        assert torch.allclose(got, want, atol=1e-5)
+        assert torch.equal(top1, logprobs.argmax(-1))
+        assert torch.allclose(h.grad, want_grad, atol=1e-5)
+    assert chunk_rows(VOCAB, 1) == (1 << 20) // (4 * VOCAB)
+    assert needs_chunks(chunk_rows(152_000, 1024) + 1, 152_000, 1024) and not needs_chunks(10**9, 152_000, 0)
+
+
+@pytest.mark.parametrize("weighting", ["acceptance", "decay"])
+def test_compute_loss_over_chunks_matches_the_plain_path(weighting, monkeypatch):
+    # The objective's own switch: with a chunk smaller than the batch's slots, loss, gradients
+    # and predictions equal those of the plain path.
+    import dflash.train.objective as objective
+
+    batch = hand_batch()
+    runs = []
+    for rows in (None, 3):
+        if rows is not None:
+            monkeypatch.setattr(objective, "chunk_rows", lambda vocab, mib: 3)
+            monkeypatch.setattr(objective, "needs_chunks", lambda n, vocab, mib: n > 3)
+        drafter = tiny_drafter(seed=4).train()
+        out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64, loss_weighting=weighting),
+                           generator=torch.Generator().manual_seed(5))
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (chunked, chunked_grads) = runs
+    assert torch.allclose(plain.loss, chunked.loss, atol=1e-6)
+    assert torch.equal(plain.predicted, chunked.predicted) and torch.equal(plain.correct, chunked.correct)
+    assert plain_grads.keys() == chunked_grads.keys() and plain_grads
+    for name in plain_grads:
+        assert torch.allclose(plain_grads[name], chunked_grads[name], atol=1e-5, rtol=1e-4), name

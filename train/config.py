@@ -281,6 +281,10 @@ class ObjectiveConfig:
     """Noise amplitude at the end of training (linear in between; default: noise_start)."""
     soft_label_weight: float = 0.0
     """Weight w of KL to the target's distribution, loss = (1 - w) CE + w KL (needs last_hidden or top-k in the cache)."""
+    logits_chunk_mib: int = 1024
+    """The target head and its cross-entropy run over the scored block slots in chunks of at most
+    this many MiB of float32 logits (a micro-batch of many short samples scores 150K slots: at 152K
+    ids, 90 GiB of logits at once); 0: all at once. DFlash2 and --soft-label-weight run all at once."""
     selector_loss_weight: float = 1.0
     """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
     selector_stop_gradient: bool = False
@@ -288,6 +292,7 @@ class ObjectiveConfig:
 
     def __post_init__(self) -> None:
         _check_at_least(self, ("max_anchors",), 1)
+        _check_at_least(self, ("logits_chunk_mib",), 0)
         _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
         if self.gamma is not None and self.gamma <= 0:
             raise TrainConfigError(f"--gamma must be > 0 (got {self.gamma}); leave it out for the default.")

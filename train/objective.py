@@ -25,6 +25,7 @@ import torch
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
 from .dflash2 import selector_objective
+from .head_loss import chunk_rows, label_logprobs, needs_chunks
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -259,16 +260,26 @@ def compute_loss(
     else:
         b, a, k = valid.nonzero(as_tuple=True)
     scored = states[b, a, k]  # [N, D], once: the selector reads them too
-    logits = drafter.logits(scored)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = labels[b, a, k]
+    selector = drafter.candidate_selector
+    vocab = drafter.lm_head_weight.shape[0]
+    if selector is None and config.soft_label_weight == 0 and needs_chunks(scored.shape[0], vocab,
+                                                                            config.logits_chunk_mib):
+        # More slots than one chunk of logits (--logits-chunk-mib): the head over chunks of rows
+        # (head_loss.py); what follows needs only the labels' log-probs and the argmax.
+        label_lp, top1 = label_logprobs(drafter, scored, target, chunk_rows(vocab, config.logits_chunk_mib))
+        logits = logprobs = None
+    else:
+        logits = drafter.logits(scored)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        label_lp, top1 = logprobs.gather(1, target[:, None]).squeeze(1), None
     if config.loss_weighting == "acceptance":
-        weights = acceptance_weights(logprobs.gather(1, target[:, None]).squeeze(1), b, a, k, valid.shape)
+        weights = acceptance_weights(label_lp, b, a, k, valid.shape)
     else:
         gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
-        weights = position_weights(block_size, gamma, logprobs.device)[k]
+        weights = position_weights(block_size, gamma, label_lp.device)[k]
     total_weight = weights.sum().clamp(min=1e-12)
-    ce = (weights * -logprobs.gather(1, target[:, None]).squeeze(1)).sum() / total_weight
+    ce = (weights * -label_lp).sum() / total_weight
     loss, kl = ce, None
     if config.soft_label_weight > 0:
         rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
@@ -283,9 +294,8 @@ def compute_loss(
         kl = kl.detach()
 
     predicted = torch.full_like(labels, -1)
-    predicted[b, a, k] = logprobs.argmax(-1)
+    predicted[b, a, k] = logprobs.argmax(-1) if top1 is None else top1
     correct = predicted == labels  # False where not scored (-1 is no token)
-    selector = drafter.candidate_selector
     if selector is None:
         return LossOutput(
             loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,
