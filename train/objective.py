@@ -25,7 +25,7 @@ import torch
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
 from .dflash2 import selector_objective
-from .head_loss import chunk_rows, label_logprobs, needs_chunks
+from .head_loss import CHUNK_MIB, chunk_rows, label_logprobs, needs_chunks
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -265,9 +265,9 @@ def compute_loss(
     vocab = drafter.lm_head_weight.shape[0]
     if selector is None and config.soft_label_weight == 0 and needs_chunks(scored.shape[0], vocab,
                                                                             config.logits_chunk_mib):
-        # More slots than one chunk of logits (--logits-chunk-mib): the head over chunks of rows
-        # (head_loss.py); what follows needs only the labels' log-probs and the argmax.
-        label_lp, top1 = label_logprobs(drafter, scored, target, chunk_rows(vocab, config.logits_chunk_mib))
+        # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
+        # what follows needs only the labels' log-probs and the argmax.
+        label_lp, top1 = label_logprobs(drafter, scored, target, chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib)))
         logits = logprobs = None
     else:
         logits = drafter.logits(scored)
