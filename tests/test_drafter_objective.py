@@ -188,7 +188,7 @@ def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and
     # A micro-batch of many short samples scores N slots x V ids of logits at once (over 200
     # GiB at 152K ids); label_logprobs holds one chunk of rows at a time. Same log-probs of the
     # labels, same gradients of the states, same argmax, whatever the chunk.
-    from dflash.train.head_loss import chunk_rows, label_logprobs, needs_chunks
+    from dflash.train.head_loss import candidate_logits, chunk_rows, label_logprobs, needs_chunks
 
     drafter = tiny_drafter(seed=3).train()
     h = torch.randn(13, HIDDEN, requires_grad=True)
@@ -198,21 +198,37 @@ def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and
     want = logprobs.gather(1, label[:, None]).squeeze(1)
     (want * g).sum().backward()
     want_grad = h.grad.clone()
+    ids = torch.randint(0, VOCAB, (13, 5))
+    gc = torch.randn(13, 5)
+    h.grad = None
+    (drafter.logits(h).gather(-1, ids) * gc).sum().backward()
+    want_cand_grad = h.grad.clone()
     for rows in (1, 4, 7, 13, 50):
         h.grad = None
-        got, top1 = label_logprobs(drafter, h, label, rows)
+        got, top1, top3 = label_logprobs(drafter, h, label, rows, top_k=3)
         (got * g).sum().backward()
         assert torch.allclose(got, want, atol=1e-5)
         assert torch.equal(top1, logprobs.argmax(-1))
+        assert torch.equal(top3, torch.topk(logprobs, 3, dim=-1).indices)
         assert torch.allclose(h.grad, want_grad, atol=1e-5)
+        h.grad = None
+        cand = candidate_logits(drafter, h, ids, rows)
+        (cand * gc).sum().backward()
+        assert torch.allclose(cand, drafter.logits(h).gather(-1, ids), atol=1e-5)
+        assert torch.allclose(h.grad, want_cand_grad, atol=1e-5)
     assert chunk_rows(VOCAB, 1) == (1 << 20) // (4 * VOCAB)
     assert needs_chunks(chunk_rows(152_000, 1024) + 1, 152_000, 1024) and not needs_chunks(10**9, 152_000, 0)
 
 
-@pytest.mark.parametrize("weighting", ["acceptance", "decay"])
-def test_compute_loss_over_chunks_matches_the_plain_path(weighting, monkeypatch):
+DFLASH2 = dict(drafter_type="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+@pytest.mark.parametrize("weighting,kind,stop", [("acceptance", "dflash", False), ("decay", "dflash", False),
+                                                 ("acceptance", "dflash2", False), ("acceptance", "dflash2", True)])
+def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, monkeypatch):
     # The objective's own switch: with a chunk smaller than the batch's slots, loss, gradients
-    # and predictions equal those of the plain path.
+    # and predictions equal those of the plain path (DFlash2: the selector's top-K and
+    # candidates' logits too, with and without its stop-gradient).
     import dflash.train.objective as objective
 
     batch = hand_batch()
@@ -221,14 +237,17 @@ def test_compute_loss_over_chunks_matches_the_plain_path(weighting, monkeypatch)
         if rows is not None:
             monkeypatch.setattr(objective, "chunk_rows", lambda vocab, mib: 3)
             monkeypatch.setattr(objective, "needs_chunks", lambda n, vocab, mib: n > 3)
-        drafter = tiny_drafter(seed=4).train()
-        out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64, loss_weighting=weighting),
-                           generator=torch.Generator().manual_seed(5))
+        drafter = tiny_drafter(seed=4, **(DFLASH2 if kind == "dflash2" else {})).train()
+        cfg = ObjectiveConfig(max_anchors=64, loss_weighting=weighting, selector_stop_gradient=stop)
+        out = compute_loss(drafter, batch, cfg, generator=torch.Generator().manual_seed(5))
         out.loss.backward()
         runs.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
     (plain, plain_grads), (chunked, chunked_grads) = runs
     assert torch.allclose(plain.loss, chunked.loss, atol=1e-6)
     assert torch.equal(plain.predicted, chunked.predicted) and torch.equal(plain.correct, chunked.correct)
+    if kind == "dflash2":
+        assert torch.allclose(plain.selector_loss, chunked.selector_loss, atol=1e-6)
+        assert torch.equal(plain.backbone_predicted, chunked.backbone_predicted)
     assert plain_grads.keys() == chunked_grads.keys() and plain_grads
     for name in plain_grads:
         assert torch.allclose(plain_grads[name], chunked_grads[name], atol=1e-5, rtol=1e-4), name

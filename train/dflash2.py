@@ -180,25 +180,29 @@ def walk_sampled(candidate_ids: torch.Tensor, scores: torch.Tensor, temperature:
     return torch.stack(tokens, dim=1), torch.stack(qs, dim=1)
 
 
-def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits: torch.Tensor,
+def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits: torch.Tensor | None,
                        predecessor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,
                        output_multiplier: float = 1.0, softcap: float | None = None,
-                       stop_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       stop_gradient: bool = False, top_ids: torch.Tensor | None = None,
+                       gather_logits=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted K-way cross-entropy, the selector's choice [N]) over N scored slots.
 
     `states` [N, D] and `logits` [N, V] of the slots, `predecessor_ids` [N] the true token before
     each (the anchor for slot 1), `labels` [N] the true tokens, `weights` [N] the slots' loss
     weights. When the top-K misses the label it takes the K-th candidate's place in the loss; the
     choice (for the metrics) is the walk's, over the plain top-K. `stop_gradient`: the selector's
-    loss does not reach the backbone (its states and logits enter detached).
+    loss does not reach the backbone (its states and logits enter detached). Without `logits`
+    (the head in chunks, head_loss.py): `top_ids` [N, K] are the top-K and
+    `gather_logits(states, candidates)` gives the candidates' logits.
     """
     if stop_gradient:
-        states, logits = states.detach(), logits.detach()
-    ids = torch.topk(logits.detach(), selector.top_k, dim=-1).indices
+        states, logits = states.detach(), None if logits is None else logits.detach()
+    ids = torch.topk(logits.detach(), selector.top_k, dim=-1).indices if logits is not None else top_ids
     k = ids.shape[-1]
     candidates = torch.cat([ids, labels[:, None]], dim=-1)
     # One gather of the K + 1 scores: its backward is the one dense [N, V] the selector adds.
-    scores_in = transform_logits(logits.gather(-1, candidates), output_multiplier, softcap)
+    picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
+    scores_in = transform_logits(picked, output_multiplier, softcap)
     scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
     found = ids == labels[:, None]
     present = found.any(-1)

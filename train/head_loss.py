@@ -11,6 +11,9 @@ log p(label_i) with respect to h_i is W[label_i] - softmax_i @ W, which depends 
 it is computed chunk by chunk in the forward, where the chunk's softmax is at hand, and the
 backward only scales it by the incoming gradient. The head's matmuls are the two of the plain
 path (the logits, and the softmax against W); nothing is recomputed.
+
+DFlash2's selector reads the top-K ids of each row (taken chunk by chunk too) and the logits of
+its K + 1 candidates, which `candidate_logits` computes from the candidates' rows of W alone.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ def needs_chunks(rows: int, vocab: int, limit_mib: int) -> bool:
 
 
 class _LabelLogprobs(torch.autograd.Function):
-    """(h [N, D], label [N]) -> (log p(label) [N] float32, argmax [N] long), chunk by chunk."""
+    """(h [N, D], label [N]) -> (log p(label) [N] float32, argmax [N] long, top-k ids [N, k]
+    long, empty for k 0), chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h, label, head, rows_per_chunk):  # noqa: D102 - see the class
+    def forward(ctx, h, label, head, rows_per_chunk, top_k):  # noqa: D102 - see the class
         n = h.shape[0]
         logprob = torch.empty(n, dtype=torch.float32, device=h.device)
         argmax = torch.empty(n, dtype=torch.long, device=h.device)
+        top = torch.empty((n, top_k), dtype=torch.long, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         weight = head.lm_head_weight
         for start in range(0, n, rows_per_chunk):
@@ -52,6 +57,8 @@ class _LabelLogprobs(torch.autograd.Function):
             t = label[start:end]
             logprob[start:end] = logits.gather(1, t[:, None]).squeeze(1) - lse
             argmax[start:end] = logits.argmax(-1)
+            if top_k:
+                top[start:end] = torch.topk(logits, top_k, dim=-1).indices
             if grad is not None:
                 # d log p(t) / d logits = onehot(t) - softmax; times W: the gradient of h.
                 p = logits.sub_(lse[:, None]).exp_()
@@ -59,21 +66,64 @@ class _LabelLogprobs(torch.autograd.Function):
                 grad[start:end] = -(p.to(dtype) @ weight.to(dtype)).to(grad.dtype)
             del logits
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(argmax)
-        return logprob, argmax
+        ctx.mark_non_differentiable(argmax, top)
+        return logprob, argmax, top
 
     @staticmethod
-    def backward(ctx, grad_logprob, _grad_argmax):  # noqa: D102
+    def backward(ctx, grad_logprob, _grad_argmax, _grad_top):  # noqa: D102
         (grad,) = ctx.saved_tensors
         if grad is None:
+            return None, None, None, None, None
+        return grad * grad_logprob[:, None].to(grad.dtype), None, None, None, None
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """(h [N, D], ids [N, M]) -> the head's logits of those ids [N, M], from their rows of W, chunk
+    by chunk (the rows gathered for a chunk are dropped after it, and gathered again in the backward)."""
+
+    @staticmethod
+    def forward(ctx, h, ids, head, rows_per_chunk):  # noqa: D102
+        weight = head.lm_head_weight
+        dtype = head.logits(h[:1]).dtype  # the plain path's logits dtype (bf16 under autocast)
+        out = torch.empty(ids.shape, dtype=dtype, device=h.device)
+        for start in range(0, h.shape[0], rows_per_chunk):
+            end = min(h.shape[0], start + rows_per_chunk)
+            rows = weight[ids[start:end]].to(dtype)  # [n, M, D]
+            out[start:end] = torch.bmm(rows, h[start:end].to(dtype)[:, :, None]).squeeze(-1)
+        ctx.save_for_backward(ids)
+        ctx.head, ctx.rows, ctx.h_dtype = head, rows_per_chunk, h.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        return grad * grad_logprob[:, None].to(grad.dtype), None, None, None
+        (ids,) = ctx.saved_tensors
+        weight = ctx.head.lm_head_weight
+        grad = torch.empty((ids.shape[0], weight.shape[1]), dtype=ctx.h_dtype, device=ids.device)
+        for start in range(0, ids.shape[0], ctx.rows):
+            end = min(ids.shape[0], start + ctx.rows)
+            rows = weight[ids[start:end]].to(grad_out.dtype)  # [n, M, D]
+            grad[start:end] = torch.bmm(grad_out[start:end, None, :], rows).squeeze(1).to(grad.dtype)
+        return grad, None, None, None
 
 
-def label_logprobs(head, h: torch.Tensor, label: torch.Tensor, rows_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(label_i) of the head's softmax over h_i (differentiable in h) and the head's argmax
-    per row, holding at most `rows_per_chunk` rows of logits at a time. `head` has `logits(h)`
-    and the frozen `lm_head_weight` (the drafter)."""
+def _frozen(head) -> None:
     if head.lm_head_weight.requires_grad:
-        raise ValueError("label_logprobs needs a frozen head: its weight gets no gradient here.")
-    return _LabelLogprobs.apply(h, label, head, rows_per_chunk)
+        raise ValueError("the chunked head needs a frozen head: its weight gets no gradient here.")
+
+
+def label_logprobs(head, h: torch.Tensor, label: torch.Tensor, rows_per_chunk: int,
+                   top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log p(label_i) of the head's softmax over h_i (differentiable in h), the head's argmax per
+    row and its `top_k` ids ([N, 0] for 0), holding at most `rows_per_chunk` rows of logits at a
+    time. `head` has `logits(h)` and the frozen `lm_head_weight` (the drafter)."""
+    _frozen(head)
+    return _LabelLogprobs.apply(h, label, head, rows_per_chunk, top_k)
+
+
+def candidate_logits(head, h: torch.Tensor, ids: torch.Tensor, rows_per_chunk: int) -> torch.Tensor:
+    """The head's logits of `ids` [N, M] at h [N, D] (as `head.logits(h).gather(-1, ids)`),
+    differentiable in h, without the [N, V] logits."""
+    _frozen(head)
+    return _CandidateLogits.apply(h, ids, head, rows_per_chunk)

@@ -25,7 +25,7 @@ import torch
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
 from .dflash2 import selector_objective
-from .head_loss import CHUNK_MIB, chunk_rows, label_logprobs, needs_chunks
+from .head_loss import CHUNK_MIB, candidate_logits, chunk_rows, label_logprobs, needs_chunks
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -263,16 +263,17 @@ def compute_loss(
     target = labels[b, a, k]
     selector = drafter.candidate_selector
     vocab = drafter.lm_head_weight.shape[0]
-    if selector is None and config.soft_label_weight == 0 and needs_chunks(scored.shape[0], vocab,
-                                                                            config.logits_chunk_mib):
+    rows = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
+    if config.soft_label_weight == 0 and needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
         # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
-        # what follows needs only the labels' log-probs and the argmax.
-        label_lp, top1 = label_logprobs(drafter, scored, target, chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib)))
+        # what follows needs only the labels' log-probs, the argmax and (DFlash2) the top-K.
+        label_lp, top1, top_ids = label_logprobs(drafter, scored, target, rows,
+                                                 selector.top_k if selector is not None else 0)
         logits = logprobs = None
     else:
         logits = drafter.logits(scored)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        label_lp, top1 = logprobs.gather(1, target[:, None]).squeeze(1), None
+        label_lp, top1, top_ids = logprobs.gather(1, target[:, None]).squeeze(1), None, None
     if config.loss_weighting == "acceptance":
         weights = acceptance_weights(label_lp, b, a, k, valid.shape)
     else:
@@ -306,7 +307,8 @@ def compute_loss(
     selector_loss, choice = selector_objective(
         selector, scored, logits, predecessors, target, weights.detach(),
         output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
-        stop_gradient=config.selector_stop_gradient)
+        stop_gradient=config.selector_stop_gradient, top_ids=top_ids,
+        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, rows))
     chosen = torch.full_like(labels, -1)
     chosen[b, a, k] = choice
     return LossOutput(
