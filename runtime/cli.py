@@ -72,23 +72,44 @@ def os_error_message(e: OSError, advice: str = OS_ERROR_ADVICE) -> str:
     return f"{e.strerror or e}{where}. {advice}"
 
 
+def device_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is torch's out-of-memory error of a device (told by its class, so that a
+    command that never imported torch does not import it here)."""
+    return any(c.__name__ == "OutOfMemoryError" and c.__module__.startswith("torch") for c in type(e).__mro__)
+
+
+def out_of_memory_message(name: str, e: BaseException, advice: str) -> str:
+    """torch's out-of-memory error as one paragraph: what ran out (its first sentence, with the
+    sizes), and what to lower."""
+    first = str(e).split(". ", 1)[0].strip().rstrip(".")
+    return f"{name} ran out of device memory ({first}). {advice}"
+
+
+OOM_ADVICE = ("Give the command less to hold at once (a smaller batch or token budget), or free the device "
+              "of other processes (nvidia-smi lists them), then rerun it.")
+
+
 class _Contract:
     """Runs a click command under the exit-status table (mixed into Command and Group).
 
     `stop_note` completes "<command> stopped by SIGINT" (say what was kept and how to go
-    on); `os_error_advice` follows an OSError's message.
+    on); `os_error_advice` follows an OSError's message, `oom_advice` an out-of-memory error of
+    the device (an environment fault: no traceback).
     """
 
     stop_note = "."
     os_error_advice = OS_ERROR_ADVICE
+    oom_advice = OOM_ADVICE
 
     def __init__(self, *args: Any, stop_note: str | None = None, os_error_advice: str | None = None,
-                 **kwargs: Any) -> None:
+                 oom_advice: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if stop_note is not None:
             self.stop_note = stop_note
         if os_error_advice is not None:
             self.os_error_advice = os_error_advice
+        if oom_advice is not None:
+            self.oom_advice = oom_advice
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -123,6 +144,9 @@ class _Contract:
             echo_error(os_error_message(e, self.os_error_advice))
             return EXIT_STATUS[EnvironmentFault]
         except Exception as e:  # a bug: keep the traceback, it is what a report needs
+            if device_out_of_memory(e):  # not a bug: the batch does not fit beside what else is there
+                echo_error(out_of_memory_message(name, e, self.oom_advice))
+                return EXIT_STATUS[EnvironmentFault]
             traceback.print_exc()
             echo_error(f"unexpected {type(e).__name__} in {name}: {e}. This is a bug, not a problem "
                        "with your input: please report it with the traceback above.")

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from dflash.cache_tools.cli import main as cache_main
 from dflash.eval.cli import main as eval_main
 from dflash.extract.cli import main as extract_main
-from dflash.runtime.cli import Command
-from dflash.runtime.errors import InputError, Interrupted
+from dflash.runtime.cli import EXIT_STATUS, Command
+from dflash.runtime.errors import EnvironmentFault, InputError, Interrupted
 from dflash.train.cli import main as train_main
 
 
@@ -285,6 +285,30 @@ def _command_raising(error: BaseException) -> click.Command:
         raise error
 
     return main
+
+
+def test_the_devices_out_of_memory_error_is_an_environment_fault_with_the_commands_advice():
+    # Not a bug: the batch did not fit beside what else was on the device. One paragraph with
+    # torch's first sentence (the sizes) and what to lower, the environment's status, no traceback.
+    import torch
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.45 GiB. GPU 0 has a total "
+                                   "capacity of 139.80 GiB of which 1.98 GiB is free. Process 12545 has 70.46 GiB")
+
+    @click.command(cls=Command, name="dflash-x", oom_advice="Lower --token-budget.")
+    def main() -> None:
+        raise error
+
+    result = invoke(main)
+    assert result.exit_code == EXIT_STATUS[EnvironmentFault] != 1, result.output
+    assert "Traceback" not in result.stderr and "bug" not in result.stderr
+    assert "dflash-x ran out of device memory (CUDA out of memory)" in result.stderr
+    assert result.stderr.rstrip().endswith("Lower --token-budget.")
+    assert result.stderr.count("Error:") == 1 and "\n" not in result.stderr.strip()
+    # The trainer's advice names what a rerun may change and what starts a new run.
+    from dflash.train.cli import TrainGroup
+
+    assert all(f in TrainGroup.oom_advice for f in ("--logits-chunk-mib", "--gradient-checkpointing", "--token-budget"))
 
 
 @pytest.mark.parametrize("error,status,fragment", [

@@ -37,6 +37,11 @@ class TrainGroup(Group):
                  "to resume.")
     os_error_advice = ("Check the path, its permissions and the free disk space, then rerun the same "
                        "command to resume.")
+    oom_advice = ("A micro-batch holds --token-budget padded tokens and up to --max-anchors blocks of --block-size "
+                  "per sample. Hold less at once: pass --gradient-checkpointing or a lower --logits-chunk-mib (the "
+                  "head's logits held at once; --soft-label-weight holds them all), which a rerun may change and "
+                  "still resume from the complete checkpoints; or lower --max-anchors, or --token-budget or "
+                  "--max-batch-size, which change the batches and so start a new run (another --output-dir).")
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
