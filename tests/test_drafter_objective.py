@@ -186,9 +186,9 @@ def test_anchors_drawn_by_the_caller_give_the_same_loss_as_drawn_inside():
 
 def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and_argmax():
     # A micro-batch of many short samples scores N slots x V ids of logits at once (over 200
-    # GiB at 152K ids); label_logprobs holds one chunk of rows at a time. Same log-probs of the
+    # GiB at 152K ids); slot_losses holds one chunk of rows at a time. Same log-probs of the
     # labels, same gradients of the states, same argmax, whatever the chunk.
-    from dflash.train.head_loss import candidate_logits, chunk_rows, label_logprobs, needs_chunks
+    from dflash.train.head_loss import candidate_logits, chunk_rows, needs_chunks, slot_losses
 
     drafter = tiny_drafter(seed=3).train()
     h = torch.randn(13, HIDDEN, requires_grad=True)
@@ -205,9 +205,9 @@ def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and
     want_cand_grad = h.grad.clone()
     for rows in (1, 4, 7, 13, 50):
         h.grad = None
-        got, top1, top3 = label_logprobs(drafter, h, label, rows, top_k=3)
-        (got * g).sum().backward()
-        assert torch.allclose(got, want, atol=1e-5)
+        loss, got, _, top1, top3 = slot_losses(drafter, h, label, rows, top_k=3)
+        (-loss * g).sum().backward()
+        assert torch.allclose(got, want, atol=1e-5) and torch.allclose(-loss, want, atol=1e-5)
         assert torch.equal(top1, logprobs.argmax(-1))
         assert torch.equal(top3, torch.topk(logprobs, 3, dim=-1).indices)
         assert torch.allclose(h.grad, want_grad, atol=1e-5)
@@ -223,28 +223,45 @@ def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and
 DFLASH2 = dict(drafter_type="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
-@pytest.mark.parametrize("weighting,kind,stop", [("acceptance", "dflash", False), ("decay", "dflash", False),
-                                                 ("acceptance", "dflash2", False), ("acceptance", "dflash2", True)])
-def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, monkeypatch):
+def soft_label_batch(kind: str) -> dict:
+    """hand_batch with the target's top-3 or its last hidden states as soft labels."""
+    batch = hand_batch()
+    g = torch.Generator().manual_seed(9)
+    if kind == "topk":
+        ids = torch.stack([torch.randperm(VOCAB, generator=g)[:3] for _ in range(16)]).view(2, 8, 3)
+        return dict(batch, topk_ids=ids, topk_logprobs=torch.randn(2, 8, 3, generator=g))
+    return dict(batch, last_hidden=torch.randn(2, 8, HIDDEN, generator=g))
+
+
+@pytest.mark.parametrize("weighting,kind,stop,soft", [
+    ("acceptance", "dflash", False, None), ("decay", "dflash", False, None),
+    ("acceptance", "dflash2", False, None), ("acceptance", "dflash2", True, None),
+    ("acceptance", "dflash", False, "topk"), ("decay", "dflash", False, "hidden"),
+    ("acceptance", "dflash2", False, "topk")])
+def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, soft, monkeypatch):
     # The objective's own switch: with a chunk smaller than the batch's slots, loss, gradients
     # and predictions equal those of the plain path (DFlash2: the selector's top-K and
-    # candidates' logits too, with and without its stop-gradient).
+    # candidates' logits too, with and without its stop-gradient; soft labels from the cached
+    # top-k or from the target's last hidden state: the KL too).
     import dflash.train.objective as objective
 
-    batch = hand_batch()
+    batch = hand_batch() if soft is None else soft_label_batch(soft)
     runs = []
     for rows in (None, 3):
         if rows is not None:
             monkeypatch.setattr(objective, "chunk_rows", lambda vocab, mib: 3)
             monkeypatch.setattr(objective, "needs_chunks", lambda n, vocab, mib: n > 3)
         drafter = tiny_drafter(seed=4, **(DFLASH2 if kind == "dflash2" else {})).train()
-        cfg = ObjectiveConfig(max_anchors=64, loss_weighting=weighting, selector_stop_gradient=stop)
+        cfg = ObjectiveConfig(max_anchors=64, loss_weighting=weighting, selector_stop_gradient=stop,
+                              soft_label_weight=0.0 if soft is None else 0.4)
         out = compute_loss(drafter, batch, cfg, generator=torch.Generator().manual_seed(5))
         out.loss.backward()
         runs.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
     (plain, plain_grads), (chunked, chunked_grads) = runs
     assert torch.allclose(plain.loss, chunked.loss, atol=1e-6)
     assert torch.equal(plain.predicted, chunked.predicted) and torch.equal(plain.correct, chunked.correct)
+    if soft is not None:
+        assert torch.allclose(plain.kl, chunked.kl, atol=1e-6) and torch.allclose(plain.ce, chunked.ce, atol=1e-6)
     if kind == "dflash2":
         assert torch.allclose(plain.selector_loss, chunked.selector_loss, atol=1e-6)
         assert torch.equal(plain.backbone_predicted, chunked.backbone_predicted)

@@ -39,7 +39,7 @@ class TrainGroup(Group):
                        "command to resume.")
     oom_advice = ("A micro-batch holds --token-budget padded tokens and up to --max-anchors blocks of --block-size "
                   "per sample. Hold less at once: pass --gradient-checkpointing or a lower --logits-chunk-mib (the "
-                  "head's logits held at once; --soft-label-weight holds them all), which a rerun may change and "
+                  "head's logits held at once), which a rerun may change and "
                   "still resume from the complete checkpoints; or lower --max-anchors, or --token-budget or "
                   "--max-batch-size, which change the batches and so start a new run (another --output-dir).")
 

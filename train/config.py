@@ -286,7 +286,7 @@ class ObjectiveConfig:
     whose scored block slots need more runs the head over chunks of 1 GiB (many short samples score
     150K slots: at 152K ids, 90 GiB of logits, over 200 GiB with the backward). All at once is
     faster where it fits (one 3,072-token sample at the 8B shape, 4.4 GiB: 4.6 % a step, for 9.7
-    GiB more memory). 0: no limit. --soft-label-weight runs all at once."""
+    GiB more memory). 0: no limit."""
     selector_loss_weight: float = 1.0
     """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
     selector_stop_gradient: bool = False

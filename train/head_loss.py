@@ -3,13 +3,14 @@
 The plain path of the objective holds the logits of every scored block slot at once: N slots x V
 ids in bf16, their float32 copy and log-softmax, and as much again in the backward. N is the
 micro-batch's anchors x (block size - 1): a token budget of 16K tokens of short samples holds
-10K anchors, 150K slots, and at a vocabulary of 152K ids that is over 200 GiB. `label_logprobs`
+10K anchors, 150K slots, and at a vocabulary of 152K ids that is over 200 GiB. `slot_losses`
 runs the head over chunks of rows instead and keeps one chunk's logits at a time.
 
 The head is frozen, so the only gradient is the one of the drafter's states h. The gradient of
-log p(label_i) with respect to h_i is W[label_i] - softmax_i @ W, which depends on row i alone:
-it is computed chunk by chunk in the forward, where the chunk's softmax is at hand, and the
-backward only scales it by the incoming gradient. The head's matmuls are the two of the plain
+a slot's loss with respect to h_i ((softmax_i - onehot(label_i)) @ W for the cross-entropy, and
+(softmax_i - p_i) @ W for the KL to soft labels p_i) depends on row i alone: it is computed chunk
+by chunk in the forward, where the chunk's softmax is at hand, and the backward only scales it
+by the incoming gradient (the slot's loss weight). The head's matmuls are the two of the plain
 path (the logits, and the softmax against W); nothing is recomputed.
 
 DFlash2's selector reads the top-K ids of each row (taken chunk by chunk too) and the logits of
@@ -36,16 +37,20 @@ def needs_chunks(rows: int, vocab: int, limit_mib: int) -> bool:
     return limit_mib > 0 and rows > chunk_rows(vocab, limit_mib)
 
 
-class _LabelLogprobs(torch.autograd.Function):
-    """(h [N, D], label [N]) -> (log p(label) [N] float32, argmax [N] long, top-k ids [N, k]
-    long, empty for k 0), chunk by chunk."""
+class _SlotLosses(torch.autograd.Function):
+    """Per scored slot, chunk by chunk: the loss (1 - w) * -log q(label) + w * KL(p || q)
+    [N] (differentiable in h; w = `soft_weight`, p the soft labels), and, detached, log q(label)
+    [N], the KL [N] (empty without soft labels), the argmax [N] and the top-k ids [N, k]."""
 
     @staticmethod
-    def forward(ctx, h, label, head, rows_per_chunk, top_k):  # noqa: D102 - see the class
-        n = h.shape[0]
-        logprob = torch.empty(n, dtype=torch.float32, device=h.device)
-        argmax = torch.empty(n, dtype=torch.long, device=h.device)
-        top = torch.empty((n, top_k), dtype=torch.long, device=h.device)
+    def forward(ctx, h, label, head, rows_per_chunk, top_k, soft_weight, soft_ids, soft_logprobs,
+                soft_hidden):  # noqa: D102 - see the class
+        n, device = h.shape[0], h.device
+        loss = torch.empty(n, dtype=torch.float32, device=device)
+        logprob = torch.empty(n, dtype=torch.float32, device=device)
+        kl = torch.empty(n if soft_weight else 0, dtype=torch.float32, device=device)
+        argmax = torch.empty(n, dtype=torch.long, device=device)
+        top = torch.empty((n, top_k), dtype=torch.long, device=device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         weight = head.lm_head_weight
         for start in range(0, n, rows_per_chunk):
@@ -59,22 +64,44 @@ class _LabelLogprobs(torch.autograd.Function):
             argmax[start:end] = logits.argmax(-1)
             if top_k:
                 top[start:end] = torch.topk(logits, top_k, dim=-1).indices
+            row_loss = -logprob[start:end]
+            logq = logits.sub_(lse[:, None])  # log q, in place of the logits
+            if soft_weight:
+                if soft_hidden is not None:  # p over the whole vocabulary, from the target's own head
+                    p_log = torch.log_softmax(head.target_logits(soft_hidden[start:end]).float(), dim=-1)
+                    p = p_log.exp()
+                    kl[start:end] = (p * (p_log - logq)).sum(-1)
+                    del p_log
+                else:  # p over the cached top-k ids (renormalized)
+                    ids, p_log = soft_ids[start:end], soft_logprobs[start:end]
+                    p = p_log.exp()
+                    kl[start:end] = (p * (p_log - logq.gather(1, ids))).sum(-1)
+                row_loss = (1 - soft_weight) * row_loss + soft_weight * kl[start:end]
+            q = logq.exp_()  # the drafter's softmax, in place again
+            # d loss / d logits, built in q's place: (1 - w)(q - onehot(t)) + w (q sum(p) - p)
+            if soft_weight and soft_hidden is not None:
+                q.sub_(p, alpha=soft_weight)  # sum(p) = 1
+                del p
+            elif soft_weight:
+                q.mul_(1.0 - soft_weight + soft_weight * p.sum(-1, keepdim=True))
+                q.scatter_add_(1, ids, -soft_weight * p)
+            onehot = -(1.0 - soft_weight)
+            loss[start:end] = row_loss
             if grad is not None:
-                # d log p(t) / d logits = onehot(t) - softmax; times W: the gradient of h.
-                p = logits.sub_(lse[:, None]).exp_()
-                p.scatter_add_(1, t[:, None], torch.full_like(p[:, :1], -1.0))
-                grad[start:end] = -(p.to(dtype) @ weight.to(dtype)).to(grad.dtype)
-            del logits
+                q.scatter_add_(1, t[:, None], torch.full_like(q[:, :1], onehot))
+                grad[start:end] = (q.to(dtype) @ weight.to(dtype)).to(grad.dtype)
+            del logits, logq, q
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(argmax, top)
-        return logprob, argmax, top
+        ctx.mark_non_differentiable(logprob, kl, argmax, top)
+        return loss, logprob, kl, argmax, top
 
     @staticmethod
-    def backward(ctx, grad_logprob, _grad_argmax, _grad_top):  # noqa: D102
+    def backward(ctx, grad_loss, *_):  # noqa: D102
         (grad,) = ctx.saved_tensors
+        none = (None,) * 8
         if grad is None:
-            return None, None, None, None, None
-        return grad * grad_logprob[:, None].to(grad.dtype), None, None, None, None
+            return (None, *none)
+        return (grad * grad_loss[:, None].to(grad.dtype), *none)
 
 
 class _CandidateLogits(torch.autograd.Function):
@@ -113,13 +140,20 @@ def _frozen(head) -> None:
         raise ValueError("the chunked head needs a frozen head: its weight gets no gradient here.")
 
 
-def label_logprobs(head, h: torch.Tensor, label: torch.Tensor, rows_per_chunk: int,
-                   top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log p(label_i) of the head's softmax over h_i (differentiable in h), the head's argmax per
-    row and its `top_k` ids ([N, 0] for 0), holding at most `rows_per_chunk` rows of logits at a
-    time. `head` has `logits(h)` and the frozen `lm_head_weight` (the drafter)."""
+def slot_losses(head, h: torch.Tensor, label: torch.Tensor, rows_per_chunk: int, *, top_k: int = 0,
+                soft_weight: float = 0.0, soft_ids: torch.Tensor | None = None,
+                soft_logprobs: torch.Tensor | None = None, soft_hidden: torch.Tensor | None = None):
+    """(loss [N], log q(label) [N], KL [N], argmax [N], top-k ids [N, k]) of the head's softmax q
+    over h_i, holding at most `rows_per_chunk` rows of logits at a time: the loss (1 - w) *
+    -log q(label) + w * KL(p || q) is differentiable in h, the rest detached. Soft labels p (with
+    w > 0): `soft_ids` / `soft_logprobs` [N, k] (the target's top-k, renormalized), or
+    `soft_hidden` [N, D] (the target's last hidden state, through `head.target_logits`). `head`
+    has `logits(h)` and the frozen `lm_head_weight` (the drafter)."""
     _frozen(head)
-    return _LabelLogprobs.apply(h, label, head, rows_per_chunk, top_k)
+    if soft_weight and soft_hidden is None and (soft_ids is None or soft_logprobs is None):
+        raise ValueError("soft labels need soft_hidden or soft_ids with soft_logprobs")
+    return _SlotLosses.apply(h, label, head, rows_per_chunk, top_k, float(soft_weight), soft_ids,
+                             soft_logprobs, soft_hidden)
 
 
 def candidate_logits(head, h: torch.Tensor, ids: torch.Tensor, rows_per_chunk: int) -> torch.Tensor:

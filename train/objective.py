@@ -25,7 +25,7 @@ import torch
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
 from .dflash2 import selector_objective
-from .head_loss import CHUNK_MIB, candidate_logits, chunk_rows, label_logprobs, needs_chunks
+from .head_loss import CHUNK_MIB, candidate_logits, chunk_rows, needs_chunks, slot_losses
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -206,6 +206,21 @@ class LossOutput:
     """DFlash2: like `correct`, for `backbone_predicted`."""
 
 
+_NO_SOFT_LABELS = ("soft_label_weight > 0 but the batch has neither last_hidden nor topk_ids/topk_logprobs; "
+                   "extract them into the cache or set soft_label_weight 0.")
+
+
+def _soft_labels(batch: dict, b: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The soft labels of the slots at cache rows `rows` as head_loss.slot_losses takes them:
+    the target's top-k (renormalized log-probs) or its last hidden states."""
+    if "topk_ids" in batch and "topk_logprobs" in batch:
+        return {"soft_ids": batch["topk_ids"][b, rows].long(),
+                "soft_logprobs": torch.log_softmax(batch["topk_logprobs"][b, rows].float(), dim=-1)}
+    if "last_hidden" in batch:
+        return {"soft_hidden": batch["last_hidden"][b, rows]}
+    raise ValueError(_NO_SOFT_LABELS)
+
+
 def _soft_label_kl(drafter: DFlashDrafter, batch: dict, b: torch.Tensor, rows: torch.Tensor,
                    logprobs: torch.Tensor) -> torch.Tensor | None:
     """Per-position KL(target || drafter) at cache rows `rows` (the token before each label)."""
@@ -263,36 +278,36 @@ def compute_loss(
     target = labels[b, a, k]
     selector = drafter.candidate_selector
     vocab = drafter.lm_head_weight.shape[0]
-    rows = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
-    if config.soft_label_weight == 0 and needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
+    chunk = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
+    soft_weight = config.soft_label_weight
+    cache_rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
+    if needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
         # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
-        # what follows needs only the labels' log-probs, the argmax and (DFlash2) the top-K.
-        label_lp, top1, top_ids = label_logprobs(drafter, scored, target, rows,
-                                                 selector.top_k if selector is not None else 0)
+        # what follows needs the slots' losses, the labels' log-probs, the argmax and (DFlash2) the top-K.
+        soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
+        row_loss, label_lp, per_position, top1, top_ids = slot_losses(
+            drafter, scored, target, chunk, top_k=selector.top_k if selector is not None else 0,
+            soft_weight=soft_weight, **soft)
         logits = logprobs = None
     else:
         logits = drafter.logits(scored)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         label_lp, top1, top_ids = logprobs.gather(1, target[:, None]).squeeze(1), None, None
+        row_loss = -label_lp
+        if soft_weight > 0:
+            per_position = _soft_label_kl(drafter, batch, b, cache_rows, logprobs)
+            if per_position is None:
+                raise ValueError(_NO_SOFT_LABELS)
+            row_loss = (1 - soft_weight) * row_loss + soft_weight * per_position
     if config.loss_weighting == "acceptance":
         weights = acceptance_weights(label_lp, b, a, k, valid.shape)
     else:
         gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
         weights = position_weights(block_size, gamma, label_lp.device)[k]
     total_weight = weights.sum().clamp(min=1e-12)
-    ce = (weights * -label_lp).sum() / total_weight
-    loss, kl = ce, None
-    if config.soft_label_weight > 0:
-        rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
-        per_position = _soft_label_kl(drafter, batch, b, rows, logprobs)
-        if per_position is None:
-            raise ValueError(
-                "soft_label_weight > 0 but the batch has neither last_hidden nor "
-                "topk_ids/topk_logprobs; extract them into the cache or set soft_label_weight 0."
-            )
-        kl = (weights * per_position).sum() / total_weight
-        loss = (1 - config.soft_label_weight) * ce + config.soft_label_weight * kl
-        kl = kl.detach()
+    ce = (weights * -label_lp.detach()).sum() / total_weight
+    loss = (weights * row_loss).sum() / total_weight
+    kl = (weights * per_position.detach()).sum() / total_weight if soft_weight > 0 else None
 
     predicted = torch.full_like(labels, -1)
     predicted[b, a, k] = logprobs.argmax(-1) if top1 is None else top1
@@ -308,7 +323,7 @@ def compute_loss(
         selector, scored, logits, predecessors, target, weights.detach(),
         output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
         stop_gradient=config.selector_stop_gradient, top_ids=top_ids,
-        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, rows))
+        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk))
     chosen = torch.full_like(labels, -1)
     chosen[b, a, k] = choice
     return LossOutput(
