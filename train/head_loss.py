@@ -1,4 +1,4 @@
-"""The label log-probabilities of the frozen target head, over chunks of rows.
+"""The slots' losses under the frozen target head, over chunks of rows.
 
 The plain path of the objective holds the logits of every scored block slot at once: N slots x V
 ids in bf16, their float32 copy and log-softmax, and as much again in the backward. N is the
