@@ -167,13 +167,17 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert 0 < train["train_samples"] < stages.SMALL.completions  # the trainer's data line: some held out
     assert cells[1] == str(train["train_samples"])
     col = {c: i for i, c in enumerate(columns)}
-    assert cells[col["B=8 est. tau"]] == f"{train['heldout_tau']:.2f}"  # the drafter's own block
+    span = train["heldout_tau_interval"]  # the estimate's own 95 % interval, at the drafter's own block
+    assert span[0] <= train["heldout_tau"] <= span[1]
+    assert cells[col["B=8 est. tau"]] == f"{train['heldout_tau']:.2f} ({span[0]:.2f}-{span[1]:.2f})"
     b8 = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]["8"]
     lo, hi = b8["tau_interval"]  # dflash-eval's 95 % interval over the prompts, beside the tau
     assert lo <= b8["tau"] <= hi and cells[col["B=8 tau"]] == f"{b8['tau']:.2f} ({lo:.2f}-{hi:.2f})"
     assert cells[col["B=8 tau per-prompt mean"]] == f"{b8['tau_per_prompt_mean']:.2f}"
     assert cells[col["B=8 lookup per-prompt mean"]] == f"{b8['lookup_tau_per_prompt_mean']:.2f}"
-    assert cells[col["B=8 est. / tau"]] == f"{train['heldout_tau'] / b8['tau']:.3f}"
+    ratio = train["heldout_tau"] / b8["tau"]
+    r_lo, r_hi = quality.ratio_interval(train["heldout_tau"], span, b8["tau"], b8["tau_interval"])
+    assert r_lo < ratio < r_hi and cells[col["B=8 est. / tau"]] == f"{ratio:.3f} ({r_lo:.2f}-{r_hi:.2f})"
     lo, hi = b8["tau_vs_lookup_interval"]
     assert cells[col["B=8 tau / lookup"]] == f"{b8['tau'] / b8['lookup_tau']:.2f}x ({lo:.2f}-{hi:.2f})"
     # est. (same prompts): dflash-train estimate over the decoded prompts' completions, both blocks.
@@ -288,3 +292,15 @@ def test_device_script_exits_with_a_failed_runs_status_after_printing_the_table(
     assert "| variant |" in done.stdout  # the table of what there is still printed
     assert "a run failed" in done.stderr
     assert (tmp_path / "res" / "results.tgz").is_file()
+
+
+def test_the_ratio_interval_adds_the_two_log_widths_in_quadrature():
+    # est. / tau: the estimate walks other samples than the decoded prompts, so the two
+    # intervals are independent; in log space their half-widths add in quadrature.
+    import math
+
+    assert quality.ratio_interval(2.0, [1.0, 4.0], 1.0, [1.0, 1.0]) == pytest.approx([1.0, 4.0])
+    lo, hi = quality.ratio_interval(3.0, [2.0, 4.5], 2.0, [1.6, 2.5])
+    half = math.hypot(math.log(4.5 / 2.0), math.log(2.5 / 1.6)) / 2
+    assert (lo, hi) == pytest.approx((1.5 * math.exp(-half), 1.5 * math.exp(half)))
+    assert quality.ratio_interval(3.0, None, 2.0, [1.6, 2.5]) is None

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import shlex
 import sys
@@ -123,6 +124,17 @@ def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int)
     return {size: same.get("tau"), size // 2: same.get(f"tau_b{size // 2}")}.get(block)
 
 
+def ratio_interval(a: float | None, a_span: list[float] | None, b: float | None,
+                   b_span: list[float] | None) -> list[float] | None:
+    """An approximate 95 % interval of a / b from the two figures' own intervals, taken as
+    independent and log-normal: the log-widths add in quadrature (the estimate walks other
+    samples than the decoded prompts)."""
+    if not (a and b and a_span and b_span) or min(*a_span, *b_span) <= 0:
+        return None
+    half = math.hypot(math.log(a_span[1] / a_span[0]), math.log(b_span[1] / b_span[0])) / 2
+    return [a / b * math.exp(-half), a / b * math.exp(half)]
+
+
 def _span(interval: list[float] | None) -> str:
     """` (a-b)`: a 95 % bootstrap interval over the decoded prompts, or nothing."""
     return f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
@@ -156,9 +168,13 @@ def table(work: Work) -> str:
         for b in blocks:
             e = ev.get(str(b), {})
             estimate = estimate_for(train, b)
-            row += [_fmt(estimate), _fmt(same_prompts_estimate(train, evaluated, b)),
+            at_block = b == train.get("block_size", 16)  # the walk's interval is the drafter's block's
+            row += [_fmt(estimate) + _span(train.get("heldout_tau_interval") if at_block else None),
+                    _fmt(same_prompts_estimate(train, evaluated, b)),
                     _fmt(e.get("tau")) + _span(e.get("tau_interval")), _fmt(e.get("tau_per_prompt_mean")),
-                    _fmt(_ratio(estimate, e.get("tau")), ".3f"),
+                    _fmt(_ratio(estimate, e.get("tau")), ".3f") + _span(ratio_interval(
+                        estimate, train.get("heldout_tau_interval") if at_block else None,
+                        e.get("tau"), e.get("tau_interval"))),
                     _fmt(_ratio(e.get("tau"), e.get("lookup_tau"))) + ("x" if e else "") + _span(e.get("tau_vs_lookup_interval")),
                     _fmt(e.get("speedup"), ".2f") + ("x" + shared if e else ""),
                     _fmt(e.get("lookup_tau")), _fmt(e.get("lookup_tau_per_prompt_mean")),
@@ -186,7 +202,8 @@ def table(work: Work) -> str:
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch {s.eval_batch}, prompt lookup n <= {s.lookup_ngram}; "
              "tau: accepted tokens / verification cycles over all prompts (pooled; in parentheses its 95 % "
              "bootstrap interval over the prompts, paired for tau / lookup), per-prompt mean beside it; "
-             "est.: the trainer's held-out estimate at the exported (best) step (its default held-out split "
+             "est.: the trainer's held-out estimate at the exported (best) step, with its 95 % interval over "
+             "the samples it walks (its default held-out split "
              "of the training data, unless the variant passes --eval-cache estimate_cache: greedy completions "
              f"of {data.get('estimate_prompts', '–')} other held-out prompts); est. (same prompts): "
              "dflash-train estimate of the exported drafter over greedy completions of the decoded prompts "

@@ -565,6 +565,8 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
             "seconds": seconds, "steps": trains[-1]["step"] if trains else None, "best_step": best.get("step"),
             "heldout_tau": best.get("heldout_tau"), "heldout_tau_half_block": best.get(_half_key(best)),
             "heldout_tau_blocks": best.get("tau_blocks"), "estimator": best.get("estimator"),
+            "heldout_tau_interval": best.get("tau_interval") or None,  # its 95 % over the samples walked
+            "heldout_tau_backbone": best.get("tau_backbone"),  # DFlash2: the backbone's top-1 alone
             "train_tau": trains[-1].get("tau") if trains else None,
             "train_samples": int(trained_on.group(1)) if trained_on else None,  # the data line's count
             "sharing_gpu": sharing_gpu(),
