@@ -394,3 +394,28 @@ def test_the_heldout_evaluation_builds_no_autograd_graph(tiny_world, tmp_path, m
                                      eval_fraction=0.25, eval_interval=2, log_interval=2))
     assert seen and result.eval_metrics is not None
     assert seen == [(False, False)] * len(seen)
+
+
+@pytest.mark.parametrize("drafter_type", ["dflash", "dflash2"])
+def test_a_run_with_the_head_in_chunks_trains_the_weights_of_one_without(tiny_world, tmp_path, monkeypatch,
+                                                                        drafter_type):
+    # The chunked head (--logits-chunk-mib, train/head_loss.py) through the whole loop: steps,
+    # the held-out evaluation, checkpoints. Here every micro-batch is cut into chunks of 3 slots.
+    import dflash.train.objective as objective
+    from conftest import final_weights
+
+    extra = dict(drafter_type="dflash2", selector_rank=4, selector_top_k=4) if drafter_type == "dflash2" else {}
+
+    def run(name: str):
+        return train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / name, max_steps=6,
+                                       eval_fraction=0.25, eval_interval=3, save_interval=6, **extra))
+
+    plain = run("plain")
+    monkeypatch.setattr(objective, "needs_chunks", lambda n, vocab, mib: n > 3)
+    monkeypatch.setattr(objective, "chunk_rows", lambda vocab, mib: 3)
+    chunked = run("chunked")
+    a, b = final_weights(tmp_path / "plain"), final_weights(tmp_path / "chunked")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-4), name
+    assert chunked.eval_metrics["tau"] == pytest.approx(plain.eval_metrics["tau"], rel=1e-6)
