@@ -221,17 +221,14 @@ def _soft_labels(batch: dict, b: torch.Tensor, rows: torch.Tensor) -> dict[str, 
     raise ValueError(_NO_SOFT_LABELS)
 
 
-def _soft_label_kl(drafter: DFlashDrafter, batch: dict, b: torch.Tensor, rows: torch.Tensor,
-                   logprobs: torch.Tensor) -> torch.Tensor | None:
-    """Per-position KL(target || drafter) at cache rows `rows` (the token before each label)."""
-    if "topk_ids" in batch and "topk_logprobs" in batch:
-        ids = batch["topk_ids"][b, rows].long()
-        target = torch.log_softmax(batch["topk_logprobs"][b, rows].float(), dim=-1)  # renormalized top-k
-        return (target.exp() * (target - logprobs.gather(1, ids))).sum(-1)
-    if "last_hidden" in batch:
-        target = torch.log_softmax(drafter.target_logits(batch["last_hidden"][b, rows]).float(), dim=-1)
-        return (target.exp() * (target - logprobs)).sum(-1)
-    return None
+def _soft_label_kl(drafter: DFlashDrafter, soft: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(target || drafter) of the soft labels `soft` (`_soft_labels`) against the
+    drafter's log-probs [N, V]."""
+    if "soft_ids" in soft:
+        target = soft["soft_logprobs"]  # the renormalized top-k
+        return (target.exp() * (target - logprobs.gather(1, soft["soft_ids"]))).sum(-1)
+    target = torch.log_softmax(drafter.target_logits(soft["soft_hidden"]).float(), dim=-1)
+    return (target.exp() * (target - logprobs)).sum(-1)
 
 
 def compute_loss(
@@ -281,10 +278,10 @@ def compute_loss(
     chunk = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
     soft_weight = config.soft_label_weight
     cache_rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
+    soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
     if needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
         # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
         # what follows needs the slots' losses, the labels' log-probs, the argmax and (DFlash2) the top-K.
-        soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
         row_loss, label_lp, per_position, top1, top_ids = slot_losses(
             drafter, scored, target, chunk, top_k=selector.top_k if selector is not None else 0,
             soft_weight=soft_weight, **soft)
@@ -295,9 +292,7 @@ def compute_loss(
         label_lp, top1, top_ids = logprobs.gather(1, target[:, None]).squeeze(1), None, None
         row_loss = -label_lp
         if soft_weight > 0:
-            per_position = _soft_label_kl(drafter, batch, b, cache_rows, logprobs)
-            if per_position is None:
-                raise ValueError(_NO_SOFT_LABELS)
+            per_position = _soft_label_kl(drafter, soft, logprobs)
             row_loss = (1 - soft_weight) * row_loss + soft_weight * per_position
     if config.loss_weighting == "acceptance":
         weights = acceptance_weights(label_lp, b, a, k, valid.shape)
@@ -305,8 +300,8 @@ def compute_loss(
         gamma = config.gamma if config.gamma is not None else default_gamma(block_size)
         weights = position_weights(block_size, gamma, label_lp.device)[k]
     total_weight = weights.sum().clamp(min=1e-12)
-    ce = (weights * -label_lp.detach()).sum() / total_weight
     loss = (weights * row_loss).sum() / total_weight
+    ce = loss.detach() if soft_weight == 0 else (weights * -label_lp.detach()).sum() / total_weight
     kl = (weights * per_position.detach()).sum() / total_weight if soft_weight > 0 else None
 
     predicted = torch.full_like(labels, -1)
@@ -318,7 +313,7 @@ def compute_loss(
             anchor_positions=anchors, anchor_valid=anchor_valid, predicted=predicted,
         )
     # DFlash2: slot k+1 (index k) follows the true token at p+k (the anchor for k = 0).
-    predecessors = input_ids[b, anchors[b, a] + k]
+    predecessors = input_ids[b, cache_rows]
     selector_loss, choice = selector_objective(
         selector, scored, logits, predecessors, target, weights.detach(),
         output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
