@@ -100,11 +100,13 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
         jobs += [quality_job("dflash", epochs, 2), quality_job("dflash2", f"{epochs} --drafter-type dflash2", 2)]
         peers = "bash bench/peers/device.sh " + str(work)
         peer_env = {**env, "EPOCHS": epochs, **({"DEVICE": "cpu"} if small else {})}
-        jobs.append(Job(f"{domain}-peers-prep", peers, [f"{domain}-prep"], 3,
-                        env={**peer_env, "RUNS": " ", "RESULTS": str(root / "results" / f"{domain}-peers-prep")}))
         own = ("specforge-own", "modelopt-own") if os.environ.get("PEERS_OWN") else ()
+        jobs.append(Job(f"{domain}-peers-prep", peers, [f"{domain}-prep"], 1 if own else 3,
+                        env={**peer_env, "RUNS": " ", "RESULTS": str(root / "results" / f"{domain}-peers-prep")}))
         for run in ("specforge-same", "modelopt-same", *own):
-            jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3 if run.endswith("same") else 5,
+            # the peers' own recipes are the round's longest jobs (ModelOpt's: 10 epochs of a wide
+            # draft): started first, so that a round cut off by its device time still holds them
+            jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3 if run.endswith("same") else 2,
                             env={**peer_env, "RUNS": run, "RESULTS": str(root / "results" / f"{domain}-{run}")}))
         jobs.append(quality_job(f"e{more_epochs}", more_epochs, 4))
         # ours with the two recipe choices both peers make differently (cosine, exp-decay weights):
