@@ -26,7 +26,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 decoded by dflash-eval; then, alone on the GPU, extraction of the 8B shape in
                 bf16, fp8 and nf4 (bench/bench_extract.py; SKIP_EXTRACT=1 leaves it out).
                 VARIANTS="dflash extra ...": only these runs of each domain (the names after
-                "DOMAIN-"), with the jobs they need. SWEEP="NAME=FLAGS;NAME=FLAGS": more runs of
+                "DOMAIN-", or a whole name such as "code-specforge-own" for one domain's run), with
+                the jobs they need. SWEEP="NAME=FLAGS;NAME=FLAGS": more runs of
                 ours on each domain with these dflash-train flags (e.g. "d2-a0.5=--drafter-type
                 dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME.
   followup      alone on the GPU: the 8B extraction (bf16, nf4; EXTRACT_CODECS="bf16,bf16:0" other
@@ -119,7 +120,7 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
             name, _, flags = entry.partition("=")  # one more run of ours: NAME=dflash-train flags
             jobs.append(quality_job(name.strip(), f"{epochs} {flags.strip()}", 4))
     if keep:  # only these runs (and what they need)
-        runs = [j for j in jobs if j.name.split("-", 1)[1] in keep]
+        runs = [j for j in jobs if j.name in keep or j.name.split("-", 1)[1] in keep]
         needed = {n for j in runs for n in j.needs}
         needed |= {n for j in jobs if j.name in needed for n in j.needs}
         jobs = [j for j in jobs if j in runs or j.name in needed]

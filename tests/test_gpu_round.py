@@ -114,6 +114,12 @@ def test_variants_keep_only_the_named_runs_and_what_they_need(round_dir, monkeyp
     assert names == {"code-prep", "code-dflash", "code-extra", "code-peers-prep", "code-specforge-same",
                      "prose-prep", "prose-dflash", "prose-peers-prep", "prose-specforge-same",
                      "code-tables", "prose-tables"}
+    monkeypatch.setenv("PEERS_OWN", "1")
+    monkeypatch.setenv("VARIANTS", "code-specforge-own modelopt-own")  # a whole name keeps one domain's run
+    names = {j.name for j in gpu_round.leaderboard(extract=False)}
+    assert names == {"code-prep", "code-peers-prep", "code-specforge-own", "code-modelopt-own",
+                     "prose-prep", "prose-peers-prep", "prose-modelopt-own", "code-tables", "prose-tables"}
+    monkeypatch.delenv("PEERS_OWN")
     monkeypatch.delenv("VARIANTS")
     assert {"code-dflash2", "prose-e4", "code-modelopt-same"} <= {j.name for j in gpu_round.leaderboard(extract=False)}
 
