@@ -84,5 +84,8 @@ trap 'exit 143' TERM
 peers() { python3 bench/peers/run.py --workdir "$work" ${EPOCHS:+--epochs "$EPOCHS"} ${DEVICE:+--device "$DEVICE"} \
   ${EVAL_BATCH:+--eval-batch "$EVAL_BATCH"} ${SPECFORGE_SHARDING:+--specforge-sharding "$SPECFORGE_SHARDING"} "$@"; }
 peers prep || exit 1
-for r in $runs; do peers train "$r" && peers eval "$r"; done
-peers table
+# a run that failed (a peer out of GPU memory beside others, say) fails the script, after the others ran
+rc=0
+for r in $runs; do { peers train "$r" && peers eval "$r"; } || rc=1; done
+peers table || rc=1
+exit $rc
