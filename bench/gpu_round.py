@@ -127,7 +127,9 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
     ends = [j.name for j in jobs]
     for domain in os.environ.get("DOMAINS", "code prose").split():
         work = root / f"quality-{domain}"
-        env = next(j.env for j in jobs if j.name == f"{domain}-prep")
+        env = next((j.env for j in jobs if j.name == f"{domain}-prep"), None)
+        if env is None:  # VARIANTS kept no run of this domain
+            continue
         peers_table = (f"python3 bench/peers/run.py --workdir {work} table > {work}/peers/table.md "
                        f"&& cat {work}/peers/table.md")
         jobs.append(Job(f"{domain}-tables", f"{quality} table && {{ [ ! -d {work}/peers ] || {{ {peers_table}; }}; }}",
@@ -275,7 +277,6 @@ def run_plan(plan: str, slots: int) -> int:
 def start(plan: str, slots: int) -> int:
     root = round_dir()
     root.mkdir(parents=True, exist_ok=True)
-    (root / "finished").unlink(missing_ok=True)
     pid_file = root / "runner.pid"
     if pid_file.is_file():
         try:
@@ -284,6 +285,7 @@ def start(plan: str, slots: int) -> int:
             return 1
         except (OSError, ValueError):
             pass
+    (root / "finished").unlink(missing_ok=True)  # only once no runner is left to write it
     with open(root / "runner.log", "a") as log:
         proc = subprocess.Popen([sys.executable, __file__, "run", plan, "--slots", str(slots)], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

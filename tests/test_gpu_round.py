@@ -119,6 +119,9 @@ def test_variants_keep_only_the_named_runs_and_what_they_need(round_dir, monkeyp
     names = {j.name for j in gpu_round.leaderboard(extract=False)}
     assert names == {"code-prep", "code-peers-prep", "code-specforge-own", "code-modelopt-own",
                      "prose-prep", "prose-peers-prep", "prose-modelopt-own", "code-tables", "prose-tables"}
+    monkeypatch.setenv("VARIANTS", "code-specforge-own")  # no run of prose left: nor its prep and table
+    assert {j.name for j in gpu_round.leaderboard(extract=False)} == {
+        "code-prep", "code-peers-prep", "code-specforge-own", "code-tables"}
     monkeypatch.delenv("PEERS_OWN")
     monkeypatch.delenv("VARIANTS")
     assert {"code-dflash2", "prose-e4", "code-modelopt-same"} <= {j.name for j in gpu_round.leaderboard(extract=False)}
@@ -166,3 +169,13 @@ def test_followup_timings_keep_only_the_named_ones_and_pass_the_extraction_codec
     monkeypatch.setenv("TIMINGS", "extract-8b profiel-dflash")
     with pytest.raises(SystemExit, match="profiel-dflash"):
         gpu_round.followup()
+
+
+def test_start_beside_a_live_runner_refuses_and_leaves_its_finished_mark(round_dir):
+    import os
+
+    round_dir.mkdir()
+    (round_dir / "runner.pid").write_text(f"{os.getpid()}\n")  # a live process stands in for the runner
+    (round_dir / "finished").write_text("{}")
+    assert gpu_round.start("leaderboard", slots=1) == 1
+    assert (round_dir / "finished").is_file()  # `wait` still sees the round that ended
