@@ -128,7 +128,8 @@ class TrainingData:
         if len(self.train_indices) < FEW_TRAINING:
             text += (f"; only {len(self.train_indices)} training samples: on the project's BPE benchmark "
                      "4,096 target completions at the defaults gave 0.95-1.13x prompt lookup's tau on code and "
-                     "1.52-1.58x on prose, and 32,768 gave 2.09x on code (2.46x with --drafter-type dflash2); on "
+                     "1.52-1.58x on prose, and 32,768 gave 2.09x on code (2.46x with --drafter-type dflash2) and 1.77x "
+                     "on prose; on "
                      "code, two more sampled completions of each prompt (dflash-generate --samples-per-prompt 3 "
                      "--temperature 0.7) took 0.98x to 1.62x where 24 epochs gave 1.13x (docs/recipe.md): more "
                      "target-generated answers help more than more epochs")
