@@ -30,6 +30,9 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 the jobs they need. SWEEP="NAME=FLAGS;NAME=FLAGS": more runs of
                 ours on each domain with these dflash-train flags (e.g. "d2-a0.5=--drafter-type
                 dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME.
+  recipe        docs/recipe.md's key rows on each domain of DOMAINS at COMPLETIONS: the defaults, 4x
+                the epochs, cosine schedule, exp-decay weights, 3 draft layers, soft labels 0.5,
+                gaussian noise (RECIPE_ROWS), side by side; VARIANTS keeps some of them.
   followup      alone on the GPU: the 8B extraction (bf16, nf4; EXTRACT_CODECS="bf16,bf16:0" other
                 --codecs of bench_extract), the DFlash2 step's parts against DFlash at the 8B shape
                 (bench/profile_step.py), extraction and training at once (bench/bench_colocate.py);
@@ -72,9 +75,10 @@ def round_dir() -> Path:
 # -- plans ------------------------------------------------------------------------------------------
 
 
-def leaderboard(extract: bool | None = None) -> list[Job]:
+def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
+                sweep: str | None = None) -> list[Job]:
     """The leaderboard's jobs; `extract` (default: unless SKIP_EXTRACT is set) adds the 8B
-    extraction timing at the end."""
+    extraction timing at the end; `variants` and `sweep` default to VARIANTS and SWEEP."""
     small = bool(os.environ.get("ROUND_SMALL"))
     completions = os.environ.get("COMPLETIONS", "64" if small else "4096")
     epochs = os.environ.get("EPOCHS", "1" if small else "6")
@@ -82,7 +86,7 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
     root = round_dir()
     jobs: list[Job] = []
     quality = "bash bench/quality/device.sh"
-    keep = os.environ.get("VARIANTS", "").split()
+    keep = variants if variants is not None else os.environ.get("VARIANTS", "").split()
     for domain in os.environ.get("DOMAINS", "code prose").split():
         work = root / f"quality-{domain}"
         sets = f"--set completions={completions}"
@@ -116,7 +120,7 @@ def leaderboard(extract: bool | None = None) -> list[Job]:
         if domain == "code":
             jobs += [quality_job("extra", f"{epochs} --cache extra_cache", 4),
                      quality_job("nf4", f"{epochs} --bench-cache cache-nf4", 4)]
-        for entry in filter(None, (e.strip() for e in os.environ.get("SWEEP", "").split(";"))):
+        for entry in filter(None, (e.strip() for e in (sweep if sweep is not None else os.environ.get("SWEEP", "")).split(";"))):
             name, _, flags = entry.partition("=")  # one more run of ours: NAME=dflash-train flags
             jobs.append(quality_job(name.strip(), f"{epochs} {flags.strip()}", 4))
     if keep:  # only these runs (and what they need)
@@ -183,7 +187,22 @@ def followup() -> list[Job]:
     return jobs
 
 
-PLANS = {"leaderboard": leaderboard, "followup": followup}
+RECIPE_ROWS = {"cosine": "--lr-schedule cosine", "decay": "--loss-weighting decay", "layers3": "--num-draft-layers 3",
+               "soft": "--soft-label-weight 0.5", "noise": "--noise-type gaussian"}
+"""docs/recipe.md's key rows: each one default changed (the recipe plan's runs beside the defaults)."""
+
+
+def recipe() -> list[Job]:
+    """docs/recipe.md's key rows on the BPE benchmark: on each domain of DOMAINS at COMPLETIONS, the
+    defaults, 4x the epochs, and each of RECIPE_ROWS (one default changed), side by side on the same
+    data and decoded on the same prompts; VARIANTS (default: all of them) keeps some."""
+    epochs = os.environ.get("EPOCHS", "1" if os.environ.get("ROUND_SMALL") else "6")
+    rows = ["dflash", f"e{4 * int(epochs)}", *RECIPE_ROWS]
+    wanted = os.environ.get("VARIANTS", "").split() or rows
+    return leaderboard(extract=False, variants=wanted, sweep=";".join(f"{k}={v}" for k, v in RECIPE_ROWS.items()))
+
+
+PLANS = {"leaderboard": leaderboard, "followup": followup, "recipe": recipe}
 
 
 # -- the runner -------------------------------------------------------------------------------------

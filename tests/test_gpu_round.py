@@ -179,3 +179,19 @@ def test_start_beside_a_live_runner_refuses_and_leaves_its_finished_mark(round_d
     (round_dir / "finished").write_text("{}")
     assert gpu_round.start("leaderboard", slots=1) == 1
     assert (round_dir / "finished").is_file()  # `wait` still sees the round that ended
+
+
+def test_the_recipe_plan_runs_each_key_row_beside_the_defaults_on_each_domain(round_dir, monkeypatch):
+    monkeypatch.setenv("ROUND_SMALL", "1")
+    jobs = {j.name: j for j in gpu_round.recipe()}
+    for domain in ("code", "prose"):
+        assert jobs[f"{domain}-dflash"].command.endswith('main "1"')
+        assert jobs[f"{domain}-e4"].command.endswith('main "4"')
+        for row, flags in gpu_round.RECIPE_ROWS.items():
+            assert jobs[f"{domain}-{row}"].command.endswith(f'main "1 {flags}"')
+            assert jobs[f"{domain}-{row}"].needs == [f"{domain}-prep"]
+    assert not any("peers" in n or "extra" in n or "nf4" in n or n == "extract-8b" for n in jobs)
+    assert "extra_samples" not in jobs["code-prep"].env["QUALITY_SETS"]  # no data only other runs train on
+    monkeypatch.setenv("VARIANTS", "decay")
+    monkeypatch.setenv("DOMAINS", "prose")
+    assert {j.name for j in gpu_round.recipe()} == {"prose-prep", "prose-decay", "prose-tables"}
