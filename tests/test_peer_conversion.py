@@ -117,6 +117,9 @@ def test_the_peers_mask_token_is_the_benchmarks_recorded_one_not_the_byte_vocabu
     assert config["model"]["mask_token_id"] == draft["dflash_config"]["mask_token_id"] == 3
     recipe, _ = peers.modelopt_config(work, ours, own=True)
     assert recipe["dflash"]["dflash_mask_token_id"] == 3
+    arch = recipe["dflash"]["dflash_architecture_config"]  # the target's sizes, not Qwen3Config's defaults
+    assert (arch["intermediate_size"], arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]) \
+        == (64, 2, 1, 16)
 
 
 def test_without_a_stage_record_the_mask_token_comes_from_the_targets_tokenizer_then_the_byte_vocabulary(

@@ -15,8 +15,9 @@ Runs (each resumable: a stage recorded in WORKDIR/peers/RUN/<stage>.json is skip
   modelopt-same    ModelOpt's DFlash (HF Trainer on the in-process target) at our settings; it
                    needs one target layer per draft layer, so its draft has len(target_layer_ids) layers
   modelopt-own     ModelOpt 0.47.0's modelopt_recipes/general/speculative_decoding/dflash.yaml:
-                   block 8, 5 draft layers (target layers by its rule), 10 epochs, lr 6e-4, 100
-                   warmup steps, linear decay, logit distillation on, D-PACE weights
+                   block 8, 5 draft layers (target layers by its rule) of the target's attention and
+                   MLP sizes, 10 epochs, lr 6e-4, 100 warmup steps, linear decay, logit distillation
+                   on, D-PACE weights
 
     python bench/peers/run.py --workdir W prep
     python bench/peers/run.py --workdir W train specforge-same modelopt-same
@@ -350,9 +351,13 @@ def modelopt_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any], 
     if own:  # modelopt_recipes/general/speculative_decoding/dflash.yaml (0.47.0)
         t = json.loads((work.root / "target" / "config.json").read_text())
         layer_ids, note = own_layer_ids(t["num_hidden_layers"], 5, ours)
-        arch: dict[str, Any] = {"num_hidden_layers": 5}
+        # ModelOpt means its draft to take the target's attention and MLP sizes where the recipe names
+        # none (hf_dflash.py's setdefault over the base config), but 0.47's Qwen3Config defaults
+        # (32 heads, MLP 22016) always win, which on this target makes a draft ten times its size:
+        # the sizes are given here, as its code intends
+        arch: dict[str, Any] = {"num_hidden_layers": 5, **target_dims(work)}
         if layer_ids is not None:  # one target layer per draft layer: ModelOpt's draft shrinks to them
-            arch = {"num_hidden_layers": len(layer_ids), "target_layer_ids": layer_ids}
+            arch = {"num_hidden_layers": len(layer_ids), "target_layer_ids": layer_ids, **target_dims(work)}
             note = f"draft layers {len(layer_ids)}, {note}"
         else:
             note = f"draft layers 5, {note}"
@@ -364,8 +369,8 @@ def modelopt_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any], 
         training = {"num_train_epochs": 10, "per_device_train_batch_size": batch, "learning_rate": 6e-4,
                     "warmup_steps": 100, "lr_scheduler_type": "linear", "weight_decay": 0.0}
         differs = ["block 8", note, "epochs 10",
-                   "draft attention and MLP at Qwen3Config's defaults (32 heads of 128, MLP 22016: ModelOpt "
-                   "keeps them over the target's)",
+                   "draft attention and MLP sizes the target's, given explicitly (ModelOpt 0.47 means to inherit "
+                   "them, but its Qwen3Config defaults, 32 heads of 128 and MLP 22016, win over them)",
                    f"batch {batch} sequences (its 4096 tokens a step)", "logit distillation", "D-PACE weights",
                    "linear lr, 100 warmup steps"]
     else:
