@@ -187,6 +187,12 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert cells[col["B=8 est. (same prompts)"]] == f"{same['tau']:.2f}"
     assert cells[col["B=4 est. (same prompts)"]] == f"{same['tau_b4']:.2f}"
     assert 1.0 <= same["tau_b4"] <= 4.0 and 1.0 <= same["tau"] <= 8.0  # a walk at width B accepts 1..B a cycle
+    # est. (other files): the same over estimate_cache, prompts of held-out files no training sample comes from.
+    other = json.loads((work / "stages" / "eval-e2.json").read_text())["estimate_other_files"]
+    held = json.loads((work / "estimate_cache" / "manifest.json").read_text())
+    assert other["samples"] == other["walked_samples"] == stages.SMALL.estimate_prompts != same["samples"]
+    assert held and cells[col["B=8 est. (other files)"]] == f"{other['tau']:.2f}"
+    assert cells[col["B=4 est. (other files)"]] == f"{other['tau_b4']:.2f}"
     assert train["sharing_gpu"] == 1 and "sharing" not in row and "shared" not in row  # run alone
 
     # Variants run side by side (device.sh side) share the device: the table says so of their times.

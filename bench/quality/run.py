@@ -118,9 +118,11 @@ def estimate_for(train: dict[str, Any], block: int) -> float | None:
     return {size: train.get("heldout_tau"), size // 2: train.get("heldout_tau_half_block")}.get(block)
 
 
-def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int) -> float | None:
-    """`dflash-train estimate` on the decoded prompts' own greedy completions, at `block`."""
-    size, same = train.get("block_size", 16), ev.get("estimate_same_prompts") or {}
+def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int,
+                          key: str = "estimate_same_prompts") -> float | None:
+    """`dflash-train estimate` on the decoded prompts' own greedy completions (or, with key
+    estimate_other_files, on other held-out files' prompts'), at `block`."""
+    size, same = train.get("block_size", 16), ev.get(key) or {}
     return {size: same.get("tau"), size // 2: same.get(f"tau_b{size // 2}")}.get(block)
 
 
@@ -151,7 +153,7 @@ def table(work: Work) -> str:
     blocks = list(s.eval_block_sizes)
     head = ["variant", "samples", "epochs", "train GPU-s", "per-block mean"]
     for b in blocks:
-        head += [f"B={b} est. tau", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} tau per-prompt mean",
+        head += [f"B={b} est. tau", f"B={b} est. (other files)", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} tau per-prompt mean",
                  f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
                  f"B={b} lookup per-prompt mean", f"B={b} lookup speedup"]
     head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "lossless"]
@@ -170,6 +172,7 @@ def table(work: Work) -> str:
             estimate = estimate_for(train, b)
             at_block = b == train.get("block_size", 16)  # the walk's interval is the drafter's block's
             row += [_fmt(estimate) + _span(train.get("heldout_tau_interval") if at_block else None),
+                    _fmt(same_prompts_estimate(train, evaluated, b, "estimate_other_files")),
                     _fmt(same_prompts_estimate(train, evaluated, b)),
                     _fmt(e.get("tau")) + _span(e.get("tau_interval")), _fmt(e.get("tau_per_prompt_mean")),
                     _fmt(_ratio(estimate, e.get("tau")), ".3f") + _span(ratio_interval(
@@ -205,7 +208,9 @@ def table(work: Work) -> str:
              "est.: the trainer's held-out estimate at the exported (best) step, with its 95 % interval over "
              "the samples it walks (its default held-out split "
              "of the training data, unless the variant passes --eval-cache estimate_cache: greedy completions "
-             f"of {data.get('estimate_prompts', '–')} other held-out prompts); est. (same prompts): "
+             f"of {data.get('estimate_prompts', '–')} other held-out prompts); est. (other files): dflash-train "
+             "estimate of the exported drafter over that estimate_cache (files no training sample comes from, "
+             "where the default split's samples share files with the training ones); est. (same prompts): "
              "dflash-train estimate of the exported drafter over greedy completions of the decoded prompts "
              "themselves; per-block mean: the old estimator")
     return "\n".join([about, "", *lines])

@@ -593,24 +593,32 @@ ESTIMATE_FLAGS = ("--max-anchors", "--token-budget", "--max-batch-size", "--max-
 """The dflash-train flags of a variant that `dflash-train estimate` also takes (its evaluation's settings)."""
 
 
-def estimate_same_prompts(work: Work, variant: Variant) -> dict[str, Any] | None:
+ESTIMATE_SETS = {"decoded_cache": ("estimate", "the decoded prompts"),
+                 "estimate_cache": ("estimate-other", "other held-out files' prompts")}
+"""The caches `dflash-train estimate` reads after each run: (its output's prefix, what it holds)."""
+
+
+def estimate_same_prompts(work: Work, variant: Variant, cache_name: str = "decoded_cache") -> dict[str, Any] | None:
     """`dflash-train estimate` of the variant's final/ over the greedy completions of the decoded
-    prompts themselves (decoded_cache), with the run's own evaluation settings."""
-    cache = work.root / "decoded_cache"
+    prompts themselves (decoded_cache), or of `cache_name` (estimate_cache: prompts of held-out
+    files other than the decoded ones, which no training sample shares a file with, where the
+    trainer's split holds samples of the files it trains on), with the run's own evaluation settings."""
+    prefix, what = ESTIMATE_SETS[cache_name]
+    cache = work.root / cache_name
     if not (cache / "manifest.json").is_file():
-        work.log(f"  no estimate on the decoded prompts: {cache} is missing (a work directory from before "
+        work.log(f"  no estimate on {what}: {cache} is missing (a work directory from before "
                  "it); redo the generate and extract stages to make it")
         return None
     args = [*work.sizes.train_args, *variant.train_args]
     picked = [x for a, v in zip(args, args[1:]) if a in ESTIMATE_FLAGS for x in (a, v)]
-    out = work.root / f"estimate-{variant.name}.json"
+    out = work.root / f"{prefix}-{variant.name}.json"
     seconds = run_command("dflash-train", "dflash.train.cli", [
         "estimate", str(work.root / f"run-{variant.name}" / "final"), "--cache", str(cache),
         "--target-model", str(work.root / "target"), "--device", work.device, *picked, "--json"],
-        work.root / f"estimate-{variant.name}.log", stdout=out, env=work.child_env())
+        work.root / f"{prefix}-{variant.name}.log", stdout=out, env=work.child_env())
     r = json.loads(out.read_text())
     half = _half_key(r)
-    work.log(f"  estimate on the decoded prompts: tau {r['tau']:.2f}" + (f", {half} {r[half]:.2f}" if half else ""))
+    work.log(f"  estimate on {what}: tau {r['tau']:.2f}" + (f", {half} {r[half]:.2f}" if half else ""))
     return {"tau": r["tau"], **({half: r[half]} if half else {}), "estimator": r["estimator"],
             "walked_samples": r["walked_samples"], "samples": r["samples"], "seconds": seconds}
 
@@ -627,6 +635,7 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
     results = {}
     trained = json.loads((work.root / f"run-{variant.name}" / "final" / "config.json").read_text())["block_size"]
     same_prompts = estimate_same_prompts(work, variant)
+    other_files = estimate_same_prompts(work, variant, "estimate_cache")
     for block in [b for b in (work.eval_blocks or s.eval_block_sizes) if b <= trained]:
         out = work.root / f"eval-{variant.name}-b{block}.json"
         seconds = run_command("dflash-eval", "dflash.eval.cli", [
@@ -653,5 +662,6 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
         }
         work.log(f"  block {block}: drafter tau {r['tau']:.2f} (per-prompt mean {r['tau_per_prompt_mean']:.2f}; "
                  f"{r['speedup']:.2f}x), prompt lookup tau {lookup['tau']:.2f} ({lookup['speedup']:.2f}x)")
-    return {"variant": variant.name, "estimate_same_prompts": same_prompts, "blocks": results,
+    return {"variant": variant.name, "estimate_same_prompts": same_prompts, "estimate_other_files": other_files,
+            "blocks": results,
             "sharing_gpu": sharing_gpu()}
