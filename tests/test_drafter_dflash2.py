@@ -266,7 +266,7 @@ def test_the_dflash2_export_holds_exactly_what_the_engines_load_and_reloads_iden
     torch.testing.assert_close(block_logits(reloaded, batch), block_logits(drafter.eval(), batch), rtol=0, atol=0)
 
 
-def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny_world, tmp_path):
+def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny_world, tmp_path, capsys):
     from conftest import read_metrics, tiny_train_config
     from dflash.train.estimate import estimate_drafter, format_estimate
     from dflash.train.loop import train
@@ -277,6 +277,9 @@ def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny
     assert result.exit_status == 0
     held_out = [r for r in read_metrics(out) if r["kind"] == "eval"]
     assert held_out and all(1.0 <= r["tau_backbone"] <= 4.0 and 1.0 <= r["tau"] <= 4.0 for r in held_out)
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval step")]
+    assert len(shown) == len(held_out)  # the console's eval line puts the backbone's tau beside the selector's
+    assert all(f"backbone_tau={r['tau_backbone']:.4g}" in line for line, r in zip(shown, held_out))
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
     estimate = estimate_drafter(str(out / "final"), {"cache": [str(tiny_world["cache"])],

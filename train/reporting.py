@@ -94,9 +94,10 @@ def gpu_memory_gib(device: torch.device) -> float:
 # What the console line of each record shows, held-out tau first.
 _TRAIN_KEYS = ("heldout_tau", "tau", "loss", "acc_1", "lr", "grad_norm", "context_tokens_per_second", "data_wait",
                "gpu_mem_gib")
-_EVAL_KEYS = ("heldout_tau", "train_tau", "tau_gap", "best_heldout_tau", "best_step", "loss", "acc_1")
+_EVAL_KEYS = ("heldout_tau", "tau_backbone", "train_tau", "tau_gap", "best_heldout_tau", "best_step", "loss", "acc_1")
 _SHORT = {"heldout_tau": "held-out_tau", "tau": "train_tau", "context_tokens_per_second": "ctx_tok/s",
-          "best_heldout_tau": "best", "best_step": "at_step"}
+          "best_heldout_tau": "best", "best_step": "at_step",
+          "tau_backbone": "backbone_tau"}  # DFlash2: the held-out tau of its backbone's own top-1, beside the selector's
 
 
 PATIENCE = 2
