@@ -32,7 +32,16 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+_undelivered: list[int] = []
+"""The stop signal `stop_at_once` turned into `Interrupted`, until the command ends: where that
+exception is raised inside a finalizer (a `__del__` the garbage collector runs mid-startup),
+Python prints "Exception ignored" and goes on, and the next unit of work (`StopRequest`) raises
+it again instead of starting."""
+
+
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    if not _undelivered:
+        _undelivered.append(signum)
     raise Interrupted(signum)
 
 
@@ -52,6 +61,7 @@ def stop_at_once() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _undelivered.clear()  # the command is over: its signal, delivered or not, ends with it
 
 
 @contextlib.contextmanager
@@ -127,6 +137,8 @@ class StopRequest:
         sys.stderr.flush()
 
     def __enter__(self) -> StopRequest:
+        if _undelivered and _in_main_thread():  # a signal came before the work and its stop was lost
+            raise Interrupted(_undelivered[0])
         if _in_main_thread():
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)

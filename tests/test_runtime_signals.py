@@ -1,0 +1,48 @@
+"""runtime/signals.py in-process: a stop signal outside a unit of work is never lost."""
+
+from __future__ import annotations
+
+import gc
+import signal
+
+import pytest
+from dflash.runtime.errors import Interrupted
+from dflash.runtime.signals import StopRequest, stop_at_once
+
+
+class SignalInFinalizer:
+    """Collected, it takes `signum` while its finalizer runs: the handler's exception is raised
+    inside `__del__`, where Python prints "Exception ignored" and goes on."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+    def __del__(self):
+        signal.raise_signal(self.signum)
+        for _ in range(10_000):  # Python code after it: the handler runs here, inside __del__
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one, on purpose
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+def test_a_signal_whose_interruption_a_finalizer_swallowed_stops_before_the_next_unit_of_work(signum):
+    started = []
+    with pytest.raises(Interrupted) as stopped:
+        with stop_at_once():
+            SignalInFinalizer(signum)  # no name holds it: collected at once
+            gc.collect()
+            with StopRequest():  # (extraction's parts, training's steps) must not begin
+                started.append(True)
+    assert stopped.value.signum == signum and not started
+
+
+def test_a_signal_that_stopped_a_command_does_not_stop_the_next_one_in_the_same_process():
+    with pytest.raises(Interrupted):
+        with stop_at_once():
+            signal.raise_signal(signal.SIGTERM)
+            for _ in range(10_000):
+                pass
+    with stop_at_once():
+        with StopRequest() as stop:
+            pass
+    assert not stop.requested
