@@ -23,6 +23,7 @@ from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dty
 from dflash.runtime.errors import InputError, MismatchError, UsageError
 from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
 from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
+from dflash.runtime.signals import stop_if_signalled
 
 from .lookup import lookup_generate
 from .speculative import (
@@ -135,6 +136,7 @@ def _timed_batches(decode: Any, prompts: list[list[int]], config: DecodeConfig, 
     _sync(device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
+        stop_if_signalled()  # a Ctrl-C whose stop a finalizer swallowed ends it here
         out.extend(decode(prompts[i : i + batch_size], config))
     _sync(device)
     return out, time.perf_counter() - start

@@ -49,6 +49,13 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def stop_if_signalled() -> None:
+    """Raise `Interrupted` for a stop signal whose first one was lost (see `_undelivered`): where a
+    command starts a unit of work, or a loop without one (dflash-eval's batches) goes on."""
+    if _undelivered and _in_main_thread():
+        raise Interrupted(_undelivered[0])
+
+
 @contextlib.contextmanager
 def stop_at_once() -> Iterator[None]:
     """Within the block, SIGINT/SIGTERM raise `Interrupted`; the previous handlers come back after."""
@@ -137,8 +144,7 @@ class StopRequest:
         sys.stderr.flush()
 
     def __enter__(self) -> StopRequest:
-        if _undelivered and _in_main_thread():  # a signal came before the work and its stop was lost
-            raise Interrupted(_undelivered[0])
+        stop_if_signalled()  # a signal came before the work and its stop was lost
         if _in_main_thread():
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)

@@ -46,3 +46,22 @@ def test_a_signal_that_stopped_a_command_does_not_stop_the_next_one_in_the_same_
         with StopRequest() as stop:
             pass
     assert not stop.requested
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_dflash_eval_stops_at_its_next_batch_after_a_swallowed_signal():
+    from dflash.eval.run import _timed_batches
+
+    decoded = []
+
+    def decode(batch, config):
+        decoded.append(batch)
+        if len(decoded) == 1:
+            SignalInFinalizer(signal.SIGINT)  # the first batch's garbage takes the Ctrl-C
+            gc.collect()
+        return batch
+
+    with pytest.raises(Interrupted):
+        with stop_at_once():
+            _timed_batches(decode, [[1], [2], [3]], None, 1, __import__("torch").device("cpu"))
+    assert decoded == [[[1]]]  # the batches after the signal were not decoded
