@@ -25,7 +25,7 @@ from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import DflashError
 from dflash.runtime.locks import refuse_output_among_inputs
-from dflash.runtime.signals import StopRequest
+from dflash.runtime.signals import StopRequest, stop_if_signalled
 from torch import nn
 from tqdm import tqdm
 
@@ -195,6 +195,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         data.notes.append(note)
     if config.force and (run := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
         header["provenance"]["forced_run"] = run  # what the other ranks wait for (CacheWriter)
+    stop_if_signalled()  # a signal whose stop a finalizer swallowed while the target loaded: write nothing
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     rules = config.part_rules(header["target"]["vocab_size"])
