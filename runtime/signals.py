@@ -35,8 +35,8 @@ def signal_name(signum: int) -> str:
 _undelivered: list[int] = []
 """The stop signal `stop_at_once` turned into `Interrupted`, until the command ends: where that
 exception is raised inside a finalizer (a `__del__` the garbage collector runs mid-startup),
-Python prints "Exception ignored" and goes on, and the next unit of work (`StopRequest`) raises
-it again instead of starting."""
+Python drops it and goes on (its "Exception ignored" report is held back), and the next unit of
+work (`StopRequest`, `stop_if_signalled`) raises it again instead of starting."""
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
@@ -63,11 +63,19 @@ def stop_at_once() -> Iterator[None]:
         yield
         return
     previous = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS}
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info):  # an Interrupted a finalizer swallowed: kept, raised again, not printed
+        if not isinstance(info.exc_value, Interrupted):
+            previous_hook(info)
+
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
         _undelivered.clear()  # the command is over: its signal, delivered or not, ends with it
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 
 import pytest
 from dflash.runtime.errors import Interrupted
@@ -23,9 +24,10 @@ class SignalInFinalizer:
             pass
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one, on purpose
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
-def test_a_signal_whose_interruption_a_finalizer_swallowed_stops_before_the_next_unit_of_work(signum):
+def test_a_signal_whose_interruption_a_finalizer_swallowed_stops_before_the_next_unit_of_work(signum, monkeypatch):
+    reported = []  # what Python would print as "Exception ignored in ... Traceback"
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
     started = []
     with pytest.raises(Interrupted) as stopped:
         with stop_at_once():
@@ -34,6 +36,22 @@ def test_a_signal_whose_interruption_a_finalizer_swallowed_stops_before_the_next
             with StopRequest():  # (extraction's parts, training's steps) must not begin
                 started.append(True)
     assert stopped.value.signum == signum and not started
+    assert reported == []  # no traceback of the swallowed one on the console
+    assert sys.unraisablehook == reported.append  # put back
+
+
+def test_other_unraisable_exceptions_are_still_reported(monkeypatch):
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+
+    class Broken:
+        def __del__(self):
+            raise ValueError("a finalizer's own bug")
+
+    with stop_at_once():
+        Broken()
+        gc.collect()
+    assert [type(r.exc_value) for r in reported] == [ValueError]
 
 
 def test_a_signal_that_stopped_a_command_does_not_stop_the_next_one_in_the_same_process():
@@ -48,7 +66,6 @@ def test_a_signal_that_stopped_a_command_does_not_stop_the_next_one_in_the_same_
     assert not stop.requested
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_dflash_eval_stops_at_its_next_batch_after_a_swallowed_signal():
     from dflash.eval.run import _timed_batches
 
