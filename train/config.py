@@ -223,6 +223,11 @@ class ModelConfig(DrafterSettings):
     draft_causal: bool | None = None
     """Block tokens see only earlier block tokens (default: causal for sliding layers, bidirectional
     for full ones, as vLLM and SGLang serve them)."""
+    init_drafter: str | None = None
+    """Warm start: an exported drafter directory (dflash-train export, or a released DFlash / DFlash2
+    drafter of this target) whose weights this run starts from instead of a random init, e.g. to
+    fine-tune a drafter of a related run on this data. Its shape must be this run's (draft layers,
+    block size, target layers, drafter type); a run that resumes from its own checkpoint ignores it."""
 
     def __post_init__(self) -> None:
         if not self.target_model:

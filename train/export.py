@@ -184,6 +184,33 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
     return config
 
 
+def read_export_config(drafter_dir: str | Path) -> dict[str, Any]:
+    """The config.json of a drafter export (ours, or a z-lab / SGLang / vLLM layout DFlash or
+    DFlash2 drafter), checked to be one; FileNotFoundError / ValueError say what is wrong."""
+    drafter_dir = Path(drafter_dir)
+    config_path, weights_path = drafter_dir / CONFIG_NAME, drafter_dir / WEIGHTS_NAME
+    if not config_path.is_file() or not weights_path.is_file():
+        raise FileNotFoundError(
+            f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}."
+        )
+    hf_config = json.loads(config_path.read_text())
+    if "dflash_config" not in hf_config and not set(ARCHITECTURES.values()) & set(hf_config.get("architectures") or []):
+        raise ValueError(
+            f"{config_path} is not a DFlash drafter config (no dflash_config, architectures "
+            f"{hf_config.get('architectures')}); pass the directory written by export_drafter."
+        )
+    return hf_config
+
+
+def read_export_weights(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a drafter export's model.safetensors (checked to be a whole file)."""
+    weights_path = Path(drafter_dir) / WEIGHTS_NAME
+    check_safetensors(weights_path, fix="Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), "
+                      "or copy the directory again.")
+    with safe_open(str(weights_path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+
+
 def load_drafter(
     drafter_dir: str | Path,
     target_dir: str | Path,
@@ -197,17 +224,8 @@ def load_drafter(
     `dtype` is the dtype of the drafter's own weights (None keeps the file's).
     """
     drafter_dir = Path(drafter_dir)
-    config_path, weights_path = drafter_dir / CONFIG_NAME, drafter_dir / WEIGHTS_NAME
-    if not config_path.is_file() or not weights_path.is_file():
-        raise FileNotFoundError(
-            f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}."
-        )
-    hf_config = json.loads(config_path.read_text())
-    if "dflash_config" not in hf_config and not set(ARCHITECTURES.values()) & set(hf_config.get("architectures") or []):
-        raise ValueError(
-            f"{config_path} is not a DFlash drafter config (no dflash_config, architectures "
-            f"{hf_config.get('architectures')}); pass the directory written by export_drafter."
-        )
+    hf_config = read_export_config(drafter_dir)
+    weights_path = drafter_dir / WEIGHTS_NAME
     target_config = load_target_config(target_dir)
     config = config_from_export(hf_config, target_config, **overrides)
     if (config.hidden_size, config.vocab_size) != (target_config.hidden_size, target_config.vocab_size):
@@ -221,10 +239,7 @@ def load_drafter(
     )
     head = load_target_head(target_dir) if with_final_norm else None
     drafter = DFlashDrafter(config, weights, target_head=head)
-    check_safetensors(weights_path, fix="Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), "
-                      "or copy the directory again.")
-    with safe_open(str(weights_path), framework="pt") as f:
-        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    state = read_export_weights(drafter_dir)
     if dtype is None:
         dtype = next(iter(state.values())).dtype
     drafter.to(dtype)

@@ -275,6 +275,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
             target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.model.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"Cannot build the drafter from {cfg.model.target_model}: {e}") from e
+    if cfg.model.init_drafter:
+        warm_start(drafter, cfg.model.init_drafter, announce)
     if cfg.runtime.gradient_checkpointing:
         for layer in drafter.layers:
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
@@ -289,6 +291,43 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
                      "on a fresh H200 host, 30 s when torch.compile's cache, TORCHINDUCTOR_CACHE_DIR, "
                      "holds an earlier run of the same drafter); --no-compile trains eager")
     return drafter
+
+
+def warm_start(drafter: DFlashDrafter, init_dir: str, announce: Callable[[str], None] | None = None) -> None:
+    """Load an exported drafter's weights into the freshly built `drafter` (--init-drafter): its
+    shape and what it reads (target layers, block size, drafter type) must be this run's."""
+    from .export import read_export_config, read_export_weights
+
+    fix = ("pass a drafter exported for this target with this run's shape (dflash-train export "
+           "CHECKPOINT OUT_DIR makes one of a checkpoint), set the flags above to the export's, or drop --init-drafter")
+    try:
+        exported = read_export_config(init_dir)
+        state = read_export_weights(init_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(f"--init-drafter {init_dir}: {e} To start from a checkpoint, export it first: "
+                         "dflash-train export CHECKPOINT OUT_DIR.") from e
+    dflash = exported.get("dflash_config") or {}
+    c = drafter.config
+    kind = "dflash2" if "DFlash2DraftModel" in (exported.get("architectures") or []) else "dflash"
+    theirs = {"--num-draft-layers": exported.get("num_hidden_layers"),
+              "--block-size": exported.get("block_size") or dflash.get("block_size"),
+              "the cache's target layers": dflash.get("target_layer_ids"), "--drafter-type": kind}
+    ours = {"--num-draft-layers": c.num_hidden_layers, "--block-size": c.block_size,
+            "the cache's target layers": list(c.target_layer_ids), "--drafter-type": c.drafter_type}
+    differ = [f"{k} {ours[k]} here, {theirs[k]} there" for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+    own = drafter.state_dict()
+    wanted = {k for k in own if k not in state} & {k for k, _ in drafter.named_parameters() if _.requires_grad}
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(set(state) & set(own))
+              if state[k].shape != own[k].shape]
+    if differ or wanted or unexpected or shapes:
+        found = "; ".join(differ + shapes[:4] + ([f"missing {sorted(wanted)[:4]}"] if wanted else [])
+                          + ([f"not in this drafter {unexpected[:4]}"] if unexpected else []))
+        raise InputError(f"--init-drafter {init_dir} does not fit this run's drafter: {found}. Fix: {fix}.")
+    with torch.no_grad():
+        drafter.load_state_dict(state, strict=False)
+    if announce is not None:
+        announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}")
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:

@@ -1,0 +1,72 @@
+"""--init-drafter: a run starts from an exported drafter's weights (a warm start), and refuses one
+of another shape with the flag to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_train_config
+from dflash.runtime.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_world, tmp_path_factory):
+    """A drafter trained a few steps and exported (the run's final/)."""
+    from dflash.train.loop import train
+
+    out = tmp_path_factory.mktemp("first") / "run"
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=3, eval_fraction=0.3))
+    assert result.exit_status == 0 and (out / "final" / "model.safetensors").is_file()
+    return out / "final"
+
+
+def built(tiny_world, tmp_path, **overrides):
+    from dflash.train.data import open_training_data
+    from dflash.train.loop import build_drafter
+
+    cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", compile=False, **overrides)
+    data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+    try:
+        notes = []
+        return build_drafter(cfg, data, announce=notes.append), notes
+    finally:
+        data.loader.close()
+
+
+def test_the_run_starts_from_the_exported_weights(tiny_world, tmp_path, exported):
+    from dflash.train.export import read_export_weights
+
+    fresh, _ = built(tiny_world, tmp_path)
+    warm, notes = built(tiny_world, tmp_path, init_drafter=str(exported))
+    saved = read_export_weights(exported)
+    own = warm.state_dict()
+    assert saved and all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in saved.items())
+    assert any(not torch.equal(fresh.state_dict()[k], own[k]) for k in saved)  # not the random init
+    assert any("warm start" in n and str(exported) in n for n in notes)
+
+
+def test_a_warm_started_run_trains_and_exports(tiny_world, tmp_path, exported):
+    from dflash.train.loop import train
+
+    out = tmp_path / "warm"
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=2, eval_fraction=0.3,
+                                     init_drafter=str(exported)))
+    assert result.exit_status == 0 and (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ({"num_draft_layers": 2}, "--num-draft-layers 2 here, 1 there"),
+    ({"block_size": 8}, "--block-size 8 here, 4 there"),
+    ({"drafter_type": "dflash2", "selector_rank": 8, "selector_top_k": 4, "conv_group_size": 8},
+     "--drafter-type dflash2 here, dflash there"),
+])
+def test_an_export_of_another_shape_is_refused_with_the_flag_to_change(tiny_world, tmp_path, exported, overrides, said):
+    with pytest.raises(InputError, match="does not fit") as e:
+        built(tiny_world, tmp_path, init_drafter=str(exported), **overrides)
+    assert said in str(e.value) and str(exported) in str(e.value)
+
+
+def test_a_directory_that_is_no_export_says_how_to_make_one(tiny_world, tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    with pytest.raises(InputError, match="dflash-train export CHECKPOINT OUT_DIR"):
+        built(tiny_world, tmp_path, init_drafter=str(tmp_path / "checkpoint"))
