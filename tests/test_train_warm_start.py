@@ -70,3 +70,17 @@ def test_a_directory_that_is_no_export_says_how_to_make_one(tiny_world, tmp_path
     (tmp_path / "checkpoint").mkdir()
     with pytest.raises(InputError, match="dflash-train export CHECKPOINT OUT_DIR"):
         built(tiny_world, tmp_path, init_drafter=str(tmp_path / "checkpoint"))
+
+
+def test_a_dflash2_run_starts_from_a_dflash2_export(tiny_world, tmp_path):
+    from dflash.train.export import read_export_weights
+    from dflash.train.loop import train
+
+    d2 = {"drafter_type": "dflash2", "selector_rank": 8, "selector_top_k": 4, "conv_group_size": 8}
+    out = tmp_path / "d2"
+    assert train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=2, eval_fraction=0.3,
+                                   **d2)).exit_status == 0
+    warm, _ = built(tiny_world, tmp_path, init_drafter=str(out / "final"), **d2)
+    saved, own = read_export_weights(out / "final"), warm.state_dict()
+    assert any("candidate_selector" in k for k in saved) and any("conv" in k for k in saved)
+    assert all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in saved.items())
