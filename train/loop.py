@@ -276,7 +276,7 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"Cannot build the drafter from {cfg.model.target_model}: {e}") from e
     if cfg.model.init_drafter:
-        warm_start(drafter, cfg.model.init_drafter, announce)
+        warm_start(drafter, cfg.model.init_drafter, cfg.model.target_model, announce)
     if cfg.runtime.gradient_checkpointing:
         for layer in drafter.layers:
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)
@@ -293,28 +293,28 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
     return drafter
 
 
-def warm_start(drafter: DFlashDrafter, init_dir: str, announce: Callable[[str], None] | None = None) -> None:
+_WARM_START_FIELDS = {"num_hidden_layers": "--num-draft-layers", "block_size": "--block-size",
+                      "target_layer_ids": "the cache's target layers", "drafter_type": "--drafter-type"}
+"""What an --init-drafter export must share with the run's drafter beyond its tensors' shapes."""
+
+
+def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
+               announce: Callable[[str], None] | None = None) -> None:
     """Load an exported drafter's weights into the freshly built `drafter` (--init-drafter): its
     shape and what it reads (target layers, block size, drafter type) must be this run's."""
-    from .export import read_export_config, read_export_weights
+    from .export import config_from_export, read_export_config, read_export_weights
 
     fix = ("pass a drafter exported for this target with this run's shape (dflash-train export "
            "CHECKPOINT OUT_DIR makes one of a checkpoint), set the flags above to the export's, or drop --init-drafter")
     try:
-        exported = read_export_config(init_dir)
+        theirs = config_from_export(read_export_config(init_dir), load_target_config(target_model))
         state = read_export_weights(init_dir)
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"--init-drafter {init_dir}: {e} To start from a checkpoint, export it first: "
                          "dflash-train export CHECKPOINT OUT_DIR.") from e
-    dflash = exported.get("dflash_config") or {}
-    c = drafter.config
-    kind = "dflash2" if "DFlash2DraftModel" in (exported.get("architectures") or []) else "dflash"
-    theirs = {"--num-draft-layers": exported.get("num_hidden_layers"),
-              "--block-size": exported.get("block_size") or dflash.get("block_size"),
-              "the cache's target layers": dflash.get("target_layer_ids"), "--drafter-type": kind}
-    ours = {"--num-draft-layers": c.num_hidden_layers, "--block-size": c.block_size,
-            "the cache's target layers": list(c.target_layer_ids), "--drafter-type": c.drafter_type}
-    differ = [f"{k} {ours[k]} here, {theirs[k]} there" for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+    differ = [f"{flag} {_listed(getattr(drafter.config, f))} here, {_listed(getattr(theirs, f))} there"
+              for f, flag in _WARM_START_FIELDS.items()
+              if getattr(theirs, f) is not None and _listed(getattr(theirs, f)) != _listed(getattr(drafter.config, f))]
     own = drafter.state_dict()
     wanted = {k for k in own if k not in state} & {k for k, _ in drafter.named_parameters() if _.requires_grad}
     unexpected = sorted(set(state) - set(own))
@@ -328,6 +328,10 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, announce: Callable[[str], 
         drafter.load_state_dict(state, strict=False)
     if announce is not None:
         announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}")
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:

@@ -355,9 +355,10 @@ def modelopt_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any], 
         # none (hf_dflash.py's setdefault over the base config), but 0.47's Qwen3Config defaults
         # (32 heads, MLP 22016) always win, which on this target makes a draft ten times its size:
         # the sizes are given here, as its code intends
-        arch: dict[str, Any] = {"num_hidden_layers": 5, **target_dims(work)}
+        dims = target_dims(work)
+        arch: dict[str, Any] = {"num_hidden_layers": 5, **dims}
         if layer_ids is not None:  # one target layer per draft layer: ModelOpt's draft shrinks to them
-            arch = {"num_hidden_layers": len(layer_ids), "target_layer_ids": layer_ids, **target_dims(work)}
+            arch = {"num_hidden_layers": len(layer_ids), "target_layer_ids": layer_ids, **dims}
             note = f"draft layers {len(layer_ids)}, {note}"
         else:
             note = f"draft layers 5, {note}"

@@ -118,7 +118,7 @@ def estimate_for(train: dict[str, Any], block: int) -> float | None:
     return {size: train.get("heldout_tau"), size // 2: train.get("heldout_tau_half_block")}.get(block)
 
 
-def same_prompts_estimate(train: dict[str, Any], ev: dict[str, Any], block: int,
+def replayed_estimate(train: dict[str, Any], ev: dict[str, Any], block: int,
                           key: str = "estimate_same_prompts") -> float | None:
     """`dflash-train estimate` on the decoded prompts' own greedy completions (or, with key
     estimate_other_files, on other held-out files' prompts'), at `block`."""
@@ -172,8 +172,8 @@ def table(work: Work) -> str:
             estimate = estimate_for(train, b)
             at_block = b == train.get("block_size", 16)  # the walk's interval is the drafter's block's
             row += [_fmt(estimate) + _span(train.get("heldout_tau_interval") if at_block else None),
-                    _fmt(same_prompts_estimate(train, evaluated, b, "estimate_other_files")),
-                    _fmt(same_prompts_estimate(train, evaluated, b)),
+                    _fmt(replayed_estimate(train, evaluated, b, "estimate_other_files")),
+                    _fmt(replayed_estimate(train, evaluated, b)),
                     _fmt(e.get("tau")) + _span(e.get("tau_interval")), _fmt(e.get("tau_per_prompt_mean")),
                     _fmt(_ratio(estimate, e.get("tau")), ".3f") + _span(ratio_interval(
                         estimate, train.get("heldout_tau_interval") if at_block else None,

@@ -598,7 +598,7 @@ ESTIMATE_SETS = {"decoded_cache": ("estimate", "the decoded prompts"),
 """The caches `dflash-train estimate` reads after each run: (its output's prefix, what it holds)."""
 
 
-def estimate_same_prompts(work: Work, variant: Variant, cache_name: str = "decoded_cache") -> dict[str, Any] | None:
+def estimate_over(work: Work, variant: Variant, cache_name: str = "decoded_cache") -> dict[str, Any] | None:
     """`dflash-train estimate` of the variant's final/ over the greedy completions of the decoded
     prompts themselves (decoded_cache), or of `cache_name` (estimate_cache: prompts of held-out
     files other than the decoded ones, which no training sample shares a file with, where the
@@ -634,8 +634,8 @@ def stage_eval(work: Work, variant: Variant) -> dict[str, Any]:
     s = work.sizes
     results = {}
     trained = json.loads((work.root / f"run-{variant.name}" / "final" / "config.json").read_text())["block_size"]
-    same_prompts = estimate_same_prompts(work, variant)
-    other_files = estimate_same_prompts(work, variant, "estimate_cache")
+    same_prompts = estimate_over(work, variant)
+    other_files = estimate_over(work, variant, "estimate_cache")
     for block in [b for b in (work.eval_blocks or s.eval_block_sizes) if b <= trained]:
         out = work.root / f"eval-{variant.name}-b{block}.json"
         seconds = run_command("dflash-eval", "dflash.eval.cli", [
