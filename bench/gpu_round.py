@@ -113,7 +113,7 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
             # draft): started first, so that a round cut off by its device time still holds them
             jobs.append(Job(f"{domain}-{run}", peers, [f"{domain}-peers-prep"], 3 if run.endswith("same") else 2,
                             env={**peer_env, "RUNS": run, "RESULTS": str(root / "results" / f"{domain}-{run}")}))
-        jobs.append(quality_job(f"e{more_epochs}", more_epochs, 4))
+        jobs.append(quality_job(f"e{more_epochs}", more_epochs, 3))  # the longest of ours: started first
         # ours with the two recipe choices both peers make differently (cosine, exp-decay weights):
         # whether they, or the peers' code, make the gap between us
         jobs.append(quality_job("peer-recipe", f"{epochs} --lr-schedule cosine --loss-weighting decay", 4))
