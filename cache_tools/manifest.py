@@ -57,6 +57,10 @@ class PartRecord:
     """The split key of each sample in stored order (sample_scores.prompt_split_key: a hash of
     its prompt), which the held-out split and the top-1 selection score; None in a record
     written before keys were stored, whose samples use their sample id as the key."""
+    grouped: tuple[int, ...] | None = None
+    """The positions (in stored order) of the samples whose split key hashes their record's
+    "group" (sample_scores.group_split_key) rather than their prompt: `dflash-cache verify` cannot
+    recompute those from the part. None: every key is its prompt's."""
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -67,6 +71,8 @@ class PartRecord:
             out["sample_ids"] = list(self.sample_ids)
         if self.split_keys is not None:
             out["split_keys"] = list(self.split_keys)
+        if self.grouped:
+            out["grouped"] = list(self.grouped)
         return out
 
     @classmethod
@@ -77,6 +83,7 @@ class PartRecord:
             lengths=tuple(int(x) for x in d["lengths"]), nbytes=int(d["bytes"]),
             stats=dict(d.get("stats", {})), sample_ids=None if ids is None else tuple(int(x) for x in ids),
             split_keys=None if keys is None else tuple(int(x) for x in keys),
+            grouped=tuple(int(x) for x in d["grouped"]) if d.get("grouped") else None,
         )
 
 
@@ -99,7 +106,8 @@ def decode_log_line(line: bytes, where: str) -> PartRecord:
         )
     record = PartRecord.from_json(json.loads(body))
     keys = record.split_keys
-    if keys is not None and (len(keys) != record.samples or any(not -(1 << 63) <= k < 1 << 63 for k in keys)):
+    if keys is not None and (len(keys) != record.samples or any(not -(1 << 63) <= k < 1 << 63 for k in keys)
+                             or any(not 0 <= j < record.samples for j in record.grouped or ())):
         raise CacheCorruptError(
             f"{where}: the commit record of {record.name} lists {len(keys)} split keys for its "
             f"{record.samples} samples, or keys outside 64 bits (it was edited). The part cannot be "

@@ -64,8 +64,9 @@ def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCode
 
 def _copy_part(reader: CacheReader, part_idx: int, pw: PartWriter, dst_codec: HiddenCodec) -> None:
     keys = reader.parts[part_idx].split_keys  # kept as they are (none: the copy splits by id, as its source)
+    grouped = set(reader.parts[part_idx].grouped or ())
     for j, (sid, kw) in enumerate(_iter_part_samples(reader, part_idx, dst_codec)):
-        pw.add_sample(sid, **kw, split_key=None if keys is None else keys[j])
+        pw.add_sample(sid, **kw, split_key=None if keys is None else keys[j], grouped=j in grouped)
     pw.stats.update(reader.parts[part_idx].stats)
 
 

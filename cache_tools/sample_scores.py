@@ -2,7 +2,9 @@
 
 A sample's split key is what the held-out split groups by: a cache extracted now stores, per
 sample, a 64-bit hash of its prompt (`prompt_split_key`: the input ids before its completion
-starts), so that the answers of one prompt share a key; a cache extracted before has none and
+starts), so that the answers of one prompt share a key, or, for a record that names a "group", a
+hash of that group (`group_split_key`), so that every sample of one document shares one; a cache
+extracted before has none and
 uses the sample id itself as the key (`CacheSet.split_keys`), which keeps its scores, and so its
 split, bit for bit. Both stages read the scores, so they belong to the cache contract: the
 trainer's held-out split holds out a sample when its `heldout_scores` value is below
@@ -15,6 +17,7 @@ F >= the held-out fraction every held-out sample has its top-1, and the samples 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 
@@ -29,6 +32,14 @@ def prompt_split_key(input_ids: np.ndarray, loss_mask: np.ndarray) -> int:
     start = int(starts[0]) if starts.size else int(mask.shape[0])
     prompt = np.ascontiguousarray(np.asarray(input_ids)[:start], dtype="<i4")
     digest = hashlib.blake2b(prompt.tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def group_split_key(group: str | int) -> int:
+    """The split key of a sample whose record names a "group" (runtime/records.py): blake2b-8 of
+    the group as JSON, so that every sample of one group, whatever its prompt, gets the same key
+    (and no group's key is a prompt's: another domain of the hash)."""
+    digest = hashlib.blake2b(json.dumps(group).encode(), digest_size=8, person=b"dflash-group").digest()
     return int.from_bytes(digest, "little", signed=True)
 
 

@@ -21,7 +21,8 @@ Per sample (S of them):
   offsets           [S+1]    int64, CSR: sample i is rows offsets[i]:offsets[i+1]
   sample_ids        [S]      int64, the global id of each sample (its source record)
 The commit record (manifest.PartRecord) lists the sample ids again and each sample's split key,
-a hash of its prompt (sample_scores.prompt_split_key), recomputable from input_ids and loss_mask.
+a hash of its prompt (sample_scores.prompt_split_key), recomputable from input_ids and loss_mask,
+or of its record's "group" (group_split_key) for the samples the record lists as `grouped`.
 
 Storage: the hidden arrays (`HIDDEN_ARRAYS`) are sharded along rows (`shard_rows` rows of
 `chunk_rows`-row chunks, full width) with the header's codec; the top-k arrays likewise with

@@ -270,6 +270,7 @@ class PartWriter:
         self._cols: dict[str, list[np.ndarray]] = {}
         self._sample_ids: list[int] = []
         self._split_keys: list[int | None] = []  # None: a sample given without one
+        self._grouped: list[int] = []  # positions of the samples keyed by their record's group
         self._lengths: list[int] = []
         self._tmp: Path | None = None
         self._lock_ctx = None
@@ -310,11 +311,13 @@ class PartWriter:
         topk_logprobs: Any = None,
         top1_ids: Any = None,
         split_key: int | None = None,
+        grouped: bool = False,
     ) -> None:
         """Add one sample. `hidden` is [T, K*D]: a float/bf16 tensor (encoded here) or an
         array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8).
-        `split_key`: its prompt's key (sample_scores.prompt_split_key); a part records keys
-        when every sample has one, none when none has."""
+        `split_key`: its prompt's key (sample_scores.prompt_split_key), or with `grouped` its
+        record group's (group_split_key); a part records keys when every sample has one, none
+        when none has."""
         ids = _as_numpy(input_ids, np.int32)
         if ids.shape[0] == 0:
             raise CacheError(f"Sample {sample_id} is empty: a cached sample needs at least one token.")
@@ -330,7 +333,7 @@ class PartWriter:
         if top1_ids is not None:  # (a cache that does not store them refuses them in _add)
             dtype = self.cache.schema[TOP1_IDS].dtype if TOP1_IDS in self.cache.schema else np.int32
             cols[TOP1_IDS] = _as_numpy(top1_ids, dtype).reshape(-1, 1)
-        self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]], [split_key])
+        self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]], [split_key], [0] if grouped else [])
 
     def add_samples(
         self,
@@ -340,6 +343,7 @@ class PartWriter:
         loss_mask: Any,
         hidden: np.ndarray,
         split_keys: Any = None,
+        grouped: Any = (),
         **extras: np.ndarray,
     ) -> None:
         """Add many consecutive samples at once from arrays already in storage form.
@@ -347,7 +351,8 @@ class PartWriter:
         `hidden` (and each of `extras`: hidden_scale, last_hidden, ...) holds the rows of all
         samples back to back, `lengths` their token counts. No per-sample copies are made:
         this is the path that extraction's writer processes use for whole parts. `split_keys`:
-        one per sample (see add_sample), or None.
+        one per sample (see add_sample), or None; `grouped`: the indices (into these samples) of
+        those whose key is their record group's.
         """
         lengths = [int(n) for n in lengths]
         sample_ids = [int(i) for i in sample_ids]
@@ -361,10 +366,13 @@ class PartWriter:
         keys = [None] * len(sample_ids) if split_keys is None else [int(k) for k in split_keys]
         if len(keys) != len(sample_ids):
             raise CacheError(f"Part {self.name}: {len(keys)} split keys for {len(sample_ids)} samples.")
-        self._add(f"Part {self.name}", cols, sample_ids, lengths, keys)
+        grouped = [int(j) for j in grouped]
+        if any(not 0 <= j < len(sample_ids) for j in grouped):
+            raise CacheError(f"Part {self.name}: grouped sample indices outside its {len(sample_ids)} samples.")
+        self._add(f"Part {self.name}", cols, sample_ids, lengths, keys, grouped)
 
     def _add(self, where: str, cols: dict[str, np.ndarray], sample_ids: list[int], lengths: list[int],
-             split_keys: list[int | None]) -> None:
+             split_keys: list[int | None], grouped: list[int]) -> None:
         """Check per-token rows against the part schema, then keep them for the commit."""
         schema, tokens = self.cache.schema, sum(lengths)
         wanted = [spec for spec in schema if spec.per == "token"]
@@ -390,6 +398,7 @@ class PartWriter:
                 raise CacheError(f"{where}: {spec.name} must be {spec.dtype} rows, got {arr.dtype}.")
         for key, arr in cols.items():
             self._cols.setdefault(key, []).append(arr)
+        self._grouped += [len(self._sample_ids) + j for j in grouped]
         self._sample_ids += sample_ids
         self._split_keys += split_keys
         self._lengths += lengths
@@ -432,5 +441,6 @@ class PartWriter:
             lengths=tuple(self._lengths), nbytes=nbytes, stats=dict(self.stats),
             sample_ids=tuple(int(i) for i in self._sample_ids),
             split_keys=tuple(self._split_keys) if given else None,
+            grouped=tuple(self._grouped) if given and self._grouped else None,
         )
         self.committed = self.cache.commit(self._tmp, record)

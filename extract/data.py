@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
-from dflash.cache_tools.sample_scores import prompt_split_key
+from dflash.cache_tools.sample_scores import group_split_key, prompt_split_key
 from dflash.runtime.errors import InputError
 from dflash.runtime.records import (
     SIDECAR_SUFFIXES,
     BadRecord,
     PrefixReader,
     iter_lines,
-    parse_record,
+    parse_sample,
     read_rendering,
 )
 
@@ -210,6 +210,7 @@ class Sample:
     sample_id: int
     input_ids: np.ndarray  # int64 [T]
     loss_mask: np.ndarray  # uint8 [T]
+    group: str | int | None = None  # the record's "group", if it names one
 
     @property
     def length(self) -> int:
@@ -217,8 +218,11 @@ class Sample:
 
     @cached_property
     def split_key(self) -> int:
-        """The hash of its prompt as the cache stores it (sample_scores.prompt_split_key): the
-        answers of one prompt share it, so the held-out split and the top-1 selection keep them together."""
+        """The hash of its record's group (sample_scores.group_split_key) when it names one, else of
+        its prompt as the cache stores it (prompt_split_key): the samples of one group, and the
+        answers of one prompt, share it, so the held-out split and the top-1 selection keep them together."""
+        if self.group is not None:
+            return group_split_key(self.group)
         return prompt_split_key(self.input_ids, self.loss_mask)
 
 
@@ -280,7 +284,7 @@ def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator
     lines = files.lines() if isinstance(files, DataSnapshot) else iter_lines(files)
     for sample_id, (where, line) in enumerate(lines):
         try:
-            ids, mask = parse_record(line, rules.vocab_size)
+            ids, mask, group = parse_sample(line, rules.vocab_size)
         except BadRecord as e:
             if not rules.skip_bad:
                 raise BadRecordError(f"{where}: {e}. Fix the record or pass --skip-bad to skip it.") from None
@@ -303,7 +307,7 @@ def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator
             first_index += len(parts)
             number += 1
             window, tokens, skips = [], 0, PartPlan(-1)
-        window.append(Sample(sample_id, ids, mask))
+        window.append(Sample(sample_id, ids, mask, group))
         tokens += ids.size
     if not window:  # (a window always holds the sample that opened it: only an input without any ends empty)
         raise InputError(

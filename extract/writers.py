@@ -17,7 +17,7 @@ import queue
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ class PartTask:
     input_ids: np.ndarray
     loss_mask: np.ndarray
     stats: dict[str, Any]
+    grouped: list[int] = field(default_factory=list)  # the samples keyed by their record's group
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ def make_task(buf: PartBuffer) -> PartTask:
     return PartTask(
         name=buf.plan.name, shm_name=buf.shm.name if buf.shm is not None else None,
         layout=buf.layout, sample_ids=[s.sample_id for s in samples],
-        split_keys=[s.split_key for s in samples], offsets=buf.offsets,
+        split_keys=[s.split_key for s in samples], grouped=[j for j, s in enumerate(samples) if s.group is not None],
+        offsets=buf.offsets,
         input_ids=np.concatenate([s.input_ids for s in samples]),
         loss_mask=np.concatenate([s.loss_mask for s in samples]), stats=buf.plan.stats,
     )
@@ -80,7 +82,7 @@ def write_part(cache: CacheWriter, task: PartTask, arrays: dict[str, np.ndarray]
         pw.stats.update(task.stats)
         extras = {name: arr for name, arr in arrays.items() if name != HIDDEN}
         pw.add_samples(task.sample_ids, np.diff(off), task.input_ids, task.loss_mask,
-                       arrays[HIDDEN], split_keys=task.split_keys, **extras)
+                       arrays[HIDDEN], split_keys=task.split_keys, grouped=task.grouped, **extras)
     record = cache.committed().get(task.name)
     return PartResult(
         name=task.name, committed=pw.committed, samples=len(task.sample_ids),

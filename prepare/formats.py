@@ -48,6 +48,9 @@ class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    group: str | int | None = None
+    """The record's "group" (the document it comes from), copied into its rendered records: the
+    trainer's held-out split holds out whole groups (runtime/records.py)."""
 
     def assistant_turns(self) -> list[int]:
         return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
@@ -223,7 +226,10 @@ def iter_conversations(files: list[Path], fmt: str = "auto") -> Iterator[Convers
                 rid = rec.get("id")
                 if rid is not None and not isinstance(rid, str | int):
                     raise BadChatRecord("id must be a string or an integer")
+                group = rec.get("group")
+                if group is not None and (isinstance(group, bool) or not isinstance(group, str | int)):
+                    raise BadChatRecord("group must be a string or an integer")
                 yield Conversation(id=str(rid) if rid is not None else f"{path.name}:{number}",
-                                   where=where, messages=messages, tools=tools)
+                                   where=where, messages=messages, tools=tools, group=group)
             except BadChatRecord as e:
                 yield where, str(e)

@@ -130,8 +130,9 @@ def build_record(conv: Conversation, messages: list[dict], last: Completion, ren
     else:
         answer = _answer_from_text(conv, messages, last, renderer, prompt)
     mask = _prompt_mask(conv, prompt_messages, last, prompt, renderer, loss_on)
-    return {**_record_key(conv.id, sample), "input_ids": prompt + answer, "loss_mask": mask + [1] * len(answer),
-            "finish_reason": last.finish_reason}
+    group = {} if conv.group is None else {"group": conv.group}  # (the split holds out a group's answers together)
+    return {**_record_key(conv.id, sample), **group, "input_ids": prompt + answer,
+            "loss_mask": mask + [1] * len(answer), "finish_reason": last.finish_reason}
 
 
 def _record_key(source_id: str, sample: int) -> dict[str, Any]:

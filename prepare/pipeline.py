@@ -1,6 +1,7 @@
 """`dflash-prepare`'s work: chat records -> rendered, masked records in the extract input format.
 
-Output: one JSONL file of {"id", "input_ids", "loss_mask"} records, written under a temp name
+Output: one JSONL file of {"id", "input_ids", "loss_mask"} records (and the source record's "group",
+when it names one), written under a temp name
 and renamed when complete (a stopped run leaves no half file), and its sidecar
 `<output>.meta.json` (runtime/records.py). Samples that cannot be used are counted by reason; a
 malformed record or a refused rendering stops the run with its file and line unless
@@ -210,7 +211,7 @@ def _init_worker(config: PrepareConfig) -> None:
 
 
 def _render_one(item: Any, renderer: ChatRenderer | None = None) -> tuple:
-    """("ok", id, where, ids, mask) | ("empty" | "refused", id, where, reason) | ("bad", None, where, reason)."""
+    """("ok", id, where, ids, mask, group) | ("empty" | "refused", id, where, reason) | ("bad", None, where, reason)."""
     if isinstance(item, tuple):
         return ("bad", None, *item)
     try:
@@ -219,7 +220,7 @@ def _render_one(item: Any, renderer: ChatRenderer | None = None) -> tuple:
         return ("empty", item.id, item.where, str(e))
     except RenderError as e:
         return ("refused", item.id, item.where, str(e))
-    return ("ok", item.id, item.where, r.input_ids, r.loss_mask)
+    return ("ok", item.id, item.where, r.input_ids, r.loss_mask, item.group)
 
 
 def _rendered(files, config: PrepareConfig, renderer: ChatRenderer) -> Iterator[tuple]:
@@ -259,7 +260,7 @@ def _prepare_into(fh, files, config: PrepareConfig, renderer: ChatRenderer, summ
                 raise InputError(f"{where} (id {rid}): {rest[0]}. Or pass --skip-bad to skip such samples.")
             summary.skip("refused", where, rest[0])
             continue
-        ids, mask = rest
+        ids, mask, group = rest
         if len(ids) > config.max_seq_len:
             if config.long_samples == "skip":
                 summary.skip("long", where, f"{len(ids)} tokens > --max-seq-len {config.max_seq_len}")
@@ -269,7 +270,8 @@ def _prepare_into(fh, files, config: PrepareConfig, renderer: ChatRenderer, summ
             if not any(mask):
                 summary.skip("empty", where, "no supervised token within --max-seq-len")
                 continue
-        fh.write(format_record({"id": rid, "input_ids": ids, "loss_mask": mask}) + "\n")
+        fh.write(format_record({"id": rid, **({} if group is None else {"group": group}), "input_ids": ids,
+                                "loss_mask": mask}) + "\n")
         summary.written += 1
         summary.tokens += len(ids)
         summary.supervised_tokens += sum(mask)

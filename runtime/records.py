@@ -5,7 +5,10 @@ A record is one JSON object per line of a JSONL file (optionally gzipped):
   {"input_ids": [...], "loss_mask": [0/1 ...]}      or
   {"input_ids": [...], "labels": [-100 | id ...]}   (loss where labels != -100)   or
   {"input_ids": [...], "prompt_len": P}             (loss on tokens P..end)
-plus an optional "id". The first of loss_mask, labels, prompt_len present is used.
+plus an optional "id" and an optional "group" (a string or an integer: records of one group, such as
+the chunks or prompts cut from one document, are held out together by the trainer's split, so its
+held-out estimate reads text the drafter never trained on). The first of loss_mask, labels,
+prompt_len present is used.
 
 A prepared file's sidecar `<file>.meta.json` records how its records were rendered (chat
 template sha256 and kwargs, loss_on, the tokenizer), what produced them and the counts of the
@@ -157,6 +160,22 @@ def _int_array(value: Any, name: str) -> np.ndarray:
 
 def parse_record(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """One JSONL line -> (input_ids int64 [T], loss_mask uint8 [T]); raises BadRecord."""
+    ids, mask, _ = parse_sample(line, vocab_size)
+    return ids, mask
+
+
+def record_group(rec: Mapping[str, Any]) -> str | int | None:
+    """A record's "group" (None without one); raises BadRecord for another type."""
+    group = rec.get("group")
+    if group is None:
+        return None
+    if isinstance(group, bool) or not isinstance(group, str | int):
+        raise BadRecord(f"group must be a string or an integer (got {json.dumps(group)[:40]})")
+    return group
+
+
+def parse_sample(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray, str | int | None]:
+    """parse_record, plus the record's group (`record_group`)."""
     rec = read_json(line)
     if not isinstance(rec, dict):
         raise BadRecord("the record must be a JSON object with input_ids and a loss mask")
@@ -173,6 +192,7 @@ def parse_record(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         )
     if "id" in rec and not isinstance(rec["id"], str | int):
         raise BadRecord("id must be a string or an integer")
+    group = record_group(rec)
     n = ids.size
     if "loss_mask" in rec:
         mask = _int_array(rec["loss_mask"], "loss_mask")
@@ -180,19 +200,19 @@ def parse_record(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
             raise BadRecord(f"loss_mask has {mask.size} entries but input_ids has {n}")
         if mask.size and (mask.min() < 0 or mask.max() > 1):
             raise BadRecord("loss_mask must hold only 0 and 1")
-        return ids, mask.astype(np.uint8)
+        return ids, mask.astype(np.uint8), group
     if "labels" in rec:
         labels = _int_array(rec["labels"], "labels")
         if labels.size != n:
             raise BadRecord(f"labels has {labels.size} entries but input_ids has {n}")
-        return ids, (labels != -100).astype(np.uint8)
+        return ids, (labels != -100).astype(np.uint8), group
     if "prompt_len" in rec:
         p = rec["prompt_len"]
         if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= n:
             raise BadRecord(f"prompt_len must be an integer between 0 and {n} (the sample length)")
         mask = np.ones(n, dtype=np.uint8)
         mask[:p] = 0
-        return ids, mask
+        return ids, mask, group
     raise BadRecord("the record has no loss mask: give loss_mask, labels or prompt_len")
 
 

@@ -143,17 +143,19 @@ def token_stream(encoded: list[Encoded], bos_id: int, eos_id: int) -> np.ndarray
 
 
 def cut_prompts(encoded: list[Encoded], count: int, lengths: list[int], seed: int,
-                tail: int = 0) -> list[list[int]]:
+                tail: int = 0, sources: list[int] | None = None) -> list[list[int]]:
     """`count` prompts of the given token lengths (cycled), each starting at a line start of a
     document picked with probability proportional to its tokens; `tail` tokens must follow the
-    prompt in the document."""
+    prompt in the document. `sources`, when given, gets the index in `encoded` of each prompt's
+    document (the same draws either way)."""
     r = random.Random(seed)
     weights = [len(e.tokens) for e in encoded]
     prompts = []
     for i in range(count):
         length = lengths[i % len(lengths)]
         for _ in range(100):
-            e = r.choices(encoded, weights)[0]
+            k = r.choices(range(len(encoded)), weights)[0]
+            e = encoded[k]
             last = len(e.tokens) - length - tail  # the latest start that leaves room
             if last < 1:
                 continue
@@ -163,6 +165,8 @@ def cut_prompts(encoded: list[Encoded], count: int, lengths: list[int], seed: in
                 continue
             start = int(e.line_starts[at])
             prompts.append(e.tokens[start : start + length].tolist())
+            if sources is not None:
+                sources.append(k)
             break
         else:
             raise CorpusError(f"no document holds {length + tail} tokens; use shorter prompts or more files.")

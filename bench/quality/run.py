@@ -71,7 +71,11 @@ def apply_overrides(sizes: Sizes, items: list[str]) -> Sizes:
             raise BenchError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}.")
         current = getattr(sizes, key)
         try:
-            if isinstance(current, tuple):
+            if isinstance(current, bool):  # (bool("0") is True)
+                if value.lower() not in ("0", "1", "false", "true", "no", "yes"):
+                    raise ValueError(value)
+                changes[key] = value.lower() in ("1", "true", "yes")
+            elif isinstance(current, tuple):
                 kind = type(current[0]) if current else str
                 changes[key] = tuple(kind(v) for v in value.split(",") if v)
             else:

@@ -79,6 +79,10 @@ class Sizes:
     completions: int = 32768
     """Target-generated drafter training samples (half greedy, half sampled)."""
     sample_temperature: float = 0.7
+    record_groups: bool = True
+    """Each training record names its prompt's source file as its "group" (runtime/records.py), as
+    docs/prepare.md asks of data cut from documents: the trainer's split then holds out whole files.
+    False: no groups, the split by prompt only (the benchmark's figures before 2026-12-02's last round)."""
     extra_samples: int = 0
     """More sampled completions of every training prompt (completions_extra/, extracted to
     extra_cache): a variant trains on them too with `--cache extra_cache`."""
@@ -127,8 +131,10 @@ SMALL = Sizes(packages=("numpy",), max_files=40, vocab_size=512, target_hidden=6
               eval_block_sizes=(8, 4),
               train_args=("--num-draft-layers", "1", "--max-batch-size", "16", "--max-anchors", "16",
                           "--num-workers", "0", "--dtype", "fp32", "--lr", "3e-3", "--block-size", "8"),
-              extract_args=("--dtype", "fp32", "--num-writers", "0"), cpu_threads=1)
-"""The CPU smoke run (seconds of compute; CI): the code path, not the figures."""
+              extract_args=("--dtype", "fp32", "--num-writers", "0"), cpu_threads=1,
+              record_groups=False)
+"""The CPU smoke run (seconds of compute; CI): the code path, not the figures. No record groups:
+its 8 prompt files are 8 groups, which a 2 % split most often leaves all in training."""
 
 PROSE_PACKAGES = ("torch", "transformers", "numpy", "sympy", "networkx")
 """About 10 MB of docstring prose (sympy and networkx come with torch)."""
@@ -268,13 +274,17 @@ def _read_encoded(path: Path) -> tuple[list[Encoded], list[Encoded], np.ndarray]
     return out[0], out[1], prompt
 
 
+_BEFORE_SETTING = {"record_groups": False}
+"""What a work directory written before a setting existed did (its settings.json lacks the key)."""
+
+
 def check_settings(work: Work) -> None:
     """A work directory belongs to one set of sizes: a rerun with others would mix their data."""
     path = work.root / "settings.json"
     want = asdict(work.sizes)
     want = json.loads(json.dumps(want))  # tuples as lists, as read back
     if path.is_file():
-        have = json.loads(path.read_text())
+        have = {**_BEFORE_SETTING, **json.loads(path.read_text())}
         if have != want:
             diff = sorted(k for k in want if have.get(k) != want[k])
             raise BenchError(f"{work.root} holds a benchmark of other settings ({', '.join(diff)}); "
@@ -382,13 +392,17 @@ def stage_generate(work: Work) -> dict[str, Any]:
                 count = min(size, s.completions - b * size)
                 length = s.prompt_lengths[b % len(s.prompt_lengths)]
                 # as the evaluation's prompts are cut: where the document goes on for a completion
-                prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=s.completion_tokens)
+                sources: list[int] = []
+                prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=s.completion_tokens,
+                                      sources=sources)
+                groups = sources if s.record_groups else None
                 temperature = 0.0 if b % 2 == 0 else s.sample_temperature
                 tokens += _write_completions(f, prompts, complete(model, prompts, s.completion_tokens, temperature,
-                                                                  s.seed * 1000 + b, device))
+                                                                  s.seed * 1000 + b, device), groups)
                 for k in range(s.extra_samples):  # other samples of the same prompts, other seeds
                     extra += _write_completions(fx, prompts, complete(
-                        model, prompts, s.completion_tokens, s.sample_temperature, (s.seed * 1000 + b) * 64 + k + 1, device))
+                        model, prompts, s.completion_tokens, s.sample_temperature, (s.seed * 1000 + b) * 64 + k + 1,
+                        device), groups)
                 work.log(f"  completions batch {b + 1}/{batches} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
                          f"prompts of {length} tokens" + (f", {s.extra_samples} more sampled" if s.extra_samples else "")
                          + f")  {time.perf_counter() - start:.0f} s")
@@ -406,12 +420,15 @@ def stage_generate(work: Work) -> dict[str, Any]:
             "estimate_prompts": estimate, "decoded_prompts": decoded, "seconds": time.perf_counter() - start}
 
 
-def _write_completions(f: Any, prompts: list[list[int]], completions: list[list[int]]) -> int:
-    """One JSONL record per prompt and its completion (loss on the completion); tokens written."""
+def _write_completions(f: Any, prompts: list[list[int]], completions: list[list[int]],
+                       groups: list[int] | None = None) -> int:
+    """One JSONL record per prompt and its completion (loss on the completion), with `groups`
+    (the index of each prompt's training file) as its "group"; tokens written."""
     tokens = 0
-    for prompt, new in zip(prompts, completions):
+    for i, (prompt, new) in enumerate(zip(prompts, completions)):
         tokens += len(prompt) + len(new)
-        f.write(json.dumps({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
+        group = {} if groups is None else {"group": f"file-{groups[i]}"}
+        f.write(json.dumps({**group, "input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}) + "\n")
     return tokens
 
 
