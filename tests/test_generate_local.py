@@ -212,3 +212,14 @@ def test_sampling_follows_its_seed_across_batches(target, tmp_path):
     # Sampled: the six copies of one prompt get different answers, also across the three batches
     # (one random stream from the seed, not the same draws again for each batch).
     assert len(set(map(tuple, first.values()))) == 6
+
+
+def test_a_prompts_group_is_copied_to_each_of_its_answers(target, tmp_path):
+    conv = [{"role": "user", "content": "go 0"}, {"role": "assistant", "content": "old"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "group": "doc-7", "messages": conv},
+                                                 {"id": "b", "messages": conv}])
+    out = tmp_path / "gen.jsonl"
+    result = run(target, data, out, "--max-tokens", "4", "--samples-per-prompt", "2", "--temperature", "0.7")
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in read_jsonl(out)}
+    assert {i: r.get("group") for i, r in records.items()} == {"a": "doc-7", "a#1": "doc-7", "b": None, "b#1": None}
