@@ -29,7 +29,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 "DOMAIN-", or a whole name such as "code-specforge-own" for one domain's run), with
                 the jobs they need. SWEEP="NAME=FLAGS;NAME=FLAGS": more runs of
                 ours on each domain with these dflash-train flags (e.g. "d2-a0.5=--drafter-type
-                dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME.
+                dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME; FLAGS that start
+                with a number give that run's epochs ("e10=10 --soft-label-weight 0.5").
   recipe        docs/recipe.md's key rows on each domain of DOMAINS at COMPLETIONS: the defaults, 4x
                 the epochs, cosine schedule, exp-decay weights, 3 draft layers, soft labels 0.5,
                 gaussian noise (RECIPE_ROWS), side by side; VARIANTS keeps some of them.
@@ -122,7 +123,9 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
                      quality_job("nf4", f"{epochs} --bench-cache cache-nf4", 4)]
         for entry in filter(None, (e.strip() for e in (sweep if sweep is not None else os.environ.get("SWEEP", "")).split(";"))):
             name, _, flags = entry.partition("=")  # one more run of ours: NAME=dflash-train flags
-            jobs.append(quality_job(name.strip(), f"{epochs} {flags.strip()}", 4))
+            flags = flags.strip()
+            own_epochs = flags.split(" ", 1)[0].isdigit()  # NAME=EPOCHS flags: its own epochs
+            jobs.append(quality_job(name.strip(), flags if own_epochs else f"{epochs} {flags}", 4))
     if keep:  # only these runs (and what they need)
         runs = [j for j in jobs if j.name in keep or j.name.split("-", 1)[1] in keep]
         needed = {n for j in runs for n in j.needs}

@@ -154,6 +154,11 @@ def test_a_sweep_adds_named_runs_of_ours_with_their_flags_on_each_domain(round_d
     assert {"code-d2-a0.5", "prose-d2-a0.5", "code-k8", "prose-k8", "code-dflash"} <= set(jobs)
     assert jobs["prose-d2-a0.5"].command.endswith('main "1 --drafter-type dflash2 --selector-loss-weight 0.5"')
     assert jobs["code-k8"].needs == ["code-prep"]
+    monkeypatch.setenv("SWEEP", "e10=10; e10s=10 --soft-label-weight 0.5")
+    monkeypatch.setenv("VARIANTS", "e10 e10s")
+    jobs = {j.name: j for j in gpu_round.leaderboard(extract=False)}
+    assert jobs["code-e10"].command.endswith('main "10"')  # its own epochs, not "1 10"
+    assert jobs["prose-e10s"].command.endswith('main "10 --soft-label-weight 0.5"')
 
 
 def test_followup_timings_keep_only_the_named_ones_and_pass_the_extraction_codecs(round_dir, monkeypatch):
