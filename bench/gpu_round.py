@@ -14,7 +14,8 @@ number first, and an `alone` job (a timing that must not share the GPU) runs by 
 whose needs failed is skipped, and says so; a job that failed for want of GPU memory beside others
 runs once more, alone (its first log kept as NAME.oom.log). Each job's output is ROUND/logs/NAME.log, its state
 ROUND/jobs/NAME.json; `start` again reruns what did not finish. ROUND defaults to
-/dev/shm/dflash-round.
+/dev/shm/dflash-round. EVAL_BLOCKS (default 16) is the block sizes bench/quality decodes at
+("16,8": also at 8, beside a peer's block-8 export).
 
 Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs GPU time):
 
@@ -94,7 +95,7 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
         if domain == "code":  # the data only these variants train on
             sets += " --set extra_samples=2" * (not keep or "extra" in keep)
             sets += " --set extra_codecs=nf4" * (not keep or "nf4" in keep)
-        env = {"WORKDIR": str(work), "DOMAIN": domain, "QUALITY_SETS": sets, "EVAL_BLOCKS": "16" if not small else "8",
+        env = {"WORKDIR": str(work), "DOMAIN": domain, "QUALITY_SETS": sets, "EVAL_BLOCKS": os.environ.get("EVAL_BLOCKS", "16" if not small else "8"),
                "DFLASH_QUALITY_SIDE_BY_SIDE": os.environ.get("SLOTS", "4"), **({"SMALL": "1"} if small else {})}
 
         def quality_job(name: str, variant: str, priority: int, domain: str = domain, env: dict = env) -> Job:
