@@ -7,8 +7,10 @@ Stages (each resumable: a stage already recorded in WORKDIR/stages/ is skipped):
             Python sources (--domain code) or their docstrings' English (--domain prose, also
             sympy and networkx), files split by a hash of their path; report its held-out loss
   generate  its completions (greedy and sampled batches alternate) of prompts cut from training
-            files, evaluation prompts cut from held-out files, and greedy fp32 completions of
-            those (decoded_set) and of other held-out prompts (estimate_set)
+            files, each record naming its file as its "group" (so the trainer's split holds out
+            whole files; --set record_groups=0: by prompt only, as before), evaluation prompts cut
+            from held-out files, and greedy fp32 completions of those (decoded_set) and of other
+            held-out prompts (estimate_set)
   extract   dflash-extract the hidden states of the completions, estimate_set and decoded_set
   train     dflash-train a drafter per --variant, with the trainer's defaults: its held-out
             estimate comes from its own held-out split of the training data (a variant
