@@ -109,6 +109,16 @@ class CacheSet:
             self._split_keys = np.concatenate(keys).astype(np.int64) if keys else np.zeros(0, np.int64)
         return self._split_keys
 
+    def grouped(self) -> np.ndarray:
+        """bool per sample, in index order: whether its split key is its record group's (the
+        commit records' `grouped`) rather than its prompt's."""
+        out, at = np.zeros(len(self), dtype=bool), 0
+        for r in self.readers:
+            for rec in r.parts:
+                out[at + np.asarray(rec.grouped or (), dtype=np.int64)] = True
+                at += rec.samples
+        return out
+
     def identity(self) -> list[dict[str, Any]]:
         """What decides the samples: each cache's header identity and committed size (not its path)."""
         return [{"identity": r.manifest.identity(), "samples": len(r), "tokens": r.num_tokens}

@@ -103,6 +103,21 @@ def test_the_split_holds_out_whole_groups(grouped, fraction):
     assert {True, False} <= set().union(*sides.values())  # and both sides hold some
 
 
+def test_the_startup_summary_counts_the_groups_it_holds_out(grouped, tmp_path):
+    from conftest import tiny_train_config
+    from dflash.train.data import open_training_data
+
+    cfg = tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "run", eval_fraction=0.4)
+    data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+    data.loader.close()
+    ids = data.caches.sample_ids()
+    held = {grouped["records"][int(i)].get("group") for i in ids[data.eval_indices]} - {None}
+    held = {g if isinstance(g, int) else int(g.split("-")[1]) for g in held}
+    assert 0 < len(held) < GROUPS
+    assert f"(the records name {GROUPS} groups: {len(held)} of them held out whole)" in data.summary()
+    assert data.caches.grouped().sum() == GROUPS * PER_GROUP
+
+
 def test_verify_passes_a_grouped_cache_recompress_keeps_the_groups_and_an_edit_is_still_named(grouped, tmp_path):
     verify = CliRunner().invoke(cache_main, ["verify", str(grouped["cache"]), "--no-progress"])
     assert verify.exit_code == 0, verify.output

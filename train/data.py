@@ -66,6 +66,20 @@ def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, ca
     return [n for n in notes if n]
 
 
+def count_heldout_groups(caches: CacheSet | FollowCacheSet, heldout: np.ndarray) -> tuple[int, int] | None:
+    """(held-out groups, all groups) of the samples whose records name a group; None without any
+    (or for a followed cache, whose plan does not say which are grouped)."""
+    if not isinstance(caches, CacheSet):
+        return None
+    grouped = caches.grouped()
+    if not grouped.any():
+        return None
+    keys = caches.split_keys()
+    held = np.zeros(len(caches), dtype=bool)
+    held[heldout] = True
+    return len(np.unique(keys[grouped & held])), len(np.unique(keys[grouped]))
+
+
 @dataclass
 class TrainingData:
     """The caches, the split and the loaders of a run."""
@@ -83,6 +97,8 @@ class TrainingData:
     """Samples kept out of training (of the training caches, or of --eval-cache)."""
     train_cap: int = 0
     """--max-train-samples, when it left samples out of training."""
+    heldout_groups: tuple[int, int] | None = None
+    """(held-out groups, all groups) when the records name groups (the split holds out whole groups)."""
     eval_without_top1: int = 0
     """Evaluated samples whose cache holds no target top-1 for them (outside its --top1-share)."""
     warnings: list[str] = field(default_factory=list)
@@ -104,6 +120,9 @@ class TrainingData:
             text += f" (training capped at {self.train_cap} samples by --max-train-samples)"
         if len(self.eval_indices) < self.heldout_count:
             text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
+        if self.heldout_groups is not None:
+            held, total = self.heldout_groups
+            text += f" (the records name {total} groups: {held} of them held out whole)"
         text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
         if not self.heldout_count:
             text += ("; no held-out samples: the logged tau is measured on training batches only "
@@ -231,4 +250,5 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     return TrainingData(caches=caches, train_indices=train_indices, loader=loader, eval_caches=eval_caches,
                         eval_indices=eval_indices, config=config, pin_memory=pin_memory, heldout_count=len(heldout),
                         train_cap=train_cap, warnings=[w for w in warnings if w],
+                        heldout_groups=None if eval_caches is not None else count_heldout_groups(caches, heldout),
                         eval_without_top1=without_top1(scored, eval_indices))
