@@ -218,7 +218,7 @@ def _todo(files, config: GenerateConfig, done: set[tuple[str, int]], rank: int, 
           ids: set[str] | None = None) -> Iterator[tuple[Conversation, list[int]]]:
     """This rank's conversations (every WORLD_SIZE-th record, all samples of one on one rank)
     with their sample indices not done yet; a bad record stops. `ids` collects every source id."""
-    for n, item in enumerate(iter_conversations(files, config.format)):
+    for n, item in enumerate(iter_conversations(files, config.format, config.group_key)):
         if isinstance(item, tuple):
             raise InputError(f"{item[0]}: {item[1]}. Fix the record (dflash-prepare --skip-bad lists them all).")
         if ids is not None:

@@ -209,8 +209,10 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
         raise InputError(f"{path}: cannot read the Parquet file ({e}). Check that it is complete.") from e
 
 
-def iter_conversations(files: list[Path], fmt: str = "auto") -> Iterator[Conversation | tuple[str, str]]:
-    """Every record of `files` in order: a Conversation, or (where, reason) for a bad record."""
+def iter_conversations(files: list[Path], fmt: str = "auto", group_key: str = "group"
+                       ) -> Iterator[Conversation | tuple[str, str]]:
+    """Every record of `files` in order: a Conversation, or (where, reason) for a bad record;
+    a record's `group_key` field, when it has one, is its group."""
     for path in files:
         rows = _iter_parquet(path) if path.name.endswith(".parquet") else _iter_jsonl(path)
         unit = "row" if path.name.endswith(".parquet") else "line"
@@ -226,9 +228,9 @@ def iter_conversations(files: list[Path], fmt: str = "auto") -> Iterator[Convers
                 rid = rec.get("id")
                 if rid is not None and not isinstance(rid, str | int):
                     raise BadChatRecord("id must be a string or an integer")
-                group = rec.get("group")
+                group = rec.get(group_key)
                 if group is not None and (isinstance(group, bool) or not isinstance(group, str | int)):
-                    raise BadChatRecord("group must be a string or an integer")
+                    raise BadChatRecord(f"{group_key} (the record's group) must be a string or an integer")
                 yield Conversation(id=str(rid) if rid is not None else f"{path.name}:{number}",
                                    where=where, messages=messages, tools=tools, group=group)
             except BadChatRecord as e:

@@ -51,6 +51,10 @@ class RenderConfig:
     """Local HF model directory: its tokenizer and chat template render the data."""
     format: str = setting("auto", choices=FORMATS)
     """Record shape: OpenAI messages, ShareGPT conversations, prompt/response pairs."""
+    group_key: str = "group"
+    """The source record's field naming the document it comes from (e.g. conversation_id, source,
+    url): written into each record as its "group", so the trainer holds out whole documents
+    (docs/prepare.md). A record without the field has no group."""
     chat_template: str | None = setting(None, type=click.Path(dir_okay=False))
     """Jinja file (or JSON with chat_template) to use instead of the tokenizer's; must be the
     template the serving engine uses."""
@@ -225,7 +229,7 @@ def _render_one(item: Any, renderer: ChatRenderer | None = None) -> tuple:
 
 def _rendered(files, config: PrepareConfig, renderer: ChatRenderer) -> Iterator[tuple]:
     """The outcome of every record in input order, rendered here or by --num-workers processes."""
-    items = iter_conversations(files, config.format)
+    items = iter_conversations(files, config.format, config.group_key)
     if config.num_workers <= 0:
         yield from (_render_one(item, renderer) for item in items)
         return

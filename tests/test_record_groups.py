@@ -167,7 +167,16 @@ def test_prepare_and_generate_carry_the_group(tmp_path):
     [conv, _] = list(iter_conversations([data]))
     assert isinstance(conv, Conversation) and conv.group == "doc-1"
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "c", "group": 1.5, "messages": messages}])
-    assert list(iter_conversations([bad])) == [(f"{bad}, line 1", "group must be a string or an integer")]
+    assert list(iter_conversations([bad])) == [(f"{bad}, line 1", "group (the record's group) must be a string or "
+                                                                  "an integer")]
+    # --group-key takes the group from another field of the source records.
+    data = write_jsonl(tmp_path / "conv.jsonl", [{"id": "a", "conversation_id": 42, "messages": messages}])
+    out = tmp_path / "out2.jsonl"
+    result = CliRunner().invoke(prepare_main, ["--target-model", str(tok), "--data", str(data), "--output", str(out),
+                                               "--group-key", "conversation_id", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    [rec] = read_jsonl(out)
+    assert rec["group"] == 42 and "conversation_id" not in rec
 
 
 def test_the_quality_benchmark_names_each_prompts_file_as_its_group():
