@@ -22,8 +22,8 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.runtime.records import BadRecord, parse_record, parse_sample
 from dflash.train.heldout import eval_split
 from extract_utils import run_cli
-from test_split_keys import rewrite_record
-from test_target_families import FAMILIES, VOCAB, save_target
+from test_split_keys import extract_records, rewrite_record
+from test_target_families import VOCAB
 from test_top1_share import prompt_key
 
 GROUPS, PER_GROUP = 12, 3
@@ -52,16 +52,7 @@ def grouped_records() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def grouped(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("grouped")
-    target, _ = save_target(tmp / "target", FAMILIES["qwen3"][0]())
-    records = grouped_records()
-    data = write_jsonl(tmp / "data.jsonl", records)
-    cache = tmp / "cache"
-    result = run_cli(["--target-model", target, "--data", data, "--output", cache, "--dtype", "fp32",
-                      "--target-layer-ids", "1,3", "--part-tokens", "150", "--token-budget", "256",
-                      "--num-writers", "0"])
-    assert result.exit_code == 0, result.output
-    return {"target": target, "records": records, "data": data, "cache": cache}
+    return extract_records(tmp_path_factory.mktemp("grouped"), grouped_records())
 
 
 def test_a_group_is_a_string_or_an_integer_and_anything_else_is_a_bad_record():

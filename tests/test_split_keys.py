@@ -49,18 +49,21 @@ def answered_records() -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def answered(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("answered")
+def extract_records(tmp: Path, records: list[dict], *args: str) -> dict:
+    """`records` written to tmp/data.jsonl and extracted by a tiny Qwen3 into small parts."""
     target, _ = save_target(tmp / "target", FAMILIES["qwen3"][0]())
-    records = answered_records()
     data = write_jsonl(tmp / "data.jsonl", records)
     cache = tmp / "cache"
     result = run_cli(["--target-model", target, "--data", data, "--output", cache, "--dtype", "fp32",
                       "--target-layer-ids", "1,3", "--part-tokens", "150", "--token-budget", "256",
-                      "--num-writers", "0", "--top1-share", "0.4"])
+                      "--num-writers", "0", *args])
     assert result.exit_code == 0, result.output
     return {"target": target, "records": records, "data": data, "cache": cache, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def answered(tmp_path_factory) -> dict:
+    return extract_records(tmp_path_factory.mktemp("answered"), answered_records(), "--top1-share", "0.4")
 
 
 def prompt_of(sample_id: int) -> int:
