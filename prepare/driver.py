@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError
+from dflash.runtime.fsio import file_lock
 from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
 from dflash.runtime.records import read_sidecar, write_sidecar
 from dflash.runtime.settings import setting
@@ -146,8 +147,16 @@ class _Progress:
 
 
 def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> None:
-    old = read_sidecar(config.output)
+    """Refuse an output of other settings, or write its sidecar; every rank, one at a time (the
+    sidecar must be there before any rank's first record: a rank that checked after another had
+    appended one saw an output without a sidecar and refused it)."""
     output = Path(config.output)
+    with file_lock(output.with_name(f".{output.name}.meta.lock")):
+        _check_resume_locked(config, meta, output)
+
+
+def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: Path) -> None:
+    old = read_sidecar(config.output)
     if old is None and output.exists() and output.stat().st_size:
         raise GenerateMismatchError(
             f"{output} exists but has no sidecar {output.name}.meta.json: it was not written by "
@@ -186,8 +195,7 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
 
 def _run_generate(config: GenerateConfig, renderer, files, meta: dict[str, Any], rank: int,
                   world: int) -> GenerateSummary:
-    if rank == 0:
-        _check_resume(config, meta)
+    _check_resume(config, meta)
     log = OutputLog(config.output)
     summary = GenerateSummary(done_before=len(log.done))
     # A first pass checks every record and counts this rank's work (for the ETA) without

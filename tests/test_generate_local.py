@@ -126,6 +126,22 @@ def test_ranks_share_one_output_and_each_record_is_written_once(target, tmp_path
     assert len(read_jsonl(out)) == 8 and by_id == {r["id"]: r for r in read_jsonl(single)}
 
 
+def test_a_rank_that_starts_after_another_wrote_records_resumes_its_output(target, tmp_path, monkeypatch):
+    # Rank 1 appends records before rank 0 has looked at the output: the sidecar is there already
+    # (each rank checks it, or writes it, under a lock, before its first record).
+    data = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": f"d{i}", "messages": [{"role": "user", "content": f"go {i}"}, {"role": "assistant", "content": "x"}]}
+        for i in range(4)])
+    out = tmp_path / "gen.jsonl"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        result = run(target, data, out, "--max-tokens", "6")
+        assert result.exit_code == 0, result.output
+        assert "2 records written" in result.output
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["d0", "d1", "d2", "d3"]
+
+
 def test_prompt_only_records_get_the_targets_answer(target, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
