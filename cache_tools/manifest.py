@@ -110,7 +110,8 @@ def decode_log_line(line: bytes, where: str) -> PartRecord:
                              or any(not 0 <= j < record.samples for j in record.grouped or ())):
         raise CacheCorruptError(
             f"{where}: the commit record of {record.name} lists {len(keys)} split keys for its "
-            f"{record.samples} samples, or keys outside 64 bits (it was edited). The part cannot be "
+            f"{record.samples} samples, keys outside 64 bits, or grouped samples outside them (it was "
+            "edited). The part cannot be "
             "trusted: `dflash-cache verify --quarantine CACHE` takes it out of the cache, then rerun the "
             "dflash-extract command that wrote the cache to extract it again."
         )
