@@ -6,6 +6,7 @@ the startup summary that says what was found. The batches themselves are loader.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from .heldout import cap_by_score, eval_split, without_top1
 from .loader import TrainLoader, eval_batches
 
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
+FEW_HELDOUT_GROUPS = 64  # fewer held-out groups than this: the summary says the estimate rests on too few documents
 FEW_TRAINING = 8192  # fewer training samples than this: the summary says what such data gave (docs/recipe.md)
 
 
@@ -80,6 +82,19 @@ def count_heldout_groups(caches: CacheSet | FollowCacheSet, heldout: np.ndarray)
     return len(np.unique(keys[grouped & held])), len(np.unique(keys[grouped]))
 
 
+def few_groups_warning(held: int, total: int, fraction: float) -> str:
+    """The summary's warning for a split that holds out fewer than FEW_HELDOUT_GROUPS whole groups,
+    with the --eval-fraction that would hold out about that many."""
+    wanted = min(FEW_HELDOUT_GROUPS, total)
+    suggest = min(0.5, max(fraction, math.ceil(100 * wanted / total) / 100))
+    return (f"; warning: only {held} whole group(s) of the records are held out, and a pooled tau over so few "
+            f"documents rests on which ones they are (on the project's BPE benchmark, 9 held-out files of 604 "
+            f"read 1.67x the decoded tau; over {FEW_HELDOUT_GROUPS} files a pooled tau came within 10 % of the "
+            f"whole in 90 % of draws, docs/BENCHMARKS.md): raise --eval-fraction to about {suggest:g} "
+            f"(about {wanted} groups; extract with --top1-share at least that, so that they keep the target's "
+            f"top-1) or give --eval-cache of greedy completions of other documents' prompts")
+
+
 @dataclass
 class TrainingData:
     """The caches, the split and the loaders of a run."""
@@ -120,9 +135,12 @@ class TrainingData:
             text += f" (training capped at {self.train_cap} samples by --max-train-samples)"
         if len(self.eval_indices) < self.heldout_count:
             text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
+        few_groups = ""
         if self.heldout_groups is not None:
             held, total = self.heldout_groups
             text += f" (the records name {total} groups: {held} of them held out whole)"
+            if held < FEW_HELDOUT_GROUPS and total > held:
+                few_groups = few_groups_warning(held, total, self.config.eval_fraction)
         text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
         if not self.heldout_count:
             text += ("; no held-out samples: the logged tau is measured on training batches only "
@@ -130,6 +148,7 @@ class TrainingData:
         elif len(self.eval_indices) < FEW_HELDOUT:
             text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
                      "estimate (raise --eval-fraction or give --eval-cache)")
+        text += few_groups
         held = (self.eval_caches if self.eval_caches is not None else c).manifest
         if self.heldout_count and not held.top1 and not held.topk:
             text += ("; warning: the held-out cache stores no target top-1 (extracted before it was stored "
