@@ -169,8 +169,8 @@ class TrainingData:
                      "1.51-1.58x on prose, and 32,768 gave 2.09x on code (2.46x with --drafter-type dflash2) and 1.77x "
                      "on prose; on "
                      "code, two more sampled completions of each prompt (dflash-generate --samples-per-prompt 3 "
-                     "--temperature 0.7) took 0.98x to 1.62x, and 24 epochs (--epochs 24) 0.96x to 1.06x (+9.8 %; on "
-                     "prose -4.4 %; docs/recipe.md): more target-generated answers help most, then, on code, more epochs")
+                     "--temperature 0.7) took 0.98x to 1.62x, and 10 epochs (--epochs 10) 0.90x to 0.99x (+10.2 %; 24 "
+                     "epochs on prose -2.5 %; docs/recipe.md): more target-generated answers help most, then, on code, more epochs")
         text += "".join(f"; {w}" for w in self.warnings)
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
