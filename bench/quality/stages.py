@@ -83,9 +83,9 @@ class Sizes:
     """Each training record names its prompt's source file as its "group" (runtime/records.py), as
     docs/prepare.md asks of data cut from documents: the trainer's split then holds out whole files.
     False: no groups, the split by prompt only (the benchmark's figures before 2026-12-02's last round)."""
-    train_top1_share: float = 0.05
-    """dflash-extract --top1-share of the training caches (its default, 0.05): raise it to at least a
-    variant's --eval-fraction, so that a larger held-out split keeps the target's top-1."""
+    train_top1_share: float = 0.0
+    """dflash-extract --top1-share of the training caches (0: the extractor's default, 0.05): raise it
+    to at least a variant's --eval-fraction, so that a larger held-out split keeps the target's top-1."""
     extra_samples: int = 0
     """More sampled completions of every training prompt (completions_extra/, extracted to
     extra_cache): a variant trains on them too with `--cache extra_cache`."""
@@ -277,7 +277,7 @@ def _read_encoded(path: Path) -> tuple[list[Encoded], list[Encoded], np.ndarray]
     return out[0], out[1], prompt
 
 
-_BEFORE_SETTING = {"record_groups": False, "train_top1_share": 0.05}
+_BEFORE_SETTING = {"record_groups": False, "train_top1_share": 0.0}
 """What a work directory written before a setting existed did (its settings.json lacks the key)."""
 
 
@@ -508,7 +508,7 @@ def stage_extract(work: Work) -> dict[str, Any]:
             "--device", work.device, "--no-progress", *s.extract_args, *(("--codec", codec) if codec else ()),
             # read whole by `dflash-train estimate --cache`: the target's top-1 of every sample
             *(("--top1-share", "1") if cache in ("estimate_cache", "decoded_cache")
-              else ("--top1-share", f"{s.train_top1_share:g}"))],
+              else ("--top1-share", f"{s.train_top1_share:g}") if s.train_top1_share else ())],
             work.root / f"extract-{cache}.log", env=work.child_env())
     return {"seconds": seconds["cache"], "estimate_seconds": seconds["estimate_cache"],
             "decoded_seconds": seconds["decoded_cache"], "extra_seconds": seconds.get("extra_cache"),
