@@ -314,6 +314,13 @@ def test_the_quality_bench_extracts_the_caches_it_estimates_on_whole_with_every_
     share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
              for a in calls}
     assert share == {"cache": None, "estimate_cache": "1", "decoded_cache": "1"}
+    calls.clear()  # train_top1_share sets the training cache's share, for a larger held-out split
+    work = stages.Work(root=tmp_path / "raised", sizes=dataclasses.replace(stages.preset(small=True), train_top1_share=0.12),
+                       device="cpu", log=lambda *a: None)
+    stages.stage_extract(work)
+    share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
+             for a in calls}
+    assert share == {"cache": "0.12", "estimate_cache": "1", "decoded_cache": "1"}
 
 
 def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tmp_path):
@@ -332,10 +339,3 @@ def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tm
     (a / "manifest.json").write_text(json.dumps(header))
     with pytest.raises(CacheCorruptError, match="extras.top1_share is 1.5"):
         read_manifest(a)
-    calls.clear()  # train_top1_share sets the training cache's share, for a larger held-out split
-    work = stages.Work(root=tmp_path / "raised", sizes=dataclasses.replace(stages.preset(small=True), train_top1_share=0.12),
-                       device="cpu", log=lambda *a: None)
-    stages.stage_extract(work)
-    share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
-             for a in calls}
-    assert share == {"cache": "0.12", "estimate_cache": "1", "decoded_cache": "1"}
