@@ -309,18 +309,17 @@ def test_the_quality_bench_extracts_the_caches_it_estimates_on_whole_with_every_
         return 1.0
 
     monkeypatch.setattr(stages, "run_command", fake)
-    work = stages.Work(root=tmp_path, sizes=stages.preset(small=True), device="cpu", log=lambda *a: None)
-    stages.stage_extract(work)
-    share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
-             for a in calls}
-    assert share == {"cache": None, "estimate_cache": "1", "decoded_cache": "1"}
-    calls.clear()  # train_top1_share sets the training cache's share, for a larger held-out split
-    work = stages.Work(root=tmp_path / "raised", sizes=dataclasses.replace(stages.preset(small=True), train_top1_share=0.12),
-                       device="cpu", log=lambda *a: None)
-    stages.stage_extract(work)
-    share = {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
-             for a in calls}
-    assert share == {"cache": "0.12", "estimate_cache": "1", "decoded_cache": "1"}
+    def shares(root, sizes):  # each cache's --top1-share as stage_extract passes it (None: the default)
+        calls.clear()
+        stages.stage_extract(stages.Work(root=root, sizes=sizes, device="cpu", log=lambda *a: None))
+        return {Path(a[a.index("--output") + 1]).name: a[a.index("--top1-share") + 1] if "--top1-share" in a else None
+                for a in calls}
+
+    small = stages.preset(small=True)
+    assert shares(tmp_path, small) == {"cache": None, "estimate_cache": "1", "decoded_cache": "1"}
+    # train_top1_share sets the training cache's share, for a larger held-out split
+    raised = shares(tmp_path / "raised", dataclasses.replace(small, train_top1_share=0.12))
+    assert raised == {"cache": "0.12", "estimate_cache": "1", "decoded_cache": "1"}
 
 
 def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tmp_path):

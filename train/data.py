@@ -135,12 +135,9 @@ class TrainingData:
             text += f" (training capped at {self.train_cap} samples by --max-train-samples)"
         if len(self.eval_indices) < self.heldout_count:
             text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
-        few_groups = ""
         if self.heldout_groups is not None:
             held, total = self.heldout_groups
             text += f" (the records name {total} groups: {held} of them held out whole)"
-            if held < FEW_HELDOUT_GROUPS and total > held:
-                few_groups = few_groups_warning(held, total, self.config.eval_fraction)
         text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
         if not self.heldout_count:
             text += ("; no held-out samples: the logged tau is measured on training batches only "
@@ -148,7 +145,10 @@ class TrainingData:
         elif len(self.eval_indices) < FEW_HELDOUT:
             text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
                      "estimate (raise --eval-fraction or give --eval-cache)")
-        text += few_groups
+        if self.heldout_count and self.heldout_groups is not None:
+            held, total = self.heldout_groups
+            if held < FEW_HELDOUT_GROUPS and total > held:
+                text += few_groups_warning(held, total, self.config.eval_fraction)
         held = (self.eval_caches if self.eval_caches is not None else c).manifest
         if self.heldout_count and not held.top1 and not held.topk:
             text += ("; warning: the held-out cache stores no target top-1 (extracted before it was stored "
