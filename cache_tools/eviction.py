@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.runtime.fsio import atomic_write_bytes, file_lock, fsync_dir, publish_dir
+from dflash.runtime.fsio import TEMP_PREFIX, atomic_write_bytes, file_lock, fsync_dir, publish_dir
 
 from .checksum import crc32c
 from .errors import CacheCorruptError
@@ -235,9 +235,15 @@ def trained_path(cache_dir: str | os.PathLike, rank: int) -> Path:
 
 def write_trained(cache_dir: str | os.PathLike, *, rank: int, world_size: int, epoch: int,
                   parts: Iterable[str]) -> None:
-    """Record a rank's consumption (atomically; the trainer calls it after each checkpoint)."""
+    """Record a rank's consumption (atomically; the trainer calls it after each checkpoint). The
+    temporary files of this rank's earlier records that a killed trainer left go first: a rank
+    writes its record from one process, one at a time, and no cache writer removes them
+    (orphans.find_orphans), since they are written without the cache lock."""
+    path = trained_path(cache_dir, rank)
+    for leftover in path.parent.glob(f"{TEMP_PREFIX}{path.name}.*"):
+        leftover.unlink(missing_ok=True)
     body = {"rank": rank, "world_size": world_size, "epoch": epoch, "parts": sorted(parts)}
-    atomic_write_bytes(trained_path(cache_dir, rank), json.dumps(body, separators=(",", ":")).encode())
+    atomic_write_bytes(path, json.dumps(body, separators=(",", ":")).encode())
 
 
 def read_trained(cache_dir: str | os.PathLike) -> list[TrainedReport] | None:

@@ -12,17 +12,24 @@ from pathlib import Path
 
 from dflash.runtime.fsio import LOCK_SUFFIX, TEMP_PREFIX, fsync_dir, stale_temps
 
+from .eviction import TRAINED_PREFIX
 from .manifest import PARTS_DIR, CommitLog
+
+TRAINER_TEMP_PREFIX = TEMP_PREFIX + TRAINED_PREFIX
+"""A following trainer's consumption record in the making (eviction.write_trained): written beside
+the manifest without the cache lock, so it is never a cache writer's orphan; each rank clears its
+own leftovers."""
 
 
 def find_orphans(cache_dir: Path) -> list[Path]:
     """What no live writer owns and no commit names. Caller holds the cache lock.
 
-    A temporary manifest file (written only under that lock), the liveness lock and the
-    temporary directory of each dead writer, and part directories that no commit record names.
+    A temporary manifest file (written only under that lock; not a trainer's consumption record,
+    which a following trainer writes at any time), the liveness lock and the temporary directory
+    of each dead writer, and part directories that no commit record names.
     """
     parts_dir = cache_dir / PARTS_DIR
-    found = [p for p in stale_temps(cache_dir) if p.is_file()]
+    found = [p for p in stale_temps(cache_dir) if p.is_file() and not p.name.startswith(TRAINER_TEMP_PREFIX)]
     if not parts_dir.is_dir():
         return found
     log = CommitLog(cache_dir)

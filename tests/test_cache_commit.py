@@ -160,6 +160,27 @@ def test_orphan_sweep_spares_a_live_writer(tmp_path):
     assert [p.name for p in read_manifest(cache).parts] == ["part-000001"]
 
 
+def test_the_orphan_sweep_spares_a_following_trainers_record_in_the_making(tmp_path):
+    """A trainer following a cache writes its consumption record beside the manifest without the
+    cache lock: an extraction restarted meanwhile, whose open sweeps a dead writer's temporary
+    files, must not delete that record's temporary file under it (the trainer's rename failed).
+    The rank's own next record clears what a killed trainer of that rank left."""
+    from dflash.cache_tools.eviction import read_trained, write_trained
+
+    cache = tmp_path / "c"
+    CacheWriter(cache, tiny_header())
+    in_flight = cache / f".tmp-manifest.trained-rank00000.json.{os.getpid()}.abcd1234"
+    other_rank = cache / ".tmp-manifest.trained-rank00001.json.999.dead"
+    dead_manifest = cache / ".tmp-manifest.json.999.dead"
+    for p in (in_flight, other_rank, dead_manifest):
+        p.write_text("{}")
+    CacheWriter(cache, tiny_header())  # a restarted extraction's open
+    assert in_flight.exists() and other_rank.exists() and not dead_manifest.exists()
+    write_trained(cache, rank=0, world_size=1, epoch=0, parts=["part-000001"])
+    assert not in_flight.exists() and other_rank.exists()
+    assert [r.parts for r in read_trained(cache)] == [frozenset({"part-000001"})]
+
+
 def test_torn_commit_record_is_ignored_then_repaired(tmp_path):
     cache = tmp_path / "c"
     writer = CacheWriter(cache, tiny_header())
