@@ -127,7 +127,7 @@ def test_estimate_on_sampled_completions_follows_the_greedy_decode(tmp_path):
         caches[name] = tmp_path / f"{name}-cache"
         # caches used whole by the estimate: the target's top-1 for every sample (--top1-share 1)
         extract(target, _write(tmp_path / name, data), caches[name], max_seq_len=64, top1_share=1.0)
-    extract(target, tmp_path / "sampled", tmp_path / "labels-cache", max_seq_len=64, store_top1=False)
+    extract(target, tmp_path / "sampled", tmp_path / "labels-cache", max_seq_len=64, store_top1=False, store_topk=0)
     assert read_manifest(caches["train"]).top1 == "uint16" and read_manifest(tmp_path / "labels-cache").top1 is None
 
     run = tmp_path / "run"

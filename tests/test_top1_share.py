@@ -74,11 +74,14 @@ SHARE = 0.5  # about half of the 12 samples: selected and non-selected ones in m
 
 
 def extract_cache(tmp_path: Path, target: Path, name: str, *extra: str, records: list[dict] | None = None) -> Path:
+    """A cache of the target's top-1 as --top1-share selects it: without the top-k log-probs
+    (--store-topk 0) unless `extra` asks for them, since a top-k holds every sample's top-1."""
     data = write_jsonl(tmp_path / f"{name}.jsonl", records or periodic_records())
     cache = tmp_path / name
+    topk = () if "--store-topk" in extra else ("--store-topk", "0")
     result = run_cli(["--target-model", target, "--data", data, "--output", cache, "--dtype", "fp32",
                       "--target-layer-ids", "1,3", "--part-tokens", "200", "--token-budget", "256",
-                      "--num-writers", "0", *extra])
+                      "--num-writers", "0", *topk, *extra])
     assert result.exit_code == 0, result.output
     return cache
 
@@ -235,10 +238,11 @@ def test_a_sample_without_its_top1_is_replayed_against_its_own_tokens_and_never_
     assert walk.greedy.samples == 1 and walk.others.samples == 1  # the row without top-1 is no greedy completion
 
 
-def share_cache(tmp_path: Path, target: Path, share: float) -> Path:
+def share_cache(tmp_path: Path, target: Path, share: float, *extra: str) -> Path:
     records = [{"input_ids": [int(x) for x in torch.randint(0, 128, (12 + i % 7,), generator=torch.Generator().manual_seed(i))],
                 "loss_mask": [0] * 3 + [1] * (9 + i % 7)} for i in range(60)]
-    return extract_cache(tmp_path, target, f"share-{share}", "--top1-share", str(share), records=records)
+    return extract_cache(tmp_path, target, f"share-{share}{''.join(extra)}", "--top1-share", str(share), *extra,
+                         records=records)
 
 
 def test_the_startup_summary_warns_when_the_heldout_split_is_larger_than_the_top1_share(tmp_path):
@@ -261,6 +265,10 @@ def test_the_startup_summary_warns_when_the_heldout_split_is_larger_than_the_top
     assert evaluated == len(held) and missing == expected > 0
     assert f"{missing} of the {evaluated} evaluated held-out samples have no target top-1" in text
     assert "--top1-share" in text
+    # dflash-extract's default top-8 log-probs hold every sample's top-1: nothing is missing
+    cache = share_cache(tmp_path, target, 0.2, "--store-topk", "8")
+    text, missing, evaluated = summary(eval_fraction=0.6)
+    assert evaluated == len(held) and missing == 0 and "have no target top-1" not in text
 
 
 def test_cache_info_says_how_many_samples_hold_their_top1_and_verify_passes(tmp_path):
@@ -287,7 +295,7 @@ def test_the_share_is_cache_identity_a_resume_with_another_is_refused_naming_it(
     cache = extract_cache(tmp_path, target, "cache", "--top1-share", "0.3")
     data = tmp_path / "cache.jsonl"
     base = ["--target-model", target, "--data", data, "--output", cache, "--dtype", "fp32", "--target-layer-ids", "1,3",
-            "--part-tokens", "200", "--token-budget", "256", "--num-writers", "0"]
+            "--part-tokens", "200", "--token-budget", "256", "--num-writers", "0", "--store-topk", "0"]
     again = run_cli([*base, "--top1-share", "0.3"])
     assert again.exit_code == 0, again.output  # the same share resumes
     other = run_cli(base)  # the default share

@@ -103,6 +103,35 @@ def test_soft_label_training_from_an_extraction_runs_and_changes_the_objective(s
     assert any(not torch.equal(ce[k], soft[k]) for k in ce)
 
 
+def test_soft_labels_default_to_half_where_the_cache_stores_them_and_off_where_it_does_not(soft_caches, tmp_path,
+                                                                                           capsys):
+    """dflash-extract stores the target's top-8 by default; left out, --soft-label-weight is then
+    0.5 (the run trains exactly what an explicit 0.5 trains, and records 0.5), and 0 on a cache
+    extracted with --store-topk 0, whose startup summary says how to get them."""
+    import json
+
+    target = soft_caches["target"]
+    default = extract(target, soft_caches["data"], tmp_path / "default")
+    bare = extract(target, soft_caches["data"], tmp_path / "bare", store_topk=0)
+    assert read_manifest(default).topk == 8 and read_manifest(bare).topk == 0
+
+    def run(cache, name, **kw):
+        out = tmp_path / name
+        train(tiny_train_config(cache, target, out, max_steps=2, save_interval=2, **kw))
+        meta = json.loads((sorted((out / "checkpoints").glob("step-*"))[-1] / "meta.json").read_text())
+        return out, meta["config"]["soft_label_weight"], capsys.readouterr().out
+
+    auto, weight, said = run(default, "auto")
+    assert weight == 0.5 and "soft labels: weight 0.5, from the target's top-8 log-probs" in said
+    explicit, weight, _ = run(default, "explicit", soft_label_weight=0.5)
+    assert_same_weights(final_weights(auto), final_weights(explicit))
+    off, weight, said = run(default, "off", soft_label_weight=0.0)
+    assert weight == 0.0 and "soft labels: off (--soft-label-weight 0)" in said
+    assert any(not torch.equal(a, b) for a, b in zip(final_weights(off).values(), final_weights(auto).values()))
+    _, weight, said = run(bare, "bare")
+    assert weight == 0.0 and "the cache stores no top-k log-probs" in said and "--store-topk" in said
+
+
 def test_gradient_checkpointing_trains_the_same_weights(tiny_world, tmp_path):
     runs = {flag: tmp_path / f"gc-{flag}" for flag in (False, True)}
     for flag, run in runs.items():

@@ -90,9 +90,10 @@ def few_groups_warning(held: int, total: int, fraction: float) -> str:
     return (f"; warning: only {held} whole group(s) of the records are held out, and a pooled tau over so few "
             f"documents rests on which ones they are (on the project's BPE benchmark, 9 held-out files of 604 "
             f"read 1.67x the decoded tau; over {FEW_HELDOUT_GROUPS} files a pooled tau came within 10 % of the "
-            f"whole in 90 % of draws, docs/BENCHMARKS.md): raise --eval-fraction to about {suggest:g} "
-            f"(about {wanted} groups; extract with --top1-share at least that, so that they keep the target's "
-            f"top-1) or give --eval-cache of greedy completions of other documents' prompts")
+            f"whole in 90 % of draws; a 10 % split holding 62 files read 1.21x, for 3.7 % less tau from the "
+            f"data it kept out of training, docs/BENCHMARKS.md): raise --eval-fraction to about {suggest:g} "
+            f"(about {wanted} groups; a cache without top-k log-probs needs --top1-share at least that, so that "
+            f"they keep the target's top-1) or give --eval-cache of greedy completions of other documents' prompts")
 
 
 @dataclass
@@ -165,12 +166,12 @@ class TrainingData:
                      f"--eval-fraction or --eval-max-samples")
         if len(self.train_indices) < FEW_TRAINING:
             text += (f"; only {len(self.train_indices)} training samples: on the project's BPE benchmark "
-                     "4,096 target completions at the defaults gave 0.92-1.13x prompt lookup's tau on code and "
-                     "1.51-1.58x on prose, and 32,768 gave 2.09x on code (2.46x with --drafter-type dflash2) and 1.77x "
-                     "on prose; on "
-                     "code, two more sampled completions of each prompt (dflash-generate --samples-per-prompt 3 "
-                     "--temperature 0.7) took 0.98x to 1.62x, and 10 epochs (--epochs 10) 0.90x to 0.99x (+10.2 %; 24 "
-                     "epochs on prose -2.5 %; docs/recipe.md): more target-generated answers help most, then, on code, more epochs")
+                     "4,096 target completions at the defaults (10 epochs, soft labels from the cache's top-8) gave "
+                     "1.14x prompt lookup's tau on code and 1.53x on prose, where 6 epochs without soft labels gave "
+                     "0.90-1.02x and 1.51x; 32,768 gave 2.09x on code (2.46x with --drafter-type dflash2) and 1.77x "
+                     "on prose at 6 epochs; on code, two more sampled completions of each prompt (dflash-generate "
+                     "--samples-per-prompt 3 --temperature 0.7) took 0.98x to 1.62x at 6 epochs (docs/recipe.md): "
+                     "more target-generated answers help most")
         text += "".join(f"; {w}" for w in self.warnings)
         if c.truncated_samples:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "

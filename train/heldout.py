@@ -47,11 +47,12 @@ def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> n
 
 def without_top1(caches: CacheSet, indices: np.ndarray) -> int:
     """How many of the samples `indices` have no target top-1 in their cache (a cache without
-    top-1, or a sample outside its --top1-share): their held-out replay checks drafts against
+    top-1 or top-k, or a sample outside its --top1-share in a cache without top-k): their held-out replay checks drafts against
     their own tokens."""
     indices = np.asarray(indices, dtype=np.int64)
     if not len(indices):
         return 0
     which = np.searchsorted(caches.starts, indices, side="right") - 1
-    shares = np.array([r.top1_share for r in caches.readers], dtype=np.float64)[which]
+    # a cache of top-k log-probs holds every sample's top-1 (its first id)
+    shares = np.array([1.0 if r.manifest.topk else r.top1_share for r in caches.readers], dtype=np.float64)[which]
     return int((~top1_selected(caches.split_keys()[indices], shares)).sum())

@@ -103,11 +103,13 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     data = open_training_data(cfg, rank=info.rank, world_size=info.world_size,
                               pin_memory=info.device.type == "cuda")
     cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
+    manifest = data.caches.manifest
+    cfg = cfg.with_soft_labels(bool(manifest.store_last_hidden or manifest.topk))
     target_config = load_target_config_or_fail(cfg.model.target_model)
     for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
                                    caches=data.caches):
         log.info(f"Note: {note}")
-    log.info(data.summary())
+    log.info(data.summary() + soft_label_summary(cfg, manifest))
     refuse_nothing_to_learn(data, cfg.model.block_size)
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
@@ -235,6 +237,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def soft_label_summary(cfg: TrainConfig, manifest: Any) -> str:
+    """The startup summary's word on soft labels: their weight and source, or how to get them."""
+    weight = cfg.objective.soft_label_weight
+    if weight:
+        source = f"the target's top-{manifest.topk} log-probs" if manifest.topk else "the target's last hidden state"
+        return f"; soft labels: weight {weight:g}, from {source} in the cache"
+    if manifest.store_last_hidden or manifest.topk:
+        return "; soft labels: off (--soft-label-weight 0)"
+    return ("; soft labels: off, the cache stores no top-k log-probs (extracted with --store-topk 0, or before "
+            "dflash-extract stored the top-8 by default): extracted with them, the default weight 0.5 gave "
+            "+3.9 % tau on code and +3.0 % on prose on the BPE benchmark (docs/recipe.md)")
+
+
 def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:
     """A run whose training samples are all too short for one block (a block starts at a token
     and predicts the next: 2 tokens at least) would end with loss 0 and an untrained drafter."""
@@ -262,16 +277,17 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
                   announce: Callable[[str], None] | None = None) -> DFlashDrafter:
     """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache."""
     manifest = data.caches.manifest
-    if cfg.objective.soft_label_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
+    soft_weight = cfg.objective.soft_label_weight or 0.0
+    if soft_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
         raise TrainConfigError(
-            f"--soft-label-weight {cfg.objective.soft_label_weight} needs soft labels in the cache, but "
+            f"--soft-label-weight {soft_weight} needs soft labels in the cache, but "
             f"{manifest.cache_dir} stores neither last_hidden nor top-k log-probs. Extract with "
             "--store-last-hidden or --store-topk, or set --soft-label-weight 0."
         )
     torch.manual_seed(cfg.optimization.seed)
     try:
         drafter = DFlashDrafter.from_target(
-            cfg.model.target_model, with_final_norm=cfg.objective.soft_label_weight > 0 and not manifest.topk,
+            cfg.model.target_model, with_final_norm=soft_weight > 0 and not manifest.topk,
             target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.model.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"Cannot build the drafter from {cfg.model.target_model}: {e}") from e

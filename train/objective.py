@@ -276,7 +276,7 @@ def compute_loss(
     selector = drafter.candidate_selector
     vocab = drafter.lm_head_weight.shape[0]
     chunk = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
-    soft_weight = config.soft_label_weight
+    soft_weight = config.soft_label_weight or 0.0  # None (not yet decided by the cache, TrainConfig.with_soft_labels): off
     cache_rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
     soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
     if needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):

@@ -317,7 +317,8 @@ def test_a_short_write_of_a_commit_record_fails_the_commit_instead_of_tearing_th
         for i in range(len(src) - src.parts[-1].samples, len(src)):
             s = src.read_sample(i)
             pw.add_sample(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"],
-                          top1_ids=s.get("top1_ids"))  # (an extraction stores the target's top-1)
+                          top1_ids=s.get("top1_ids"), topk_ids=s.get("topk_ids"),
+                          topk_logprobs=s.get("topk_logprobs"))  # (an extraction stores top-1 and top-k)
     monkeypatch.setattr(os, "write", real_write)
     assert not pw.committed
     assert log.read_bytes() == before  # no torn line left behind
