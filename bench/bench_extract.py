@@ -279,7 +279,7 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
                         part_tokens=args.part_tokens, sort_window_tokens=args.sort_window_tokens,
                         max_seq_len=2 * max(len(json.loads(x)["input_ids"]) for x in lines),
                         num_writers=args.num_writers, device=str(device), progress=False,
-                        top1_share=args.top1_share)
+                        top1_share=args.top1_share, store_topk=args.store_topk)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t = time.perf_counter()
     with profile(activities=acts) as prof:
@@ -315,9 +315,20 @@ def print_table(rows: list, stop_rates: list[float], own_rate: float, raw: int) 
           "in real tokens/s)")
 
 
+def parse_topk(entry: str) -> tuple[str, int | None]:
+    """A --codecs entry's own --store-topk ('bf16@8'; None for the flag's) and the entry without it."""
+    rest, sep, k = entry.partition("@")
+    if not sep:
+        return entry, None
+    if not k.isdigit():
+        raise SystemExit(f"--codecs entry {entry!r}: after '@' comes the top-k to store, e.g. 'bf16@8'")
+    return rest, int(k)
+
+
 def parse_codec(entry: str) -> tuple[str, float | None]:
-    """A --codecs entry: the codec and its own --top1-share ('bf16:0'), None for the flag's."""
-    codec, sep, share = entry.partition(":")
+    """A --codecs entry: the codec and its own --top1-share ('bf16:0'), None for the flag's; an
+    '@K' at its end is its own --store-topk (parse_topk)."""
+    codec, sep, share = parse_topk(entry)[0].partition(":")
     if not sep:
         return codec, None
     try:
@@ -353,11 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dflash-extract's --top1-share: the share of samples whose target top-1 is stored "
                          "(their rows run on to the last layer and the head) [its default, "
                          f"{ExtractConfig.top1_share}]; 1: every sample, 0: none.")
+    ap.add_argument("--store-topk", type=int, default=0,
+                    help="dflash-extract's --store-topk for every entry without its own '@K' [0: the capture "
+                         f"alone; dflash-extract's default is {ExtractConfig.store_topk}, whose cost 'bf16,bf16@"
+                         f"{ExtractConfig.store_topk}' shows side by side].")
     ap.add_argument("--codecs", default="bf16,fp8",
                     help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
                          "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison; 'CODEC:SHARE' runs that "
                          "codec at --top1-share SHARE (e.g. 'bf16,bf16:0': what storing the top-1 costs, "
-                         "side by side).")
+                         "side by side); 'CODEC@K' stores the top-K log-probs too (--store-topk K).")
     ap.add_argument("--trace-tokens", type=int, default=0,
                     help="Also extract this many tokens (bf16) under torch.profiler and print where the "
                          "host and the GPU spend their time.")
@@ -411,9 +426,10 @@ class Bench:
         if self.kernels:
             print(f"linear attention: {self.kernels['path']} ({json.dumps(self.kernels)})", flush=True)
 
-    def config(self, data_file: Path, cache: Path, codec: str, top1_share: float | None = None) -> ExtractConfig:
+    def config(self, data_file: Path, cache: Path, codec: str, top1_share: float | None = None,
+               store_topk: int | None = None) -> ExtractConfig:
         a = self.args
-        return ExtractConfig(target_model=self.label, data=str(data_file), output=str(cache), codec=codec,
+        return ExtractConfig(store_topk=a.store_topk if store_topk is None else store_topk,target_model=self.label, data=str(data_file), output=str(cache), codec=codec,
                              target_layer_ids=self.layer_ids, token_budget=self.budget, part_tokens=a.part_tokens,
                              sort_window_tokens=a.sort_window_tokens, max_seq_len=self.seq_len * 2,
                              num_writers=a.num_writers, device=str(self.device), progress=False,
@@ -443,9 +459,9 @@ class Bench:
         utilisation over its timed span and the check's largest relative error per captured layer."""
         codec, share = parse_codec(name)
         codec, staged = codec.removesuffix("-staged"), codec.endswith("-staged")
-        cache = self.out / f"bench-cache-{name.replace(':', '-')}"
+        cache = self.out / f"bench-cache-{name.replace(':', '-').replace('@', '-top')}"
         shutil.rmtree(cache, ignore_errors=True)
-        cfg = self.config(self.data, cache, codec, share)
+        cfg = self.config(self.data, cache, codec, share, parse_topk(name)[1])
         if staged:
             os.environ[STAGED_COPY_ENV] = "1"
         try:
@@ -522,7 +538,8 @@ def main() -> None:
             "vs_stop_forward": summary.tokens_per_second / around, "vs_own_batches": summary.tokens_per_second / own_rate,
             "gpu_util_percent": util, "bytes_per_token": bpt, "check_max_relative_error": err,
             "check_relative_error_per_layer": per_layer, "batched_forward_relative_error_per_layer": floor,
-            "top1_share": args.top1_share if parse_codec(entry)[1] is None else parse_codec(entry)[1]}
+            "top1_share": args.top1_share if parse_codec(entry)[1] is None else parse_codec(entry)[1],
+            "store_topk": args.store_topk if parse_topk(entry)[1] is None else parse_topk(entry)[1]}
         limit = CHECK_LIMITS.get(parse_codec(entry)[0].removesuffix("-staged"), 0.03)
         if not check_passes(list(per_layer.values()), list(floor.values()), limit):
             failed.append(f"cache {name} does not match the target's states (error {err:.3f}; limit {limit} "

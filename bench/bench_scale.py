@@ -67,7 +67,8 @@ def rank_main(spec: dict) -> None:
                         target_layer_ids=layer_ids, token_budget=spec["token_budget"],
                         part_tokens=spec["part_tokens"], sort_window_tokens=spec["sort_window_tokens"],
                         max_seq_len=spec["max_seq_len"], device=str(device), progress=False,
-                        rank=rank, world_size=world, num_writers=spec.get("num_writers"))
+                        rank=rank, world_size=world, num_writers=spec.get("num_writers"),
+                        store_topk=0)  # the capture alone, as the recorded scaling figures
     batches, _ = extraction_batches(cfg, shape["vocab_size"], device, rank=rank, world_size=world)
     shapes = {tuple(b.shape): b for b in batches}
     capture = LayerCapture(model, layer_ids, need_last=False)

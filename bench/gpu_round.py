@@ -21,7 +21,7 @@ more --set settings (train_top1_share=0.12 before a SWEEP row of --eval-fraction
 Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs GPU time):
 
   leaderboard   bench/quality on each domain of DOMAINS (default "code prose") at COMPLETIONS
-                (default 4096) completions: ours (DFlash, DFlash2, 24 epochs, the peers' cosine
+                (default 4096) completions: ours (DFlash, DFlash2, 4x the epochs, the peers' cosine
                 schedule and decay weights; on code also the extra sampled completions and an nf4
                 cache), SpecForge's and ModelOpt's drafters
                 on the same data (bench/peers; PEERS_OWN=1: also at their own recipes), each
@@ -34,7 +34,7 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME; FLAGS that start
                 with a number give that run's epochs ("e10=10 --soft-label-weight 0.5").
   recipe        docs/recipe.md's key rows on each domain of DOMAINS at COMPLETIONS: the defaults, 4x
-                the epochs, cosine schedule, exp-decay weights, 3 draft layers, soft labels 0.5,
+                the epochs, cosine schedule, exp-decay weights, 3 draft layers, no soft labels,
                 gaussian noise (RECIPE_ROWS), side by side; VARIANTS keeps some of them.
   followup      alone on the GPU: the 8B extraction (bf16, nf4; EXTRACT_CODECS="bf16,bf16:0" other
                 --codecs of bench_extract), the DFlash2 step's parts against DFlash at the 8B shape
@@ -84,7 +84,7 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
     extraction timing at the end; `variants` and `sweep` default to VARIANTS and SWEEP."""
     small = bool(os.environ.get("ROUND_SMALL"))
     completions = os.environ.get("COMPLETIONS", "64" if small else "4096")
-    epochs = os.environ.get("EPOCHS", "1" if small else "6")
+    epochs = os.environ.get("EPOCHS", "1" if small else "10")
     more_epochs = str(4 * int(epochs))
     root = round_dir()
     jobs: list[Job] = []
@@ -194,7 +194,7 @@ def followup() -> list[Job]:
 
 
 RECIPE_ROWS = {"cosine": "--lr-schedule cosine", "decay": "--loss-weighting decay", "layers3": "--num-draft-layers 3",
-               "soft": "--soft-label-weight 0.5", "noise": "--noise-type gaussian"}
+               "nosoft": "--soft-label-weight 0", "noise": "--noise-type gaussian"}
 """docs/recipe.md's key rows: each one default changed (the recipe plan's runs beside the defaults)."""
 
 
@@ -202,7 +202,7 @@ def recipe() -> list[Job]:
     """docs/recipe.md's key rows on the BPE benchmark: on each domain of DOMAINS at COMPLETIONS, the
     defaults, 4x the epochs, and each of RECIPE_ROWS (one default changed), side by side on the same
     data and decoded on the same prompts; VARIANTS (default: all of them) keeps some."""
-    epochs = os.environ.get("EPOCHS", "1" if os.environ.get("ROUND_SMALL") else "6")
+    epochs = os.environ.get("EPOCHS", "1" if os.environ.get("ROUND_SMALL") else "10")
     rows = ["dflash", f"e{4 * int(epochs)}", *RECIPE_ROWS]
     wanted = os.environ.get("VARIANTS", "").split() or rows
     return leaderboard(extract=False, variants=wanted, sweep=";".join(f"{k}={v}" for k, v in RECIPE_ROWS.items()))

@@ -150,3 +150,13 @@ def test_a_plan_trades_disk_for_re_extraction_between_offline_and_online():
     assert plan(1.0).follow_hours == pytest.approx(whole.online_hours, rel=1e-6)  # ~nothing kept: online's cost
     text = gpu_hours.format_plan(half, 14_500.0, 8)
     assert "follow with the budget (50% of the cache kept; 2.50 re-extractions)" in text
+
+
+def test_an_extract_bench_entry_names_its_own_top1_share_and_top_k():
+    import bench_extract
+
+    assert bench_extract.parse_topk("bf16:0@8") == ("bf16:0", 8)
+    assert bench_extract.parse_codec("bf16:0@8") == ("bf16", 0.0)
+    assert bench_extract.parse_topk("fp8") == ("fp8", None) and bench_extract.parse_codec("fp8") == ("fp8", None)
+    with pytest.raises(SystemExit, match="top-k to store"):
+        bench_extract.parse_topk("bf16@eight")
