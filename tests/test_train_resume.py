@@ -185,3 +185,18 @@ def test_a_dflash2_resume_with_another_selector_top_k_is_refused_in_one_paragrap
     assert "model.selector_top_k: checkpoint has 4, this run has 3" in text
     assert "Rerun with the checkpoint's settings, or start a new run with another --output-dir." in text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [latest.name]  # nothing written
+
+
+def test_a_run_of_the_former_default_epochs_resumed_under_the_new_one_is_told_how_to_finish_as_it_started(
+        tiny_world, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=6, max_steps=2, save_interval=2))
+    capsys.readouterr()
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=10, max_steps=3, save_interval=3))
+    said = capsys.readouterr().out
+    assert "settings changed since that checkpoint: epochs 6 -> 10" in said
+    assert "the default changed since this run started" in said and "rerun with --epochs 6" in said
+    # a change that is no former default's gets no such hint
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=12, max_steps=4, save_interval=4))
+    said = capsys.readouterr().out
+    assert "epochs 10 -> 12" in said and "the default changed" not in said

@@ -482,10 +482,25 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
              "use a new --output-dir.")
     if changed:
         log.info("settings changed since that checkpoint: " + ", ".join(
-            f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()))
+            f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + former_defaults_hint(changed))
     if note := compute_changes(ckpt.meta.get("compute")):
         log.info(note)
     return ckpt.step
+
+
+FORMER_DEFAULTS = {"epochs": 6, "soft_label_weight": 0.0}
+"""Defaults of earlier versions (now 10 epochs and soft labels where the cache has them): a run
+started under them and resumed by the same command takes the new ones unless told."""
+
+
+def former_defaults_hint(changed: dict[str, tuple[Any, Any]]) -> str:
+    """For the resume note: how to finish a run as it started when only a default changed under it."""
+    moved = [k for k, (old, _) in changed.items() if k in FORMER_DEFAULTS and old == FORMER_DEFAULTS[k]]
+    if not moved:
+        return ""
+    flags = " ".join(f"--{k.replace('_', '-')} {FORMER_DEFAULTS[k]:g}" for k in moved)
+    return (f" ({', '.join(moved)}: the default changed since this run started, docs/recipe.md; rerun with "
+            f"{flags} to finish it as it started)")
 
 
 def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,
