@@ -189,3 +189,20 @@ def test_the_interval_reads_what_the_estimate_reads_and_narrows_with_more_sample
     width = [(lambda s: s[1] - s[0])(walk_interval(r, 3.0)) for r in (few, many)]
     assert width[1] < 0.4 * width[0]
     assert walk_interval(few[:1], 3.0) == [] and walk_interval(few[::-1], 3.0) == walk_interval(few, 3.0)
+
+
+def test_the_interval_resamples_whole_groups_and_is_the_per_sample_one_when_each_sample_is_its_own():
+    """Samples of one document move together: 4 documents of 10 samples each, their tau 2, 3, 4
+    and 5, are 4 draws, not 40, and the interval says so; with every sample its own cluster the
+    clustered interval is the per-sample one."""
+    rows = [[1.0, 40.0 * t, 40.0, 0.0] for t in (2, 3, 4, 5) for _ in range(10)]
+    for doc, row in enumerate(rows):
+        row[3] = float(doc // 10)
+    tau = sum(r[1] for r in rows) / sum(r[2] for r in rows)
+    samples = walk_interval([r[:3] for r in rows], tau)
+    groups = walk_interval(rows, tau)
+    assert groups[0] < samples[0] < tau < samples[1] < groups[1]
+    assert groups[1] - groups[0] > 2 * (samples[1] - samples[0])
+    singletons = [[*r[:3], float(i)] for i, r in enumerate(rows)]
+    assert walk_interval(singletons, tau) == samples
+    assert walk_interval([rows[0], rows[1]], tau) == []  # two samples of one document: one draw

@@ -222,3 +222,25 @@ def test_a_split_of_few_groups_is_warned_of_with_a_fraction_that_holds_out_more(
     assert summary(suggested)[1] > held  # the fraction it names holds out more groups
     monkeypatch.setattr(data_module, "FEW_HELDOUT_GROUPS", held)  # enough groups: no warning
     assert "whole group(s) of the records are held out" not in summary(0.2)[0]
+
+
+def test_the_heldout_interval_resamples_the_held_out_groups_whole(grouped, tmp_path, monkeypatch):
+    """The evaluation hands the interval each walked sample's cluster: its group's split key
+    (a prompt's own key when it has no group), so that a document's samples are drawn together."""
+    import dflash.train.evaluation as evaluation
+    from conftest import tiny_train_config
+    from dflash.train.loop import train
+
+    seen = []
+    real = evaluation.walk_interval
+    monkeypatch.setattr(evaluation, "walk_interval", lambda rows, tau: seen.append(rows) or real(rows, tau))
+    train(tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "run", eval_fraction=0.4,
+                            eval_interval=1, max_steps=1))
+    rows = seen[-1]
+    manifest = read_manifest(grouped["cache"])
+    keys = {k % (1 << 52) for p in manifest.parts for j, k in enumerate(p.split_keys) if j in set(p.grouped or ())}
+    clusters = [r[3] for r in rows]
+    assert len(rows) > 0 and all(len(r) == 4 for r in rows)
+    in_groups = [c for c in clusters if c in keys]
+    assert len(set(in_groups)) < len(in_groups)  # several samples of one group: one cluster
+    assert set(clusters) - keys  # the ungrouped samples are clusters of their own prompts

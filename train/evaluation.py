@@ -18,7 +18,7 @@ from torch import nn
 from .config import TrainConfig
 from .data import TrainingData
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
-from .loader import dequantize_batch
+from .loader import SPLIT_KEYS, dequantize_batch
 from .metrics import VerificationWalk, greedy_path, greedy_replay, top1_known, walk_interval
 from .model import DFlashDrafter
 from .objective import ObjectiveConfig, anchor_chunks, compute_loss, eligible_anchors
@@ -60,6 +60,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     clean = dataclasses.replace(objective, noise_type="none")
     with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
         for index, batch in enumerate(loader):
+            keys = batch.pop(SPLIT_KEYS, None)  # each sample's cluster for the interval (exact as a float)
+            clusters = None if keys is None else [k % (1 << 52) for k in keys.tolist()]
             batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
             eligible = eligible_anchors(batch["loss_mask"], batch["lengths"])
             outs, backbone_outs = [], []
@@ -86,9 +88,9 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                 continue
             path = greedy_path(batch) if replay else None  # where sampled tokens leave it
             known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
-            walk.update(outs, eligible, path, known)
+            walk.update(outs, eligible, path, known, clusters)
             if backbone_outs:
-                backbone_walk.update(backbone_outs, eligible, path, known)
+                backbone_walk.update(backbone_outs, eligible, path, known, clusters)
     loss_model.wrapped.train()
     by_labels = labels.compute(info)
     result = greedy.compute(info) if replay else by_labels
@@ -105,6 +107,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
             "tau_blocks": result["tau"], "tau_labels": by_labels["tau"],
             **walk.walked(walked),
-            # its 95 % bootstrap interval over the samples walked (the noise of a small held-out set)
+            # its 95 % bootstrap interval over the samples walked, resampled by record group (or prompt):
+            # the noise of a small held-out set
             "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
             "estimator": estimator}

@@ -291,6 +291,11 @@ def _prepare_at(prepare: BatchPrepare, batches: RankBatches, batch: dict[str, to
     prepare(batch, *batches.position(k))
 
 
+SPLIT_KEYS = "split_keys"
+"""An evaluation batch's split key per sample (CacheSet.split_keys: its record group's, else its
+prompt's): the held-out interval resamples whole groups, whose samples are not independent."""
+
+
 def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, rank: int, world_size: int,
                  max_batches: int = 0, pin_memory: bool = False
                  ) -> tuple[torch.utils.data.DataLoader, int] | None:
@@ -308,4 +313,9 @@ def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, r
         own = own[:max_batches]
     count = min(-(-len(batches) // world_size), max_batches or len(batches))
     padded = own + [batches[i % len(batches)] for i in range(count - len(own))]
-    return data_loader(caches, padded, config, pin_memory=pin_memory), len(own)
+    keys = caches.split_keys()
+
+    def with_split_keys(batch: dict[str, torch.Tensor], i: int) -> None:
+        batch[SPLIT_KEYS] = torch.from_numpy(keys[np.asarray(padded[i], dtype=np.int64)])
+
+    return data_loader(caches, padded, config, with_split_keys, pin_memory=pin_memory), len(own)

@@ -259,12 +259,13 @@ class VerificationWalk:
         return self.greedy.samples + self.others.samples
 
     def update(self, outs: list[LossOutput], eligible: torch.Tensor, on_path: torch.Tensor | None = None,
-               has_top1: torch.Tensor | None = None) -> None:
+               has_top1: torch.Tensor | None = None, clusters: list[int] | None = None) -> None:
         """Add one batch: its outputs (blocks of one batch over one or more anchor chunks),
         `eligible` [B, T] bool, `objective.eligible_anchors` of the batch, `on_path`
         [B, T] bool, `greedy_path` of the batch (None: the samples are the path), and `has_top1`
         [B] bool, the batch's `top1_known`: a sample without its top-1 is walked along its own
-        tokens and never counted as a greedy completion (nothing says it is one)."""
+        tokens and never counted as a greedy completion (nothing says it is one). `clusters`: each
+        row's cluster for walk_interval (its split key), recorded as the 4th field of per_sample."""
         by_position: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]
         scored: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]  # scored slots per block
         for out in outs:
@@ -300,7 +301,7 @@ class VerificationWalk:
                     p += accepted if censored else accepted + 1  # censored: on from the sampled token
             counts.samples += 1
             self.per_sample.append([float(counts is self.greedy), float(counts.tokens[0] - tokens),
-                                    float(counts.cycles[0] - cycles)])
+                                    float(counts.cycles[0] - cycles), *([float(clusters[b])] if clusters else [])])
 
     def state(self) -> torch.Tensor:
         """The greedy samples' sums, then the sampled ones' (sum it over ranks)."""
@@ -337,17 +338,29 @@ def walk_interval(per_sample: list[list[float]], tau: float, resamples: int = 20
     there are MIN_GREEDY_SAMPLES of them, else all), resampled with replacement: the pooled
     tokens / cycles of each resample, scaled by tau over the pooled figure (1 where no block was
     censored; with censored blocks the Kaplan-Meier estimate's interval is taken as the pooled
-    ratio's, scaled). Empty with fewer than two samples."""
-    rows = np.asarray(sorted(per_sample), dtype=np.float64).reshape(-1, 3)  # sorted: the same for any
+    ratio's, scaled). Rows with a 4th field (their cluster: the record group, or the prompt) are
+    resampled a cluster at a time, since the samples of one document do not vary independently;
+    with every cluster a single sample this is the per-sample interval. Empty with fewer than two
+    clusters."""
+    width = 4 if per_sample and len(per_sample[0]) == 4 else 3
+    rows = np.asarray(sorted(per_sample), dtype=np.float64).reshape(-1, width)  # sorted: the same for any
     # order of the samples (ranks, batches)
     if int(rows[:, 0].sum()) >= MIN_GREEDY_SAMPLES:
         rows = rows[rows[:, 0] == 1]
     rows = rows[rows[:, 2] > 0]
-    if len(rows) < 2:
+    tokens, cycles = rows[:, 1], rows[:, 2]
+    if width == 4:  # per cluster, in the order of its first row
+        _, first, which = np.unique(rows[:, 3], return_index=True, return_inverse=True)
+        order = np.argsort(first)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        tokens = np.bincount(rank[which], weights=tokens, minlength=len(order))
+        cycles = np.bincount(rank[which], weights=cycles, minlength=len(order))
+    if len(tokens) < 2:
         return []
-    draw = np.random.default_rng(seed).integers(0, len(rows), size=(resamples, len(rows)))
-    pooled = rows[draw, 1].sum(1) / rows[draw, 2].sum(1)
-    scale = tau / (rows[:, 1].sum() / rows[:, 2].sum())
+    draw = np.random.default_rng(seed).integers(0, len(tokens), size=(resamples, len(tokens)))
+    pooled = tokens[draw].sum(1) / cycles[draw].sum(1)
+    scale = tau / (tokens.sum() / cycles.sum())
     return [float(np.percentile(pooled, 2.5) * scale), float(np.percentile(pooled, 97.5) * scale)]
 
 
