@@ -168,3 +168,22 @@ def test_specforge_log_lines_give_the_steps_and_losses():
     assert peers.specforge_steps(log) == {"logged_steps": 2, "last_step": 40, "first_loss": 4.297890663146973,
                                           "last_loss": 4.057}
     assert peers.specforge_steps("Traceback ...")["logged_steps"] == 0
+
+
+def test_the_same_recipe_follows_our_defaults_epochs_and_soft_labels(tmp_path, monkeypatch):
+    import dataclasses
+
+    from dflash.train.config import OptimizationConfig
+
+    monkeypatch.delenv("MASK_TOKEN_ID", raising=False)
+    peers = _peers_run()
+    work = peers.Work(_work_dir(tmp_path, stage_mask=3), device="cpu")
+    ours = peers.our_settings(work, None)
+    assert ours.epochs == OptimizationConfig.epochs and not ours.soft_labels  # this cache has no top-k
+    recipe, _ = peers.modelopt_config(work, ours, own=False)
+    assert recipe["dflash"]["dflash_self_logit_distillation"] is False
+    soft = dataclasses.replace(ours, soft_labels=True)  # ours on a cache of top-k log-probs
+    recipe, _ = peers.modelopt_config(work, soft, own=False)
+    assert recipe["dflash"]["dflash_self_logit_distillation"] is True
+    _, _, differs = peers.specforge_config(work, soft, own=False)
+    assert any(d.startswith("no soft labels") for d in differs)

@@ -13,7 +13,9 @@ Runs (each resumable: a stage recorded in WORKDIR/peers/RUN/<stage>.json is skip
                    target layers by its rule; batch 4 of 3072 tokens (as sequences of the cache's
                    length: the same tokens a step), 6 epochs, lr 6e-4, warmup 0.04, gamma 7)
   modelopt-same    ModelOpt's DFlash (HF Trainer on the in-process target) at our settings; it
-                   needs one target layer per draft layer, so its draft has len(target_layer_ids) layers
+                   needs one target layer per draft layer, so its draft has len(target_layer_ids) layers;
+                   its logit distillation where ours trains on the cache's soft labels (SpecForge's
+                   offline trainer has none: its differs.json says so)
   modelopt-own     ModelOpt 0.47.0's modelopt_recipes/general/speculative_decoding/dflash.yaml:
                    block 8, 5 draft layers (target layers by its rule) of the target's attention and
                    MLP sizes, 10 epochs, lr 6e-4, 100 warmup steps, linear decay, logit distillation
@@ -70,7 +72,7 @@ class Ours:
     num_draft_layers: int = 5
     block_size: int = 16
     mask_token_id: int
-    epochs: int = 6
+    epochs: int = 10
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
@@ -84,6 +86,8 @@ class Ours:
     mean_seq_len: float = 0.0
     samples: int = 0
     """Samples in the cache."""
+    soft_labels: bool = False
+    """Ours trains on the target's soft labels (dflash-train's default where the cache stores them)."""
 
     @property
     def gamma(self) -> float:
@@ -198,11 +202,14 @@ def our_settings(work: Work, epochs: int | None) -> Ours:
     manifest = read_manifest(work.root / "cache")
     lengths = [n for p in manifest.parts for n in p.lengths]
     dtype = _flag(args, "--dtype", "bf16") or "bf16"
-    return Ours(target_layer_ids=manifest.target_layer_ids,
+    from dflash.train.config import DEFAULT_SOFT_LABEL_WEIGHT, OptimizationConfig
+
+    weight = float(_flag(args, "--soft-label-weight", str(DEFAULT_SOFT_LABEL_WEIGHT)))
+    return Ours(soft_labels=weight > 0 and bool(manifest.topk or manifest.store_last_hidden),target_layer_ids=manifest.target_layer_ids,
                 num_draft_layers=int(_flag(args, "--num-draft-layers", "5")),
                 block_size=int(_flag(args, "--block-size", "16")),
                 mask_token_id=benchmark_mask_token_id(work.root),
-                epochs=epochs or 6, lr=float(_flag(args, "--lr", "6e-4")),
+                epochs=epochs or OptimizationConfig.epochs, lr=float(_flag(args, "--lr", "6e-4")),
                 max_anchors=int(_flag(args, "--max-anchors", "512")),
                 token_budget=int(_flag(args, "--token-budget", "16384")),
                 max_batch_size=int(_flag(args, "--max-batch-size", "64")), seed=int(s.get("seed", 0)),
@@ -306,6 +313,8 @@ def specforge_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any],
                                                    ours.epochs, ours.batch_samples)
         differs = [f"batch {batch} sequences (ours: a budget of {ours.token_budget} padded tokens)",
                    "loss weights exp(-(k-1)/gamma) (ours: acceptance)"]
+        if ours.soft_labels:
+            differs.append("no soft labels (its offline trainer has none; ours: KL to the cached top-k, weight 0.5)")
     draft = draft_config(work, ours, layers=layers, target_layer_ids=layer_ids, block_size=block)
     if work.specforge_sharding == "NO_SHARD":
         differs.append("one process under DDP (fsdp_sharding NO_SHARD; its default FSDP SHARD_GRAD_OP makes the "
@@ -376,7 +385,8 @@ def modelopt_config(work: Work, ours: Ours, own: bool) -> tuple[dict[str, Any], 
                    "linear lr, 100 warmup steps"]
     else:
         dflash = {"dflash_block_size": ours.block_size, "dflash_num_anchors": ours.max_anchors,
-                  "dflash_self_logit_distillation": False, "dflash_loss_objective": "decay",
+                  # its logit distillation where ours trains on soft labels (the target in its loop gives them)
+                  "dflash_self_logit_distillation": ours.soft_labels, "dflash_loss_objective": "decay",
                   "dflash_loss_decay_factor": ours.gamma,
                   "dflash_architecture_config": {"num_hidden_layers": len(ours.target_layer_ids),
                                                  "target_layer_ids": list(ours.target_layer_ids), **target_dims(work)}}
