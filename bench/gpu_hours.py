@@ -53,7 +53,7 @@ from typing import Any
 BILLION = 1e9
 ONLINE_TOKENS_PER_SECOND = 14_500.0
 ONLINE_GPUS = 8
-EPOCHS = 6
+EPOCHS = 6  # the offline-against-online figure's epochs (docs/BENCHMARKS.md); `plan` takes dflash-train's default
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,10 @@ def plan_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="gpu_hours.py plan", description="Disk and GPU-hours of a user's plan.")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="measured shape whose rates to use [8b]")
     ap.add_argument("--tokens", type=float, required=True, help="training tokens (e.g. 1e9)")
-    ap.add_argument("--epochs", type=int, default=EPOCHS)
+    from dflash.train.config import OptimizationConfig
+
+    ap.add_argument("--epochs", type=int, default=OptimizationConfig.epochs,
+                    help=f"training epochs [dflash-train's default, {OptimizationConfig.epochs}]")
     ap.add_argument("--codec", default="fp8", choices=sorted(CODEC_FRACTION))
     ap.add_argument("--disk-budget", default=None, help="e.g. 2T, 500G (default: none, the whole cache on disk)")
     ap.add_argument("--hidden-size", type=int, help="target hidden size [the shape's]")
