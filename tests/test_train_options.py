@@ -132,6 +132,25 @@ def test_soft_labels_default_to_half_where_the_cache_stores_them_and_off_where_i
     assert weight == 0.0 and "the cache stores no top-k log-probs" in said and "--store-topk" in said
 
 
+def test_a_dflash2_run_on_a_default_extraction_trains_with_the_soft_labels_beside_its_selector(soft_caches, tmp_path):
+    """DFlash2 on dflash-extract's default cache (top-8): the KL of the soft labels joins the
+    selector's loss; the run trains, records weight 0.5, and moves other weights than without."""
+    import json
+
+    cache = extract(soft_caches["target"], soft_caches["data"], tmp_path / "cache")
+    runs = {}
+    for name, kw in {"auto": {}, "off": {"soft_label_weight": 0.0}}.items():
+        runs[name] = tmp_path / name
+        result = train(tiny_train_config(cache, soft_caches["target"], runs[name], max_steps=2, save_interval=2,
+                                         drafter_type="dflash2", selector_rank=8, selector_top_k=4,
+                                         conv_group_size=8, **kw))
+        assert result.exit_status == 0
+    meta = json.loads((runs["auto"] / "checkpoints" / "step-000002" / "meta.json").read_text())
+    assert meta["config"]["soft_label_weight"] == 0.5
+    losses = {n: [m["loss"] for m in read_metrics(r) if m["kind"] == "train"] for n, r in runs.items()}
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values()) and losses["auto"] != losses["off"]
+
+
 def test_gradient_checkpointing_trains_the_same_weights(tiny_world, tmp_path):
     runs = {flag: tmp_path / f"gc-{flag}" for flag in (False, True)}
     for flag, run in runs.items():
