@@ -310,3 +310,20 @@ def test_the_ratio_interval_adds_the_two_log_widths_in_quadrature():
     half = math.hypot(math.log(4.5 / 2.0), math.log(2.5 / 1.6)) / 2
     assert (lo, hi) == pytest.approx((1.5 * math.exp(-half), 1.5 * math.exp(half)))
     assert quality.ratio_interval(3.0, None, 2.0, [1.6, 2.5]) is None
+
+
+def test_the_prompt_pool_counts_repeated_prompts_as_one_and_the_text_they_cover():
+    """A prompt file of three line kinds repeated: every prompt of one length is one of three
+    texts, however many are cut, and the coverage is the prompts' tokens over the file's."""
+    import types
+
+    import prompt_pool
+
+    encoded = vocab.ByteVocabulary().encode([TEXT])
+    sizes = stages.dataclasses.replace(stages.FULL, completions=40, generate_batch=8, prompt_lengths=(6,),
+                                       completion_tokens=4)
+    work = types.SimpleNamespace(sizes=sizes, split_training=lambda: ([], encoded))
+    r = prompt_pool.prompt_pool(work)
+    assert r["prompts"] == 40 and 1 < r["distinct_prompts"] <= 3 and r["greedy_prompts"] == 24  # batches 0, 2, 4
+    assert r["distinct_greedy"] <= r["distinct_prompts"] and r["most_repeated"] >= 40 // 3
+    assert r["prompts_per_file_token"] == pytest.approx(40 * 6 / len(TEXT))
