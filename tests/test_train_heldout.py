@@ -419,3 +419,41 @@ def test_a_run_with_the_head_in_chunks_trains_the_weights_of_one_without(tiny_wo
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-4), name
     assert chunked.eval_metrics["tau"] == pytest.approx(plain.eval_metrics["tau"], rel=1e-6)
+
+
+def _tracker_of(trajectory: list[tuple[int, float, float]]):
+    from dflash.train.reporting import HeldoutTracker
+
+    tracker = HeldoutTracker()
+    for step, heldout_tau, train_tau in trajectory:
+        tracker.add_train({"tau": train_tau, "blocks": 100.0})
+        tracker.observe(step, {"tau": heldout_tau})
+    return tracker
+
+
+def test_the_end_of_a_run_says_whether_its_data_or_its_steps_limit_it(tmp_path):
+    from dflash.train.reporting import HeldoutTracker
+
+    # The BPE benchmark's prose at 32,768 completions: held-out tau flat over the second half
+    # while the training batches' tau climbs.
+    prose = [(526, 1.946, 2.335), (1052, 2.058, 3.956), (1578, 2.132, 4.526), (2104, 2.179, 4.814),
+             (2630, 2.184, 4.996), (3156, 2.195, 5.121), (3682, 2.188, 5.225), (4208, 2.2, 5.31),
+             (4734, 2.231, 5.472), (5260, 2.245, 5.712)]
+    tracker = _tracker_of(prose)
+    advice = tracker.trajectory_advice(5260)
+    assert "2.184 (step 2630) -> 2.245 (step 5260, +2.8 %)" in advice and "4.996 -> 5.712 (+14.3 %)" in advice
+    assert "the data limits this drafter" in advice and "--samples-per-prompt" in advice
+    assert advice in tracker.final_message(5260, tmp_path / "final", None)
+    # Restored from a checkpoint's state, the trajectory is the same.
+    restored = HeldoutTracker()
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.trajectory_advice(5260) == advice
+
+    # Still rising at the last evaluation: more epochs may pay.
+    rising = [(s, 1.5 + 0.1 * i, 2.0 + 0.2 * i) for i, s in enumerate(range(100, 1100, 100))]
+    assert "still rising, so more --epochs may pay" in _tracker_of(rising).trajectory_advice(1000)
+    # Level held-out and training tau, too few evaluations, or no evaluation: nothing to say.
+    level = [(s, 2.0 + 0.001 * i, 2.2) for i, s in enumerate(range(100, 1100, 100))]
+    assert _tracker_of(level).trajectory_advice(1000) is None
+    assert _tracker_of(prose[:3]).trajectory_advice(1578) is None
+    assert HeldoutTracker().trajectory_advice(10) is None
