@@ -268,3 +268,47 @@ def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, 
     assert plain_grads.keys() == chunked_grads.keys() and plain_grads
     for name in plain_grads:
         assert torch.allclose(plain_grads[name], chunked_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_the_target_label_trains_toward_the_targets_top1_and_is_the_sample_on_a_greedy_completion(kind):
+    """--hard-label target: each scored slot's label is the target's top-1 at its cache row. On a
+    greedy completion (top-1 = the sample's next token) the objective is the sample label's, bit
+    for bit; where the top-1 differs, the cross-entropy is the one toward the top-1 (the KL to a
+    one-hot top-1, computed by the soft-label path), and `correct` is greedy verification's."""
+    from dflash.train.metrics import greedy_replay
+
+    drafter = tiny_drafter(seed=4, **(DFLASH2 if kind == "dflash2" else {}))
+    batch = hand_batch()
+    nexts = torch.roll(batch["input_ids"], -1, dims=1)
+    greedy = dict(batch, topk_ids=nexts[..., None], topk_logprobs=torch.zeros(2, 8, 1))
+    other = (nexts + 1 + torch.arange(8) % 3) % 100  # never the sample's next token
+    sampled = dict(batch, topk_ids=other[..., None], topk_logprobs=torch.zeros(2, 8, 1))
+
+    def run(b, label, **kw):
+        cfg = ObjectiveConfig(max_anchors=64, loss_weighting="decay", hard_label=label, **kw)
+        return compute_loss(drafter, b, cfg, generator=torch.Generator().manual_seed(5))
+
+    a, b = run(greedy, "sample"), run(greedy, "target")
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.correct, b.correct)
+    toward_top1, sample = run(sampled, "target"), run(sampled, "sample")
+    kl_to_top1 = run(sampled, "sample", soft_label_weight=1.0)
+    assert toward_top1.ce.item() == pytest.approx(kl_to_top1.kl.item(), rel=1e-5)
+    assert toward_top1.ce.item() != pytest.approx(sample.ce.item(), rel=1e-3)
+    # `correct` (the training tau's) is greedy verification's: the drafted token (DFlash2: the
+    # selector's choice) against the target's top-1. A top-1 that agrees with some of the drafts
+    # (the untrained drafter's own, one per cache row) makes those slots correct, and only them.
+    top1 = other.clone()
+    for (bi, ai, ki) in sample.valid.nonzero().tolist():
+        row = int(sample.anchor_positions[bi, ai]) + ki
+        if top1[bi, row] == other[bi, row]:
+            top1[bi, row] = sample.predicted[bi, ai, ki]
+    agreeing = dict(batch, topk_ids=top1[..., None], topk_logprobs=torch.zeros(2, 8, 1))
+    out = run(agreeing, "target")
+    assert out.correct.any() and torch.equal(out.correct, greedy_replay(out, agreeing).correct)
+    if kind == "dflash2":  # the selector trains toward the top-1 as well
+        assert toward_top1.selector_loss.item() != pytest.approx(sample.selector_loss.item(), rel=1e-3)
+    with pytest.raises(ValueError, match="hard_label"):
+        run(batch, "target")
+    with pytest.raises(TrainConfigError, match="hard-label"):
+        ObjectiveConfig(hard_label="argmax")

@@ -208,3 +208,30 @@ def test_acceptance_loss_weighting_and_wsd_schedule_train_and_change_the_run(tin
     assert records["acceptance"][0]["loss"] != records["decay"][0]["loss"]
     assert records["wsd"][0]["loss"] == records["decay"][0]["loss"]
     assert records["wsd"][2]["lr"] > records["decay"][2]["lr"]  # held at the peak, not decaying yet
+
+
+def test_the_target_label_trains_from_a_default_extraction_and_is_refused_without_a_top1(soft_caches, tmp_path,
+                                                                                          capsys):
+    """--hard-label target on dflash-extract's default cache (its top-8): the run trains other
+    weights than the sample labels, records the setting and says where its labels come from; on
+    a cache with neither top-k nor top-1 it stops before training, naming both fixes."""
+    import json
+
+    from dflash.runtime.errors import InputError
+
+    target = soft_caches["target"]
+    default = extract(target, soft_caches["data"], tmp_path / "default")
+    runs = {label: tmp_path / label for label in ("sample", "target")}
+    for label, out in runs.items():
+        train(tiny_train_config(default, target, out, max_steps=2, save_interval=2, hard_label=label))
+    said = capsys.readouterr().out
+    assert "hard labels: the target's top-1 (the first of its top-8 in the cache)" in said
+    meta = json.loads((runs["target"] / "checkpoints" / "step-000002" / "meta.json").read_text())
+    assert meta["config"]["hard_label"] == "target"
+    assert any(not torch.equal(a, b) for a, b in zip(final_weights(runs["sample"]).values(),
+                                                     final_weights(runs["target"]).values()))
+    bare = extract(target, soft_caches["data"], tmp_path / "bare", store_topk=0, store_top1=False)
+    with pytest.raises(InputError, match="--hard-label target") as e:
+        train(tiny_train_config(bare, target, tmp_path / "bare-run", max_steps=2, hard_label="target"))
+    assert "--hard-label sample" in str(e.value) and "Extract again" in str(e.value)
+    assert not (tmp_path / "bare-run" / "checkpoints").exists()

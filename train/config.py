@@ -33,6 +33,7 @@ PARALLEL_MODES = ("ddp", "fsdp")
 NOISE_TYPES = ("none", "uniform", "gaussian")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")  # attention.ATTENTION_BACKENDS (a test checks they agree)
 LOSS_WEIGHTINGS = ("decay", "acceptance")
+HARD_LABELS = ("sample", "target")
 LR_SCHEDULES = ("cosine", "wsd")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # model.COMPILE_MODES
 DRAFTER_TYPES = ("dflash", "dflash2")  # dflash2.DRAFTER_TYPES
@@ -289,6 +290,14 @@ class ObjectiveConfig:
     last_hidden in the cache). Default: 0.5 where the cache stores them (dflash-extract stores the top-8
     by default), else 0. On the BPE benchmark at 4,096 completions and 10 epochs 0.5 gave +3.9 % tau on
     code and +3.0 % on prose (docs/recipe.md)."""
+    hard_label: str = setting("sample", choices=HARD_LABELS)
+    """The token each block slot's cross-entropy (and a DFlash2 selector's) trains toward: the
+    sample's next token (sample), or the target's own top-1 after the sample's tokens (target), what
+    greedy verification accepts, read from the cache's top-k (dflash-extract stores the top-8 by
+    default) or its top-1. The two differ on sampled completions wherever the sample left the
+    target's greedy choice; the acceptance weights and the training tau follow the label. A sample
+    whose cache holds neither (outside a --top1-share) trains on its own tokens. Not yet measured
+    against sample."""
     logits_chunk_mib: int = 8192
     """The most MiB of float32 logits the target head's cross-entropy holds at once: a micro-batch
     whose scored block slots need more runs the head over chunks of 1 GiB (many short samples score
@@ -303,7 +312,7 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         _check_at_least(self, ("max_anchors",), 1)
         _check_at_least(self, ("logits_chunk_mib",), 0)
-        _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
+        _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES, "hard_label": HARD_LABELS})
         if self.gamma is not None and self.gamma <= 0:
             raise TrainConfigError(f"--gamma must be > 0 (got {self.gamma}); leave it out for the default.")
         if self.gamma is not None and self.loss_weighting != "decay":

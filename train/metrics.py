@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .objective import LossOutput
+if TYPE_CHECKING:  # (objective.py reads target_top1 from here)
+    from .objective import LossOutput
 
 
 def leading_correct(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from .attention import build_layer_masks
 from .config import ObjectiveConfig
 from .dflash2 import selector_objective
 from .head_loss import CHUNK_MIB, candidate_logits, chunk_rows, needs_chunks, slot_losses
+from .metrics import target_top1
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -210,6 +211,23 @@ _NO_SOFT_LABELS = ("soft_label_weight > 0 but the batch has neither last_hidden 
                    "extract them into the cache or set soft_label_weight 0.")
 
 
+_NO_TOP1 = ("hard_label 'target' but the batch holds neither the target's top-k nor its top-1; extract them "
+            "into the cache (dflash-extract stores the top-8 by default) or set hard_label 'sample'.")
+
+
+def greedy_labels(batch: dict, labels: torch.Tensor, b: torch.Tensor, a: torch.Tensor, k: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+    """`labels` [B, A, S] with each scored slot (b, a, k) holding the target's top-1 at cache row
+    `rows` (metrics.target_top1: its greedy choice after the sample's tokens up to there; a sample
+    without one keeps its own next token)."""
+    top1 = target_top1(batch)
+    if top1 is None:
+        raise ValueError(_NO_TOP1)
+    out = labels.clone()
+    out[b, a, k] = top1.to(labels.device)[b, rows].to(labels.dtype)
+    return out
+
+
 def _soft_labels(batch: dict, b: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """The soft labels of the slots at cache rows `rows` as head_loss.slot_losses takes them:
     the target's top-k (renormalized log-probs) or its last hidden states."""
@@ -272,12 +290,14 @@ def compute_loss(
     else:
         b, a, k = valid.nonzero(as_tuple=True)
     scored = states[b, a, k]  # [N, D], once: the selector reads them too
+    cache_rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
+    if config.hard_label == "target":  # the target's greedy choice there, not the sample's token
+        labels = greedy_labels(batch, labels, b, a, k, cache_rows)
     target = labels[b, a, k]
     selector = drafter.candidate_selector
     vocab = drafter.lm_head_weight.shape[0]
     chunk = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
     soft_weight = config.soft_label_weight or 0.0  # None (not yet decided by the cache, TrainConfig.with_soft_labels): off
-    cache_rows = anchors[b, a] + k  # slot k+1 predicts token p+k+1, described by cache row p+k
     soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
     if needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
         # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
