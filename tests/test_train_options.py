@@ -231,6 +231,13 @@ def test_the_target_label_trains_from_a_default_extraction_and_is_refused_withou
     assert any(not torch.equal(a, b) for a, b in zip(final_weights(runs["sample"]).values(),
                                                      final_weights(runs["target"]).values()))
     bare = extract(target, soft_caches["data"], tmp_path / "bare", store_topk=0, store_top1=False)
+    # The held-out evaluation scores the same labels (an eval cache shares the training caches'
+    # top-k, or is refused as another extraction) and walks greedy verification as ever.
+    evaluated = tmp_path / "evaluated"
+    train(tiny_train_config(default, target, evaluated, max_steps=2, eval_interval=1, hard_label="target",
+                            eval_fraction=0.25))
+    evals = [m for m in read_metrics(evaluated) if m["kind"] == "eval"]
+    assert len(evals) == 2 and all(m["heldout_tau"] >= 1.0 and m["estimator"] for m in evals)
     with pytest.raises(InputError, match="--hard-label target") as e:
         train(tiny_train_config(bare, target, tmp_path / "bare-run", max_steps=2, hard_label="target"))
     assert "--hard-label sample" in str(e.value) and "Extract again" in str(e.value)
