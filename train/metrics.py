@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # (objective.py reads target_top1 from here)
-    from .objective import LossOutput
+from .objective import LossOutput, target_top1
 
 
 def leading_correct(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -84,27 +82,6 @@ def tau_from_accuracies(acc: list[float]) -> float:
         run *= a
         total += run
     return total
-
-
-def target_top1(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """[B, T] the target's greedy next token after each row (top1_ids, else the first of
-    topk_ids), None when the batch has neither. A sample whose cache holds no top-1 for it
-    (outside a --top1-share, `top1_known`) gets the first of its top-k, else its own next token,
-    so that its replay checks the drafts against its tokens, as for a cache without top-1."""
-    if "top1_ids" in batch:
-        top1 = batch["top1_ids"][..., 0]
-        known = batch.get("top1_known")
-        if known is None:
-            return top1
-        if "topk_ids" in batch:
-            other = batch["topk_ids"][..., 0].to(device=top1.device, dtype=top1.dtype)
-        else:
-            other = torch.zeros_like(top1)
-            other[:, :-1] = batch["input_ids"][:, 1:].to(device=top1.device, dtype=top1.dtype)
-        return torch.where(known.to(top1.device)[:, None], top1, other)
-    if "topk_ids" in batch:
-        return batch["topk_ids"][..., 0]  # topk is sorted, best first
-    return None
 
 
 def top1_known(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -26,7 +26,6 @@ from .attention import build_layer_masks
 from .config import ObjectiveConfig
 from .dflash2 import selector_objective
 from .head_loss import CHUNK_MIB, candidate_logits, chunk_rows, needs_chunks, slot_losses
-from .metrics import target_top1
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -211,6 +210,27 @@ _NO_SOFT_LABELS = ("soft_label_weight > 0 but the batch has neither last_hidden 
                    "extract them into the cache or set soft_label_weight 0.")
 
 
+def target_top1(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """[B, T] the target's greedy next token after each row (top1_ids, else the first of
+    topk_ids), None when the batch has neither. A sample whose cache holds no top-1 for it
+    (outside a --top1-share, `top1_known`) gets the first of its top-k, else its own next token,
+    so that its replay checks the drafts against its tokens, as for a cache without top-1."""
+    if "top1_ids" in batch:
+        top1 = batch["top1_ids"][..., 0]
+        known = batch.get("top1_known")
+        if known is None:
+            return top1
+        if "topk_ids" in batch:
+            other = batch["topk_ids"][..., 0].to(device=top1.device, dtype=top1.dtype)
+        else:
+            other = torch.zeros_like(top1)
+            other[:, :-1] = batch["input_ids"][:, 1:].to(device=top1.device, dtype=top1.dtype)
+        return torch.where(known.to(top1.device)[:, None], top1, other)
+    if "topk_ids" in batch:
+        return batch["topk_ids"][..., 0]  # topk is sorted, best first
+    return None
+
+
 _NO_TOP1 = ("hard_label 'target' but the batch holds neither the target's top-k nor its top-1; extract them "
             "into the cache (dflash-extract stores the top-8 by default) or set hard_label 'sample'.")
 
@@ -218,7 +238,7 @@ _NO_TOP1 = ("hard_label 'target' but the batch holds neither the target's top-k 
 def greedy_labels(batch: dict, labels: torch.Tensor, b: torch.Tensor, a: torch.Tensor, k: torch.Tensor,
                   rows: torch.Tensor) -> torch.Tensor:
     """`labels` [B, A, S] with each scored slot (b, a, k) holding the target's top-1 at cache row
-    `rows` (metrics.target_top1: its greedy choice after the sample's tokens up to there; a sample
+    `rows` (target_top1: its greedy choice after the sample's tokens up to there; a sample
     without one keeps its own next token)."""
     top1 = target_top1(batch)
     if top1 is None:
