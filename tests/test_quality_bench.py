@@ -120,6 +120,12 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert target["target_files"] + target["prompt_files"] == target["train_files"]
     assert target["train_tokens"] == sum(len(e.tokens) + 2 for e in target_docs)  # <bos> doc <eos>, no prompt file
     prompt_text = [e.tokens.tobytes() for e in prompt_docs]
+    # The generate record says how much text its prompts come from (the table prints it).
+    generated = json.loads((work / "stages" / "generate.json").read_text())
+    prompts = [tuple(r["input_ids"][: r["loss_mask"].index(1)]) for r in records]
+    assert generated["prompt_files"] == len(prompt_docs) and generated["distinct_prompts"] == len(set(prompts))
+    assert generated["prompt_file_tokens"] == sum(len(e.tokens) for e in prompt_docs)
+    assert generated["prompts_per_file_token"] == pytest.approx(sum(map(len, prompts)) / generated["prompt_file_tokens"])
     for r in records[:: max(1, len(records) // 16)]:
         prompt = np.asarray(r["input_ids"][: r["loss_mask"].index(1)], dtype=prompt_docs[0].tokens.dtype).tobytes()
         assert any(prompt in text for text in prompt_text)
@@ -151,6 +157,8 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert cells[2] == "2"
     assert "–" not in cells and cells[-1] == "yes"  # every figure present, both decoders lossless
     assert "domain: code, vocabulary: BPE of 512 ids" in out
+    assert (f"their prompts cut from {generated['prompt_files']} prompt files of {generated['prompt_file_tokens']:,} "
+            f"tokens") in out
     assert (work / "table.md").read_text().strip() in out
     # The longest prompts' own tau is read off dflash-eval's per-prompt figures.
     blocks = json.loads((work / "stages" / "eval-e2.json").read_text())["blocks"]

@@ -22,32 +22,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpus import cut_prompts  # noqa: E402
 from run import apply_overrides  # noqa: E402
-from stages import Work, batch_size, preset  # noqa: E402
+from stages import PromptPool, Work, batch_size, cut_batch, preset  # noqa: E402
 
 
 def prompt_pool(work: Work) -> dict[str, float]:
     s = work.sizes
     _, prompt_files = work.split_training()
-    size = batch_size(s)
-    batches = -(-s.completions // size)
+    pool = PromptPool(sum(len(e.tokens) for e in prompt_files))
     every: collections.Counter = collections.Counter()
-    greedy: collections.Counter = collections.Counter()
-    prompt_tokens = 0
-    for b in range(batches):
-        count = min(size, s.completions - b * size)
-        length = s.prompt_lengths[b % len(s.prompt_lengths)]
-        for p in cut_prompts(prompt_files, count, [length], seed=s.seed * 1000 + b, tail=s.completion_tokens):
-            every[tuple(p)] += 1
-            greedy[tuple(p)] += b % 2 == 0  # even batches are the greedy ones
-            prompt_tokens += len(p)
-    file_tokens = sum(len(e.tokens) for e in prompt_files)
-    greedy_total = sum(greedy.values())
-    return {"prompt_files": len(prompt_files), "prompt_file_tokens": file_tokens, "prompts": s.completions,
-            "distinct_prompts": len(every), "distinct_share": len(every) / s.completions,
-            "greedy_prompts": greedy_total, "distinct_greedy": sum(1 for v in greedy.values() if v),
-            "most_repeated": every.most_common(1)[0][1], "prompts_per_file_token": prompt_tokens / file_tokens}
+    greedy: set = set()
+    greedy_total = 0
+    for b in range(-(-s.completions // batch_size(s))):
+        prompts = cut_batch(s, prompt_files, b)
+        pool.add(prompts)
+        every.update(tuple(p) for p in prompts)
+        if b % 2 == 0:  # even batches are the greedy ones
+            greedy.update(tuple(p) for p in prompts)
+            greedy_total += len(prompts)
+    r = pool.record()
+    return {**r, "prompt_files": len(prompt_files), "prompts": pool.prompts,
+            "distinct_share": r["distinct_prompts"] / pool.prompts, "greedy_prompts": greedy_total,
+            "distinct_greedy": len(greedy), "most_repeated": every.most_common(1)[0][1]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -207,6 +207,9 @@ def table(work: Work) -> str:
              f"{_fmt(target.get('train_loss'), '.3f')}); {data.get('samples', '–')} completions of "
              f"{s.completion_tokens} tokens (half greedy, half T={s.sample_temperature}), {data.get('tokens', '–')} tokens"
              + (f", {data.get('extra_samples')} more sampled (extra_cache)" if data.get("extra_samples") else "")
+             + (f", their prompts cut from {data['prompt_files']} prompt files of {data['prompt_file_tokens']:,} tokens "
+                f"({data['prompts_per_file_token']:.1f} prompts a token, {data['distinct_prompts']:,} distinct)"
+                if data.get("prompt_file_tokens") else "")
              + f"; {data.get('eval_prompts', '–')} held-out "
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch {s.eval_batch}, prompt lookup n <= {s.lookup_ngram}; "
              "tau: accepted tokens / verification cycles over all prompts (pooled; in parentheses its 95 % "

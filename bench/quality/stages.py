@@ -368,6 +368,36 @@ def batch_size(s: Sizes) -> int:
     return max(1, min(s.generate_batch, -(-s.completions // 2)))
 
 
+def cut_batch(s: Sizes, prompt_files: list[Encoded], b: int, sources: list[int] | None = None) -> list[list[int]]:
+    """The prompts of the generate stage's batch `b` (its own seed and prompt length), cut from the
+    drafter's prompt files; `sources` gets each prompt's file index."""
+    size = batch_size(s)
+    count = min(size, s.completions - b * size)
+    length = s.prompt_lengths[b % len(s.prompt_lengths)]
+    return cut_prompts(prompt_files, count, [length], seed=s.seed * 1000 + b, tail=s.completion_tokens,
+                       sources=sources)
+
+
+@dataclass
+class PromptPool:
+    """How much text the training prompts come from: the drafter's data diversity (prompt_pool.py,
+    and the generate stage's record)."""
+
+    file_tokens: int
+    prompts: int = 0
+    prompt_tokens: int = 0
+    seen: set = field(default_factory=set)
+
+    def add(self, prompts: list[list[int]]) -> None:
+        self.prompts += len(prompts)
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.seen.update(hash(tuple(p)) for p in prompts)
+
+    def record(self) -> dict[str, Any]:
+        return {"prompt_file_tokens": self.file_tokens, "distinct_prompts": len(self.seen),
+                "prompts_per_file_token": self.prompt_tokens / max(1, self.file_tokens)}
+
+
 def stage_generate(work: Work) -> dict[str, Any]:
     """Target completions of prompt-file prompts (batches alternate greedy and sampled; with
     extra_samples, more sampled completions of the same prompts in completions_extra/), and
@@ -382,6 +412,7 @@ def stage_generate(work: Work) -> dict[str, Any]:
     batches = -(-s.completions // size)
     tokens = extra = 0
     parts, extra_parts = work.root / "completions", work.root / "completions_extra"
+    pool = PromptPool(sum(len(e.tokens) for e in train))
     for d in (parts, extra_parts):
         shutil.rmtree(d, ignore_errors=True)
     parts.mkdir()
@@ -392,12 +423,11 @@ def stage_generate(work: Work) -> dict[str, Any]:
         with gzip.open(parts / name, "wt", compresslevel=6) as f, \
                 (gzip.open(extra_parts / name, "wt", compresslevel=6) if s.extra_samples else open(os.devnull, "w")) as fx:
             for b in range(first, min(batches, first + s.batches_per_part)):
-                count = min(size, s.completions - b * size)
                 length = s.prompt_lengths[b % len(s.prompt_lengths)]
                 # as the evaluation's prompts are cut: where the document goes on for a completion
                 sources: list[int] = []
-                prompts = cut_prompts(train, count, [length], seed=s.seed * 1000 + b, tail=s.completion_tokens,
-                                      sources=sources)
+                prompts = cut_batch(s, train, b, sources)
+                pool.add(prompts)
                 groups = sources if s.record_groups else None
                 temperature = 0.0 if b % 2 == 0 else s.sample_temperature
                 tokens += _write_completions(f, prompts, complete(model, prompts, s.completion_tokens, temperature,
@@ -420,7 +450,8 @@ def stage_generate(work: Work) -> dict[str, Any]:
     _sync(work.device)
     return {"samples": s.completions, "tokens": tokens, "extra_samples": s.completions * s.extra_samples,
             "extra_tokens": extra, "eval_prompts": len(prompts),
-            "estimate_prompts": estimate, "decoded_prompts": decoded, "seconds": time.perf_counter() - start}
+            "estimate_prompts": estimate, "decoded_prompts": decoded, "prompt_files": len(train), **pool.record(),
+            "seconds": time.perf_counter() - start}
 
 
 def _write_completions(f: Any, prompts: list[list[int]], completions: list[list[int]],
