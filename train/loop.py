@@ -56,6 +56,7 @@ from .loader import dequantize_batch
 from .model import DFlashDrafter
 from .objective import (
     compute_loss,
+    label_summary,
     sample_anchors,
     scored_slots,
 )
@@ -109,7 +110,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
                                    caches=data.caches):
         log.info(f"Note: {note}")
-    log.info(data.summary() + soft_label_summary(cfg, manifest) + hard_label_summary(cfg, manifest))
+    log.info(data.summary() + label_summary(cfg.objective, manifest))
     refuse_nothing_to_learn(data, cfg.model.block_size)
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
@@ -235,36 +236,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def soft_label_summary(cfg: TrainConfig, manifest: Any) -> str:
-    """The startup summary's word on soft labels: their weight and source, or how to get them."""
-    weight = cfg.objective.soft_label_weight
-    if weight:
-        source = f"the target's top-{manifest.topk} log-probs" if manifest.topk else "the target's last hidden state"
-        return f"; soft labels: weight {weight:g}, from {source} in the cache"
-    if manifest.store_last_hidden or manifest.topk:
-        return "; soft labels: off (--soft-label-weight 0)"
-    return ("; soft labels: off, the cache stores no top-k log-probs (extracted with --store-topk 0, or before "
-            "dflash-extract stored the top-8 by default): extracted with them, the default weight 0.5 gave "
-            "+3.9 % tau on code and +3.0 % on prose on the BPE benchmark (docs/recipe.md)")
-
-
-def hard_label_summary(cfg: TrainConfig, manifest: Any) -> str:
-    """The startup summary's word on --hard-label target (nothing for the default, sample); a cache
-    with neither the target's top-k nor its top-1 is refused, naming the fix."""
-    if cfg.objective.hard_label != "target":
-        return ""
-    if manifest.topk:
-        return f"; hard labels: the target's top-1 (the first of its top-{manifest.topk} in the cache)"
-    if manifest.top1 and manifest.top1_share > 0:
-        share = manifest.top1_share
-        return ("; hard labels: the target's top-1 from the cache" + (
-            "" if share >= 1 else f", for the share {share:g} of the samples that store it (dflash-extract "
-            "--top1-share); the others train on their own tokens"))
-    raise InputError("--hard-label target trains toward the target's own top-1, and the cache stores neither "
-                     "its top-k nor its top-1 (extracted with --store-topk 0 --no-store-top1, or before they were "
-                     "stored by default). Extract again with the defaults (the top-8), or use --hard-label sample.")
 
 
 def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from dflash.runtime.errors import InputError
 
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
@@ -208,6 +210,43 @@ class LossOutput:
 
 _NO_SOFT_LABELS = ("soft_label_weight > 0 but the batch has neither last_hidden nor topk_ids/topk_logprobs; "
                    "extract them into the cache or set soft_label_weight 0.")
+
+
+def label_summary(config: ObjectiveConfig, manifest: Any) -> str:
+    """The trainer's startup summary on what the slots train toward, read from the training cache's
+    manifest: the soft labels' weight and source (or how to get them), and --hard-label target's
+    source (a cache without the target's top-k or top-1 is refused there)."""
+    return _soft_label_summary(config, manifest) + _hard_label_summary(config, manifest)
+
+
+def _soft_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
+    """The startup summary's word on soft labels: their weight and source, or how to get them."""
+    weight = config.soft_label_weight
+    if weight:
+        source = f"the target's top-{manifest.topk} log-probs" if manifest.topk else "the target's last hidden state"
+        return f"; soft labels: weight {weight:g}, from {source} in the cache"
+    if manifest.store_last_hidden or manifest.topk:
+        return "; soft labels: off (--soft-label-weight 0)"
+    return ("; soft labels: off, the cache stores no top-k log-probs (extracted with --store-topk 0, or before "
+            "dflash-extract stored the top-8 by default): extracted with them, the default weight 0.5 gave "
+            "+3.9 % tau on code and +3.0 % on prose on the BPE benchmark (docs/recipe.md)")
+
+
+def _hard_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
+    """The startup summary's word on --hard-label target (nothing for the default, sample); a cache
+    with neither the target's top-k nor its top-1 is refused, naming the fix."""
+    if config.hard_label != "target":
+        return ""
+    if manifest.topk:
+        return f"; hard labels: the target's top-1 (the first of its top-{manifest.topk} in the cache)"
+    if manifest.top1 and manifest.top1_share > 0:
+        share = manifest.top1_share
+        return ("; hard labels: the target's top-1 from the cache" + (
+            "" if share >= 1 else f", for the share {share:g} of the samples that store it (dflash-extract "
+            "--top1-share); the others train on their own tokens"))
+    raise InputError("--hard-label target trains toward the target's own top-1, and the cache stores neither "
+                     "its top-k nor its top-1 (extracted with --store-topk 0 --no-store-top1, or before they were "
+                     "stored by default). Extract again with the defaults (the top-8), or use --hard-label sample.")
 
 
 def target_top1(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -203,8 +203,7 @@ class HeldoutTracker:
         held-out tau at the evaluation nearest half the steps against the best after it, beside the
         training tau over the same span. Flat held-out tau while the training tau climbs: the data
         limits the drafter, not its steps (the BPE benchmark's prose at 32,768 completions: +2.8 %
-        held out against +14 % on its training batches over the second half, where 10 epochs gave
-        the tau of 6). Still rising at the last evaluation: more epochs may pay. None for a run of
+        held out against +14 % on its training batches over the second half). Still rising at the last evaluation: more epochs may pay. None for a run of
         fewer than four evaluations."""
         rows = [r for r in self.history if math.isfinite(r[1])]
         if len(rows) < 4 or step <= 0:
