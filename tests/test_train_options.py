@@ -242,3 +242,41 @@ def test_the_target_label_trains_from_a_default_extraction_and_is_refused_withou
         train(tiny_train_config(bare, target, tmp_path / "bare-run", max_steps=2, hard_label="target"))
     assert "--hard-label sample" in str(e.value) and "Extract again" in str(e.value)
     assert not (tmp_path / "bare-run" / "checkpoints").exists()
+
+
+DFLASH2_TINY = dict(drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8, conv_kernel_size=2)
+
+
+def test_a_dflash2_run_trains_toward_the_targets_top1_by_default_where_the_cache_has_it(soft_caches, tmp_path,
+                                                                                         capsys):
+    """The default --hard-label: target for DFlash2 on a cache with the target's top-k (what it
+    records, trains and says), sample for DFlash and for a DFlash2 on a cache without a top-1 (not
+    refused); a DFlash2 run begun under the former default (sample) and resumed by the same command
+    is told how to finish as it started."""
+    import json
+
+    target = soft_caches["target"]
+    default = extract(target, soft_caches["data"], tmp_path / "default")
+    bare = extract(target, soft_caches["data"], tmp_path / "bare", store_topk=0, store_top1=False)
+    runs = {"dflash2": (default, DFLASH2_TINY), "dflash2-bare": (bare, DFLASH2_TINY), "dflash": (default, {}),
+            "dflash2-sample": (default, {**DFLASH2_TINY, "hard_label": "sample"})}
+    said = {}
+    for name, (cache, kw) in runs.items():
+        train(tiny_train_config(cache, target, tmp_path / name, max_steps=2, save_interval=2, **kw))
+        said[name] = capsys.readouterr().out
+    recorded = {name: json.loads((tmp_path / name / "checkpoints" / "step-000002" / "meta.json").read_text())
+                ["config"]["hard_label"] for name in runs}
+    assert recorded == {"dflash2": "target", "dflash2-bare": "sample", "dflash": "sample", "dflash2-sample": "sample"}
+    assert "hard labels: the target's top-1" in said["dflash2"]
+    assert all("hard labels" not in said[name] for name in ("dflash2-bare", "dflash", "dflash2-sample"))
+    # The default's labels are the explicit target's: the same weights as --hard-label target.
+    train(tiny_train_config(default, target, tmp_path / "explicit", max_steps=2, save_interval=2, hard_label="target",
+                            **DFLASH2_TINY))
+    capsys.readouterr()
+    assert_same_weights(final_weights(tmp_path / "explicit"), final_weights(tmp_path / "dflash2"))
+    assert any(not torch.equal(a, b) for a, b in zip(final_weights(tmp_path / "dflash2").values(),
+                                                     final_weights(tmp_path / "dflash2-sample").values()))
+    train(tiny_train_config(default, target, tmp_path / "dflash2-sample", max_steps=3, save_interval=3,
+                            **DFLASH2_TINY))
+    resumed = capsys.readouterr().out
+    assert "hard_label 'sample' -> 'target'" in resumed and "rerun with --hard-label sample" in resumed

@@ -290,14 +290,16 @@ class ObjectiveConfig:
     last_hidden in the cache). Default: 0.5 where the cache stores them (dflash-extract stores the top-8
     by default), else 0. On the BPE benchmark at 4,096 completions and 10 epochs 0.5 gave +3.9 % tau on
     code and +3.0 % on prose (docs/recipe.md)."""
-    hard_label: str = setting("sample", choices=HARD_LABELS)
+    hard_label: str | None = setting(None, choices=HARD_LABELS)
     """The token each block slot's cross-entropy (and a DFlash2 selector's) trains toward: the
     sample's next token (sample), or the target's own top-1 after the sample's tokens (target), what
     greedy verification accepts, read from the cache's top-k (dflash-extract stores the top-8 by
     default) or its top-1. The two differ on sampled completions wherever the sample left the
     target's greedy choice; the acceptance weights and the training tau follow the label. A sample
-    whose cache holds neither (outside a --top1-share) trains on its own tokens. Not yet measured
-    against sample."""
+    whose cache holds neither (outside a --top1-share) trains on its own tokens. Default: target for
+    --drafter-type dflash2 where the cache stores the target's top-k or top-1 (on the BPE benchmark
+    at 4,096 completions +5.0 % tau on code, level on prose), else sample (for DFlash the two were
+    level on both domains; docs/recipe.md)."""
     logits_chunk_mib: int = 8192
     """The most MiB of float32 logits the target head's cross-entropy holds at once: a micro-batch
     whose scored block slots need more runs the head over chunks of 1 GiB (many short samples score
@@ -312,7 +314,9 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         _check_at_least(self, ("max_anchors",), 1)
         _check_at_least(self, ("logits_chunk_mib",), 0)
-        _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES, "hard_label": HARD_LABELS})
+        _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
+        if self.hard_label is not None:  # None: decided by the drafter type and the cache (TrainConfig.with_hard_label)
+            _check_choices(self, {"hard_label": HARD_LABELS})
         if self.gamma is not None and self.gamma <= 0:
             raise TrainConfigError(f"--gamma must be > 0 (got {self.gamma}); leave it out for the default.")
         if self.gamma is not None and self.loss_weighting != "decay":
@@ -494,6 +498,14 @@ class TrainConfig:
             return self
         weight = DEFAULT_SOFT_LABEL_WEIGHT if cache_has_soft_labels else 0.0
         return replace(self, objective=replace(self.objective, soft_label_weight=weight))
+
+    def with_hard_label(self, cache_has_top1: bool) -> TrainConfig:
+        """This config with --hard-label decided: as given, else target for a DFlash2 drafter where
+        the cache stores the target's top-k or top-1, and sample otherwise (the run records it)."""
+        if self.objective.hard_label is not None:
+            return self
+        label = "target" if self.model.drafter_type == "dflash2" and cache_has_top1 else "sample"
+        return replace(self, objective=replace(self.objective, hard_label=label))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:

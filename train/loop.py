@@ -105,7 +105,8 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                               pin_memory=info.device.type == "cuda")
     cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
     manifest = data.caches.manifest
-    cfg = cfg.with_soft_labels(bool(manifest.store_last_hidden or manifest.topk))
+    cfg = cfg.with_soft_labels(bool(manifest.store_last_hidden or manifest.topk)).with_hard_label(
+        bool(manifest.topk or (manifest.top1 and manifest.top1_share > 0)))
     target_config = load_target_config_or_fail(cfg.model.target_model)
     for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
                                    caches=data.caches):
@@ -476,9 +477,10 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     return ckpt.step
 
 
-FORMER_DEFAULTS = {"epochs": 6, "soft_label_weight": 0.0}
-"""Defaults of earlier versions (now 10 epochs and soft labels where the cache has them): a run
-started under them and resumed by the same command takes the new ones unless told."""
+FORMER_DEFAULTS = {"epochs": 6, "soft_label_weight": 0.0, "hard_label": "sample"}
+"""Defaults of earlier versions (now 10 epochs, soft labels where the cache has them, and DFlash2
+toward the target's top-1): a run started under them and resumed by the same command takes the
+new ones unless told."""
 
 
 def former_defaults_hint(changed: dict[str, tuple[Any, Any]]) -> str:
@@ -486,7 +488,7 @@ def former_defaults_hint(changed: dict[str, tuple[Any, Any]]) -> str:
     moved = [k for k, (old, _) in changed.items() if k in FORMER_DEFAULTS and old == FORMER_DEFAULTS[k]]
     if not moved:
         return ""
-    flags = " ".join(f"--{k.replace('_', '-')} {FORMER_DEFAULTS[k]:g}" for k in moved)
+    flags = " ".join(f"--{k.replace('_', '-')} {FORMER_DEFAULTS[k]}" for k in moved)
     return (f" ({', '.join(moved)}: the default changed since this run started, docs/recipe.md; rerun with "
             f"{flags} to finish it as it started)")
 
