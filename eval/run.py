@@ -223,22 +223,35 @@ def tau_intervals(generations: list[Generation], baseline: list[Generation] | No
     keep = cycles > 0
     if keep.sum() < 2:
         return {}
-    draw = np.random.default_rng(seed).integers(0, len(tokens), size=(resamples, len(tokens)))
-
-    def interval(values: np.ndarray) -> list[float]:
-        finite = values[np.isfinite(values)]
-        return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if finite.size else []
-
+    draw = bootstrap_draw(len(tokens), resamples, seed)
     with np.errstate(divide="ignore", invalid="ignore"):
-        pooled = tokens[draw].sum(1) / cycles[draw].sum(1)
         per_prompt = np.where(keep, tokens / np.where(keep, cycles, 1), 0.0)
         means = (per_prompt[draw] * keep[draw]).sum(1) / keep[draw].sum(1)
-        out: dict[str, Any] = {"prompts": int(len(tokens)), "resamples": resamples, "tau": interval(pooled),
-                               "tau_per_prompt_mean": interval(means)}
+        out: dict[str, Any] = {"prompts": int(len(tokens)), "resamples": resamples,
+                               "tau": percentile_interval(resampled_tau(tokens, cycles, draw)),
+                               "tau_per_prompt_mean": percentile_interval(means)}
         if baseline is not None and len(baseline) == len(generations):
-            base_tokens, base_cycles = sums(baseline)
-            out["tau_vs_baseline"] = interval(pooled / (base_tokens[draw].sum(1) / base_cycles[draw].sum(1)))
+            out["tau_vs_baseline"] = percentile_interval(
+                resampled_tau(tokens, cycles, draw) / resampled_tau(*sums(baseline), draw))
     return out
+
+
+def bootstrap_draw(prompts: int, resamples: int = INTERVAL_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """[resamples, prompts] prompt indices drawn with replacement (a fixed seed: the same draw
+    for the same sizes); resampling two methods' figures with one draw pairs them."""
+    return np.random.default_rng(seed).integers(0, prompts, size=(resamples, prompts))
+
+
+def resampled_tau(tokens: np.ndarray, cycles: np.ndarray, draw: np.ndarray) -> np.ndarray:
+    """The pooled tau (tokens over cycles) of each resample of `draw`."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return tokens[draw].sum(1) / cycles[draw].sum(1)
+
+
+def percentile_interval(values: np.ndarray) -> list[float]:
+    """The 95 % interval (2.5th and 97.5th percentiles) of the finite values; [] for none."""
+    finite = values[np.isfinite(values)]
+    return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if finite.size else []
 
 
 def per_prompt_mean(generations: list[Generation]) -> float:

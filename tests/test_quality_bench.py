@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
 
 import corpus  # noqa: E402
+import paired  # noqa: E402
 import run as quality  # noqa: E402
 import stages  # noqa: E402
 import vocab  # noqa: E402
@@ -335,3 +336,39 @@ def test_the_prompt_pool_counts_repeated_prompts_as_one_and_the_text_they_cover(
     assert r["prompts"] == 40 and 1 < r["distinct_prompts"] <= 3 and r["greedy_prompts"] == 24  # batches 0, 2, 4
     assert r["distinct_greedy"] <= r["distinct_prompts"] and r["most_repeated"] >= 40 // 3
     assert r["prompts_per_file_token"] == pytest.approx(40 * 6 / len(TEXT))
+
+
+def _eval_report(path: Path, rows: list[tuple[int, int]], prompt_tokens: int = 64) -> Path:
+    """A dflash-eval --json report of one prompt set whose prompts accepted `rows` (tokens, cycles)."""
+    per_prompt = [{"prompt_tokens": prompt_tokens, "new_tokens": t, "cycles": c, "accepted_tokens": t, "tau": t / c}
+                  for t, c in rows]
+    path.write_text(json.dumps({"settings": {}, "prompt_sets": [{"name": "p", "per_prompt": per_prompt}]}))
+    return path
+
+
+def test_the_paired_comparison_reads_eval_reports_and_refuses_other_prompts(tmp_path, capsys):
+    """bench/quality/paired.py: pooled taus, per-prompt means and the ratio's paired interval from
+    two reports of the same prompts; a drafter that needs half the cycles on every prompt is 2x
+    with no doubt; reports of other prompts are refused, naming the fix."""
+    rng = np.random.default_rng(1)
+    cycles = 2 * rng.integers(5, 30, size=40)
+    base = [(160, int(c)) for c in cycles]
+    a = _eval_report(tmp_path / "a.json", base)
+    twice = _eval_report(tmp_path / "b.json", [(160, int(c) // 2) for c in cycles])
+    noisy = _eval_report(tmp_path / "c.json", [(160, int(max(1, c + d))) for c, d in zip(cycles, rng.integers(-8, 9, 40))])
+    c = paired.compare(paired.read_prompts(a), paired.read_prompts(twice))
+    assert c["ratio"] == pytest.approx(2.0) and c["interval"] == pytest.approx([2.0, 2.0])
+    assert c["base_tau"] == pytest.approx(160 * 40 / cycles.sum())
+    assert c["per_prompt_mean"] == pytest.approx(2 * c["base_per_prompt_mean"])
+    n = paired.compare(paired.read_prompts(a), paired.read_prompts(noisy))
+    lo, hi = n["interval"]
+    assert lo < n["ratio"] < hi and hi - lo > 0.01  # a noisy difference has a width
+    assert paired.main([str(a), str(twice), str(noisy)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "= +100.0 % (paired 95 %: +100.0 to +100.0 %)" in out[0]
+    other = _eval_report(tmp_path / "d.json", base[:30])
+    assert paired.main([str(a), str(other)]) == 2
+    assert "same --prompts file" in capsys.readouterr().err
+    (tmp_path / "e.json").write_text("{}")
+    assert paired.main([str(a), str(tmp_path / "e.json")]) == 2
+    assert "dflash-eval --json" in capsys.readouterr().err
