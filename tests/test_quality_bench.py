@@ -156,7 +156,11 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == header.count("|") - 1
     assert cells[2] == "2"
-    assert "–" not in cells and cells[-1] == "yes"  # every figure present, both decoders lossless
+    # Every figure present, both decoders lossless; the one run is not at the default epochs, so it
+    # has no defaults' run to be paired with.
+    against = {i for i, c in enumerate(columns) if "vs defaults" in c}
+    assert len(against) == 2 and all(cells[i] == "–" for i in against)
+    assert "–" not in [c for i, c in enumerate(cells) if i not in against] and cells[-1] == "yes"
     assert "domain: code, vocabulary: BPE of 512 ids" in out
     assert (f"their prompts cut from {generated['prompt_files']} prompt files of {generated['prompt_file_tokens']:,} "
             f"tokens") in out
@@ -369,6 +373,16 @@ def test_the_paired_comparison_reads_eval_reports_and_refuses_other_prompts(tmp_
     other = _eval_report(tmp_path / "d.json", base[:30])
     assert paired.main([str(a), str(other)]) == 2
     assert "same --prompts file" in capsys.readouterr().err
+    # The benchmark's table: each run against the run at dflash-train's defaults, on its prompts.
+    trained = [{"variant": "e40", "epochs": 40, "train_args": []}, {"variant": "e10-x", "epochs": 10, "train_args": ["--x"]},
+               {"variant": "e10", "epochs": 10, "train_args": []}]
+    assert quality.defaults_variant(trained) == "e10" and quality.defaults_variant(trained[:2]) is None
+    for name, report in (("e10", a), ("e10-x", twice)):
+        (tmp_path / f"eval-{name}-b16.json").write_text(report.read_text())
+    work = stages.Work(tmp_path, stages.Sizes(), "cpu")
+    assert quality.against_defaults(work, "e10-x", "e10", 16) == "+100.0 % (+100.0 to +100.0) (per-prompt +100.0 %)"
+    assert quality.against_defaults(work, "e10", "e10", 16) == "–"
+    assert quality.against_defaults(work, "e10-x", "e10", 8) == "–"  # not decoded at 8
     (tmp_path / "e.json").write_text("{}")
     assert paired.main([str(a), str(tmp_path / "e.json")]) == 2
     assert "dflash-eval --json" in capsys.readouterr().err

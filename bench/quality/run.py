@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 from corpus import DOMAINS
+from dflash.train.config import OptimizationConfig
+from paired import PairingError, compare, read_prompts
 from stages import (
     BenchError,
     Sizes,
@@ -148,6 +150,28 @@ def _span(interval: list[float] | None) -> str:
     return f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
 
 
+def defaults_variant(trained: list[dict[str, Any]]) -> str | None:
+    """The name of the run at dflash-train's defaults (no flags, the default epochs), if one was trained."""
+    epochs = OptimizationConfig.__dataclass_fields__["epochs"].default
+    return next((t["variant"] for t in trained if not t["train_args"] and t["epochs"] == epochs), None)
+
+
+def against_defaults(work: Work, variant: str, base: str | None, block: int) -> str:
+    """`+x.x % (lo to hi) (per-prompt +y.y %)`: the variant's pooled tau over the defaults' run's on
+    the same prompts, paired (bench/quality/paired.py); "–" for the defaults' run itself or without
+    both reports."""
+    paths = [work.root / f"eval-{name}-b{block}.json" for name in (base, variant)]
+    if base is None or variant == base or not all(p.is_file() for p in paths):
+        return "–"
+    try:
+        c = compare(*(read_prompts(p) for p in paths))
+    except PairingError:
+        return "–"
+    lo, hi = c["interval"]
+    return (f"{100 * (c['ratio'] - 1):+.1f} % ({100 * (lo - 1):+.1f} to {100 * (hi - 1):+.1f}) "
+            f"(per-prompt {100 * (c['per_prompt_ratio'] - 1):+.1f} %)")
+
+
 def table(work: Work) -> str:
     """One row per trained variant: samples, epochs, GPU-seconds, then per block size the trainer's
     held-out estimate (and dflash-train estimate over the decoded prompts themselves), the decoded
@@ -160,12 +184,13 @@ def table(work: Work) -> str:
     head = ["variant", "samples", "epochs", "train GPU-s", "per-block mean"]
     for b in blocks:
         head += [f"B={b} est. tau", f"B={b} est. (other files)", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} tau per-prompt mean",
-                 f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
+                 f"B={b} vs defaults (paired)", f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
                  f"B={b} lookup per-prompt mean", f"B={b} lookup speedup"]
     head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "lossless"]
     rows = []
-    for path in sorted((work.root / "stages").glob("train-*.json")):
-        train = json.loads(path.read_text())
+    trained = [json.loads(path.read_text()) for path in sorted((work.root / "stages").glob("train-*.json"))]
+    base = defaults_variant(trained)
+    for train in trained:
         evaluated = work.done(f"eval-{train['variant']}") or {}
         ev = evaluated.get("blocks", {})
         row = [" ".join([f"e{train['epochs']}", *train["train_args"]]),  # the epochs and the flags
@@ -181,6 +206,7 @@ def table(work: Work) -> str:
                     _fmt(replayed_estimate(train, evaluated, b, "estimate_other_files")),
                     _fmt(replayed_estimate(train, evaluated, b)),
                     _fmt(e.get("tau")) + _span(e.get("tau_interval")), _fmt(e.get("tau_per_prompt_mean")),
+                    against_defaults(work, train["variant"], base, b),
                     _fmt(_ratio(estimate, e.get("tau")), ".3f") + _span(ratio_interval(
                         estimate, train.get("heldout_tau_interval") if at_block else None,
                         e.get("tau"), e.get("tau_interval"))),
@@ -213,7 +239,9 @@ def table(work: Work) -> str:
              + f"; {data.get('eval_prompts', '–')} held-out "
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch {s.eval_batch}, prompt lookup n <= {s.lookup_ngram}; "
              "tau: accepted tokens / verification cycles over all prompts (pooled; in parentheses its 95 % "
-             "bootstrap interval over the prompts, paired for tau / lookup), per-prompt mean beside it; "
+             "bootstrap interval over the prompts, paired for tau / lookup), per-prompt mean beside it; vs defaults: "
+             "the pooled tau over that of the run at dflash-train's defaults (no flags, its default epochs) on the "
+             "same prompts, its 95 % interval paired (bench/quality/paired.py); "
              "est.: the trainer's held-out estimate at the exported (best) step, with its 95 % interval over "
              "the samples it walks (its default held-out split "
              "of the training data, unless the variant passes --eval-cache estimate_cache: greedy completions "
