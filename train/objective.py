@@ -233,8 +233,9 @@ def _soft_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
 
 
 def _hard_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
-    """The startup summary's word on --hard-label target (nothing for the default, sample); a cache
-    with neither the target's top-k nor its top-1 is refused, naming the fix."""
+    """The startup summary's word on --hard-label target (DFlash2's default where the cache has a
+    top-1; nothing for sample, DFlash's); a cache with neither the target's top-k nor its top-1 is
+    refused, naming the fix."""
     if config.hard_label != "target":
         return ""
     if manifest.topk:
