@@ -31,6 +31,10 @@ def test_the_split_is_by_path_and_prompts_start_at_line_starts():
         assert len(p) in (8, 12) and bytes(p).startswith((b"import o", b"x = 1\n", b"y = 2\n"))
     stream = corpus.token_stream(encoded, corpus.BOS_ID, corpus.EOS_ID)
     assert stream[0] == corpus.BOS_ID and stream[-1] == corpus.EOS_ID and len(stream) == len(TEXT) + 2
+    # More prompts only add to fewer: a larger eval set begins with the smaller one's prompts.
+    docs = vocab.ByteVocabulary().encode([TEXT, b"def f():\n    return 1\n" * 30, b"a = [1, 2]\n" * 40])
+    fewer, more = (corpus.cut_prompts(docs, n, [8, 12], seed=5, tail=4) for n in (12, 40))
+    assert more[:12] == fewer and len(more) == 40 and more[12:] != more[:28]
 
 
 def _bpe_digest(texts: list[bytes], size: int) -> str:

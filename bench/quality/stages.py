@@ -95,9 +95,11 @@ class Sizes:
     """Batches of completions per `completions/part-NNN.jsonl.gz` file."""
     target_layer_ids: tuple[int, ...] = (0, 2, 4)
     """Captured target layers (at most N-2 for an N-layer target, as the serving engines need)."""
-    eval_prompts: int = 120
-    """Held-out-file prompts dflash-eval decodes (at 40 the pooled tau's 95 % interval was about
-    +-15 %: dflash-eval prints it)."""
+    eval_prompts: int = 240
+    """Held-out-file prompts dflash-eval decodes. At 40 the pooled tau's 95 % interval was about
+    +-15 % (dflash-eval prints it), at 120 a paired comparison's about +-4 % on code; 240 narrow
+    both by about 1.4x for some 50 s more decoding a variant. The first 120 are the 120 that
+    rounds before 2026-12-04 decoded (one seeded draw after another: more prompts only add)."""
     eval_new_tokens: int = 160
     eval_batch: int = 40
     """Prompts dflash-eval decodes together (left-padded). Batched decoding is lossless and each
