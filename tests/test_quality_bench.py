@@ -160,8 +160,8 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == header.count("|") - 1
     assert cells[2] == "2"
-    # Every figure present, both decoders lossless; the one run is not at the default epochs, so it
-    # has no defaults' run to be paired with.
+    # Every figure present, both decoders lossless; the one run is the run the others would be
+    # paired with, so its own "vs defaults" cells are empty.
     against = {i for i, c in enumerate(columns) if "vs defaults" in c}
     assert len(against) == 2 and all(cells[i] == "–" for i in against)
     assert "–" not in [c for i, c in enumerate(cells) if i not in against] and cells[-1] == "yes"
@@ -380,7 +380,9 @@ def test_the_paired_comparison_reads_eval_reports_and_refuses_other_prompts(tmp_
     # The benchmark's table: each run against the run at dflash-train's defaults, on its prompts.
     trained = [{"variant": "e40", "epochs": 40, "train_args": []}, {"variant": "e10-x", "epochs": 10, "train_args": ["--x"]},
                {"variant": "e10", "epochs": 10, "train_args": []}]
-    assert quality.defaults_variant(trained) == "e10" and quality.defaults_variant(trained[:2]) is None
+    assert quality.defaults_variant(trained) == "e10"
+    assert quality.defaults_variant(trained[:2]) == "e40"  # the one run without flags (a round at EPOCHS=40)
+    assert quality.defaults_variant([trained[0], {**trained[0], "variant": "e6", "epochs": 6}, trained[1]]) is None
     for name, report in (("e10", a), ("e10-x", twice)):
         (tmp_path / f"eval-{name}-b16.json").write_text(report.read_text())
     work = stages.Work(tmp_path, stages.Sizes(), "cpu")

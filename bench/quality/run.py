@@ -151,9 +151,13 @@ def _span(interval: list[float] | None) -> str:
 
 
 def defaults_variant(trained: list[dict[str, Any]]) -> str | None:
-    """The name of the run at dflash-train's defaults (no flags, the default epochs), if one was trained."""
+    """The name of the run at dflash-train's defaults (no flags, the default epochs), else of the one
+    run without flags (a round at other epochs, EPOCHS=6), else None."""
     epochs = OptimizationConfig.__dataclass_fields__["epochs"].default
-    return next((t["variant"] for t in trained if not t["train_args"] and t["epochs"] == epochs), None)
+    plain = [t for t in trained if not t["train_args"]]
+    at_default = [t for t in plain if t["epochs"] == epochs]
+    chosen = at_default or (plain if len(plain) == 1 else [])
+    return chosen[0]["variant"] if chosen else None
 
 
 def against_defaults(work: Work, variant: str, base: str | None, block: int) -> str:
@@ -240,7 +244,8 @@ def table(work: Work) -> str:
              f"prompts, greedy, {s.eval_new_tokens} new tokens, batch {s.eval_batch}, prompt lookup n <= {s.lookup_ngram}; "
              "tau: accepted tokens / verification cycles over all prompts (pooled; in parentheses its 95 % "
              "bootstrap interval over the prompts, paired for tau / lookup), per-prompt mean beside it; vs defaults: "
-             "the pooled tau over that of the run at dflash-train's defaults (no flags, its default epochs) on the "
+             "the pooled tau over that of the run at dflash-train's defaults (no flags, its default epochs, else the one run "
+             "without flags) on the "
              "same prompts, its 95 % interval paired (bench/quality/paired.py); "
              "est.: the trainer's held-out estimate at the exported (best) step, with its 95 % interval over "
              "the samples it walks (its default held-out split "
