@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -319,13 +320,53 @@ def start(plan: str, slots: int) -> int:
     return 0
 
 
+TRAIN_STAGE = re.compile(r"^\[train-([^\]]+)\]$")
+STEPS_PLANNED = re.compile(r"(\d+) optimizer steps over")
+
+
+def training_progress(root: Path, name: str, env: dict[str, str]) -> str:
+    """`VARIANT: step N/M, ~S s left` for a running job whose log shows a bench/quality training
+    in progress (its `[train-VARIANT]` line without the time yet): the planned steps from the
+    trainer's log in the job's WORKDIR, the last step and the rate from its run's metrics.jsonl
+    (the steps since its first record). "" when the job trains nothing yet."""
+    log, work = root / "logs" / f"{name}.log", env.get("WORKDIR")
+    if not work or not log.is_file():
+        return ""
+    lines = log.read_text(errors="replace").splitlines()
+    started = [(i, m.group(1)) for i, line in enumerate(lines) if (m := TRAIN_STAGE.match(line))]
+    if not started or any(line.startswith(f"[train-{started[-1][1]}] ") for line in lines[started[-1][0] + 1:]):
+        return ""  # no training yet, or the last one has ended (its line with its time)
+    variant = started[-1][1]
+    train_log, metrics = Path(work) / f"train-{variant}.log", Path(work) / f"run-{variant}" / "metrics.jsonl"
+    planned = STEPS_PLANNED.search(train_log.read_text(errors="replace")) if train_log.is_file() else None
+    if not planned or not metrics.is_file():
+        return ""
+    rows = []
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if row.get("kind") == "train":
+            rows.append((row["step"], row["time"]))
+    if not rows:
+        return ""
+    total, (first, t0), (step, t1) = int(planned.group(1)), rows[0], rows[-1]
+    left = f", ~{(t1 - t0) / (step - first) * (total - step):.0f} s left" if step > first else ""
+    return f"{variant}: step {step}/{total}{left}"
+
+
 def status() -> str:
     root = round_dir()
-    lines = []
+    plan = {j["name"]: j for j in json.loads((root / "plan.json").read_text())} if (root / "plan.json").is_file() else {}
+    lines, now = [], time.time()
     for path in sorted((root / "jobs").glob("*.json")):
         s = json.loads(path.read_text())
-        took = s.get("seconds") or (round(time.time() - s["start"]) if s.get("start") else "")
-        lines.append(f"  {s['name']:<28} {s['state']:<8} {took!s:>6} s  {s.get('why', '')}")
+        took = s.get("seconds") or (round(now - s["start"]) if s.get("start") else "")
+        note = s.get("why", "")
+        if s["state"] == "running":
+            note = training_progress(root, s["name"], plan.get(s["name"], {}).get("env", {})) or note
+        lines.append(f"  {s['name']:<28} {s['state']:<8} {took!s:>6} s  {note}")
     return "\n".join(lines)
 
 

@@ -200,3 +200,27 @@ def test_the_recipe_plan_runs_each_key_row_beside_the_defaults_on_each_domain(ro
     monkeypatch.setenv("VARIANTS", "decay")
     monkeypatch.setenv("DOMAINS", "prose")
     assert {j.name for j in gpu_round.recipe()} == {"prose-prep", "prose-decay", "prose-tables"}
+
+
+def test_status_shows_a_running_trainings_step_and_time_left(round_dir):
+    """A running quality job's status line: its training's last step of the planned ones and the
+    seconds left at the rate of its steps so far (metrics.jsonl's times); nothing before it trains."""
+    work = round_dir / "quality-code"
+    (round_dir / "jobs").mkdir(parents=True)
+    (round_dir / "logs").mkdir()
+    (work / "run-e10-x").mkdir(parents=True)
+    (round_dir / "plan.json").write_text(json.dumps([{"name": "code-x", "env": {"WORKDIR": str(work)}}]))
+    (round_dir / "jobs" / "code-x.json").write_text(json.dumps({"name": "code-x", "state": "running", "start": 1.0}))
+    log = round_dir / "logs" / "code-x.log"
+    log.write_text("bench/quality on cuda\n")
+    assert "step" not in gpu_round.status()
+    log.write_text("bench/quality on cuda\n[train-e10-x]\n")
+    (work / "train-e10-x.log").write_text("data: 1 cache(s), 4096 samples; 640 optimizer steps over 10 epoch(s)\n")
+    rows = [{"step": 10, "kind": "train", "time": 100.0}, {"step": 64, "kind": "eval", "time": 110.0},
+            {"step": 110, "kind": "train", "time": 150.0}]
+    (work / "run-e10-x" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 1')
+    line = gpu_round.status()
+    assert "e10-x: step 110/640, ~265 s left" in line  # 0.5 s a step, 530 steps to go
+    # A finished training's stage line carries its time: the stage after it trains nothing.
+    log.write_text("[train-e10-x]\n[train-e10-x] 412 s\n[eval-e10-x]\n")
+    assert "step" not in gpu_round.status()
