@@ -224,15 +224,14 @@ def tau_intervals(generations: list[Generation], baseline: list[Generation] | No
     if keep.sum() < 2:
         return {}
     draw = bootstrap_draw(len(tokens), resamples, seed)
+    pooled = resampled_tau(tokens, cycles, draw)
     with np.errstate(divide="ignore", invalid="ignore"):
         per_prompt = np.where(keep, tokens / np.where(keep, cycles, 1), 0.0)
         means = (per_prompt[draw] * keep[draw]).sum(1) / keep[draw].sum(1)
         out: dict[str, Any] = {"prompts": int(len(tokens)), "resamples": resamples,
-                               "tau": percentile_interval(resampled_tau(tokens, cycles, draw)),
-                               "tau_per_prompt_mean": percentile_interval(means)}
+                               "tau": percentile_interval(pooled), "tau_per_prompt_mean": percentile_interval(means)}
         if baseline is not None and len(baseline) == len(generations):
-            out["tau_vs_baseline"] = percentile_interval(
-                resampled_tau(tokens, cycles, draw) / resampled_tau(*sums(baseline), draw))
+            out["tau_vs_baseline"] = percentile_interval(pooled / resampled_tau(*sums(baseline), draw))
     return out
 
 

@@ -59,6 +59,7 @@ from .objective import (
     label_summary,
     sample_anchors,
     scored_slots,
+    stores_target_top1,
 )
 from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .target_weights import load_target_config
@@ -106,7 +107,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
     manifest = data.caches.manifest
     cfg = cfg.with_soft_labels(bool(manifest.store_last_hidden or manifest.topk)).with_hard_label(
-        bool(manifest.topk or (manifest.top1 and manifest.top1_share > 0)))
+        stores_target_top1(manifest))
     target_config = load_target_config_or_fail(cfg.model.target_model)
     for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
                                    caches=data.caches):

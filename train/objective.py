@@ -232,6 +232,12 @@ def _soft_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
             "+3.9 % tau on code and +3.0 % on prose on the BPE benchmark (docs/recipe.md)")
 
 
+def stores_target_top1(manifest: Any) -> bool:
+    """Whether a cache holds the target's top-1 for its samples: its top-k (the first of them), or
+    its top-1 for a share of them (dflash-extract --top1-share)."""
+    return bool(manifest.topk or (manifest.top1 and manifest.top1_share > 0))
+
+
 def _hard_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
     """The startup summary's word on --hard-label target (DFlash2's default where the cache has a
     top-1; nothing for sample, DFlash's); a cache with neither the target's top-k nor its top-1 is
@@ -240,7 +246,7 @@ def _hard_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
         return ""
     if manifest.topk:
         return f"; hard labels: the target's top-1 (the first of its top-{manifest.topk} in the cache)"
-    if manifest.top1 and manifest.top1_share > 0:
+    if stores_target_top1(manifest):
         share = manifest.top1_share
         return ("; hard labels: the target's top-1 from the cache" + (
             "" if share >= 1 else f", for the share {share:g} of the samples that store it (dflash-extract "
