@@ -107,7 +107,8 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
 
         jobs.append(Job(f"{domain}-prep", f"{quality} prep", [], 1,
                         env={**env, "RESULTS": str(root / "results" / f"{domain}-prep")}))
-        jobs += [quality_job("dflash", epochs, 2), quality_job("dflash2", f"{epochs} --drafter-type dflash2", 2)]
+        # the defaults (a DFlash2 drafter) and plain DFlash beside them
+        jobs += [quality_job("dflash2", epochs, 2), quality_job("dflash", f"{epochs} --drafter-type dflash", 2)]
         peers = "bash bench/peers/device.sh " + str(work)
         peer_env = {**env, "EPOCHS": epochs, **({"DEVICE": "cpu"} if small else {})}
         own = ("specforge-own", "modelopt-own") if os.environ.get("PEERS_OWN") else ()
@@ -204,7 +205,7 @@ def recipe() -> list[Job]:
     defaults, 4x the epochs, and each of RECIPE_ROWS (one default changed), side by side on the same
     data and decoded on the same prompts; VARIANTS (default: all of them) keeps some."""
     epochs = os.environ.get("EPOCHS", "1" if os.environ.get("ROUND_SMALL") else "10")
-    rows = ["dflash", f"e{4 * int(epochs)}", *RECIPE_ROWS]
+    rows = ["dflash2", f"e{4 * int(epochs)}", *RECIPE_ROWS]  # dflash2: the defaults
     wanted = os.environ.get("VARIANTS", "").split() or rows
     return leaderboard(extract=False, variants=wanted, sweep=";".join(f"{k}={v}" for k, v in RECIPE_ROWS.items()))
 

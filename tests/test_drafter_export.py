@@ -83,7 +83,7 @@ def test_export_writes_every_key_and_reloads_with_identical_logits(tmp_path, fam
     target = save_tiny_target(tmp_path / "target", family, **extra)
     torch.manual_seed(0)
     drafter = perturb(DFlashDrafter.from_target(
-        target, num_hidden_layers=DRAFT_LAYERS, target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=7,
+        target, drafter_type="dflash", num_hidden_layers=DRAFT_LAYERS, target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=7,
         attention_backend="sdpa",
     ))
     # with the record of the target it trained against, a key of its own that loaders carry unread
@@ -130,7 +130,7 @@ def test_export_writes_every_key_and_reloads_with_identical_logits(tmp_path, fam
 def test_reload_accepts_457_and_5x_style_rope_keys(tmp_path):
     target = save_tiny_target(tmp_path / "target", "llama", rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE))
     torch.manual_seed(0)
-    drafter = perturb(DFlashDrafter.from_target(target, num_hidden_layers=DRAFT_LAYERS, block_size=4,
+    drafter = perturb(DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=DRAFT_LAYERS, block_size=4,
                                                 attention_backend="sdpa"))
     out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
     reference = block_logits(drafter, sample_batch(1))
@@ -148,7 +148,7 @@ def test_reload_accepts_457_and_5x_style_rope_keys(tmp_path):
 
 def test_bf16_export_holds_the_rounded_weights(tmp_path):
     target = save_tiny_target(tmp_path / "target")
-    drafter = DFlashDrafter.from_target(target, num_hidden_layers=2, block_size=4)
+    drafter = DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, block_size=4)
     out = export_drafter(drafter, tmp_path / "export")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     reloaded = load_drafter(out, target, dtype=None)
@@ -158,7 +158,7 @@ def test_bf16_export_holds_the_rounded_weights(tmp_path):
 
 def test_tied_and_sharded_targets_export_and_reload(tmp_path):
     target = save_tiny_target(tmp_path / "target", "llama", tie=True, max_shard_size="40KB")
-    drafter = perturb(DFlashDrafter.from_target(target, num_hidden_layers=2, block_size=4,
+    drafter = perturb(DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, block_size=4,
                                                 target_layer_ids=[2, 4, 6], attention_backend="sdpa"))
     assert torch.equal(drafter.lm_head_weight, drafter.embed_weight)
     out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
@@ -171,7 +171,7 @@ def test_tied_and_sharded_targets_export_and_reload(tmp_path):
 
 def test_export_replaces_atomically_and_cleans_up_on_failure(tmp_path, monkeypatch):
     target = save_tiny_target(tmp_path / "target")
-    drafter = DFlashDrafter.from_target(target, num_hidden_layers=2, block_size=4)
+    drafter = DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, block_size=4)
     out = export_drafter(drafter, tmp_path / "export")
     first = (out / "model.safetensors").read_bytes()
 
@@ -195,7 +195,7 @@ def test_export_replaces_atomically_and_cleans_up_on_failure(tmp_path, monkeypat
 def test_load_refuses_a_target_of_another_size(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     other = save_tiny_target(tmp_path / "other", vocab_size=VOCAB * 2)
-    out = export_drafter(DFlashDrafter.from_target(target, num_hidden_layers=2, block_size=4), tmp_path / "export")
+    out = export_drafter(DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, block_size=4), tmp_path / "export")
     with pytest.raises(ValueError, match="load it with the target it was trained for"):
         load_drafter(out, other)
     with pytest.raises(ValueError, match="not a DFlash drafter config"):
@@ -213,7 +213,7 @@ def test_load_refuses_a_target_of_another_size(tmp_path):
 def test_sliding_window_layers_and_causality_round_trip(tmp_path, layers, causal_key):
     target = save_tiny_target(tmp_path / "target")
     torch.manual_seed(0)
-    drafter = perturb(DFlashDrafter.from_target(target, num_hidden_layers=DRAFT_LAYERS, target_layer_ids=[1, 3, 5],
+    drafter = perturb(DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=DRAFT_LAYERS, target_layer_ids=[1, 3, 5],
                                                 block_size=4, attention_backend="sdpa", **layers))
     out = export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
     config = json.loads((out / "config.json").read_text())
@@ -296,7 +296,7 @@ def full_rotary_qwen3_block(drafter: DFlashDrafter, hidden: torch.Tensor, anchor
 
 @pytest.mark.parametrize("rope", [{"rope_type": "default"}, YARN_ROPE])
 def test_partial_rotary_target_exports_a_full_rotary_drafter(tmp_path, rope):
-    config = DrafterConfig.from_target_config(qwen35_target_config(rope), num_hidden_layers=2,
+    config = DrafterConfig.from_target_config(qwen35_target_config(rope), drafter_type="dflash", num_hidden_layers=2,
                                               target_layer_ids=[1, 5], block_size=4, attention_backend="sdpa")
     torch.manual_seed(0)
     drafter = perturb(DFlashDrafter(config, random_target_weights()))
@@ -343,7 +343,7 @@ def test_mask_token_comes_from_the_tokenizer_and_reaches_the_export(tmp_path, wo
     target = save_tiny_target(tmp_path / "target")
     save_tokenizer(target, words, special, mask)
     notes = []
-    drafter = DFlashDrafter.from_target(target, num_hidden_layers=2, block_size=4, announce=notes.append)
+    drafter = DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, block_size=4, announce=notes.append)
     assert (drafter.config.mask_token_id, drafter.config.mask_token) == expected
     assert len(notes) == 1 and f"id {expected[0]}" in notes[0]
     config = json.loads((export_drafter(drafter, tmp_path / "export") / "config.json").read_text())
@@ -352,5 +352,5 @@ def test_mask_token_comes_from_the_tokenizer_and_reaches_the_export(tmp_path, wo
     assert load_drafter(tmp_path / "export", target).config.mask_token_id == expected[0]
     # An explicit id wins and nothing is chosen.
     notes.clear()
-    assert DFlashDrafter.from_target(target, num_hidden_layers=2, mask_token_id=5, announce=notes.append).config.mask_token_id == 5
+    assert DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, mask_token_id=5, announce=notes.append).config.mask_token_id == 5
     assert not notes

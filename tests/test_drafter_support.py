@@ -44,7 +44,7 @@ def tiny_config(**overrides) -> DrafterConfig:
         hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
         intermediate_size=128, vocab_size=VOCAB, num_target_layers=TARGET_LAYERS, num_hidden_layers=2,
         target_layer_ids=[1, 5], block_size=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=256, attention_backend="sdpa",
+        max_position_embeddings=256, attention_backend="sdpa", drafter_type="dflash",
     )
     values.update(overrides)
     return DrafterConfig(**values)

@@ -96,7 +96,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 def _drafter(target: torch.nn.Module, steps: int, block_size: int, seed: int, **overrides) -> DFlashDrafter:
     config = DrafterConfig.from_target_config(
         target.config, num_hidden_layers=1, target_layer_ids=LAYER_IDS, block_size=block_size,
-        attention_backend="sdpa", **overrides)
+        attention_backend="sdpa", **{"drafter_type": "dflash", **overrides})
     weights = TargetWeights(embed_tokens=target.get_input_embeddings().weight.detach().clone(),
                             lm_head=target.get_output_embeddings().weight.detach().clone())
     torch.manual_seed(seed)
@@ -159,7 +159,7 @@ class CountingTarget(torch.nn.Module):
 def scripted_drafter(vocab: int = 16) -> DFlashDrafter:
     config = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            intermediate_size=64, vocab_size=vocab, num_target_layers=4, num_hidden_layers=1,
-                           target_layer_ids=LAYER_IDS, block_size=4)
+                           target_layer_ids=LAYER_IDS, block_size=4, drafter_type="dflash")
     return DFlashDrafter(config, TargetWeights(embed_tokens=torch.randn(vocab, 64), lm_head=torch.randn(vocab, 64)))
 
 

@@ -190,7 +190,7 @@ def test_the_recipe_plan_runs_each_key_row_beside_the_defaults_on_each_domain(ro
     monkeypatch.setenv("ROUND_SMALL", "1")
     jobs = {j.name: j for j in gpu_round.recipe()}
     for domain in ("code", "prose"):
-        assert jobs[f"{domain}-dflash"].command.endswith('main "1"')
+        assert jobs[f"{domain}-dflash2"].command.endswith('main "1"')  # the defaults: a DFlash2 drafter
         assert jobs[f"{domain}-e4"].command.endswith('main "4"')
         for row, flags in gpu_round.RECIPE_ROWS.items():
             assert jobs[f"{domain}-{row}"].command.endswith(f'main "1 {flags}"')

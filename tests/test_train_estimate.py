@@ -81,7 +81,7 @@ def test_a_dflash2_estimate_reports_the_selector_tau_beside_the_backbone_tau_of_
 
     cache, target = tiny_world["cache"], tiny_world["target"]
     shape = dict(num_hidden_layers=1, target_layer_ids=[1, 2], block_size=8, mask_token_id=63, attention_backend="sdpa")
-    dflash = DFlashDrafter.from_target(target, **shape)
+    dflash = DFlashDrafter.from_target(target, **shape, drafter_type="dflash")
     dflash2 = DFlashDrafter.from_target(target, **shape, drafter_type="dflash2", selector_rank=8, selector_top_k=4,
                                         conv_group_size=8)
     dflash2.load_state_dict(dflash.state_dict(), strict=False)  # the same backbone; identity convolutions

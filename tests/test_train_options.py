@@ -258,7 +258,7 @@ def test_a_dflash2_run_trains_toward_the_targets_top1_by_default_where_the_cache
     target = soft_caches["target"]
     default = extract(target, soft_caches["data"], tmp_path / "default")
     bare = extract(target, soft_caches["data"], tmp_path / "bare", store_topk=0, store_top1=False)
-    runs = {"dflash2": (default, DFLASH2_TINY), "dflash2-bare": (bare, DFLASH2_TINY), "dflash": (default, {}),
+    runs = {"dflash2": (default, DFLASH2_TINY), "dflash2-bare": (bare, DFLASH2_TINY), "dflash": (default, {"drafter_type": "dflash"}),
             "dflash2-sample": (default, {**DFLASH2_TINY, "hard_label": "sample"})}
     said = {}
     for name, (cache, kw) in runs.items():

@@ -200,3 +200,45 @@ def test_a_run_of_the_former_default_epochs_resumed_under_the_new_one_is_told_ho
     train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=12, max_steps=4, save_interval=4))
     said = capsys.readouterr().out
     assert "epochs 10 -> 12" in said and "the default changed" not in said
+
+
+def test_a_dflash_run_resumed_under_the_dflash2_default_is_refused_with_the_flag_that_finishes_it(tiny_world, tmp_path):
+    from dflash.train.config import ResumeMismatchError
+
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, drafter_type="dflash", max_steps=2,
+                            save_interval=2))
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(ResumeMismatchError) as e:  # the same command, after the default moved to dflash2
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3, save_interval=3))
+    text = str(e.value)
+    assert "The checkpoint is a DFlash drafter and this run a DFlash2 one" in text
+    assert "pass --drafter-type dflash to finish it as it started" in text
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == saved  # nothing written
+    result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, drafter_type="dflash",
+                                     max_steps=3, save_interval=3))
+    assert result.step == 3 and result.exit_status == 0
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+
+
+def test_a_checkpoint_from_before_drafters_had_a_type_exports_as_the_dflash_drafter_it_is(tiny_world, tmp_path):
+    from dflash.train.cli import main as train_main
+
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, drafter_type="dflash", max_steps=2,
+                            save_interval=2))
+    checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for key in ("drafter_type", "selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size"):
+        meta["drafter_config"].pop(key)  # what a checkpoint written before DFlash2 records
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    result = CliRunner().invoke(train_main, ["export", str(checkpoint), str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and "conv_kernel_size" not in config.get("dflash_config", {})
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and not any("candidate_selector" in n or "_conv." in n for n in names)

@@ -224,11 +224,16 @@ def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path:
         shown = "; ".join(d.replace("cache has", "checkpoint has").replace("requested", "this run has")
                           for d in diffs[:8]) + ("; ..." if len(diffs) > 8 else "")
         grown = any(d.startswith("caches[") and (".samples:" in d or ".tokens:" in d) for d in diffs)
+        was_dflash = ((saved_identity.get("model") or {}).get("drafter_type", "dflash") == "dflash"
+                      and (current.get("model") or {}).get("drafter_type", "dflash") == "dflash2")
         raise ResumeMismatchError(
             f"Cannot resume from {path}: it was trained with other data, target or batching/model "
             f"settings: {shown}."
             + (" A cache holds other samples than when the checkpoint was written (was it still being "
                "extracted? `dflash-train --follow` trains on a cache while it is written)." if grown else "")
+            + (" The checkpoint is a DFlash drafter and this run a DFlash2 one: the default --drafter-type "
+               "became dflash2 after it started (docs/recipe.md); pass --drafter-type dflash to finish it as "
+               "it started." if was_dflash else "")
             + " Rerun with the checkpoint's settings, or start a new run with another --output-dir."
         )
     return notes
@@ -276,7 +281,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
         raise OutputIsInputError(f"OUT_DIR {out} {'is' if same_path(path, out) else 'holds'} the checkpoint "
                                  f"being exported ({path}): the export would replace it. Choose another OUT_DIR.")
     meta = json.loads((path / META_FILE).read_text())
-    config = DrafterConfig(**meta["drafter_config"])
+    config = DrafterConfig(**{"drafter_type": "dflash", **meta["drafter_config"]})  # older runs were DFlash
     check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")
     with output_lock(out, what=f"the export directory {out}",
                      fix="Wait for that dflash-train export to finish or stop it, then rerun."):

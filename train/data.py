@@ -166,10 +166,10 @@ class TrainingData:
                      f"--eval-fraction or --eval-max-samples")
         if len(self.train_indices) < FEW_TRAINING:
             text += (f"; only {len(self.train_indices)} training samples: on the project's BPE benchmark "
-                     "4,096 target completions at the defaults (10 epochs, soft labels from the cache's top-8) gave "
-                     "1.14x prompt lookup's tau on code and 1.53x on prose, where 6 epochs without soft labels gave "
-                     "0.90-1.02x and 1.51x; 32,768 gave 2.09x on code (2.46x with --drafter-type dflash2) at 6 epochs "
-                     "and 1.74x on prose at the defaults; on code, two more sampled completions of each prompt (dflash-generate "
+                     "4,096 target completions at the defaults (a DFlash2 drafter, 10 epochs, soft labels from the "
+                     "cache's top-8) gave 1.26x prompt lookup's tau on code and 1.51x on prose (plain DFlash 1.21x and "
+                     "1.52x; 6 epochs of DFlash without soft labels 0.90-1.02x and 1.51x); 32,768 gave 2.25x on code "
+                     "at 6 epochs (DFlash 1.92x) and 1.74-1.91x on prose with DFlash; on code, two more sampled completions of each prompt (dflash-generate "
                      "--samples-per-prompt 3 --temperature 0.7) took 0.98x to 1.62x at 6 epochs (docs/recipe.md): "
                      "more target-generated answers help most")
         text += "".join(f"; {w}" for w in self.warnings)

@@ -165,6 +165,7 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
         layer_types=hf_config.get("layer_types") or None,
         sliding_window=hf_config.get("sliding_window"),
         mask_token=dflash.get("mask_token"),
+        drafter_type="dflash",  # a DFlash2 export says so (below)
     )
     if ARCHITECTURES["dflash2"] in (hf_config.get("architectures") or []):
         embedding_scale = float(dflash.get("input_embedding_scale", 1.0))

@@ -74,7 +74,7 @@ def test_sigint_between_the_renames_of_the_swap_leaves_the_complete_new_export(w
     monkeypatch.setattr(fsio.os, "replace", real)
     assert res.exit_code == 130, res.output
     assert f"the export to {out} was complete before it stopped" in flat(res.output)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]  # the default drafter type
     assert (out / "model.safetensors").stat().st_size > 0
     assert leftovers(tmp_path) == []  # the old export was deleted, not left aside
 

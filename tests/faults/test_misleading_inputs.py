@@ -33,7 +33,7 @@ def evaluate(target: Path, drafter: Path, tmp_path: Path):
 
 def test_a_drafter_given_as_the_target_is_called_a_drafter(world, tmp_path):
     drafter = world["run"] / "final"
-    said = f"{drafter} is a DFlash drafter export (config.json architectures ['DFlashDraftModel']), not a target model"
+    said = f"{drafter} is a DFlash drafter export (config.json architectures ['DFlash2DraftModel']), not a target model"  # the default type
     results = {
         "extract": CliRunner().invoke(extract_main, extract_argv(drafter, world["data"], tmp_path / "cache")),
         "train": CliRunner().invoke(train_main, ["--config", str(train_config_file(
