@@ -285,3 +285,14 @@ def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny
     estimate = estimate_drafter(str(out / "final"), {"cache": [str(tiny_world["cache"])],
                                                      "target_model": str(tiny_world["target"]), "num_workers": 0})
     assert "backbone tau" in format_estimate(estimate)
+
+
+def test_a_hidden_size_the_default_group_does_not_divide_is_refused_with_the_group_that_fits():
+    from dflash.train.drafter_config import DrafterConfig
+    from test_drafter_support import tiny_config
+
+    with pytest.raises(ValueError, match=r"conv_group_size 16 must divide the hidden size 40: pass --conv-group-size 10 "):
+        tiny_config(drafter_type="dflash2", hidden_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=20)
+    fitted = tiny_config(drafter_type="dflash2", hidden_size=40, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=20, conv_group_size=10)
+    assert isinstance(fitted, DrafterConfig) and fitted.conv_group_size == 10

@@ -113,10 +113,14 @@ class DrafterConfig(DrafterSettings):
         if self.drafter_type not in DRAFTER_TYPES:
             raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}.")
         if self.drafter_type == "dflash2":
-            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            if self.conv_kernel_size < 1:
+                raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) must be at least 1.")
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                fits = max(d for d in range(1, max(1, self.conv_group_size) + 1) if self.hidden_size % d == 0)
                 raise ValueError(
-                    f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size} and "
-                    f"conv_kernel_size ({self.conv_kernel_size}) be at least 1.")
+                    f"conv_group_size {self.conv_group_size} must divide the hidden size {self.hidden_size}: pass "
+                    f"--conv-group-size {fits} (the largest divisor of {self.hidden_size} up to it), or "
+                    "--drafter-type dflash for a plain DFlash drafter, which has no convolutions.")
             if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
                 raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 and selector_top_k "
                                  f"({self.selector_top_k}) in 1..{self.vocab_size}.")
