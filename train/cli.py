@@ -51,7 +51,8 @@ class TrainGroup(Group):
 
 @click.group(cls=TrainGroup, name="dflash-train", context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Train a DFlash drafter from a hidden-state cache (written by dflash-extract).
+    """Train a DFlash2 drafter (or, with --drafter-type dflash, a plain DFlash one) from a
+    hidden-state cache written by dflash-extract.
 
     \b
     Examples:
