@@ -83,3 +83,31 @@ def test_a_dflash2_run_starts_from_a_dflash2_export(tiny_world, tmp_path):
     saved, own = read_export_weights(out / "final"), warm.state_dict()
     assert any("candidate_selector" in k for k in saved) and any("conv" in k for k in saved)
     assert all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in saved.items())
+
+
+def test_a_dflash2_run_starts_from_a_dflash_drafter_with_exactly_its_predictions(tiny_world, tmp_path):
+    """The DFlash2 parts start where a fresh DFlash2 starts (identity convolutions, selector edges
+    at 0): a warm start from a DFlash export gives that export's logits, and its selector's walk
+    picks the backbone's top-1."""
+    from conftest import HIDDEN, LAYERS, WORLD_VOCAB
+    from dflash.train.export import load_drafter
+    from dflash.train.loop import train
+    from test_drafter_export import block_logits
+
+    run = tmp_path / "dflash"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, drafter_type="dflash", max_steps=3,
+                            eval_fraction=0.3))
+    upgraded, notes = built(tiny_world, tmp_path, init_drafter=str(run / "final"))
+    assert upgraded.config.drafter_type == "dflash2" and upgraded.candidate_selector is not None
+    assert any("a DFlash drafter" in n and "starts from that drafter's predictions" in n for n in notes)
+    theirs = load_drafter(run / "final", tiny_world["target"], attention_backend="sdpa")
+    g = torch.Generator().manual_seed(3)
+    batch = {"hidden": torch.randn(2, 16, len(LAYERS) * HIDDEN, generator=g),
+             "input_ids": torch.randint(0, WORLD_VOCAB, (2, 16), generator=g),
+             "loss_mask": torch.ones(2, 16, dtype=torch.long), "lengths": torch.tensor([16, 11])}
+    assert torch.equal(block_logits(upgraded.float(), batch), block_logits(theirs.float(), batch))
+    # the other way round keeps the refusal: a DFlash run cannot drop a DFlash2 drafter's parts
+    dflash2_run = tmp_path / "dflash2"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], dflash2_run, max_steps=2, eval_fraction=0.3))
+    with pytest.raises(InputError, match="--drafter-type dflash here, dflash2 there"):
+        built(tiny_world, tmp_path, init_drafter=str(dflash2_run / "final"), drafter_type="dflash")

@@ -233,7 +233,8 @@ def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path:
                "extracted? `dflash-train --follow` trains on a cache while it is written)." if grown else "")
             + (" The checkpoint is a DFlash drafter and this run a DFlash2 one: the default --drafter-type "
                "became dflash2 after it started (docs/recipe.md); pass --drafter-type dflash to finish it as "
-               "it started." if was_dflash else "")
+               "it started, or export it (dflash-train export CHECKPOINT OUT_DIR) and start a DFlash2 run from it "
+               "in a new --output-dir with --init-drafter OUT_DIR." if was_dflash else "")
             + " Rerun with the checkpoint's settings, or start a new run with another --output-dir."
         )
     return notes

@@ -231,7 +231,8 @@ class ModelConfig(DrafterSettings):
     """Warm start: an exported drafter directory (dflash-train export, or a released DFlash / DFlash2
     drafter of this target) whose weights this run starts from instead of a random init, e.g. to
     fine-tune a drafter of a related run on this data. Its shape must be this run's (draft layers,
-    block size, target layers, drafter type); a run that resumes from its own checkpoint ignores it."""
+    block size, target layers, drafter type; a DFlash2 run may start from a DFlash drafter, whose
+    predictions it then starts from); a run that resumes from its own checkpoint ignores it."""
 
     def __post_init__(self) -> None:
         if not self.target_model:

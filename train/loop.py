@@ -307,7 +307,10 @@ _WARM_START_FIELDS = {"num_hidden_layers": "--num-draft-layers", "block_size": "
 def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
                announce: Callable[[str], None] | None = None) -> None:
     """Load an exported drafter's weights into the freshly built `drafter` (--init-drafter): its
-    shape and what it reads (target layers, block size, drafter type) must be this run's."""
+    shape and what it reads (target layers, block size, drafter type) must be this run's, except
+    that a DFlash2 run may start from a DFlash drafter of its shape: the backbone's tensors come from
+    it, the convolutions stay at the identity and the selector at its start (every edge 0), so the
+    run starts from exactly that drafter's predictions."""
     from .export import config_from_export, read_export_config, read_export_weights
 
     fix = ("pass a drafter exported for this target with this run's shape (dflash-train export "
@@ -318,11 +321,15 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"--init-drafter {init_dir}: {e} To start from a checkpoint, export it first: "
                          "dflash-train export CHECKPOINT OUT_DIR.") from e
+    upgrade = theirs.drafter_type == "dflash" and drafter.config.drafter_type == "dflash2"
     differ = [f"{flag} {_listed(getattr(drafter.config, f))} here, {_listed(getattr(theirs, f))} there"
               for f, flag in _WARM_START_FIELDS.items()
-              if getattr(theirs, f) is not None and _listed(getattr(theirs, f)) != _listed(getattr(drafter.config, f))]
+              if getattr(theirs, f) is not None and _listed(getattr(theirs, f)) != _listed(getattr(drafter.config, f))
+              and not (upgrade and f == "drafter_type")]
     own = drafter.state_dict()
     wanted = {k for k in own if k not in state} & {k for k, _ in drafter.named_parameters() if _.requires_grad}
+    fresh = {k for k in wanted if upgrade and _dflash2_only(k)}  # DFlash2's own parts, at their start
+    wanted -= fresh
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k} {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(set(state) & set(own))
               if state[k].shape != own[k].shape]
@@ -333,7 +340,15 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
     with torch.no_grad():
         drafter.load_state_dict(state, strict=False)
     if announce is not None:
-        announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}")
+        announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}" + (
+            f", a DFlash drafter: DFlash2's {len(fresh)} tensors of its own start as they do in a fresh run (the "
+            "convolutions at the identity, the selector's edges at 0), so training starts from that drafter's "
+            "predictions" if upgrade else ""))
+
+
+def _dflash2_only(name: str) -> bool:
+    """Whether a drafter tensor is one of DFlash2's additions (its convolutions, its selector)."""
+    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
 
 
 def _listed(value: Any) -> Any:
