@@ -123,7 +123,10 @@ class DrafterConfig(DrafterSettings):
                     "--drafter-type dflash for a plain DFlash drafter, which has no convolutions.")
             if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
                 raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 and selector_top_k "
-                                 f"({self.selector_top_k}) in 1..{self.vocab_size}.")
+                                 f"({self.selector_top_k}) in 1..{self.vocab_size}, the target's vocabulary: pass "
+                                 f"--selector-top-k {min(max(1, self.selector_top_k), self.vocab_size)} and "
+                                 "--selector-rank at least 1, or --drafter-type dflash for a plain DFlash drafter, "
+                                 "which has no selector.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
