@@ -302,7 +302,7 @@ class ObjectiveConfig:
     default) or its top-1. The two differ on sampled completions wherever the sample left the
     target's greedy choice; the acceptance weights and the training tau follow the label. A sample
     whose cache holds neither (outside a --top1-share) trains on its own tokens. Default: target for
-    --drafter-type dflash2 where the cache stores the target's top-k or top-1 (on the BPE benchmark
+    a DFlash2 drafter (the default --drafter-type) where the cache stores the target's top-k or top-1 (on the BPE benchmark
     at 4,096 completions +5.0 % tau on code, level on prose), else sample (for DFlash the two were
     level on both domains; docs/recipe.md)."""
     logits_chunk_mib: int = 8192
