@@ -32,7 +32,10 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 the jobs they need. SWEEP="NAME=FLAGS;NAME=FLAGS": more runs of
                 ours on each domain with these dflash-train flags (e.g. "d2-a0.5=--drafter-type
                 dflash2 --selector-loss-weight 0.5"), named DOMAIN-NAME; FLAGS that start
-                with a number give that run's epochs ("e10=10 --soft-label-weight 0.5").
+                with a number give that run's epochs ("e10=10 --soft-label-weight 0.5"), and
+                `--init-drafter NAME` (bench/quality's name of another run of the round, such as
+                e6-drafter-type-dflash) starts that run from the other's export, after it
+                ("d2warm=2 --init-drafter e6-drafter-type-dflash": DFlash2 from the DFlash run).
   recipe        docs/recipe.md's key rows on each domain of DOMAINS at COMPLETIONS: the defaults, 4x
                 the epochs, cosine schedule, exp-decay weights, 3 draft layers, no soft labels,
                 gaussian noise (RECIPE_ROWS), side by side; VARIANTS keeps some of them.
@@ -101,8 +104,16 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
         env = {"WORKDIR": str(work), "DOMAIN": domain, "QUALITY_SETS": sets, "EVAL_BLOCKS": os.environ.get("EVAL_BLOCKS", "16" if not small else "8"),
                "DFLASH_QUALITY_SIDE_BY_SIDE": os.environ.get("SLOTS", "4"), **({"SMALL": "1"} if small else {})}
 
-        def quality_job(name: str, variant: str, priority: int, domain: str = domain, env: dict = env) -> Job:
-            return Job(f"{domain}-{name}", f'{quality} main "{variant}"', [f"{domain}-prep"], priority,
+        trains: dict[str, str] = {}  # bench/quality's variant name -> the job that trains it
+
+        def quality_job(name: str, variant: str, priority: int, domain: str = domain, env: dict = env,
+                        trains: dict = trains) -> Job:
+            needs = [f"{domain}-prep"]
+            words = variant.split()
+            if "--init-drafter" in words[:-1]:  # a warm start from the export of another variant of the round
+                needs.append(trains.get(words[words.index("--init-drafter") + 1], f"{domain}-prep"))
+            trains[variant_name(variant)] = f"{domain}-{name}"
+            return Job(f"{domain}-{name}", f'{quality} main "{variant}"', needs, priority,
                        env={**env, "RESULTS": str(root / "results" / f"{domain}-{name}")})
 
         jobs.append(Job(f"{domain}-prep", f"{quality} prep", [], 1,
@@ -198,6 +209,13 @@ def followup() -> list[Job]:
 RECIPE_ROWS = {"cosine": "--lr-schedule cosine", "decay": "--loss-weighting decay", "layers3": "--num-draft-layers 3",
                "nosoft": "--soft-label-weight 0", "noise": "--noise-type gaussian"}
 """docs/recipe.md's key rows: each one default changed (the recipe plan's runs beside the defaults)."""
+
+
+def variant_name(variant: str) -> str:
+    """bench/quality's name of a variant "EPOCHS FLAGS..." (stages.Variant.name: e6-drafter-type-dflash),
+    what a sweep's `--init-drafter NAME` names to start from that variant's export."""
+    epochs, *flags = variant.split()
+    return "-".join([f"e{epochs}", *(f.lstrip("-").replace(".", "p") for f in flags)])
 
 
 def recipe() -> list[Job]:

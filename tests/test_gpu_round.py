@@ -224,3 +224,14 @@ def test_status_shows_a_running_trainings_step_and_time_left(round_dir):
     # A finished training's stage line carries its time: the stage after it trains nothing.
     log.write_text("[train-e10-x]\n[train-e10-x] 412 s\n[eval-e10-x]\n")
     assert "step" not in gpu_round.status()
+
+
+def test_a_sweep_run_warm_started_from_another_run_of_the_round_waits_for_it(round_dir, monkeypatch):
+    monkeypatch.setenv("ROUND_SMALL", "1")
+    monkeypatch.setenv("VARIANTS", "dflash d2warm")
+    monkeypatch.setenv("DOMAINS", "prose")
+    jobs = {j.name: j for j in gpu_round.leaderboard(extract=False, sweep="d2warm=1 --init-drafter e1-drafter-type-dflash")}
+    assert jobs["prose-dflash"].command.endswith('main "1 --drafter-type dflash"')
+    assert gpu_round.variant_name("1 --drafter-type dflash") == "e1-drafter-type-dflash"
+    assert jobs["prose-d2warm"].needs == ["prose-prep", "prose-dflash"]
+    assert set(jobs) == {"prose-prep", "prose-dflash", "prose-d2warm", "prose-tables"}

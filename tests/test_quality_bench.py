@@ -392,3 +392,16 @@ def test_the_paired_comparison_reads_eval_reports_and_refuses_other_prompts(tmp_
     (tmp_path / "e.json").write_text("{}")
     assert paired.main([str(a), str(tmp_path / "e.json")]) == 2
     assert "dflash-eval --json" in capsys.readouterr().err
+
+
+def test_a_variant_warm_started_from_another_variant_reads_its_export_in_the_work_directory(tmp_path):
+    sizes = stages.preset(small=True)
+    work = stages.Work(root=tmp_path, sizes=sizes, device="cpu", log=lambda *a: None)
+    base = stages.Variant(1, ("--drafter-type", "dflash"))
+    warm = stages.Variant(1, ("--init-drafter", base.name))
+    with pytest.raises(stages.BenchError, match=f"train the variant {base.name} first"):
+        stages.variant_args(work, warm)
+    (tmp_path / f"run-{base.name}" / "final").mkdir(parents=True)
+    (tmp_path / f"run-{base.name}" / "final" / "config.json").write_text("{}")
+    assert stages.variant_args(work, warm) == ["--init-drafter", str(tmp_path / f"run-{base.name}" / "final")]
+    assert "/" not in warm.name

@@ -567,6 +567,12 @@ estimate_cache`: the old estimate over greedy completions of other held-out prom
 extra_cache`: the extra sampled completions as well)."""
 
 
+INIT_DRAFTER_FLAG = "--init-drafter"
+"""A variant's --init-drafter whose value is another variant's name (`--init-drafter
+e6-drafter-type-dflash`) starts from that variant's export in the work directory (run-NAME/final):
+a DFlash2 run warm-started from the DFlash run beside it."""
+
+
 BENCH_CACHE_FLAG = "--bench-cache"
 """A variant flag of the benchmark's own (not dflash-train's): train on this cache of the work
 directory instead of `cache` (`--bench-cache cache-nf4`: the same completions in another codec)."""
@@ -595,6 +601,12 @@ def variant_args(work: Work, variant: Variant) -> list[str]:
                 raise BenchError(f"--variant {variant.name}: {flag} {value}: no cache {work.root / value} "
                                  "(extra_cache needs --set extra_samples=N before the generate stage).")
             args[i + 1] = str(work.root / value)
+        if flag == INIT_DRAFTER_FLAG and not Path(value).is_absolute():
+            export = work.root / f"run-{value}" / "final"
+            if not (export / "config.json").is_file():
+                raise BenchError(f"--variant {variant.name}: {flag} {value}: no export {export}; train the "
+                                 f"variant {value} first (its run-{value}/final), or give an export's absolute path.")
+            args[i + 1] = str(export)
     return args
 
 
