@@ -1,0 +1,69 @@
+"""--init-drafter: a run starts from an exported drafter's weights instead of a random init."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from dflash.runtime.errors import InputError
+
+from .model import DFlashDrafter
+from .target_weights import load_target_config
+
+_WARM_START_FIELDS = {"num_hidden_layers": "--num-draft-layers", "block_size": "--block-size",
+                      "target_layer_ids": "the cache's target layers", "drafter_type": "--drafter-type"}
+"""What an --init-drafter export must share with the run's drafter beyond its tensors' shapes."""
+
+
+def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
+               announce: Callable[[str], None] | None = None) -> None:
+    """Load an exported drafter's weights into the freshly built `drafter` (--init-drafter): its
+    shape and what it reads (target layers, block size, drafter type) must be this run's, except
+    that a DFlash2 run may start from a DFlash drafter of its shape: the backbone's tensors come from
+    it, the convolutions stay at the identity and the selector at its start (every edge 0), so the
+    run starts from exactly that drafter's predictions."""
+    from .export import config_from_export, read_export_config, read_export_weights
+
+    fix = ("pass a drafter exported for this target with this run's shape (dflash-train export "
+           "CHECKPOINT OUT_DIR makes one of a checkpoint), set the flags above to the export's, or drop --init-drafter")
+    try:
+        theirs = config_from_export(read_export_config(init_dir), load_target_config(target_model))
+        state = read_export_weights(init_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(f"--init-drafter {init_dir}: {e} To start from a checkpoint, export it first: "
+                         "dflash-train export CHECKPOINT OUT_DIR.") from e
+    upgrade = theirs.drafter_type == "dflash" and drafter.config.drafter_type == "dflash2"
+    differ = [f"{flag} {_listed(getattr(drafter.config, f))} here, {_listed(getattr(theirs, f))} there"
+              for f, flag in _WARM_START_FIELDS.items()
+              if getattr(theirs, f) is not None and _listed(getattr(theirs, f)) != _listed(getattr(drafter.config, f))
+              and not (upgrade and f == "drafter_type")]
+    own = drafter.state_dict()
+    wanted = {k for k in own if k not in state} & {k for k, _ in drafter.named_parameters() if _.requires_grad}
+    fresh = {k for k in wanted if upgrade and _dflash2_only(k)}  # DFlash2's own parts, at their start
+    wanted -= fresh
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(set(state) & set(own))
+              if state[k].shape != own[k].shape]
+    if differ or wanted or unexpected or shapes:
+        found = "; ".join(differ + shapes[:4] + ([f"missing {sorted(wanted)[:4]}"] if wanted else [])
+                          + ([f"not in this drafter {unexpected[:4]}"] if unexpected else []))
+        raise InputError(f"--init-drafter {init_dir} does not fit this run's drafter: {found}. Fix: {fix}.")
+    with torch.no_grad():
+        drafter.load_state_dict(state, strict=False)
+    if announce is not None:
+        announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}" + (
+            f", a DFlash drafter: DFlash2's {len(fresh)} tensors of its own start as they do in a fresh run (the "
+            "convolutions at the identity, the selector's edges at 0), so training starts from that drafter's "
+            "predictions" if upgrade else ""))
+
+
+def _dflash2_only(name: str) -> bool:
+    """Whether a drafter tensor is one of DFlash2's additions (its convolutions, its selector)."""
+    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
