@@ -280,3 +280,15 @@ def test_a_dflash2_run_trains_toward_the_targets_top1_by_default_where_the_cache
                             **DFLASH2_TINY))
     resumed = capsys.readouterr().out
     assert "hard_label 'sample' -> 'target'" in resumed and "rerun with --hard-label sample" in resumed
+
+
+def test_a_run_says_which_drafter_it_trains_and_how_the_engines_load_it(tiny_world, tmp_path, capsys):
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "default", max_steps=1))
+    default = capsys.readouterr().out
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "dflash", max_steps=1,
+                            drafter_type="dflash"))
+    plain = capsys.readouterr().out
+    assert ("drafter: DFlash2 (1 layer(s), block 4, target layers [1, 2]; convolutions of 2 taps, group 16; "
+            "selector top-16, rank 256), exported as DFlash2DraftModel; --drafter-type dflash trains plain DFlash") in default
+    assert "drafter: DFlash (1 layer(s), block 4, target layers [1, 2]), exported as DFlashDraftModel" in plain
+    assert "DFlash2" not in plain.split("drafter: ", 1)[1].splitlines()[0]

@@ -264,6 +264,16 @@ def load_target_config_or_fail(target_dir: str) -> Any:
         raise InputError(f"Cannot read the target model's config: {e}") from e
 
 
+def drafter_line(c: Any) -> str:
+    """The startup line that says which drafter a run trains (and how the engines will load it)."""
+    shape = f"{c.num_hidden_layers} layer(s), block {c.block_size}, target layers {list(c.target_layer_ids)}"
+    if c.drafter_type == "dflash2":
+        return (f"drafter: DFlash2 ({shape}; convolutions of {c.conv_kernel_size} taps, group {c.conv_group_size}; "
+                f"selector top-{c.selector_top_k}, rank {c.selector_rank}), exported as DFlash2DraftModel; "
+                "--drafter-type dflash trains plain DFlash (DFlashDraftModel)")
+    return f"drafter: DFlash ({shape}), exported as DFlashDraftModel"
+
+
 def build_drafter(cfg: TrainConfig, data: TrainingData,
                   announce: Callable[[str], None] | None = None) -> DFlashDrafter:
     """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache."""
@@ -282,6 +292,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
             target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.model.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"Cannot build the drafter from {cfg.model.target_model}: {e}") from e
+    if announce is not None:
+        announce(drafter_line(drafter.config))
     if cfg.model.init_drafter:
         warm_start(drafter, cfg.model.init_drafter, cfg.model.target_model, announce)
     if cfg.runtime.gradient_checkpointing:
