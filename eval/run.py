@@ -353,7 +353,8 @@ def default_stop_tokens(model: Any) -> tuple[int, ...]:
 
 def format_report(report: dict[str, Any]) -> str:
     s = report["settings"]
-    lines = [f"dflash-eval  device={s['device']} dtype={s['dtype']} block_size={s['block_size']} "
+    kind = {"dflash2": " drafter=DFlash2", "dflash": " drafter=DFlash"}.get(s.get("drafter_type", ""), "")
+    lines = [f"dflash-eval  device={s['device']} dtype={s['dtype']}{kind} block_size={s['block_size']} "
              f"batch_size={s['batch_size']} temperature={s['temperature']} max_new_tokens={s['max_new_tokens']}"]
     for r in report["prompt_sets"]:
         lossless = r["lossless"]
@@ -439,7 +440,8 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
             batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
         sets.append({"name": Path(path).stem, "path": str(path), **result})
     return {
-        "settings": {"device": device, "dtype": dtype, "block_size": config.block_size,
+        "settings": {"device": device, "dtype": dtype, "drafter_type": drafter.config.drafter_type,
+                     "block_size": config.block_size,
                      "trained_block_size": trained, "batch_size": batch_size, "temperature": temperature,
                      "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops), "baseline": baseline,
                      "lookup_ngram": lookup_ngram},

@@ -40,7 +40,8 @@ def test_json_report_gives_tau_histogram_speedup_and_a_passed_lossless_check(pai
     result = run(pair, "--json", "--batch-size", "2", "--strict")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["settings"] | {"device": "cpu", "dtype": "fp32", "block_size": 4, "batch_size": 2} == report["settings"]
+    assert report["settings"] | {"device": "cpu", "dtype": "fp32", "drafter_type": "dflash", "block_size": 4,
+                                 "batch_size": 2} == report["settings"]
     [r] = report["prompt_sets"]
     assert r["num_prompts"] == 5 and r["new_tokens"] == 5 * 16
     assert r["lossless"] == {"checked": True, "identical": True, "divergent_prompts": 0, "divergences": []}
@@ -62,6 +63,7 @@ def test_text_report_and_a_smaller_block(pair):
     assert result.exit_code == 0, result.output
     assert "tau (accepted+1 per cycle)" in result.stdout and "identical to target" in result.stdout
     assert "block_size=2" in result.stdout
+    assert "drafter=DFlash block_size" in result.stdout  # the drafter's kind: the pair's is plain DFlash
 
 
 def test_prompt_lookup_runs_beside_the_drafter_under_the_same_lossless_check(pair):
@@ -160,3 +162,10 @@ def test_bad_settings_fail_with_one_clear_message(pair, tmp_path):
     result = CliRunner().invoke(main, ["--target-model", str(pair["target"]), "--drafter", str(tmp_path),
                                        "--prompts", str(pair["prompts"])])
     assert result.exit_code == 2 and "is not a drafter export" in result.stderr
+
+
+def test_the_report_names_a_dflash2_drafter():
+    settings = {"device": "cpu", "dtype": "fp32", "drafter_type": "dflash2", "block_size": 8, "batch_size": 1,
+                "temperature": 0.0, "max_new_tokens": 4}
+    assert eval_cli.format_report({"settings": settings, "prompt_sets": []}).startswith(
+        "dflash-eval  device=cpu dtype=fp32 drafter=DFlash2 block_size=8")
