@@ -224,6 +224,23 @@ def test_a_split_of_few_groups_is_warned_of_with_a_fraction_that_holds_out_more(
     assert "whole group(s) of the records are held out" not in summary(0.2)[0]
 
 
+def test_the_last_line_of_a_run_says_when_its_heldout_tau_rests_on_few_documents(grouped, tmp_path, capsys,
+                                                                                 monkeypatch):
+    from conftest import tiny_train_config
+    from dflash.train import data as data_module
+    from dflash.train.loop import train
+
+    cfg = dict(eval_fraction=0.2, eval_interval=2, max_steps=2, save_interval=2)
+    train(tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "few", **cfg))
+    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")][-1]
+    assert "holds the best held-out checkpoint" in last and "too few to trust within 10 %" in last
+    assert "whole group(s) of the records (documents)" in last and "dflash-eval" in last
+    monkeypatch.setattr(data_module, "FEW_HELDOUT_GROUPS", 1)  # enough groups: the line says nothing of them
+    train(tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "enough", **cfg))
+    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")][-1]
+    assert "holds the best held-out checkpoint" in last and "too few" not in last
+
+
 def test_the_heldout_interval_resamples_the_held_out_groups_whole(grouped, tmp_path, monkeypatch):
     """The evaluation hands the interval each walked sample's cluster: its group's split key
     (a prompt's own key when it has no group), so that a document's samples are drawn together."""
