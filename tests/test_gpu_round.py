@@ -233,5 +233,11 @@ def test_a_sweep_run_warm_started_from_another_run_of_the_round_waits_for_it(rou
     jobs = {j.name: j for j in gpu_round.leaderboard(extract=False, sweep="d2warm=1 --init-drafter e1-drafter-type-dflash")}
     assert jobs["prose-dflash"].command.endswith('main "1 --drafter-type dflash"')
     assert gpu_round.variant_name("1 --drafter-type dflash") == "e1-drafter-type-dflash"
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "quality"))
+    import stages  # the runner names variants as bench/quality does (without importing its torch)
+
+    for variant in ("1 --drafter-type dflash", "6 --lr 3e-4 --selector-loss-weight 0.5"):
+        epochs, *flags = variant.split()
+        assert gpu_round.variant_name(variant) == stages.Variant(int(epochs), tuple(flags)).name
     assert jobs["prose-d2warm"].needs == ["prose-prep", "prose-dflash"]
     assert set(jobs) == {"prose-prep", "prose-dflash", "prose-d2warm", "prose-tables"}

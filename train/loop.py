@@ -227,8 +227,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                              best=checkpoints.dir / step_dir_name(best) if best is not None else None,
                              training_target={"target": identity["target"],
                                               "target_path": str(Path(cfg.model.target_model).resolve())})
-    done, caveat = heldout.final_message(step, final_dir, last_checkpoint), data.heldout_caveat()
-    log.info(f"{done.rstrip('.')}.{caveat}" if caveat and heldout.best_step is not None else done)
+    log.info(heldout.final_message(step, final_dir, last_checkpoint, caveat=data.heldout_caveat()))
     log.close()
     return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics, heldout.best_step)
 

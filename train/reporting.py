@@ -184,7 +184,9 @@ class HeldoutTracker:
         return {"heldout_tau": self.last_tau if self.last_step == step else None,
                 "best_step": self.best_step, "best_heldout_tau": self.best_tau if self.best_step is not None else None}
 
-    def final_message(self, step: int, final_dir: Path | None, last_checkpoint: Path | None) -> str:
+    def final_message(self, step: int, final_dir: Path | None, last_checkpoint: Path | None,
+                      caveat: str = "") -> str:
+        """The run's last line; `caveat` (TrainingData.heldout_caveat) follows the held-out tau it reports."""
         if self.best_step is None:
             return (f"done: {step} steps; drafter exported to {final_dir} (no held-out samples: its quality "
                     "was not measured)")
@@ -195,6 +197,8 @@ class HeldoutTracker:
         if self.best_step != step:
             text += (f"; the last step's weights (held-out tau {self.last_tau:.3f}) are in {last_checkpoint} "
                      "(dflash-train export exports them)")
+        if caveat:
+            text += f". {caveat}"
         advice = self.trajectory_advice(step)
         return f"{text}. {advice}" if advice else text
 
