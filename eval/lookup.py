@@ -1,4 +1,4 @@
-"""Prompt lookup: the free baseline a trained drafter has to beat.
+"""Prompt lookup: the free baseline a trained drafter has to beat, under dflash-eval's verification.
 
 An n-gram drafter with no weights (prompt lookup decoding; the n-gram speculator of vLLM
 and SGLang works the same way): the last `n` tokens known so far (prompt + output, ending
@@ -7,12 +7,8 @@ that earlier occurrence are proposed as the next block. Code, chat and edits rep
 own context (identifiers, quoted lines, boilerplate), which is why it is a real competitor
 there and why a drafter's tau means little until it is set beside this one.
 
-Rules (fixed, so figures are comparable):
-- the longest suffix that occurs earlier wins: `n = max_ngram`, then `n - 1`, ... down to
-  `min_ngram`; no occurrence at any n: no proposal (the cycle is a plain target step);
-- among the occurrences of that suffix, the latest one that still has `B-1` tokens after it,
-  otherwise the one with the most tokens after it (the earliest); the proposal is what follows
-  it, at most `B-1` tokens, fewer when the occurrence lies near the end of the text.
+Its proposals (and the rules that make figures comparable) are runtime/lookup.py's, which the
+trainer's held-out walk replays too.
 """
 
 from __future__ import annotations
@@ -20,34 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
+from dflash.runtime.lookup import lookup_proposal
 
 from .speculative import DecodeConfig, Generation, Proposer, verify_generate
-
-
-def lookup_proposal(tokens: Sequence[int], max_tokens: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
-    """The tokens prompt lookup proposes after `tokens` (whose last token is the anchor).
-
-    At most `max_tokens`; empty when no suffix of `min_ngram`..`max_ngram` tokens occurs
-    earlier (see the module docstring for which occurrence is used).
-    """
-    if max_tokens < 1 or min_ngram < 1 or max_ngram < min_ngram:
-        raise ValueError(f"need max_tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
-                         f"max_tokens={max_tokens}, min_ngram={min_ngram}, max_ngram={max_ngram}.")
-    text = np.asarray(tokens, dtype=np.int64)
-    length = len(text)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        # Windows of n tokens that end before the last token (so at least one token follows).
-        windows = np.lib.stride_tricks.sliding_window_view(text[: length - 1], n)
-        starts = np.flatnonzero((windows == text[length - n :]).all(axis=1))
-        if len(starts) == 0:
-            continue
-        follow = starts + n  # where each occurrence's continuation begins
-        full = follow[follow + max_tokens <= length]
-        begin = int(full[-1]) if len(full) else int(follow[0])
-        return text[begin : begin + max_tokens].tolist()
-    return []
 
 
 class LookupProposer(Proposer):

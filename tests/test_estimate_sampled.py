@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import make_tiny_target, tiny_train_config
 from dflash.cache_tools.manifest import read_manifest
+from dflash.eval.lookup import lookup_generate
 from dflash.eval.run import load_models
 from dflash.eval.speculative import DecodeConfig, speculative_generate, target_generate
 from dflash.train.estimate import estimate_drafter
@@ -155,6 +156,14 @@ def test_estimate_on_sampled_completions_follows_the_greedy_decode(tmp_path):
     mixed = estimate(caches["mixed"])
     assert mixed["greedy_samples"] == 8 and mixed["walked_samples"] == 16
     assert mixed["tau"] == pytest.approx(_clipped_tau([g.acceptance_lengths for g in decoded[:8]]), rel=1e-9)
+    # Prompt lookup beside it, replayed on the same samples: dflash-eval's lookup decode of those
+    # prompts, cycle for cycle (all 16, then the greedy 8 the mixed estimate reads).
+    looked = lookup_generate(target_model, prompts, DecodeConfig(max_new_tokens=NEW, block_size=BLOCK))
+    assert [g.tokens for g in looked] == [r[PROMPT:] for r in greedy_rows]
+    lookup = _clipped_tau([g.acceptance_lengths for g in looked])
+    assert 1.0 < lookup < tau  # it accepts something, less than the trained drafter
+    assert greedy["tau_lookup"] == pytest.approx(lookup, rel=1e-12)
+    assert mixed["tau_lookup"] == pytest.approx(_clipped_tau([g.acceptance_lengths for g in looked[:8]]), rel=1e-12)
     # The estimate's 95 % interval resamples the samples it reads: the decoded prompts' own
     # figures (all 16, then the greedy 8 alone), whatever order the cache stores them in.
     for result, first in ((greedy, 16), (mixed, 8)):

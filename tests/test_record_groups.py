@@ -235,6 +235,13 @@ def test_the_last_line_of_a_run_says_when_its_heldout_tau_rests_on_few_documents
     last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")][-1]
     assert "holds the best held-out checkpoint" in last and "too few to trust within 10 %" in last
     assert "whole group(s) of the records (documents)" in last and "dflash-eval" in last
+    # prompt lookup's walk over the same held-out samples stands beside the drafter's tau
+    import json
+    evals = [json.loads(line) for line in (tmp_path / "few" / "metrics.jsonl").read_text().splitlines()]
+    best = max((r for r in evals if r.get("kind") == "eval"), key=lambda r: r["heldout_tau"])
+    assert best["tau_lookup"] >= 1.0
+    assert (f"prompt lookup, which needs no training, {best['tau_lookup']:.3f} on the same samples: the drafter "
+            f"reads {best['heldout_tau'] / best['tau_lookup']:.2f}x it") in last
     monkeypatch.setattr(data_module, "FEW_HELDOUT_GROUPS", 1)  # enough groups: the line says nothing of them
     train(tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "enough", **cfg))
     last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")][-1]

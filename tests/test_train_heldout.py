@@ -457,3 +457,18 @@ def test_the_end_of_a_run_says_whether_its_data_or_its_steps_limit_it(tmp_path):
     assert _tracker_of(level).trajectory_advice(1000) is None
     assert _tracker_of(prose[:3]).trajectory_advice(1578) is None
     assert HeldoutTracker().trajectory_advice(10) is None
+
+
+def test_the_last_line_sets_the_heldout_tau_beside_prompt_lookup_on_the_same_samples_also_after_a_resume(tmp_path):
+    from dflash.train.reporting import HeldoutTracker
+
+    tracker = HeldoutTracker()
+    tracker.observe(10, {"tau": 2.5, "tau_lookup": 1.25})
+    tracker.observe(20, {"tau": 3.0, "tau_lookup": 1.25})
+    restored = HeldoutTracker()
+    restored.load_state_dict(tracker.state_dict())
+    line = restored.final_message(20, tmp_path / "final", None)
+    assert "prompt lookup, which needs no training, 1.250 on the same samples: the drafter reads 2.40x it" in line
+    plain = HeldoutTracker()
+    plain.observe(10, {"tau": 2.5})  # a cache evaluated without the lookup figure: nothing said of it
+    assert "prompt lookup" not in plain.final_message(10, tmp_path / "final", None)

@@ -82,6 +82,8 @@ def format_estimate(result: dict[str, Any]) -> str:
     smaller = "".join(f", {k} {v:.3f}" for k, v in result.items() if k.startswith("tau_b") and k[5:].isdigit())
     if "tau_backbone" in result:  # DFlash2: tau is the selector path's
         smaller += f", backbone tau {result['tau_backbone']:.3f}"
+    if result.get("tau_lookup"):
+        smaller += f", prompt lookup {result['tau_lookup']:.3f} on the same samples ({result['tau'] / result['tau_lookup']:.2f}x)"
     span = result.get("tau_interval") or []
     interval = f" [95 %: {span[0]:.3f}-{span[1]:.3f} over the samples]" if len(span) == 2 else ""
     return (f"tau {result['tau']:.3f}{interval} ({result['estimator']}, block {block}){smaller}, tau_blocks "

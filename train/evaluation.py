@@ -3,23 +3,34 @@
 `evaluate` runs the drafter over the held-out batches (this rank's share, every rank as many
 forwards), scores its drafts against the samples' tokens and, where the cache holds the target's
 top-1, against greedy verification, and walks whole samples as a decoder would
-(metrics.VerificationWalk): docs/train.md, "Estimator".
+(metrics.VerificationWalk): docs/train.md, "Estimator". Prompt lookup's walk is replayed on the
+same samples (runtime/lookup.py), so the held-out tau stands beside the free baseline's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
+from dflash.runtime.lookup import lookup_walk
 from torch import nn
 
 from .config import TrainConfig
 from .data import TrainingData
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
 from .loader import SPLIT_KEYS, dequantize_batch
-from .metrics import VerificationWalk, greedy_path, greedy_replay, top1_known, walk_interval
+from .metrics import (
+    MIN_GREEDY_SAMPLES,
+    VerificationWalk,
+    greedy_path,
+    greedy_replay,
+    top1_known,
+    walk_interval,
+)
 from .model import DFlashDrafter
 from .objective import ObjectiveConfig, anchor_chunks, compute_loss, eligible_anchors
 from .reporting import RunningMetrics
@@ -58,6 +69,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     held = (data.eval_caches if data.eval_caches is not None else data.caches).manifest
     replay = held.topk > 0 or held.top1 is not None
     clean = dataclasses.replace(objective, noise_type="none")
+    lookups: list[list[float]] = []  # prompt lookup's [tokens, cycles] per walked sample, as walk.per_sample
     with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
         for index, batch in enumerate(loader):
             keys = batch.pop(SPLIT_KEYS, None)  # each sample's cluster for the interval (exact as a float)
@@ -88,7 +100,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                 continue
             path = greedy_path(batch) if replay else None  # where sampled tokens leave it
             known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
-            walk.update(outs, eligible, path, known, clusters)
+            lookups += lookup_rows(batch, eligible, walk.update(outs, eligible, path, known, clusters), block_size)
             if backbone_outs:
                 backbone_walk.update(backbone_outs, eligible, path, known, clusters)
     loss_model.wrapped.train()
@@ -97,6 +109,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     walked = all_reduce_sum(walk.state(), info)
     taus = walk.taus(walked)
     per_sample = all_gather_rows(walk.per_sample, info)
+    lookup = lookup_tau(per_sample, all_gather_rows(lookups, info))
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
@@ -110,4 +123,40 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             # its 95 % bootstrap interval over the samples walked, resampled by record group (or prompt):
             # the noise of a small held-out set
             "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
+            # prompt lookup on the samples the estimate reads, at the drafter's block
+            **({"tau_lookup": lookup} if lookup is not None else {}),
             "estimator": estimator}
+
+
+@lru_cache(maxsize=4096)
+def _lookup_walk_of(tokens: bytes, scored: bytes, anchors: bytes, block_size: int) -> tuple[int, int]:
+    """lookup_walk of one held-out sample, kept: its text is the same at every evaluation."""
+    return lookup_walk(np.frombuffer(tokens, np.int64), np.frombuffer(anchors, np.int64), block_size,
+                       scored=np.frombuffer(scored, np.bool_))
+
+
+def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: list[int],
+                block_size: int) -> list[list[float]]:
+    """Prompt lookup's [tokens, cycles] walked along each of the batch's `rows` (the samples the
+    drafter's walk took, in its order), over the sample's own tokens and completion positions."""
+    if not rows:
+        return []
+    ids, mask, lengths = batch["input_ids"].cpu(), batch["loss_mask"].cpu().bool(), batch["lengths"].cpu()
+    out = []
+    for b in rows:
+        n = int(lengths[b])
+        anchors = eligible[b, :n].nonzero().flatten().numpy().astype(np.int64)
+        walked = _lookup_walk_of(ids[b, :n].numpy().astype(np.int64).tobytes(), mask[b, :n].numpy().tobytes(),
+                                 anchors.tobytes(), block_size)
+        out.append([float(walked[0]), float(walked[1])])
+    return out
+
+
+def lookup_tau(per_sample: list[list[float]], lookups: list[list[float]]) -> float | None:
+    """Prompt lookup's tokens / cycles over the samples the estimate reads (the greedy
+    completions when there are MIN_GREEDY_SAMPLES of them, else all: VerificationWalk.taus);
+    None without a walked sample."""
+    greedy = sum(1 for row in per_sample if row[0] == 1)
+    use = [lk for row, lk in zip(per_sample, lookups) if row[0] == 1 or greedy < MIN_GREEDY_SAMPLES]
+    cycles = sum(c for _, c in use)
+    return sum(t for t, _ in use) / cycles if cycles else None

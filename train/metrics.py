@@ -238,13 +238,14 @@ class VerificationWalk:
         return self.greedy.samples + self.others.samples
 
     def update(self, outs: list[LossOutput], eligible: torch.Tensor, on_path: torch.Tensor | None = None,
-               has_top1: torch.Tensor | None = None, clusters: list[int] | None = None) -> None:
+               has_top1: torch.Tensor | None = None, clusters: list[int] | None = None) -> list[int]:
         """Add one batch: its outputs (blocks of one batch over one or more anchor chunks),
         `eligible` [B, T] bool, `objective.eligible_anchors` of the batch, `on_path`
         [B, T] bool, `greedy_path` of the batch (None: the samples are the path), and `has_top1`
         [B] bool, the batch's `top1_known`: a sample without its top-1 is walked along its own
         tokens and never counted as a greedy completion (nothing says it is one). `clusters`: each
-        row's cluster for walk_interval (its split key), recorded as the 4th field of per_sample."""
+        row's cluster for walk_interval (its split key), recorded as the 4th field of per_sample.
+        Returns the rows walked, in the order their per_sample rows were added."""
         by_position: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]
         scored: list[dict[int, int]] = [{} for _ in range(eligible.shape[0])]  # scored slots per block
         for out in outs:
@@ -256,6 +257,7 @@ class VerificationWalk:
                 by_position[b].update(zip(at, leading[b][valid[b]].tolist()))
                 scored[b].update(zip(at, slots[b][valid[b]].tolist()))
         runs = None if on_path is None else _runs_on_path(on_path.cpu())
+        walked_rows = []
         for b, blocks in enumerate(by_position):
             if not blocks or len(blocks) != int(eligible[b].sum()):
                 continue
@@ -279,8 +281,10 @@ class VerificationWalk:
                     counts.count(i, accepted, censored)
                     p += accepted if censored else accepted + 1  # censored: on from the sampled token
             counts.samples += 1
+            walked_rows.append(b)
             self.per_sample.append([float(counts is self.greedy), float(counts.tokens[0] - tokens),
                                     float(counts.cycles[0] - cycles), *([float(clusters[b])] if clusters else [])])
+        return walked_rows
 
     def state(self) -> torch.Tensor:
         """The greedy samples' sums, then the sampled ones' (sum it over ranks)."""

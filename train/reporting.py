@@ -94,10 +94,12 @@ def gpu_memory_gib(device: torch.device) -> float:
 # What the console line of each record shows, held-out tau first.
 _TRAIN_KEYS = ("heldout_tau", "tau", "loss", "acc_1", "lr", "grad_norm", "context_tokens_per_second", "data_wait",
                "gpu_mem_gib")
-_EVAL_KEYS = ("heldout_tau", "tau_backbone", "train_tau", "tau_gap", "best_heldout_tau", "best_step", "loss", "acc_1")
+_EVAL_KEYS = ("heldout_tau", "tau_backbone", "tau_lookup", "train_tau", "tau_gap", "best_heldout_tau", "best_step",
+              "loss", "acc_1")
 _SHORT = {"heldout_tau": "held-out_tau", "tau": "train_tau", "context_tokens_per_second": "ctx_tok/s",
           "best_heldout_tau": "best", "best_step": "at_step",
-          "tau_backbone": "backbone_tau"}  # DFlash2: the held-out tau of its backbone's own top-1, beside the selector's
+          "tau_backbone": "backbone_tau",  # DFlash2: the held-out tau of its backbone's own top-1, beside the selector's
+          "tau_lookup": "lookup_tau"}  # prompt lookup's walk over the same held-out samples
 
 
 PATIENCE = 2
@@ -120,6 +122,9 @@ class HeldoutTracker:
     """Training tau over the evaluation interval that ended at the best step."""
     best_interval: list[float] = field(default_factory=list)
     """The best evaluation's 95 % interval over its held-out samples (evaluate's tau_interval)."""
+    lookup_tau: float | None = None
+    """Prompt lookup's tau over the held-out samples the estimate reads (evaluate's tau_lookup):
+    the same at every evaluation, their text does not change."""
     last_tau: float | None = None
     last_step: int | None = None
     evals_since_best: int = 0
@@ -156,6 +161,7 @@ class HeldoutTracker:
             if self.evals_since_best >= PATIENCE:
                 warning = self._warning(tau, train_tau)
         self.last_tau, self.last_step = tau, step
+        self.lookup_tau = heldout.get("tau_lookup", self.lookup_tau)
         self.history.append([float(step), float(tau), float(train_tau)])
         # the gap compares like with like: per-block means on both sides (the walk has no
         # training counterpart)
@@ -192,6 +198,9 @@ class HeldoutTracker:
                     "was not measured)")
         span = (f", 95 % interval {self.best_interval[0]:.3f}-{self.best_interval[1]:.3f} over the held-out "
                 "samples" if len(self.best_interval) == 2 else "")
+        if self.lookup_tau:
+            span += (f"; prompt lookup, which needs no training, {self.lookup_tau:.3f} on the same samples: the "
+                     f"drafter reads {self.best_tau / self.lookup_tau:.2f}x it")
         text = (f"done: {step} steps; {final_dir} holds the best held-out checkpoint, step {self.best_step} "
                 f"(held-out tau {self.best_tau:.3f}{span})")
         if self.best_step != step:
