@@ -16,6 +16,7 @@ Rules (fixed, so figures are comparable):
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,23 +55,43 @@ def lookup_walk(tokens: Sequence[int] | np.ndarray, anchors: Sequence[int], bloc
     """(tokens, cycles) of prompt lookup's verification walked along `tokens` as the trainer
     walks its drafter (train/metrics.py, VerificationWalk): the first block at the first of
     `anchors` (the eligible positions: completion tokens followed by another), each proposal made
-    from the text up to its anchor and accepted while it matches the text, at most
-    `block_size - 1` tokens and only over `scored` positions (the completion's: the loss mask; all
-    of the text when None), the next block `accepted + 1` on, for as long as that position is an
-    anchor. On a greedy completion this is what `dflash-eval` measures for prompt lookup there
-    (its last cycle cut at the completion's end)."""
-    text = np.asarray(tokens, dtype=np.int64)
-    mask = np.ones(len(text), dtype=bool) if scored is None else np.asarray(scored, dtype=bool)[: len(text)]
+    from the text up to its anchor (`lookup_proposal`'s) and accepted while it matches the text,
+    at most `block_size - 1` tokens and only over `scored` positions (the completion's: the loss
+    mask; all of the text when None), the next block `accepted + 1` on, for as long as that
+    position is an anchor. On a greedy completion this is what `dflash-eval` measures for prompt
+    lookup there (its last cycle cut at the completion's end).
+
+    The proposals come from an index of the text's n-grams grown as the walk moves on, so a walk
+    costs about one pass over the text (`lookup_proposal` per anchor would cost one pass per
+    cycle: minutes for a few thousand samples of a few thousand tokens)."""
+    text = [int(t) for t in np.asarray(tokens, dtype=np.int64).tolist()]
+    mask = [True] * len(text) if scored is None else [bool(m) for m in np.asarray(scored, dtype=bool)[: len(text)]]
     eligible = set(int(p) for p in anchors)
     if not eligible:
         return 0, 0
+    width = block_size - 1
+    starts: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]  # n -> n-gram -> starts
+    indexed = 0  # n-grams ending before this position are indexed
     walked = cycles = 0
     p = min(eligible)
     while p in eligible:
-        proposal = lookup_proposal(text[: p + 1], block_size - 1, max_ngram)
+        for end in range(indexed, p):  # every n-gram that ends before the anchor
+            for n in range(1, min(max_ngram, end + 1) + 1):
+                starts[n].setdefault(tuple(text[end - n + 1 : end + 1]), []).append(end - n + 1)
+        indexed = max(indexed, p)
+        proposal: list[int] = []
+        for n in range(min(max_ngram, p), 0, -1):  # the longest suffix that occurs earlier
+            found = starts[n].get(tuple(text[p - n + 1 : p + 1]))
+            if not found:
+                continue
+            # the latest occurrence with `width` tokens after it in the text so far, else the earliest
+            full = bisect.bisect_right(found, p + 1 - n - width) - 1
+            begin = (found[full] if full >= 0 else found[0]) + n
+            proposal = text[begin : min(begin + width, p + 1)]
+            break
         accepted = 0
         while (accepted < len(proposal) and p + 1 + accepted < len(text) and mask[p + 1 + accepted]
-               and int(text[p + 1 + accepted]) == proposal[accepted]):
+               and text[p + 1 + accepted] == proposal[accepted]):
             accepted += 1
         walked, cycles = walked + accepted + 1, cycles + 1
         p += accepted + 1
