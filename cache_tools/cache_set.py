@@ -83,6 +83,11 @@ class CacheSet:
         return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,
                                                dequantize=dequantize)
 
+    def read_ids(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample `index`'s token ids and loss mask (up to max_seq_len), without its hidden states."""
+        cache, local = self.locate(index)
+        return self.readers[cache].read_ids(local, max_tokens=self.max_seq_len)
+
     def sample_ids(self) -> np.ndarray:
         """The global sample id of every sample, in index order: from the commit records, or, for
         a part whose record predates them, read from the part once."""

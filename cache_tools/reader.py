@@ -32,6 +32,8 @@ from .sample_scores import top1_selected
 from .schema import (
     DATA,
     HIDDEN_ARRAYS,
+    INPUT_IDS,
+    LOSS_MASK,
     SAMPLE_IDS,
     TOP1_IDS,
     TOP1_KNOWN,
@@ -417,6 +419,24 @@ class CacheReader:
         if TOP1_IDS in result:  # --top1-share: the other samples' rows hold 0, not a top-1
             result[TOP1_KNOWN] = self.top1_known(part_idx, local, result["sample_id"])
         return result
+
+    def read_ids(self, index: int, *, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sample `index`'s token ids (int64) and loss mask (bool) alone, optionally its first
+        max_tokens: what statistics of the text read, without decoding its hidden states."""
+        part_idx, local = self.locate(index)
+        off = self._offsets(part_idx)
+        start, stop = int(off[local]), int(off[local + 1])
+        if max_tokens is not None:
+            stop = min(stop, start + max_tokens)
+        pf = self._part(part_idx)
+        out = []
+        for name in (INPUT_IDS, LOSS_MASK):
+            meta = pf.array_meta(name)
+            arr = np.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype)
+            if stop > start:
+                pf.read_rows(name, start, stop, arr)
+            out.append(arr)
+        return out[0].astype(np.int64), out[1].astype(bool)
 
     def top1_known(self, part_idx: int, local: int, sample_id: int) -> bool:
         """Whether sample `local` of part `part_idx` has its top-1 in a cache of top-1 share below

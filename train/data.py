@@ -26,6 +26,7 @@ from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
 from dflash.runtime.locks import is_held, same_path
+from dflash.runtime.lookup import lookup_walk
 
 from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
@@ -35,6 +36,7 @@ from .loader import TrainLoader, eval_batches
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 FEW_HELDOUT_GROUPS = 64  # fewer held-out groups than this: the summary says the estimate rests on too few documents
 FEW_TRAINING = 8192  # fewer training samples than this: the summary says what such data gave (docs/recipe.md)
+TEXT_SAMPLES = 512  # training samples whose text prompt lookup walks, beside the held-out samples' (text_lookup)
 
 
 def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, caches: Any = None) -> list[str]:
@@ -119,6 +121,33 @@ class TrainingData:
     """Evaluated samples whose cache holds no target top-1 for them (outside its --top1-share)."""
     warnings: list[str] = field(default_factory=list)
     """What the summary warns of beyond the split (a --shuffle-parts group larger than --disk-budget)."""
+    estimate: bool = False
+    """`dflash-train estimate`: its cache is the held-out set, and it trains on nothing."""
+    _text_lookup: dict[int, tuple[float, int] | None] = field(default_factory=dict, repr=False)
+
+    def text_lookup(self, block_size: int) -> tuple[float, int] | None:
+        """Prompt lookup's tau along the training text: walked (runtime/lookup.py) along the
+        tokens of up to TEXT_SAMPLES training samples drawn at random (seeded, so every
+        evaluation and rank reads the same ones, spread over the records' groups), as the
+        evaluation walks it along the held-out samples. It says how repetitive the training text
+        is, which the held-out text's figure is set beside: held-out documents that repeat
+        themselves more are easier for a drafter too. (tau, samples walked); None for a followed
+        cache or an estimate."""
+        if block_size not in self._text_lookup:
+            value = None
+            if isinstance(self.caches, CacheSet) and not self.estimate and len(self.train_indices):
+                count = min(TEXT_SAMPLES, len(self.train_indices))
+                chosen = np.sort(np.random.default_rng(0).choice(self.train_indices, size=count, replace=False))
+                tokens = cycles = 0
+                for index in chosen:
+                    ids, mask = self.caches.read_ids(int(index))
+                    walked = lookup_walk(ids, np.flatnonzero(mask[:-1] & mask[1:]), block_size, scored=mask)
+                    tokens, cycles = tokens + walked[0], cycles + walked[1]
+                for reader in self.caches.readers:
+                    reader.close()  # DataLoader workers open their own maps
+                value = (tokens / cycles, count) if cycles else None
+            self._text_lookup[block_size] = value
+        return self._text_lookup[block_size]
 
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0
                     ) -> tuple[torch.utils.data.DataLoader, int] | None:
@@ -283,4 +312,4 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
                         eval_indices=eval_indices, config=config, pin_memory=pin_memory, heldout_count=len(heldout),
                         train_cap=train_cap, warnings=[w for w in warnings if w],
                         heldout_groups=None if eval_caches is not None else count_heldout_groups(caches, heldout),
-                        eval_without_top1=without_top1(scored, eval_indices))
+                        eval_without_top1=without_top1(scored, eval_indices), estimate=estimate)

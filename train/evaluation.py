@@ -109,7 +109,15 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     walked = all_reduce_sum(walk.state(), info)
     taus = walk.taus(walked)
     per_sample = all_gather_rows(walk.per_sample, info)
-    lookup = lookup_tau(per_sample, all_gather_rows(lookups, info))
+    lookups = all_gather_rows(lookups, info)
+    lookup = lookup_tau(per_sample, lookups)
+    # how repetitive the held-out text is (every walked sample along its own tokens), beside the training text
+    text = {}
+    if lookups and sum(c for _, c in lookups):
+        text["lookup_text_heldout"] = sum(t for t, _ in lookups) / sum(c for _, c in lookups)
+        training_text = data.text_lookup(block_size)
+        if training_text is not None:
+            text["lookup_text_training"], text["lookup_text_training_samples"] = training_text
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
@@ -124,7 +132,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             # the noise of a small held-out set
             "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
             # prompt lookup on the samples the estimate reads, at the drafter's block
-            **({"tau_lookup": lookup} if lookup is not None else {}),
+            **({"tau_lookup": lookup} if lookup is not None else {}), **text,
             "estimator": estimator}
 
 

@@ -108,6 +108,9 @@ LITTLE_GAIN = 0.05
 """A held-out gain over a run's second half below this (relative) is little (trajectory_advice)."""
 STILL_RISING = 0.02
 """A gain at the last evaluation of at least this (relative) means the held-out tau still rises."""
+UNLIKE_TEXT = 0.10
+"""Prompt lookup along the held-out text this much (relative) above or below the training
+text's: the last line says the held-out documents are unlike the rest (unlike_text)."""
 
 
 @dataclass
@@ -125,6 +128,10 @@ class HeldoutTracker:
     lookup_tau: float | None = None
     """Prompt lookup's tau over the held-out samples the estimate reads (evaluate's tau_lookup):
     the same at every evaluation, their text does not change."""
+    lookup_text: list[float] = field(default_factory=list)
+    """Prompt lookup along the held-out samples' text and the training samples', and how many
+    training samples (evaluate's lookup_text_heldout, lookup_text_training and _samples), when
+    both were measured."""
     last_tau: float | None = None
     last_step: int | None = None
     evals_since_best: int = 0
@@ -162,6 +169,9 @@ class HeldoutTracker:
                 warning = self._warning(tau, train_tau)
         self.last_tau, self.last_step = tau, step
         self.lookup_tau = heldout.get("tau_lookup", self.lookup_tau)
+        if "lookup_text_heldout" in heldout and "lookup_text_training" in heldout:
+            self.lookup_text = [heldout["lookup_text_heldout"], heldout["lookup_text_training"],
+                                heldout.get("lookup_text_training_samples", 0)]
         self.history.append([float(step), float(tau), float(train_tau)])
         # the gap compares like with like: per-block means on both sides (the walk has no
         # training counterpart)
@@ -208,8 +218,29 @@ class HeldoutTracker:
                      "(dflash-train export exports them)")
         if caveat:
             text += f". {caveat}"
+        unlike = self.unlike_text(said_to_measure=bool(caveat))
+        if unlike:
+            text += f". {unlike}"
         advice = self.trajectory_advice(step)
         return f"{text}. {advice}" if advice else text
+
+    def unlike_text(self, said_to_measure: bool = False) -> str:
+        """What the last line says when the held-out text repeats itself more (or less) than the
+        training text by over UNLIKE_TEXT, by prompt lookup's walk along each ("" otherwise):
+        a split of few documents can draw easier or harder ones than the rest. `said_to_measure`:
+        the line already says to measure with dflash-eval."""
+        if len(self.lookup_text) != 3 or not self.lookup_text[1]:
+            return ""
+        held, training, samples = self.lookup_text
+        ratio = held / training
+        if 1 / (1 + UNLIKE_TEXT) <= ratio <= 1 + UNLIKE_TEXT:
+            return ""
+        more = "more" if ratio > 1 else "less"
+        return (f"The held-out text repeats itself {more} than the training text: prompt lookup walks "
+                f"{held:.3f} along the held-out samples and {training:.3f} along {int(samples)} training samples "
+                f"({100 * (ratio - 1):+.0f} %), so the held-out documents are likely {'easier' if ratio > 1 else 'harder'} "
+                f"for the drafter too and its held-out tau reads {'high' if ratio > 1 else 'low'}"
+                + ("" if said_to_measure else ": measure the drafter with dflash-eval on prompts of other documents"))
 
     def trajectory_advice(self, step: int) -> str | None:
         """What the run's held-out trajectory says about its length, from its second half: the

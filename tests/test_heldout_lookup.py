@@ -1,0 +1,84 @@
+"""Prompt lookup beside the held-out estimate: the evaluation walks it along the held-out samples'
+text and along the training samples', and a run's last line says when the held-out documents
+repeat themselves more than the rest (a split of few documents that drew easy ones)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from conftest import tiny_train_config
+from dflash.cache_tools.cache_set import CacheSet
+from dflash.cache_tools.sample_scores import heldout_scores
+from dflash.runtime.lookup import lookup_walk
+from dflash.train.loop import train
+from test_record_groups import group_key
+from test_split_keys import extract_records
+from test_target_families import VOCAB
+
+GROUPS, PER_GROUP, FRACTION, BLOCK = 12, 4, 0.3, 4
+
+
+def records(repetitive_groups: set[int]) -> list[dict]:
+    """GROUPS documents of PER_GROUP records; the answers of `repetitive_groups` repeat a short
+    phrase (text prompt lookup drafts well), the others are random tokens."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for k in range(GROUPS * PER_GROUP):
+        group = k % GROUPS
+        prompt = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+        if group in repetitive_groups:
+            phrase = torch.randint(0, VOCAB, (3,), generator=g).tolist()
+            answer = (phrase * 6)[:16]
+        else:
+            answer = torch.randint(0, VOCAB, (16,), generator=g).tolist()
+        out.append({"group": f"doc-{group}", "input_ids": prompt + answer, "loss_mask": [0] * 6 + [1] * 16})
+    return out
+
+
+def heldout_groups() -> set[int]:
+    """The groups the split holds out at FRACTION, by the split's own hash of their keys."""
+    keys = np.array([group_key(f"doc-{k}") for k in range(GROUPS)], dtype=np.int64)
+    return set(np.flatnonzero(heldout_scores(keys) < FRACTION).tolist())
+
+
+def walk(record: dict) -> tuple[int, int]:
+    mask = np.array(record["loss_mask"], dtype=bool)
+    return lookup_walk(record["input_ids"], np.flatnonzero(mask[:-1] & mask[1:]), BLOCK, scored=mask)
+
+
+def run(tmp_path, name: str, repetitive: set[int], capsys) -> tuple[dict, str, list[dict]]:
+    data = extract_records(tmp_path / name, records(repetitive))
+    train(tiny_train_config(data["cache"], data["target"], tmp_path / name / "run", block_size=BLOCK,
+                            eval_fraction=FRACTION, eval_interval=2, max_steps=2, save_interval=2))
+    evals = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")][-1]
+    ids = CacheSet([str(data["cache"])], max_seq_len=64).sample_ids()  # cache order -> record index
+    return [r for r in evals if r.get("kind") == "eval"][-1], last, [data["records"][i] for i in ids]
+
+
+def pooled(walks: list[tuple[int, int]]) -> float:
+    return sum(t for t, _ in walks) / sum(c for _, c in walks)
+
+
+def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, capsys):
+    held = heldout_groups()
+    assert 0 < len(held) < GROUPS  # the split holds out some documents, not all
+    record, last, ordered = run(tmp_path, "unlike", held, capsys)
+    in_held = [int(r["group"][4:]) in held for r in ordered]
+    # Both figures are prompt lookup's walk along the samples' own tokens: every held-out sample,
+    # and every training one (fewer than the TEXT_SAMPLES the evaluation draws).
+    assert record["lookup_text_heldout"] == pooled([walk(r) for r, h in zip(ordered, in_held) if h])
+    assert record["lookup_text_training"] == pooled([walk(r) for r, h in zip(ordered, in_held) if not h])
+    assert record["lookup_text_training_samples"] == sum(not h for h in in_held)
+    assert record["lookup_text_heldout"] > 1.5 * record["lookup_text_training"]
+    assert "The held-out text repeats itself more than the training text" in last
+    assert f"{record['lookup_text_heldout']:.3f} along the held-out samples" in last and "reads high" in last
+
+
+def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
+    record, last, _ = run(tmp_path, "alike", set(), capsys)
+    ratio = record["lookup_text_heldout"] / record["lookup_text_training"]
+    assert 1 / 1.1 <= ratio <= 1.1
+    assert "repeats itself" not in last and "prompt lookup, which needs no training" in last
