@@ -174,8 +174,15 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     assert all(b["longest_prompt_tokens"] == max(stages.SMALL.prompt_lengths) and 1 <= b["tau_longest_prompts"]
                for b in blocks.values())
     b8 = blocks["8"]
-    assert cells[-2] == (f"{b8['tau_longest_prompts']:.2f} / {b8['lookup_tau_longest_prompts']:.2f} "
-                         f"({b8['longest_prompt_tokens']} tokens)")
+    longest = columns.index("B=8 tau / lookup tau, longest prompts")
+    assert cells[longest] == (f"{b8['tau_longest_prompts']:.2f} / {b8['lookup_tau_longest_prompts']:.2f} "
+                              f"({b8['longest_prompt_tokens']} tokens)")
+    # Prompt lookup walked by the trainer on the split's samples, over its decoded tau, and the
+    # split's text over the training text: both read off the run's best evaluation.
+    run = json.loads((work / "stages" / "train-e2.json").read_text())
+    assert cells[columns.index("est. lookup / lookup tau")] == f"{run['heldout_lookup_tau'] / b8['lookup_tau']:.3f}"
+    assert cells[columns.index("split text / training text")] == (
+        f"{run['lookup_text_heldout'] / run['lookup_text_training']:.3f}")
     # The estimate is the trainer's greedy walk over its own held-out split of the training data
     # (no --eval-cache: the cached top-1 replays verification), at the exported (best) step.
     train = json.loads((work / "stages" / "train-e2.json").read_text())

@@ -190,7 +190,8 @@ def table(work: Work) -> str:
         head += [f"B={b} est. tau", f"B={b} est. (other files)", f"B={b} est. (same prompts)", f"B={b} tau", f"B={b} tau per-prompt mean",
                  f"B={b} vs defaults (paired)", f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
                  f"B={b} lookup per-prompt mean", f"B={b} lookup speedup"]
-    head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "lossless"]
+    head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "est. lookup / lookup tau",
+             "split text / training text", "lossless"]
     rows = []
     trained = [json.loads(path.read_text()) for path in sorted((work.root / "stages").glob("train-*.json"))]
     base = defaults_variant(trained)
@@ -222,6 +223,10 @@ def table(work: Work) -> str:
         row.append("–" if "tau_longest_prompts" not in first else
                    f"{first['tau_longest_prompts']:.2f} / {first['lookup_tau_longest_prompts']:.2f} "
                    f"({first['longest_prompt_tokens']} tokens)")
+        # prompt lookup on the split's samples against its decoded tau (what est. / tau would read
+        # for a drafter that is prompt lookup), and the split's text against the training text
+        row.append(_fmt(_ratio(train.get("heldout_lookup_tau"), first.get("lookup_tau")), ".3f"))
+        row.append(_fmt(_ratio(train.get("lookup_text_heldout"), train.get("lookup_text_training")), ".3f"))
         checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
         row.append("–" if not checks else ("yes" if all(checks) else "NO"))
         rows.append(row)
@@ -254,7 +259,10 @@ def table(work: Work) -> str:
              "estimate of the exported drafter over that estimate_cache (files no training sample comes from, "
              "where the default split's samples share files with the training ones); est. (same prompts): "
              "dflash-train estimate of the exported drafter over greedy completions of the decoded prompts "
-             "themselves; per-block mean: the old estimator")
+             "themselves; per-block mean: the old estimator; est. lookup / lookup tau: prompt lookup walked on the samples "
+             "the estimate reads, over its decoded tau (est. / tau for a drafter that is prompt lookup); split text / "
+             "training text: prompt lookup walked along the held-out samples' text over the training samples' (the "
+             "trainer's last line speaks of it beyond 10 %)")
     return "\n".join([about, "", *lines])
 
 

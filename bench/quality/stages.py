@@ -633,6 +633,9 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
             "heldout_tau_blocks": best.get("tau_blocks"), "estimator": best.get("estimator"),
             "heldout_tau_interval": best.get("tau_interval") or None,  # its 95 % over the samples walked
             "heldout_tau_backbone": best.get("tau_backbone"),  # DFlash2: the backbone's top-1 alone
+            # prompt lookup on the samples the estimate walks, and along the held-out and training text
+            "heldout_lookup_tau": best.get("tau_lookup"), "lookup_text_heldout": best.get("lookup_text_heldout"),
+            "lookup_text_training": best.get("lookup_text_training"),
             "train_tau": trains[-1].get("tau") if trains else None,
             "train_samples": int(trained_on.group(1)) if trained_on else None,  # the data line's count
             "sharing_gpu": sharing_gpu(),
