@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from functools import lru_cache
+import hashlib
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -136,11 +137,21 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             "estimator": estimator}
 
 
-@lru_cache(maxsize=4096)
-def _lookup_walk_of(tokens: bytes, scored: bytes, anchors: bytes, block_size: int) -> tuple[int, int]:
-    """lookup_walk of one held-out sample, kept: its text is the same at every evaluation."""
-    return lookup_walk(np.frombuffer(tokens, np.int64), np.frombuffer(anchors, np.int64), block_size,
-                       scored=np.frombuffer(scored, np.bool_))
+_LOOKUP_WALKS: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+"""lookup_walk of the held-out samples seen, by a digest of what it reads: their text is the
+same at every evaluation (kept by digest, so that long samples do not stay in memory)."""
+_KEPT_WALKS = 1 << 16
+
+
+def _lookup_walk_of(ids: np.ndarray, scored: np.ndarray, anchors: np.ndarray, block_size: int) -> tuple[int, int]:
+    read = (ids.tobytes(), scored.tobytes(), anchors.tobytes(), block_size.to_bytes(4, "little"))
+    key = hashlib.blake2b(b"".join(read), digest_size=16).digest()
+    walked = _LOOKUP_WALKS.get(key)
+    if walked is None:
+        walked = _LOOKUP_WALKS[key] = lookup_walk(ids, anchors, block_size, scored=scored)
+        if len(_LOOKUP_WALKS) > _KEPT_WALKS:
+            _LOOKUP_WALKS.popitem(last=False)
+    return walked
 
 
 def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: list[int],
@@ -154,8 +165,7 @@ def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: li
     for b in rows:
         n = int(lengths[b])
         anchors = eligible[b, :n].nonzero().flatten().numpy().astype(np.int64)
-        walked = _lookup_walk_of(ids[b, :n].numpy().astype(np.int64).tobytes(), mask[b, :n].numpy().tobytes(),
-                                 anchors.tobytes(), block_size)
+        walked = _lookup_walk_of(ids[b, :n].numpy().astype(np.int64), mask[b, :n].numpy(), anchors, block_size)
         out.append([float(walked[0]), float(walked[1])])
     return out
 
