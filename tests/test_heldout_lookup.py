@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_train_config
 from dflash.cache_tools.cache_set import CacheSet
@@ -73,6 +74,8 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, c
     assert record["lookup_text_training"] == pooled([walk(r) for r, h in zip(ordered, in_held) if not h])
     assert record["lookup_text_training_samples"] == sum(not h for h in in_held)
     assert record["lookup_text_heldout"] > 1.5 * record["lookup_text_training"]
+    # (its random answers are not the target's greedy ones: a censored walk, with no regression figure)
+    assert record["censored_blocks"] > 0 and "tau_text_adjusted" not in record
     assert "The held-out text repeats itself more than the training text" in last
     assert f"{record['lookup_text_heldout']:.3f} along the held-out samples" in last and "reads high" in last
 
@@ -82,3 +85,25 @@ def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
     ratio = record["lookup_text_heldout"] / record["lookup_text_training"]
     assert 1 / 1.1 <= ratio <= 1.1
     assert "repeats itself" not in last and "prompt lookup, which needs no training" in last
+
+
+def test_the_text_adjusted_estimate_moves_the_split_to_the_training_texts_repetitiveness():
+    from dflash.train.evaluation import text_adjusted_tau
+
+    # Twelve greedy samples of 100 tokens whose drafter cycles a token are exactly 0.1 + 0.5 x
+    # their prompt lookup's x: the regression estimator is then exact for any text, so at the
+    # training text's lookup rate it gives 0.1 + 0.5 * (1 / training text's lookup tau).
+    lookup_rates = np.linspace(0.3, 0.9, 12)
+    per_sample = [[1.0, 100.0, 100.0 * (0.1 + 0.5 * x), 7.0] for x in lookup_rates]
+    lookups = [[100.0, 100.0 * x] for x in lookup_rates]
+    heldout_text = 1 / lookup_rates.mean()
+    assert text_adjusted_tau(per_sample, lookups, heldout_text, 1.25, 16) == pytest.approx(1 / (0.1 + 0.5 / 1.25))
+    # Held-out text as repetitive as the training text: the estimate as it is.
+    raw = sum(r[1] for r in per_sample) / sum(r[2] for r in per_sample)
+    assert text_adjusted_tau(per_sample, lookups, heldout_text, heldout_text, 16) == pytest.approx(raw)
+    # Sampled rows are not read while greedy ones suffice; too few rows, or no spread: no figure.
+    sampled = [[0.0, 100.0, 100.0, 7.0]] * 5
+    assert text_adjusted_tau(per_sample + sampled, lookups + [[100.0, 50.0]] * 5, heldout_text, 1.25, 16) == \
+        pytest.approx(1 / (0.1 + 0.5 / 1.25))
+    assert text_adjusted_tau(per_sample[:5], lookups[:5], heldout_text, 1.25, 16) is None
+    assert text_adjusted_tau(per_sample, [[100.0, 50.0]] * 12, 2.0, 1.25, 16) is None

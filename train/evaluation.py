@@ -119,6 +119,10 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
         training_text = data.text_lookup(block_size)
         if training_text is not None:
             text["lookup_text_training"], text["lookup_text_training_samples"] = training_text
+            adjusted = text_adjusted_tau(per_sample, lookups, text["lookup_text_heldout"], training_text[0],
+                                         block_size) if block_size in taus and not walk_censored(walked, walk) else None
+            if adjusted is not None:
+                text["tau_text_adjusted"] = adjusted
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
@@ -168,6 +172,38 @@ def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: li
         walked = _lookup_walk_of(ids[b, :n].numpy().astype(np.int64), mask[b, :n].numpy(), anchors, block_size)
         out.append([float(walked[0]), float(walked[1])])
     return out
+
+
+def walk_censored(walked: torch.Tensor, walk: VerificationWalk) -> bool:
+    """Whether the estimate read censored blocks (sampled completions alone: a Kaplan-Meier
+    figure, not tokens over cycles)."""
+    return walk.walked(walked)["censored_blocks"] > 0
+
+
+def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]], heldout_text: float,
+                      training_text: float, block_size: int) -> float | None:
+    """The held-out estimate corrected for how repetitive the held-out text is against the
+    training text (a regression estimator, prompt lookup the auxiliary figure): the drafter's
+    cycles a token over the samples the estimate reads, plus their slope on prompt lookup's cycles
+    a token (fitted over those samples, weighted by their tokens) times the training text's
+    lookup cycles a token less the held-out text's. A split of few documents that drew repetitive
+    ones reads high by what that slope says such text is worth. None with fewer than
+    MIN_GREEDY_SAMPLES read, or no spread in the lookup's figures. Reported beside tau, not as
+    it: how well it tracks decoded tau is measured on the quality benchmark (docs/BENCHMARKS.md)."""
+    greedy = sum(1 for row in per_sample if row[0] == 1)
+    rows = [(row[1], row[2], lk[0], lk[1]) for row, lk in zip(per_sample, lookups)
+            if (row[0] == 1 or greedy < MIN_GREEDY_SAMPLES) and row[1] > 0 and lk[0] > 0]
+    if len(rows) < MIN_GREEDY_SAMPLES:
+        return None
+    tokens, cycles, ltokens, lcycles = (np.array(c, dtype=np.float64) for c in zip(*rows))
+    y, x = cycles / tokens, lcycles / ltokens
+    mean_x = np.average(x, weights=tokens)
+    spread = np.average((x - mean_x) ** 2, weights=tokens)
+    if spread <= 0:
+        return None
+    slope = np.average((x - mean_x) * (y - np.average(y, weights=tokens)), weights=tokens) / spread
+    rate = cycles.sum() / tokens.sum() + slope * (1 / training_text - 1 / heldout_text)
+    return float(min(block_size, max(1.0, 1 / rate))) if rate > 0 else float(block_size)
 
 
 def lookup_tau(per_sample: list[list[float]], lookups: list[list[float]]) -> float | None:

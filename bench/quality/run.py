@@ -191,7 +191,7 @@ def table(work: Work) -> str:
                  f"B={b} vs defaults (paired)", f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
                  f"B={b} lookup per-prompt mean", f"B={b} lookup speedup"]
     head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "est. lookup / lookup tau",
-             "split text / training text", "lossless"]
+             "split text / training text", "est. text-adjusted / tau", "lossless"]
     rows = []
     trained = [json.loads(path.read_text()) for path in sorted((work.root / "stages").glob("train-*.json"))]
     base = defaults_variant(trained)
@@ -227,6 +227,7 @@ def table(work: Work) -> str:
         # for a drafter that is prompt lookup), and the split's text against the training text
         row.append(_fmt(_ratio(train.get("heldout_lookup_tau"), first.get("lookup_tau")), ".3f"))
         row.append(_fmt(_ratio(train.get("lookup_text_heldout"), train.get("lookup_text_training")), ".3f"))
+        row.append(_fmt(_ratio(train.get("heldout_tau_text_adjusted"), first.get("tau")), ".3f"))
         checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
         row.append("–" if not checks else ("yes" if all(checks) else "NO"))
         rows.append(row)
@@ -262,7 +263,8 @@ def table(work: Work) -> str:
              "themselves; per-block mean: the old estimator; est. lookup / lookup tau: prompt lookup walked on the samples "
              "the estimate reads, over its decoded tau (est. / tau for a drafter that is prompt lookup); split text / "
              "training text: prompt lookup walked along the held-out samples' text over the training samples' (the "
-             "trainer's last line speaks of it beyond 10 %)")
+             "trainer's last line speaks of it beyond 10 %); est. text-adjusted / tau: the trainer's estimate corrected for that "
+             "text by a regression on prompt lookup's figures (tau_text_adjusted, docs/train.md), over the decoded tau")
     return "\n".join([about, "", *lines])
 
 
