@@ -17,6 +17,8 @@ Rules (fixed, so figures are comparable):
 from __future__ import annotations
 
 import bisect
+import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,3 +98,30 @@ def lookup_walk(tokens: Sequence[int] | np.ndarray, anchors: Sequence[int], bloc
         walked, cycles = walked + accepted + 1, cycles + 1
         p += accepted + 1
     return walked, cycles
+
+
+_KEPT: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+"""Walks of texts seen (by a digest of what they read, so that long samples do not stay in
+memory): a held-out sample's text is the same at the trainer's startup and every evaluation."""
+_KEEP = 1 << 16
+
+
+def kept_lookup_walk(ids: np.ndarray, scored: np.ndarray, anchors: np.ndarray, block_size: int) -> tuple[int, int]:
+    """lookup_walk(ids, anchors, block_size, scored=scored) of int64 ids, bool scored and int64
+    anchors, kept for the next call over the same text (at most 65,536 walks kept)."""
+    read = (ids.tobytes(), scored.tobytes(), anchors.tobytes(), block_size.to_bytes(4, "little"))
+    key = hashlib.blake2b(b"".join(read), digest_size=16).digest()
+    walked = _KEPT.get(key)
+    if walked is None:
+        walked = _KEPT[key] = lookup_walk(ids, anchors, block_size, scored=scored)
+        if len(_KEPT) > _KEEP:
+            _KEPT.popitem(last=False)
+    return walked
+
+
+def sample_lookup_walk(ids: np.ndarray, mask: np.ndarray, block_size: int) -> tuple[int, int]:
+    """kept_lookup_walk of one sample (its ids and loss mask, cut to its length): its anchors are
+    the trainer's eligible positions, completion tokens followed by another."""
+    ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    anchors = np.flatnonzero(mask[:-1] & mask[1:]).astype(np.int64)
+    return kept_lookup_walk(ids, mask, anchors, block_size)

@@ -49,14 +49,16 @@ def walk(record: dict) -> tuple[int, int]:
     return lookup_walk(record["input_ids"], np.flatnonzero(mask[:-1] & mask[1:]), BLOCK, scored=mask)
 
 
-def run(tmp_path, name: str, repetitive: set[int], capsys) -> tuple[dict, str, list[dict]]:
+def run(tmp_path, name: str, repetitive: set[int], capsys) -> tuple[dict, str, list[dict], list[str]]:
     data = extract_records(tmp_path / name, records(repetitive))
     train(tiny_train_config(data["cache"], data["target"], tmp_path / name / "run", block_size=BLOCK,
                             eval_fraction=FRACTION, eval_interval=2, max_steps=2, save_interval=2))
     evals = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
-    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")][-1]
+    lines = capsys.readouterr().out.splitlines()
+    last = [line for line in lines if line.startswith("done: ")][-1]
+    notes = [line for line in lines if line.startswith("Note: The held-out text")]  # said at the start
     ids = CacheSet([str(data["cache"])], max_seq_len=64).sample_ids()  # cache order -> record index
-    return [r for r in evals if r.get("kind") == "eval"][-1], last, [data["records"][i] for i in ids]
+    return [r for r in evals if r.get("kind") == "eval"][-1], last, [data["records"][i] for i in ids], notes
 
 
 def pooled(walks: list[tuple[int, int]]) -> float:
@@ -66,7 +68,7 @@ def pooled(walks: list[tuple[int, int]]) -> float:
 def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, capsys):
     held = heldout_groups()
     assert 0 < len(held) < GROUPS  # the split holds out some documents, not all
-    record, last, ordered = run(tmp_path, "unlike", held, capsys)
+    record, last, ordered, notes = run(tmp_path, "unlike", held, capsys)
     in_held = [int(r["group"][4:]) in held for r in ordered]
     # Both figures are prompt lookup's walk along the samples' own tokens: every held-out sample,
     # and every training one (fewer than the TEXT_SAMPLES the evaluation draws).
@@ -78,13 +80,17 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, c
     assert record["censored_blocks"] > 0 and "tau_text_adjusted" not in record
     assert "The held-out text repeats itself more than the training text" in last
     assert f"{record['lookup_text_heldout']:.3f} along the held-out samples" in last and "reads high" in last
+    # The startup says so before any step, with the same figures, while the flags can still change.
+    [note] = notes
+    assert f"walks {record['lookup_text_heldout']:.3f} along the held-out samples" in note
+    assert "will likely read high" in note and "--eval-fraction" in note
 
 
 def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
-    record, last, _ = run(tmp_path, "alike", set(), capsys)
+    record, last, _, notes = run(tmp_path, "alike", set(), capsys)
     ratio = record["lookup_text_heldout"] / record["lookup_text_training"]
     assert 1 / 1.1 <= ratio <= 1.1
-    assert "repeats itself" not in last and "prompt lookup, which needs no training" in last
+    assert "repeats itself" not in last and "prompt lookup, which needs no training" in last and not notes
 
 
 def test_the_text_adjusted_estimate_moves_the_split_to_the_training_texts_repetitiveness():

@@ -26,12 +26,13 @@ from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
 from dflash.runtime.locks import is_held, same_path
-from dflash.runtime.lookup import lookup_walk
+from dflash.runtime.lookup import sample_lookup_walk
 
 from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, without_top1
 from .loader import TrainLoader, eval_batches
+from .reporting import unlike_text
 
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 FEW_HELDOUT_GROUPS = 64  # fewer held-out groups than this: the summary says the estimate rests on too few documents
@@ -138,16 +139,26 @@ class TrainingData:
             if isinstance(self.caches, CacheSet) and not self.estimate and len(self.train_indices):
                 count = min(TEXT_SAMPLES, len(self.train_indices))
                 chosen = np.sort(np.random.default_rng(0).choice(self.train_indices, size=count, replace=False))
-                tokens = cycles = 0
-                for index in chosen:
-                    ids, mask = self.caches.read_ids(int(index))
-                    walked = lookup_walk(ids, np.flatnonzero(mask[:-1] & mask[1:]), block_size, scored=mask)
-                    tokens, cycles = tokens + walked[0], cycles + walked[1]
-                for reader in self.caches.readers:
-                    reader.close()  # DataLoader workers open their own maps
-                value = (tokens / cycles, count) if cycles else None
+                value = _walked_text(self.caches, chosen, block_size)
             self._text_lookup[block_size] = value
         return self._text_lookup[block_size]
+
+    def unlike_text_note(self, block_size: int) -> str:
+        """The startup's note when the held-out text repeats itself over 10 % more or less than the
+        training text (reporting.unlike_text; "" otherwise)."""
+        held, training = self.heldout_text_lookup(block_size), self.text_lookup(block_size)
+        if held is None or training is None:
+            return ""
+        return unlike_text(held[0], *training, ahead=True)
+
+    def heldout_text_lookup(self, block_size: int) -> tuple[float, int] | None:
+        """Prompt lookup's tau along the evaluated held-out samples' text, as text_lookup walks the
+        training text (the evaluation walks the same, and finds the walks kept); None without
+        held-out samples, for a followed cache or an estimate."""
+        caches = self.eval_caches if self.eval_caches is not None else self.caches
+        if not isinstance(caches, CacheSet) or self.estimate or not len(self.eval_indices):
+            return None
+        return _walked_text(caches, self.eval_indices, block_size)
 
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0
                     ) -> tuple[torch.utils.data.DataLoader, int] | None:
@@ -218,6 +229,17 @@ class TrainingData:
             text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
                      f"truncated ({c.truncated_tokens} tokens dropped)")
         return text + rendering_summary([r.manifest.header for r in c.readers])
+
+
+def _walked_text(caches: CacheSet, indices: np.ndarray, block_size: int) -> tuple[float, int] | None:
+    """(prompt lookup's tokens / cycles walked along the samples `indices`, how many)."""
+    tokens = cycles = 0
+    for index in indices:
+        walked = sample_lookup_walk(*caches.read_ids(int(index)), block_size)
+        tokens, cycles = tokens + walked[0], cycles + walked[1]
+    for reader in caches.readers:
+        reader.close()  # DataLoader workers open their own maps
+    return (tokens / cycles, len(indices)) if cycles else None
 
 
 def rendering_summary(headers: list[dict[str, Any]]) -> str:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
-from dflash.runtime.lookup import lookup_walk
+from dflash.runtime.lookup import kept_lookup_walk
 from torch import nn
 
 from .config import TrainConfig
@@ -141,23 +139,6 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             "estimator": estimator}
 
 
-_LOOKUP_WALKS: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-"""lookup_walk of the held-out samples seen, by a digest of what it reads: their text is the
-same at every evaluation (kept by digest, so that long samples do not stay in memory)."""
-_KEPT_WALKS = 1 << 16
-
-
-def _lookup_walk_of(ids: np.ndarray, scored: np.ndarray, anchors: np.ndarray, block_size: int) -> tuple[int, int]:
-    read = (ids.tobytes(), scored.tobytes(), anchors.tobytes(), block_size.to_bytes(4, "little"))
-    key = hashlib.blake2b(b"".join(read), digest_size=16).digest()
-    walked = _LOOKUP_WALKS.get(key)
-    if walked is None:
-        walked = _LOOKUP_WALKS[key] = lookup_walk(ids, anchors, block_size, scored=scored)
-        if len(_LOOKUP_WALKS) > _KEPT_WALKS:
-            _LOOKUP_WALKS.popitem(last=False)
-    return walked
-
-
 def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: list[int],
                 block_size: int) -> list[list[float]]:
     """Prompt lookup's [tokens, cycles] walked along each of the batch's `rows` (the samples the
@@ -169,7 +150,7 @@ def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: li
     for b in rows:
         n = int(lengths[b])
         anchors = eligible[b, :n].nonzero().flatten().numpy().astype(np.int64)
-        walked = _lookup_walk_of(ids[b, :n].numpy().astype(np.int64), mask[b, :n].numpy(), anchors, block_size)
+        walked = kept_lookup_walk(ids[b, :n].numpy().astype(np.int64), mask[b, :n].numpy(), anchors, block_size)
         out.append([float(walked[0]), float(walked[1])])
     return out
 

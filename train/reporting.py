@@ -113,6 +113,28 @@ UNLIKE_TEXT = 0.10
 text's: the last line says the held-out documents are unlike the rest (unlike_text)."""
 
 
+def unlike_text(held: float, training: float, samples: float, *, said_to_measure: bool = False,
+                ahead: bool = False) -> str:
+    """What the trainer says when the held-out text repeats itself more (or less) than the
+    training text by over UNLIKE_TEXT, by prompt lookup's walk along each (`held`, `training`,
+    over `samples` training samples; "" otherwise): a split of few documents can draw easier or
+    harder ones than the rest. `said_to_measure`: the line already says to measure with
+    dflash-eval. `ahead`: said at the start, before any evaluation."""
+    if not training or not held:
+        return ""
+    ratio = held / training
+    if 1 / (1 + UNLIKE_TEXT) <= ratio <= 1 + UNLIKE_TEXT:
+        return ""
+    high = ratio > 1
+    reads = ("will likely read " if ahead else "likely reads ") + ("high" if high else "low")
+    measure = ("" if said_to_measure else ": measure the drafter with dflash-eval on prompts of other documents, "
+               "or hold out more of them (a larger --eval-fraction)")
+    return (f"The held-out text repeats itself {'more' if high else 'less'} than the training text: prompt lookup "
+            f"walks {held:.3f} along the held-out samples and {training:.3f} along {int(samples)} training samples "
+            f"({100 * (ratio - 1):+.0f} %), so the held-out documents are likely {'easier' if high else 'harder'} for "
+            f"the drafter too and its held-out tau {reads}{measure}")
+
+
 @dataclass
 class HeldoutTracker:
     """The held-out tau over a run: its best evaluation (whose checkpoint is kept and becomes
@@ -225,22 +247,10 @@ class HeldoutTracker:
         return f"{text}. {advice}" if advice else text
 
     def unlike_text(self, said_to_measure: bool = False) -> str:
-        """What the last line says when the held-out text repeats itself more (or less) than the
-        training text by over UNLIKE_TEXT, by prompt lookup's walk along each ("" otherwise):
-        a split of few documents can draw easier or harder ones than the rest. `said_to_measure`:
-        the line already says to measure with dflash-eval."""
-        if len(self.lookup_text) != 3 or not self.lookup_text[1]:
+        """The last line's unlike_text of the held-out and training text, when both were measured."""
+        if len(self.lookup_text) != 3:
             return ""
-        held, training, samples = self.lookup_text
-        ratio = held / training
-        if 1 / (1 + UNLIKE_TEXT) <= ratio <= 1 + UNLIKE_TEXT:
-            return ""
-        more = "more" if ratio > 1 else "less"
-        return (f"The held-out text repeats itself {more} than the training text: prompt lookup walks "
-                f"{held:.3f} along the held-out samples and {training:.3f} along {int(samples)} training samples "
-                f"({100 * (ratio - 1):+.0f} %), so the held-out documents are likely {'easier' if ratio > 1 else 'harder'} "
-                f"for the drafter too and its held-out tau reads {'high' if ratio > 1 else 'low'}"
-                + ("" if said_to_measure else ": measure the drafter with dflash-eval on prompts of other documents"))
+        return unlike_text(*self.lookup_text, said_to_measure=said_to_measure)
 
     def trajectory_advice(self, step: int) -> str | None:
         """What the run's held-out trajectory says about its length, from its second half: the
