@@ -16,7 +16,8 @@ runs once more, alone (its first log kept as NAME.oom.log). Each job's output is
 ROUND/jobs/NAME.json; `start` again reruns what did not finish. ROUND defaults to
 /dev/shm/dflash-round. EVAL_BLOCKS (default 16) is the block sizes bench/quality decodes at
 ("16,8": also at 8, beside a peer's block-8 export). QUALITY_EXTRA_SETS="KEY=VALUE ..." gives bench/quality
-more --set settings (train_top1_share=0.12 before a SWEEP row of --eval-fraction 0.1).
+more --set settings (train_top1_share=0.12 before a SWEEP row of --eval-fraction 0.1), and
+QUALITY_EXTRA_SETS_CODE / QUALITY_EXTRA_SETS_PROSE more for one domain (prompt_percent=40 for prose).
 
 Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs GPU time):
 
@@ -96,8 +97,9 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
     keep = variants if variants is not None else os.environ.get("VARIANTS", "").split()
     for domain in os.environ.get("DOMAINS", "code prose").split():
         work = root / f"quality-{domain}"
-        sets = f"--set completions={completions}" + "".join(
-            f" --set {kv}" for kv in os.environ.get("QUALITY_EXTRA_SETS", "").split())  # e.g. train_top1_share=0.12
+        extra_sets = os.environ.get("QUALITY_EXTRA_SETS", "").split()  # e.g. train_top1_share=0.12
+        extra_sets += os.environ.get(f"QUALITY_EXTRA_SETS_{domain.upper()}", "").split()  # this domain's own
+        sets = f"--set completions={completions}" + "".join(f" --set {kv}" for kv in extra_sets)
         if domain == "code":  # the data only these variants train on
             sets += " --set extra_samples=2" * (not keep or "extra" in keep)
             sets += " --set extra_codecs=nf4" * (not keep or "nf4" in keep)

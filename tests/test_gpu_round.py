@@ -241,3 +241,14 @@ def test_a_sweep_run_warm_started_from_another_run_of_the_round_waits_for_it(rou
         assert gpu_round.variant_name(variant) == stages.Variant(int(epochs), tuple(flags)).name
     assert jobs["prose-d2warm"].needs == ["prose-prep", "prose-dflash"]
     assert set(jobs) == {"prose-prep", "prose-dflash", "prose-d2warm", "prose-tables"}
+
+
+def test_a_domains_own_quality_settings_reach_only_that_domain(round_dir, monkeypatch):
+    monkeypatch.setenv("ROUND_SMALL", "1")
+    monkeypatch.setenv("VARIANTS", "dflash2")
+    monkeypatch.setenv("QUALITY_EXTRA_SETS", "train_top1_share=0.12")
+    monkeypatch.setenv("QUALITY_EXTRA_SETS_PROSE", "prompt_percent=40")
+    jobs = {j.name: j for j in gpu_round.leaderboard(extract=False)}
+    assert jobs["prose-prep"].env["QUALITY_SETS"].endswith("--set train_top1_share=0.12 --set prompt_percent=40")
+    assert jobs["code-prep"].env["QUALITY_SETS"].endswith("--set train_top1_share=0.12")
+    assert jobs["prose-dflash2"].env["QUALITY_SETS"] == jobs["prose-prep"].env["QUALITY_SETS"]
