@@ -9,6 +9,7 @@ trainer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -83,10 +84,22 @@ class CacheSet:
         return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,
                                                dequantize=dequantize)
 
-    def read_ids(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample `index`'s token ids and loss mask (up to max_seq_len), without its hidden states."""
-        cache, local = self.locate(index)
-        return self.readers[cache].read_ids(local, max_tokens=self.max_seq_len)
+    def read_ids(self, indices: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The token ids and loss mask (up to max_seq_len) of each sample of `indices`, in that
+        order, without their hidden states: a part's arrays are decoded once for its samples in
+        a row and dropped when the next sample is another part's (sorted indices read each once)."""
+        held: tuple[int, int] | None = None
+        try:
+            for index in indices:
+                cache, local = self.locate(int(index))
+                where = (cache, self.readers[cache].locate(local)[0])
+                if held is not None and held != where:
+                    self.readers[held[0]].close_part(held[1])
+                held = where
+                yield self.readers[cache].read_ids(local, max_tokens=self.max_seq_len)
+        finally:
+            if held is not None:
+                self.readers[held[0]].close_part(held[1])
 
     def sample_ids(self) -> np.ndarray:
         """The global sample id of every sample, in index order: from the commit records, or, for

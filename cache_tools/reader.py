@@ -422,21 +422,17 @@ class CacheReader:
 
     def read_ids(self, index: int, *, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Sample `index`'s token ids (int64) and loss mask (bool) alone, optionally its first
-        max_tokens: what statistics of the text read, without decoding its hidden states."""
+        max_tokens: what statistics of the text read, without decoding its hidden states. The
+        part's id and mask arrays stay decoded while the part is open (`close_part` drops them):
+        read a part's samples together."""
         part_idx, local = self.locate(index)
         off = self._offsets(part_idx)
         start, stop = int(off[local]), int(off[local + 1])
         if max_tokens is not None:
             stop = min(stop, start + max_tokens)
-        pf = self._part(part_idx)
-        out = []
-        for name in (INPUT_IDS, LOSS_MASK):
-            meta = pf.array_meta(name)
-            arr = np.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype)
-            if stop > start:
-                pf.read_rows(name, start, stop, arr)
-            out.append(arr)
-        return out[0].astype(np.int64), out[1].astype(bool)
+        pf = self._part(part_idx)  # its arrays are decoded once and kept until the part is closed
+        return (pf.small_array(INPUT_IDS)[start:stop].astype(np.int64),
+                pf.small_array(LOSS_MASK)[start:stop].astype(bool))
 
     def top1_known(self, part_idx: int, local: int, sample_id: int) -> bool:
         """Whether sample `local` of part `part_idx` has its top-1 in a cache of top-1 share below

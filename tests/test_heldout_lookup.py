@@ -113,3 +113,14 @@ def test_the_text_adjusted_estimate_moves_the_split_to_the_training_texts_repeti
         pytest.approx(1 / (0.1 + 0.5 / 1.25))
     assert text_adjusted_tau(per_sample[:5], lookups[:5], heldout_text, 1.25, 16) is None
     assert text_adjusted_tau(per_sample, [[100.0, 50.0]] * 12, 2.0, 1.25, 16) is None
+
+
+def test_reading_the_ids_alone_gives_each_samples_tokens_and_mask_across_parts(tmp_path):
+    data = extract_records(tmp_path, records(set()))
+    caches = CacheSet([str(data["cache"])], max_seq_len=20)  # shorter than the samples: cut as read() cuts
+    assert len(caches.readers[0].parts) > 1
+    order = [5, 0, len(caches) - 1, 3, 4]  # any order, parts revisited
+    for index, (ids, mask) in zip(order, caches.read_ids(order), strict=True):
+        whole = caches.read(index)
+        assert ids.dtype == np.int64 and mask.dtype == bool and len(ids) == 20
+        assert ids.tolist() == whole["input_ids"].tolist() and mask.tolist() == whole["loss_mask"].bool().tolist()

@@ -234,11 +234,9 @@ class TrainingData:
 def _walked_text(caches: CacheSet, indices: np.ndarray, block_size: int) -> tuple[float, int] | None:
     """(prompt lookup's tokens / cycles walked along the samples `indices`, how many)."""
     tokens = cycles = 0
-    for index in indices:
-        walked = sample_lookup_walk(*caches.read_ids(int(index)), block_size)
+    for ids, mask in caches.read_ids(np.sort(indices)):  # sorted: each part's arrays decoded once
+        walked = sample_lookup_walk(ids, mask, block_size)
         tokens, cycles = tokens + walked[0], cycles + walked[1]
-    for reader in caches.readers:
-        reader.close()  # DataLoader workers open their own maps
     return (tokens / cycles, len(indices)) if cycles else None
 
 
