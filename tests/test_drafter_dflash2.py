@@ -284,7 +284,12 @@ def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
     estimate = estimate_drafter(str(out / "final"), {"cache": [str(tiny_world["cache"])],
                                                      "target_model": str(tiny_world["target"]), "num_workers": 0})
-    assert "backbone tau" in format_estimate(estimate)
+    line = format_estimate(estimate)
+    assert "backbone tau" in line
+    # prompt lookup beside the estimate, on the same samples, with the drafter's multiple of it
+    assert f"prompt lookup {estimate['tau_lookup']:.3f} on the same samples " \
+           f"({estimate['tau'] / estimate['tau_lookup']:.2f}x)" in line
+    assert all(f"lookup_tau={r['tau_lookup']:.4g}" in shown_line for shown_line, r in zip(shown, held_out))
 
 
 def test_a_hidden_size_the_default_group_does_not_divide_is_refused_with_the_group_that_fits():
