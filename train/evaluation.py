@@ -109,7 +109,9 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     taus = walk.taus(walked)
     per_sample = all_gather_rows(walk.per_sample, info)
     lookups = all_gather_rows(lookups, info)
-    lookup = lookup_tau(per_sample, lookups)
+    censored = walk_censored(walked, walk)
+    # (a censored walk's Kaplan-Meier figure has no like for like in a lookup walk along sampled tokens)
+    lookup = None if censored else lookup_tau(per_sample, lookups)
     # how repetitive the held-out text is (every walked sample along its own tokens), beside the training text
     text = {}
     if lookups and sum(c for _, c in lookups):
@@ -118,7 +120,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
         if training_text is not None:
             text["lookup_text_training"], text["lookup_text_training_samples"] = training_text
             adjusted = text_adjusted_tau(per_sample, lookups, text["lookup_text_heldout"], training_text[0],
-                                         block_size) if block_size in taus and not walk_censored(walked, walk) else None
+                                         block_size) if block_size in taus and not censored else None
             if adjusted is not None:
                 text["tau_text_adjusted"] = adjusted
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
