@@ -163,6 +163,10 @@ def test_estimate_on_sampled_completions_follows_the_greedy_decode(tmp_path):
     lookup = _clipped_tau([g.acceptance_lengths for g in looked])
     assert 1.0 < lookup < tau  # it accepts something, less than the trained drafter
     assert greedy["tau_lookup"] == pytest.approx(lookup, rel=1e-12)
+    # The per-sample mean beside the pooled tau: dflash-eval's per-prompt mean of the same decode.
+    sums = _clipped_sums([g.acceptance_lengths for g in decoded])
+    assert greedy["tau_per_sample_mean"] == pytest.approx(sum(t / c for t, c in sums) / len(sums), rel=1e-12)
+    assert greedy["tau_per_sample_mean"] != pytest.approx(greedy["tau"], rel=1e-3)  # the two differ here
     assert mixed["tau_lookup"] == pytest.approx(_clipped_tau([g.acceptance_lengths for g in looked[:8]]), rel=1e-12)
     # The estimate's 95 % interval resamples the samples it reads: the decoded prompts' own
     # figures (all 16, then the greedy 8 alone), whatever order the cache stores them in.

@@ -464,11 +464,12 @@ def test_the_last_line_sets_the_heldout_tau_beside_prompt_lookup_on_the_same_sam
 
     tracker = HeldoutTracker()
     tracker.observe(10, {"tau": 2.5, "tau_lookup": 1.25})
-    tracker.observe(20, {"tau": 3.0, "tau_lookup": 1.25})
+    tracker.observe(20, {"tau": 3.0, "tau_lookup": 1.25, "tau_per_sample_mean": 4.5})
     restored = HeldoutTracker()
     restored.load_state_dict(tracker.state_dict())
     line = restored.final_message(20, tmp_path / "final", None)
     assert "prompt lookup, which needs no training, 1.250 on the same samples: the drafter reads 2.40x it" in line
+    assert "4.500 as the mean of the samples' own taus (pooled: tokens over cycles)" in line
     plain = HeldoutTracker()
     plain.observe(10, {"tau": 2.5})  # a cache evaluated without the lookup figure: nothing said of it
     assert "prompt lookup" not in plain.final_message(10, tmp_path / "final", None)

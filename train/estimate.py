@@ -82,6 +82,8 @@ def format_estimate(result: dict[str, Any]) -> str:
     smaller = "".join(f", {k} {v:.3f}" for k, v in result.items() if k.startswith("tau_b") and k[5:].isdigit())
     if "tau_backbone" in result:  # DFlash2: tau is the selector path's
         smaller += f", backbone tau {result['tau_backbone']:.3f}"
+    if result.get("tau_per_sample_mean"):
+        smaller += f", per-sample mean {result['tau_per_sample_mean']:.3f}"
     if result.get("tau_lookup"):
         smaller += f", prompt lookup {result['tau_lookup']:.3f} on the same samples ({result['tau'] / result['tau_lookup']:.2f}x)"
     span = result.get("tau_interval") or []

@@ -112,6 +112,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     censored = walk_censored(walked, walk)
     # (a censored walk's Kaplan-Meier figure has no like for like in a lookup walk along sampled tokens)
     lookup = None if censored else lookup_tau(per_sample, lookups)
+    per_sample_mean = None if censored else mean_sample_tau(per_sample)
     # how repetitive the held-out text is (every walked sample along its own tokens), beside the training text
     text = {}
     if lookups and sum(c for _, c in lookups):
@@ -138,6 +139,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
             # prompt lookup on the samples the estimate reads, at the drafter's block
             **({"tau_lookup": lookup} if lookup is not None else {}), **text,
+            # the mean of each sample's tokens / cycles, as engines' per-prompt figure (tau pools them)
+            **({"tau_per_sample_mean": per_sample_mean} if per_sample_mean is not None else {}),
             "estimator": estimator}
 
 
@@ -187,6 +190,14 @@ def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]],
     slope = np.average((x - mean_x) * (y - np.average(y, weights=tokens)), weights=tokens) / spread
     rate = cycles.sum() / tokens.sum() + slope * (1 / training_text - 1 / heldout_text)
     return float(min(block_size, max(1.0, 1 / rate))) if rate > 0 else float(block_size)
+
+
+def mean_sample_tau(per_sample: list[list[float]]) -> float | None:
+    """The mean over the samples the estimate reads of each one's tokens / cycles (dflash-eval's
+    per-prompt mean, where tau pools tokens over cycles); None without a walked sample."""
+    greedy = sum(1 for row in per_sample if row[0] == 1)
+    taus = [row[1] / row[2] for row in per_sample if (row[0] == 1 or greedy < MIN_GREEDY_SAMPLES) and row[2] > 0]
+    return sum(taus) / len(taus) if taus else None
 
 
 def lookup_tau(per_sample: list[list[float]], lookups: list[list[float]]) -> float | None:

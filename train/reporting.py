@@ -147,6 +147,8 @@ class HeldoutTracker:
     """Training tau over the evaluation interval that ended at the best step."""
     best_interval: list[float] = field(default_factory=list)
     """The best evaluation's 95 % interval over its held-out samples (evaluate's tau_interval)."""
+    best_per_sample_mean: float | None = None
+    """The best evaluation's mean of its samples' own taus (evaluate's tau_per_sample_mean)."""
     lookup_tau: float | None = None
     """Prompt lookup's tau over the held-out samples the estimate reads (evaluate's tau_lookup):
     the same at every evaluation, their text does not change."""
@@ -183,6 +185,7 @@ class HeldoutTracker:
         if tau > self.best_tau:
             self.best_step, self.best_tau, self.best_train_tau = step, tau, train_tau
             self.best_interval = list(heldout.get("tau_interval") or [])
+            self.best_per_sample_mean = heldout.get("tau_per_sample_mean")
             self.evals_since_best = 0
         else:
             self.evals_since_best += 1
@@ -230,6 +233,8 @@ class HeldoutTracker:
                     "was not measured)")
         span = (f", 95 % interval {self.best_interval[0]:.3f}-{self.best_interval[1]:.3f} over the held-out "
                 "samples" if len(self.best_interval) == 2 else "")
+        if self.best_per_sample_mean:
+            span += f"; {self.best_per_sample_mean:.3f} as the mean of the samples' own taus (pooled: tokens over cycles)"
         if self.lookup_tau:
             span += (f"; prompt lookup, which needs no training, {self.lookup_tau:.3f} on the same samples: the "
                      f"drafter reads {self.best_tau / self.lookup_tau:.2f}x it")

@@ -637,6 +637,7 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
             "heldout_lookup_tau": best.get("tau_lookup"), "lookup_text_heldout": best.get("lookup_text_heldout"),
             "lookup_text_training": best.get("lookup_text_training"),
             "heldout_tau_text_adjusted": best.get("tau_text_adjusted"),  # the estimate corrected by that text
+            "heldout_tau_per_sample_mean": best.get("tau_per_sample_mean"),  # beside dflash-eval's per-prompt mean
             "train_tau": trains[-1].get("tau") if trains else None,
             "train_samples": int(trained_on.group(1)) if trained_on else None,  # the data line's count
             "sharing_gpu": sharing_gpu(),
