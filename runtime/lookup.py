@@ -106,22 +106,17 @@ memory): a held-out sample's text is the same at the trainer's startup and every
 _KEEP = 1 << 16
 
 
-def kept_lookup_walk(ids: np.ndarray, scored: np.ndarray, anchors: np.ndarray, block_size: int) -> tuple[int, int]:
-    """lookup_walk(ids, anchors, block_size, scored=scored) of int64 ids, bool scored and int64
-    anchors, kept for the next call over the same text (at most 65,536 walks kept)."""
-    read = (ids.tobytes(), scored.tobytes(), anchors.tobytes(), block_size.to_bytes(4, "little"))
-    key = hashlib.blake2b(b"".join(read), digest_size=16).digest()
+def sample_lookup_walk(ids: np.ndarray, mask: np.ndarray, block_size: int) -> tuple[int, int]:
+    """lookup_walk of one sample (its ids and loss mask, cut to its length) from the trainer's
+    eligible positions (completion tokens followed by another), kept for the next call over the
+    same sample (at most 65,536 walks kept, by a digest of what they read)."""
+    ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    key = hashlib.blake2b(b"".join((ids.tobytes(), mask.tobytes(), block_size.to_bytes(4, "little"))),
+                          digest_size=16).digest()
     walked = _KEPT.get(key)
     if walked is None:
-        walked = _KEPT[key] = lookup_walk(ids, anchors, block_size, scored=scored)
+        anchors = np.flatnonzero(mask[:-1] & mask[1:])
+        walked = _KEPT[key] = lookup_walk(ids, anchors, block_size, scored=mask)
         if len(_KEPT) > _KEEP:
             _KEPT.popitem(last=False)
     return walked
-
-
-def sample_lookup_walk(ids: np.ndarray, mask: np.ndarray, block_size: int) -> tuple[int, int]:
-    """kept_lookup_walk of one sample (its ids and loss mask, cut to its length): its anchors are
-    the trainer's eligible positions, completion tokens followed by another."""
-    ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
-    anchors = np.flatnonzero(mask[:-1] & mask[1:]).astype(np.int64)
-    return kept_lookup_walk(ids, mask, anchors, block_size)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.runtime.lookup import kept_lookup_walk
+from dflash.runtime.lookup import sample_lookup_walk
 from torch import nn
 
 from .config import TrainConfig
@@ -27,6 +27,7 @@ from .metrics import (
     VerificationWalk,
     greedy_path,
     greedy_replay,
+    read_by_estimate,
     top1_known,
     walk_interval,
 )
@@ -99,7 +100,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                 continue
             path = greedy_path(batch) if replay else None  # where sampled tokens leave it
             known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
-            lookups += lookup_rows(batch, eligible, walk.update(outs, eligible, path, known, clusters), block_size)
+            lookups += lookup_rows(batch, walk.update(outs, eligible, path, known, clusters), block_size)
             if backbone_outs:
                 backbone_walk.update(backbone_outs, eligible, path, known, clusters)
     loss_model.wrapped.train()
@@ -109,7 +110,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     taus = walk.taus(walked)
     per_sample = all_gather_rows(walk.per_sample, info)
     lookups = all_gather_rows(lookups, info)
-    censored = walk_censored(walked, walk)
+    walked_counts = walk.walked(walked)
+    censored = walked_counts["censored_blocks"] > 0  # sampled completions alone: a Kaplan-Meier figure
     # (a censored walk's Kaplan-Meier figure has no like for like in a lookup walk along sampled tokens)
     lookup = None if censored else lookup_tau(per_sample, lookups)
     per_sample_mean = None if censored else mean_sample_tau(per_sample)
@@ -133,7 +135,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             smaller["tau_backbone"] = backbone_taus[block_size]
     return {"loss": by_labels["loss"], "tau": taus.get(block_size, result["tau"]), **smaller, **kept,
             "tau_blocks": result["tau"], "tau_labels": by_labels["tau"],
-            **walk.walked(walked),
+            **walked_counts,
             # its 95 % bootstrap interval over the samples walked, resampled by record group (or prompt):
             # the noise of a small held-out set
             "tau_interval": walk_interval(per_sample, taus[block_size]) if block_size in taus else [],
@@ -144,26 +146,15 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             "estimator": estimator}
 
 
-def lookup_rows(batch: dict[str, torch.Tensor], eligible: torch.Tensor, rows: list[int],
-                block_size: int) -> list[list[float]]:
+def lookup_rows(batch: dict[str, torch.Tensor], rows: list[int], block_size: int) -> list[list[float]]:
     """Prompt lookup's [tokens, cycles] walked along each of the batch's `rows` (the samples the
     drafter's walk took, in its order), over the sample's own tokens and completion positions."""
     if not rows:
         return []
     ids, mask, lengths = batch["input_ids"].cpu(), batch["loss_mask"].cpu().bool(), batch["lengths"].cpu()
-    out = []
-    for b in rows:
-        n = int(lengths[b])
-        anchors = eligible[b, :n].nonzero().flatten().numpy().astype(np.int64)
-        walked = kept_lookup_walk(ids[b, :n].numpy().astype(np.int64), mask[b, :n].numpy(), anchors, block_size)
-        out.append([float(walked[0]), float(walked[1])])
-    return out
-
-
-def walk_censored(walked: torch.Tensor, walk: VerificationWalk) -> bool:
-    """Whether the estimate read censored blocks (sampled completions alone: a Kaplan-Meier
-    figure, not tokens over cycles)."""
-    return walk.walked(walked)["censored_blocks"] > 0
+    walks = (sample_lookup_walk(ids[b, :int(lengths[b])].numpy(), mask[b, :int(lengths[b])].numpy(), block_size)
+             for b in rows)
+    return [[float(tokens), float(cycles)] for tokens, cycles in walks]
 
 
 def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]], heldout_text: float,
@@ -176,9 +167,8 @@ def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]],
     ones reads high by what that slope says such text is worth. None with fewer than
     MIN_GREEDY_SAMPLES read, or no spread in the lookup's figures. Reported beside tau, not as
     it: how well it tracks decoded tau is measured on the quality benchmark (docs/BENCHMARKS.md)."""
-    greedy = sum(1 for row in per_sample if row[0] == 1)
-    rows = [(row[1], row[2], lk[0], lk[1]) for row, lk in zip(per_sample, lookups)
-            if (row[0] == 1 or greedy < MIN_GREEDY_SAMPLES) and row[1] > 0 and lk[0] > 0]
+    rows = [(row[1], row[2], lk[0], lk[1]) for row, lk, read in zip(per_sample, lookups, read_by_estimate(per_sample))
+            if read and row[1] > 0 and lk[0] > 0]
     if len(rows) < MIN_GREEDY_SAMPLES:
         return None
     tokens, cycles, ltokens, lcycles = (np.array(c, dtype=np.float64) for c in zip(*rows))
@@ -195,8 +185,7 @@ def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]],
 def mean_sample_tau(per_sample: list[list[float]]) -> float | None:
     """The mean over the samples the estimate reads of each one's tokens / cycles (dflash-eval's
     per-prompt mean, where tau pools tokens over cycles); None without a walked sample."""
-    greedy = sum(1 for row in per_sample if row[0] == 1)
-    taus = [row[1] / row[2] for row in per_sample if (row[0] == 1 or greedy < MIN_GREEDY_SAMPLES) and row[2] > 0]
+    taus = [row[1] / row[2] for row, read in zip(per_sample, read_by_estimate(per_sample)) if read and row[2] > 0]
     return sum(taus) / len(taus) if taus else None
 
 
@@ -204,7 +193,6 @@ def lookup_tau(per_sample: list[list[float]], lookups: list[list[float]]) -> flo
     """Prompt lookup's tokens / cycles over the samples the estimate reads (the greedy
     completions when there are MIN_GREEDY_SAMPLES of them, else all: VerificationWalk.taus);
     None without a walked sample."""
-    greedy = sum(1 for row in per_sample if row[0] == 1)
-    use = [lk for row, lk in zip(per_sample, lookups) if row[0] == 1 or greedy < MIN_GREEDY_SAMPLES]
+    use = [lk for lk, read in zip(lookups, read_by_estimate(per_sample)) if read]
     cycles = sum(c for _, c in use)
     return sum(t for t, _ in use) / cycles if cycles else None

@@ -315,6 +315,13 @@ class VerificationWalk:
         return self.greedy.taus([a + b for a, b in zip(greedy, others)])
 
 
+def read_by_estimate(per_sample: list[list[float]]) -> list[bool]:
+    """Which rows of VerificationWalk.per_sample the estimate reads: the greedy completions when
+    there are MIN_GREEDY_SAMPLES of them, else every walked sample (VerificationWalk.taus)."""
+    greedy_only = sum(1 for row in per_sample if row[0] == 1) >= MIN_GREEDY_SAMPLES
+    return [row[0] == 1 or not greedy_only for row in per_sample]
+
+
 def walk_interval(per_sample: list[list[float]], tau: float, resamples: int = 2000, seed: int = 0) -> list[float]:
     """The 95 % bootstrap interval of a walk's estimate `tau` at its first width, over the
     samples it reads (VerificationWalk.per_sample of every rank: the greedy completions when
@@ -326,10 +333,9 @@ def walk_interval(per_sample: list[list[float]], tau: float, resamples: int = 20
     with every cluster a single sample this is the per-sample interval. Empty with fewer than two
     clusters."""
     width = 4 if per_sample and len(per_sample[0]) == 4 else 3
-    rows = np.asarray(sorted(per_sample), dtype=np.float64).reshape(-1, width)  # sorted: the same for any
-    # order of the samples (ranks, batches)
-    if int(rows[:, 0].sum()) >= MIN_GREEDY_SAMPLES:
-        rows = rows[rows[:, 0] == 1]
+    ordered = sorted(per_sample)  # sorted: the same for any order of the samples (ranks, batches)
+    rows = np.asarray(ordered, dtype=np.float64).reshape(-1, width)
+    rows = rows[np.asarray(read_by_estimate(ordered), dtype=bool)] if len(rows) else rows
     rows = rows[rows[:, 2] > 0]
     tokens, cycles = rows[:, 1], rows[:, 2]
     if width == 4:  # per cluster, in the order of its first row
