@@ -28,6 +28,7 @@ from .metrics import (
     greedy_path,
     greedy_replay,
     read_by_estimate,
+    reads_sampled,
     top1_known,
     walk_interval,
 )
@@ -111,10 +112,11 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     per_sample = all_gather_rows(walk.per_sample, info)
     lookups = all_gather_rows(lookups, info)
     walked_counts = walk.walked(walked)
-    censored = walked_counts["censored_blocks"] > 0  # sampled completions alone: a Kaplan-Meier figure
-    # (a censored walk's Kaplan-Meier figure has no like for like in a lookup walk along sampled tokens)
-    lookup = None if censored else lookup_tau(per_sample, lookups)
-    per_sample_mean = None if censored else mean_sample_tau(per_sample)
+    # the estimate read from sampled completions is a Kaplan-Meier figure, which has no like for
+    # like in a walk along the sampled tokens (a greedy one's rare near-tie censored block is fine)
+    sampled = reads_sampled(per_sample)
+    lookup = None if sampled else lookup_tau(per_sample, lookups)
+    per_sample_mean = None if sampled else mean_sample_tau(per_sample)
     # how repetitive the held-out text is (every walked sample along its own tokens), beside the training text
     text = {}
     if lookups and sum(c for _, c in lookups):
@@ -123,7 +125,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
         if training_text is not None:
             text["lookup_text_training"], text["lookup_text_training_samples"] = training_text
             adjusted = text_adjusted_tau(per_sample, lookups, text["lookup_text_heldout"], training_text[0],
-                                         block_size) if block_size in taus and not censored else None
+                                         block_size) if block_size in taus and not sampled else None
             if adjusted is not None:
                 text["tau_text_adjusted"] = adjusted
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}

@@ -322,6 +322,15 @@ def read_by_estimate(per_sample: list[list[float]]) -> list[bool]:
     return [row[0] == 1 or not greedy_only for row in per_sample]
 
 
+def reads_sampled(per_sample: list[list[float]]) -> bool:
+    """Whether the estimate reads sampled completions (too few greedy ones among the walked
+    samples): then its figure is a Kaplan-Meier one, censored at the sampled tokens, and a figure
+    walked along the samples' own tokens (prompt lookup, a per-sample mean) is not like for like.
+    A greedy completion may still hold a censored block or two: a token the extraction's target
+    ranks second at a near tie (bf16), within GREEDY_SHARE; that does not make it sampled text."""
+    return any(row[0] != 1 for row, read in zip(per_sample, read_by_estimate(per_sample)) if read)
+
+
 def walk_interval(per_sample: list[list[float]], tau: float, resamples: int = 2000, seed: int = 0) -> list[float]:
     """The 95 % bootstrap interval of a walk's estimate `tau` at its first width, over the
     samples it reads (VerificationWalk.per_sample of every rank: the greedy completions when
