@@ -10,7 +10,8 @@ started it returns) and lets later commands wait for it and collect what it wrot
 
 A job is a shell command with the jobs it needs, a priority and a share of the GPU: at most
 SLOTS jobs run at once (default 4, small models leave an H200 mostly idle), lowest priority
-number first, and an `alone` job (a timing that must not share the GPU) runs by itself. A job
+number first (a job whose needs are still running keeps a slot from later-priority ones that
+are ready before it), and an `alone` job (a timing that must not share the GPU) runs by itself. A job
 whose needs failed is skipped, and says so; a job that failed for want of GPU memory beside others
 runs once more, alone (its first log kept as NAME.oom.log). Each job's output is ROUND/logs/NAME.log, its state
 ROUND/jobs/NAME.json; `start` again reruns what did not finish. ROUND defaults to
@@ -301,8 +302,14 @@ def run_plan(plan: str, slots: int) -> int:
         ready = sorted((j for n, j in jobs.items() if n not in done | failed | set(running)
                         and all(d in done for d in j.needs) and all(d in done | failed for d in j.after)),
                        key=lambda j: j.priority)
+        # a more important job whose needs are still running keeps a slot for itself: a later
+        # one of another domain, ready first, does not fill the GPU before it (or leave it out
+        # of memory beside them)
+        coming = [j for n, j in jobs.items() if n not in done | failed | set(running) and j not in ready
+                  and all(d in done or d in running for d in j.needs) and any(d in running for d in j.needs)]
         for job in ready:
-            if any(jobs[n].alone for n in running) or (job.alone and running) or len(running) >= slots:
+            kept = sum(1 for j in coming if j.priority < job.priority and not j.alone)
+            if any(jobs[n].alone for n in running) or (job.alone and running) or len(running) + kept >= slots:
                 break
             log = open(root / "logs" / f"{job.name}.log", "w")
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **job.env}

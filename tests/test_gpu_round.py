@@ -78,6 +78,29 @@ def test_slots_bound_the_jobs_at_once_and_an_alone_job_shares_the_gpu_with_none(
     assert events(round_dir)[:2] == ["timing+", "timing-"]  # the lowest priority number goes first
 
 
+def test_a_job_whose_need_still_runs_keeps_a_slot_from_later_priority_jobs_ready_first(round_dir, monkeypatch):
+    # Two domains: b's preparation ends first, and b's sweep runs (priority 4) would fill every
+    # slot before a's main run (priority 2), whose preparation still runs, could start.
+    round_dir.mkdir()
+    plan(monkeypatch, [
+        Job("a-prep", mark("a-prep", round_dir, 0.6), [], 1),
+        Job("b-prep", mark("b-prep", round_dir, 0.05), [], 1),
+        Job("a-main", mark("a-main", round_dir, 0.3), ["a-prep"], 2),
+        Job("b-main", mark("b-main", round_dir, 0.3), ["b-prep"], 2),
+        *(Job(f"b-{x}", mark(f"b-{x}", round_dir, 0.3), ["b-prep"], 4) for x in ("x", "y")),
+    ])
+    assert gpu_round.run_plan("t", slots=2) == 0
+    ev = events(round_dir)
+    assert ev.index("b-main+") < ev.index("a-prep-")  # a free slot is still used
+    # no sweep run starts while a-main waits on its need (then both may start in one poll)
+    assert ev.index("a-prep-") < min(ev.index("b-x+"), ev.index("b-y+"))
+    running, most = set(), 0
+    for e in ev:
+        (running.add if e[-1] == "+" else running.discard)(e[:-1])
+        most = max(most, len(running))
+    assert most <= 2
+
+
 def test_a_rerun_skips_what_is_done_and_reruns_what_failed(round_dir, monkeypatch):
     round_dir.mkdir()
     flag = round_dir / "fixed"
