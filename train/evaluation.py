@@ -112,9 +112,10 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     per_sample = all_gather_rows(walk.per_sample, info)
     lookups = all_gather_rows(lookups, info)
     walked_counts = walk.walked(walked)
-    # the estimate read from sampled completions is a Kaplan-Meier figure, which has no like for
-    # like in a walk along the sampled tokens (a greedy one's rare near-tie censored block is fine)
-    sampled = reads_sampled(per_sample)
+    # an estimate read from sampled completions with censored blocks is a Kaplan-Meier figure, which
+    # has no like for like in a walk along the sampled tokens (a greedy completion's rare near-tie
+    # censored block is fine, and so is a walk along sampled tokens that nothing censored)
+    sampled = reads_sampled(per_sample) and walked_counts["censored_blocks"] > 0
     lookup = None if sampled else lookup_tau(per_sample, lookups)
     per_sample_mean = None if sampled else mean_sample_tau(per_sample)
     # how repetitive the held-out text is (every walked sample along its own tokens), beside the training text
