@@ -88,6 +88,19 @@ class CacheSet:
         """The token ids and loss mask (up to max_seq_len) of each sample of `indices`, in that
         order, without their hidden states: a part's arrays are decoded once for its samples in
         a row and dropped when the next sample is another part's (sorted indices read each once)."""
+        for reader, local in self._each_sample(indices):
+            yield reader.read_ids(local, max_tokens=self.max_seq_len)
+
+    def read_top1_logprobs(self, indices: Any) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
+        """The target's top-1 log-prob at each token (None where a cache stores no top-k) and the
+        loss mask of each sample of `indices`, in that order, as read_ids reads them."""
+        for reader, local in self._each_sample(indices):
+            yield (reader.read_top1_logprobs(local, max_tokens=self.max_seq_len),
+                   reader.read_ids(local, max_tokens=self.max_seq_len)[1])
+
+    def _each_sample(self, indices: Any) -> Iterator[tuple[CacheReader, int]]:
+        """(reader, its index) of each of `indices`, keeping a part open for its samples in a row
+        and closing it when the next sample is another part's (its decoded arrays dropped)."""
         held: tuple[int, int] | None = None
         try:
             for index in indices:
@@ -96,7 +109,7 @@ class CacheSet:
                 if held is not None and held != where:
                     self.readers[held[0]].close_part(held[1])
                 held = where
-                yield self.readers[cache].read_ids(local, max_tokens=self.max_seq_len)
+                yield self.readers[cache], local
         finally:
             if held is not None:
                 self.readers[held[0]].close_part(held[1])

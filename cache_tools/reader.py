@@ -37,6 +37,7 @@ from .schema import (
     SAMPLE_IDS,
     TOP1_IDS,
     TOP1_KNOWN,
+    TOPK_LOGPROBS,
     PartSchema,
     sample_offsets,
     scale_of,
@@ -409,11 +410,7 @@ class CacheReader:
         scales ("hidden_scale", float32 [T, K]) for dequantization on the GPU
         (`dflash.runtime.quantize.dequantize_fp8`); `out` then holds tensors of those dtypes.
         """
-        part_idx, local = self.locate(index)
-        off = self._offsets(part_idx)
-        start, stop = int(off[local]), int(off[local + 1])
-        if max_tokens is not None:
-            stop = min(stop, start + max_tokens)
+        part_idx, local, start, stop = self._sample_rows(index, max_tokens)
         result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
         result["sample_id"] = int(self._part(part_idx).small_array(SAMPLE_IDS)[local])
         if TOP1_IDS in result:  # --top1-share: the other samples' rows hold 0, not a top-1
@@ -425,14 +422,29 @@ class CacheReader:
         max_tokens: what statistics of the text read, without decoding its hidden states. The
         part's id and mask arrays stay decoded while the part is open (`close_part` drops them):
         read a part's samples together."""
-        part_idx, local = self.locate(index)
-        off = self._offsets(part_idx)
-        start, stop = int(off[local]), int(off[local + 1])
-        if max_tokens is not None:
-            stop = min(stop, start + max_tokens)
+        part_idx, _, start, stop = self._sample_rows(index, max_tokens)
         pf = self._part(part_idx)  # its arrays are decoded once and kept until the part is closed
         return (pf.small_array(INPUT_IDS)[start:stop].astype(np.int64),
                 pf.small_array(LOSS_MASK)[start:stop].astype(bool))
+
+    def read_top1_logprobs(self, index: int, *, max_tokens: int | None = None) -> np.ndarray | None:
+        """Sample `index`'s top-1 log-prob of the target at each token (float32, the first of its
+        stored top-k), optionally its first max_tokens, without its hidden states: how sure the
+        target was of its text. None for a cache without top-k log-probs."""
+        if TOPK_LOGPROBS not in self.schema:
+            return None
+        part_idx, _, start, stop = self._sample_rows(index, max_tokens)
+        spec = self.schema[TOPK_LOGPROBS]
+        rows = np.empty((stop - start, *spec.row_shape), dtype=spec.dtype)
+        self._part(part_idx).read_rows(TOPK_LOGPROBS, start, stop, rows)
+        return rows[:, 0].astype(np.float32)
+
+    def _sample_rows(self, index: int, max_tokens: int | None) -> tuple[int, int, int, int]:
+        """(part, index in it, first token row, end row) of sample `index`, cut at max_tokens."""
+        part_idx, local = self.locate(index)
+        off = self._offsets(part_idx)
+        start, stop = int(off[local]), int(off[local + 1])
+        return part_idx, local, start, stop if max_tokens is None else min(stop, start + max_tokens)
 
     def top1_known(self, part_idx: int, local: int, sample_id: int) -> bool:
         """Whether sample `local` of part `part_idx` has its top-1 in a cache of top-1 share below

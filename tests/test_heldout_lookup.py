@@ -86,6 +86,52 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, c
     assert "will likely read high" in note and "--eval-fraction" in note
 
 
+def confidence(caches: CacheSet, indices: list[int]) -> float:
+    """The target's top-1 probability averaged over the loss tokens of `indices`, read whole."""
+    probs = [caches.read(i)["topk_logprobs"][:, 0].exp()[caches.read(i)["loss_mask"].bool()] for i in indices]
+    return float(torch.cat(probs).double().mean())
+
+
+def test_the_target_s_confidence_in_the_heldout_text_stands_beside_the_training_texts(tmp_path, capsys):
+    held = heldout_groups()
+    record, _, ordered, _ = run(tmp_path, "sure", held, capsys)
+    caches = CacheSet([str(tmp_path / "sure" / "cache")], max_seq_len=64)
+    in_held = [int(r["group"][4:]) in held for r in ordered]
+    # every held-out sample (all walked), and every training one (fewer than TEXT_SAMPLES)
+    assert record["confidence_heldout"] == pytest.approx(confidence(caches, [i for i, h in enumerate(in_held) if h]))
+    assert record["confidence_training"] == pytest.approx(
+        confidence(caches, [i for i, h in enumerate(in_held) if not h]))
+    assert "tau_confidence_adjusted" not in record  # a censored walk (random answers): no regression figure
+
+
+def test_the_regression_estimate_moves_the_split_to_the_training_samples_mean_of_any_figure():
+    from dflash.train.evaluation import regression_adjusted_tau
+
+    # Twelve greedy samples whose drafter cycles a token are exactly 0.9 - 0.6 p, p the target's
+    # mean top-1 probability: at the training samples' mean p the estimate is 1 / (0.9 - 0.6 p).
+    sure = np.linspace(0.5, 0.95, 12)
+    per_sample = [[1.0, 100.0, 100.0 * (0.9 - 0.6 * p), 7.0] for p in sure]
+    aux = [[p] for p in sure]
+    assert regression_adjusted_tau(per_sample, aux, sure.mean(), 0.6, 16) == pytest.approx(1 / (0.9 - 0.36))
+    raw = sum(r[1] for r in per_sample) / sum(r[2] for r in per_sample)
+    assert regression_adjusted_tau(per_sample, aux, sure.mean(), sure.mean(), 16) == pytest.approx(raw)
+    # a sample without the figure (NaN) is left out of the fit; too few left: no figure
+    assert regression_adjusted_tau(per_sample, aux[:-1] + [[float("nan")]], sure[:-1].mean(), 0.6, 16) is not None
+    assert regression_adjusted_tau(per_sample, [[float("nan")]] * 12, 0.7, 0.6, 16) is None
+
+
+def test_reading_the_top1_log_probs_alone_gives_each_samples_rows_across_parts(tmp_path):
+    data = extract_records(tmp_path, records(set()))
+    caches = CacheSet([str(data["cache"])], max_seq_len=20)
+    assert len(caches.readers[0].parts) > 1
+    order = [5, 0, len(caches) - 1, 3, 4]
+    for index, (logprobs, mask) in zip(order, caches.read_top1_logprobs(order), strict=True):
+        whole = caches.read(index)
+        assert logprobs.dtype == np.float32 and len(logprobs) == 20
+        assert logprobs.tolist() == whole["topk_logprobs"][:, 0].tolist()
+        assert mask.tolist() == whole["loss_mask"].bool().tolist()
+
+
 def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
     record, last, _, notes = run(tmp_path, "alike", set(), capsys)
     ratio = record["lookup_text_heldout"] / record["lookup_text_training"]

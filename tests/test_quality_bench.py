@@ -167,7 +167,12 @@ def test_small_benchmark_runs_every_stage_and_prints_the_whole_table(tmp_path, c
     # (the regression estimate needs MIN_GREEDY_SAMPLES greedy ones held out: this small split has fewer)
     # (nor, over a censored walk, prompt lookup's figure)
     adjusted, lookup = columns.index("est. text-adjusted / tau"), columns.index("est. lookup / lookup tau")
-    assert "–" not in [c for i, c in enumerate(cells) if i not in against | {adjusted, lookup}] and cells[-1] == "yes"
+    adjusted_too = columns.index("est. confidence-adjusted / tau")
+    assert "–" not in [c for i, c in enumerate(cells) if i not in against | {adjusted, lookup, adjusted_too}]
+    assert cells[-1] == "yes"
+    # the target's confidence on the split, the training text and the decoded prompts, all read
+    sure = cells[columns.index("target top-1 p: split / training / decoded prompts")].split(" / ")
+    assert len(sure) == 3 and all(0.0 < float(p) < 1.0 for p in sure)
     assert "domain: code, vocabulary: BPE of 512 ids" in out
     assert (f"their prompts cut from {generated['prompt_files']} prompt files of {generated['prompt_file_tokens']:,} "
             f"tokens") in out

@@ -125,6 +125,27 @@ class TrainingData:
     estimate: bool = False
     """`dflash-train estimate`: its cache is the held-out set, and it trains on nothing."""
     _text_lookup: dict[int, tuple[float, int] | None] = field(default_factory=dict, repr=False)
+    _confidence: list[tuple[float, int] | None] = field(default_factory=list, repr=False)
+
+    def text_samples(self) -> np.ndarray | None:
+        """The training samples whose text the held-out samples' is set beside (text_lookup,
+        training_confidence): up to TEXT_SAMPLES drawn at random (seeded, so every evaluation and
+        rank reads the same ones, spread over the records' groups), sorted; None for a followed
+        cache or an estimate."""
+        if not isinstance(self.caches, CacheSet) or self.estimate or not len(self.train_indices):
+            return None
+        count = min(TEXT_SAMPLES, len(self.train_indices))
+        return np.sort(np.random.default_rng(0).choice(self.train_indices, size=count, replace=False))
+
+    def training_confidence(self) -> tuple[float, int] | None:
+        """The target's mean top-1 probability over the loss tokens of the text_samples (its
+        stored top-k log-probs), and how many: how sure the target is of the training text, which
+        the held-out samples' figure is set beside (a split of documents the target finds easy
+        reads high). None without top-k log-probs, for a followed cache or an estimate."""
+        if not self._confidence:
+            chosen = self.text_samples()
+            self._confidence.append(None if chosen is None else mean_top1_prob(self.caches, chosen))
+        return self._confidence[0]
 
     def text_lookup(self, block_size: int) -> tuple[float, int] | None:
         """Prompt lookup's tau along the training text: walked (runtime/lookup.py) along the
@@ -135,12 +156,8 @@ class TrainingData:
         themselves more are easier for a drafter too. (tau, samples walked); None for a followed
         cache or an estimate."""
         if block_size not in self._text_lookup:
-            value = None
-            if isinstance(self.caches, CacheSet) and not self.estimate and len(self.train_indices):
-                count = min(TEXT_SAMPLES, len(self.train_indices))
-                chosen = np.sort(np.random.default_rng(0).choice(self.train_indices, size=count, replace=False))
-                value = _walked_text(self.caches, chosen, block_size)
-            self._text_lookup[block_size] = value
+            chosen = self.text_samples()
+            self._text_lookup[block_size] = None if chosen is None else _walked_text(self.caches, chosen, block_size)
         return self._text_lookup[block_size]
 
     def unlike_text_note(self, block_size: int) -> str:
@@ -238,6 +255,17 @@ def _walked_text(caches: CacheSet, indices: np.ndarray, block_size: int) -> tupl
         walked = sample_lookup_walk(ids, mask, block_size)
         tokens, cycles = tokens + walked[0], cycles + walked[1]
     return (tokens / cycles, len(indices)) if cycles else None
+
+
+def mean_top1_prob(caches: CacheSet, indices: np.ndarray) -> tuple[float, int] | None:
+    """(the target's top-1 probability averaged over the loss tokens of the samples `indices`,
+    how many samples); None where a cache stores no top-k log-probs."""
+    total = count = 0.0
+    for logprobs, mask in caches.read_top1_logprobs(np.sort(indices)):
+        if logprobs is None:
+            return None
+        total, count = total + float(np.exp(logprobs[mask]).sum()), count + int(mask.sum())
+    return (total / count, len(indices)) if count else None
 
 
 def rendering_summary(headers: list[dict[str, Any]]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     replay = held.topk > 0 or held.top1 is not None
     clean = dataclasses.replace(objective, noise_type="none")
     lookups: list[list[float]] = []  # prompt lookup's [tokens, cycles] per walked sample, as walk.per_sample
+    confidences: list[list[float]] = []  # the target's [top-1 probability summed, loss tokens] per walked sample
     with loss_model.drafter.eager():  # compiles for these shapes would cost more than they save
         for index, batch in enumerate(loader):
             keys = batch.pop(SPLIT_KEYS, None)  # each sample's cluster for the interval (exact as a float)
@@ -101,7 +103,9 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
                 continue
             path = greedy_path(batch) if replay else None  # where sampled tokens leave it
             known = top1_known(batch) if replay else None  # (--top1-share: rows without one)
-            lookups += lookup_rows(batch, walk.update(outs, eligible, path, known, clusters), block_size)
+            rows = walk.update(outs, eligible, path, known, clusters)
+            lookups += lookup_rows(batch, rows, block_size)
+            confidences += confidence_rows(batch, rows)
             if backbone_outs:
                 backbone_walk.update(backbone_outs, eligible, path, known, clusters)
     loss_model.wrapped.train()
@@ -110,7 +114,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     walked = all_reduce_sum(walk.state(), info)
     taus = walk.taus(walked)
     per_sample = all_gather_rows(walk.per_sample, info)
-    lookups = all_gather_rows(lookups, info)
+    lookups, confidences = all_gather_rows(lookups, info), all_gather_rows(confidences, info)
     walked_counts = walk.walked(walked)
     # an estimate read from sampled completions with censored blocks is a Kaplan-Meier figure, which
     # has no like for like in a walk along the sampled tokens (a greedy completion's rare near-tie
@@ -118,17 +122,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     sampled = reads_sampled(per_sample) and walked_counts["censored_blocks"] > 0
     lookup = None if sampled else lookup_tau(per_sample, lookups)
     per_sample_mean = None if sampled else mean_sample_tau(per_sample)
-    # how repetitive the held-out text is (every walked sample along its own tokens), beside the training text
-    text = {}
-    if lookups and sum(c for _, c in lookups):
-        text["lookup_text_heldout"] = sum(t for t, _ in lookups) / sum(c for _, c in lookups)
-        training_text = data.text_lookup(block_size)
-        if training_text is not None:
-            text["lookup_text_training"], text["lookup_text_training_samples"] = training_text
-            adjusted = text_adjusted_tau(per_sample, lookups, text["lookup_text_heldout"], training_text[0],
-                                         block_size) if block_size in taus and not sampled else None
-            if adjusted is not None:
-                text["tau_text_adjusted"] = adjusted
+    text = heldout_text_figures(data, per_sample, lookups, confidences, block_size,
+                                adjust=block_size in taus and not sampled)
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
@@ -149,6 +144,45 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
             "estimator": estimator}
 
 
+def heldout_text_figures(data: TrainingData, per_sample: list[list[float]], lookups: list[list[float]],
+                         confidences: list[list[float]], block_size: int, adjust: bool) -> dict[str, float]:
+    """Is the held-out text like the training text? How repetitive it is (prompt lookup walked
+    along every walked sample's own tokens) and how sure the target is of it (its mean top-1
+    probability, from the cache's top-k), each beside the training text's, and with `adjust` the
+    estimate corrected by each (regression_adjusted_tau)."""
+    out: dict[str, float] = {}
+    if lookups and sum(c for _, c in lookups):
+        out["lookup_text_heldout"] = sum(t for t, _ in lookups) / sum(c for _, c in lookups)
+        training_text = data.text_lookup(block_size)
+        if training_text is not None:
+            out["lookup_text_training"], out["lookup_text_training_samples"] = training_text
+            adjusted = text_adjusted_tau(per_sample, lookups, out["lookup_text_heldout"], training_text[0],
+                                         block_size) if adjust else None
+            if adjusted is not None:
+                out["tau_text_adjusted"] = adjusted
+    if confidences and sum(n for _, n in confidences):
+        out["confidence_heldout"] = sum(p for p, _ in confidences) / sum(n for _, n in confidences)
+        training = data.training_confidence()
+        if training is not None:
+            out["confidence_training"] = training[0]
+            means = [[p / n if n else math.nan] for p, n in confidences]
+            adjusted = regression_adjusted_tau(per_sample, means, out["confidence_heldout"], training[0],
+                                               block_size) if adjust else None
+            if adjusted is not None:
+                out["tau_confidence_adjusted"] = adjusted
+    return out
+
+
+def confidence_rows(batch: dict[str, torch.Tensor], rows: list[int]) -> list[list[float]]:
+    """The target's [top-1 probability summed over the loss tokens, loss tokens] of each of the
+    batch's `rows`, from its top-k log-probs (none without them)."""
+    if not rows or "topk_logprobs" not in batch:
+        return []
+    probs = batch["topk_logprobs"][..., 0].float().exp() * batch["loss_mask"].float()
+    sums, counts = probs.sum(-1).cpu().tolist(), batch["loss_mask"].sum(-1).cpu().tolist()
+    return [[float(sums[b]), float(counts[b])] for b in rows]
+
+
 def lookup_rows(batch: dict[str, torch.Tensor], rows: list[int], block_size: int) -> list[list[float]]:
     """Prompt lookup's [tokens, cycles] walked along each of the batch's `rows` (the samples the
     drafter's walk took, in its order), over the sample's own tokens and completion positions."""
@@ -160,29 +194,39 @@ def lookup_rows(batch: dict[str, torch.Tensor], rows: list[int], block_size: int
     return [[float(tokens), float(cycles)] for tokens, cycles in walks]
 
 
-def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]], heldout_text: float,
-                      training_text: float, block_size: int) -> float | None:
-    """The held-out estimate corrected for how repetitive the held-out text is against the
-    training text (a regression estimator, prompt lookup the auxiliary figure): the drafter's
-    cycles a token over the samples the estimate reads, plus their slope on prompt lookup's cycles
-    a token (fitted over those samples, weighted by their tokens) times the training text's
-    lookup cycles a token less the held-out text's. A split of few documents that drew repetitive
-    ones reads high by what that slope says such text is worth. None with fewer than
-    MIN_GREEDY_SAMPLES read, or no spread in the lookup's figures. Reported beside tau, not as
-    it: how well it tracks decoded tau is measured on the quality benchmark (docs/BENCHMARKS.md)."""
-    rows = [(row[1], row[2], lk[0], lk[1]) for row, lk, read in zip(per_sample, lookups, read_by_estimate(per_sample))
-            if read and row[1] > 0 and lk[0] > 0]
+def regression_adjusted_tau(per_sample: list[list[float]], aux: list[list[float]], heldout_mean: float,
+                            population_mean: float, block_size: int) -> float | None:
+    """The held-out estimate corrected for how the held-out samples differ from the training
+    ones in an auxiliary figure (a regression estimator): the drafter's cycles a token over the
+    samples the estimate reads, plus their slope on the auxiliary figure x (each row of `aux`
+    holds a sample's x, NaN where it has none; fitted over those samples, weighted by their
+    tokens) times the training samples' mean x less the held-out ones'. x is prompt lookup's
+    cycles a token (how repetitive the text is: tau_text_adjusted) or the target's mean top-1
+    probability (how sure the target is of it: tau_confidence_adjusted): a split of few documents
+    that drew easy ones reads high by what that slope says such text is worth. None with fewer
+    than MIN_GREEDY_SAMPLES read, or no spread in x. Reported beside tau, not as it: how well it
+    tracks decoded tau is measured on the quality benchmark (docs/BENCHMARKS.md)."""
+    rows = [(row[1], row[2], x[0]) for row, x, read in zip(per_sample, aux, read_by_estimate(per_sample))
+            if read and row[1] > 0 and math.isfinite(x[0])]
     if len(rows) < MIN_GREEDY_SAMPLES:
         return None
-    tokens, cycles, ltokens, lcycles = (np.array(c, dtype=np.float64) for c in zip(*rows))
-    y, x = cycles / tokens, lcycles / ltokens
+    tokens, cycles, x = (np.array(c, dtype=np.float64) for c in zip(*rows))
+    y = cycles / tokens
     mean_x = np.average(x, weights=tokens)
     spread = np.average((x - mean_x) ** 2, weights=tokens)
     if spread <= 0:
         return None
     slope = np.average((x - mean_x) * (y - np.average(y, weights=tokens)), weights=tokens) / spread
-    rate = cycles.sum() / tokens.sum() + slope * (1 / training_text - 1 / heldout_text)
+    rate = cycles.sum() / tokens.sum() + slope * (population_mean - heldout_mean)
     return float(min(block_size, max(1.0, 1 / rate))) if rate > 0 else float(block_size)
+
+
+def text_adjusted_tau(per_sample: list[list[float]], lookups: list[list[float]], heldout_text: float,
+                      training_text: float, block_size: int) -> float | None:
+    """regression_adjusted_tau on prompt lookup's cycles a token (`lookups`: [tokens, cycles] per
+    walked sample), from the held-out text's lookup tau to the training text's."""
+    rates = [[cycles / tokens if tokens > 0 else math.nan] for tokens, cycles in lookups]
+    return regression_adjusted_tau(per_sample, rates, 1 / heldout_text, 1 / training_text, block_size)
 
 
 def mean_sample_tau(per_sample: list[list[float]]) -> float | None:

@@ -191,7 +191,8 @@ def table(work: Work) -> str:
                  f"B={b} vs defaults (paired)", f"B={b} est. / tau", f"B={b} tau / lookup", f"B={b} speedup", f"B={b} lookup tau",
                  f"B={b} lookup per-prompt mean", f"B={b} lookup speedup"]
     head += [f"B={blocks[0]} tau / lookup tau, longest prompts", "est. lookup / lookup tau",
-             "split text / training text", "est. text-adjusted / tau", "lossless"]
+             "split text / training text", "est. text-adjusted / tau",
+             "target top-1 p: split / training / decoded prompts", "est. confidence-adjusted / tau", "lossless"]
     rows = []
     trained = [json.loads(path.read_text()) for path in sorted((work.root / "stages").glob("train-*.json"))]
     base = defaults_variant(trained)
@@ -228,6 +229,10 @@ def table(work: Work) -> str:
         row.append(_fmt(_ratio(train.get("heldout_lookup_tau"), first.get("lookup_tau")), ".3f"))
         row.append(_fmt(_ratio(train.get("lookup_text_heldout"), train.get("lookup_text_training")), ".3f"))
         row.append(_fmt(_ratio(train.get("heldout_tau_text_adjusted"), first.get("tau")), ".3f"))
+        decoded = (evaluated.get("estimate_same_prompts") or {}).get("confidence")
+        sure = [train.get("confidence_heldout"), train.get("confidence_training"), decoded]
+        row.append("–" if all(p is None for p in sure) else " / ".join(_fmt(p, ".3f") for p in sure))
+        row.append(_fmt(_ratio(train.get("heldout_tau_confidence_adjusted"), first.get("tau")), ".3f"))
         checks = [v for e in ev.values() for v in (e["lossless"], e["lookup_lossless"])]
         row.append("–" if not checks else ("yes" if all(checks) else "NO"))
         rows.append(row)
@@ -264,7 +269,10 @@ def table(work: Work) -> str:
              "the estimate reads, over its decoded tau (est. / tau for a drafter that is prompt lookup); split text / "
              "training text: prompt lookup walked along the held-out samples' text over the training samples' (the "
              "trainer's last line speaks of it beyond 10 %); est. text-adjusted / tau: the trainer's estimate corrected for that "
-             "text by a regression on prompt lookup's figures (tau_text_adjusted, docs/train.md), over the decoded tau")
+             "text by a regression on prompt lookup's figures (tau_text_adjusted, docs/train.md), over the decoded tau; "
+             "target top-1 p: the target's mean top-1 probability over the loss tokens of the split's samples, of "
+             "512 training samples and of the decoded prompts' greedy completions (from the caches' top-k); est. "
+             "confidence-adjusted / tau: the estimate corrected for it by the same regression (tau_confidence_adjusted)")
     return "\n".join([about, "", *lines])
 
 

@@ -637,6 +637,10 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
             "heldout_lookup_tau": best.get("tau_lookup"), "lookup_text_heldout": best.get("lookup_text_heldout"),
             "lookup_text_training": best.get("lookup_text_training"),
             "heldout_tau_text_adjusted": best.get("tau_text_adjusted"),  # the estimate corrected by that text
+            # the target's mean top-1 probability on the split and on the training text, and the
+            # estimate corrected by it
+            "confidence_heldout": best.get("confidence_heldout"), "confidence_training": best.get("confidence_training"),
+            "heldout_tau_confidence_adjusted": best.get("tau_confidence_adjusted"),
             "heldout_tau_per_sample_mean": best.get("tau_per_sample_mean"),  # beside dflash-eval's per-prompt mean
             "train_tau": trains[-1].get("tau") if trains else None,
             "train_samples": int(trained_on.group(1)) if trained_on else None,  # the data line's count
@@ -691,7 +695,8 @@ def estimate_over(work: Work, variant: Variant, cache_name: str = "decoded_cache
     half = _half_key(r)
     work.log(f"  estimate on {what}: tau {r['tau']:.2f}" + (f", {half} {r[half]:.2f}" if half else ""))
     return {"tau": r["tau"], **({half: r[half]} if half else {}), "estimator": r["estimator"],
-            "walked_samples": r["walked_samples"], "samples": r["samples"], "seconds": seconds}
+            "walked_samples": r["walked_samples"], "samples": r["samples"], "seconds": seconds,
+            "confidence": r.get("confidence_heldout")}  # the target's mean top-1 probability on them
 
 
 def _longest_tau(per_prompt: list[dict[str, Any]]) -> float:
