@@ -32,7 +32,8 @@ from .manifest import (
     read_header,
 )
 from .orphans import find_orphans, orphan_name, remove_orphans
-from .reader import CacheReader, PartFiles
+from .part_files import PartFiles
+from .reader import CacheReader
 from .sample_scores import prompt_split_key
 from .schema import (
     HIDDEN,

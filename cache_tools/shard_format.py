@@ -5,7 +5,7 @@ uint64 (offset, nbytes) pair per inner chunk, in chunk order ((2**64-1, 2**64-1)
 that is not stored), then the index's own crc32c (4 bytes, little-endian) when the index
 codecs include crc32c. Each stored chunk is framed the same way: its codec's body, then its
 crc32c (zarr's Crc32cCodec). The writer (part_layout.write_shards) encodes this and the hot read
-path (reader.PartFiles) decodes it, both through this module; tests/test_cache_shards.py
+path (part_files.PartFiles) decodes it, both through this module; tests/test_cache_shards.py
 checks the bytes against zarr's own.
 """
 
