@@ -19,17 +19,15 @@ from dflash.train.heldout import eval_split
 
 
 def confidence(caches: CacheSet) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(mean top-1 probability, loss tokens, sample id) per sample, in index order."""
+    """(mean top-1 probability, loss tokens, sample id) per sample, in index order (the top-1
+    log-probs read alone, without the hidden states)."""
     n = len(caches)
-    p1, tokens, ids = np.zeros(n), np.zeros(n), np.zeros(n, np.int64)
-    for i in range(n):
-        sample = caches.read(i)
-        if "topk_logprobs" not in sample:
+    p1, tokens = np.zeros(n), np.zeros(n)
+    for i, (logprobs, mask) in enumerate(caches.read_top1_logprobs(range(n))):
+        if logprobs is None:
             raise SystemExit(f"{caches.manifest.cache_dir} stores no top-k log-probs: extract it with --topk.")
-        mask = sample["loss_mask"].bool()
-        p1[i] = sample["topk_logprobs"][:, 0][mask].float().exp().mean()
-        tokens[i], ids[i] = mask.sum(), sample["sample_id"]
-    return p1, tokens, ids
+        p1[i], tokens[i] = np.exp(logprobs[mask]).mean() if mask.any() else 0.0, mask.sum()
+    return p1, tokens, caches.sample_ids().copy()
 
 
 def main() -> None:
