@@ -5,7 +5,7 @@ runner starts the round's jobs in a process of its own session (it runs on after
 started it returns) and lets later commands wait for it and collect what it wrote:
 
     python3 bench/gpu_round.py start leaderboard   # returns at once; the round runs on
-    python3 bench/gpu_round.py wait 560            # until it ends or 560 s pass; writes $OUT/round.tgz
+    python3 bench/gpu_round.py wait 560            # until it ends, 560 s pass or SIGTERM; writes $OUT/round.tgz
     python3 bench/gpu_round.py status
 
 A job is a shell command with the jobs it needs, a priority and a share of the GPU: at most
@@ -412,13 +412,23 @@ def collect(out: Path) -> None:
 
 
 def wait(seconds: float) -> int:
+    """Until the round ends or `seconds` pass, then its status and (with OUT) what it wrote so far,
+    also when stopped early by SIGTERM or SIGINT (a command cut at its time limit, `timeout`):
+    the round itself runs on."""
     root = round_dir()
     deadline = time.time() + seconds
+
+    def on_term(*_):
+        nonlocal deadline
+        deadline = 0.0
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     while time.time() < deadline and not (root / "finished").is_file():
         if not (root / "runner.pid").is_file():
             print(f"no round in {root}")
             return 2
-        time.sleep(5)
+        time.sleep(min(1.0, max(0.0, deadline - time.time())))
     print(status())
     for path in sorted((root / "jobs").glob("*.json")):
         s = json.loads(path.read_text())

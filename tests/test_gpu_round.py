@@ -130,6 +130,26 @@ def test_collect_keeps_records_and_logs_and_leaves_caches_and_weights(round_dir,
     assert names == {"logs/a.log", "quality-code/stages/target.json"}
 
 
+def test_wait_stopped_by_sigterm_still_returns_what_the_round_wrote(round_dir, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    (round_dir / "logs").mkdir(parents=True)
+    (round_dir / "logs" / "a.log").write_text("hello\n")
+    (round_dir / "runner.pid").write_text("1\n")  # a round still running: no `finished` mark
+    out = tmp_path / "out"
+    script = Path(gpu_round.__file__)
+    proc = subprocess.Popen([sys.executable, str(script), "wait", "600"], stdout=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "OUT": str(out)})
+    time.sleep(1.5)  # inside its wait
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert time.time() - start < 30 and proc.returncode == 3  # stopped early, the round not finished
+    assert "round still running" in stdout and (out / "round.tgz").is_file()
+
+
 def test_variants_keep_only_the_named_runs_and_what_they_need(round_dir, monkeypatch):
     monkeypatch.setenv("ROUND_SMALL", "1")
     monkeypatch.setenv("VARIANTS", "dflash extra specforge-same")
