@@ -290,6 +290,8 @@ def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny
     assert f"prompt lookup {estimate['tau_lookup']:.3f} on the same samples " \
            f"({estimate['tau'] / estimate['tau_lookup']:.2f}x)" in line
     assert all(f"lookup_tau={r['tau_lookup']:.4g}" in shown_line for shown_line, r in zip(shown, held_out))
+    # (this cache stores no top-k log-probs: nothing said of the target's confidence)
+    assert "confidence_heldout" not in estimate and "top-1 probability" not in line
 
 
 def test_a_hidden_size_the_default_group_does_not_divide_is_refused_with_the_group_that_fits():

@@ -102,6 +102,14 @@ def test_the_target_s_confidence_in_the_heldout_text_stands_beside_the_training_
     assert record["confidence_training"] == pytest.approx(
         confidence(caches, [i for i, h in enumerate(in_held) if not h]))
     assert "tau_confidence_adjusted" not in record  # a censored walk (random answers): no regression figure
+    # dflash-train estimate of the exported drafter over the whole cache says it too
+    from dflash.train.estimate import estimate_drafter, format_estimate
+
+    estimate = estimate_drafter(str(tmp_path / "sure" / "run" / "final"), {
+        "cache": [str(tmp_path / "sure" / "cache")], "target_model": str(tmp_path / "sure" / "target"),
+        "num_workers": 0, "block_size": BLOCK})
+    assert estimate["confidence_heldout"] == pytest.approx(confidence(caches, list(range(len(caches)))))
+    assert f"the target's mean top-1 probability {estimate['confidence_heldout']:.3f}" in format_estimate(estimate)
 
 
 def test_the_regression_estimate_moves_the_split_to_the_training_samples_mean_of_any_figure():

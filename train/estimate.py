@@ -86,6 +86,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         smaller += f", per-sample mean {result['tau_per_sample_mean']:.3f}"
     if result.get("tau_lookup"):
         smaller += f", prompt lookup {result['tau_lookup']:.3f} on the same samples ({result['tau'] / result['tau_lookup']:.2f}x)"
+    if result.get("confidence_heldout"):
+        smaller += f", the target's mean top-1 probability {result['confidence_heldout']:.3f}"
     span = result.get("tau_interval") or []
     interval = f" [95 %: {span[0]:.3f}-{span[1]:.3f} over the samples]" if len(span) == 2 else ""
     return (f"tau {result['tau']:.3f}{interval} ({result['estimator']}, block {block}){smaller}, tau_blocks "
