@@ -160,7 +160,8 @@ def heldout_text_figures(data: TrainingData, per_sample: list[list[float]], look
                                          block_size) if adjust else None
             if adjusted is not None:
                 out["tau_text_adjusted"] = adjusted
-    if confidences and sum(n for _, n in confidences):
+    # (every walked sample's, or none: a row missing would shift the rest against per_sample)
+    if len(confidences) == len(per_sample) and sum(n for _, n in confidences):
         out["confidence_heldout"] = sum(p for p, _ in confidences) / sum(n for _, n in confidences)
         training = data.training_confidence()
         if training is not None:
