@@ -88,7 +88,8 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, c
 
 def confidence(caches: CacheSet, indices: list[int]) -> float:
     """The target's top-1 probability averaged over the loss tokens of `indices`, read whole."""
-    probs = [caches.read(i)["topk_logprobs"][:, 0].exp()[caches.read(i)["loss_mask"].bool()] for i in indices]
+    samples = [caches.read(i) for i in indices]
+    probs = [s["topk_logprobs"][:, 0].exp()[s["loss_mask"].bool()] for s in samples]
     return float(torch.cat(probs).double().mean())
 
 

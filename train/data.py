@@ -5,6 +5,7 @@ the startup summary that says what was found. The batches themselves are loader.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -125,7 +126,6 @@ class TrainingData:
     estimate: bool = False
     """`dflash-train estimate`: its cache is the held-out set, and it trains on nothing."""
     _text_lookup: dict[int, tuple[float, int] | None] = field(default_factory=dict, repr=False)
-    _confidence: list[tuple[float, int] | None] = field(default_factory=list, repr=False)
 
     def text_samples(self) -> np.ndarray | None:
         """The training samples whose text the held-out samples' is set beside (text_lookup,
@@ -137,15 +137,14 @@ class TrainingData:
         count = min(TEXT_SAMPLES, len(self.train_indices))
         return np.sort(np.random.default_rng(0).choice(self.train_indices, size=count, replace=False))
 
+    @functools.cached_property
     def training_confidence(self) -> tuple[float, int] | None:
         """The target's mean top-1 probability over the loss tokens of the text_samples (its
         stored top-k log-probs), and how many: how sure the target is of the training text, which
         the held-out samples' figure is set beside (a split of documents the target finds easy
         reads high). None without top-k log-probs, for a followed cache or an estimate."""
-        if not self._confidence:
-            chosen = self.text_samples()
-            self._confidence.append(None if chosen is None else mean_top1_prob(self.caches, chosen))
-        return self._confidence[0]
+        chosen = self.text_samples()
+        return None if chosen is None else mean_top1_prob(self.caches, chosen)
 
     def text_lookup(self, block_size: int) -> tuple[float, int] | None:
         """Prompt lookup's tau along the training text: walked (runtime/lookup.py) along the
@@ -261,7 +260,7 @@ def mean_top1_prob(caches: CacheSet, indices: np.ndarray) -> tuple[float, int] |
     """(the target's top-1 probability averaged over the loss tokens of the samples `indices`,
     how many samples); None where a cache stores no top-k log-probs."""
     total = count = 0.0
-    for logprobs, mask in caches.read_top1_logprobs(np.sort(indices)):
+    for logprobs, mask in caches.read_top1_logprobs(np.sort(indices)):  # sorted: each part decoded once
         if logprobs is None:
             return None
         total, count = total + float(np.exp(logprobs[mask]).sum()), count + int(mask.sum())

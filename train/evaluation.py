@@ -163,7 +163,7 @@ def heldout_text_figures(data: TrainingData, per_sample: list[list[float]], look
     # (every walked sample's, or none: a row missing would shift the rest against per_sample)
     if len(confidences) == len(per_sample) and sum(n for _, n in confidences):
         out["confidence_heldout"] = sum(p for p, _ in confidences) / sum(n for _, n in confidences)
-        training = data.training_confidence()
+        training = data.training_confidence
         if training is not None:
             out["confidence_training"] = training[0]
             means = [[p / n if n else math.nan] for p, n in confidences]

@@ -324,8 +324,9 @@ def read_by_estimate(per_sample: list[list[float]]) -> list[bool]:
 
 def reads_sampled(per_sample: list[list[float]]) -> bool:
     """Whether the estimate reads sampled completions (too few greedy ones among the walked
-    samples): then its figure is a Kaplan-Meier one, censored at the sampled tokens, and a figure
-    walked along the samples' own tokens (prompt lookup, a per-sample mean) is not like for like.
+    samples): where it also censored blocks at their sampled tokens, its figure is a Kaplan-Meier
+    one, and a figure walked along the samples' own tokens (prompt lookup, a per-sample mean) is
+    not like for like.
     A greedy completion may still hold a censored block or two: a token the extraction's target
     ranks second at a near tie (bf16), within GREEDY_SHARE; that does not make it sampled text."""
     return any(row[0] != 1 for row, read in zip(per_sample, read_by_estimate(per_sample)) if read)
