@@ -1,6 +1,7 @@
-"""Prompt lookup beside the held-out estimate: the evaluation walks it along the held-out samples'
-text and along the training samples', and a run's last line says when the held-out documents
-repeat themselves more than the rest (a split of few documents that drew easy ones)."""
+"""Prompt lookup and the target's confidence beside the held-out estimate: the evaluation walks
+lookup along the held-out samples' text and along the training samples', reads the target's
+top-1 probability over both, and a run's startup and last line say when the held-out documents
+are unlike the rest (a split of few documents that drew easy or hard ones)."""
 
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def walk(record: dict) -> tuple[int, int]:
     return lookup_walk(record["input_ids"], np.flatnonzero(mask[:-1] & mask[1:]), BLOCK, scored=mask)
 
 
-def run(tmp_path, name: str, repetitive: set[int], capsys) -> tuple[dict, str, list[dict], list[str]]:
-    data = extract_records(tmp_path / name, records(repetitive))
+def run(tmp_path, name: str, repetitive: set[int], capsys, *extract_args: str
+        ) -> tuple[dict, str, list[dict], list[str]]:
+    data = extract_records(tmp_path / name, records(repetitive), *extract_args)
     train(tiny_train_config(data["cache"], data["target"], tmp_path / name / "run", block_size=BLOCK,
                             eval_fraction=FRACTION, eval_interval=2, max_steps=2, save_interval=2))
     evals = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
     lines = capsys.readouterr().out.splitlines()
     last = [line for line in lines if line.startswith("done: ")][-1]
-    notes = [line for line in lines if line.startswith("Note: The held-out text")]  # said at the start
+    notes = [line for line in lines if line.startswith(("Note: The held-out text", "Note: The target is"))]
     ids = CacheSet([str(data["cache"])], max_seq_len=64).sample_ids()  # cache order -> record index
     return [r for r in evals if r.get("kind") == "eval"][-1], last, [data["records"][i] for i in ids], notes
 
@@ -65,10 +67,11 @@ def pooled(walks: list[tuple[int, int]]) -> float:
     return sum(t for t, _ in walks) / sum(c for _, c in walks)
 
 
-def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, capsys):
+def test_a_split_that_drew_repetitive_documents_is_said_to_be_unlike_the_rest(tmp_path, capsys):
     held = heldout_groups()
     assert 0 < len(held) < GROUPS  # the split holds out some documents, not all
-    record, last, ordered, notes = run(tmp_path, "unlike", held, capsys)
+    # without top-k log-probs (no confidence figure), the text is what the trainer has to go on
+    record, last, ordered, notes = run(tmp_path, "unlike", held, capsys, "--store-topk", "0")
     in_held = [int(r["group"][4:]) in held for r in ordered]
     # Both figures are prompt lookup's walk along the samples' own tokens: every held-out sample,
     # and every training one (fewer than the TEXT_SAMPLES the evaluation draws).
@@ -76,14 +79,50 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_read_high(tmp_path, c
     assert record["lookup_text_training"] == pooled([walk(r) for r, h in zip(ordered, in_held) if not h])
     assert record["lookup_text_training_samples"] == sum(not h for h in in_held)
     assert record["lookup_text_heldout"] > 1.5 * record["lookup_text_training"]
-    # (its random answers are not the target's greedy ones: a censored walk, with no regression figure)
-    assert record["censored_blocks"] > 0 and "tau_text_adjusted" not in record
+    assert "confidence_heldout" not in record
     assert "The held-out text repeats itself more than the training text" in last
-    assert f"{record['lookup_text_heldout']:.3f} along the held-out samples" in last and "reads high" in last
+    assert f"{record['lookup_text_heldout']:.3f} along the held-out samples" in last
+    # no direction: on the benchmark's code a split of less repetitive text read high
+    assert "can read high or low" in last and "likely reads" not in last
     # The startup says so before any step, with the same figures, while the flags can still change.
     [note] = notes
     assert f"walks {record['lookup_text_heldout']:.3f} along the held-out samples" in note
-    assert "will likely read high" in note and "--eval-fraction" in note
+    assert "may read high or low" in note and "--eval-fraction" in note
+
+
+def test_a_split_the_target_is_surer_of_is_said_to_read_high_with_the_corrected_figure(tmp_path, capsys,
+                                                                                       monkeypatch):
+    from dflash.train import reporting
+
+    held = heldout_groups()
+    # the tiny target's confidences differ by chance, not by much: no threshold leaves them alike
+    monkeypatch.setattr(reporting, "UNLIKE_CONFIDENCE", 0.0)
+    record, last, _, notes = run(tmp_path, "surer", held, capsys)
+    ratio = record["confidence_heldout"] / record["confidence_training"]
+    assert ratio != 1.0
+    high = ratio > 1
+    figures = (f"{record['confidence_heldout']:.3f} over the held-out samples and "
+               f"{record['confidence_training']:.3f} over {record['confidence_training_samples']} training samples")
+    assert figures in last and ("likely reads high" if high else "likely reads low") in last
+    assert ("surer" if high else "less sure") in last
+    # the text figure is not the note's when the confidence is there (it pointed the wrong way on code)
+    assert "repeats itself" not in last
+    [note] = notes
+    assert figures in note and ("will likely read high" if high else "will likely read low") in note
+
+
+def test_the_note_on_unlike_samples_says_the_confidence_s_direction_and_the_text_s_none():
+    from dflash.train.reporting import unlike_heldout
+
+    surer = unlike_heldout([1.7, 2.0, 512], [0.850, 0.804, 512], 7.22)
+    assert "surer" in surer and "likely reads high" in surer and "reads 7.220" in surer and "+5.7 %" in surer
+    assert "repeats itself" not in surer and "--eval-fraction" in surer
+    assert "likely reads low" in unlike_heldout(None, [0.78, 0.804, 512])
+    assert "will likely read low" in unlike_heldout(None, [0.78, 0.804, 512], ahead=True)
+    assert unlike_heldout([1.2, 2.0, 512], [0.81, 0.804, 512]) == ""  # sure alike: the text is not said
+    text = unlike_heldout([1.2, 2.0, 512], None, said_to_measure=True)
+    assert "repeats itself less" in text and "can read high or low" in text and "--eval-fraction" not in text
+    assert unlike_heldout([2.1, 2.0, 512], None) == "" and unlike_heldout(None, None) == ""
 
 
 def confidence(caches: CacheSet, indices: list[int]) -> float:
@@ -142,10 +181,16 @@ def test_reading_the_top1_log_probs_alone_gives_each_samples_rows_across_parts(t
 
 
 def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
+    from dflash.train.reporting import UNLIKE_CONFIDENCE
+
     record, last, _, notes = run(tmp_path, "alike", set(), capsys)
     ratio = record["lookup_text_heldout"] / record["lookup_text_training"]
     assert 1 / 1.1 <= ratio <= 1.1
-    assert "repeats itself" not in last and not notes
+    assert "repeats itself" not in last
+    # (the tiny target's confidence in either set differs by chance: said when it passes the threshold)
+    sure = record["confidence_heldout"] / record["confidence_training"]
+    said = not 1 / (1 + UNLIKE_CONFIDENCE) <= sure <= 1 + UNLIKE_CONFIDENCE
+    assert [n.startswith("Note: The target is") for n in notes] == ([True] if said else [])
     # Its random answers are not the target's greedy ones: the estimate is a censored walk, which
     # a lookup walk along the sampled tokens would not match, so the line sets no lookup beside it.
     assert record["censored_blocks"] > 0 and "tau_lookup" not in record and "prompt lookup, which" not in last

@@ -124,6 +124,12 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     other = write_tiny_cache(tmp_path / "other", samples=8, parts=2, seed=9)
     separate = data(eval_fraction=0.25, eval_cache=[str(other)])
     assert len(separate.train_indices) == len(separate.caches) and separate.heldout_count == 8
+    # the split's samples are a draw of the training data, and are set beside it; an --eval-cache's
+    # are not (greedy completions of other prompts are surer and repeat themselves more by kind)
+    assert on.text_samples() is not None and on.text_lookup(4) is not None
+    assert separate.text_samples() is None and separate.training_confidence is None
+    assert separate.text_lookup(4) is None and separate.heldout_text_lookup(4) is None
+    assert separate.unlike_heldout_note(4) == ""
 
 
 def test_max_train_samples_draws_a_nested_subset_of_the_training_side_only(tiny_world, tmp_path):

@@ -33,7 +33,7 @@ from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
 from .heldout import cap_by_score, eval_split, without_top1
 from .loader import TrainLoader, eval_batches
-from .reporting import unlike_text
+from .reporting import unlike_heldout
 
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 FEW_HELDOUT_GROUPS = 64  # fewer held-out groups than this: the summary says the estimate rests on too few documents
@@ -131,8 +131,10 @@ class TrainingData:
         """The training samples whose text the held-out samples' is set beside (text_lookup,
         training_confidence): up to TEXT_SAMPLES drawn at random (seeded, so every evaluation and
         rank reads the same ones, spread over the records' groups), sorted; None for a followed
-        cache or an estimate."""
-        if not isinstance(self.caches, CacheSet) or self.estimate or not len(self.train_indices):
+        cache, an estimate, or an --eval-cache (its samples are not a draw of the same data: greedy
+        completions of other prompts, surer and more repetitive than half-sampled ones by kind)."""
+        if (not isinstance(self.caches, CacheSet) or self.estimate or self.eval_caches is not None
+                or not len(self.train_indices)):
             return None
         count = min(TEXT_SAMPLES, len(self.train_indices))
         return np.sort(np.random.default_rng(0).choice(self.train_indices, size=count, replace=False))
@@ -159,22 +161,29 @@ class TrainingData:
             self._text_lookup[block_size] = None if chosen is None else _walked_text(self.caches, chosen, block_size)
         return self._text_lookup[block_size]
 
-    def unlike_text_note(self, block_size: int) -> str:
-        """The startup's note when the held-out text repeats itself over 10 % more or less than the
-        training text (reporting.unlike_text; "" otherwise)."""
-        held, training = self.heldout_text_lookup(block_size), self.text_lookup(block_size)
-        if held is None or training is None:
-            return ""
-        return unlike_text(held[0], *training, ahead=True)
+    def unlike_heldout_note(self, block_size: int) -> str:
+        """The startup's note when the held-out samples are unlike the training ones: the target
+        surer or less sure of them, or (without top-k log-probs) their text repeating itself more
+        or less (reporting.unlike_heldout; "" otherwise)."""
+        text = confidence = None
+        training = self.training_confidence
+        held = None if training is None else mean_top1_prob(self.caches, self.eval_indices)
+        if held is not None and training is not None:
+            confidence = [held[0], *training]
+        else:
+            held_text, training_text = self.heldout_text_lookup(block_size), self.text_lookup(block_size)
+            if held_text is not None and training_text is not None:
+                text = [held_text[0], *training_text]
+        return unlike_heldout(text, confidence, ahead=True)
 
     def heldout_text_lookup(self, block_size: int) -> tuple[float, int] | None:
         """Prompt lookup's tau along the evaluated held-out samples' text, as text_lookup walks the
-        training text (the evaluation walks the same, and finds the walks kept); None without
-        held-out samples, for a followed cache or an estimate."""
-        caches = self.eval_caches if self.eval_caches is not None else self.caches
-        if not isinstance(caches, CacheSet) or self.estimate or not len(self.eval_indices):
+        training text; None without held-out samples, for a followed cache, an estimate or an
+        --eval-cache (text_samples)."""
+        if (not isinstance(self.caches, CacheSet) or self.estimate or self.eval_caches is not None
+                or not len(self.eval_indices)):
             return None
-        return _walked_text(caches, self.eval_indices, block_size)
+        return _walked_text(self.caches, self.eval_indices, block_size)
 
     def eval_loader(self, rank: int, world_size: int, max_batches: int = 0
                     ) -> tuple[torch.utils.data.DataLoader, int] | None:

@@ -165,7 +165,7 @@ def heldout_text_figures(data: TrainingData, per_sample: list[list[float]], look
         out["confidence_heldout"] = sum(p for p, _ in confidences) / sum(n for _, n in confidences)
         training = data.training_confidence
         if training is not None:
-            out["confidence_training"] = training[0]
+            out["confidence_training"], out["confidence_training_samples"] = training
             means = [[p / n if n else math.nan] for p, n in confidences]
             adjusted = regression_adjusted_tau(per_sample, means, out["confidence_heldout"], training[0],
                                                block_size) if adjust else None

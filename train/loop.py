@@ -114,7 +114,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                                    caches=data.caches):
         log.info(f"Note: {note}")
     log.info(data.summary() + label_summary(cfg.objective, manifest))
-    if info.is_main and data.heldout_count and (note := data.unlike_text_note(cfg.model.block_size)):
+    if info.is_main and data.heldout_count and (note := data.unlike_heldout_note(cfg.model.block_size)):
         log.info(f"Note: {note}")
     refuse_nothing_to_learn(data, cfg.model.block_size)
 
