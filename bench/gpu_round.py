@@ -105,7 +105,7 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
             sets += " --set extra_samples=2" * (not keep or "extra" in keep)
             sets += " --set extra_codecs=nf4" * (not keep or "nf4" in keep)
         env = {"WORKDIR": str(work), "DOMAIN": domain, "QUALITY_SETS": sets, "EVAL_BLOCKS": os.environ.get("EVAL_BLOCKS", "16" if not small else "8"),
-               "DFLASH_QUALITY_SIDE_BY_SIDE": os.environ.get("SLOTS", "4"), **({"SMALL": "1"} if small else {})}
+               **({"SMALL": "1"} if small else {})}
 
         trains: dict[str, str] = {}  # bench/quality's variant name -> the job that trains it
 
@@ -259,6 +259,10 @@ def _out_of_memory(log: Path) -> bool:
         return False
 
 
+SHARING_ENV = "DFLASH_QUALITY_SIDE_BY_SIDE"
+"""bench/quality's variable for how many jobs share the GPU (stages.SHARED_ENV)."""
+
+
 def run_plan(plan: str, slots: int) -> int:
     root = round_dir()
     (root / "jobs").mkdir(parents=True, exist_ok=True)
@@ -312,7 +316,9 @@ def run_plan(plan: str, slots: int) -> int:
             if any(jobs[n].alone for n in running) or (job.alone and running) or len(running) + kept >= slots:
                 break
             log = open(root / "logs" / f"{job.name}.log", "w")
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **job.env}
+            # how many jobs may share the GPU with it (the round's --slots; 1 alone): bench/quality's
+            # table marks its seconds as shared
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **job.env, SHARING_ENV: str(1 if job.alone else slots)}
             proc = subprocess.Popen(["bash", "-c", job.command], cwd=REPO, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             log.close()

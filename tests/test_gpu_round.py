@@ -78,6 +78,16 @@ def test_slots_bound_the_jobs_at_once_and_an_alone_job_shares_the_gpu_with_none(
     assert events(round_dir)[:2] == ["timing+", "timing-"]  # the lowest priority number goes first
 
 
+def test_each_job_is_told_how_many_share_the_gpu_with_it_the_rounds_slots_or_one_alone(round_dir, monkeypatch):
+    round_dir.mkdir()
+    monkeypatch.setenv("SLOTS", "7")  # not the runner's --slots: the variable is the runner's own figure
+    says = f"echo $DFLASH_QUALITY_SIDE_BY_SIDE > {round_dir}/"
+    plan(monkeypatch, [Job("shared", says + "shared", [], 2), Job("alone", says + "alone", [], 1, alone=True)])
+    assert gpu_round.run_plan("t", slots=3) == 0
+    assert (round_dir / "shared").read_text().strip() == "3"
+    assert (round_dir / "alone").read_text().strip() == "1"
+
+
 def test_a_job_whose_need_still_runs_keeps_a_slot_from_later_priority_jobs_ready_first(round_dir, monkeypatch):
     # Two domains: b's preparation ends first, and b's sweep runs (priority 4) would fill every
     # slot before a's main run (priority 2), whose preparation still runs, could start.

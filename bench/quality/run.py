@@ -201,7 +201,7 @@ def table(work: Work) -> str:
         ev = evaluated.get("blocks", {})
         row = [" ".join([f"e{train['epochs']}", *train["train_args"]]),  # the epochs and the flags
                str(train.get("train_samples") or data.get("samples", "–")), str(train["epochs"]),
-               _fmt(train["seconds"], ".0f") + (f" ({train['sharing_gpu']} sharing)" if train.get("sharing_gpu", 1) > 1 else ""),
+               _fmt(train["seconds"], ".0f") + (f" (up to {train['sharing_gpu']} sharing)" if train.get("sharing_gpu", 1) > 1 else ""),
                _fmt(train.get("heldout_tau_blocks"))]
         shared = " (shared)" if evaluated.get("sharing_gpu", 1) > 1 else ""  # decoded beside other variants
         for b in blocks:

@@ -649,11 +649,12 @@ def stage_train(work: Work, variant: Variant) -> dict[str, Any]:
 
 
 SHARED_ENV = "DFLASH_QUALITY_SIDE_BY_SIDE"
-"""Set by `device.sh side` to the number of variants run at once: their seconds are shared figures."""
+"""Set by `device.sh side` to the number of variants run at once, and by bench/gpu_round.py to its
+--slots: their seconds are shared figures (up to that many jobs on the GPU at once)."""
 
 
 def sharing_gpu() -> int:
-    """How many benchmark processes ran on the device at once (1: alone)."""
+    """How many benchmark processes may have run on the device at once (1: alone)."""
     try:
         return max(1, int(os.environ.get(SHARED_ENV, "1")))
     except ValueError:
