@@ -42,29 +42,45 @@ MAX_SKIPS_LISTED = 50  # per part, in the manifest's part stats
 
 
 def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = (),
-                    skipped: list[Path] | None = None) -> list[Path]:
+                    skipped: list[Path] | None = None, repeated: list[Path] | None = None) -> list[Path]:
     """The input files: `data` itself, or the JSONL files of a directory in sorted order.
 
     A directory's scan skips dflash caches (a cache kept inside its data directory: its
     manifest and part metadata are .json files, not data) and the directories in `exclude`
     (this run's --output); `skipped` receives the other files it leaves out (not one of
-    DATA_SUFFIXES: `.bz2`, `.JSONL`, ...), but for hidden files and sidecars."""
+    DATA_SUFFIXES: `.bz2`, `.JSONL`, ...), but for hidden files and sidecars. Symbolic links are
+    followed, but every directory and file is read once: a second path to one already reached
+    (`latest -> v2` beside `v2`, a link to a parent) goes to `repeated`, not into the data twice."""
     path = Path(data)
     if path.is_file():
         return [path]
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL file or a directory of them with --data.")
     excluded = {Path(p).resolve() for p in exclude}
-    files = []
+    found: list[Path] = []
+    walked: set[Path] = set()
     for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
         here = Path(dirpath)
+        if here.resolve() in walked:  # reached again through a link: its files are read once
+            dirnames[:] = []
+            if repeated is not None:
+                repeated.append(here)
+            continue
+        walked.add(here.resolve())
         dirnames[:] = sorted(d for d in dirnames if (here / d).resolve() not in excluded
                              and not _is_cache_dir(here / d))
-        files += [here / n for n in filenames if n.endswith(DATA_SUFFIXES) and not n.endswith(SIDECAR_SUFFIXES)]
+        found += [here / n for n in filenames if n.endswith(DATA_SUFFIXES) and not n.endswith(SIDECAR_SUFFIXES)]
         if skipped is not None:
             skipped += [here / n for n in filenames if not n.endswith(DATA_SUFFIXES) and not n.startswith(".")
                         and not n.endswith(SIDECAR_SUFFIXES)]
-    files.sort()
+    files, real = [], set()
+    for file in sorted(found):  # the first path of each file in sorted order reads it
+        if file.resolve() in real:
+            if repeated is not None:
+                repeated.append(file)
+            continue
+        real.add(file.resolve())
+        files.append(file)
     if not files:
         raise InputError(
             f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz). Point --data "
@@ -85,6 +101,17 @@ def skipped_files_note(data: str | Path, skipped: list[Path], shown: int = 8) ->
             + (f" Rename {cased[0]}{' and the like' if len(cased) > 1 else ''} with a lower-case suffix to read it."
                if cased else "")
             + " Decompress or convert the others to JSONL (or .jsonl.gz) if they are data.")
+
+
+def repeated_files_note(data: str | Path, repeated: list[Path], shown: int = 4) -> str | None:
+    """One sentence naming the paths a directory scan reached a second time through symbolic
+    links (and read once), or None."""
+    if not repeated:
+        return None
+    names = [str(p.relative_to(data)) for p in sorted(repeated)]
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    return (f"the scan of {data} reached {len(names)} path{'s' if len(names) > 1 else ''} through symbolic links "
+            f"that lead to data it had already read ({listed}), and read that data once.")
 
 
 def _is_cache_dir(path: Path) -> bool:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from .budget import ExtractionBudget
 from .config import ExtractConfig
-from .data import DataSnapshot, PartPlan, list_data_files, skipped_files_note, snapshot_data
+from .data import DataSnapshot, PartPlan, list_data_files, repeated_files_note, skipped_files_note, snapshot_data
 from .engine import ExtractionEngine
 from .loop import ExtractionLoop
 from .pinned import SegmentPinner
@@ -156,10 +156,12 @@ def recorded_header(cache_dir) -> dict:
 def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> ExtractSummary:
     """Extract the hidden states of this rank's uncommitted parts into config.output."""
     skipped: list[Path] = []
-    files = list_data_files(config.data, exclude=(config.output,), skipped=skipped)
+    repeated: list[Path] = []
+    files = list_data_files(config.data, exclude=(config.output,), skipped=skipped, repeated=repeated)
     refuse_output_among_inputs(config.output, [config.data, *files])
-    if config.rank == 0 and (note := skipped_files_note(config.data, skipped)):
-        print(f"Note: {note}", file=sys.stderr, flush=True)
+    for note in (skipped_files_note(config.data, skipped), repeated_files_note(config.data, repeated)):
+        if config.rank == 0 and note:
+            print(f"Note: {note}", file=sys.stderr, flush=True)
     device = resolve_device(config.device)  # under torchrun each process of a host takes its own GPU
     if writer_count(config, device):
         start_fork_server()  # the writers' imports then overlap loading the target

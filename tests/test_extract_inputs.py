@@ -100,6 +100,19 @@ def test_directory_of_plain_and_gzip_files_in_sorted_order(target, tmp_path):
         assert cached[sid]["input_ids"].tolist() == rec["input_ids"]
 
 
+def test_a_directory_reached_twice_through_links_is_read_once_and_said(target, tmp_path):
+    recs = random_records(5, seed=6)
+    write_jsonl(tmp_path / "d" / "v2" / "train.jsonl", recs)
+    (tmp_path / "d" / "latest").symlink_to("v2")  # a second path to the same directory
+    (tmp_path / "d" / "v2" / "self").symlink_to(".")  # a loop
+    (tmp_path / "d" / "again.jsonl").symlink_to(tmp_path / "d" / "v2" / "train.jsonl")  # a second path to a file
+    res = extract(target, tmp_path / "d", tmp_path / "cache")
+    assert res.exit_code == 0, res.output
+    cached = cache_contents(tmp_path / "cache")
+    assert sorted(c["input_ids"].tolist() for c in cached.values()) == sorted(r["input_ids"] for r in recs)
+    assert "through symbolic links" in res.output and "read that data once" in res.output
+
+
 def test_empty_directory_and_missing_paths_are_clear_errors(target, tmp_path):
     (tmp_path / "empty").mkdir()
     res = extract(target, tmp_path / "empty", tmp_path / "c1")
