@@ -31,7 +31,14 @@ from tqdm import tqdm
 
 from .budget import ExtractionBudget
 from .config import ExtractConfig
-from .data import DataSnapshot, PartPlan, list_data_files, repeated_files_note, skipped_files_note, snapshot_data
+from .data import (
+    DataSnapshot,
+    PartPlan,
+    list_data_files,
+    repeated_files_note,
+    skipped_files_note,
+    snapshot_data,
+)
 from .engine import ExtractionEngine
 from .loop import ExtractionLoop
 from .pinned import SegmentPinner
