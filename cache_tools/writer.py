@@ -53,6 +53,8 @@ from .manifest import (
 )
 from .orphans import remove_orphans
 from .part_layout import write_part_group
+from .plan import PLAN_FILE
+from .quarantine import QUARANTINE_DIR
 from .schema import (
     HIDDEN,
     INPUT_IDS,
@@ -141,8 +143,10 @@ class CacheWriter:
                     self.close()
                     return False
                 if (self.cache_dir / HEADER_FILE).exists():
-                    if force:
+                    if force and self._other_settings():
                         self._wipe()
+                    elif force:  # the same settings: kept and resumed, with this run's mark for its ranks
+                        atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                     else:
                         manifest = read_manifest(self.cache_dir)
                         check_identity(manifest, self.header, what="extraction")
@@ -187,29 +191,49 @@ class CacheWriter:
         if lock is not None:
             lock.release()
 
+    def _other_settings(self) -> bool:
+        """--force: whether the cache there was written with other settings than this run's (or
+        its manifest cannot be read): only then is it deleted. The same settings resume."""
+        try:
+            manifest = read_manifest(self.cache_dir)
+        except (CacheError, OSError, ValueError):
+            return True
+        return bool(identity_differences(self.header, manifest.header, Purpose.RESUME))
+
     def _holds_foreign_files(self) -> bool:
         """Whether cache_dir holds files but no cache manifest.
 
         Another writer may be creating this cache right now: its lock file, parts/ and the
         manifest's temporary file are ours. The manifest is the first of its other files to
         appear, so it is looked for again after the listing: a listing that caught the new
-        manifest (or the commit log after it) is of a cache, not of somebody else's data.
+        manifest (or the commit log after it) is of a cache, not of somebody else's data. So
+        are what a --force stopped while it deleted the old cache leaves (its plan, parts/ and
+        quarantine/: _wipe removes the commit log, which would name old parts, first).
         """
         if not self.cache_dir.is_dir():
             return False
         others = [p.name for p in self.cache_dir.iterdir()
-                  if p.name not in (PARTS_DIR, LOCK_FILE, WRITER_LOCK_FILE)
+                  if p.name not in (PARTS_DIR, LOCK_FILE, WRITER_LOCK_FILE, PLAN_FILE, QUARANTINE_DIR)
                   and not p.name.startswith(TMP_PREFIX)]
         return bool(others) and not (self.cache_dir / HEADER_FILE).exists()
 
     def _wipe(self) -> None:
-        """--force: remove the old cache's manifest and parts (only cache files)."""
-        for name in (LOG_FILE, HEADER_FILE, EVICTION_FILE):
+        """--force: remove the old cache's manifest and parts (only cache files). The records
+        that name parts go first and the parts last, so that a wipe stopped halfway leaves
+        nothing a new cache would take for its own (the plan is checked against the header;
+        parts no commit names are orphans)."""
+        for name in (LOG_FILE, EVICTION_FILE):
             (self.cache_dir / name).unlink(missing_ok=True)
         for path in self.cache_dir.glob(f"{TRAINED_PREFIX}*"):
             path.unlink(missing_ok=True)
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
-        self.parts_dir.mkdir()
+        (self.cache_dir / HEADER_FILE).unlink(missing_ok=True)
+        fsync_dir(self.cache_dir)
+        if self.parts_dir.is_symlink():  # parts/ on another disk: emptied, the link kept
+            for child in self.parts_dir.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink()
+        else:
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+        self.parts_dir.mkdir(exist_ok=True)
         fsync_dir(self.cache_dir)
 
     def _remove_orphans_locked(self) -> list[str]:

@@ -95,7 +95,8 @@ class ExtractConfig:
     world_size: int | None = None
     """Number of extraction processes sharing the cache [default: $WORLD_SIZE or 1]."""
     force: bool = setting(False, one_way=True)
-    """Delete an existing cache with other settings and start anew (rank 0 only)."""
+    """Delete an existing cache with other settings and start anew (rank 0 only); a cache of the
+    same settings is resumed, its committed parts kept."""
     disk_budget: str | None = None
     """Most bytes of parts the cache holds on disk (e.g. 500G, 2T; plus at most one part): the
     extraction waits for room and evicts parts every rank of a `dflash-train --follow` run has

@@ -99,6 +99,51 @@ def test_resume_with_other_settings_refuses_unless_forced(setup, tmp_path, chang
     run_extraction(config(target, data, out, part_tokens=100000, force=True, **change))
 
 
+def test_force_with_the_same_settings_resumes_and_keeps_every_committed_part(setup, tmp_path):
+    target, data, clean = setup
+    out = tmp_path / "c"
+    first = run_extraction(config(target, data, out))
+    committed = {p.name: p.nbytes for p in read_manifest(out).parts}
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
+    again = run_extraction(config(target, data, out, force=True))  # "to be safe": nothing is lost
+    assert again.parts_written == 0 and again.parts_done_before == first.parts_written
+    assert {p.name: p.nbytes for p in read_manifest(out).parts} == committed
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()} == stamps  # not written again
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+
+
+def test_a_force_stopped_while_it_deleted_the_old_cache_leaves_one_that_a_rerun_starts_anew(setup, tmp_path):
+    import shutil
+
+    from dflash.cache_tools.manifest import HEADER_FILE, LOG_FILE
+
+    target, data, clean = setup
+    out = tmp_path / "c"
+    run_extraction(config(target, data, out, target_layer_ids=[0, 1]))
+    # what a --force to other settings leaves when stopped after the records, before the parts
+    (out / LOG_FILE).unlink()
+    (out / HEADER_FILE).unlink()
+    parts = sorted((out / "parts").iterdir())
+    shutil.rmtree(parts[0])
+    assert (out / "manifest.plan.json").exists() and len(parts) > 2
+    run_extraction(config(target, data, out))  # the same command runs, without a refusal
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+    assert {p.name for p in (out / "parts").iterdir()} == {p.name for p in read_manifest(out).parts}
+
+
+def test_force_empties_a_parts_directory_that_links_to_another_disk_and_keeps_the_link(setup, tmp_path):
+    target, data, clean = setup
+    out, elsewhere = tmp_path / "c", tmp_path / "disk2" / "parts"
+    elsewhere.mkdir(parents=True)
+    out.mkdir()
+    (out / "parts").symlink_to(elsewhere)
+    run_extraction(config(target, data, out, target_layer_ids=[0, 1]))
+    assert any(elsewhere.iterdir())
+    run_extraction(config(target, data, out, force=True))
+    assert (out / "parts").is_symlink() and (out / "parts").resolve() == elsewhere.resolve()
+    assert_same_contents(cache_contents(out), cache_contents(clean))
+
+
 def test_resume_with_other_data_refuses(setup, tmp_path):
     target, data, _clean = setup
     out = tmp_path / "c"
