@@ -10,6 +10,7 @@ trainer.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from .errors import ConfigMismatchError
 from .identity import Purpose, target_differences
 from .manifest import diff_identity
+from .plan import ExtractionProgress, unfinished_extraction
 from .reader import CacheReader
 from .remote import open_reader
 from .schema import SAMPLE_IDS
@@ -73,6 +75,18 @@ class CacheSet:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def unfinished(self) -> list[tuple[Path, ExtractionProgress]]:
+        """The caches whose extraction plan promises parts not committed yet, with how far each
+        is (plan.unfinished_extraction); a staged s3:// cache's plan is not fetched, so it reads as
+        finished."""
+        out = []
+        for reader in self.readers:
+            progress = unfinished_extraction(reader.cache_dir, reader.manifest.header,
+                                             {p.name for p in reader.manifest.parts})
+            if progress is not None:
+                out.append((reader.cache_dir, progress))
+        return out
 
     def locate(self, index: int) -> tuple[int, int]:
         cache = int(np.searchsorted(self.starts, index, side="right") - 1)

@@ -169,7 +169,10 @@ def info(cache: str, settings: InfoSettings) -> None:
         f"chunk_rows {s['chunk_rows']}, shard_rows {s['shard_rows']}",
         f"extras           last_hidden={s['extras'].get('last_hidden')}, topk={s['extras'].get('topk')}, "
         f"top1={_top1_line(s)}",
-        f"parts            {s['parts']}",
+        f"parts            {s['parts']}" + (
+            f" of {s['unfinished']['planned_parts']} planned ({s['samples']} of {s['unfinished']['planned_samples']} "
+            "samples): the extraction has not finished; rerun its dflash-extract command to finish it"
+            if s["unfinished"] else ""),
         f"samples          {s['samples']} (length min {lengths['min']}, mean {lengths['mean']:.1f}, "
         f"max {lengths['max']})",
         f"tokens           {s['tokens']}",
@@ -247,7 +250,8 @@ def verify(cache: str, settings: VerifySettings) -> None:
         click.echo(f"note: {note}")
     mode = "structure" if fast else f"{report.chunks} chunks"
     if report.ok:
-        click.echo(f"OK: {report.parts} parts, {mode} checked, no problems found.")
+        planned = f" (of {report.planned} planned: unfinished)" if report.planned else ""
+        click.echo(f"OK: {report.parts} parts{planned}, {mode} checked, no problems found.")
         return
     for problem in report.problems:
         click.echo(f"BAD {problem}")

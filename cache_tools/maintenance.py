@@ -33,6 +33,7 @@ from .manifest import (
 )
 from .orphans import find_orphans, orphan_name, remove_orphans
 from .part_files import PartFiles
+from .plan import unfinished_extraction
 from .reader import CacheReader
 from .sample_scores import prompt_split_key
 from .schema import (
@@ -80,6 +81,8 @@ class VerifyReport:
     chunks: int = 0
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    planned: int | None = None
+    """Parts the extraction's plan promises when more than are committed (an unfinished cache)."""
 
     @property
     def ok(self) -> bool:
@@ -304,6 +307,11 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
             else:
                 bar.update(1)
             pf.close()
+    if (left := unfinished_extraction(cache_dir, header, {r.name for r in records})) is not None:
+        report.planned = left.planned
+        report.notes.append(f"the extraction has not finished: {left.describe()} (stopped before its end, still "
+                            "running, or a rank lost). Rerun its dflash-extract command to finish it; dflash-train "
+                            "refuses the cache until then (or with --allow-incomplete trains on what is there).")
     if gone := evicted.evicted():
         report.notes.append(f"{len(gone)} parts ({sum(st.nbytes for st in gone.values())} bytes) are evicted under a "
                             "disk budget (manifest.evicted.jsonl): not checked; dflash-extract with --follow-epochs "

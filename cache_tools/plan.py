@@ -114,10 +114,33 @@ class ExtractionProgress:
 
     planned: int
     committed: int
+    planned_samples: int = 0
+    committed_samples: int = 0
 
     @property
     def complete(self) -> bool:
         return self.committed >= self.planned
+
+    def describe(self) -> str:
+        """"6 of its 46 planned parts are committed (24 of 300 samples)"."""
+        samples = (f" ({self.committed_samples:,} of {self.planned_samples:,} samples)"
+                   if self.planned_samples else "")
+        return f"{self.committed} of its {self.planned} planned parts are committed{samples}"
+
+
+def unfinished_extraction(cache_dir: str | os.PathLike, header: dict[str, Any],
+                          committed: set[str]) -> ExtractionProgress | None:
+    """The progress of a cache whose plan promises parts that are not committed (`committed`:
+    the names its commit log holds, evicted ones too): an extraction stopped before its end, or
+    still running, or one of its ranks lost. None when every planned part is there, or the cache
+    has no current plan (written before plans, or by a merge or recompress, which commit whole)."""
+    plan = read_plan(cache_dir, header)
+    if plan is None:
+        return None
+    done = [p for p in plan.parts if p.name in committed]
+    if len(done) >= len(plan.parts):
+        return None
+    return ExtractionProgress(len(plan.parts), len(done), plan.num_samples, sum(len(p.sample_ids) for p in done))
 
 
 def extraction_progress(plan: ExtractionPlan, log: CommitLog) -> ExtractionProgress:

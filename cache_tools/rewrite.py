@@ -23,6 +23,7 @@ from .errors import CacheError, CacheNotFoundError, CacheStorageError, ConfigMis
 from .identity import Purpose
 from .maintenance import progress_bar
 from .manifest import HEADER_FILE, IDENTITY_KEYS, identity_differences
+from .plan import unfinished_extraction
 from .reader import CacheReader
 from .schema import SAMPLE_IDS, sample_offsets
 from .summary import raw_bf16_bytes
@@ -174,6 +175,11 @@ def merge_caches(
                 f"the first argument, {dst}, is an existing cache: if it is meant as a source, name the "
                 "new cache first."
             ) from None
+    for p, r in zip(paths, readers):
+        if (left := unfinished_extraction(p, r.manifest.header, {q.name for q in r.parts})) is not None:
+            raise CacheError(f"Cannot merge {p}: it is not a finished cache ({left.describe()}): its extraction "
+                             "was stopped before its end, is still running, or lost a rank. Rerun the same "
+                             "dflash-extract command to finish it, then merge.")
     first = readers[0].manifest
     keys = tuple(k for k in IDENTITY_KEYS if k != "data")  # each source has its own data
     for p, r in zip(paths[1:], readers[1:]):

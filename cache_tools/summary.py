@@ -13,6 +13,7 @@ import numpy as np
 
 from .eviction import EvictionLog
 from .manifest import Manifest, read_manifest
+from .plan import unfinished_extraction
 from .sample_scores import top1_selected
 from .schema import PartSchema
 
@@ -82,4 +83,7 @@ def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
         "part_stats": part_stats,
         "evicted_parts": sorted(evicted),
         "evicted_bytes": sum(st.nbytes for st in evicted.values()),
+        # the extraction's plan promises more parts than are committed (stopped, running, a lost rank)
+        "unfinished": None if (left := unfinished_extraction(m.cache_dir, m.header, {p.name for p in m.parts})) is None
+        else {"planned_parts": left.planned, "planned_samples": left.planned_samples},
     }

@@ -102,6 +102,9 @@ class DataConfig:
     follow: bool = False
     """Train on a cache dflash-extract is still filling: wait for each part as it is needed, until
     every part of the extraction's plan is committed (one --cache; weights as on the finished cache)."""
+    allow_incomplete: bool = False
+    """Train on the committed parts of a cache whose extraction has not finished (stopped, or one
+    of its ranks lost): without it such a cache is refused, since its samples are a part of the data."""
     disk_budget: str | None = setting(None, metavar="SIZE")
     """Local disk the run may fill with cache parts (e.g. 500G, 2T; plus at most one part): an s3://
     cache's staging directory stays within it (per remote cache); with --follow, the budget the

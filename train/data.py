@@ -293,19 +293,31 @@ def rendering_summary(headers: list[dict[str, Any]]) -> str:
             "that most of the data used, or prepare the data again with one")
 
 
-def open_caches(config: DataConfig) -> CacheSet | FollowCacheSet:
+def open_caches(config: DataConfig, *, finished: bool = True) -> CacheSet | FollowCacheSet:
     """The training caches of the data section: finished ones, or with --follow one that is still
-    being extracted."""
+    being extracted. `finished`: refuse one whose extraction has not ended (open_cache_set)."""
     if config.follow:
         return open_follow(config)
-    return open_cache_set(config.cache, config)
+    return open_cache_set(config.cache, config, finished=finished)
 
 
-def open_cache_set(cache_dirs: list[str], config: DataConfig) -> CacheSet:
+def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool = True) -> CacheSet:
     """Finished caches as one list of samples; an s3:// one is staged under --staging-dir within
-    --disk-budget."""
-    return CacheSet(cache_dirs, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
-                    disk_budget=config.disk_budget_bytes(), staging_dir=config.staging_dir)
+    --disk-budget. With `finished`, a cache whose extraction has not committed every planned part
+    is refused (unless --allow-incomplete): training on it would leave the rest of the data out
+    unsaid (`dflash-train estimate` reads what is there)."""
+    caches = CacheSet(cache_dirs, max_seq_len=config.max_seq_len, verify_checksums=config.verify_checksums,
+                      disk_budget=config.disk_budget_bytes(), staging_dir=config.staging_dir)
+    unfinished = caches.unfinished()
+    if unfinished and finished and not config.allow_incomplete:
+        where, progress = unfinished[0]
+        more = f" (and {len(unfinished) - 1} more cache(s) like it)" if len(unfinished) > 1 else ""
+        raise TrainConfigError(
+            f"{where} is not a finished cache: {progress.describe()}{more}. Its extraction was stopped before "
+            "its end, is still running, or lost one of its ranks. Rerun the same dflash-extract command to finish "
+            "it (it resumes from the committed parts), or train while it extracts with --follow; to train on the "
+            "committed parts alone, pass --allow-incomplete.")
+    return caches
 
 
 def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
@@ -335,10 +347,10 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     config, optimization = run.data, run.optimization
     if not estimate:
         refuse_repeated_caches(list(config.cache), list(config.eval_cache or []))
-    caches = open_caches(config)
+    caches = open_caches(config, finished=not estimate)
     eval_caches = None
     if config.eval_cache:
-        eval_caches = open_cache_set(config.eval_cache, config)
+        eval_caches = open_cache_set(config.eval_cache, config, finished=not estimate)
         check_compatible(caches.readers[0], eval_caches.readers[0])
         train_indices = np.arange(len(caches), dtype=np.int64)
         heldout, scored = np.arange(len(eval_caches), dtype=np.int64), eval_caches
