@@ -116,10 +116,13 @@ class _Contract:
         parent = super()
         if not standalone_mode:  # the caller handles errors itself
             return parent.main(args, prog_name, complete_var, standalone_mode=False, **extra)  # type: ignore[misc]
-        with stop_at_once():
-            status = self.run_reporting_errors(
-                lambda: parent.main(args, prog_name, complete_var, standalone_mode=False, **extra))  # type: ignore[misc]
-        sys.exit(status)
+        def invoke() -> Any:
+            # (inside run_reporting_errors: a signal that lands while the handlers are being set
+            # is reported as any other stop, not as a traceback)
+            with stop_at_once():
+                return parent.main(args, prog_name, complete_var, standalone_mode=False, **extra)  # type: ignore[misc]
+
+        sys.exit(self.run_reporting_errors(invoke))
 
     def run_reporting_errors(self, invoke: Any) -> int:
         """Call `invoke` and map what it raises to the exit-status table (SystemExit passes)."""

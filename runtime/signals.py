@@ -62,15 +62,19 @@ def stop_at_once() -> Iterator[None]:
     if not _in_main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS}
+    previous: dict[int, object] = {}
     previous_hook = sys.unraisablehook
 
     def unraisable(info):  # an Interrupted a finalizer swallowed: kept, raised again, not printed
         if not isinstance(info.exc_value, Interrupted):
             previous_hook(info)
 
-    sys.unraisablehook = unraisable
     try:
+        # set inside the try: a signal that lands between two of them still restores the first
+        for s in STOP_SIGNALS:
+            previous[s] = signal.getsignal(s)  # (before: a signal inside signal.signal still finds it)
+            signal.signal(s, _raise_interrupted)
+        sys.unraisablehook = unraisable
         yield
     finally:
         for s, handler in previous.items():

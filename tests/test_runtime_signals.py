@@ -82,3 +82,33 @@ def test_dflash_eval_stops_at_its_next_batch_after_a_swallowed_signal():
         with stop_at_once():
             _timed_batches(decode, [[1], [2], [3]], None, 1, __import__("torch").device("cpu"))
     assert decoded == [[[1]]]  # the batches after the signal were not decoded
+
+
+def test_a_signal_that_lands_while_the_handlers_are_set_is_a_stop_not_a_traceback(monkeypatch, capsys):
+    import click
+    from dflash.runtime import signals
+    from dflash.runtime.cli import Command
+
+    before = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    real = signal.signal
+    calls = []
+
+    def lands_after_the_first(signum, handler):  # SIGTERM arrives just after the first handler is set
+        previous = real(signum, handler)
+        calls.append(signum)
+        if len(calls) == 1:
+            raise Interrupted(signal.SIGTERM)
+        return previous
+
+    @click.command(cls=Command)
+    def tool():
+        raise AssertionError("the command does not start")
+
+    monkeypatch.setattr(signals.signal, "signal", lands_after_the_first)
+    with pytest.raises(SystemExit) as ended:
+        tool.main([], prog_name="tool")
+    monkeypatch.setattr(signals.signal, "signal", real)
+    assert ended.value.code == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert {s: signal.getsignal(s) for s in signals.STOP_SIGNALS} == before  # the one set is put back
