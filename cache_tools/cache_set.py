@@ -35,6 +35,35 @@ def train_together_identity(reader: CacheReader) -> dict[str, Any]:
             "hidden_size": h["hidden"].get("hidden_size"), "extras": extras}
 
 
+def data_digests(header: dict[str, Any]) -> set[str]:
+    """The sha256 digests of the input data a cache was extracted from (a merged cache: its
+    sources'); empty for a header of before digests. Two caches that share one hold the same
+    samples (a copy, a recompressed copy, a second extraction of the same files)."""
+    data = header.get("data") or {}
+    out = {data["sha256"]} if isinstance(data.get("sha256"), str) else set()
+    for source in data.get("merged_from") or []:
+        out |= data_digests({"data": source.get("data") or {}})
+    return out
+
+
+def shared_data(first: CacheReader, other: CacheReader) -> str | None:
+    """The data digest two caches share (their samples are the same ones), or None."""
+    common = data_digests(first.manifest.header) & data_digests(other.manifest.header)
+    return min(common) if common else None
+
+
+def check_distinct_data(readers: list[CacheReader], what: str = "the caches") -> None:
+    """No two of `readers` were extracted from the same data: trained on together, each of its
+    samples would count twice an epoch (merged: twice in the cache)."""
+    for i, reader in enumerate(readers):
+        for earlier in readers[:i]:
+            if (digest := shared_data(earlier, reader)) is not None:
+                raise ConfigMismatchError(
+                    f"{earlier.cache_dir} and {reader.cache_dir} hold the same samples: both were extracted from "
+                    f"the same data (sha256 {digest[:12]}), so {what} would hold each of them twice (one is a "
+                    "copy, a recompressed copy or a second extraction of the other). Give one of them.")
+
+
 def check_compatible(first: CacheReader, other: CacheReader) -> None:
     """Two caches can be trained on together: same target, layers, width and extras."""
     targets = target_differences(first.manifest.header.get("target"), other.manifest.header.get("target"),
@@ -61,6 +90,7 @@ class CacheSet:
         first = self.readers[0]
         for other in self.readers[1:]:
             check_compatible(first, other)
+        check_distinct_data(self.readers, "training on them together")
         self.manifest = first.manifest
         sizes = [len(r) for r in self.readers]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

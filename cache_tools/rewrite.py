@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from dflash.runtime.locks import same_path
 
+from .cache_set import check_distinct_data
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheNotFoundError, CacheStorageError, ConfigMismatchError
 from .identity import Purpose
@@ -180,6 +181,7 @@ def merge_caches(
             raise CacheError(f"Cannot merge {p}: it is not a finished cache ({left.describe()}): its extraction "
                              "was stopped before its end, is still running, or lost a rank. Rerun the same "
                              "dflash-extract command to finish it, then merge.")
+    check_distinct_data(readers, "the merged cache")
     first = readers[0].manifest
     keys = tuple(k for k in IDENTITY_KEYS if k != "data")  # each source has its own data
     for p, r in zip(paths[1:], readers[1:]):

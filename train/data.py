@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.cache_set import CacheSet, check_compatible
+from dflash.cache_tools.cache_set import CacheSet, check_compatible, shared_data
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import (
     Purpose,
@@ -320,6 +320,19 @@ def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool 
     return caches
 
 
+def refuse_shared_eval_data(caches: CacheSet | FollowCacheSet, eval_caches: CacheSet) -> None:
+    """An --eval-cache extracted from the same data as a --cache (a copy of it, under another
+    path): the held-out tau would be measured on samples the drafter trains on."""
+    for reader in getattr(caches, "readers", []):
+        for held in eval_caches.readers:
+            if (digest := shared_data(reader, held)) is not None:
+                raise TrainConfigError(
+                    f"--eval-cache {held.cache_dir} holds the samples of --cache {reader.cache_dir}: both were "
+                    f"extracted from the same data (sha256 {digest[:12]}), so the held-out evaluation would measure "
+                    "samples the drafter trains on. Give a cache extracted from other data as --eval-cache, or "
+                    "leave it out (a held-out split of --cache is used).")
+
+
 def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
     """The same cache twice among --cache (its samples would train twice an epoch), or one of
     them as --eval-cache too (the held-out tau would be measured on training samples)."""
@@ -352,6 +365,8 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     if config.eval_cache:
         eval_caches = open_cache_set(config.eval_cache, config, finished=not estimate)
         check_compatible(caches.readers[0], eval_caches.readers[0])
+        if not estimate:  # (an estimate's --cache is its held-out set, and stands as --eval-cache too)
+            refuse_shared_eval_data(caches, eval_caches)
         train_indices = np.arange(len(caches), dtype=np.int64)
         heldout, scored = np.arange(len(eval_caches), dtype=np.int64), eval_caches
     else:
