@@ -60,6 +60,14 @@ def quarantine_damaged(cache_dir: str | os.PathLike, report: VerifyReport) -> Qu
     the cache."""
     cache_dir = Path(cache_dir)
     bad = set(report.bad_parts)
+    if report.parts >= 2 and len(bad) >= report.parts:
+        first = next(p for p in report.problems if p.part)
+        raise CacheCorruptError(
+            f"Every one of the {report.parts} parts of {cache_dir} is reported damaged (the first: {first}). "
+            "That is more likely a manifest.json that no longer matches its parts (edited by hand, or another "
+            "cache's) than that many damaged parts, and quarantining them all would empty the cache: nothing was "
+            "moved. Compare manifest.json with the parts' own metadata (zarr.json) and put it back; if every part "
+            "really is damaged, extract the cache anew (dflash-extract --force).")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = QuarantineReport(cache_dir / QUARANTINE_DIR / f"{stamp}-{os.getpid()}")
     with WriterLock(cache_dir / WRITER_LOCK_FILE, what=f"the cache at {cache_dir}",

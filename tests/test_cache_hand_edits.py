@@ -67,3 +67,15 @@ def test_a_hand_edited_commit_record_names_the_log_line_and_the_command_that_rep
     res = CliRunner().invoke(cache_main, ["verify", str(cache), "--quarantine", "--no-progress"])
     assert res.exit_code == 1 and "quarantined part-000001 ->" in res.output, res.output
     assert len(CacheReader(cache).parts) == 2  # readable again, without the part it can no longer trust
+
+
+def test_quarantine_does_not_empty_a_cache_whose_every_part_disagrees_with_an_edited_manifest(tmp_path):
+    cache = tmp_path / "c"
+    make_cache(cache, parts=3)
+    header = json.loads((cache / "manifest.json").read_text())
+    header["hidden"]["chunk_rows"] *= 2  # consistent in itself, but no part was written so
+    (cache / "manifest.json").write_text(json.dumps(header))
+    res = CliRunner().invoke(cache_main, ["verify", str(cache), "--quarantine", "--no-progress"])
+    assert res.exit_code != 0 and "Every one of the 3 parts" in res.output and "nothing was moved" in res.output
+    assert "quarantined" not in res.output and not (cache / "quarantine").exists()
+    assert len((cache / LOG_FILE).read_text().splitlines()) == 3  # every commit record kept
