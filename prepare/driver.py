@@ -26,6 +26,12 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from dflash.cache_tools.identity import (
+    Purpose,
+    target_differences,
+    target_identity,
+    target_provenance,
+)
 from dflash.runtime.errors import InputError
 from dflash.runtime.fsio import file_lock
 from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
@@ -146,16 +152,54 @@ class _Progress:
         self.bar.close()
 
 
-def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> None:
-    """Refuse an output of other settings, or write its sidecar; every rank, one at a time (the
-    sidecar must be there before any rank's first record: a rank that checked after another had
-    appended one saw an output without a sidecar and refused it)."""
+def model_identity(config: GenerateConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What identifies the model that writes the answers (the sidecar's `target`, compared on
+    resume) and where it was (`target_provenance`, named in messages, never compared).
+
+    In-process: the target's identity as a cache header records it (`cache_tools.identity`:
+    its config, tokenizer files and weights hash; not its path). Server: the model name sent
+    with each request (--model); the server's URLs are provenance (a model may move hosts)."""
+    if config.server:
+        urls = [u.rstrip("/") for u in config.server.split(",") if u]
+        return {"backend": "server", "model": config.model}, {"server": urls}
+    model_dir = Path(config.target_model)
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise InputError(f"Cannot load the config of --target-model {model_dir} ({e}). Check the model directory.") from e
+    return {"backend": "in-process", **target_identity(model_config, model_dir)}, target_provenance(model_dir)
+
+
+def _model_differences(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, recorded, current) where the sidecar's model and this run's differ."""
+    if old.get("backend") != new.get("backend"):
+        return [("backend", old.get("backend"), new.get("backend"))]
+    if new.get("backend") == "server":
+        return [] if old.get("model") == new.get("model") else [("model", old.get("model"), new.get("model"))]
+    return target_differences(old, new, Purpose.RESUME)
+
+
+def _describe_model(identity: dict[str, Any], provenance: dict[str, Any] | None) -> str:
+    provenance = provenance or {}
+    if identity.get("backend") == "server":
+        name = f"the model {identity['model']!r}" if identity.get("model") else "the default model (no --model)"
+        return f"{name} of the server {', '.join(provenance.get('server') or ['?'])}"
+    return f"the in-process model {provenance.get('target_path', '?')}"
+
+
+def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> list[str]:
+    """Refuse an output of other settings or another model, or write its sidecar; every rank,
+    one at a time (the sidecar must be there before any rank's first record: a rank that
+    checked after another had appended one saw an output without a sidecar and refused it).
+    Returns the notes for the summary."""
     output = Path(config.output)
     with file_lock(output.with_name(f".{output.name}.meta.lock")):
-        _check_resume_locked(config, meta, output)
+        return _check_resume_locked(config, meta, output)
 
 
-def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: Path) -> None:
+def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: Path) -> list[str]:
     old = read_sidecar(config.output)
     if old is None and output.exists() and output.stat().st_size:
         raise GenerateMismatchError(
@@ -165,7 +209,7 @@ def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: P
         )
     if old is None or not output.exists():
         write_sidecar(config.output, meta)
-        return
+        return []
     keys = ("chat_template_sha256", "chat_template_kwargs", "generation")
     diffs = [k for k in keys if old.get(k) != meta.get(k)]
     if diffs:
@@ -173,6 +217,32 @@ def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: P
             f"{config.output} was generated with other settings ({', '.join(diffs)} differ: was "
             f"{ {k: old.get(k) for k in diffs} }). Rerun with those settings, or write to a new --output."
         )
+    current = meta["target"]
+    if not isinstance(old.get("target"), dict):  # a sidecar written before the model was recorded
+        return [f"The output {output} records no identity of the model that wrote its answers (written "
+                f"before it was recorded): that {_describe_model(current, meta.get('target_provenance'))} "
+                "is the model that wrote them is not checked."]
+    model_diffs = _model_differences(old["target"], current)
+    if model_diffs:
+        shown = "; ".join(f"{k}: the file's {_short(a)}, this run's {_short(b)}" for k, a, b in model_diffs)
+        raise GenerateMismatchError(
+            f"{output} holds the answers of another model than this run's: they were written by "
+            f"{_describe_model(old['target'], old.get('target_provenance'))}, this run's is "
+            f"{_describe_model(current, meta.get('target_provenance'))} ({shown}). Resuming would mix "
+            "two models' answers in one file. Write to another --output, rerun with the model that "
+            f"wrote it, or delete {output} (with its {output.name}.skipped.jsonl) to start anew."
+        )
+    if current.get("backend") == "server" and current.get("model") is None:
+        return [f"No --model names the served model, now or when {output} was begun: that the server's "
+                "model is the one that wrote its answers is not checked (pass --model to have it checked)."]
+    return []
+
+
+def _short(value: Any) -> str:
+    """A recorded value for a message (a sha256 cut to 12 digits)."""
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
+        return value[:12]
+    return repr(value)
 
 
 def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
@@ -181,6 +251,7 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     meta = {"producer": "dflash-generate", **render_meta(config, renderer, files),
             "generation": config.content_settings()}
+    meta["target"], meta["target_provenance"] = model_identity(config)
     refuse_output_among_inputs(config.output, files)
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -195,9 +266,9 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
 
 def _run_generate(config: GenerateConfig, renderer, files, meta: dict[str, Any], rank: int,
                   world: int) -> GenerateSummary:
-    _check_resume(config, meta)
+    notes = _check_resume(config, meta)
     log = OutputLog(config.output)
-    summary = GenerateSummary(done_before=len(log.done))
+    summary = GenerateSummary(done_before=len(log.done), notes=notes)
     # A first pass checks every record and counts this rank's work (for the ETA) without
     # holding the dataset in memory (but for its ids, with several samples); the second streams it.
     ids: set[str] | None = set() if config.samples_per_prompt > 1 else None

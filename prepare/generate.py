@@ -269,6 +269,7 @@ class GenerateSummary:
     retries: int = 0
     request_errors: dict[str, int] = field(default_factory=dict)
     stopped_by: int = 0
+    notes: list[str] = field(default_factory=list)  # what a resume could not check
 
     def add(self, o: Outcome) -> None:
         self.finish_reasons[o.finish_reason] += 1
@@ -292,4 +293,5 @@ class GenerateSummary:
         lines += [f"  failed: {f}" for f in self.failures[:10]]
         if self.failed:
             lines.append("  Rerun the same command to retry the failed records (finished ones are kept).")
+        lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)

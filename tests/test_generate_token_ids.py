@@ -91,6 +91,27 @@ def test_a_server_tokenizing_prompts_otherwise_is_refused(engine, tmp_path):
     assert read_jsonl(out) == []
 
 
+def test_a_resume_with_another_served_model_is_refused(engine, tmp_path):
+    result, out = run(engine, tmp_path, "--model", "chatA")
+    assert result.exit_code == 0, result.output
+    assert engine["state"]["requests"][0]["model"] == "chatA"
+    before = out.read_bytes()
+    refused, _ = run(engine, tmp_path, "--model", "chatB")
+    text = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "holds the answers of another model" in text, refused.output
+    assert "'chatA'" in text and "'chatB'" in text and engine["url"] in text and "another --output" in text
+    assert out.read_bytes() == before
+    again, _ = run(engine, tmp_path, "--model", "chatA")
+    assert again.exit_code == 0 and "0 records written (1 done before)" in again.output, again.output
+
+
+def test_a_resume_without_model_names_says_the_served_model_is_not_checked(engine, tmp_path):
+    assert run(engine, tmp_path)[0].exit_code == 0
+    again, _ = run(engine, tmp_path)
+    assert again.exit_code == 0 and "0 records written (1 done before)" in again.output, again.output
+    assert "is not checked (pass --model" in " ".join(again.output.split())
+
+
 def test_ctrl_c_with_requests_in_flight_stops_within_seconds(engine, tmp_path):
     engine["state"]["delay"] = 0.5  # slow answers: requests are in flight when the signal comes
     data = write_jsonl(tmp_path / "chat.jsonl", [{"id": f"s{i}", "prompt": f"q{i}"} for i in range(200)])
