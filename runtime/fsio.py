@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,8 @@ def remove_dir(path: str | os.PathLike) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: bool = False) -> None:
+def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: bool = False,
+                check_old: Callable[[Path], None] | None = None) -> None:
     """Move the finished directory `stage` to `final` atomically and durably.
 
     Every file below `stage` is fsynced first (unless the caller did: `synced`); an existing
@@ -118,6 +119,10 @@ def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: b
     holds a mix of old and new files. A directory cannot be swapped in one rename: a crash in
     the instant between the two renames leaves no `final`, with the old directory complete
     under its temporary name beside it (`temp_name`) and the new one complete at `stage`.
+
+    Whatever is at `final` is deleted: a caller whose `final` may hold someone else's files
+    passes `check_old`, called with `final` right before it is renamed aside, which raises to
+    keep it (nothing is moved then, and `stage` is left to the caller).
     """
     stage, final = Path(stage), Path(final)
     if not synced:
@@ -125,6 +130,8 @@ def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: b
     old = None
     with signals_deferred():  # a stop signal between the two renames would leave no `final`
         if final.exists():
+            if check_old is not None:
+                check_old(final)
             old = temp_name(final)
             os.replace(final, old)
         os.replace(stage, final)
@@ -134,16 +141,17 @@ def publish_dir(stage: str | os.PathLike, final: str | os.PathLike, *, synced: b
 
 
 @contextlib.contextmanager
-def staged_dir(final: str | os.PathLike) -> Iterator[Path]:
+def staged_dir(final: str | os.PathLike, *, check_old: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """A new temporary directory beside `final` to fill: published to `final` when the block
-    ends cleanly (`publish_dir`), deleted when it raises."""
+    ends cleanly (`publish_dir`, which calls `check_old` on an existing `final`), deleted when
+    it or the publishing raises."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     stage = temp_name(final)
     stage.mkdir()
     try:
         yield stage
-        publish_dir(stage, final)
+        publish_dir(stage, final, check_old=check_old)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

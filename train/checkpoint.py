@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ResumeMismatchError, TrainConfigError
 from .drafter_config import DrafterConfig
-from .export import export_drafter
+from .export import export_drafter, export_out_dir
 
 CHECKPOINT_VERSION = 1
 
@@ -281,6 +281,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     if inside(path, out):  # publishing the export would swap the checkpoint (or its run) out and delete it
         raise OutputIsInputError(f"OUT_DIR {out} {'is' if same_path(path, out) else 'holds'} the checkpoint "
                                  f"being exported ({path}): the export would replace it. Choose another OUT_DIR.")
+    out = export_out_dir(out, what="OUT_DIR")  # only an empty directory or an earlier export is replaced
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**{"drafter_type": "dflash", **meta["drafter_config"]})  # older runs were DFlash
     check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.errors import InputError
 from dflash.runtime.fsio import staged_dir
+from dflash.runtime.locks import inside
 from dflash.runtime.safetensors_files import check_safetensors
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -118,17 +120,71 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
     return out
 
 
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME})
+"""Everything `export_drafter` writes into its directory (its lock file and staging lie beside it)."""
+
+
+def is_export_dir(path: str | Path) -> bool:
+    """Whether `path` is a directory as `export_drafter` leaves it: a DFlash drafter's config.json
+    (its architectures and dflash_config) and model.safetensors, and nothing else."""
+    path = Path(path)
+    try:
+        entries = {p.name: p for p in path.iterdir()}
+        if set(entries) != EXPORT_FILES or any(p.is_symlink() or not p.is_file() for p in entries.values()):
+            return False
+        config = json.loads(entries[CONFIG_NAME].read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and isinstance(config.get("dflash_config"), dict)
+            and config.get("architectures") in [[name] for name in ARCHITECTURES.values()])
+
+
+def _listing(path: Path, most: int = 5) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def export_out_dir(out_dir: str | Path, *, what: str = "The export directory",
+                   fix: str = "Choose a new or empty directory, or remove that one yourself if nothing in it is "
+                              "needed, and export again.") -> Path:
+    """`out_dir` as an export may be written to it: absolute, so that `.` and `..` are the
+    directories they name. An existing directory is replaced whole, so it must be empty or an
+    earlier export (`is_export_dir`); anything else is refused with an InputError, and so are
+    the current directory and its parents (replacing them would leave the shell in a deleted
+    directory) and a path that is not a directory. `what` names the path in the message, `fix`
+    says what to do."""
+    given = Path(out_dir)
+    out = Path(os.path.abspath(given))
+    named = f"{what} {given}" + (f" ({out})" if str(out) != str(given) else "")
+    if not out.name or inside(Path.cwd(), out):
+        raise InputError(
+            f"{named} is {'the file-system root' if not out.name else 'the current directory or holds it'}: "
+            "an export replaces its directory whole, which would delete what is there (or leave your shell in "
+            f"a deleted directory). Name a new directory for it instead (e.g. {given / 'drafter'}).")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{named} is a file, not a directory: an export is a directory of {CONFIG_NAME} and "
+                         f"{WEIGHTS_NAME}. {fix}")
+    if out.is_dir() and any(out.iterdir()) and not is_export_dir(out):
+        raise InputError(
+            f"{named} already holds files that are not a drafter export ({_listing(out)}): an export replaces "
+            f"its directory whole, so they would be deleted. It replaces only an empty directory or an earlier "
+            f"export (just {CONFIG_NAME} of a DFlash drafter and {WEIGHTS_NAME}). {fix}")
+    return out
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                    training_target: dict[str, Any] | None = None) -> Path:
     """Write `drafter` as an HF directory at `out_dir`, atomically (`runtime.fsio.staged_dir`).
 
     Files are staged in a unique sibling temporary folder, fsynced, and the folder is renamed
     into place; an existing export at `out_dir` is swapped out only after the new one is
-    complete, so a crash leaves either the old or the new export, never a mix.
+    complete, so a crash leaves either the old or the new export, never a mix. Only an empty
+    directory or an earlier export is replaced: anything else at `out_dir` is refused
+    (`export_out_dir`), before the weights are written and again right before the swap.
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}.")
-    with staged_dir(out_dir) as stage:
+    with staged_dir(export_out_dir(out_dir), check_old=lambda _: export_out_dir(out_dir)) as stage:
         tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
         save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
         config = drafter_hf_config(drafter.config, dtype, training_target=training_target)

@@ -51,6 +51,7 @@ from .distributed import (
     wrap_model,
 )
 from .evaluation import LossModel, evaluate
+from .export import export_out_dir
 from .follow import follow_fields, report_consumption
 from .loader import dequantize_batch
 from .model import DFlashDrafter
@@ -82,6 +83,7 @@ class TrainResult:
 
 
 RUN_LOCK_FILE = ".run.lock"  # held by the run writing the directory (runtime.locks)
+FINAL_DIR = "final"  # the exported drafter, written when the run ends (export_final)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -99,6 +101,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
             run_dir / RUN_LOCK_FILE, what=f"the run directory {run_dir}",
             fix="Two runs cannot share an --output-dir: wait for that run to finish or stop it, or "
                 "choose another --output-dir."))
+    refuse_foreign_final(run_dir / FINAL_DIR, info)
     log = RunLogger(run_dir, enabled=info.is_main, progress=cfg.logging.progress, tensorboard=cfg.logging.tensorboard)
     seed_everything(cfg.optimization.seed)
 
@@ -225,7 +228,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         last_checkpoint = save(step)
     # RUN_DIR/final is the best held-out checkpoint; the last step's stays in checkpoints/.
     best = heldout.best_step if heldout.best_step not in (None, step) else None
-    final_dir = export_final(model, optimizer, drafter, run_dir / "final", info, log,
+    final_dir = export_final(model, optimizer, drafter, run_dir / FINAL_DIR, info, log,
                              best=checkpoints.dir / step_dir_name(best) if best is not None else None,
                              training_target={"target": identity["target"],
                                               "target_path": str(Path(cfg.model.target_model).resolve())})
@@ -466,6 +469,23 @@ def former_defaults_hint(changed: dict[str, tuple[Any, Any]]) -> str:
     flags = " ".join(f"--{k.replace('_', '-')} {FORMER_DEFAULTS[k]}" for k in moved)
     return (f" ({', '.join(moved)}: the default changed since this run started, docs/recipe.md; rerun with "
             f"{flags} to finish it as it started)")
+
+
+def refuse_foreign_final(final: Path, info: DistInfo) -> None:
+    """Before training: RUN_DIR/final is replaced by the run's export at its end, so it must be
+    empty, absent or an earlier export; anything else is refused now, not after the training
+    (rank 0 looks; every rank stops)."""
+    refusal = None
+    if info.is_main:
+        try:
+            export_out_dir(final, what="The run's export directory",
+                           fix="Move those files out of it, or choose another --output-dir.")
+        except InputError as e:
+            refusal = e
+    if any_rank(int(refusal is not None), info):
+        raise refusal or InputError(f"The run's export directory {final} holds files that are not a drafter "
+                                    "export (rank 0 says which): move them out of it, or choose another "
+                                    "--output-dir.")
 
 
 def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,

@@ -60,7 +60,8 @@ def test_sigint_while_the_weights_are_written_exits_130_and_keeps_the_previous_e
 def test_sigint_between_the_renames_of_the_swap_leaves_the_complete_new_export(world, tmp_path, monkeypatch):
     out = tmp_path / "export"
     assert export(latest_checkpoint(world["run"]), out).exit_code == 0
-    (out / "config.json").write_text("{}")  # the previous export, told apart from the new one
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "previous": True}))  # told apart from the new one
     real, calls = os.replace, {"n": 0}
 
     def replace(src, dst):
@@ -74,7 +75,8 @@ def test_sigint_between_the_renames_of_the_swap_leaves_the_complete_new_export(w
     monkeypatch.setattr(fsio.os, "replace", real)
     assert res.exit_code == 130, res.output
     assert f"the export to {out} was complete before it stopped" in flat(res.output)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]  # the default drafter type
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and "previous" not in config  # the default drafter type
     assert (out / "model.safetensors").stat().st_size > 0
     assert leftovers(tmp_path) == []  # the old export was deleted, not left aside
 
