@@ -17,7 +17,8 @@ class DemoCommandConfig:
     """Everything `dflash-demo` takes; the same names as its flags and config-file keys."""
 
     workdir: str = setting("dflash-demo", type=click.Path(file_okay=False))
-    """Where the target, data, cache, run and report go."""
+    """Where the target, data, cache, run and report go: a new or empty directory (the demo marks
+    it as its own) or one an earlier demo used; each run replaces what the demo wrote there."""
     small: bool = setting(False, one_way=True)
     """A reduced run (about 25 s on 2 cores) for tests."""
     seed: int = 0
@@ -33,8 +34,8 @@ class DemoCommandConfig:
 def main(settings: DemoCommandConfig) -> None:
     """Take the shipped small target (or train one on the shipped corpus), then extract, train and evaluate a DFlash drafter.
 
-    Exit status: 0 done, 2 a stage failed (one paragraph names it and its log), 130/143
-    stopped by SIGINT/SIGTERM, 1 an unexpected failure.
+    Exit status: 0 done, 2 a stage failed (one paragraph names it and its log) or --workdir holds
+    files that are not the demo's, 130/143 stopped by SIGINT/SIGTERM, 1 an unexpected failure.
     """
     from .pipeline import SMALL, DemoSizes, run_demo  # torch and transformers load here
 

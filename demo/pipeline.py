@@ -33,6 +33,7 @@ import torch
 from dflash.eval.run import format_report, run_eval
 from dflash.eval.speculative import DecodeConfig, target_generate
 from dflash.runtime.errors import EnvironmentFault, InputError, UsageError
+from dflash.runtime.fsio import TEMP_PREFIX
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 SHIPPED_TARGET = Path(__file__).parent / "data" / "target"
@@ -91,6 +92,51 @@ SMALL = DemoSizes(num_completions=300, completion_tokens=48, drafter_steps=160, 
                   eval_prompts=6, eval_new_tokens=48)
 """The reduced run of `--small` (tests): the shipped target, fewer completions, a shorter drafter run."""
 TARGET_LAYER_IDS = (1, 2)  # strictly increasing, at most N-2 of the 4-layer target
+
+
+# -- the work directory -----------------------------------------------------------------------
+
+WORKDIR_MARKER = ".dflash-demo"
+"""Written into the work directory on its first use: what the demo finds there is its own."""
+DEMO_OUTPUTS = frozenset({"target", "completions.jsonl", "heldout_prompts.jsonl", "cache", "run", "extract.log",
+                          "train.log", "demo_report.json"})
+"""What a demo writes into its work directory (docs/demo.md)."""
+REPORT_KEYS = ("sizes", "seed", "completions", "timings_s", "eval")
+
+
+def _earlier_demo(workdir: Path, names: list[str]) -> bool:
+    """Whether `workdir` is what a demo from before the marker left: its outputs only, with its report."""
+    if not set(names) <= DEMO_OUTPUTS | {n for n in names if n.startswith(TEMP_PREFIX)}:
+        return False
+    try:
+        report = json.loads((workdir / "demo_report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and all(k in report for k in REPORT_KEYS)
+
+
+def claim_workdir(workdir: Path) -> None:
+    """Make `workdir` the demo's, or refuse it (InputError). Every run replaces what the demo
+    writes there (target/, cache/, run/, completions.jsonl, ...), so it runs only in a new or
+    empty directory, which it marks (`WORKDIR_MARKER`), or in one it marked before (or a
+    demo's from before the marker: its outputs only, with its report). A directory that holds
+    anything else is refused before anything in it is touched."""
+    marker = workdir / WORKDIR_MARKER
+    if marker.is_file():
+        return
+    if workdir.exists() and not workdir.is_dir():
+        raise InputError(f"--workdir {workdir} is a file, not a directory. Pass an empty or new --workdir.")
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in workdir.iterdir()) if workdir.is_dir() else []
+    if names and not _earlier_demo(workdir, [n.rstrip("/") for n in names]):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise InputError(
+            f"--workdir {workdir} is not empty and is not a dflash-demo work directory (it holds {shown}, and "
+            f"no {WORKDIR_MARKER} file that a demo leaves there): the demo replaces its target/, cache/, run/ "
+            "and completions.jsonl in its work directory, so it would delete files that are not its own. Pass "
+            "an empty or new --workdir (the default is ./dflash-demo).")
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker.write_text("dflash-demo's work directory: each run of the demo here replaces what it wrote "
+                      "(docs/demo.md).\n")
 
 
 # -- text -------------------------------------------------------------------------------------
@@ -176,7 +222,9 @@ def shipped_target_fits(sizes: DemoSizes, seed: int) -> bool:
 
 def prepare_target(target_dir: Path, documents: list[str], sizes: DemoSizes, seed: int, train_anew: bool,
                    log: Any = print) -> tuple[Any, float]:
-    """Stage 1: the shipped target copied to `target_dir` where it fits, else one trained here.
+    """Stage 1: the shipped target copied to `target_dir` where it fits, else one trained here
+    (an earlier demo's target there is deleted first: `target_dir` is in the demo's own work
+    directory, `claim_workdir`).
 
     Returns the model (float32, on the CPU) and its last training loss."""
     shutil.rmtree(target_dir, ignore_errors=True)
@@ -263,8 +311,9 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print,
              train_anew: bool = False) -> dict[str, Any]:
     """All five stages; returns the report (also written to workdir/demo_report.json).
 
-    `train_anew` trains the target even where the shipped one fits `sizes` and `seed`."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    `train_anew` trains the target even where the shipped one fits `sizes` and `seed`. The
+    work directory must be new, empty or the demo's own (`claim_workdir`)."""
+    claim_workdir(workdir)
     timings: dict[str, float] = {}
     start = time.perf_counter()
 
@@ -302,7 +351,8 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print,
     log("[4/5] dflash-train")
     run_dir = workdir / "run"
     # The demo's own run from an earlier demo (of other sizes, or a finished one): start anew,
-    # as the target and the cache were (resuming would refuse or train nothing).
+    # as the target and the cache were (resuming would refuse or train nothing). The work
+    # directory is the demo's (claim_workdir), so what is there is an earlier demo's.
     shutil.rmtree(run_dir, ignore_errors=True)
     run_stage("dflash-train", "dflash.train.cli", drafter_train_args(cache, target_dir, run_dir, sizes, seed),
               workdir / "train.log")

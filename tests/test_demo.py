@@ -10,7 +10,7 @@ import runpy
 import pytest
 import torch
 from dflash.demo import pipeline as demo
-from dflash.runtime.errors import UsageError
+from dflash.runtime.errors import InputError, UsageError
 
 
 def test_corpus_is_shipped_small_reproducible_and_in_the_alphabet():
@@ -54,7 +54,8 @@ def stages_in(zygote):
 @pytest.mark.slow
 def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path, zygote, monkeypatch):
     monkeypatch.setattr(demo, "run_stage", stages_in(zygote))
-    stale = tmp_path / "run" / "checkpoints" / "step-00000099"  # an earlier demo's run (other sizes)
+    demo.claim_workdir(tmp_path)  # the work directory of an earlier demo
+    stale = tmp_path / "run" / "checkpoints" / "step-00000099"  # that demo's run (other sizes)
     stale.mkdir(parents=True)
     (stale / "trainer_state.json").write_text("{}")
     result = demo.run_demo(tmp_path, demo.SMALL, seed=0, log=lambda *_: None)
@@ -75,6 +76,53 @@ def test_small_demo_runs_the_whole_pipeline_and_reaches_tau_2(tmp_path, zygote, 
     assert report["lossless"]["identical"]
     assert report["tau"] >= 2.0, report
     assert json.loads((tmp_path / "demo_report.json").read_text())["eval"]["prompt_sets"][0]["tau"] == report["tau"]
+
+
+def user_files(workdir):
+    """A directory of someone's own target/, run/ and completions.jsonl: the names the demo writes."""
+    (workdir / "target").mkdir(parents=True)
+    (workdir / "target" / "config.json").write_text('{"my": "model"}')
+    (workdir / "run" / "final").mkdir(parents=True)
+    (workdir / "run" / "final" / "notes.txt").write_text("my run")
+    (workdir / "completions.jsonl").write_text('{"mine": 1}\n')
+    return {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
+
+
+def test_a_workdir_holding_files_the_demo_did_not_write_is_refused_and_nothing_in_it_deleted(tmp_path, monkeypatch):
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a refused work directory runs no stage")
+
+    monkeypatch.setattr(demo, "prepare_target", no_stage)
+    before = user_files(tmp_path / "mine")
+    with pytest.raises(InputError) as refused:
+        demo.run_demo(tmp_path / "mine", demo.SMALL, log=lambda *_: None)
+    said = str(refused.value)
+    assert f"--workdir {tmp_path / 'mine'} is not empty and is not a dflash-demo work directory" in said
+    assert "completions.jsonl, run/, target/" in said and "Pass an empty or new --workdir" in said
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "mine").rglob("*")) if p.is_file()} == before
+
+
+def test_a_new_or_empty_workdir_becomes_the_demos_and_stays_its_own_on_every_rerun(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for workdir in (tmp_path / "new" / "demo", tmp_path / "empty"):
+        demo.claim_workdir(workdir)
+        assert (workdir / demo.WORKDIR_MARKER).is_file()
+        (workdir / "run").mkdir()  # what the demo writes there next
+        demo.claim_workdir(workdir)  # a rerun in it
+
+
+def test_the_workdir_of_a_demo_from_before_the_marker_is_still_the_demos(tmp_path):
+    earlier = tmp_path / "earlier"
+    for name in ("target", "cache", "run"):
+        (earlier / name).mkdir(parents=True)
+    report = {"sizes": {}, "seed": 0, "completions": {}, "timings_s": {}, "eval": {}}
+    (earlier / "demo_report.json").write_text(json.dumps(report))
+    demo.claim_workdir(earlier)
+    assert (earlier / demo.WORKDIR_MARKER).is_file()
+    (earlier / "demo_report.json").unlink()  # without its report, the same names are anybody's
+    (earlier / demo.WORKDIR_MARKER).unlink()
+    with pytest.raises(InputError, match="is not a dflash-demo work directory"):
+        demo.claim_workdir(earlier)
 
 
 def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(tmp_path, monkeypatch):
