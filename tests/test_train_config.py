@@ -26,7 +26,7 @@ from dflash.train.config import (
 FLAT_SETTINGS = {
     "cache", "target_model", "output_dir", "eval_cache", "eval_fraction", "eval_max_samples", "eval_max_batches",
     "max_train_samples", "token_budget", "max_batch_size", "max_seq_len", "shuffle_window", "shuffle_parts",
-    "follow", "disk_budget", "staging_dir", "num_workers", "prefetch_factor", "verify_checksums", "num_draft_layers", "block_size",
+    "follow", "allow_incomplete", "disk_budget", "staging_dir", "num_workers", "prefetch_factor", "verify_checksums", "num_draft_layers", "block_size",
     "mask_token_id", "draft_layer_types", "draft_sliding_window", "draft_causal", "init_drafter", "attention_backend",
     "max_anchors", "loss_weighting", "gamma", "noise_type", "noise_start", "noise_end", "soft_label_weight", "hard_label", "logits_chunk_mib",
     "drafter_type", "selector_loss_weight", "selector_top_k", "selector_rank", "selector_stop_gradient",
