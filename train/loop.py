@@ -436,8 +436,12 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     ckpt = checkpoints.load(latest)
     for note in check_resume(ckpt.meta["identity"], identity, latest):
         log.info(f"Note: {note}")
+    # this run's settings, as build_optimizer gave them to each group (the scheduler, built since,
+    # moved its lr to the first step's and kept --lr as its initial_lr)
+    built = [{"lr": group["initial_lr"], **{k: group[k] for k in OPTIMIZER_SETTINGS}} for group in optimizer.param_groups]
     load_full_state(model, optimizer, ckpt.model, ckpt.optimizer)
     scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    apply_optimizer_settings(optimizer, scheduler, built)
     data.loader.load_state_dict(ckpt.trainer["loader"])
     restore_rng(ckpt.trainer["rng"])
     if "heldout" in ckpt.trainer:  # the best held-out evaluation so far and the train-tau window
@@ -453,6 +457,29 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     if note := compute_changes(ckpt.meta.get("compute")):
         log.info(note)
     return ckpt.step
+
+
+OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay")
+"""What each param group takes from the run's settings besides its lr (--adam-betas, --adam-eps, --weight-decay)."""
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, scheduler: Any, built: list[dict[str, Any]]) -> None:
+    """Give each param group the settings it was built with by this run (`built`, as
+    `build_optimizer` made it: a group without weight decay keeps 0), over those a checkpoint's
+    state restored: the optimizer's and the scheduler's state dicts restore the saved lr, betas,
+    eps, weight decay and base lrs, so a resume with a new --lr or --weight-decay would train on
+    with the old ones. The lr of the resumed step is the new base lr on the schedule's multiplier
+    there (the same value when nothing changed: the scheduler computes it so)."""
+    for group, settings in zip(optimizer.param_groups, built, strict=True):
+        for key in OPTIMIZER_SETTINGS:
+            group[key] = settings[key]
+        group["initial_lr"] = settings["lr"]
+    if list(scheduler.base_lrs) != [g["lr"] for g in built]:
+        scheduler.base_lrs = [g["lr"] for g in built]
+        for group, base, multiplier in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                           strict=True):
+            group["lr"] = base * multiplier(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 FORMER_DEFAULTS = {"epochs": 6, "soft_label_weight": 0.0, "hard_label": "sample"}
