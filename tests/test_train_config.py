@@ -112,3 +112,15 @@ def test_the_drafter_takes_every_drafter_setting_of_the_model_section(tmp_path):
 def test_each_section_checks_its_settings_naming_the_flag(values, fragment):
     with pytest.raises(TrainConfigError, match=fragment.replace("(", r"\(")):
         TrainConfig.from_dict({**REQUIRED, **values})
+
+
+@pytest.mark.parametrize("values,flag", [
+    ({"lr": float("nan")}, "--lr"), ({"lr": float("inf")}, "--lr"), ({"weight_decay": float("nan")}, "--weight-decay"),
+    ({"weight_decay": float("inf")}, "--weight-decay"), ({"adam_eps": float("nan")}, "--adam-eps"),
+    ({"adam_betas": (float("nan"), 0.999)}, "--adam-betas"), ({"grad_clip": float("nan")}, "--grad-clip"),
+    ({"noise_start": float("nan")}, "--noise-start"), ({"selector_loss_weight": float("inf")}, "--selector-loss-weight"),
+    ({"loss_weighting": "decay", "gamma": float("nan")}, "--gamma"),
+])
+def test_a_nan_or_inf_float_setting_is_refused_naming_its_flag(values, flag):
+    with pytest.raises(TrainConfigError, match=f"{flag} must be a finite number"):
+        TrainConfig.from_dict({**REQUIRED, **values})

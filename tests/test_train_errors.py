@@ -127,3 +127,10 @@ def test_startup_on_10000_parts_reads_only_the_manifest_and_the_first_batch(tiny
     assert 1 <= len(touched_parts) <= 4  # the parts of the one batch of 4 samples, nothing else
     assert elapsed < 60, elapsed  # only a guard against a pathological regression (a directory scan)
     shutil.rmtree(tmp_path / "run")
+
+
+def test_lr_nan_or_inf_on_the_command_line_is_refused_in_one_paragraph(tiny_world, tmp_path):
+    for value in ("nan", "inf"):
+        code, output = run_cli(*base_args(tiny_world, tmp_path / value, "--lr", value))
+        assert_clear_error(code, output, f"--lr must be a finite number (got {value})", "the default is 0.0006")
+        assert not (tmp_path / value).exists()  # refused before the run directory was made

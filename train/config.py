@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
@@ -64,6 +64,18 @@ def _check_at_least(obj: Any, names: tuple[str, ...], low: int) -> None:
         if value is not None and value < low:
             bound = "at least 1" if low == 1 else "0 or more"
             raise TrainConfigError(f"--{flag(name)} must be {bound} (got {value}).")
+
+
+def _check_finite(obj: Any, names: tuple[str, ...]) -> None:
+    """Refuse nan and inf, which the range checks let through (any comparison with nan is false)."""
+    defaults = {f.name: f.default for f in fields(obj)}
+    for name in names:
+        value = getattr(obj, name)
+        if any(v is not None and not math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+            default = defaults.get(name)
+            hint = "leave it out for the default" if default is None else f"the default is {default}"
+            raise TrainConfigError(f"--{flag(name)} must be a finite number (got {value}): nan or inf would turn "
+                                   f"the drafter's weights to nan in its first steps. Pass a finite value ({hint}).")
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -133,6 +145,7 @@ class DataConfig:
                                "prefetch_factor"), 1)
         _check_at_least(self, ("num_workers", "eval_max_samples", "eval_max_batches", "max_train_samples",
                                "shuffle_parts"), 0)
+        _check_finite(self, ("eval_fraction",))
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
         self._check_disk_settings()
@@ -320,6 +333,7 @@ class ObjectiveConfig:
     """dflash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight", "selector_loss_weight"))
         _check_at_least(self, ("max_anchors",), 1)
         _check_at_least(self, ("logits_chunk_mib",), 0)
         _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
@@ -391,6 +405,8 @@ class OptimizationConfig:
 
     def __post_init__(self) -> None:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)  # type: ignore[assignment]
+        _check_finite(self, ("lr", "weight_decay", "adam_betas", "adam_eps", "grad_clip", "decay_ratio", "min_lr_ratio",
+                             "warmup_ratio"))
         _check_at_least(self, ("grad_accum", "epochs"), 1)
         _check_at_least(self, ("max_steps", "weight_decay", "grad_clip", "seed"), 0)
         _check_choices(self, {"lr_schedule": LR_SCHEDULES})
