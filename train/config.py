@@ -43,6 +43,11 @@ class TrainConfigError(UsageError):
     """A setting of `dflash-train` is missing, unknown, out of range or inconsistent."""
 
 
+class DivergedError(TrainConfigError):
+    """The training loss or gradient norm became nan or inf: a setting (most often --lr) too
+    large for the run."""
+
+
 class ResumeMismatchError(MismatchError):
     """A run directory holds checkpoints of a run with other data, target or model shape, or of
     a version of dflash-train that wrote another layout."""

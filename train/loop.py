@@ -38,7 +38,7 @@ from .checkpoint import (
     restore_rng,
     step_dir_name,
 )
-from .config import TrainConfig, TrainConfigError
+from .config import DivergedError, OptimizationConfig, TrainConfig, TrainConfigError
 from .data import TrainingData, check_cache_target, open_training_data
 from .distributed import (
     DistInfo,
@@ -160,6 +160,22 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         return path
 
     metrics = RunningMetrics(drafter.config.block_size, info.device)
+
+    def refuse_nonfinite(step: int, last: dict[str, float] | None = None) -> None:
+        # Given `last` (a log's metrics, reduced over ranks: the same on every rank), its loss and
+        # gradient norm decide; else (before a checkpoint or the export) the device's note of a
+        # non-finite step and the weights themselves, agreed over ranks. No bf16 loss scaler skips a
+        # step here: one nan gradient makes AdamW's moments, then every weight, nan.
+        if last is not None:
+            if all(math.isfinite(last[k]) for k in ("loss", "grad_norm")):
+                return
+            bad = int(metrics.first_nonfinite.item()) or step
+        else:
+            bad = metrics.nonfinite_step(info)
+            if not bad and not any_rank(int(not weights_finite(model)), info):
+                return
+        log.close()
+        raise DivergedError(diverged_message(bad or step, cfg, last, checkpoints.latest(), run_dir / "final"))
     profiler = StepProfiler(cfg.logging.profile_interval, info.device)
     # saved_step: the step of the newest checkpoint (the one resumed from, or none yet: -1)
     last, saved_step, last_checkpoint, eval_metrics = {}, (step if step else -1), checkpoints.latest(), None
@@ -192,7 +208,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            metrics.add_step(grad_norm, data.loader.wait_seconds - wait_before)
+            metrics.add_step(grad_norm, data.loader.wait_seconds - wait_before, step + 1)
             step += 1
             log.advance(1)
             if (report := profiler.report()) is not None:
@@ -208,6 +224,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 log.log(step, "train", {**heldout.train_fields(), **last, **following})
                 log.advance(0, **heldout.progress_fields(), train_tau=last["tau"], loss=last["loss"],
                             tok_s=last["context_tokens_per_second"], **following)
+                refuse_nonfinite(step, last)
                 metrics.reset()
             new_best = False
             if eval_due and (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
@@ -217,6 +234,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
             # A signal on any rank stops every rank after the same step (agreed on the CPU).
             stopping = any_rank(stop.signum, info)
             if (cfg.logging.save_interval and step % cfg.logging.save_interval == 0) or stopping or new_best:
+                refuse_nonfinite(step)  # never a checkpoint of nan weights
                 last_checkpoint, saved_step = save(step), step
             if stopping:
                 log.info(f"stopped at step {step}; rerun the same command to resume.")
@@ -224,6 +242,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics,
                                    heldout.best_step)
 
+    refuse_nonfinite(step)  # neither a checkpoint nor final/ of nan weights
     if saved_step != step:
         last_checkpoint = save(step)
     # RUN_DIR/final is the best held-out checkpoint; the last step's stays in checkpoints/.
@@ -260,6 +279,34 @@ def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:
             "next, so a sample needs 2 tokens at least. Extract the full completions (check the data's "
             "input_ids and --max-seq-len of dflash-extract) and train on that cache."
         )
+
+
+@torch.no_grad()
+def weights_finite(model: nn.Module) -> bool:
+    """Whether every trainable weight (this rank's shard under FSDP) is finite (a host sync)."""
+    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+             for p in model.parameters() if p.requires_grad]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def diverged_message(step: int, cfg: TrainConfig, last: dict[str, float] | None, checkpoint: Path | None,
+                     final_dir: Path) -> str:
+    """What a run whose loss went nan or inf says as it stops (DivergedError)."""
+    lr = cfg.optimization.lr
+    seen = f" (logged: loss={last['loss']:.4g}, grad_norm={last['grad_norm']:.4g})" if last else ""
+    kept = (f"the last checkpoint, {checkpoint}, is from before it and is kept" if checkpoint is not None
+            else "no checkpoint was written before it")
+    final = (f"{final_dir} is as it was" if (final_dir / "config.json").is_file()
+             else f"nothing was exported to {final_dir}")
+    return (f"The loss diverged at step {step}: the training loss or gradient norm became nan or inf{seen}, and "
+            "from there every weight of the drafter turns nan. The run stopped without checkpointing or exporting "
+            f"those weights: {kept}; {final}. Rerun with a lower --lr (this run's is {lr:g}; the default is "
+            f"{OptimizationConfig.lr:g}): in a new --output-dir to start over"
+            + (", or the same command with the lower --lr to resume from that checkpoint (one written shortly "
+               "before the divergence may hold weights already far off)" if checkpoint is not None else "")
+            + (". A --grad-clip (0 turns clipping off) and a longer --warmup-ratio also steady the first steps"
+               if cfg.optimization.grad_clip == 0 else ". A longer --warmup-ratio also steadies the first steps")
+            + ".")
 
 
 def load_target_config_or_fail(target_dir: str) -> Any:

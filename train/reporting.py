@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .distributed import DistInfo, all_reduce_sum
+from .distributed import DistInfo, all_reduce_sum, any_rank
 from .metrics import BlockMetrics, leading_correct
 from .objective import LossOutput
 
@@ -32,6 +32,9 @@ class RunningMetrics:
 
     def __init__(self, block_size: int, device: torch.device):
         self.block_size, self.device = block_size, device
+        self.first_nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        """The first step whose loss or gradient norm was nan or inf (0: none yet), kept on the
+        device through `reset`: read where the loop syncs anyway (`nonfinite_step`)."""
         self.reset()
 
     def reset(self) -> None:
@@ -58,12 +61,21 @@ class RunningMetrics:
         ]), torch.zeros(3, dtype=torch.float64, device=self.device)])
 
     @torch.no_grad()
-    def add_step(self, grad_norm: torch.Tensor | float, data_wait_seconds: float) -> None:
+    def add_step(self, grad_norm: torch.Tensor | float, data_wait_seconds: float, step: int | None = None) -> None:
+        """Count optimizer step `step` (its gradient norm); given `step`, note it on the device when
+        the loss or the gradient norm summed so far is no longer finite (no host sync)."""
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         self.scalars[7] += torch.as_tensor(grad_norm, device=self.device).double()
         self.scalars[8] += 1
         self.scalars[9] += data_wait_seconds
+        if step is not None:  # (a nan or inf in a sum stays: the sums since the last log are enough)
+            bad = ~torch.isfinite(self.scalars[0:8:7]).all()  # loss_sum and grad_norm_sum
+            self.first_nonfinite = torch.where(bad & (self.first_nonfinite == 0), step, self.first_nonfinite)
+
+    def nonfinite_step(self, info: DistInfo) -> int:
+        """The first step (on any rank) whose loss or gradient norm was nan or inf, 0 for none (a host sync)."""
+        return any_rank(int(self.first_nonfinite.item()), info)
 
     def compute(self, info: DistInfo) -> dict[str, float]:
         """Reduce over ranks and turn the sums into metrics (a host sync: call it at log time)."""
@@ -328,6 +340,19 @@ class HeldoutTracker:
                 setattr(self, k, v)
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every nan or inf float (a diverged loss, a train_tau of no training log) as
+    None: metrics.jsonl is strict JSON, which has no NaN or Infinity (readers of other languages,
+    and `json.loads(..., parse_constant=...)`, refuse them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 class RunLogger:
     """Console (tqdm bar + one line per log), metrics.jsonl and TensorBoard; rank 0 only."""
 
@@ -365,14 +390,14 @@ class RunLogger:
             return
         record = {"step": step, "kind": kind, "time": time.time(), **metrics}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self.writer is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self.writer.add_scalar(f"{kind}/{k}", v, step)
         keys = _EVAL_KEYS if kind == "eval" else _TRAIN_KEYS
-        shown = " ".join(f"{_SHORT.get(k, k)}={metrics[k]:.4g}" for k in keys
-                         if isinstance(metrics.get(k), (int, float)) and not math.isnan(metrics[k]))
+        # nan and inf are shown (loss=nan): a diverged run must not look like one with less to say
+        shown = " ".join(f"{_SHORT.get(k, k)}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float)))
         self.info(f"[{kind} step {step}] {shown}")
         if metrics.get("warning"):
             self.info(f"warning: {metrics['warning']}")
