@@ -81,6 +81,8 @@ def test_resume_after_sigkill_at_a_random_step_gives_identical_weights(tiny_worl
     assert result.step == STEPS and result.exit_status == 0
     assert_same_weights(final_weights(out), reference)
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    # each step logged once: the killed run's steps past its last checkpoint were dropped
+    assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == list(range(1, STEPS + 1))
 
 
 def test_sigint_stops_within_seconds_with_a_checkpoint_and_the_rerun_resumes_exactly(

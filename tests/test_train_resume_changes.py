@@ -5,6 +5,8 @@ scheduler's saved state would keep the old ones), and metrics.jsonl holds each s
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
 import torch
@@ -59,3 +61,43 @@ def test_a_resume_with_new_weight_decay_betas_and_eps_gives_them_to_the_optimize
     assert after["weight_decay"] == new["weight_decay"]
     assert tuple(after["betas"]) == new["adam_betas"]
     assert after["eps"] == new["adam_eps"]
+
+
+def train_steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if json.loads(line)["kind"] == "train"]
+
+
+def test_a_resume_drops_the_steps_logged_past_its_checkpoint_so_each_step_is_logged_once(tiny_world, tmp_path, capsys):
+    run = tmp_path / "run"
+    config = tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=THEN, **SETTINGS)
+    train(config)
+    # What kill -9 after step 5 leaves: steps 4 and 5 logged, their checkpoint never written
+    # (and a line torn by the kill).
+    shutil.rmtree(run / "checkpoints" / f"step-{THEN:06d}")
+    before = read_metrics(run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "kind": "tr')
+    capsys.readouterr()
+    result = train(config)
+    assert result.step == THEN
+    said = capsys.readouterr().out
+    assert f"dropped {THEN - FIRST + 1} record(s) of steps after {FIRST}" in said
+    assert train_steps(run / "metrics.jsonl") == list(range(1, THEN + 1))
+    after = read_metrics(run)
+    assert after[:len(before) - (THEN - FIRST)] == before[:len(before) - (THEN - FIRST)]  # steps to 3 kept as logged
+
+
+def test_a_fresh_start_in_a_directory_whose_checkpoints_were_deleted_moves_the_old_metrics_aside(
+        tiny_world, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=FIRST, **SETTINGS))
+    shutil.rmtree(run / "checkpoints")
+    capsys.readouterr()
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=2, **SETTINGS))
+    said = capsys.readouterr().out
+    assert "held the records of an earlier run in this directory" in said and "moved to metrics.jsonl.1" in said
+    assert train_steps(run / "metrics.jsonl") == [1, 2]
+    assert train_steps(run / "metrics.jsonl.1") == list(range(1, FIRST + 1))
+    shutil.rmtree(run / "checkpoints")
+    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=1, **SETTINGS))
+    assert train_steps(run / "metrics.jsonl.2") == [1, 2] and train_steps(run / "metrics.jsonl") == [1]

@@ -479,6 +479,9 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     if latest is None:
         if cfg.logging.resume:
             raise TrainConfigError(f"--resume was given but {checkpoints.dir} holds no complete checkpoint.")
+        if (aside := log.set_aside()) is not None:
+            log.info(f"{log.path} held the records of an earlier run in this directory, whose checkpoints are "
+                     f"gone: moved to {aside.name}, so that this run's steps do not mix with them.")
         return 0
     ckpt = checkpoints.load(latest)
     for note in check_resume(ckpt.meta["identity"], identity, latest):
@@ -494,6 +497,9 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
     if "heldout" in ckpt.trainer:  # the best held-out evaluation so far and the train-tau window
         heldout.load_state_dict(ckpt.trainer["heldout"])
         checkpoints.best_step = heldout.best_step
+    if dropped := log.keep_until(ckpt.step):
+        log.info(f"{log.path}: dropped {dropped} record(s) of steps after {ckpt.step}, logged by the run that "
+                 "stopped before checkpointing them; this run logs those steps again.")
     now = cfg.to_dict()
     changed = {k: (v, now[k]) for k, v in ckpt.meta.get("config", {}).items() if k in now and now[k] != v}
     log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data.loader.epoch}). To start over, "

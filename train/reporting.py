@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.fsio import atomic_write_bytes
 from tqdm import tqdm
 
 from .distributed import DistInfo, all_reduce_sum, any_rank
@@ -369,6 +370,36 @@ class RunLogger:
                 SummaryWriter = None  # noqa: N806
             if SummaryWriter is not None:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def keep_until(self, step: int) -> int:
+        """A resume from a checkpoint of `step`: drop metrics.jsonl's records of later steps (a
+        killed run logged them past its last checkpoint, the resumed run logs them again) and any
+        torn last line, rewriting the file atomically; returns how many records were dropped."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        lines = self.path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line torn by the kill
+                continue
+        if len(kept) < len(lines):
+            atomic_write_bytes(self.path, "".join(f"{line}\n" for line in kept).encode())
+        return len(lines) - len(kept)
+
+    def set_aside(self) -> Path | None:
+        """A fresh start: move the metrics.jsonl of an earlier run in this directory (whose
+        checkpoints are gone) to metrics.jsonl.N, the first N free, rather than append this
+        run's steps 1, 2, ... after its own; returns where it went (None: there was none)."""
+        if not self.enabled or not self.path.is_file() or self.path.stat().st_size == 0:
+            return None
+        n = 1
+        while (aside := self.path.with_name(f"{self.path.name}.{n}")).exists():
+            n += 1
+        os.replace(self.path, aside)
+        return aside
 
     def start(self, total_steps: int, initial_step: int) -> None:
         if self.enabled and self.progress:
