@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.identity import comparable, target_identity
 from dflash.runtime.errors import InputError
 from dflash.runtime.locks import WriterLock
 from dflash.runtime.signals import StopRequest
@@ -32,10 +31,7 @@ from .checkpoint import (
     MODEL_FILE,
     Checkpointer,
     capture_rng,
-    check_resume,
-    compute_changes,
     export_from_state,
-    restore_rng,
     step_dir_name,
 )
 from .config import DivergedError, OptimizationConfig, TrainConfig, TrainConfigError
@@ -46,7 +42,6 @@ from .distributed import (
     barrier,
     full_state,
     init_distributed,
-    load_full_state,
     unwrap,
     wrap_model,
 )
@@ -63,6 +58,7 @@ from .objective import (
     stores_target_top1,
 )
 from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
+from .resume import resume, run_identity
 from .target_weights import load_target_config
 from .warm_start import warm_start
 
@@ -445,112 +441,6 @@ def batch_generators(seed: int, epoch: int, batch_index: int,
 
 
 @torch.no_grad()
-def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
-                 info: DistInfo) -> dict[str, Any]:
-    """What a resumed run must share with its checkpoint: the data, its batches, the model's shape."""
-    c = drafter.config
-    return {
-        "caches": data.caches.identity(),
-        "eval_caches": data.eval_caches.identity() if data.eval_caches is not None else [],
-        # the held-out split (by sample id) decides the training samples; --eval-cache replaces it
-        "eval_fraction": 0.0 if cfg.data.eval_cache else cfg.data.eval_fraction,
-        "eval_split": "sample_id hash",
-        **({"max_train_samples": cfg.data.max_train_samples} if cfg.data.max_train_samples else {}),
-        # the target's identity (cache_tools.identity): its files, never its path
-        "target": comparable(target_identity(target_config, cfg.model.target_model)),
-        "batching": {"token_budget": cfg.data.token_budget, "max_batch_size": cfg.data.max_batch_size,
-                     "max_seq_len": cfg.data.max_seq_len, "shuffle_window": cfg.data.shuffle_window, "seed": cfg.optimization.seed,
-                     "sample_order": "sample_id", **({"shuffle_parts": cfg.data.shuffle_parts} if cfg.data.shuffle_parts else {}),
-                     "batches_per_step (world_size x grad_accum)": info.world_size * cfg.optimization.grad_accum},
-        "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
-                  "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                  "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal,
-                  **({"drafter_type": c.drafter_type, "conv_kernel_size": c.conv_kernel_size,
-                      "conv_group_size": c.conv_group_size, "selector_rank": c.selector_rank,
-                      "selector_top_k": c.selector_top_k} if c.drafter_type != "dflash" else {})},
-    }
-
-
-def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any], model: nn.Module,
-           optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainingData, log: RunLogger,
-           heldout: HeldoutTracker) -> int:
-    """Load the latest checkpoint of this run directory; returns the step to continue from."""
-    latest = checkpoints.latest()
-    if latest is None:
-        if cfg.logging.resume:
-            raise TrainConfigError(f"--resume was given but {checkpoints.dir} holds no complete checkpoint.")
-        if (aside := log.set_aside()) is not None:
-            log.info(f"{log.path} held the records of an earlier run in this directory, whose checkpoints are "
-                     f"gone: moved to {aside.name}, so that this run's steps do not mix with them.")
-        return 0
-    ckpt = checkpoints.load(latest)
-    for note in check_resume(ckpt.meta["identity"], identity, latest):
-        log.info(f"Note: {note}")
-    # this run's settings, as build_optimizer gave them to each group (the scheduler, built since,
-    # moved its lr to the first step's and kept --lr as its initial_lr)
-    built = [{"lr": group["initial_lr"], **{k: group[k] for k in OPTIMIZER_SETTINGS}} for group in optimizer.param_groups]
-    load_full_state(model, optimizer, ckpt.model, ckpt.optimizer)
-    scheduler.load_state_dict(ckpt.trainer["scheduler"])
-    apply_optimizer_settings(optimizer, scheduler, built)
-    data.loader.load_state_dict(ckpt.trainer["loader"])
-    restore_rng(ckpt.trainer["rng"])
-    if "heldout" in ckpt.trainer:  # the best held-out evaluation so far and the train-tau window
-        heldout.load_state_dict(ckpt.trainer["heldout"])
-        checkpoints.best_step = heldout.best_step
-    if dropped := log.keep_until(ckpt.step):
-        log.info(f"{log.path}: dropped {dropped} record(s) of steps after {ckpt.step}, logged by the run that "
-                 "stopped before checkpointing them; this run logs those steps again.")
-    now = cfg.to_dict()
-    changed = {k: (v, now[k]) for k, v in ckpt.meta.get("config", {}).items() if k in now and now[k] != v}
-    log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data.loader.epoch}). To start over, "
-             "use a new --output-dir.")
-    if changed:
-        log.info("settings changed since that checkpoint: " + ", ".join(
-            f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + former_defaults_hint(changed))
-    if note := compute_changes(ckpt.meta.get("compute")):
-        log.info(note)
-    return ckpt.step
-
-
-OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay")
-"""What each param group takes from the run's settings besides its lr (--adam-betas, --adam-eps, --weight-decay)."""
-
-
-def apply_optimizer_settings(optimizer: torch.optim.Optimizer, scheduler: Any, built: list[dict[str, Any]]) -> None:
-    """Give each param group the settings it was built with by this run (`built`, as
-    `build_optimizer` made it: a group without weight decay keeps 0), over those a checkpoint's
-    state restored: the optimizer's and the scheduler's state dicts restore the saved lr, betas,
-    eps, weight decay and base lrs, so a resume with a new --lr or --weight-decay would train on
-    with the old ones. The lr of the resumed step is the new base lr on the schedule's multiplier
-    there (the same value when nothing changed: the scheduler computes it so)."""
-    for group, settings in zip(optimizer.param_groups, built, strict=True):
-        for key in OPTIMIZER_SETTINGS:
-            group[key] = settings[key]
-        group["initial_lr"] = settings["lr"]
-    if list(scheduler.base_lrs) != [g["lr"] for g in built]:
-        scheduler.base_lrs = [g["lr"] for g in built]
-        for group, base, multiplier in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
-                                           strict=True):
-            group["lr"] = base * multiplier(scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-FORMER_DEFAULTS = {"epochs": 6, "soft_label_weight": 0.0, "hard_label": "sample"}
-"""Defaults of earlier versions (now 10 epochs, soft labels where the cache has them, and DFlash2
-toward the target's top-1): a run started under them and resumed by the same command takes the
-new ones unless told."""
-
-
-def former_defaults_hint(changed: dict[str, tuple[Any, Any]]) -> str:
-    """For the resume note: how to finish a run as it started when only a default changed under it."""
-    moved = [k for k, (old, _) in changed.items() if k in FORMER_DEFAULTS and old == FORMER_DEFAULTS[k]]
-    if not moved:
-        return ""
-    flags = " ".join(f"--{k.replace('_', '-')} {FORMER_DEFAULTS[k]}" for k in moved)
-    return (f" ({', '.join(moved)}: the default changed since this run started, docs/recipe.md; rerun with "
-            f"{flags} to finish it as it started)")
-
-
 def refuse_foreign_final(final: Path, info: DistInfo) -> None:
     """Before training: RUN_DIR/final is replaced by the run's export at its end, so it must be
     empty, absent or an earlier export; anything else is refused now, not after the training
