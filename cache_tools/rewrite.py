@@ -181,7 +181,6 @@ def merge_caches(
             raise CacheError(f"Cannot merge {p}: it is not a finished cache ({left.describe()}): its extraction "
                              "was stopped before its end, is still running, or lost a rank. Rerun the same "
                              "dflash-extract command to finish it, then merge.")
-    check_distinct_data(readers, "the merged cache")
     first = readers[0].manifest
     keys = tuple(k for k in IDENTITY_KEYS if k != "data")  # each source has its own data
     for p, r in zip(paths[1:], readers[1:]):
@@ -193,6 +192,7 @@ def merge_caches(
                 "of the same target model, target_layer_ids, codec and extraction settings can be merged; "
                 "recompress one of them (for a codec difference) or train from them separately."
             )
+    check_distinct_data(readers, "the merged cache")  # (after the identity: other targets' say so first)
     header = copy.deepcopy(first.header)
     header["provenance"] = {"merged_from": [r.manifest.header.get("provenance", {}) for r in readers]}
     header["data"] = {"merged_from": [

@@ -21,6 +21,7 @@ from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.identity import weights_hash, weights_hashes_path
 from dflash.cache_tools.manifest import HEADER_FILE
 from dflash.runtime.errors import MismatchError
+from dflash.train.checkpoint import export_checkpoint
 from dflash.train.loop import train
 from extract_utils import extract, make_target
 
@@ -76,6 +77,15 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
         train(tiny_train_config(cache, two_models["first"], run, max_steps=2, resume=True, **settings))
     assert train(tiny_train_config(cache, two_models["first"], tmp_path / "run2", max_steps=1, **settings)).step == 1
     assert "has other weights" not in capsys.readouterr().out
+    # dflash-train estimate says it too, in its line and its JSON
+    from dflash.train.estimate import estimate_drafter, format_estimate
+
+    export = tmp_path / "export"
+    export_checkpoint(next((run / "checkpoints").glob("step-*")), export)
+    estimated = estimate_drafter(str(export), {"cache": [str(cache)], "target_model": str(two_models["second"]),
+                                               "num_workers": 0, "block_size": 4, "eval_fraction": 0.0})
+    assert any("has other weights" in note for note in estimated["notes"])
+    assert f"Note: The cache at {cache} has other weights" in format_estimate(estimated)
 
 
 def test_a_cache_and_a_checkpoint_older_than_the_weights_hash_are_accepted_with_a_note(two_models, tmp_path, capsys):

@@ -54,7 +54,8 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
 
 def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path: Path) -> dict[str, Any]:
     manifest = data.caches.manifest
-    check_cache_target(manifest, target_config, cfg.model.target_model)
+    # (the target's weights differ from the cache's, ...: said, as training and dflash-eval say it)
+    notes = check_cache_target(manifest, target_config, cfg.model.target_model)
     try:  # float32 weights: the trainer's master weights (--dtype bf16 is autocast over them, as in training)
         drafter = load_drafter(path, cfg.model.target_model, attention_backend=cfg.model.attention_backend)
     except (OSError, ValueError) as e:
@@ -73,7 +74,8 @@ def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path
     # A cache used whole needs the target's top-1 for every sample (--top1-share 1): the others are
     # checked against their own tokens, as without top-1 (format_estimate says how many).
     return {"drafter": str(path), "cache": list(cfg.data.cache), "block_size": drafter.config.block_size,
-            "samples": len(data.eval_indices), "without_top1": data.eval_without_top1, **result}
+            "samples": len(data.eval_indices), "without_top1": data.eval_without_top1, **result,
+            **({"notes": notes} if notes else {})}
 
 
 def format_estimate(result: dict[str, Any]) -> str:
@@ -95,4 +97,5 @@ def format_estimate(result: dict[str, Any]) -> str:
             f"{int(result['blocks'])} blocks, loss {result['loss']:.4f}"
             + (f"; warning: {result['without_top1']} of the samples have no target top-1 in the cache (extracted "
                "with a --top1-share below 1, with --no-store-top1 or before it was stored), so their drafts are checked against their own tokens: extract the "
-               "cache with --top1-share 1 for the greedy walk of every sample" if result.get("without_top1") else ""))
+               "cache with --top1-share 1 for the greedy walk of every sample" if result.get("without_top1") else "")
+            + "".join(f"\nNote: {note}" for note in result.get("notes", [])))
