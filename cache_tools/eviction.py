@@ -38,7 +38,7 @@ from typing import Any
 from dflash.runtime.fsio import TEMP_PREFIX, atomic_write_bytes, file_lock, fsync_dir, publish_dir
 
 from .checksum import crc32c
-from .errors import CacheCorruptError
+from .errors import CacheCorruptError, CacheError
 from .manifest import LOCK_FILE, PARTS_DIR, PartRecord
 
 EVICTION_FILE = "manifest.evicted.jsonl"
@@ -107,6 +107,18 @@ class EvictionLog:
 
     def evicted(self) -> dict[str, PartState]:
         return {n: s for n, s in self.states.items() if s.evicted}
+
+
+def refuse_evicted(cache_dir: str | os.PathLike, command: str) -> None:
+    """`command` (recompress, merge, stats) reads every part: refused, naming the parts, where
+    some are evicted under a disk budget (their files are gone, which is no damage)."""
+    gone = sorted(EvictionLog(cache_dir).refresh().evicted())
+    if gone:
+        raise CacheError(
+            f"{len(gone)} part(s) of {cache_dir} are evicted under a disk budget ({gone[0]} first; "
+            f"{EVICTION_FILE}): their files were deleted once training had read them, and only an extraction's "
+            f"later --follow-epochs pass writes them again. {command} reads every part: extract the cache anew "
+            "into a directory with room for all of it (dflash-extract without --disk-budget).")
 
 
 def encode_event(event: dict[str, Any]) -> bytes:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .codecs import nf4_scale_bits
 from .errors import CacheCorruptError
-from .eviction import EvictionLog
+from .eviction import EvictionLog, refuse_evicted
 from .manifest import (
     LOCK_FILE,
     LOG_FILE,
@@ -352,6 +352,7 @@ def cache_stats(
     (token, layer) row: the values that stretch a per-row fp8 scale.
     """
     reader = CacheReader(cache_dir)
+    refuse_evicted(cache_dir, "stats")
     m = reader.manifest
     k, d, cr = m.num_layers, m.hidden_size, m.chunk_rows
     total = reader.num_tokens

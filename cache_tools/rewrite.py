@@ -21,6 +21,7 @@ from dflash.runtime.locks import same_path
 from .cache_set import check_distinct_data
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheNotFoundError, CacheStorageError, ConfigMismatchError
+from .eviction import refuse_evicted
 from .identity import Purpose
 from .maintenance import progress_bar
 from .manifest import HEADER_FILE, IDENTITY_KEYS, identity_differences
@@ -140,6 +141,7 @@ def recompress_cache(
     src, dst = Path(src), Path(dst)
     _check_distinct(dst, [src])
     reader = CacheReader(src)
+    refuse_evicted(src, "recompress")
     new_codec = HiddenCodec(name=codec, clevel=clevel)
     header = copy.deepcopy(reader.manifest.header)
     header["hidden"]["codec"] = new_codec.to_dict()
@@ -177,6 +179,7 @@ def merge_caches(
                 "new cache first."
             ) from None
     for p, r in zip(paths, readers):
+        refuse_evicted(p, "merge")
         if (left := unfinished_extraction(p, r.manifest.header, {q.name for q in r.parts})) is not None:
             raise CacheError(f"Cannot merge {p}: it is not a finished cache ({left.describe()}): its extraction "
                              "was stopped before its end, is still running, or lost a rank. Rerun the same "

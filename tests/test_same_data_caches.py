@@ -70,3 +70,15 @@ def test_merging_a_cache_with_a_copy_is_refused_and_a_merged_cache_keeps_its_sou
     # the merged cache holds a's samples: it does not train beside a copy of a
     with pytest.raises(ConfigMismatchError, match="hold the same samples"):
         CacheSet([str(tmp_path / "m2"), caches["copy"]], max_seq_len=64)
+
+
+def test_recompress_merge_and_stats_of_a_cache_with_evicted_parts_name_the_eviction(caches, tmp_path):
+    from dflash.cache_tools.eviction import evict_part
+
+    cache = shutil.copytree(caches["other"], tmp_path / "budgeted")
+    evict_part(cache, read_manifest(cache).parts[0], trained_epoch=1, reextract=False)
+    for args in (["recompress", str(cache), str(tmp_path / "r"), "--codec", "fp8"],
+                 ["merge", str(tmp_path / "m"), caches["a"], str(cache)], ["stats", str(cache)]):
+        res = CliRunner().invoke(cache_main, args)
+        assert res.exit_code == 2, res.output
+        assert "evicted under a disk budget" in res.output and "damaged" not in res.output, res.output
