@@ -22,7 +22,11 @@ import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError, UsageError
 from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
-from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
+from dflash.runtime.safetensors_files import (
+    check_weight_dir,
+    refuse_drafter_as_target,
+    refuse_incomplete_weights,
+)
 from dflash.runtime.signals import stop_if_signalled
 
 from .lookup import lookup_generate
@@ -316,10 +320,11 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
     check_weight_dir(target_dir, fix="Copy the target model's weight files again (a copy that stopped or a "
                      "full disk leaves them short), then rerun.")
     try:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(target_dir, output_loading_info=True, **kwargs)
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot load the target {target_dir} with the drafter {drafter_dir}: {e}") from e
+    refuse_incomplete_weights(target_dir, loading)
     if note := training_target_note(drafter_dir, model.config, target_dir):
         print(f"warning: {note}", file=sys.stderr, flush=True)
     n_layers = model.config.get_text_config().num_hidden_layers

@@ -29,7 +29,11 @@ from dflash.cache_tools.schema import TOP1_IDS, TOPK_IDS, TOPK_LOGPROBS
 from dflash.runtime.devices import torch_dtype
 from dflash.runtime.errors import InputError
 from dflash.runtime.logits import apply_post_head, post_head_steps
-from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
+from dflash.runtime.safetensors_files import (
+    check_weight_dir,
+    refuse_drafter_as_target,
+    refuse_incomplete_weights,
+)
 from torch import nn
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -70,9 +74,10 @@ def load_target(
     if device_map:
         kwargs["device_map"] = device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
     except (OSError, ValueError, ImportError, KeyError) as e:
         raise TargetError(f"Cannot load the target model from {path}: {e}") from e
+    refuse_incomplete_weights(path, loading)
     if not device_map:
         model = model.to(device)
     model.eval().requires_grad_(False)

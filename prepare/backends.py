@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.runtime.errors import EnvironmentFault, MismatchError
+from dflash.runtime.safetensors_files import refuse_incomplete_weights
 
 
 class RequestFailed(Exception):
@@ -226,7 +227,9 @@ class HFBackend:
         self.torch = torch
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(self.device).eval()
+        model, loading = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, output_loading_info=True)
+        refuse_incomplete_weights(model_dir, loading)
+        self.model = model.to(self.device).eval()
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
         self.sampling = sampling

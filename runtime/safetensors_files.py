@@ -95,3 +95,28 @@ def refuse_drafter_as_target(directory: str | os.PathLike, *, flag: str = "--tar
             f"model: pass the target model the drafter drafts for as {flag} (a drafter goes to "
             "dflash-eval's --drafter)."
         )
+
+
+class IncompleteWeightsError(WeightsFileError):
+    """A model directory whose weight files lack tensors its config needs (or hold them in
+    another shape): the loader would fill them with random values."""
+
+
+def refuse_incomplete_weights(directory: str | os.PathLike, loading_info: dict | None, *,
+                              flag: str = "--target-model") -> None:
+    """`from_pretrained(..., output_loading_info=True)`'s report: where tensors were missing from
+    the checkpoint (or of another shape), transformers initialised them at random and goes on, so
+    every hidden state, completion or measurement after it would be a half-random model's."""
+    info = loading_info or {}
+    missing = list(info.get("missing_keys") or [])
+    mismatched = [str(m[0]) if isinstance(m, (list, tuple)) else str(m) for m in info.get("mismatched_keys") or []]
+    bad = missing + mismatched
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        what = " and ".join(x for x in (f"{len(missing)} missing" if missing else "",
+                                        f"{len(mismatched)} of another shape" if mismatched else "") if x)
+        raise IncompleteWeightsError(
+            f"The weights of {directory} ({flag}) do not hold every tensor its config.json needs: {what} "
+            f"({shown}). The loader would fill them with random values, and everything computed from the model "
+            "would be a half-random one's. Copy the model's complete weight files (every shard named in "
+            "model.safetensors.index.json) into that directory, or point " + flag + " to the model they belong to.")
