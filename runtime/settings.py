@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import textwrap
 import typing
@@ -186,12 +187,28 @@ def _base_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+class FiniteFloat(click.ParamType):
+    """A float setting: nan and inf are refused, as no setting means anything by them (a range
+    check lets nan through: any comparison with it is false)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+FINITE_FLOAT = FiniteFloat()
+
+
 def _click_type(kind: Any, spec: SettingSpec) -> click.ParamType:
     if spec.type is not None:
         return spec.type
     if spec.choices is not None:
         return click.Choice(list(spec.choices))
-    return {int: click.INT, float: click.FLOAT, str: click.STRING}.get(kind, click.STRING)
+    return {int: click.INT, float: FINITE_FLOAT, str: click.STRING}.get(kind, click.STRING)
 
 
 def _make_setting(f: dataclasses.Field, hint: Any, section_name: str | None, doc: str) -> Setting:

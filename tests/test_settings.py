@@ -93,6 +93,9 @@ REFUSED = [
     ("eval", "stop_token_ids", [True], "not a boolean"),
     ("eval", "dtype", "int8", "'int8' is not one of"),
     ("eval", "prompts", ["no-such.jsonl"], "does not exist"),
+    ("eval", "temperature", "nan", "is not a finite number"),  # a float setting is finite (a range lets nan by)
+    ("eval", "temperature", "inf", "is not a finite number"),
+    ("extract", "top1_share", "nan", "is not a finite number"),
 ]
 
 
