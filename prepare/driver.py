@@ -207,6 +207,8 @@ def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: P
             "dflash-generate (or its sidecar was lost), so its records cannot be counted as done. "
             "Choose a new --output, or move that file away to start again."
         )
+    # (after the refusals that need no model: an output that is no dflash-generate's is said first)
+    meta["target"], meta["target_provenance"] = model_identity(config)
     if old is None or not output.exists():
         write_sidecar(config.output, meta)
         return []
@@ -251,7 +253,6 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     meta = {"producer": "dflash-generate", **render_meta(config, renderer, files),
             "generation": config.content_settings()}
-    meta["target"], meta["target_provenance"] = model_identity(config)
     refuse_output_among_inputs(config.output, files)
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)

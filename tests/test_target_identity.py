@@ -21,14 +21,15 @@ from transformers import AutoConfig
 
 @pytest.fixture(scope="module")
 def two_copies(tmp_path_factory):
-    """One tiny model in two directories (same files), a cache extracted from each."""
+    """One tiny model in two directories (same files), a cache extracted from each (of other data:
+    two caches of the same data hold the same samples, and never train or merge together)."""
     root = tmp_path_factory.mktemp("identity")
     first = make_target(root / "mount-a" / "model", "qwen3", layers=4)
     second = root / "mount-b" / "elsewhere"
     shutil.copytree(first, second)
     data = write_jsonl(root / "data.jsonl", random_records(12, seed=4, max_len=40))
     extract(first, data, root / "cache-a")
-    extract(second, data, root / "cache-b")
+    extract(second, write_jsonl(root / "data-b.jsonl", random_records(12, seed=5, max_len=40)), root / "cache-b")
     return {"root": root, "first": first, "second": second, "data": data}
 
 
