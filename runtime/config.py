@@ -24,19 +24,45 @@ def config_key(name: str) -> str:
     return str(name).lstrip("-").replace("-", "_")
 
 
+class _RepeatedKey(ValueError):
+    """A key given twice in one mapping of a config file (the parsers keep the last silently)."""
+
+
+def _unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
 def _parse(path: Path, text: str, error: type[DflashError]) -> Any:
+    repeated = ("{path} gives the key {key!r} twice: one of the two values would be dropped without a word. "
+                "Keep the one you mean.")
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
             raise error(f"{path} is YAML but PyYAML is not installed: `pip install pyyaml`, or write "
                         "the config as JSON.") from None
+
+        class UniqueKeyLoader(yaml.SafeLoader):
+            def construct_mapping(self, node, deep=False):
+                self.flatten_mapping(node)
+                return _unique_pairs([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                                      for k, v in node.value])
+
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        except _RepeatedKey as e:
+            raise error(repeated.format(path=path, key=e.args[0])) from None
         except yaml.YAMLError as e:
             raise error(f"{path} is not valid YAML: {e}") from e
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _RepeatedKey as e:
+        raise error(repeated.format(path=path, key=e.args[0])) from None
     except json.JSONDecodeError as e:
         raise error(f"{path} is not valid JSON: {e}") from e
 

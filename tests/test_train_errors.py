@@ -135,3 +135,9 @@ def test_lr_nan_or_inf_on_the_command_line_is_refused_in_one_paragraph(tiny_worl
         # (every float setting of every command: the settings layer refuses it, naming the flag)
         assert_clear_error(code, output, "'--lr'", f"'{value}' is not a finite number")
         assert not (tmp_path / value).exists()  # refused before the run directory was made
+
+
+def test_flex_attention_on_a_cpu_is_refused_in_one_paragraph_before_a_step(tiny_world, tmp_path):
+    code, output = run_cli(*base_args(tiny_world, tmp_path / "run", "--attention-backend", "flex", "--device", "cpu"))
+    assert_clear_error(code, output, "--attention-backend flex trains on CUDA only", "--attention-backend sdpa")
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))

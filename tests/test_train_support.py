@@ -132,6 +132,13 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
     yaml_path.write_text("cache: [a, b]\ntarget-model: t\noutput_dir: o\nmax_steps: 5\n")
     pytest.importorskip("yaml")
     assert make_config(load_config_file(yaml_path), {}).data.cache == ["a", "b"]
+    # a key given twice is refused, in YAML and JSON alike (the parsers would keep the last silently)
+    yaml_path.write_text("cache: [a]\ntoken_budget: 4096\ntoken_budget: 8192\n")
+    with pytest.raises(TrainConfigError, match="gives the key 'token_budget' twice"):
+        load_config_file(yaml_path)
+    path.write_text('{"cache": "c", "lr": 1e-3, "lr": 2e-3}')
+    with pytest.raises(TrainConfigError, match="gives the key 'lr' twice"):
+        load_config_file(path)
 
 
 def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():

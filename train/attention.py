@@ -99,6 +99,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def refuse_backend_off_its_device(backend: str, device: torch.device) -> None:
+    """--attention-backend flex on a CPU: torch's FlexAttention has no backward there, and the
+    first step would end in its traceback."""
+    if backend == "flex" and device.type == "cpu":
+        from .config import TrainConfigError
+
+        raise TrainConfigError("--attention-backend flex trains on CUDA only: torch's FlexAttention has no "
+                               "backward pass on a CPU. Use --attention-backend sdpa (or auto, which picks it "
+                               "on a CPU).")
+
+
 def build_attention_mask(
     anchor_positions: torch.Tensor, context_len: int, block_size: int, backend: str = "auto", *,
     window: int | None = None, causal: bool = False,

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from .attention import refuse_backend_off_its_device
 from .checkpoint import (
     MODEL_FILE,
     Checkpointer,
@@ -116,6 +117,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     if info.is_main and data.heldout_count and (note := data.unlike_heldout_note(cfg.model.block_size)):
         log.info(f"Note: {note}")
     refuse_nothing_to_learn(data, cfg.model.block_size)
+    refuse_backend_off_its_device(cfg.model.attention_backend, info.device)
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
     drafter = build_drafter(cfg, data, announce=log.info).to(info.device)
