@@ -19,6 +19,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import header_top1_share, make_header, read_header
+from dflash.cache_tools.plan import read_plan
 from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.staging import parse_size
 from dflash.cache_tools.writer import CacheWriter
@@ -66,8 +67,9 @@ class ExtractSummary:
     truncated: int = 0
     parts_written: int = 0
     parts_done_before: int = 0
-    parts_total: int = 0
+    parts_total: int = 0  # of the sort windows reached (all of them, unless stopped)
     parts_this_rank: int = 0
+    parts_planned: int = 0  # the cache's plan: every part of the extraction (0: no plan)
     bytes: int = 0
     seconds: float = 0.0  # from the first batch to the last part committed
     setup_seconds: float = 0.0  # writers started, part segments page-locked (before the first batch)
@@ -95,7 +97,10 @@ class ExtractSummary:
             f"shutdown {self.teardown_seconds:.1f} s not counted), padding waste {self.padding_waste:.1%}; "
             f"skipped {self.skipped_bad} bad and {self.skipped_long} long samples, truncated "
             f"{self.truncated}; {self.parts_done_before} parts were already committed; "
-            f"this rank's parts: {self.parts_this_rank} of {self.parts_total}."
+            + (f"this rank's parts: {self.parts_this_rank} of {self.parts_total}." if not self.interrupted_by
+               or self.parts_total >= self.parts_planned else
+               f"this rank's parts reached before the stop: {self.parts_this_rank} of {self.parts_total}, of the "
+               f"{self.parts_planned} the extraction plans (rerun the same command to finish it).")
             + (f" Removed {self.leftovers_removed} leftover(s) of interrupted writers."
                if self.leftovers_removed else "")
             + "".join(f"\nNote: {note}" for note in self.notes)
@@ -215,6 +220,8 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
                               top1_share=header_top1_share(cache.header))
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans), notes=list(data.notes))
+    plan = read_plan(config.output, cache.header)
+    summary.parts_planned = len(plan.parts) if plan is not None else 0
     progress = Progress(data.records, config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
     try:

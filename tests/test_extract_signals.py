@@ -74,3 +74,12 @@ def test_sigint_exits_130_within_seconds_and_rerun_completes(setup, zygote, tmp_
                                  sort_window_tokens=0, progress=False))
     assert_same_contents(cache_contents(out), cache_contents(clean))
 
+
+
+def test_a_stopped_runs_summary_sets_the_parts_it_reached_beside_the_plan():
+    from dflash.extract.pipeline import ExtractSummary
+
+    stopped = ExtractSummary(interrupted_by=signal.SIGINT, parts_total=36, parts_this_rank=36, parts_planned=46)
+    assert "reached before the stop: 36 of 36, of the 46 the extraction plans" in stopped.format()
+    done = ExtractSummary(parts_total=46, parts_this_rank=46, parts_planned=46)
+    assert "this rank's parts: 46 of 46." in done.format()
