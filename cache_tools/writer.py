@@ -230,7 +230,10 @@ class CacheWriter:
         fsync_dir(self.cache_dir)
         if self.parts_dir.is_symlink():  # parts/ on another disk: emptied, the link kept
             for child in self.parts_dir.iterdir():
-                shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink()
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
         else:
             shutil.rmtree(self.parts_dir, ignore_errors=True)
         self.parts_dir.mkdir(exist_ok=True)

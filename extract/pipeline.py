@@ -19,7 +19,6 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import header_top1_share, make_header, read_header
-from dflash.cache_tools.plan import read_plan
 from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.staging import parse_size
 from dflash.cache_tools.writer import CacheWriter
@@ -213,15 +212,14 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     rules = config.part_rules(header["target"]["vocab_size"])
-    ensure_plan(config.output, data, rules)  # what a following trainer plans from
+    planned = ensure_plan(config.output, data, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget, top1=cache.header["extras"].get("top1"),
                               top1_share=header_top1_share(cache.header))
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans), notes=list(data.notes))
-    plan = read_plan(config.output, cache.header)
-    summary.parts_planned = len(plan.parts) if plan is not None else 0
+    summary.parts_planned = planned
     progress = Progress(data.records, config.progress)
     direct = not os.environ.get(STAGED_COPY_ENV)
     try:

@@ -20,19 +20,21 @@ def planned_parts(files: list[Path], rules: PartRules) -> list[PlannedPart]:
             for window in plan_windows(files, rules) for plan in window]
 
 
-def ensure_plan(cache_dir: str | Path, files: list[Path], rules: PartRules) -> None:
+def ensure_plan(cache_dir: str | Path, files: list[Path], rules: PartRules) -> int:
     """Write the cache's plan unless a current one is there (a resumed run, another rank); keyed
     by the header on disk, the one a trainer reads.
 
     A plan promises every part of the cache, so input with a bad record (without --skip-bad)
     gets none: a follower would otherwise take the parts before that record for the whole
     cache. The extraction still streams the input, commits the parts before the record and
-    stops at it with this same error (file and line), as it did before plans existed."""
+    stops at it with this same error (file and line), as it did before plans existed.
+    Returns how many parts the plan holds (0: none was written)."""
     header = read_header(Path(cache_dir))
-    if read_plan(cache_dir, header) is not None:
-        return
+    if (plan := read_plan(cache_dir, header)) is not None:
+        return len(plan.parts)
     try:
         parts = planned_parts(files, rules)
     except BadRecordError:
-        return  # raised again by the extraction when it reaches the record
+        return 0  # raised again by the extraction when it reaches the record
     write_plan(cache_dir, header, parts)
+    return len(parts)
