@@ -97,7 +97,7 @@ class ExtractConfig:
     force: bool = setting(False, one_way=True)
     """Delete an existing cache with other settings and start anew (rank 0 only); a cache of the
     same settings is resumed, its committed parts kept."""
-    disk_budget: str | None = None
+    disk_budget: str | int | None = None
     """Most bytes of parts the cache holds on disk (e.g. 500G, 2T; plus at most one part): the
     extraction waits for room and evicts parts every rank of a `dflash-train --follow` run has
     trained on (default: no budget)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,35 @@ def _parse(path: Path, text: str, error: type[DflashError]) -> Any:
         raise error(repeated.format(path=path, key=e.args[0])) from None
     except json.JSONDecodeError as e:
         raise error(f"{path} is not valid JSON: {e}") from e
+
+
+def yaml_source(path: str | os.PathLike, keys: Collection[str], index: int | None = None) -> tuple[str, int] | None:
+    """(text as written, line) of the value a YAML config file gives one of `keys` (item `index`
+    of a list), where that value is a plain scalar; None for JSON or where it cannot be told.
+
+    An error about a value YAML typed (`0755` read as the integer 493, `on` as true) shows it as
+    the user wrote it."""
+    path = Path(path)
+    if path.suffix not in (".yaml", ".yml"):
+        return None
+    try:
+        import yaml
+    except ImportError:
+        return None
+    try:
+        root = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(root, yaml.MappingNode):
+        return None
+    for key, node in root.value:
+        if not isinstance(key, yaml.ScalarNode) or config_key(key.value) not in keys:
+            continue
+        if index is not None:
+            node = node.value[index] if isinstance(node, yaml.SequenceNode) and index < len(node.value) else None
+        if isinstance(node, yaml.ScalarNode) and not node.style:  # plain: unquoted
+            return node.value, node.start_mark.line + 1
+    return None
 
 
 def read_config_file(

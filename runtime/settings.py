@@ -19,7 +19,11 @@ go through the same conversion: a config-file value is converted by the click ty
 as the flag's text would be, so `"token_budget": "big"` is refused like `--token-budget big`,
 a string for a switch means what click makes of it (`"false"`, `"no"`, `"off"`, `"0"` are
 false; anything but those and their true counterparts is refused), and `1000.7` for an integer
-is refused (an integral `1000.0` is 1000). A key that names no setting is refused with the list
+is refused (an integral `1000.0` is 1000). A setting of text (annotated `str`: a path, a name, a
+choice) takes only text from a file: YAML reads an unquoted `0755` as the integer 493 and `on` as
+true, and turning those back into text would run with a value the user never wrote, so any other
+value is refused with the fix, to quote it (a setting that also means something by a number says
+so in its annotation: `str | int`). A key that names no setting is refused with the list
 of the known ones (`dflash.runtime.config.read_config_file`). Range and consistency checks are
 the dataclass's own (`__post_init__`): they see one object, wherever its values came from.
 
@@ -44,7 +48,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .config import config_key, read_config_file
+from .config import config_key, read_config_file, yaml_source
 from .errors import DflashError, SettingError
 
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
@@ -133,6 +137,8 @@ class Setting:
     option: click.Option
     optional: bool
     kind: str  # "bool", "list", "tuple", "scalar"
+    text: bool = False
+    """Its values are text (annotated `str`, or a list of `str`): a config file must give it strings."""
 
     @property
     def flag(self) -> str:
@@ -219,6 +225,7 @@ def _make_setting(f: dataclasses.Field, hint: Any, section_name: str | None, doc
     shell = Setting(f.name, section_name, f, None, optional, "scalar")  # type: ignore[arg-type]
     default = shell.default()
     origin = typing.get_origin(kind)
+    shell.text = kind is str or (origin in (list, tuple) and set(typing.get_args(kind)) <= {str, Ellipsis})
     common: dict[str, Any] = {"hidden": spec.hidden, "metavar": spec.metavar, "show_default": False}
     if kind is bool:
         shell.kind = "bool"
@@ -290,9 +297,42 @@ def _fail(where: str, s: Setting, value: Any, why: str, error: type[DflashError]
                         f"flag {s.flag} takes (see --help), or leave the key out.")
 
 
-def _convert_one(s: Setting, value: Any, where: str, error: type[DflashError]) -> Any:
+def _read_as(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    return f"the {type(value).__name__} {value}"
+
+
+def _not_text(where: str, s: Setting, value: Any, index: int | None, error: type[DflashError]) -> DflashError:
+    """A value of another type for a setting of text: refused with its fix, never turned into text
+    (YAML's unquoted 0755 would become the path "493")."""
+    choices = getattr(s.option.type, "choices", None)
+    takes = f"one of {', '.join(choices)}" if choices else "a path or a name"
+    written = yaml_source(where, {s.name, config_key(s.flag)}, index)
+    if written is not None:
+        text, line = written
+        why = (" (yes/no/on/off are booleans to YAML 1.1)" if isinstance(value, bool)
+               else " (a leading 0 makes an octal number to YAML 1.1)" if text.lstrip("+-").startswith("0") else "")
+        where, how = f"{where}, line {line}", f"YAML reads the unquoted {text} as {_read_as(value)}{why}"
+    else:
+        text, how = (None if isinstance(value, bool) else str(value)), f"the file gives {_read_as(value)}"
+    key = "" if index is not None else f'"{s.name}": ' if where.endswith(".json") else f"{s.name}: "
+    fix = f'Quote it: {key}"{text}"' if text is not None else "Write the text you mean, in quotes"
+    item = "" if index is None else f" (item {index + 1} of its list)"
+    shown = repr(value) if isinstance(value, (int, float)) else str(value)
+    return error(f"{where}: setting {s.name} = {shown}{item} is invalid: {s.name} takes text ({takes}), "
+                 f"and {how}. {fix}.")
+
+
+def _convert_one(s: Setting, value: Any, where: str, error: type[DflashError], index: int | None = None) -> Any:
     """One config-file value through the click type of its flag, as the flag's text would go."""
     param_type = s.option.type
+    if s.text and not isinstance(value, (str, Mapping, list, tuple)):
+        raise _not_text(where, s, value, index, error)
     if s.kind == "bool":
         if isinstance(value, bool):
             return value
@@ -329,8 +369,9 @@ def convert_file_value(s: Setting, value: Any, where: str, error: type[DflashErr
             return []
         raise _fail(where, s, value, "null is not a value of this setting", error)
     if s.kind == "list":
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return [_convert_one(s, v, where, error) for v in items]
+        if not isinstance(value, (list, tuple)):
+            return [_convert_one(s, value, where, error)]
+        return [_convert_one(s, v, where, error, index) for index, v in enumerate(value)]
     if s.kind == "tuple":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or len(items) != s.option.nargs:

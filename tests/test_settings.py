@@ -173,6 +173,91 @@ def test_a_file_value_is_kept_where_no_flag_is_given(tmp_path, captured):
     assert (captured[0].part_tokens, captured[0].force, captured[0].token_budget) == (4096, True, 1024)
 
 
+
+# -- a value of another type for a setting of text ---------------------------------------------
+
+
+def run_yaml(tmp_path, command: str, line: str, *flags: object):
+    """The command with a YAML config file: its base settings, then `line` as written."""
+    yaml = pytest.importorskip("yaml")
+    main, base = COMMANDS[command]
+    key = line.split(":", 1)[0]
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in base(tmp_path).items() if k != key}) + line + "\n")
+    return CliRunner().invoke(main, ["--config", str(path), *map(str, flags)])
+
+
+# (command, the line as written, what YAML reads, the fix the message gives)
+TYPED_BY_YAML = [
+    ("extract", "output: 0755", "setting output = 493 ", 'Quote it: output: "0755"'),
+    ("extract", "device: no", "setting device = False ", 'Quote it: device: "no"'),
+    ("extract", "codec: 1.5e+3", "setting codec = 1500.0 ", 'Quote it: codec: "1.5e+3"'),
+    ("train", "output_dir: 2024-01-01", "setting output_dir = 2024-01-01 ", 'Quote it: output_dir: "2024-01-01"'),
+    ("train", "cache: [c1, 0755]", "setting cache = 493 (item 2 of its list)", 'Quote it: "0755"'),
+    ("eval", "attn_implementation: on", "setting attn_implementation = True ", 'Quote it: attn_implementation: "on"'),
+]
+
+
+@pytest.mark.parametrize("command,line,read_as,fix", TYPED_BY_YAML, ids=[f"{c}-{w}" for c, w, _, _ in TYPED_BY_YAML])
+def test_a_yaml_number_or_boolean_for_a_text_setting_is_refused_showing_it_as_written_and_quoted(
+        tmp_path, captured, command, line, read_as, fix):
+    result = run_yaml(tmp_path, command, line)
+    written = line.split(": ", 1)[1].strip("[]").split(", ")[-1]
+    assert_refused(result, "settings.yaml, line ", read_as, f"YAML reads the unquoted {written} as ", fix)
+    assert captured == []  # nothing ran: 0755 never became the path "493"
+
+
+def test_a_json_number_for_a_text_setting_is_refused_with_the_key_quoted(tmp_path, captured):
+    assert_refused(run(tmp_path, "extract", {"output": 493}), "settings.json: setting output = 493 ",
+                   "the file gives the integer 493", 'Quote it: "output": "493"')
+    assert_refused(run(tmp_path, "train", {"init_drafter": True}), "setting init_drafter = True ",
+                   "the boolean true", "in quotes")
+    assert captured == []
+
+
+@pytest.mark.parametrize("command,line,name,expected", [
+    ("extract", 'output: "0755"', "output", "0755"),  # quoted: the path as written
+    ("extract", "token_budget: 4096", "token_budget", 4096),  # a number for a number
+    ("extract", "force: yes", "force", True),  # a YAML boolean for a switch
+    ("extract", "disk_budget: 500000000000", "disk_budget", "500000000000"),  # a size in bytes
+    ("train", "lr: 3.0e-4", "lr", 3e-4),
+])
+def test_a_yaml_value_of_the_settings_own_type_is_still_taken(tmp_path, captured, command, line, name, expected):
+    result = run_yaml(tmp_path, command, line)
+    assert result.exit_code == 0, result.output
+    assert _value(captured[0], name) == expected
+
+
+def test_every_text_setting_of_every_command_refuses_a_yaml_number(tmp_path):
+    """The rule lives in the settings layer: every command's --config reads through it."""
+    pytest.importorskip("yaml")
+    from dflash.cache_tools import cli as cache_cli
+    from dflash.demo.cli import DemoCommandConfig
+    from dflash.eval.cli import EvalCommandConfig
+    from dflash.extract.config import ExtractConfig
+    from dflash.prepare.cli import PrepareConfig
+    from dflash.prepare.generate_cli import GenerateConfig
+    from dflash.runtime.errors import SettingError
+    from dflash.runtime.settings import read_settings_file
+    from dflash.train.cli import ExportConfig
+    from dflash.train.config import TrainConfig
+
+    classes = [ExtractConfig, TrainConfig, ExportConfig, EvalCommandConfig, PrepareConfig, GenerateConfig,
+               DemoCommandConfig, *(getattr(cache_cli, n) for n in dir(cache_cli) if n.endswith("Settings"))]
+    path = tmp_path / "settings.yaml"
+    checked = set()
+    for cls in classes:
+        for name, s in settings_of(cls).items():
+            if not s.text:
+                continue
+            path.write_text(f"{name}: 0755\n")
+            with pytest.raises(SettingError) as refused:
+                read_settings_file(settings_of(cls), path)
+            assert f"line 1: setting {name} = 493" in str(refused.value) and '"0755"' in str(refused.value)
+            checked.add(name)
+    assert {"output", "output_dir", "cache", "target_model", "init_drafter", "workdir", "data"} <= checked
+    assert "disk_budget" not in checked  # a size: a number of bytes means what it says
+
 # -- the mechanism on its own -----------------------------------------------------------------
 
 

@@ -122,7 +122,7 @@ class DataConfig:
     allow_incomplete: bool = False
     """Train on the committed parts of a cache whose extraction has not finished (stopped, or one
     of its ranks lost): without it such a cache is refused, since its samples are a part of the data."""
-    disk_budget: str | None = setting(None, metavar="SIZE")
+    disk_budget: str | int | None = setting(None, metavar="SIZE")
     """Local disk the run may fill with cache parts (e.g. 500G, 2T; plus at most one part): an s3://
     cache's staging directory stays within it (per remote cache); with --follow, the budget the
     extraction was given with its own --disk-budget, which checks that what the run reads at once
