@@ -18,7 +18,10 @@ section. The same files at two mount points, or a model directory moved between 
 are the same target: their caches resume, merge and train together.
 
 Purposes (`Purpose`): `resume` (an extraction continues a cache), `merge` (caches become one),
-`train-together` (caches feed one training run) compare every identity field; `train` (a cache
+`train-together` (caches feed one training run) compare every identity field, and so does
+`drafter` (an exported drafter meets a target other than the one it was trained against:
+dflash-eval measures it there, `dflash-train --init-drafter` starts a run from it; said, never
+refused, since a drafter of a related target is a fair start); `train` (a cache
 feeds a drafter of the target model given to the trainer) compares the same fields, read
 from that model's directory, but for the weights: other weights of the same config are a
 warning there (`weights_note`), since the drafter trains on the cache's hidden states and the
@@ -56,6 +59,7 @@ class Purpose(StrEnum):
     MERGE = "merge"
     TRAIN_TOGETHER = "train-together"
     TRAIN = "train"
+    DRAFTER = "drafter"
 
 
 def _canonical_sha256(data: Any) -> str:

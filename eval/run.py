@@ -10,7 +10,6 @@ line is `cli.py` (it loads this module, and torch, only when it runs).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -285,32 +284,10 @@ def lossless_check(baseline: list[Generation], speculative: list[Generation], co
 # -- loading ----------------------------------------------------------------------------------
 
 
-def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> str | None:
-    """A sentence when the export records the target it was trained against (config.json's
-    dflash_training) and that is not this one (another config, tokenizer or weights), naming both."""
-    from dflash.cache_tools.identity import Purpose, comparable, target_differences, target_identity
-    from dflash.train.export import TRAINING_KEY
-
-    try:
-        trained = json.loads((Path(drafter_dir) / "config.json").read_text()).get(TRAINING_KEY) or {}
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(trained, dict) or not isinstance(trained.get("target"), dict):
-        return None  # an export written before it was recorded, or by another trainer
-    current = comparable(target_identity(target_config, target_dir))
-    diffs = target_differences(trained["target"], current, Purpose.RESUME)
-    if not diffs:
-        return None
-    shown = "; ".join(f"{key} {str(then)[:16]} when trained, {str(now)[:16]} here" for key, then, now in diffs)
-    return (f"the drafter {drafter_dir} was trained against another target ({trained.get('target_path', '?')}) "
-            f"than {Path(target_dir).resolve()}: {shown}. Its acceptance here measures a drafter of other hidden "
-            "states; evaluate it with the target it was trained against, or train one for this target.")
-
-
 def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
                 attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
-    from dflash.train.export import load_drafter
+    from dflash.train.export import load_drafter, training_target_note
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}

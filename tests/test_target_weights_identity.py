@@ -88,6 +88,19 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
     assert f"Note: The cache at {cache} has other weights" in format_estimate(estimated)
 
 
+
+def test_estimate_with_another_target_than_the_drafter_was_trained_against_says_so(two_models, tmp_path):
+    from dflash.train.estimate import estimate_drafter, format_estimate
+
+    cache, run = two_models["root"] / "cache", tmp_path / "run"
+    train(tiny_train_config(cache, two_models["first"], run, max_steps=1, epochs=1, eval_fraction=0.0))
+    settings = {"cache": [str(cache)], "num_workers": 0, "block_size": 4, "eval_fraction": 0.0}
+    mine = estimate_drafter(str(run / "final"), {**settings, "target_model": str(two_models["first"])})
+    assert not any("another target" in note for note in mine.get("notes", []))
+    other = estimate_drafter(str(run / "final"), {**settings, "target_model": str(two_models["second"])})
+    said = f"Note: The drafter {run / 'final'} was trained against another target ({two_models['first'].resolve()}) "
+    assert said + f"than {two_models['second'].resolve()}: weights_hash " in format_estimate(other)
+
 def test_a_cache_and_a_checkpoint_older_than_the_weights_hash_are_accepted_with_a_note(two_models, tmp_path, capsys):
     cache = shutil.copytree(two_models["root"] / "cache", tmp_path / "old-cache")
     header = json.loads((cache / HEADER_FILE).read_text())

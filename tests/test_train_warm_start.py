@@ -111,3 +111,40 @@ def test_a_dflash2_run_starts_from_a_dflash_drafter_with_exactly_its_predictions
     train(tiny_train_config(tiny_world["cache"], tiny_world["target"], dflash2_run, max_steps=2, eval_fraction=0.3))
     with pytest.raises(InputError, match="--drafter-type dflash here, dflash2 there"):
         built(tiny_world, tmp_path, init_drafter=str(dflash2_run / "final"), drafter_type="dflash")
+
+
+@pytest.mark.parametrize("other, differs", [
+    ({"seed": 1}, "weights_hash"),  # the same config.json, other weights (a fine-tune of the target, say)
+    ({"rms_norm_eps": 1e-5}, "config_hash"),  # another config of the same shapes
+])
+def test_an_export_of_another_target_still_loads_and_the_startup_names_both_targets(
+        tiny_world, tmp_path, exported, other, differs):
+    from conftest import HIDDEN, TARGET_LAYERS, WORLD_VOCAB, make_tiny_target
+    from dflash.train.export import read_export_weights
+
+    target = make_tiny_target(tmp_path / "other-target", hidden=HIDDEN, layers=TARGET_LAYERS, vocab=WORLD_VOCAB,
+                              heads=2, kv_heads=1, **other)
+    warm, notes = built(tiny_world, tmp_path, init_drafter=str(exported), target_model=str(target))
+    own = warm.state_dict()
+    assert all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in read_export_weights(exported).items())
+    said = [n for n in notes if "another target" in n]
+    assert len(said) == 1 and "\n" not in said[0], notes
+    assert said[0].startswith(f"Note: --init-drafter {exported} was trained against another target "
+                              f"({tiny_world['target'].resolve()}) than this run's ({target.resolve()}): {differs} ")
+    # a warm start from an export of this run's own target says nothing of the kind
+    _, same = built(tiny_world, tmp_path, init_drafter=str(exported))
+    assert not [n for n in same if "another target" in n or "not checked" in n], same
+
+
+def test_an_export_that_records_no_target_loads_and_says_only_that_it_is_not_checked(tiny_world, tmp_path, exported):
+    import json
+    import shutil
+
+    plain = shutil.copytree(exported, tmp_path / "plain")  # as another trainer, or an older export, writes it
+    config = json.loads((plain / "config.json").read_text())
+    del config["dflash_training"]
+    (plain / "config.json").write_text(json.dumps(config))
+    _, notes = built(tiny_world, tmp_path, init_drafter=str(plain))
+    started = [n for n in notes if "warm start" in n]
+    assert len(started) == 1 and "records no target it was trained against" in started[0]
+    assert not [n for n in notes if "another target" in n], notes

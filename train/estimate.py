@@ -21,7 +21,7 @@ from .config import TrainConfig, TrainConfigError
 from .data import check_cache_target, open_training_data
 from .distributed import DistInfo
 from .evaluation import LossModel, evaluate
-from .export import CONFIG_NAME, WEIGHTS_NAME, load_drafter
+from .export import CONFIG_NAME, WEIGHTS_NAME, load_drafter, training_target_note
 from .loop import autocast_context, load_target_config_or_fail
 
 
@@ -56,6 +56,8 @@ def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path
     manifest = data.caches.manifest
     # (the target's weights differ from the cache's, ...: said, as training and dflash-eval say it)
     notes = check_cache_target(manifest, target_config, cfg.model.target_model)
+    if note := training_target_note(path, target_config, cfg.model.target_model):  # (as dflash-eval says it)
+        notes.append(note[0].upper() + note[1:])
     try:  # float32 weights: the trainer's master weights (--dtype bf16 is autocast over them, as in training)
         drafter = load_drafter(path, cfg.model.target_model, attention_backend=cfg.model.attention_backend)
     except (OSError, ValueError) as e:

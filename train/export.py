@@ -120,6 +120,47 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
     return out
 
 
+def trained_target(drafter_dir: str | Path) -> dict[str, Any] | None:
+    """What the export at `drafter_dir` records of the target it was trained against (its
+    config.json's `dflash_training`: {"target": identity, "target_path": where it lay}); None
+    where it records none (written before it was recorded, or by another trainer)."""
+    try:
+        trained = json.loads((Path(drafter_dir) / CONFIG_NAME).read_text()).get(TRAINING_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return trained if isinstance(trained, dict) and isinstance(trained.get("target"), dict) else None
+
+
+def training_target_change(drafter_dir: str | Path, current: dict[str, Any]) -> tuple[str, str] | None:
+    """Where the export at `drafter_dir` records that it was trained against another target than
+    `current` (a target identity; cache_tools.identity, Purpose.DRAFTER: every field both record):
+    (where that target lay, as recorded, and the fields that differ); None where it records the
+    same target, or none to compare (`trained_target`)."""
+    from dflash.cache_tools.identity import Purpose, target_differences
+
+    trained = trained_target(drafter_dir)
+    diffs = target_differences(trained["target"], current, Purpose.DRAFTER) if trained else []
+    if not diffs:
+        return None
+    shown = "; ".join(f"{key} {str(then)[:16]} when trained, {str(now)[:16]} here" for key, then, now in diffs)
+    return str(trained.get("target_path", "where it lay is not recorded")), shown
+
+
+def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> str | None:
+    """A sentence when the export records the target it was trained against (config.json's
+    dflash_training) and that is not this one (another config, tokenizer or weights), naming both:
+    dflash-eval and `dflash-train estimate` measure the drafter with the target they are given."""
+    from dflash.cache_tools.identity import comparable, target_identity
+
+    change = training_target_change(drafter_dir, comparable(target_identity(target_config, target_dir)))
+    if change is None:
+        return None
+    trained_at, shown = change
+    return (f"the drafter {drafter_dir} was trained against another target ({trained_at}) "
+            f"than {Path(target_dir).resolve()}: {shown}. Its acceptance here measures a drafter of other hidden "
+            "states; evaluate it with the target it was trained against, or train one for this target.")
+
+
 EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME})
 """Everything `export_drafter` writes into its directory (its lock file and staging lie beside it)."""
 

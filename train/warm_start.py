@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.cache_tools.identity import comparable, target_identity
 from dflash.runtime.errors import InputError
 
+from .export import (
+    config_from_export,
+    read_export_config,
+    read_export_weights,
+    trained_target,
+    training_target_change,
+)
 from .model import DFlashDrafter
 from .target_weights import load_target_config
 
@@ -22,9 +31,9 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
     shape and what it reads (target layers, block size, drafter type) must be this run's, except
     that a DFlash2 run may start from a DFlash drafter of its shape: the backbone's tensors come from
     it, the convolutions stay at the identity and the selector at its start (every edge 0), so the
-    run starts from exactly that drafter's predictions."""
-    from .export import config_from_export, read_export_config, read_export_weights
-
+    run starts from exactly that drafter's predictions. An export that records another target than
+    this run's (its `dflash_training`) still loads, as a start from a related run, with a note
+    naming both targets."""
     fix = ("pass a drafter exported for this target with this run's shape (dflash-train export "
            "CHECKPOINT OUT_DIR makes one of a checkpoint), set the flags above to the export's, or drop --init-drafter")
     try:
@@ -55,7 +64,24 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
         announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}" + (
             f", a DFlash drafter: DFlash2's {len(fresh)} tensors of its own start as they do in a fresh run (the "
             "convolutions at the identity, the selector's edges at 0), so training starts from that drafter's "
-            "predictions" if upgrade else ""))
+            "predictions" if upgrade else "") + (
+            "" if trained_target(init_dir) else " (its config.json records no target it was trained against, so "
+            "whether that is this run's target is not checked)"))
+        if note := other_target_note(init_dir, target_model):
+            announce(f"Note: {note}")
+
+
+def other_target_note(init_dir: str, target_model: str) -> str | None:
+    """A sentence when the --init-drafter export records that it was trained against another
+    target than this run's (its weights fit, so it loads: a warm start from a related run)."""
+    change = training_target_change(init_dir, comparable(target_identity(load_target_config(target_model),
+                                                                         target_model)))
+    if change is None:
+        return None
+    trained_at, shown = change
+    return (f"--init-drafter {init_dir} was trained against another target ({trained_at}) than this run's "
+            f"({Path(target_model).resolve()}): {shown}; its weights fit this drafter and are loaded, so the run "
+            "starts from that target's drafter (pass an export of a run on this target if that is not what you meant).")
 
 
 def _dflash2_only(name: str) -> bool:
