@@ -458,6 +458,10 @@ def test_the_end_of_a_run_says_whether_its_data_or_its_steps_limit_it(tmp_path):
     # Still rising at the last evaluation: more epochs may pay.
     rising = [(s, 1.5 + 0.1 * i, 2.0 + 0.2 * i) for i, s in enumerate(range(100, 1100, 100))]
     assert "still rising, so more --epochs may pay" in _tracker_of(rising).trajectory_advice(1000)
+    # ... or, where --max-steps ended the run before its epochs did, more steps
+    cut = _tracker_of(rising).final_message(1000, tmp_path / "final", None, cut_short=", ended by --max-steps 1000")
+    assert cut.startswith("done: 1000 steps, ended by --max-steps 1000; ") and "more --epochs" not in cut
+    assert "still rising, so a larger --max-steps may pay" in cut
     # Level held-out and training tau, too few evaluations, or no evaluation: nothing to say.
     level = [(s, 2.0 + 0.001 * i, 2.2) for i, s in enumerate(range(100, 1100, 100))]
     assert _tracker_of(level).trajectory_advice(1000) is None

@@ -60,6 +60,7 @@ from .objective import (
 )
 from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .resume import resume, run_identity
+from .run_length import RunLength
 from .target_weights import load_target_config
 from .warm_start import warm_start
 
@@ -114,6 +115,9 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                                    caches=data.caches):
         log.info(f"Note: {note}")
     log.info(data.summary() + label_summary(cfg.objective, manifest))
+    length = RunLength.of(data.loader.steps_per_epoch, cfg.optimization.max_steps)  # --epochs, or --max-steps
+    if note := length.startup_note(cfg, heldout=bool(data.heldout_count)):
+        log.info(f"Note: {note}")
     if info.is_main and data.heldout_count and (note := data.unlike_heldout_note(cfg.model.block_size)):
         log.info(f"Note: {note}")
     refuse_nothing_to_learn(data, cfg.model.block_size)
@@ -123,7 +127,7 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     drafter = build_drafter(cfg, data, announce=log.info).to(info.device)
     model = wrap_model(drafter, cfg.runtime.parallel, info)
     optimizer = build_optimizer(cfg, model, info.device)
-    total_steps = min(cfg.optimization.max_steps or math.inf, data.loader.total_steps)
+    total_steps = length.total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.optimization.warmup_ratio, min_lr_ratio=cfg.optimization.min_lr_ratio,
         schedule=cfg.optimization.lr_schedule, decay_ratio=cfg.optimization.decay_ratio))
@@ -249,7 +253,8 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                              best=checkpoints.dir / step_dir_name(best) if best is not None else None,
                              training_target={"target": identity["target"],
                                               "target_path": str(Path(cfg.model.target_model).resolve())})
-    log.info(heldout.final_message(step, final_dir, last_checkpoint, caveat=data.heldout_caveat()))
+    log.info(heldout.final_message(step, final_dir, last_checkpoint, caveat=data.heldout_caveat(),
+                                   cut_short=length.done_text()))
     log.close()
     return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics, heldout.best_step)
 

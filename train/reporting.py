@@ -274,11 +274,12 @@ class HeldoutTracker:
                 "best_step": self.best_step, "best_heldout_tau": self.best_tau if self.best_step is not None else None}
 
     def final_message(self, step: int, final_dir: Path | None, last_checkpoint: Path | None,
-                      caveat: str = "") -> str:
-        """The run's last line; `caveat` (TrainingData.heldout_caveat) follows the held-out tau it reports."""
+                      caveat: str = "", cut_short: str = "") -> str:
+        """The run's last line; `caveat` (TrainingData.heldout_caveat) follows the held-out tau it reports;
+        `cut_short` (RunLength.done_text) says where --max-steps ended a run before its epochs did."""
         if self.best_step is None:
-            return (f"done: {step} steps; drafter exported to {final_dir} (no held-out samples: its quality "
-                    "was not measured)")
+            return (f"done: {step} steps{cut_short}; drafter exported to {final_dir} (no held-out samples: its "
+                    "quality was not measured)")
         span = (f", 95 % interval {self.best_interval[0]:.3f}-{self.best_interval[1]:.3f} over the held-out "
                 "samples" if len(self.best_interval) == 2 else "")
         if self.best_per_sample_mean:
@@ -286,7 +287,7 @@ class HeldoutTracker:
         if self.lookup_tau:
             span += (f"; prompt lookup, which needs no training, {self.lookup_tau:.3f} on the same samples: the "
                      f"drafter reads {self.best_tau / self.lookup_tau:.2f}x it")
-        text = (f"done: {step} steps; {final_dir} holds the best held-out checkpoint, step {self.best_step} "
+        text = (f"done: {step} steps{cut_short}; {final_dir} holds the best held-out checkpoint, step {self.best_step} "
                 f"(held-out tau {self.best_tau:.3f}{span})")
         if self.best_step != step:
             text += (f"; the last step's weights (held-out tau {self.last_tau:.3f}) are in {last_checkpoint} "
@@ -297,10 +298,10 @@ class HeldoutTracker:
                                 said_to_measure=bool(caveat))
         if unlike:
             text += f". {unlike}"
-        advice = self.trajectory_advice(step)
+        advice = self.trajectory_advice(step, more="a larger --max-steps" if cut_short else "more --epochs")
         return f"{text}. {advice}" if advice else text
 
-    def trajectory_advice(self, step: int) -> str | None:
+    def trajectory_advice(self, step: int, more: str = "more --epochs") -> str | None:
         """What the run's held-out trajectory says about its length, from its second half: the
         held-out tau at the evaluation nearest half the steps against the best after it, beside the
         training tau over the same span. Flat held-out tau while the training tau climbs: the data
@@ -329,7 +330,7 @@ class HeldoutTracker:
         last, before = rows[-1], rows[-2]
         if last[1] >= self.best_tau and last[1] / before[1] - 1 >= STILL_RISING:
             return (f"{span}, and {100 * (last[1] / before[1] - 1):+.1f} % at the last evaluation alone: still "
-                    "rising, so more --epochs may pay")
+                    f"rising, so {more} may pay")
         return None
 
     def state_dict(self) -> dict[str, Any]:
