@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError, UsageError
+from dflash.runtime.positions import TargetPositions, target_positions
 from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
 from dflash.runtime.safetensors_files import (
     check_weight_dir,
@@ -81,9 +82,12 @@ def prompt_from_record(record: dict[str, Any], where: str, tokenizer: Any = None
 
 
 def load_prompts(
-    path: str | Path, vocab_size: int, *, tokenizer: Any = None, max_prompts: int | None = None
+    path: str | Path, vocab_size: int, *, tokenizer: Any = None, max_prompts: int | None = None,
+    positions: TargetPositions | None = None, max_new_tokens: int = 0, block_size: int = 0,
 ) -> list[list[int]]:
-    """Prompts of a JSONL file (one record a line, blank lines skipped); ids checked against the vocab."""
+    """Prompts of a JSONL file (one record a line, blank lines skipped); ids checked against the vocab,
+    and each prompt with the tokens its decoding adds (`max_new_tokens`, and a verify block of
+    `block_size` past them) against the target's `positions`."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist.")
@@ -104,10 +108,23 @@ def load_prompts(
                 f"{where}: token ids {bad[:5]} are outside the target's vocabulary (0..{vocab_size - 1}); "
                 "the prompts were tokenized for another model."
             )
+        if positions is not None and len(ids) + max_new_tokens + block_size > positions.limit:
+            raise InputError(_past_the_positions(where, len(ids), positions, max_new_tokens, block_size))
         prompts.append(ids)
     if not prompts:
         raise InputError(f"prompt file {path} holds no prompts.")
     return prompts
+
+
+def _past_the_positions(where: str, prompt_len: int, positions: TargetPositions, max_new_tokens: int,
+                        block_size: int) -> str:
+    room = positions.limit - prompt_len - block_size
+    fix = (f"Lower --max-new-tokens to {room} or less, or shorten or leave out the prompt" if room >= 1
+           else "Shorten or leave out the prompt")
+    return (f"{where}: the prompt's {prompt_len:,} tokens, up to --max-new-tokens {max_new_tokens} more and a "
+            f"verify block of {block_size} need up to {prompt_len + max_new_tokens + block_size:,} positions, more "
+            f"than {positions.describe()}: past them its outputs, and the measurement, are out of the range it "
+            f"was trained on. {fix}.")
 
 
 # -- the measurement --------------------------------------------------------------------------
@@ -415,9 +432,11 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
     except ValueError as e:
         raise EvalError(str(e)) from None
     vocab = model.config.get_text_config().vocab_size
+    positions = target_positions(model.config)
     sets = []
     for path in prompt_files:
-        prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=max_prompts)
+        prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=max_prompts, positions=positions,
+                               max_new_tokens=max_new_tokens, block_size=config.block_size)
         result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(
             batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
         sets.append({"name": Path(path).stem, "path": str(path), **result})

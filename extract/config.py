@@ -11,6 +11,7 @@ from dflash.cache_tools.cli import CODEC_CHOICES
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES, DtypeChoice
 from dflash.runtime.errors import SettingError
+from dflash.runtime.positions import TargetPositions
 from dflash.runtime.settings import IntList, setting
 
 from .data import PartRules
@@ -49,9 +50,11 @@ class ExtractConfig:
     device_map: str | None = None
     """'auto' spreads a large target over the visible GPUs (needs accelerate)."""
     max_seq_len: int = 8192
-    """Longest sample kept whole; longer ones are truncated or skipped (--long-samples)."""
+    """Longest sample kept whole, at most the target's positions (its config's
+    max_position_embeddings, extended by a rope_scaling factor): longer ones are truncated or
+    skipped (--long-samples), and the summary says when the target's positions held them."""
     long_samples: str = setting("truncate", choices=LONG_SAMPLE_POLICIES)
-    """What to do with samples longer than --max-seq-len."""
+    """What to do with samples longer than --max-seq-len (or the target's positions)."""
     skip_bad: bool = False
     """Skip malformed records (counted in the manifest) instead of stopping with an error."""
     part_tokens: int = 65536
@@ -168,17 +171,24 @@ class ExtractConfig:
         tokens = self.sort_window_tokens if self.sort_window_tokens is not None else 16 * self.part_tokens
         return max(tokens, self.part_tokens)
 
-    def part_rules(self, vocab_size: int) -> PartRules:
+    def sample_limit(self, positions: TargetPositions | None = None) -> int:
+        """The longest sample kept whole: --max-seq-len, or the target's positions where fewer."""
+        return min(self.max_seq_len, positions.limit) if positions else self.max_seq_len
+
+    def part_rules(self, vocab_size: int, positions: TargetPositions | None = None) -> PartRules:
         """How this run cuts the records into sort windows and parts (data.plan_windows)."""
+        held = self.sample_limit(positions)
         return PartRules(
-            vocab_size=vocab_size, max_seq_len=self.max_seq_len, long_samples=self.long_samples,
+            vocab_size=vocab_size, max_seq_len=held, long_samples=self.long_samples,
             skip_bad=self.skip_bad, part_tokens=self.part_tokens, window_tokens=self.window_tokens(),
+            length_limit=positions.describe() if positions and held < self.max_seq_len else "",
         )
 
-    def content_settings(self) -> dict[str, Any]:
-        """The settings that decide the cache's content (recorded in the header's `settings`)."""
+    def content_settings(self, positions: TargetPositions | None = None) -> dict[str, Any]:
+        """The settings that decide the cache's content (recorded in the header's `settings`;
+        `max_seq_len` is the length samples are held to, the target's positions where fewer)."""
         return {
-            "max_seq_len": self.max_seq_len,
+            "max_seq_len": self.sample_limit(positions),
             "long_samples": self.long_samples,
             "skip_bad": self.skip_bad,
             "dtype": self.dtype,

@@ -290,6 +290,7 @@ class PartRules:
     skip_bad: bool
     part_tokens: int
     window_tokens: int = 0  # sort window; at most part_tokens: each window is one part
+    length_limit: str = ""  # what max_seq_len stands for in a skip's reason, when not the flag
 
 
 class BadRecordError(InputError):
@@ -322,7 +323,7 @@ def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator
             if rules.long_samples == "skip":
                 skips.stats["records"] += 1
                 skips.record_skip(
-                    sample_id, where, f"{ids.size} tokens > max_seq_len {rules.max_seq_len}",
+                    sample_id, where, f"{ids.size} tokens > {rules.length_limit or f'max_seq_len {rules.max_seq_len}'}",
                     "skipped_long",
                 )
                 continue

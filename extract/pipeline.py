@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import header_top1_share, make_header, read_header
@@ -25,6 +26,7 @@ from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import DflashError
 from dflash.runtime.locks import refuse_output_among_inputs
+from dflash.runtime.positions import TargetPositions, target_positions
 from dflash.runtime.signals import StopRequest, stop_if_signalled
 from torch import nn
 from tqdm import tqdm
@@ -142,7 +144,8 @@ def writer_count(config: ExtractConfig, device: torch.device) -> int:
     return config.num_writers if config.num_writers is not None else default_num_writers(device)
 
 
-def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data: DataSnapshot) -> dict:
+def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, data: DataSnapshot,
+                 positions: TargetPositions | None = None) -> dict:
     ident = target_identity(model, model_dir)
     return make_header(
         target=ident, target_layer_ids=layer_ids, hidden_size=ident["hidden_size"],
@@ -151,7 +154,7 @@ def build_header(config: ExtractConfig, model: nn.Module, model_dir, layer_ids, 
         topk=config.store_topk, top1=top1_dtype(ident["vocab_size"]) if config.stored_top1_share() else None,
         top1_share=config.stored_top1_share(),
         data={"files": data.entries, "sha256": data.sha256},
-        settings=config.content_settings(), provenance=target_provenance(model_dir),
+        settings=config.content_settings(positions), provenance=target_provenance(model_dir),
     )
 
 
@@ -200,9 +203,11 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     need_last = config.store_last_hidden or config.store_topk > 0 or config.stored_top1_share() >= 1
     capture = LayerCapture(model, layer_ids,  # checks the ids (cache_tools.layers)
                            need_last=need_last, top1_rows=config.stored_top1_share() > 0)
+    positions = target_positions(model.config)
     old = {} if config.force else recorded_header(config.output)
     data = snapshot_data(files, config.data, recorded=old.get("data"))
-    header = build_header(config, model, model_dir, layer_ids, data)
+    header = build_header(config, model, model_dir, layer_ids, data, positions)
+    refuse_a_cache_past_the_positions(old, header, config.output, positions)
     if old and (note := unrecorded_weights_note(old.get("target"), header["target"],
                                                 what=f"The cache at {config.output}")):
         data.notes.append(note)
@@ -211,7 +216,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     stop_if_signalled()  # a signal whose stop a finalizer swallowed while the target loaded: write nothing
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
-    rules = config.part_rules(header["target"]["vocab_size"])
+    rules = config.part_rules(header["target"]["vocab_size"], positions)
     planned = ensure_plan(config.output, data, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
@@ -259,9 +264,48 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         cache.close()
     summary.bytes = pool.nbytes
     summary.notes += data.changes_since_start()
+    if note := long_samples_note(config, positions, summary):
+        summary.notes.append(note)
     summary.setup_seconds = engine_seconds + pool.setup_seconds
     summary.teardown_seconds = time.perf_counter() - t0 - summary.seconds
     return summary
+
+
+def long_samples_note(config: ExtractConfig, positions: TargetPositions | None,
+                      summary: ExtractSummary) -> str | None:
+    """What held the samples of this run to their length, when not --max-seq-len alone: the
+    target's positions (fewer than --max-seq-len), or a config that gives none."""
+    if positions is None:
+        return (f"the target's config gives no number of positions (max_position_embeddings): samples "
+                f"were held to --max-seq-len {config.max_seq_len} alone; if the target takes fewer, pass "
+                "that as --max-seq-len.")
+    held = summary.truncated + summary.skipped_long
+    if positions.limit >= config.max_seq_len or not held:
+        return None
+    many = held > 1
+    done = (f"cut to {'their' if many else 'its'} first {positions.limit:,} tokens (--long-samples skip "
+            "leaves such samples out instead)" if config.long_samples == "truncate" else "skipped")
+    return (f"{held} sample{'s' if many else ''} longer than {positions.describe()} {'were' if many else 'was'} "
+            f"{done}: past them the target's hidden states are out of the range it was trained on "
+            f"(--max-seq-len {config.max_seq_len} is more than it takes).")
+
+
+def refuse_a_cache_past_the_positions(old: dict, header: dict, output: str,
+                                      positions: TargetPositions | None) -> None:
+    """A cache of this target extracted with max_seq_len past its positions (by a version that
+    did not hold samples to them): resuming it would cut the rest of its parts otherwise, and its
+    committed parts may hold hidden states past the positions. Named here, where the header
+    comparison would only say that max_seq_len differs (and a rerun with it would differ again)."""
+    recorded = (old.get("settings") or {}).get("max_seq_len")
+    same_target = (old.get("target") or {}).get("config_hash") == header["target"].get("config_hash")
+    if positions is None or not same_target or not isinstance(recorded, int) or recorded <= positions.limit:
+        return
+    raise ConfigMismatchError(
+        f"The cache at {output} was extracted with max_seq_len {recorded}, more than {positions.describe()}: "
+        f"its samples longer than {positions.limit:,} tokens may hold hidden states past the target's "
+        "positions, and an extraction holds samples to them (--long-samples), which cuts the remaining parts "
+        "otherwise. Pass --force to extract the cache anew, or choose a new --output."
+    )
 
 
 def _disk_budget(config: ExtractConfig, cache: CacheWriter) -> ExtractionBudget | None:

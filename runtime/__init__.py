@@ -7,6 +7,7 @@
 - `fsio`: atomic files and directories, fsync, advisory locks, stale temporaries;
 - `devices`: the dtype names and the device choice of every command.
 - `records`: the input record (JSONL) and its sidecar, read and validated for every stage.
+- `positions`: how many positions a target takes, read from its config (extract, eval).
 
 Nothing here imports torch at module level: `--help` of every command stays fast.
 """

@@ -156,6 +156,19 @@ def test_bad_prompt_files_fail_with_one_clear_message(pair, tmp_path, line, mess
     assert "Traceback" not in result.output
 
 
+def test_a_prompt_whose_decoding_would_pass_the_targets_positions_is_refused_naming_the_fix(pair, tmp_path):
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"input_ids": [5, 6]}\n' + json.dumps({"input_ids": [5, 6, 7, 8] * 50}) + "\n")
+    args = ["--target-model", str(pair["target"]), "--drafter", str(pair["drafter"]), "--prompts", str(long)]
+    result = CliRunner().invoke(main, args)  # --max-new-tokens 128: 200 + 128 + a block of 4 > 256
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert (f"{long}, line 2: the prompt's 200 tokens, up to --max-new-tokens 128 more and a verify block of 4 "
+            "need up to 332 positions, more than the target's 256 positions") in result.stderr
+    assert "Lower --max-new-tokens to 52 or less" in result.stderr
+    result = CliRunner().invoke(main, [*args, "--max-new-tokens", "52", "--json", "--no-baseline"])
+    assert result.exit_code == 0, result.output  # the fix it names is enough
+
+
 def test_bad_settings_fail_with_one_clear_message(pair, tmp_path):
     result = run(pair, "--block-size", "5")
     assert result.exit_code == 2 and "--block-size 5 must be between 2 and the drafter's trained block size 4" in result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import random_records, write_jsonl
+from conftest import make_tiny_target, random_records, write_jsonl
 from dflash.cache_tools.manifest import read_manifest
 from extract_utils import cache_contents, make_target, run_cli
 
@@ -140,3 +140,52 @@ def test_config_file_sets_flags_and_rejects_unknown_keys(target, tmp_path):
     cfg.write_text(json.dumps({"data": str(data), "tokens_budget": 5}))
     res = run_cli(["--config", cfg])
     assert res.exit_code == 2 and "unknown setting(s) tokens_budget" in res.output
+
+
+@pytest.mark.parametrize("policy", ["truncate", "skip"])
+def test_samples_past_the_targets_positions_are_held_to_them_and_said(tmp_path, policy):
+    short = make_tiny_target(tmp_path / "model", layers=4, max_positions=16)  # --max-seq-len stays 8192
+    data = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1] * n, "prompt_len": 0} for n in (8, 40, 16, 17)])
+    res = extract(short, data, tmp_path / "cache", "--long-samples", policy)
+    assert res.exit_code == 0, res.output
+    manifest = read_manifest(tmp_path / "cache")
+    cached = cache_contents(tmp_path / "cache")
+    lengths = {sid: len(c["input_ids"]) for sid, c in cached.items()}
+    assert lengths == ({0: 8, 1: 16, 2: 16, 3: 16} if policy == "truncate" else {0: 8, 2: 16})
+    assert manifest.header["settings"]["max_seq_len"] == 16  # the length the samples were held to
+    key = "truncated" if policy == "truncate" else "skipped_long"
+    assert sum(p.stats[key] for p in manifest.parts) == 2
+    assert "2 samples longer than the target's 16 positions (max_position_embeddings 16 of its config)" in res.output
+    if policy == "skip":
+        reasons = {s["sample_id"]: s["reason"] for p in manifest.parts for s in p.stats["skips"]}
+        assert reasons == {1: "40 tokens > the target's 16 positions (max_position_embeddings 16 of its config)",
+                           3: "17 tokens > the target's 16 positions (max_position_embeddings 16 of its config)"}
+
+
+def test_a_rope_scaling_factor_extends_the_positions_samples_are_held_to(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    scaled = make_tiny_target(tmp_path / "model", family="llama", layers=4, max_positions=16, rope_parameters=yarn)
+    data = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1] * n, "prompt_len": 0} for n in (40, 70)])
+    res = extract(scaled, data, tmp_path / "cache")
+    assert res.exit_code == 0, res.output
+    assert sorted(len(c["input_ids"]) for c in cache_contents(tmp_path / "cache").values()) == [40, 64]
+    assert "rope_scaling yarn x4 of 16" in res.output
+
+
+def test_a_cache_extracted_past_the_targets_positions_is_refused_on_resume_naming_why(tmp_path, monkeypatch):
+    from dflash.extract import pipeline
+
+    short = make_tiny_target(tmp_path / "model", layers=4, max_positions=16)
+    data = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1] * n, "prompt_len": 0} for n in (8, 40)])
+    with monkeypatch.context() as m:  # an extraction that did not read the target's positions
+        m.setattr(pipeline, "target_positions", lambda config: None)
+        assert extract(short, data, tmp_path / "cache").exit_code == 0
+    before = (tmp_path / "cache" / "manifest.parts.jsonl").read_text()
+    res = extract(short, data, tmp_path / "cache")
+    assert res.exit_code == 2
+    assert "was extracted with max_seq_len 8192, more than the target's 16 positions" in res.output
+    assert "--force" in res.output and "Traceback" not in res.output
+    assert (tmp_path / "cache" / "manifest.parts.jsonl").read_text() == before  # nothing touched
+    res = extract(short, data, tmp_path / "cache", "--force")
+    assert res.exit_code == 0, res.output
+    assert sorted(len(c["input_ids"]) for c in cache_contents(tmp_path / "cache").values()) == [8, 16]
