@@ -31,7 +31,9 @@ class ExtractConfig:
     target_model: str
     """Local Hugging Face model directory of a decoder-only causal LM (config.json + safetensors)."""
     data: str
-    """Tokenized completions: a .jsonl/.jsonl.gz file or a directory of them."""
+    """Tokenized completions: a .jsonl/.jsonl.gz file or a directory of them (a .json file of one
+    record a line is read too; a .json that is one JSON document, such as a config.json, is left
+    out with a note)."""
     output: str
     """Cache directory to create, or to resume when it already holds this extraction."""
     target_layer_ids: list[int] | None = setting(None, type=IntList())

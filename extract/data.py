@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -33,26 +33,36 @@ from dflash.runtime.records import (
     BadRecord,
     PrefixReader,
     iter_lines,
+    json_document,
     parse_sample,
     read_rendering,
 )
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
+# Suffixes that say JSON Lines; a .json (.json.gz) file is one record a line (as Hugging Face's
+# Dataset.to_json writes) or one JSON document (config.json, dataset_info.json, stats.json).
+JSON_LINES_SUFFIXES = (".jsonl", ".jsonl.gz")
 MAX_SKIPS_LISTED = 50  # per part, in the manifest's part stats
 
 
 def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = (),
-                    skipped: list[Path] | None = None, repeated: list[Path] | None = None) -> list[Path]:
+                    skipped: list[Path] | None = None, repeated: list[Path] | None = None,
+                    documents: list[tuple[Path, str]] | None = None) -> list[Path]:
     """The input files: `data` itself, or the JSONL files of a directory in sorted order.
 
     A directory's scan skips dflash caches (a cache kept inside its data directory: its
     manifest and part metadata are .json files, not data) and the directories in `exclude`
     (this run's --output); `skipped` receives the other files it leaves out (not one of
-    DATA_SUFFIXES: `.bz2`, `.JSONL`, ...), but for hidden files and sidecars. Symbolic links are
-    followed, but every directory and file is read once: a second path to one already reached
-    (`latest -> v2` beside `v2`, a link to a parent) goes to `repeated`, not into the data twice."""
+    DATA_SUFFIXES: `.bz2`, `.JSONL`, ...), but for hidden files and sidecars, and `documents`
+    the .json (.json.gz) files that are not JSON Lines of records, each with what it holds
+    (`records.json_document`). Symbolic links are followed, but every directory and file is
+    read once: a second path to one already reached (`latest -> v2` beside `v2`, a link to a
+    parent) goes to `repeated`, not into the data twice. A file given as `data` that is not JSON
+    Lines, or a *.jsonl file of the scan that is one JSON document, is an InputError."""
     path = Path(data)
     if path.is_file():
+        if what := json_document(path, records_only=not path.name.endswith(JSON_LINES_SUFFIXES)):
+            raise InputError(_not_json_lines(path, what, "Point --data to the data file (or its directory), or "))
         return [path]
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL file or a directory of them with --data.")
@@ -73,20 +83,47 @@ def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = (),
         if skipped is not None:
             skipped += [here / n for n in filenames if not n.endswith(DATA_SUFFIXES) and not n.startswith(".")
                         and not n.endswith(SIDECAR_SUFFIXES)]
-    files, real = [], set()
+    files, real, left_out = [], set(), []
     for file in sorted(found):  # the first path of each file in sorted order reads it
         if file.resolve() in real:
             if repeated is not None:
                 repeated.append(file)
             continue
         real.add(file.resolve())
+        named_lines = file.name.endswith(JSON_LINES_SUFFIXES)
+        if what := json_document(file, records_only=not named_lines):
+            if named_lines:  # named as JSON Lines: data that cannot be read, not a file to pass over
+                raise InputError(_not_json_lines(file, what, "Move it out of --data, or "))
+            left_out.append((file, what))
+            continue
         files.append(file)
+    if documents is not None:
+        documents += left_out
     if not files:
         raise InputError(
-            f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz). Point --data "
-            "to the directory with the tokenized completions."
+            f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz, or *.json of one record a "
+            "line). Point --data to the directory with the tokenized completions."
+            + (f" Note: {note}" if (note := json_documents_note(path, left_out)) else "")
         )
     return files
+
+
+def _not_json_lines(path: Path, what: str, fix: str) -> str:
+    return (f"{path} is not JSON Lines of records: {what}. --data takes tokenized records, one JSON object a "
+            f"line (input_ids and a loss mask: docs/extract.md). {fix}convert it to JSON Lines (for an "
+            f"array of records: jq -c '.[]' {path}).")
+
+
+def json_documents_note(data: str | Path, documents: list[tuple[Path, str]], shown: int = 8) -> str | None:
+    """One sentence naming the .json files a directory scan left out as not JSON Lines, or None."""
+    if not documents:
+        return None
+    listed = "; ".join(f"{p.relative_to(data)}, {what}" for p, what in sorted(documents)[:shown])
+    more = f"; and {len(documents) - shown} more" if len(documents) > shown else ""
+    return (f"the scan of {data} left out {len(documents)} .json file{'s' if len(documents) > 1 else ''} that "
+            f"{'are' if len(documents) > 1 else 'is'} not JSON Lines of records: {listed}{more}. A .json file "
+            "of one record a line (as Dataset.to_json writes) is read; convert one of these to JSON Lines if "
+            "it is data.")
 
 
 def skipped_files_note(data: str | Path, skipped: list[Path], shown: int = 8) -> str | None:
@@ -169,12 +206,14 @@ class DataSnapshot:
         return out
 
 
-def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, Any] | None = None) -> DataSnapshot:
+def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, Any] | None = None,
+                  left_out: Sequence[tuple[Path, str]] = ()) -> DataSnapshot:
     """Fingerprint the input files as they are now (see DataSnapshot).
 
     `recorded`: the `data` section of the cache this run resumes. A file that has grown since
     (its recorded bytes still its first ones) is read up to its recorded size, with a note;
-    a file edited, shortened, added or removed since is a ConfigMismatchError naming it."""
+    a file edited, shortened, added or removed since is a ConfigMismatchError naming it (a
+    recorded file the scan left out as not JSON Lines, `left_out` of list_data_files, with why)."""
     root = Path(root)
     entries, records, stats = [], 0, {}
     old = {e.get("path"): e for e in (recorded or {}).get("files", []) if isinstance(e, dict)}
@@ -214,7 +253,10 @@ def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, An
     if old:
         names = {e["path"] for e in entries}
         base = root if root.is_dir() else root.parent
-        changed += [f"{base / n} was extracted into the cache but is no longer in --data"
+        why = {str(p.relative_to(base)): what for p, what in left_out}
+        changed += [f"{base / n} was extracted into the cache, but the scan of --data leaves it out as not JSON "
+                    f"Lines of records ({why[n]})" if n in why else
+                    f"{base / n} was extracted into the cache but is no longer in --data"
                     for n in old if n not in names]
     if changed:
         raise ConfigMismatchError(

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from .config import ExtractConfig
 from .data import (
     DataSnapshot,
     PartPlan,
+    json_documents_note,
     list_data_files,
     repeated_files_note,
     skipped_files_note,
@@ -171,22 +173,26 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     """Extract the hidden states of this rank's uncommitted parts into config.output."""
     skipped: list[Path] = []
     repeated: list[Path] = []
-    files = list_data_files(config.data, exclude=(config.output,), skipped=skipped, repeated=repeated)
+    documents: list[tuple[Path, str]] = []
+    files = list_data_files(config.data, exclude=(config.output,), skipped=skipped, repeated=repeated,
+                            documents=documents)
     refuse_output_among_inputs(config.output, [config.data, *files])
-    for note in (skipped_files_note(config.data, skipped), repeated_files_note(config.data, repeated)):
+    for note in (skipped_files_note(config.data, skipped), repeated_files_note(config.data, repeated),
+                 json_documents_note(config.data, documents)):
         if config.rank == 0 and note:
             print(f"Note: {note}", file=sys.stderr, flush=True)
     device = resolve_device(config.device)  # under torchrun each process of a host takes its own GPU
     if writer_count(config, device):
         start_fork_server()  # the writers' imports then overlap loading the target
     try:
-        return _run_extraction(config, files, device, model)
+        return _run_extraction(config, files, device, model, left_out=documents)
     except BaseException:
         stop_fork_server()  # (the writer pool stops it too, when it got that far)
         raise
 
 
-def _run_extraction(config: ExtractConfig, files, device: torch.device, model: nn.Module | None) -> ExtractSummary:
+def _run_extraction(config: ExtractConfig, files, device: torch.device, model: nn.Module | None, *,
+                    left_out: Sequence[tuple[Path, str]] = ()) -> ExtractSummary:
     model_dir = None
     if model is None:
         model_dir = config.target_model
@@ -205,7 +211,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
                            need_last=need_last, top1_rows=config.stored_top1_share() > 0)
     positions = target_positions(model.config)
     old = {} if config.force else recorded_header(config.output)
-    data = snapshot_data(files, config.data, recorded=old.get("data"))
+    data = snapshot_data(files, config.data, recorded=old.get("data"), left_out=left_out)
     header = build_header(config, model, model_dir, layer_ids, data, positions)
     refuse_a_cache_past_the_positions(old, header, config.output, positions)
     if old and (note := unrecorded_weights_note(old.get("target"), header["target"],

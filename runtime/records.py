@@ -139,6 +139,64 @@ def read_json(line: bytes) -> Any:
         raise NotJson(f"the line is not valid JSON ({e.msg} at column {e.colno})", e.msg) from None
 
 
+DOCUMENT_READ_LIMIT = 64 << 20  # bytes of a file read whole to tell one JSON document spanning lines
+
+
+def json_document(path: Path, *, records_only: bool = False) -> str | None:
+    """What `path` holds, in a few words, when it is not JSON Lines; None when it reads as JSON
+    Lines, or cannot be told from JSON Lines with a damaged line (reading it names that line).
+
+    Not JSON Lines: one JSON document spanning lines (a pretty-printed config.json,
+    dataset_info.json or stats.json), told by its first non-blank line, which is no JSON value on
+    its own while the file as a whole is one, or which only opens one (`{` or `[`). With
+    `records_only`, also a file whose first line is a JSON value but not a record (an object with
+    input_ids): a one-line dataset_info.json, an array of records, a line of another schema."""
+    try:
+        with open_binary(path) as fh:
+            number, first = next(((n, line) for n, line in enumerate(fh, 1) if line.strip()), (0, b""))
+            if not first:
+                return None
+            try:
+                value = read_json(first)
+            except NotJson:
+                fh.seek(0)
+                head = fh.read(DOCUMENT_READ_LIMIT + 1)
+            else:
+                return _not_a_record(value, number) if records_only else None
+    except (OSError, EOFError):
+        return None  # reading it names the problem
+    try:
+        document = json.loads(head.decode("utf-8-sig")) if len(head) <= DOCUMENT_READ_LIMIT else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        document = None
+    if isinstance(document, dict | list):
+        lines = head.rstrip().count(b"\n") + 1
+        return f"one JSON document spanning {lines:,} lines ({_shape(document)})"
+    opening = first.decode("utf-8-sig", errors="replace").strip()
+    if opening in ("{", "["):
+        return f"one JSON document spanning lines (its line {number} is a lone {opening})"
+    return None
+
+
+def _not_a_record(value: Any, number: int) -> str | None:
+    if isinstance(value, dict) and "input_ids" in value:
+        return None
+    if isinstance(value, list):
+        return f"one JSON document on line {number} ({_shape(value)}), not one record a line"
+    return f"line {number} is {_shape(value)}, not a record (a JSON object with input_ids)"
+
+
+def _shape(value: Any, shown: int = 5) -> str:
+    if isinstance(value, dict):
+        keys = list(value)
+        return ("an object with keys " + ", ".join(keys[:shown]) + (", ..." if len(keys) > shown else "")
+                if keys else "an empty object")
+    if isinstance(value, list):
+        return f"an array of {len(value):,} item{'' if len(value) == 1 else 's'}"
+    kind = {str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+    return f"a JSON {kind}"
+
+
 def format_record(record: dict[str, Any]) -> str:
     """One record as its JSONL line (compact, without the newline)."""
     return json.dumps(record, separators=(",", ":"))

@@ -189,3 +189,71 @@ def test_a_cache_extracted_past_the_targets_positions_is_refused_on_resume_namin
     res = extract(short, data, tmp_path / "cache", "--force")
     assert res.exit_code == 0, res.output
     assert sorted(len(c["input_ids"]) for c in cache_contents(tmp_path / "cache").values()) == [8, 16]
+
+
+def write_json_documents(d):
+    """What a data directory often holds beside its data: not JSON Lines."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stats.json").write_text(json.dumps({"records": 6, "tokens": 300}, indent=2) + "\n")
+    (d / "dataset_info.json").write_text(json.dumps({"features": {"input_ids": "list"}, "num_rows": 6}) + "\n")
+    (d / "ids.json").write_text(json.dumps([{"input_ids": [1, 2], "prompt_len": 0}]) + "\n")
+
+
+@pytest.mark.parametrize("extra", [[], ["--skip-bad"]], ids=["plain", "skip-bad"])
+def test_json_documents_beside_the_data_are_left_out_and_named_while_json_lines_named_json_are_read(
+        target, tmp_path, extra):
+    recs = random_records(6, seed=8)
+    write_jsonl(tmp_path / "d" / "a.json", recs[:2])  # JSON Lines named .json, as Dataset.to_json writes
+    write_jsonl(tmp_path / "d" / "train.jsonl", recs[2:])
+    write_json_documents(tmp_path / "d")
+    res = extract(target, tmp_path / "d", tmp_path / "cache", *extra)
+    assert res.exit_code == 0, res.output
+    cached = cache_contents(tmp_path / "cache")
+    assert {sid: c["input_ids"].tolist() for sid, c in cached.items()} == {
+        sid: rec["input_ids"] for sid, rec in enumerate(recs)}  # nothing mixed in, the ids name the data's lines
+    manifest = read_manifest(tmp_path / "cache")
+    assert [f["path"] for f in manifest.header["data"]["files"]] == ["a.json", "train.jsonl"]
+    assert sum(p.stats["skipped_bad"] for p in manifest.parts) == 0
+    assert "left out 3 .json files that are not JSON Lines of records" in res.output
+    assert "stats.json, one JSON document spanning 4 lines (an object with keys records, tokens)" in res.output
+    assert "dataset_info.json, line 1 is an object with keys features, num_rows, not a record" in res.output
+    assert "ids.json, one JSON document on line 1 (an array of 1 item)" in res.output
+
+
+def test_a_json_document_given_as_data_or_alone_in_its_directory_is_a_clear_error(target, tmp_path):
+    write_json_documents(tmp_path / "d")
+    res = extract(target, tmp_path / "d" / "stats.json", tmp_path / "c1")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert (f"{tmp_path / 'd' / 'stats.json'} is not JSON Lines of records: one JSON document spanning 4 lines"
+            in res.output)
+    res = extract(target, tmp_path / "d" / "dataset_info.json", tmp_path / "c2")
+    assert res.exit_code == 2 and "line 1 is an object with keys features, num_rows, not a record" in res.output
+    res = extract(target, tmp_path / "d", tmp_path / "c3")
+    assert res.exit_code == 2 and "holds no data files" in res.output and "stats.json, one JSON document" in res.output
+    assert not (tmp_path / "c1").exists() and not (tmp_path / "c3").exists()
+    lines = write_jsonl(tmp_path / "one.json", [GOOD, GOOD])  # JSON Lines named .json, given as --data
+    assert extract(target, lines, tmp_path / "c4").exit_code == 0
+
+
+def test_a_jsonl_file_that_is_one_json_document_is_refused_naming_it(target, tmp_path):
+    write_jsonl(tmp_path / "d" / "a.jsonl", [GOOD])
+    (tmp_path / "d" / "b.jsonl").write_text(json.dumps([GOOD, GOOD], indent=2) + "\n")
+    res = extract(target, tmp_path / "d", tmp_path / "cache", "--skip-bad")  # not a line of it is read
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"{tmp_path / 'd' / 'b.jsonl'} is not JSON Lines of records: one JSON document spanning" in res.output
+    assert "Move it out of --data" in res.output
+
+
+def test_a_cache_that_read_a_json_document_as_data_is_not_resumed_without_it_silently(target, tmp_path, monkeypatch):
+    from dflash.extract import data as extract_data
+
+    write_jsonl(tmp_path / "d" / "train.jsonl", random_records(3, seed=9))
+    write_json_documents(tmp_path / "d")
+    with monkeypatch.context() as m:  # a scan that read every .json file as data
+        m.setattr(extract_data, "json_document", lambda path, records_only=False: None)
+        assert extract(target, tmp_path / "d", tmp_path / "cache", "--skip-bad").exit_code == 0
+    res = extract(target, tmp_path / "d", tmp_path / "cache", "--skip-bad")
+    assert res.exit_code == 2
+    assert (f"{tmp_path / 'd' / 'stats.json'} was extracted into the cache, but the scan of --data leaves it out "
+            "as not JSON Lines of records (one JSON document spanning 4 lines") in res.output
+    assert "--force" in res.output

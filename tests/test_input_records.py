@@ -4,6 +4,7 @@ record read once, and a sidecar written by dflash-prepare is the one extract rea
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from dflash.runtime.errors import InputError
 from dflash.runtime.records import (
     RENDERING_KEYS,
     completion_start,
+    json_document,
     parse_record,
     read_rendering,
     read_sidecar,
@@ -78,3 +80,30 @@ def test_a_prompt_line_that_is_not_utf8_is_a_clear_error(tmp_path):
     path.write_bytes(b'{"input_ids": [1]}\n{"input_ids": [1], "id": "\xff"}\n')
     with pytest.raises(InputError, match=r"p.jsonl, line 2 is not valid JSON \(not UTF-8"):
         load_prompts(path, 32)
+
+
+JSON_FILES = [  # (content, what it holds as one JSON document, what as records: None for JSON Lines)
+    (json.dumps({"a": 1, "b": [1, 2]}, indent=2), "one JSON document spanning 7 lines (an object with keys a, b)", None),
+    ("\ufeff" + json.dumps([1, 2], indent=1), "one JSON document spanning 4 lines (an array of 2 items)", None),
+    ('{ "hand": "written",\n  "config": 1 }\n', "one JSON document spanning 2 lines (an object with keys hand, config)",
+     None),
+    ('{\n  "damaged": 1,,\n}\n', "one JSON document spanning lines (its line 1 is a lone {)", None),
+    ("\n" + json.dumps({"num_rows": 6}), None,
+     "line 2 is an object with keys num_rows, not a record (a JSON object with input_ids)"),
+    (json.dumps([{"input_ids": [1]}]), None, "one JSON document on line 1 (an array of 1 item), not one record a line"),
+    ('"text"\n', None, "line 1 is a JSON string, not a record (a JSON object with input_ids)"),
+    ('{"input_ids": [1], "prompt_len": 0}\n{"input_ids": [2], "prompt_len": 0}\n', None, None),
+    ('{"input_ids": [1, 2\n{"input_ids": [2], "prompt_len": 0}\n', None, None),  # a damaged line: the run names it
+    ("\n\n", None, None),
+]
+
+
+@pytest.mark.parametrize("content, document, as_records", JSON_FILES)
+def test_a_json_document_is_told_from_json_lines_by_its_first_line(tmp_path, content, document, as_records):
+    path = tmp_path / "f.json"
+    path.write_text(content)
+    assert json_document(path) == document
+    assert json_document(path, records_only=True) == (document or as_records)
+    with gzip.open(tmp_path / "f.json.gz", "wt") as f:
+        f.write(content)
+    assert json_document(tmp_path / "f.json.gz") == document
