@@ -13,7 +13,9 @@ from pathlib import Path
 
 import google_crc32c
 
+from .errors import CacheError
 from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, read_manifest
+from .plan import unfinished_extraction
 from .remote_store import (
     FILES_INDEX,
     FilesIndex,
@@ -34,9 +36,16 @@ def part_files(part_dir: Path) -> list[RemoteFile]:
 def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8,
                  on_part: Callable[[str], None] | None = None) -> dict[str, int]:
     """Copy a local cache to `url`: parts (files already there with the same size are kept, so
-    an interrupted upload resumes), then the file index, the commit log, the header last."""
+    an interrupted upload resumes), then the file index, the commit log, the header last. A cache
+    whose extraction has not committed every planned part is refused: the extraction plan stays
+    behind, so a trainer of the remote copy could not tell the parts there from the whole data."""
     local = Path(local)
     m = read_manifest(local)
+    if (left := unfinished_extraction(local, m.header, {p.name for p in m.parts})) is not None:
+        raise CacheError(
+            f"Cannot upload {local}: it is not a finished cache ({left.describe()}): its extraction was stopped "
+            "before its end, is still running, or lost a rank, and a trainer of the remote copy would take the "
+            "parts there for the whole data. Rerun the same dflash-extract command to finish it, then upload.")
     store = RemoteStore(url)
     index = FilesIndex()
     uploaded = skipped = 0

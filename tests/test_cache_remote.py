@@ -249,3 +249,26 @@ def test_a_budget_smaller_than_one_part_still_reads_every_part_one_at_a_time(tmp
         np.testing.assert_array_equal(bits(reader.read_sample(i)["hidden"]), bits(local_reader.read_sample(i)["hidden"]))
         assert disk_usage(stage.path / "parts") <= skeleton + max(stage.part_bytes(n) for n in stage.index.parts)
         reader.close()
+
+
+def remote_holds_nothing(s3, url: str) -> bool:
+    prefix = url.split("/", 3)[3]
+    return s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("KeyCount", 0) == 0
+
+
+def test_the_upload_of_an_unfinished_cache_is_refused_and_writes_nothing(tmp_path, s3):
+    """The extraction plan is not uploaded: a remote copy of 2 of 3 planned parts would train as
+    the whole data, where the local cache is refused as unfinished."""
+    from dflash.cache_tools.manifest import read_manifest
+    from dflash.cache_tools.plan import PlannedPart, write_plan
+
+    local = tmp_path / "local"
+    make_cache(local, parts=2, length=20)
+    m = read_manifest(local)
+    planned = [PlannedPart(p.name, (k * 10, k * 10 + 1), p.lengths) for k, p in enumerate(m.parts)]
+    write_plan(local, m.header, [*planned, PlannedPart("part-000002", (20, 21), (20, 20))])
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    res = CliRunner().invoke(cache_main, ["upload", str(local), url])
+    assert res.exit_code == 2 and res.output.startswith("Error: ") and "Traceback" not in res.output, res.output
+    assert "is not a finished cache (2 of its 3 planned parts are committed" in " ".join(res.output.split())
+    assert remote_holds_nothing(s3, url)
