@@ -14,6 +14,7 @@ from pathlib import Path
 import google_crc32c
 
 from .errors import CacheError
+from .eviction import refuse_evicted
 from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, read_manifest
 from .plan import unfinished_extraction
 from .remote_store import (
@@ -38,9 +39,11 @@ def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8,
     """Copy a local cache to `url`: parts (files already there with the same size are kept, so
     an interrupted upload resumes), then the file index, the commit log, the header last. A cache
     whose extraction has not committed every planned part is refused: the extraction plan stays
-    behind, so a trainer of the remote copy could not tell the parts there from the whole data."""
+    behind, so a trainer of the remote copy could not tell the parts there from the whole data.
+    So is one with parts evicted under a disk budget: their files are gone."""
     local = Path(local)
     m = read_manifest(local)
+    refuse_evicted(local, "upload")
     if (left := unfinished_extraction(local, m.header, {p.name for p in m.parts})) is not None:
         raise CacheError(
             f"Cannot upload {local}: it is not a finished cache ({left.describe()}): its extraction was stopped "

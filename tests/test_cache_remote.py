@@ -272,3 +272,21 @@ def test_the_upload_of_an_unfinished_cache_is_refused_and_writes_nothing(tmp_pat
     assert res.exit_code == 2 and res.output.startswith("Error: ") and "Traceback" not in res.output, res.output
     assert "is not a finished cache (2 of its 3 planned parts are committed" in " ".join(res.output.split())
     assert remote_holds_nothing(s3, url)
+
+
+def test_the_upload_of_a_cache_with_evicted_parts_is_refused_naming_the_eviction(tmp_path, s3):
+    """Parts evicted under a disk budget have no files: the upload said "Uploaded 3 parts" and left
+    a remote copy whose evicted parts hold nothing."""
+    from dflash.cache_tools.eviction import evict_part
+    from dflash.cache_tools.manifest import read_manifest
+
+    local = tmp_path / "local"
+    make_cache(local, parts=3, length=20)
+    evict_part(local, read_manifest(local).parts[1], 0)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    res = CliRunner().invoke(cache_main, ["upload", str(local), url])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and text.startswith("Error: ") and "Traceback" not in text, res.output
+    assert "1 part(s) of" in text and "evicted under a disk budget (part-000001 first" in text, text
+    assert "upload reads every part" in text
+    assert remote_holds_nothing(s3, url)
