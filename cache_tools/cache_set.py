@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigMismatchError
+from .eviction import refuse_evicted
 from .identity import Purpose, target_differences
 from .manifest import diff_identity
 from .plan import ExtractionProgress, unfinished_extraction
@@ -87,6 +88,9 @@ class CacheSet:
         # An s3:// cache is read through a local staging directory (remote.py), within disk_budget.
         self.readers = [open_reader(d, verify_checksums=verify_checksums, disk_budget=disk_budget,
                                     staging_dir=staging_dir) for d in cache_dirs]
+        for reader in self.readers:  # (its evicted parts would read as damaged ones)
+            refuse_evicted(reader.cache_dir, "Training on it without --follow",
+                           also="the training run that followed the extraction resumes with --follow in its --output-dir")
         first = self.readers[0]
         for other in self.readers[1:]:
             check_compatible(first, other)

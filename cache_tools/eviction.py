@@ -109,16 +109,18 @@ class EvictionLog:
         return {n: s for n, s in self.states.items() if s.evicted}
 
 
-def refuse_evicted(cache_dir: str | os.PathLike, command: str) -> None:
-    """`command` (recompress, merge, stats) reads every part: refused, naming the parts, where
-    some are evicted under a disk budget (their files are gone, which is no damage)."""
+def refuse_evicted(cache_dir: str | os.PathLike, command: str, also: str = "") -> None:
+    """`command` (recompress, merge, stats, upload, an offline training run) reads every part:
+    refused, naming the parts, where some are evicted under a disk budget (their files are gone,
+    which is no damage). `also`: another way out, appended to the advice."""
     gone = sorted(EvictionLog(cache_dir).refresh().evicted())
     if gone:
         raise CacheError(
             f"{len(gone)} part(s) of {cache_dir} are evicted under a disk budget ({gone[0]} first; "
             f"{EVICTION_FILE}): their files were deleted once training had read them, and only an extraction's "
             f"later --follow-epochs pass writes them again. {command} reads every part: extract the cache anew "
-            "into a directory with room for all of it (dflash-extract without --disk-budget).")
+            "into a directory with room for all of it (dflash-extract without --disk-budget)" + (f"; {also}" if also else "")
+            + ".")
 
 
 def encode_event(event: dict[str, Any]) -> bytes:

@@ -82,3 +82,21 @@ def test_recompress_merge_and_stats_of_a_cache_with_evicted_parts_name_the_evict
         res = CliRunner().invoke(cache_main, args)
         assert res.exit_code == 2, res.output
         assert "evicted under a disk budget" in res.output and "damaged" not in res.output, res.output
+
+
+def test_training_offline_on_a_cache_with_evicted_parts_names_the_eviction_not_damage(caches, tmp_path):
+    """dflash-train (and estimate) without --follow read every part: an evicted one was reported as
+    "zarr.json is missing. The part is damaged", where verify calls the cache sound."""
+    from dflash.cache_tools.eviction import evict_part
+    from dflash.train.cli import main as train_main
+
+    cache = shutil.copytree(caches["other"], tmp_path / "budgeted")
+    evict_part(cache, read_manifest(cache).parts[0], trained_epoch=0)
+    res = CliRunner().invoke(train_main, ["--cache", str(cache), "--target-model", caches["target"], "--output-dir",
+                                          str(tmp_path / "run"), "--num-draft-layers", "1", "--block-size", "4",
+                                          "--eval-fraction", "0", "--no-progress", "--no-tensorboard"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and text.startswith("Error: ") and "Traceback" not in text, res.output
+    assert "evicted under a disk budget (part-000000 first" in text and "damaged" not in text, text
+    assert "resumes with --follow" in text
+    assert not (tmp_path / "run" / "checkpoints").exists()
