@@ -7,6 +7,8 @@ larger than the budget; on finished local caches, where they would do nothing, t
 from __future__ import annotations
 
 import re
+import signal
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -111,3 +113,37 @@ def test_the_budget_does_not_change_the_batches(tiny_world, tmp_path):
 
     assert batches(disk_budget=str(3 * part)) == batches()
 
+
+
+def test_a_part_evicted_for_another_training_run_is_refused_at_once_instead_of_waited_for(tiny_world, tmp_path):
+    """Another run's consumption reports let the extraction evict part-000000 after its epoch 1; a
+    new run reads it for epoch 0. It waited forever ("the extraction that evicted it does not extract
+    it again: rerun dflash-extract ... --follow-epochs of at least this run's --epochs", which brought
+    nothing back); two runs following one budgeted cache left the slower one waiting so."""
+    from dflash.cache_tools.eviction import evict_part
+    from dflash.runtime.errors import DflashError
+
+    cache, _ = planned_cache(tmp_path)
+    evict_part(cache, read_manifest(cache).parts[0], trained_epoch=1, reextract=False)
+    config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", follow=True, eval_fraction=0,
+                               shuffle_parts=2, epochs=2)
+    data = open_training_data(config, rank=0, world_size=1, pin_memory=False)
+
+    def waited_too_long(*_):
+        raise TimeoutError("the run waited for a part that no extraction brings back for it")
+
+    previous = signal.signal(signal.SIGALRM, waited_too_long)
+    signal.alarm(20)
+    start = time.monotonic()
+    try:
+        with pytest.raises(DflashError) as e:
+            for _ in range(data.loader.total_steps):
+                data.loader.next_batch()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        data.loader.close()
+    assert time.monotonic() - start < 10
+    text = str(e.value)
+    assert "'part-000000'" in text and "evicted under the disk budget after epoch 1" in text, text
+    assert "reads it for epoch 0" in text and "only one training run can follow a cache" in text, text

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
-from dflash.cache_tools.eviction import EvictionLog, PartState, write_trained
+from dflash.cache_tools.errors import CacheCorruptError, CacheError, CacheNotFoundError
+from dflash.cache_tools.eviction import TRAINED_PREFIX, EvictionLog, PartState, write_trained
 from dflash.cache_tools.manifest import CommitLog, Manifest, header_identity, read_header
 from dflash.cache_tools.plan import ExtractionPlan, extraction_progress, read_plan
 from dflash.cache_tools.reader import CacheReader
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 0.05  # first wait between looks at the commit log; doubles up to MAX_POLL_SECONDS
 MAX_POLL_SECONDS = 0.5
+TRAINED_GLOB = f"{TRAINED_PREFIX}*.json"
 NOTICE_SECONDS = 30.0  # a waiting trainer says what it waits for this often
 
 
@@ -133,6 +134,8 @@ class FollowCacheSet:
         self._evictions_seen = 0  # evicted events whose maps were dropped (_drop_evicted)
         self._offsets: dict[int, np.ndarray] = {}
         self.announce = announce
+        # The training epoch the batch being read is for (the loader sets it; None: an evaluation).
+        self.reading_epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -193,6 +196,8 @@ class FollowCacheSet:
             state = self._evictions.state(want.name)
             if record is not None and not state.evicted:
                 break
+            if record is not None and self.reading_epoch is not None and state.epoch >= self.reading_epoch:
+                raise CacheError(self._evicted_for_another_run(want.name, state))
             waited = time.monotonic() - start
             if waited - noticed >= NOTICE_SECONDS:
                 noticed = waited
@@ -238,6 +243,19 @@ class FollowCacheSet:
         for planned, idx in self._in_reader.items():
             if which(planned):
                 self.reader.close_part(idx)
+
+    def _evicted_for_another_run(self, name: str, evicted: PartState) -> str:
+        """A part evicted after epoch k is never read again before epoch k + 1 by the run whose
+        consumption reports let it go (a resume starts at its last report or later): a reader of an
+        earlier epoch is another run, which would wait for it forever (it comes back, if at all, for
+        the epochs of the run that evicted it)."""
+        return (f"cache part {name!r} of {self.cache_dir} was evicted under the disk budget after epoch {evicted.epoch}, "
+                f"once every consumption report ({TRAINED_GLOB}) said it had been trained on then, but this run reads it "
+                f"for epoch {self.reading_epoch}: those reports are another training run's (a second run following the "
+                "cache, or an earlier one; or this run's later checkpoints were deleted). The extraction evicts by the "
+                "reports in the cache, one file per rank whichever run wrote it last, so only one training run can follow "
+                "a cache extracted under --disk-budget. Resume the run that trained on it (its --output-dir), or give "
+                "this run a cache of its own (dflash-extract --output NEW with the same settings).")
 
     def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> str:
         done = extraction_progress(self.plan, self._log)

@@ -175,6 +175,8 @@ class _BatchList(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         try:
+            if hasattr(self.caches, "reading_epoch"):  # --follow: the training epoch it is read for
+                self.caches.reading_epoch = self.batches.position(i)[0] if isinstance(self.batches, RankBatches) else None
             batch = read_batch(self.caches, self.batches[i])
             if self.prepare is not None:
                 self.prepare(batch, i)
