@@ -13,6 +13,9 @@ extracted again for the next epoch that reads it. Two kinds of small files carry
                                             files, which a re-extraction must reproduce
                                   restored  re-extracted and committed again (for epoch + 1)
                                   kept      a part still on disk kept for a later epoch
+  manifest.budget.json          the --disk-budget the extraction runs under (written before its plan,
+                                removed by one without a budget): a following trainer applies the
+                                budget's checks even when it is not given --disk-budget itself
   manifest.trained-rankNNNNN.json  one per training rank, written atomically after each of its
                                 checkpoints: the epoch of that checkpoint's data position and the
                                 parts this epoch's consumed batches cover. A resume from the last
@@ -42,6 +45,7 @@ from .errors import CacheCorruptError, CacheError
 from .manifest import LOCK_FILE, PARTS_DIR, PartRecord
 
 EVICTION_FILE = "manifest.evicted.jsonl"
+BUDGET_FILE = "manifest.budget.json"
 TRAINED_PREFIX = "manifest.trained-rank"
 EVICTED, RESTORED, KEPT = "evicted", "restored", "kept"
 
@@ -224,6 +228,28 @@ def keep_part(cache_dir: str | os.PathLike, name: str, epoch: int) -> bool:
         if state.epoch < epoch:
             append_event(cache_dir, {"part": name, "event": KEPT, "epoch": int(epoch)})
     return True
+
+
+def record_budget(cache_dir: str | os.PathLike, limit: int | None) -> None:
+    """Record the extraction's --disk-budget in the cache (None: it has none; an earlier record goes)."""
+    path = Path(cache_dir) / BUDGET_FILE
+    # Under the cache lock: a writer opening the cache removes temporary files there (orphans).
+    with file_lock(Path(cache_dir) / LOCK_FILE):
+        if limit is None:
+            path.unlink(missing_ok=True)
+        else:
+            atomic_write_bytes(path, json.dumps({"disk_budget": int(limit)}).encode())
+
+
+def recorded_budget(cache_dir: str | os.PathLike) -> int | None:
+    """The --disk-budget in bytes an extraction of the cache runs under, or None."""
+    try:
+        return int(json.loads((Path(cache_dir) / BUDGET_FILE).read_bytes())["disk_budget"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CacheCorruptError(f"{Path(cache_dir) / BUDGET_FILE} is damaged ({e}): rerun the dflash-extract "
+                                "command on the cache to write it again.") from None
 
 
 # -- what the trainers consumed ----------------------------------------------------------------

@@ -35,7 +35,7 @@ from dflash.runtime.quantize import bf16_bits, quantize_fp8, quantize_nf4
 
 from .codecs import HiddenCodec
 from .errors import CacheError, CacheStorageError
-from .eviction import EVICTION_FILE, TRAINED_PREFIX, EvictionLog, restore_part
+from .eviction import BUDGET_FILE, EVICTION_FILE, TRAINED_PREFIX, EvictionLog, restore_part
 from .identity import Purpose
 from .manifest import (
     HEADER_FILE,
@@ -222,7 +222,7 @@ class CacheWriter:
         that name parts go first and the parts last, so that a wipe stopped halfway leaves
         nothing a new cache would take for its own (the plan is checked against the header;
         parts no commit names are orphans)."""
-        for name in (LOG_FILE, EVICTION_FILE):
+        for name in (LOG_FILE, EVICTION_FILE, BUDGET_FILE):
             (self.cache_dir / name).unlink(missing_ok=True)
         for path in self.cache_dir.glob(f"{TRAINED_PREFIX}*"):
             path.unlink(missing_ok=True)

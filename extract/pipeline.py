@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.errors import ConfigMismatchError
+from dflash.cache_tools.eviction import record_budget
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.manifest import header_top1_share, make_header, read_header
@@ -223,6 +224,8 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     rules = config.part_rules(header["target"]["vocab_size"], positions)
+    # Before the plan, which a following trainer waits for: it checks what the budget needs.
+    record_budget(config.output, None if config.disk_budget is None else parse_size(config.disk_budget))
     planned = ensure_plan(config.output, data, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,

@@ -147,3 +147,45 @@ def test_a_part_evicted_for_another_training_run_is_refused_at_once_instead_of_w
     text = str(e.value)
     assert "'part-000000'" in text and "evicted under the disk budget after epoch 1" in text, text
     assert "reads it for epoch 0" in text and "only one training run can follow a cache" in text, text
+
+
+def test_a_run_without_disk_budget_following_a_budgeted_extraction_gets_the_budgets_refusals(tiny_world, tmp_path):
+    """The trainer's --disk-budget was only a check, and a run without it beside dflash-extract
+    --disk-budget kept the default held-out split: its first evaluation waited for parts the
+    extraction had no room for, while the extraction waited for the trainer to report (both hung)."""
+    from dflash.cache_tools.eviction import record_budget
+    from dflash.train.config import TrainConfigError
+
+    cache, part = planned_cache(tmp_path)
+    record_budget(cache, 3 * part)  # what an extraction under --disk-budget writes before its plan
+
+    def opened(**settings):
+        config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", follow=True, epochs=1, **settings)
+        data = open_training_data(config, rank=0, world_size=1, pin_memory=False)
+        data.loader.close()
+        return data
+
+    for settings, fragment in ((dict(shuffle_parts=2), "a held-out split of the followed cache (--eval-fraction 0.02)"),
+                               (dict(eval_fraction=0), "needs --shuffle-parts N")):
+        with pytest.raises(TrainConfigError) as e:
+            opened(**settings)
+        text = str(e.value)
+        assert f"The extraction of {cache} runs under --disk-budget {3 * part}" in text and fragment in text, text
+    opened(shuffle_parts=2, eval_fraction=0)  # what the budget needs: it trains
+    record_budget(cache, None)  # an extraction without a budget removes the record
+    opened(shuffle_parts=2)
+
+
+def test_an_extraction_records_its_disk_budget_before_its_plan_and_a_rerun_without_one_removes_it(tmp_path):
+    from conftest import write_jsonl
+    from dflash.cache_tools.eviction import recorded_budget
+    from extract_utils import extract, make_target
+
+    target = make_target(tmp_path / "target", layers=4)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"input_ids": [1 + (k + j) % 90 for j in range(12)],
+                                                  "loss_mask": [0] * 4 + [1] * 8} for k in range(12)])
+    cache = tmp_path / "cache"
+    extract(target, data, cache, disk_budget="1G")
+    assert recorded_budget(cache) == 1 << 30
+    extract(target, data, cache)
+    assert recorded_budget(cache) is None

@@ -275,8 +275,32 @@ def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowC
     if len(config.cache) != 1:
         raise TrainConfigError(f"--follow follows one cache, but {len(config.cache)} were given with --cache: "
                                "follow one, or train on finished caches without --follow.")
-    return FollowCacheSet(config.cache[0], max_seq_len=config.max_seq_len,
-                          verify_checksums=config.verify_checksums, announce=announce)
+    caches = FollowCacheSet(config.cache[0], max_seq_len=config.max_seq_len,
+                            verify_checksums=config.verify_checksums, announce=announce)
+    check_extraction_budget(config, caches.cache_dir)
+    return caches
+
+
+def check_extraction_budget(config: Any, cache_dir: Path) -> None:
+    """A run not given --disk-budget follows a cache whose extraction has one: the budget's
+    refusals (--shuffle-parts 0, a held-out split of the followed cache) hold for it too, as if it
+    had been given the same --disk-budget. Without them the first evaluation, or the first batches,
+    wait for parts the extraction has no room for while it waits for the trainer: neither moves."""
+    import dataclasses
+
+    from dflash.cache_tools.eviction import BUDGET_FILE, recorded_budget
+
+    from .config import TrainConfigError
+
+    budget = recorded_budget(cache_dir)
+    if config.disk_budget is not None or budget is None:
+        return
+    try:
+        dataclasses.replace(config, disk_budget=str(budget))
+    except TrainConfigError as e:
+        raise TrainConfigError(
+            f"The extraction of {cache_dir} runs under --disk-budget {budget} ({BUDGET_FILE}), and this run follows "
+            f"it without one: what that budget needs holds here too. {e}") from None
 
 
 def group_budget_warning(caches: FollowCacheSet, shuffle_parts: int, budget: int) -> str:
