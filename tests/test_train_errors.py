@@ -120,8 +120,10 @@ def test_startup_on_10000_parts_reads_only_the_manifest_and_the_first_batch(tiny
     opened = [p for p in _OPENED[1:] if str(cache) in p]
     _OPENED.clear()
     assert result.step == 1
-    # (and the extraction plan, one file whatever the part count: whether the cache is finished)
-    outside_parts = {os.path.basename(p) for p in opened if "/parts/" not in p} - {"manifest.plan.json"}
+    # (and the extraction plan and the eviction log, one file each whatever the part count:
+    # whether the cache is finished, whether parts of it were evicted under a disk budget)
+    outside_parts = ({os.path.basename(p) for p in opened if "/parts/" not in p}
+                     - {"manifest.plan.json", "manifest.evicted.jsonl"})
     assert outside_parts == {"manifest.json", LOG_FILE}
     touched_parts = {p.split("/parts/")[1].split("/")[0] for p in opened if "/parts/" in p}
     assert 1 <= len(touched_parts) <= 4  # the parts of the one batch of 4 samples, nothing else
