@@ -143,3 +143,21 @@ def test_flex_attention_on_a_cpu_is_refused_in_one_paragraph_before_a_step(tiny_
     code, output = run_cli(*base_args(tiny_world, tmp_path / "run", "--attention-backend", "flex", "--device", "cpu"))
     assert_clear_error(code, output, "--attention-backend flex trains on CUDA only", "--attention-backend sdpa")
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
+def test_a_cache_holding_samples_past_the_targets_positions_is_named_at_startup(tmp_path, capsys):
+    from conftest import HIDDEN, TARGET_LAYERS, WORLD_VOCAB, make_tiny_target
+
+    # Samples of 20-24 tokens, as a cache extracted before dflash-extract held samples to the
+    # target's positions could hold them; the same target with 16 positions, then with 512.
+    cache = write_tiny_cache(tmp_path / "cache", samples=8, parts=2, min_len=20, max_len=24)
+    lengths = [n for part in read_manifest(cache).parts for n in part.lengths]
+    for positions, named in ((16, True), (512, False)):
+        target = make_tiny_target(tmp_path / f"target-{positions}", hidden=HIDDEN, layers=TARGET_LAYERS,
+                                  vocab=WORLD_VOCAB, heads=2, kv_heads=1, max_positions=positions)
+        config = tiny_train_config(cache, target, tmp_path / f"run-{positions}", max_steps=1, epochs=1,
+                                   max_batch_size=4, eval_fraction=0)
+        assert train(config).step == 1
+        out = capsys.readouterr().out
+        assert (f"holds {len(lengths)} sample(s) longer than the target's 16 positions" in out) is named, out
+        assert (f"the longest {max(lengths)} tokens" in out) is named

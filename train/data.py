@@ -28,6 +28,7 @@ from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
 from dflash.runtime.locks import is_held, same_path
 from dflash.runtime.lookup import sample_lookup_walk
+from dflash.runtime.positions import target_positions
 
 from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
@@ -64,12 +65,30 @@ def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, ca
                               fix="Re-extract the cache with --target-layer-ids such ids")
     notes = [weights_note(manifest.header.get("target"), current, expected_what=f"The cache at {manifest.cache_dir}",
                           found_what=f"the target model at {target_dir}"),
-             unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}")]
+             unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}"),
+             long_samples_note(manifest, target_config)]
     if not isinstance(caches, FollowCacheSet) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
         notes.append(f"The cache at {manifest.cache_dir} is being written by a live extraction: this run trains on "
                      f"the {len(manifest.parts)} parts committed when it started. `dflash-train --follow` trains on "
                      "a cache while it is written; a later resume of this run on the grown cache is refused.")
     return [n for n in notes if n]
+
+
+def long_samples_note(manifest: Any, target_config: Any) -> str | None:
+    """A note for a cache holding samples longer than the target's positions, or None.
+
+    dflash-extract holds samples to them (runtime.positions); a cache extracted before it did may
+    hold longer ones, whose hidden states past the last position are out of the target's range."""
+    positions = target_positions(target_config)
+    if positions is None:
+        return None
+    longer = [n for part in manifest.parts for n in part.lengths if n > positions.limit]
+    if not longer:
+        return None
+    return (f"The cache at {manifest.cache_dir} holds {len(longer)} sample(s) longer than {positions.describe()}, "
+            f"the longest {max(longer):,} tokens: their hidden states past position {positions.limit:,} are out of "
+            "the target's range, and the drafter learns from them. Re-extract the cache to leave them out: "
+            "dflash-extract holds samples to the target's positions (--long-samples truncate or skip).")
 
 
 def count_heldout_groups(caches: CacheSet | FollowCacheSet, heldout: np.ndarray) -> tuple[int, int] | None:
