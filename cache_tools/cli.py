@@ -182,7 +182,9 @@ def info(cache: str, settings: InfoSettings) -> None:
     ]
     if s["evicted_parts"]:
         lines.append(f"evicted          {len(s['evicted_parts'])} parts, {s['evicted_bytes']} bytes "
-                     f"({_human_bytes(s['evicted_bytes'])}) under a disk budget (extracted again when next read); "
+                     f"({_human_bytes(s['evicted_bytes'])}) under a disk budget (an extraction's later "
+                     "--follow-epochs pass writes them again; until then a training run without --follow and "
+                     "the maintenance verbs refuse the cache); "
                      f"on disk now {_human_bytes(s['bytes'] - s['evicted_bytes'])}")
     if s["part_stats"]:
         lines.append("part stats       " + ", ".join(f"{k}={v}" for k, v in sorted(s["part_stats"].items())))
