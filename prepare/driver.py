@@ -26,6 +26,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import click
 from dflash.cache_tools.identity import (
     Purpose,
     target_differences,
@@ -248,7 +249,10 @@ def _short(value: Any) -> str:
 
 
 def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
-    files = list_chat_files(config.data)
+    notes: list[str] = []
+    files = list_chat_files(config.data, notes)
+    for note in notes:
+        click.echo(f"Note: {note}", err=True)
     renderer = build_renderer(config, tokenizer)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     meta = {"producer": "dflash-generate", **render_meta(config, renderer, files),

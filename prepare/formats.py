@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError
-from dflash.runtime.records import SKIPPED_SUFFIX
+from dflash.runtime.records import SIDECAR_SUFFIXES, json_document
 
 FORMATS = ("auto", "messages", "sharegpt", "prompt")
 CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
@@ -56,17 +56,35 @@ class Conversation:
         return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
 
 
-def list_chat_files(data: str | Path) -> list[Path]:
-    """`data` itself, or the chat files of a directory (recursively, sorted)."""
+def list_chat_files(data: str | Path, notes: list[str] | None = None) -> list[Path]:
+    """`data` itself, or the chat files of a directory (recursively, sorted).
+
+    A `.json` file of a directory is read when it is JSON Lines (as `Dataset.to_json` writes it)
+    and left out when it is one JSON document (a pretty-printed config.json or stats.json:
+    `records.json_document`); `notes` receives one sentence naming the files a scan left out, but
+    for hidden files and dflash-generate's sidecars."""
     path = Path(data)
     if path.is_file():
         return [path]
     if not path.exists():
         raise InputError(f"Input data {path} does not exist. Pass a JSONL/Parquet file or a directory of them with --data.")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(CHAT_SUFFIXES)
-                   and not p.name.endswith(SKIPPED_SUFFIX))  # dflash-generate's list of dropped ids
+    files, left_out = [], []
+    for p in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                    and not p.name.endswith(SIDECAR_SUFFIXES)):
+        if p.name.endswith(CHAT_SUFFIXES) or (p.name.endswith(".json") and json_document(p) is None):
+            files.append(p)
+        else:
+            left_out.append(p)
+    if left_out and notes is not None:
+        names = [str(p.relative_to(path)) for p in left_out]
+        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        notes.append(f"the scan of {path} reads *.jsonl, *.jsonl.gz, *.json.gz, *.parquet and .json files of JSON "
+                     f"Lines, and left out {len(names)} other file{'s' if len(names) > 1 else ''}: {listed}. "
+                     "Convert one to JSON Lines (or Parquet) if it is data.")
     if not files:
-        raise InputError(f"Input directory {path} holds no chat files (*.jsonl, *.jsonl.gz, *.parquet). Check --data.")
+        raise InputError(f"Input directory {path} holds no chat files (*.jsonl, *.jsonl.gz, *.json.gz, *.parquet, "
+                         f"or .json of JSON Lines){': it holds ' + ', '.join(p.name for p in left_out[:8]) if left_out else ''}. "
+                         "Check --data.")
     return files
 
 

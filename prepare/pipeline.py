@@ -172,7 +172,10 @@ class PrepareSummary:
 
 
 def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
-    files = list_chat_files(config.data)
+    notes: list[str] = []
+    files = list_chat_files(config.data, notes)
+    for note in notes:
+        click.echo(f"Note: {note}", err=True)
     renderer = build_renderer(config, tokenizer)
     out = Path(config.output)
     refuse_output_among_inputs(out, files)

@@ -109,3 +109,16 @@ def test_text_content_parts_are_joined(tmp_path):
     _, a = prepare(tmp_path, write_jsonl(tmp_path / "m.jsonl", [{"id": "x", "messages": MESSAGES}]))
     _, b = prepare(tmp_path, write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "messages": parts}]))
     assert a == b
+
+
+def test_a_directory_reads_json_lines_named_json_and_names_the_files_it_leaves_out(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", [{"id": "a", "messages": MESSAGES}])
+    write_jsonl(data / "b.json", [{"id": "b", "messages": MESSAGES}])  # JSON Lines, as Dataset.to_json names it
+    (data / "config.json").write_text(json.dumps({"name": "chats", "splits": ["train"]}, indent=2))
+    (data / "README.txt").write_text("chats from the support desk\n")
+    result, records = prepare(tmp_path, data)
+    assert result.exit_code == 0, result.output
+    assert sorted(r["id"] for r in records) == ["a", "b"]
+    assert "left out 2 other files: README.txt, config.json" in " ".join(result.output.split())
