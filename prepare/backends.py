@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.runtime.errors import EnvironmentFault, MismatchError
+from dflash.runtime.positions import target_positions
 from dflash.runtime.safetensors_files import refuse_incomplete_weights
 
 
@@ -230,6 +231,7 @@ class HFBackend:
         model, loading = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, output_loading_info=True)
         refuse_incomplete_weights(model_dir, loading)
         self.model = model.to(self.device).eval()
+        self.positions = target_positions(model.config)  # prompt + answer stay within them
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
         self.sampling = sampling
@@ -255,6 +257,12 @@ class HFBackend:
         texts = [self.renderer.render_text(r.messages, r.tools, add_generation_prompt=True) for r in todo]
         for r, ids in zip(todo, self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
             r.prompt_ids = list(ids)
+
+    def past_positions(self, request: Request) -> str | None:
+        """Why a rendered prompt leaves no position for an answer (a drop reason), or None."""
+        if self.positions is None or len(request.prompt_ids) < self.positions.limit:
+            return None
+        return f"prompt of {len(request.prompt_ids):,} tokens leaves no room within {self.positions.describe()}"
 
     @contextlib.contextmanager
     def _stream(self, sample: int):
@@ -293,7 +301,11 @@ class HFBackend:
             ids[k, width - len(p):] = torch.tensor(p)
             attn[k, width - len(p):] = 1
         s = self.sampling
-        kwargs: dict[str, Any] = {"max_new_tokens": s.max_tokens, "eos_token_id": self.eos_ids,
+        # Past the target's positions its answers are out of range: a batch ends at the last one
+        # its longest prompt leaves (batches are sorted by prompt length), and an answer cut there
+        # reads finish_reason "length".
+        cap = s.max_tokens if self.positions is None else max(1, min(s.max_tokens, self.positions.limit - width))
+        kwargs: dict[str, Any] = {"max_new_tokens": cap, "eos_token_id": self.eos_ids,
                                   "pad_token_id": self.pad_id, "stopping_criteria": [self.stopping]}
         if s.temperature > 0:
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p)
@@ -313,7 +325,7 @@ class HFBackend:
         answers = []
         for row in out[:, width:].tolist():
             gen = []
-            for t in row:
+            for t in row[:cap]:
                 gen.append(t)
                 if t in self.renderer.eos_ids:
                     break
@@ -323,6 +335,6 @@ class HFBackend:
         for gen, text, prompt in zip(answers, texts, prompts):
             stopped = bool(gen) and gen[-1] in self.renderer.eos_ids
             results.append(Completion(
-                text=text, finish_reason="stop" if stopped or len(gen) < s.max_tokens else "length",
+                text=text, finish_reason="stop" if stopped or len(gen) < cap else "length",
                 token_ids=gen, prompt_token_ids=prompt, local_prompt=True))
         return results

@@ -433,6 +433,11 @@ def _drive_local(config, renderer, todo: Iterator[tuple[Conversation, list[int]]
             if not live:
                 break
             backend.render([r for _, r in live])
+            for k, r in live:
+                if (why := backend.past_positions(r)) is not None:  # a reported skip, not an answer out of range
+                    gens[k].close()
+                    _advance_done(Outcome(k[0], drop_reason=why, sample=k[1]), log, summary, progress)
+            live = [(k, r) for k, r in live if backend.past_positions(r) is None]
             pending = {}
             for sample in sorted({r.sample for _, r in live}):  # each sample's batches on its own stream
                 group = [(k, r) for k, r in live if r.sample == sample]
@@ -451,7 +456,11 @@ def _advance(gen, completion, log: OutputLog, summary: GenerateSummary, progress
     try:
         return next(gen) if completion is None else gen.send(completion)
     except StopIteration as done:
-        log.append(done.value)
-        summary.add(done.value)
-        progress.update(summary)
+        _advance_done(done.value, log, summary, progress)
         return None
+
+
+def _advance_done(outcome: Outcome, log: OutputLog, summary: GenerateSummary, progress: _Progress) -> None:
+    log.append(outcome)
+    summary.add(outcome)
+    progress.update(summary)

@@ -239,3 +239,25 @@ def test_a_prompts_group_is_copied_to_each_of_its_answers(target, tmp_path):
     assert result.exit_code == 0, result.output
     records = {r["id"]: r for r in read_jsonl(out)}
     assert {i: r.get("group") for i, r in records.items()} == {"a": "doc-7", "a#1": "doc-7", "b": None, "b#1": None}
+
+
+def test_answers_stay_within_the_targets_positions_and_a_prompt_past_them_is_a_reported_skip(target, tmp_path):
+    import json
+    import shutil
+
+    # The same weights with 80 positions (RoPE: the checkpoint does not fix the count).
+    short = shutil.copytree(target, tmp_path / "model-80")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 80}))
+    data = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": "short", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "long", "messages": [{"role": "user", "content": "word " * 30}]}])
+    out = tmp_path / "gen.jsonl"
+    result = run(short, data, out, "--max-tokens", "200")
+    assert result.exit_code == 0, result.output
+    written = read_jsonl(out)
+    assert [r["id"] for r in written] == ["short"]
+    assert all(len(r["input_ids"]) <= 80 for r in written)
+    skipped = read_jsonl(tmp_path / "gen.jsonl.skipped.jsonl")
+    assert [r["id"] for r in skipped] == ["long"]
+    assert "leaves no room within the target's 80 positions" in json.dumps(skipped)
