@@ -48,7 +48,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .config import config_key, read_config_file, yaml_source
+from .config import config_key, how_the_file_gives, read_config_file
 from .errors import DflashError, SettingError
 
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
@@ -297,29 +297,12 @@ def _fail(where: str, s: Setting, value: Any, why: str, error: type[DflashError]
                         f"flag {s.flag} takes (see --help), or leave the key out.")
 
 
-def _read_as(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, int):
-        return f"the integer {value}"
-    if isinstance(value, float):
-        return f"the number {value!r}"
-    return f"the {type(value).__name__} {value}"
-
-
 def _not_text(where: str, s: Setting, value: Any, index: int | None, error: type[DflashError]) -> DflashError:
     """A value of another type for a setting of text: refused with its fix, never turned into text
     (YAML's unquoted 0755 would become the path "493")."""
     choices = getattr(s.option.type, "choices", None)
     takes = f"one of {', '.join(choices)}" if choices else "a path or a name"
-    written = yaml_source(where, {s.name, config_key(s.flag)}, index)
-    if written is not None:
-        text, line = written
-        why = (" (yes/no/on/off are booleans to YAML 1.1)" if isinstance(value, bool)
-               else " (a leading 0 makes an octal number to YAML 1.1)" if text.lstrip("+-").startswith("0") else "")
-        where, how = f"{where}, line {line}", f"YAML reads the unquoted {text} as {_read_as(value)}{why}"
-    else:
-        text, how = (None if isinstance(value, bool) else str(value)), f"the file gives {_read_as(value)}"
+    where, how, text = how_the_file_gives(where, {s.name, config_key(s.flag)}, value, index)
     key = "" if index is not None else f'"{s.name}": ' if where.endswith(".json") else f"{s.name}: "
     fix = f'Quote it: {key}"{text}"' if text is not None else "Write the text you mean, in quotes"
     item = "" if index is None else f" (item {index + 1} of its list)"
