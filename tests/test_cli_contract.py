@@ -225,6 +225,16 @@ def test_generated_train_flags_list_their_choices_in_help():
         assert choices in text
 
 
+def test_dflash_train_help_is_the_default_commands_help_with_the_training_options():
+    top, run_help = invoke(train_main, "--help"), invoke(train_main, "run", "--help")
+    assert top.exit_code == 0 and run_help.exit_code == 0
+    assert top.output == run_help.output
+    for flag in ("--cache", "--lr", "--epochs", "--drafter-type", "--output-dir"):
+        assert flag in top.output
+    assert "dflash-train export" in top.output and "dflash-train estimate" in top.output
+    assert invoke(train_main, "export", "--help").output != top.output
+
+
 def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
     from dflash.cache_tools import cli as cache_cli
     from dflash.cache_tools.codecs import CODEC_NAMES

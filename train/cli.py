@@ -44,13 +44,21 @@ class TrainGroup(Group):
                   "--max-batch-size, which change the batches and so start a new run (another --output-dir).")
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+        # `run` is the default command, its help too: `dflash-train --help` lists the training
+        # options (the other commands are named at the top of that help).
+        if not args or args[0] not in self.commands:
             args = ["run", *args]
         return super().parse_args(ctx, args)
 
 
 @click.group(cls=TrainGroup, name="dflash-train", context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
+    """Train a DFlash drafter from a hidden-state cache (`dflash-train --help` for the options)."""
+
+
+@main.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@settings_options(TrainConfig, error=TrainConfigError)
+def run(settings: TrainConfig) -> None:
     """Train a DFlash2 drafter (or, with --drafter-type dflash, a plain DFlash one) from a
     hidden-state cache written by dflash-extract.
 
@@ -65,15 +73,11 @@ def main() -> None:
     `run` is the default command: `dflash-train --cache ...` is `dflash-train run --cache ...`.
     Rerunning the same command in the same --output-dir resumes from its latest checkpoint.
 
+    Other commands: `dflash-train export --help`, `dflash-train estimate --help`.
+
     Exit status: 0 done, 2 bad settings or data, 130/143 stopped by SIGINT/SIGTERM after
     writing a checkpoint, 1 unexpected failure.
     """
-
-
-@main.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@settings_options(TrainConfig, error=TrainConfigError)
-def run(settings: TrainConfig) -> None:
-    """Train (or resume) a drafter; see `dflash-train --help` for the overview."""
     from .distributed import shutdown_distributed
     from .loop import train  # torch: only once the settings are known to be good
 
