@@ -98,10 +98,12 @@ FORKING_HOLDER = textwrap.dedent("""
     lock = WriterLock(sys.argv[1], what="the run directory")
     worker = os.fork()
     if worker == 0:  # a worker process (a DataLoader's), alive after its parent dies
-        print("worker", flush=True)  # running: past the fork and its handlers
+        os.write(1, b"worker\\n")  # running: past the fork and its handlers
         time.sleep(30)
         os._exit(0)
-    print("held", worker, flush=True)
+    # one write a line: with PYTHONUNBUFFERED=1, print's text and newline are two writes, which
+    # the two processes interleave on the shared pipe
+    os.write(1, f"held {worker}\\n".encode())
     time.sleep(60)
 """)
 
