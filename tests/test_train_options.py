@@ -292,3 +292,16 @@ def test_a_run_says_which_drafter_it_trains_and_how_the_engines_load_it(tiny_wor
             "selector top-16, rank 256), exported as DFlash2DraftModel; --drafter-type dflash trains plain DFlash") in default
     assert "drafter: DFlash (1 layer(s), block 4, target layers [1, 2]), exported as DFlashDraftModel" in plain
     assert "DFlash2" not in plain.split("drafter: ", 1)[1].splitlines()[0]
+
+
+def test_the_default_loader_workers_fit_the_cores_each_process_may_use(monkeypatch):
+    from dflash.train.config import TrainConfig, default_num_workers
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert TrainConfig.from_dict(dict(cache=["c"], target_model="m", output_dir="o")).data.num_workers == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    assert default_num_workers() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # 4 cores per process under torchrun
+    assert default_num_workers() == 3
+    assert TrainConfig.from_dict(dict(cache=["c"], target_model="m", output_dir="o", num_workers=0)).data.num_workers == 0

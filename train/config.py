@@ -131,8 +131,9 @@ class DataConfig:
     staging_dir: str | None = setting(None, metavar="DIR")
     """Directory under which an s3:// cache is staged, one subdirectory per URL (default:
     ~/.cache/dflash/staging; a resumed run finds what it fetched there)."""
-    num_workers: int = 4
-    """DataLoader worker processes reading and decoding the cache (0: in the main process)."""
+    num_workers: int | None = None
+    """DataLoader worker processes reading and decoding the cache (0: in the main process); by default
+    one fewer than the CPU cores each process of the run may use, at most 4."""
     prefetch_factor: int = 4
     """Micro-batches each worker prepares ahead."""
     verify_checksums: bool = True
@@ -148,6 +149,8 @@ class DataConfig:
             raise TrainConfigError("--cache is required: the directory of a hidden-state cache.")
         _check_at_least(self, ("token_budget", "max_batch_size", "max_seq_len", "shuffle_window",
                                "prefetch_factor"), 1)
+        if self.num_workers is None:
+            self.num_workers = default_num_workers()
         _check_at_least(self, ("num_workers", "eval_max_samples", "eval_max_batches", "max_train_samples",
                                "shuffle_parts"), 0)
         _check_finite(self, ("eval_fraction",))
@@ -436,7 +439,7 @@ class RuntimeConfig:
     dtype: str = setting("auto", type=DtypeChoice(DTYPES))
     """bf16 (autocast, float32 master weights), fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
     compile: bool | None = None
-    """torch.compile the drafter's training forward; None (the default): on CUDA, not elsewhere (it
+    """torch.compile the drafter's training forward; by default on CUDA and not elsewhere (it
     fuses the elementwise work, the bulk of a small drafter's step; docs/BENCHMARKS.md)."""
     compile_mode: str = setting("default", choices=COMPILE_MODES)
     """torch.compile mode under --compile: default, reduce-overhead (also CUDA graphs, one per batch shape), max-autotune-no-cudagraphs or max-autotune."""
@@ -562,3 +565,17 @@ def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Train
     values = {**file_values}
     values.update({k: v for k, v in overrides.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
     return build_settings(TrainConfig, values, error=TrainConfigError)
+
+
+def default_num_workers(cap: int = 4) -> int:
+    """Loader workers a process of this run takes by default: one fewer than the CPU cores it may
+    use (its share of the host under torchrun), at most `cap` (more workers than cores only
+    contend; torch warns of it)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        cores = os.cpu_count() or 1
+    per_process = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(0, min(cap, per_process - 1))
