@@ -483,3 +483,16 @@ def test_the_last_line_sets_the_heldout_tau_beside_prompt_lookup_on_the_same_sam
     plain = HeldoutTracker()
     plain.observe(10, {"tau": 2.5})  # a cache evaluated without the lookup figure: nothing said of it
     assert "prompt lookup" not in plain.final_message(10, tmp_path / "final", None)
+
+
+def test_no_verdict_on_the_trend_before_the_run_has_evaluated_a_few_times():
+    from dflash.train.reporting import MIN_EVALS_FOR_VERDICT, PATIENCE, HeldoutTracker
+
+    tracker = HeldoutTracker()
+    records = []
+    for step, tau in enumerate([2.0, 1.9, 1.8, 1.7, 1.6], start=1):
+        tracker.add_train({"tau": 1.0 + step, "blocks": 10})  # training tau keeps rising
+        records.append(tracker.observe(step, {"tau": tau}))
+    assert PATIENCE < MIN_EVALS_FOR_VERDICT
+    assert not any("warning" in r for r in records[:MIN_EVALS_FOR_VERDICT - 1])
+    assert all("overfitting" in r["warning"] for r in records[MIN_EVALS_FOR_VERDICT - 1:])

@@ -117,6 +117,9 @@ _SHORT = {"heldout_tau": "held-out_tau", "tau": "train_tau", "context_tokens_per
 
 PATIENCE = 2
 """Evaluations in a row without a new best held-out tau before the run warns."""
+MIN_EVALS_FOR_VERDICT = 4
+"""Evaluations a run has made before it calls a trend: the first few of a short run move with
+the warmup, not with the data."""
 LITTLE_GAIN = 0.05
 """A held-out gain over a run's second half below this (relative) is little (trajectory_advice)."""
 STILL_RISING = 0.02
@@ -235,7 +238,7 @@ class HeldoutTracker:
         else:
             self.evals_since_best += 1
             # One evaluation below the best can be noise (or a flat start); two in a row are a trend.
-            if self.evals_since_best >= PATIENCE:
+            if self.evals_since_best >= PATIENCE and len(self.history) + 1 >= MIN_EVALS_FOR_VERDICT:
                 warning = self._warning(tau, train_tau)
         self.last_tau, self.last_step = tau, step
         self.lookup_tau = heldout.get("tau_lookup", self.lookup_tau)
