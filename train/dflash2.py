@@ -26,6 +26,8 @@ parameter names, shapes and arithmetic here are theirs (docs/drafter.md, "DFlash
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,6 +133,42 @@ def transform_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
     return values
 
 
+def topk_segment(vocab: int, k: int) -> int:
+    """The segment width of `exact_topk` over rows of `vocab` ids: the power of two nearest
+    sqrt(vocab / k), so that the segments' maxima (vocab / width of them) and the candidates of the
+    k best segments (k * width) are about as many; 0 where a row is too short for segments to pay
+    (fewer than 8k of them): torch.topk over the whole row."""
+    width = 1 << max(3, round(math.log2(math.sqrt(max(vocab, 1) / max(k, 1)))))
+    return width if vocab // width >= 8 * k else 0
+
+
+def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [..., k] of the k largest of `scores` [..., V], best first: torch.topk's values
+    exactly, in two stages where a row is long (a 151,936-id head's logits). The row is cut into
+    segments of `segment` ids (default `topk_segment`; 0: torch.topk alone); the k largest lie in
+    the k segments of the largest maxima (a value outside them has the k maxima of those
+    segments at or above it) and the few ids past the last whole segment, so one max-reduction over
+    the row and a top-k over those k * segment candidates replace torch.topk's passes over the whole
+    row. Ids are torch.topk's where the values hold no tie at the k-th; among tied values another
+    of the tied ids may be returned (torch.topk leaves that order unspecified too)."""
+    vocab = scores.shape[-1]
+    segment = topk_segment(vocab, k) if segment is None else segment
+    if not segment or vocab // segment <= k:
+        return torch.topk(scores, k, dim=-1)
+    lead, rows = scores.shape[:-1], scores.reshape(-1, vocab)
+    whole = vocab // segment * segment
+    segments = rows[:, :whole].unflatten(-1, (-1, segment))  # [R, S, segment], a view
+    best = torch.topk(segments.amax(-1), k, dim=-1).indices.sort(-1).values  # [R, k], in id order
+    picked = segments.gather(1, best[..., None].expand(-1, -1, segment)).flatten(1)  # [R, k * segment]
+    if whole < vocab:  # the tail past the last whole segment: always a candidate
+        picked = torch.cat([picked, rows[:, whole:]], dim=1)
+    values, at = torch.topk(picked, k, dim=-1)
+    inside = at < k * segment
+    ids = torch.where(inside, best.gather(1, (at // segment).clamp(max=k - 1)) * segment + at % segment,
+                      at - k * segment + whole)
+    return values.view(*lead, k), ids.view(*lead, k)
+
+
 def top_candidates(logits: torch.Tensor, top_k: int, output_multiplier: float = 1.0,
                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, unary scores) [..., K] of the K best tokens of `logits` [..., V], best first."""
@@ -184,7 +222,8 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
                        predecessor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,
                        output_multiplier: float = 1.0, softcap: float | None = None,
                        stop_gradient: bool = False, top_ids: torch.Tensor | None = None,
-                       gather_logits=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gather_logits=None, candidate_logits: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted K-way cross-entropy, the selector's choice [N]) over N scored slots.
 
     `states` [N, D] and `logits` [N, V] of the slots, `predecessor_ids` [N] the true token before
@@ -192,16 +231,22 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
     weights. When the top-K misses the label it takes the K-th candidate's place in the loss; the
     choice (for the metrics) is the walk's, over the plain top-K. `stop_gradient`: the selector's
     loss does not reach the backbone (its states and logits enter detached). Without `logits`
-    (the head in chunks, head_loss.py): `top_ids` [N, K] are the top-K and
-    `gather_logits(states, candidates)` gives the candidates' logits.
+    (the head in chunks, head_loss.py): `top_ids` [N, K] are the top-K and either
+    `candidate_logits` [N, K+1] the logits of the top-K and the label (the objective's plain
+    path, head_loss.log_softmax_with_candidates) or `gather_logits(states, candidates)` gives them.
     """
     if stop_gradient:
         states, logits = states.detach(), None if logits is None else logits.detach()
-    ids = torch.topk(logits.detach(), selector.top_k, dim=-1).indices if logits is not None else top_ids
+        candidate_logits = None if candidate_logits is None else candidate_logits.detach()
+    ids = exact_topk(logits.detach(), selector.top_k)[1] if logits is not None else top_ids
     k = ids.shape[-1]
     candidates = torch.cat([ids, labels[:, None]], dim=-1)
-    # One gather of the K + 1 scores: its backward is the one dense [N, V] the selector adds.
-    picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
+    # One gather of the K + 1 scores: its backward is the one dense [N, V] the selector adds
+    # (none where the objective gathered them with its log-softmax).
+    if candidate_logits is not None:
+        picked = candidate_logits
+    else:
+        picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
     scores_in = transform_logits(picked, output_multiplier, softcap)
     scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
     found = ids == labels[:, None]

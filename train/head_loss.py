@@ -14,12 +14,16 @@ by the incoming gradient (the slot's loss weight). The head's matmuls are the tw
 path (the logits, and the softmax against W); nothing is recomputed.
 
 DFlash2's selector reads the top-K ids of each row (taken chunk by chunk too) and the logits of
-its K + 1 candidates, which `candidate_logits` computes from the candidates' rows of W alone.
+its K + 1 candidates, which `candidate_logits` computes from the candidates' rows of W alone. On
+the plain path `log_softmax_with_candidates` gives the log-probs and the candidates' logits from
+one node, whose backward adds the candidates' gradient into the log-softmax's.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .dflash2 import exact_topk
 
 _F32 = 4  # bytes of one float32 logit
 CHUNK_MIB = 1024
@@ -57,13 +61,13 @@ class _SlotLosses(torch.autograd.Function):
             end = min(n, start + rows_per_chunk)
             logits = head.logits(h[start:end])  # bf16 under autocast, as on the plain path
             dtype = logits.dtype
+            if top_k:  # over the head's own dtype: its float32 copy orders the same, at twice the bytes
+                top[start:end] = exact_topk(logits, top_k)[1]
             logits = logits.float()
             lse = torch.logsumexp(logits, dim=-1)
             t = label[start:end]
             logprob[start:end] = logits.gather(1, t[:, None]).squeeze(1) - lse
             argmax[start:end] = logits.argmax(-1)
-            if top_k:
-                top[start:end] = torch.topk(logits, top_k, dim=-1).indices
             row_loss = -logprob[start:end]
             logq = logits.sub_(lse[:, None])  # log q, in place of the logits
             if soft_weight:
@@ -102,6 +106,42 @@ class _SlotLosses(torch.autograd.Function):
         if grad is None:
             return (None, *none)
         return (grad * grad_loss[:, None].to(grad.dtype), *none)
+
+
+class _LogSoftmaxWithCandidates(torch.autograd.Function):
+    """(logits [N, V], ids [N, M]) -> (log_softmax(logits.float()) [N, V], logits.gather(-1, ids)
+    [N, M]): the plain path's log-probs and DFlash2's candidate logits from one node, so that the
+    candidates' gradient is added into the log-softmax's [N, V] gradient in place. Apart, autograd
+    builds a second dense [N, V] (the gather's backward: zeros and a scatter) and adds the two; here
+    the same sum is formed, rounded as autograd rounds it: the log-softmax's gradient cast to the
+    logits' dtype, then each candidate's gradient added (the selector's loss leaves its one
+    duplicate, a label already among the top-K, a gradient of exactly 0)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids):  # noqa: D102 - see the class
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        ctx.save_for_backward(logprobs, ids)
+        ctx.dtype = logits.dtype
+        ctx.set_materialize_grads(False)
+        return logprobs, logits.gather(-1, ids)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_picked):  # noqa: D102
+        logprobs, ids = ctx.saved_tensors
+        if grad_logprobs is not None:  # what LogSoftmaxBackward0 and the .float()'s backward compute
+            grad = torch._log_softmax_backward_data(grad_logprobs, logprobs, -1, logprobs.dtype).to(ctx.dtype)
+        else:
+            grad = torch.zeros(logprobs.shape, dtype=ctx.dtype, device=logprobs.device)
+        if grad_picked is not None:
+            grad.scatter_add_(-1, ids, grad_picked.to(ctx.dtype))
+        return grad, None
+
+
+def log_softmax_with_candidates(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_softmax(logits.float()) [N, V], logits.gather(-1, ids) [N, M]) with the values and the
+    gradient of computing them apart, in one [N, V] gradient instead of two (`ids` holding no
+    repeated id whose gradients both differ from 0)."""
+    return _LogSoftmaxWithCandidates.apply(logits, ids)
 
 
 class _CandidateLogits(torch.autograd.Function):

@@ -26,8 +26,15 @@ from dflash.runtime.errors import InputError
 
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
-from .dflash2 import selector_objective
-from .head_loss import CHUNK_MIB, candidate_logits, chunk_rows, needs_chunks, slot_losses
+from .dflash2 import exact_topk, selector_objective
+from .head_loss import (
+    CHUNK_MIB,
+    candidate_logits,
+    chunk_rows,
+    log_softmax_with_candidates,
+    needs_chunks,
+    slot_losses,
+)
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -371,11 +378,15 @@ def compute_loss(
         row_loss, label_lp, per_position, top1, top_ids = slot_losses(
             drafter, scored, target, chunk, top_k=selector.top_k if selector is not None else 0,
             soft_weight=soft_weight, **soft)
-        logits = logprobs = None
+        logits = logprobs = picked = None
     else:
         logits = drafter.logits(scored)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        label_lp, top1, top_ids = logprobs.gather(1, target[:, None]).squeeze(1), None, None
+        if selector is None:
+            logprobs, picked, top_ids = torch.log_softmax(logits.float(), dim=-1), None, None
+        else:  # DFlash2: the top-K and the label's logits for the selector, gathered with the log-softmax
+            top_ids = exact_topk(logits.detach(), selector.top_k)[1]
+            logprobs, picked = log_softmax_with_candidates(logits, torch.cat([top_ids, target[:, None]], dim=-1))
+        label_lp, top1 = logprobs.gather(1, target[:, None]).squeeze(1), None
         row_loss = -label_lp
         if soft_weight > 0:
             per_position = _soft_label_kl(drafter, soft, logprobs)
@@ -401,9 +412,9 @@ def compute_loss(
     # DFlash2: slot k+1 (index k) follows the true token at p+k (the anchor for k = 0).
     predecessors = input_ids[b, cache_rows]
     selector_loss, choice = selector_objective(
-        selector, scored, logits, predecessors, target, weights.detach(),
+        selector, scored, None, predecessors, target, weights.detach(),
         output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
-        stop_gradient=config.selector_stop_gradient, top_ids=top_ids,
+        stop_gradient=config.selector_stop_gradient, top_ids=top_ids, candidate_logits=picked,
         gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk))
     chosen = torch.full_like(labels, -1)
     chosen[b, a, k] = choice

@@ -1,0 +1,124 @@
+"""DFlash2's faster training step computes what the plain one did: the two-stage top-K gives
+torch.topk's values (and its ids where no two values tie), and the log-softmax that gathers the
+selector's candidate logits gives the same loss, gradients and trained weights as the separate
+log-softmax and gather it replaces."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from dflash.train import dflash2, objective
+from dflash.train.dflash2 import exact_topk, topk_segment
+from dflash.train.head_loss import log_softmax_with_candidates
+from dflash.train.objective import ObjectiveConfig, compute_loss
+from test_drafter_objective import hand_batch
+from test_drafter_support import tiny_drafter
+
+DFLASH2 = dict(drafter_type="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+@pytest.mark.parametrize("vocab,k,segment", [(151_936, 16, None), (8192, 16, None), (4099, 16, 64), (1000, 7, 8),
+                                             (512, 4, 16), (300, 16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_two_stage_top_k_gives_torch_topks_values_and_its_ids_where_nothing_ties(vocab, k, segment, dtype):
+    g = torch.Generator().manual_seed(vocab + k)
+    scores = (3 * torch.randn(2, 3, vocab, generator=g)).to(dtype)  # bf16: many ties among 152K values
+    scores[0, 0] = float("-inf")  # a row with nothing above -inf, and one with a few values only
+    scores[0, 1, 5:] = float("-inf")
+    values, ids = exact_topk(scores, k, segment)
+    want_values, want_ids = torch.topk(scores, k, dim=-1)
+    assert torch.equal(values, want_values)
+    assert torch.equal(scores.gather(-1, ids), values)  # each id holds its value ...
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # ... once
+    # Where the k-th value is in the row once, the same ids; where no two of the k tie, in the same order.
+    for index in torch.ones(scores.shape[:-1]).nonzero().tolist():
+        row, top, at, want_at = scores[tuple(index)], values[tuple(index)], ids[tuple(index)], want_ids[tuple(index)]
+        if (row == top[-1]).sum() == 1:
+            assert torch.equal(at.sort().values, want_at.sort().values)
+            if top.unique().numel() == k:
+                assert torch.equal(at, want_at)
+
+
+def test_the_segment_width_balances_the_two_stages_and_short_rows_take_torch_topk():
+    assert topk_segment(151_936, 16) == 128 and topk_segment(248_320, 16) == 128  # 1,187 / 1,940 segments
+    assert topk_segment(8192, 16) == 16  # 512 segments, 256 candidates
+    assert topk_segment(128, 4) == 0 and topk_segment(1000, 100) == 0
+    row = torch.randn(1, 100)
+    assert torch.equal(exact_topk(row, 3)[1], torch.topk(row, 3).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_log_softmax_with_candidates_has_the_values_and_gradients_of_the_two_apart(dtype):
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 40, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(40, generator=g)[:4] for _ in range(5)])
+    ids = torch.cat([ids, ids[:, 1:2]], dim=-1)  # the label among the top-K: its copy gets no gradient
+    grad_lp, grad_picked = torch.randn(5, 40, generator=g), torch.randn(5, 5, generator=g).to(dtype)
+    grad_picked[:, -1] = 0
+    runs = []
+    for fused in (False, True):
+        x = logits.clone().requires_grad_()
+        if fused:
+            logprobs, picked = log_softmax_with_candidates(x, ids)
+        else:
+            logprobs, picked = torch.log_softmax(x.float(), dim=-1), x.gather(-1, ids)
+        ((logprobs * grad_lp).sum() + (picked * grad_picked).sum()).backward()
+        runs.append((logprobs, picked, x.grad))
+    for apart, together in zip(*runs):
+        assert apart.dtype == together.dtype and torch.equal(apart, together)
+    # Without the candidates' gradient (the selector's stop-gradient) the log-softmax's alone.
+    x = logits.clone().requires_grad_()
+    logprobs, picked = log_softmax_with_candidates(x, ids)
+    (logprobs * grad_lp).sum().backward()
+    y = logits.clone().requires_grad_()
+    (torch.log_softmax(y.float(), dim=-1) * grad_lp).sum().backward()
+    assert torch.equal(x.grad, y.grad)
+
+
+def _apart(logits, ids):
+    """The plain path before: the log-softmax and the candidates' gather as two autograd nodes."""
+    return torch.log_softmax(logits.float(), dim=-1), logits.gather(-1, ids)
+
+
+def _torch_topk(scores, k, segment=None):
+    return torch.topk(scores, k, dim=-1)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_dflash2_run_trains_the_same_weights_as_the_step_it_replaces(autocast, stop, monkeypatch):
+    # Three AdamW steps of a DFlash2 drafter on the objective's plain path, with the two-stage
+    # top-K (segments of 8 ids, 16 of them) and the log-softmax that gathers the candidates, and
+    # with torch.topk and the separate gather: the same losses and the same weights, bit for bit
+    # (float32 logits hold no ties; under bf16 autocast the top-K is torch.topk's in both runs,
+    # so that the other change alone is compared).
+    batch = hand_batch()
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    runs = []
+    for fast in (True, False):
+        if fast:
+            monkeypatch.setattr(dflash2, "topk_segment", lambda vocab, k: 0 if autocast else 8)
+        else:
+            monkeypatch.setattr(objective, "exact_topk", _torch_topk)
+            monkeypatch.setattr(objective, "log_softmax_with_candidates", _apart)
+        drafter = tiny_drafter(seed=4, **DFLASH2).train()
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+        cfg = ObjectiveConfig(max_anchors=64, selector_stop_gradient=stop)
+        losses = []
+        for step in range(3):
+            with context():
+                out = compute_loss(drafter, batch, cfg, generator=torch.Generator().manual_seed(step))
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append((out.loss.detach(), out.selector_loss, out.predicted))
+        runs.append((losses, {n: p.detach().clone() for n, p in drafter.named_parameters()}))
+    (fast_losses, fast_weights), (plain_losses, plain_weights) = runs
+    for got, want in zip(fast_losses, plain_losses):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert fast_weights.keys() == plain_weights.keys()
+    assert all(torch.equal(fast_weights[n], plain_weights[n]) for n in fast_weights)
+    moved = tiny_drafter(seed=4, **DFLASH2).state_dict()
+    assert any(not torch.equal(moved[n], fast_weights[n]) for n in fast_weights)  # the steps trained something
