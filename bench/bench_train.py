@@ -10,6 +10,8 @@ peak GPU memory.
     python bench/bench_train.py --small --workdir /tmp/dflash-bench-small  # CPU smoke run
     torchrun --standalone --nproc_per_node 2 bench/bench_train.py --workdir /dev/shm/b2   # 2 GPUs, DDP
     python bench/bench_train.py --shape 27b --workdir /dev/shm/b27 --json /dev/shm/train27.json
+    python bench/bench_train.py --drafter-type dflash,dflash2 --samples 16 --steps 8 --warmup-steps 4
+                                       # both drafters in turn in one process, on the same cache, side by side
 Under torchrun each process trains its own sequence per step; tokens/s are totals and the
 fraction of peak is per GPU.
 
@@ -68,6 +70,9 @@ SMALL = Shape(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, voc
 # 64 samples of 256 tokens per step, ~160 completion tokens each, so ~10K blocks of 16 per step.
 QUALITY = Shape(hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1024, vocab=260,
                 target_layers=6, draft_layers=5, block_size=16, anchors=512, seq_len=256)
+# The drafter of the BPE quality benchmark (bench/quality, its default sizes): the same 384-wide target of 6
+# layers over a learned vocabulary of 8,192 ids; 64-128-token prompts and 160-token completions, 64 a step.
+QUALITY_BPE = Shape(**{**QUALITY.__dict__, "vocab": 8192})
 # The drafter of a Qwen3.6-27B target: its draft layers take the target's dimensions (hidden 5120, 24/4 heads
 # of 256, MLP 17408; vocab 248,320, 64 target layers), one 3072-token sample per step as for 8b. The synthetic
 # target is a Qwen3 config of those dimensions: the trainer reads only its embedding, lm_head and final norm.
@@ -78,10 +83,11 @@ TARGET_27B = Shape(hidden=5120, heads=24, kv_heads=4, head_dim=256, intermediate
 # 7.7K of one long sample: the shape where the head's logits outgrow the GPU unless chunked.
 CHAT_8B = Shape(**{**FULL.__dict__, "seq_len": 512})
 LAYER_IDS = {36: [1, 9, 17, 25, 33], 64: [1, 16, 31, 46, 61], 8: [1, 2, 3, 4, 5], 6: [0, 2, 4]}
-SHAPES = {"8b": FULL, "8b-chat": CHAT_8B, "27b": TARGET_27B, "quality": QUALITY, "small": SMALL}
-BATCH = {"8b": 1, "8b-chat": 32, "27b": 1, "quality": 64, "small": 1}
+SHAPES = {"8b": FULL, "8b-chat": CHAT_8B, "27b": TARGET_27B, "quality": QUALITY, "quality-bpe": QUALITY_BPE,
+          "small": SMALL}
+BATCH = {"8b": 1, "8b-chat": 32, "27b": 1, "quality": 64, "quality-bpe": 64, "small": 1}
 """Samples per step (a token budget of BATCH x seq_len)."""
-PROMPT = {"8b": 0.1, "8b-chat": 0.4, "27b": 0.1, "quality": 96 / 256, "small": 0.1}
+PROMPT = {"8b": 0.1, "8b-chat": 0.4, "27b": 0.1, "quality": 96 / 256, "quality-bpe": 96 / 256, "small": 0.1}
 """Share of each sample that is prompt (loss mask 0)."""
 
 
@@ -233,7 +239,9 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
                   "8b-chat": "Qwen3-8B drafter (5 layers), K=5, B=16, 32 x 512 tokens (40 % prompt)",
                   "27b": "Qwen3.6-27B drafter (hidden 5120, 5 layers), K=5, B=16",
-                  "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens"}[shape_name],
+                  "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens",
+                  "quality-bpe": "bench/quality BPE drafter (hidden 384, 5 layers, 8,192 ids), K=3, B=16, "
+                                 "64 x 256 tokens"}[shape_name],
         "drafter_type": config.model.drafter_type,
         "compile": config.runtime.compile, "compile_mode": config.runtime.compile_mode, "steps_per_second": 1 / step_time,
         "processes": world,
@@ -247,6 +255,47 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
     return result
 
 
+def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: Shape, batch: int, *, cache: Path,
+                 target: Path, run: Path, workers: int, steps: int, warmup: int, resumed_from: int, kind: str):
+    """The TrainConfig of one measured run of `kind` (dflash or dflash2), with --train-arg applied."""
+    from dflash.runtime.settings import convert_file_value, settings_of
+    from dflash.train.config import TrainConfig
+
+    values = dict(
+        cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
+        block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len * batch,
+        max_batch_size=batch,
+        max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
+        max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run,
+        log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
+        progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
+        profile_interval=a.profile_interval, drafter_type=kind,
+    )
+    settings = settings_of(TrainConfig)
+    for item in a.train_arg:
+        name, _, value = item.partition("=")
+        if name not in settings:
+            parser.error(f"--train-arg {item!r}: dflash-train has no setting {name!r}.")
+        values[name] = convert_file_value(settings[name], value, "--train-arg")  # as its flag takes it
+    if (resumed_from + warmup) % values["log_interval"] or steps % values["log_interval"]:
+        values["log_interval"] = 1
+    return TrainConfig.from_dict(values)
+
+
+def side_by_side(results: list[dict[str, Any]]) -> str:
+    """The runs' step time, fraction of peak, context tokens/s and peak memory in one table, each
+    drafter's tokens/s against the first's."""
+    first = results[0]
+    lines = [f"{'drafter':<8} {'ms/step':>9} {'TFLOP/s':>8} {'of peak':>8} {'ctx tok/s':>10} {'vs ' + first['drafter_type']:>10} "
+             f"{'GiB':>6}"]
+    for r in results:
+        lines.append(f"{r['drafter_type']:<8} {r['seconds_per_step'] * 1e3:9.1f} {r['model_tflops']:8.0f} "
+                     f"{r['fraction_of_peak']:8.1%} {r['context_tokens_per_second']:10.0f} "
+                     f"{r['context_tokens_per_second'] / first['context_tokens_per_second']:9.3f}x "
+                     f"{r['peak_gpu_memory_gib']:6.1f}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/dev/shm/dflash-bench", help="where the target, cache and run go")
@@ -254,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="8b: the Qwen3-8B-shaped drafter, one 3072-token sample per step; 27b: the drafter of a "
                              "Qwen3.6-27B target (hidden 5120, 24/4 heads of 256, MLP 17408, vocab 248,320), the same "
                              "steps; quality: the drafter "
-                             "of bench/quality (hidden 384, 5 layers), 64 samples of 256 tokens per step; 8b-chat: "
+                             "of bench/quality (hidden 384, 5 layers), 64 samples of 256 tokens per step, byte ids; "
+                             "quality-bpe: the same over the BPE benchmark's 8,192 ids; 8b-chat: "
                              "the 8b drafter on 32 samples of 512 tokens a step (40 % prompt: ~147K scored slots); small: a "
                              "tiny shape on the CPU (a smoke run of the bench)")
     parser.add_argument("--small", action="store_true", help="same as --shape small")
@@ -271,9 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "the top GPU kernels and the fraction of wall time the GPU was busy")
     parser.add_argument("--profile-interval", type=int, default=0,
                         help="the trainer's own per-section step profile every N steps (synchronizes CUDA)")
-    parser.add_argument("--drafter-type", choices=("dflash", "dflash2"), default="dflash",
+    parser.add_argument("--drafter-type", default="dflash", metavar="{dflash,dflash2}[,...]",
                         help="the drafter trained (dflash2: the in-block convolutions and the candidate selector at "
-                             "their defaults; the step time against a dflash run of the same shape is their cost)")
+                             "their defaults; the step time against a dflash run of the same shape is their cost); "
+                             "several, comma-separated: each trained in turn in this process on the same cache, "
+                             "and their figures printed side by side")
     parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
@@ -289,8 +341,6 @@ def main() -> None:
     parser = build_parser()
     a = parser.parse_args()
 
-    from dflash.runtime.settings import convert_file_value, settings_of
-    from dflash.train.config import TrainConfig
     from dflash.train.loop import train
 
     if a.small:
@@ -326,43 +376,49 @@ def main() -> None:
     prepared = time.perf_counter() - start
     print(f"target + cache ready in {prepared:.1f} s ({cache})", flush=True)
 
-    values = dict(
-        cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
-        block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len * batch,
-        max_batch_size=batch,
-        max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
-        max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run,
-        log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
-        progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
-        profile_interval=a.profile_interval, drafter_type=a.drafter_type,
-    )
-    settings = settings_of(TrainConfig)
-    for item in a.train_arg:
-        name, _, value = item.partition("=")
-        if name not in settings:
-            parser.error(f"--train-arg {item!r}: dflash-train has no setting {name!r}.")
-        values[name] = convert_file_value(settings[name], value, "--train-arg")  # as its flag takes it
-    if (resumed_from + warmup) % values["log_interval"] or steps % values["log_interval"]:
-        values["log_interval"] = 1
-    config = TrainConfig.from_dict(values)
-    train_start = time.perf_counter()
-    if a.trace_steps:
-        traced_train(config, skip=warmup + steps, warm=2, active=a.trace_steps)
-    else:
-        train(config)
-    trained = time.perf_counter() - train_start
+    kinds = [k.strip() for k in a.drafter_type.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"dflash", "dflash2"}:
+        parser.error(f"--drafter-type {a.drafter_type!r}: dflash, dflash2, or both comma-separated.")
+    if a.resume_run and len(kinds) > 1:
+        parser.error("--resume-run continues one run: give one --drafter-type.")
+    results = []
+    for kind in kinds:
+        runs = run if len(kinds) == 1 else work / f"run-{kind}"
+        config = train_config(a, parser, shape, batch, cache=cache, target=target, run=runs, workers=workers,
+                              steps=steps, warmup=warmup, resumed_from=resumed_from, kind=kind)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # each drafter's own peak
+        train_start = time.perf_counter()
+        if a.trace_steps:
+            traced_train(config, skip=warmup + steps, warm=2, active=a.trace_steps)
+        else:
+            train(config)
+        trained = time.perf_counter() - train_start
+        if rank == 0:
+            result = summarize(runs, config, shape, a.shape, warmup=resumed_from + warmup, steps=steps, world=world)
+            result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained)
+            if a.resume_run:
+                result["resumed_from_step"] = resumed_from
+                print(f"resumed from step {resumed_from} on {world} process(es)", flush=True)
+            print(json.dumps(result, indent=1), flush=True)
+            results.append(result)
+        if len(kinds) > 1:
+            import gc
+
+            torch._dynamo.reset()  # the next drafter compiles afresh, not against this one's guards
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if rank == 0 and not a.keep:
+                shutil.rmtree(runs, ignore_errors=True)
     if rank != 0:
         return
     ready.unlink(missing_ok=True)
-
-    result = summarize(run, config, shape, a.shape, warmup=resumed_from + warmup, steps=steps, world=world)
-    if a.resume_run:
-        result["resumed_from_step"] = resumed_from
-        print(f"resumed from step {resumed_from} on {world} process(es)", flush=True)
-    result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained)
-    print(json.dumps(result, indent=1))
+    if len(results) > 1:
+        print(side_by_side(results), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"bench": "train", "shape_name": a.shape, **result}) + "\n")
+        Path(a.json).write_text("".join(json.dumps({"bench": "train", "shape_name": a.shape, **r}) + "\n"
+                                        for r in results))
     if not a.keep:
         shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
