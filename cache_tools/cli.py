@@ -84,6 +84,9 @@ class MergeSettings:
 class UploadSettings:
     threads: int = setting(8, type=click.IntRange(min=1))
     """Parallel uploads."""
+    replace: bool = setting(False, one_way=True)
+    """Where URL holds another cache (another identity), delete it and upload CACHE in its place
+    (without it, such a prefix is refused)."""
 
 
 @dataclass(kw_only=True)
@@ -400,8 +403,10 @@ def upload(cache: str, url: str, settings: UploadSettings) -> None:
     """Copy the local cache CACHE to object storage at URL (s3://bucket/prefix).
 
     Parts go first, then a file index (each file's size and crc32c), the commit log and the
-    header last: a remote cache is readable only once complete. Files already stored with the
-    same size are kept, so an interrupted upload resumes. S3 settings come from the AWS_*
+    header last: a remote cache is readable only once complete. Each object is stored with its
+    crc32c and the cache's identity; a rerun keeps those that match the local files and rewrites
+    the rest, so it resumes an interrupted upload and repairs what `verify` rejects. A URL that
+    holds another cache is refused unless --replace. S3 settings come from the AWS_*
     environment variables (AWS_ENDPOINT_URL and AWS_ALLOW_HTTP=true for a local server).
     Needs the s3 extra (obstore). Train from it with `dflash-train --cache URL`.
 
@@ -413,9 +418,12 @@ def upload(cache: str, url: str, settings: UploadSettings) -> None:
 
     if not remote_store.is_remote(url):
         raise click.BadParameter(f"{url} is not a remote cache URL: write s3://bucket/prefix.", param_hint="URL")
-    done = remote_upload.upload_cache(cache, url, threads=settings.threads)
+    done = remote_upload.upload_cache(cache, url, threads=settings.threads, replace=settings.replace)
     click.echo(f"Uploaded {done['parts']} parts to {url}: {done['files_uploaded']} files written, "
-               f"{done['files_kept']} already there, {_human_bytes(done['bytes'])} in all.")
+               f"{done['files_kept']} already there with the same content"
+               + (f", {done['files_removed']} left-over objects deleted" if done["files_removed"] else "")
+               + (f" (it replaced another cache, identity {done['replaced']})" if done["replaced"] else "")
+               + f", {_human_bytes(done['bytes'])} in all.")
 
 
 @main.command()

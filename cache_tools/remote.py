@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
+from dflash.runtime.errors import Interrupted
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
 from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, header_identity, read_header, read_manifest
@@ -40,8 +41,10 @@ from .remote_store import (
     RemoteStore,
     file_crc32c,
     is_remote,
+    local_disk_message,
     obstore_usable,
     staged_manifest,
+    stop_requested,
 )
 from .schema import DATA, INDEX, PartSchema
 from .staging import StagingBudget, parse_size
@@ -166,7 +169,7 @@ class StagedCache:
                     continue
                 if not any(p.name != name for p in (self.path / STAGED_DIR).iterdir()):
                     break  # nothing left to evict: this part goes in alone (the budget plus one part)
-                time.sleep(0.2)  # the staged parts are being fetched by other processes: wait for one
+                _sleep_unless_stopped(0.2)  # the staged parts are being fetched by other processes: wait for one
             self._fetch_part(name)
 
     def _fetch_part(self, name: str) -> None:
@@ -218,15 +221,24 @@ class StagedCache:
                 else:
                     os.replace(tmp, dest)
                     return
-            except (CacheNotFoundError, RemoteCacheError, OSError) as e:
+            except (CacheNotFoundError, RemoteCacheError) as e:
                 last = e
-            time.sleep(min(2.0, 0.1 * 2 ** attempt))
-        tmp.unlink(missing_ok=True)
+            except OSError as e:  # the staging directory's disk: no retry mends it
+                tmp.unlink(missing_ok=True)
+                raise RemoteCacheError(local_disk_message(e, f"Staging {self.store.where(key)} (part {name!r}) "
+                                                              f"into {self.path}")) from e
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            tmp.unlink(missing_ok=True)
+            if attempt + 1 < self.retries:
+                _sleep_unless_stopped(min(2.0, 0.1 * 2 ** attempt))
         if isinstance(last, CacheCorruptError):
             raise last
+        reason = str(last).removeprefix(f"Fetching {self.store.where(key)} failed: ")
         raise RemoteCacheError(
-            f"Fetching {self.store.where(key)} (part {name!r}) failed {self.retries} times: {last}. "
-            "Check the connection and the AWS_* settings, then rerun: parts already staged are kept."
+            f"Fetching {self.store.where(key)} (part {name!r}) failed {self.retries} times: {reason} "
+            "Parts already staged are kept."
         ) from last
 
     def evict_lru(self, needed: int, keep: set[str] = frozenset()) -> bool:
@@ -298,6 +310,24 @@ class StagedCache:
             os.close(fd)
             return None
         return fd
+
+
+def _stop_if_requested() -> None:
+    """A stop signal ends a fetch's wait (a retry's backoff, room being made by another
+    process) with `Interrupted`, where waiting on could last as long as the network is down (a
+    download under way is finished: the step it feeds can then be checkpointed)."""
+    if signum := stop_requested():
+        raise Interrupted(signum)
+
+
+def _sleep_unless_stopped(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        _stop_if_requested()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.2))
 
 
 def _small_arrays(header: dict[str, Any]) -> set[str]:

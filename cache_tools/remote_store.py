@@ -11,25 +11,120 @@ reads a remote cache through a local staging directory (remote.py).
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
-from collections.abc import Iterable
+import re
+import signal
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
+from dflash.runtime.signals import StopRequest
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
-from .manifest import HEADER_FILE, LOG_FILE, read_manifest
+from .manifest import HEADER_FILE, LOG_FILE, header_identity, read_manifest
 
 REMOTE_SCHEMES = ("s3://",)
 FILES_INDEX = "manifest.files.jsonl"
 READ_BLOCK = 8 << 20
 
 
+# Written with every object by upload (S3 user metadata): the object's crc32c and the identity
+# of the cache it belongs to, read back by a rerun with one HEAD request per object.
+META_CRC32C = "dflash-crc32c"
+META_CACHE = "dflash-cache"
+# obstore's own retries, kept short: a wait for a dead endpoint is then ours (retried with a stop
+# check, then named) rather than minutes inside one call that no signal reaches from a thread.
+RETRY_CONFIG = {"max_retries": 2, "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                              "max_backoff": timedelta(seconds=1), "base": 2},
+                "retry_timeout": timedelta(seconds=5)}
+
+
 class RemoteCacheError(CacheError):
     """A remote cache cannot be reached, or a file of it cannot be fetched."""
+
+
+class ForeignPrefixError(CacheError):
+    """An upload's prefix holds another cache than the one uploaded (`url`; `found` and
+    `uploading` are their identity digests, `found` None for objects of no known cache)."""
+
+    def __init__(self, message: str, *, url: str, found: str | None, uploading: str):
+        super().__init__(message)
+        self.url, self.found, self.uploading = url, found, uploading
+
+
+def cache_digest(header: dict[str, Any]) -> str:
+    """A short name of a cache's identity (`manifest.header_identity`): two headers of one
+    digest describe the same contents."""
+    blob = json.dumps(header_identity(header), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def describe_cache(header: dict[str, Any]) -> str:
+    """A cache's identity in a few words: target, layers, codec and its digest."""
+    target = (header.get("target") or {}).get("architecture") or "?"
+    codec = ((header.get("hidden") or {}).get("codec") or {}).get("name", "?")
+    return f"{target}, layers {header.get('target_layer_ids')}, codec {codec}, identity {cache_digest(header)}"
+
+
+def stop_requested() -> int:
+    """The stop signal the running command was asked to finish by (0: none): the `StopRequest`
+    whose handler is installed records it, and any thread may read it, so a fetch or upload
+    thread ends its wait within one poll. (A command under `stop_at_once` is stopped by its main
+    thread, which raises `Interrupted` where it waits.)"""
+    owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return owner.signum if isinstance(owner, StopRequest) else 0
+
+
+def endpoint_name() -> str:
+    return (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            or f"AWS S3 ({os.environ.get('AWS_REGION') or os.environ.get('AWS_DEFAULT_REGION') or 'default region'})")
+
+
+_CREDENTIALS = re.compile(r"credential|169\.254\.169\.254|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|"
+                          r"ExpiredToken|status code: 40[13]", re.I)
+_NETWORK = re.compile(r"error sending request|connect|timed? ?out|dns|resolve|connection|broken pipe|reset", re.I)
+LOCAL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def failure_reason(e: BaseException) -> str:
+    """Why a request failed, in the terms a user acts on: the endpoint cannot be reached (the
+    network, AWS_ENDPOINT_URL), the credentials were refused, or the error's own first line
+    (obstore's debug dump is left out)."""
+    text = " ".join(str(e).split("Debug source:", 1)[0].split())
+    if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or _CREDENTIALS.search(text):
+        return (f"the credentials were refused or are missing ({_clip(text)}): set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key that may use this bucket")
+    if _NETWORK.search(text):
+        return (f"{endpoint_name()} cannot be reached ({_clip(text)}): check the network and AWS_ENDPOINT_URL "
+                "(AWS_ALLOW_HTTP=true for an http:// endpoint), then rerun")
+    return _clip(text, 300)
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit].rstrip() + "..."
+
+
+def local_disk_message(e: OSError, what: str) -> str:
+    """An OSError of the local disk (no space, read-only, permission) while `what`: its path and the fix."""
+    where = f" ({e.filename})" if e.filename else ""
+    return (f"{what} failed on the local disk: {e.strerror or e}{where}. Free space there or choose another "
+            "location (dflash-train --staging-dir), then rerun: what was already fetched is kept.")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a HEAD request tells of an object: its size and the metadata upload wrote with it."""
+
+    size: int
+    crc32c: int | None  # None: not written by a dflash upload
+    cache: str | None
 
 
 # obstore runs its requests on one tokio runtime per process, which does not survive a fork: a
@@ -71,12 +166,17 @@ class RemoteStore:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         options = {"allow_http": True} if endpoint.startswith("http://") else None
         try:
-            self.store = S3Store.from_url(self.url, client_options=options)
+            self.store = S3Store.from_url(self.url, client_options=options, retry_config=RETRY_CONFIG)
         except Exception as e:  # noqa: BLE001 - obstore raises its own types for bad URLs and settings
-            raise RemoteCacheError(f"Cannot open {url}: {e}. Check the URL and the AWS_* settings.") from e
+            raise RemoteCacheError(f"Cannot open {url}: {failure_reason(e)}. Check the URL and the AWS_* "
+                                   "settings.") from e
 
     def where(self, key: str) -> str:
         return f"{self.url}/{key}"
+
+    def failed(self, action: str, key: str, e: BaseException) -> RemoteCacheError:
+        """The one paragraph of a failed request: what, which object, and why."""
+        return RemoteCacheError(f"{action} {self.where(key)} failed: {failure_reason(e)}.")
 
     def get(self, key: str) -> bytes:
         try:
@@ -84,30 +184,74 @@ class RemoteStore:
         except FileNotFoundError:
             raise CacheNotFoundError(f"{self.where(key)} does not exist.") from None
         except Exception as e:  # noqa: BLE001
-            raise RemoteCacheError(f"Fetching {self.where(key)} failed: {e}") from e
+            raise self.failed("Fetching", key, e) from e
 
-    def stream(self, key: str) -> Iterable[bytes]:
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in blocks; an error mid-stream is this package's too."""
         try:
-            return self._obs.get(self.store, key).stream(min_chunk_size=READ_BLOCK)
+            blocks = self._obs.get(self.store, key).stream(min_chunk_size=READ_BLOCK)
         except FileNotFoundError:
             raise CacheNotFoundError(f"{self.where(key)} does not exist.") from None
         except Exception as e:  # noqa: BLE001
-            raise RemoteCacheError(f"Fetching {self.where(key)} failed: {e}") from e
+            raise self.failed("Fetching", key, e) from e
+        return self._blocks(key, blocks)
 
-    def size(self, key: str) -> int | None:
-        """The object's size, None when it does not exist."""
+    def _blocks(self, key: str, blocks: Iterable[Any]) -> Iterator[bytes]:
+        it = iter(blocks)
+        while True:
+            try:
+                block = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # noqa: BLE001
+                raise self.failed("Fetching", key, e) from e
+            yield block
+
+    def info(self, key: str) -> ObjectInfo | None:
+        """The object's size and upload metadata (one HEAD request), None when it does not exist."""
         try:
-            return int(self._obs.head(self.store, key)["size"])
+            got = self._obs.get(self.store, key, options={"head": True})
+            size, attrs = int(got.meta["size"]), got.attributes
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001
-            raise RemoteCacheError(f"Looking up {self.where(key)} failed: {e}") from e
-
-    def put(self, key: str, data: bytes | Path) -> None:
+            raise self.failed("Looking up", key, e) from e
         try:
-            self._obs.put(self.store, key, data)
+            crc = int(attrs[META_CRC32C], 16)
+        except (KeyError, ValueError):
+            crc = None
+        return ObjectInfo(size, crc, attrs.get(META_CACHE))
+
+    def size(self, key: str) -> int | None:
+        """The object's size, None when it does not exist."""
+        found = self.info(key)
+        return None if found is None else found.size
+
+    def keys(self) -> list[str]:
+        """Every object under the prefix (relative keys)."""
+        try:
+            return [meta["path"] for batch in self._obs.list(self.store) for meta in batch]
         except Exception as e:  # noqa: BLE001
-            raise RemoteCacheError(f"Uploading {self.where(key)} failed: {e}") from e
+            raise RemoteCacheError(f"Listing {self.url} failed: {failure_reason(e)}.") from e
+
+    def put(self, key: str, data: bytes | Path, *, crc32c: int | None = None, cache: str | None = None) -> None:
+        """Write one object; with `crc32c` and `cache`, recorded as its metadata (upload's)."""
+        attributes = {META_CRC32C: f"{crc32c:08x}", META_CACHE: cache} if crc32c is not None and cache else None
+        try:
+            self._obs.put(self.store, key, data, attributes=attributes)
+        except OSError as e:
+            if e.errno in LOCAL_DISK_ERRNOS and e.filename:  # reading the local file, not the request
+                raise RemoteCacheError(local_disk_message(e, f"Uploading {self.where(key)}")) from e
+            raise self.failed("Uploading", key, e) from e
+        except Exception as e:  # noqa: BLE001
+            raise self.failed("Uploading", key, e) from e
+
+    def delete(self, keys: list[str]) -> None:
+        try:
+            for start in range(0, len(keys), 1000):
+                self._obs.delete(self.store, keys[start:start + 1000])
+        except Exception as e:  # noqa: BLE001
+            raise RemoteCacheError(f"Deleting objects under {self.url} failed: {failure_reason(e)}.") from e
 
 
 # -- the file index ----------------------------------------------------------------------------

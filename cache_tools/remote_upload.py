@@ -5,26 +5,39 @@ cache's file index. Training from a remote cache is remote.py's.
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import google_crc32c
+from dflash.runtime.errors import Interrupted
 
 from .errors import CacheError
 from .eviction import refuse_evicted
-from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, read_manifest
+from .identity import Purpose
+from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, identity_differences, read_manifest
 from .plan import unfinished_extraction
 from .remote_store import (
     FILES_INDEX,
     FilesIndex,
+    ForeignPrefixError,
+    ObjectInfo,
     RemoteFile,
     RemoteStore,
+    cache_digest,
+    describe_cache,
     file_crc32c,
     staged_manifest,
+    stop_requested,
 )
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def part_files(part_dir: Path) -> list[RemoteFile]:
@@ -32,15 +45,53 @@ def part_files(part_dir: Path) -> list[RemoteFile]:
             for p in sorted(part_dir.rglob("*")) if p.is_file()]
 
 
+def run_parallel(fn: Callable[[T, threading.Event], R], items: list[T], threads: int) -> list[R]:
+    """`fn(item, stop)` over `items` in threads, results in order. The first error (or a signal's
+    `Interrupted` in the waiting main thread) cancels what has not started and sets `stop`,
+    which a running `fn` checks between objects: nothing keeps uploading behind an error."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = [pool.submit(fn, item, stop) for item in items]
+        try:
+            for f in as_completed(futures):
+                f.result()  # the first failure, as it happens
+            return [f.result() for f in futures]
+        except BaseException:
+            stop.set()
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def _check_stop(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise _Stopped
+    if signum := stop_requested():
+        stop.set()
+        raise Interrupted(signum)
+
+
+class _Stopped(Exception):
+    """A thread's work ended because another thread failed (that thread's error is raised)."""
+
+
 # -- upload and verify -------------------------------------------------------------------------
 
-def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8,
-                 on_part: Callable[[str], None] | None = None) -> dict[str, int]:
-    """Copy a local cache to `url`: parts (files already there with the same size are kept, so
-    an interrupted upload resumes), then the file index, the commit log, the header last. A cache
-    whose extraction has not committed every planned part is refused: the extraction plan stays
-    behind, so a trainer of the remote copy could not tell the parts there from the whole data.
-    So is one with parts evicted under a disk budget: their files are gone."""
+def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8, replace: bool = False,
+                 on_part: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Copy a local cache to `url`: parts, then the file index, the commit log, the header last.
+
+    Objects are compared by content: each is written with its crc32c and the cache's identity
+    as metadata, and an object is kept only where both (and its size) are those of the local
+    file, so a rerun resumes an interrupted upload and rewrites whatever differs (a corrupt or
+    replaced object). A prefix holding another cache (another identity, or objects of no upload
+    of this cache) is refused before anything is written, unless `replace`: then its objects
+    are rewritten or deleted, and the prefix ends as a fresh upload would leave it. Objects of
+    this cache that the local one no longer has are deleted.
+
+    A cache whose extraction has not committed every planned part is refused: the extraction
+    plan stays behind, so a trainer of the remote copy could not tell the parts there from the
+    whole data. So is one with parts evicted under a disk budget: their files are gone."""
     local = Path(local)
     m = read_manifest(local)
     refuse_evicted(local, "upload")
@@ -50,33 +101,102 @@ def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8,
             "before its end, is still running, or lost a rank, and a trainer of the remote copy would take the "
             "parts there for the whole data. Rerun the same dflash-extract command to finish it, then upload.")
     store = RemoteStore(url)
-    index = FilesIndex()
-    uploaded = skipped = 0
+    digest = cache_digest(m.header)
+    names = [p.name for p in m.parts]
+    local_files = dict(zip(names, run_parallel(lambda n, _: part_files(local / PARTS_DIR / n), names, threads),
+                           strict=True))
+    wanted = {f"{PARTS_DIR}/{n}/{f.path}" for n in names for f in local_files[n]} | set(TOP_FILES)
+    found = _survey(store, threads)
+    foreign = _foreign(store, found, m.header, local)
+    if foreign is not None and not replace:
+        raise foreign
+    if foreign is not None and HEADER_FILE in found:
+        store.delete([HEADER_FILE])  # the prefix is no cache while it is replaced
 
-    def one(name: str) -> tuple[int, int]:
-        files = part_files(local / PARTS_DIR / name)
-        index.parts[name] = files
-        up = sk = 0
-        for f in files:
+    def one(name: str, stop: threading.Event) -> tuple[int, int]:
+        up = kept = 0
+        for f in local_files[name]:
+            _check_stop(stop)
             key = f"{PARTS_DIR}/{name}/{f.path}"
-            if store.size(key) == f.size:
-                sk += 1
+            have = found.get(key)
+            if have is not None and (have.size, have.crc32c, have.cache) == (f.size, f.crc32c, digest):
+                kept += 1
                 continue
-            store.put(key, local / PARTS_DIR / name / f.path)
+            store.put(key, local / PARTS_DIR / name / f.path, crc32c=f.crc32c, cache=digest)
             up += 1
         if on_part is not None:
             on_part(name)
-        return up, sk
+        return up, kept
 
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for up, sk in pool.map(one, [p.name for p in m.parts]):
-            uploaded, skipped = uploaded + up, skipped + sk
-    index.parts = {p.name: index.parts[p.name] for p in m.parts}  # commit order
-    store.put(FILES_INDEX, index.to_bytes())
-    store.put(LOG_FILE, (local / LOG_FILE).read_bytes())
-    store.put(HEADER_FILE, (local / HEADER_FILE).read_bytes())
-    return {"parts": len(m.parts), "files_uploaded": uploaded, "files_kept": skipped,
+    counts = run_parallel(one, names, threads)
+    # Leftovers: objects of this cache it no longer holds, and with `replace` everything else.
+    stale = sorted(k for k, info in found.items() if k not in wanted and (replace or info.cache == digest))
+    if stale:
+        store.delete(stale)
+    index = FilesIndex({n: local_files[n] for n in names})  # commit order
+    for key, data in ((FILES_INDEX, index.to_bytes()), (LOG_FILE, (local / LOG_FILE).read_bytes()),
+                      (HEADER_FILE, (local / HEADER_FILE).read_bytes())):
+        store.put(key, data, crc32c=google_crc32c.value(data), cache=digest)
+    return {"parts": len(m.parts), "files_uploaded": sum(c[0] for c in counts),
+            "files_kept": sum(c[1] for c in counts), "files_removed": len(stale),
+            "replaced": None if foreign is None else foreign.found or "other objects",
             "bytes": sum(f.size for files in index.parts.values() for f in files)}
+
+
+TOP_FILES = (FILES_INDEX, LOG_FILE, HEADER_FILE)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _survey(store: RemoteStore, threads: int) -> dict[str, ObjectInfo]:
+    """Every object under the prefix with its size and upload metadata (one HEAD each)."""
+    keys = store.keys()
+
+    def look(key: str, stop: threading.Event) -> ObjectInfo | None:
+        _check_stop(stop)
+        return store.info(key)
+
+    return {k: info for k, info in zip(keys, run_parallel(look, keys, threads), strict=True) if info is not None}
+
+
+def _foreign(store: RemoteStore, found: dict[str, ObjectInfo], header: dict[str, Any],
+             local: Path) -> ForeignPrefixError | None:
+    """The refusal of a prefix that holds another cache than `header`'s, None if it holds none.
+    With a header there, its identity decides; without one (an unfinished upload), the objects'
+    metadata does: each must be of this cache."""
+    digest = cache_digest(header)
+    advice = ("Upload to another prefix, or pass --replace to delete what is there and upload this cache in its "
+              "place (the remote copy of the other cache is lost).")
+    if HEADER_FILE in found:
+        try:
+            theirs = json.loads(store.get(HEADER_FILE))
+            their_digest = cache_digest(theirs)
+        except (ValueError, TypeError, AttributeError):
+            theirs, their_digest = None, None
+        if their_digest == digest:
+            return None
+        if theirs is None:
+            what = f"a {HEADER_FILE} that is not a cache header"
+        else:
+            differs = identity_differences(header, theirs, Purpose.RESUME)
+            what = f"another cache ({describe_cache(theirs)}" + (
+                "; " + ", ".join(f"{k} {_brief(b)} there, {_brief(a)} here" for k, a, b in differs[:2])
+                if differs else "") + ")"
+        return ForeignPrefixError(
+            f"{store.url} holds {what}, not {local} ({describe_cache(header)}): uploading would mix the two "
+            f"caches' objects under one prefix. {advice}", url=store.url, found=their_digest, uploading=digest)
+    others = sorted(k for k, info in found.items() if info.cache != digest)
+    if not others:
+        return None
+    caches = sorted({found[k].cache for k in others if found[k].cache})
+    whose = (f"of the unfinished upload of another cache (identity {', '.join(caches[:2])})" if caches
+             else "written by no dflash upload of this cache")
+    return ForeignPrefixError(
+        f"{store.url} holds {len(others)} object(s) ({others[0]} first) {whose}, not of {local} "
+        f"({describe_cache(header)}). {advice}", url=store.url, found=caches[0] if caches else None, uploading=digest)
 
 
 @dataclass
