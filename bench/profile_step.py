@@ -1,28 +1,40 @@
-"""One training step of the drafter (compute_loss + backward), section by section, without the trainer.
+"""One training step of the drafter (compute_loss, backward, AdamW), section by section, without the
+trainer: DFlash and DFlash2 side by side in one process, on the same batch, and what each part of
+DFlash2 costs.
 
-Builds a drafter of a bench_train shape from random target tensors and a synthetic batch (a
-prompt, then the completion, as bench_train's cache), and times the forward, the loss and the
-backward of `--steps` steps; `--profile` also prints torch.profiler's top operators and the time
-of the DFlash2 parts (the convolutions, the top-K and the selector). DFlash against DFlash2 on
-the same batch is the cost of DFlash2's parts:
+Builds drafters of a bench_train shape from random target tensors and a synthetic batch (a prompt,
+then the completion, as bench_train's cache) and times `--steps` steps of each variant:
 
-    python bench/profile_step.py --shape quality --samples 4 --vocab 8192 --drafter-type dflash2
-    python bench/profile_step.py --shape quality --samples 4 --vocab 8192 --drafter-type dflash
-    python bench/profile_step.py --shape quality --vocab 8192 --dtype bf16 --compile   # one GPU
+- `dflash`, `dflash2`: the two drafters; their step times and fractions of the bf16 peak (model
+  FLOPs as bench_train counts them; the step without the loader, so a little above bench_train's);
+- `dflash2-noconv`: DFlash2 with its in-block convolutions taken out (the selector kept), so that
+  `dflash2 - dflash2-noconv` is what the convolutions cost (compiled with the layers around them,
+  where they are fused into their neighbours' kernels: no profiler range can say it) and
+  `dflash2-noconv - dflash` what the selector's head part costs: of it the top-K and the selector's
+  forward are timed in the step (CUDA events around them), the rest is the selector's backward (the
+  codebooks' gradients, the candidates' gradient into the logits') and its optimizer step.
+
+    python bench/profile_step.py --shape 8b --compile                   # one GPU: 8B shape, 3 variants
+    python bench/profile_step.py --shape quality-bpe --compile          # the BPE benchmark's small drafter
+    python bench/profile_step.py --shape small --steps 2                # a CPU smoke run
+    python bench/profile_step.py --shape 8b --variants dflash2 --profile   # torch.profiler's top operators
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import time
 
 import torch
-from bench_train import BATCH, LAYER_IDS, PROMPT, SHAPES
+from bench_train import BATCH, LAYER_IDS, PEAK_FLOPS, PROMPT, SHAPES, flops_per_sample
+
+VARIANTS = ("dflash", "dflash2", "dflash2-noconv")
 
 
-def build(a: argparse.Namespace):
+def build(a: argparse.Namespace, variant: str):
     from dflash.train.drafter_config import DrafterConfig
     from dflash.train.model import DFlashDrafter
     from dflash.train.target_weights import TargetWeights
@@ -32,46 +44,69 @@ def build(a: argparse.Namespace):
         s = dataclasses.replace(s, vocab=a.vocab)
     device = torch.device(a.device)
     g = torch.Generator().manual_seed(0)
-    weights = TargetWeights(embed_tokens=torch.randn(s.vocab, s.hidden, generator=g),
-                            lm_head=torch.randn(s.vocab, s.hidden, generator=g) / s.hidden**0.5)
+    weights = TargetWeights(embed_tokens=torch.randn(s.vocab, s.hidden, generator=g).to(torch.bfloat16),
+                            lm_head=(torch.randn(s.vocab, s.hidden, generator=g) / s.hidden**0.5).to(torch.bfloat16))
     config = DrafterConfig(
         hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
         intermediate_size=s.intermediate, vocab_size=s.vocab, num_target_layers=s.target_layers,
         num_hidden_layers=s.draft_layers, target_layer_ids=LAYER_IDS[s.target_layers], block_size=s.block_size,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960,
         attention_backend=a.attention_backend or ("flex" if device.type == "cuda" else "sdpa"),
-        mask_token_id=s.vocab - 1, drafter_type=a.drafter_type)
+        mask_token_id=s.vocab - 1, drafter_type="dflash" if variant == "dflash" else "dflash2")
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config, weights).to(device).train()
+    drafter = DFlashDrafter(config, weights)
+    if a.dtype == "fp32":  # the trainer's frozen tensors follow the training dtype's (bf16 under autocast)
+        drafter.embed_weight, drafter.lm_head_weight = drafter.embed_weight.float(), drafter.lm_head_weight.float()
+    if variant == "dflash2-noconv":
+        for layer in drafter.layers:
+            layer.attention_conv = layer.mlp_conv = None
+    drafter = drafter.to(device).train()
     samples = a.samples or BATCH[a.shape]
     width = len(LAYER_IDS[s.target_layers]) * s.hidden
     mask = torch.ones(samples, s.seq_len, dtype=torch.long)
     mask[:, : int(s.seq_len * PROMPT[a.shape])] = 0
+    g = torch.Generator().manual_seed(1)
     batch = {"hidden": torch.randn(samples, s.seq_len, width, generator=g).to(torch.bfloat16),
              "input_ids": torch.randint(0, s.vocab - 1, (samples, s.seq_len), generator=g),
              "loss_mask": mask, "lengths": torch.full((samples,), s.seq_len)}
     return s, drafter, {k: v.to(device) for k, v in batch.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="quality")
-    parser.add_argument("--samples", type=int, default=None, help="samples per step (default bench_train's)")
-    parser.add_argument("--vocab", type=int, default=None, help="the target's vocabulary (default the shape's)")
-    parser.add_argument("--drafter-type", choices=("dflash", "dflash2"), default="dflash2")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as on CUDA")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
-    parser.add_argument("--json", help="also write the figures to this file")
-    a = parser.parse_args()
+class PartTimer:
+    """Device time of the calls to the DFlash2 head parts the objective makes (CUDA events, or the
+    wall time on a CPU), by part, over the timed steps."""
 
-    from dflash.train import dflash2
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.pending, self.totals = device, [], {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            if self.device.type != "cuda":
+                start = time.perf_counter()
+                out = fn(*args, **kw)
+                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kw)
+            end.record()
+            self.pending.append((name, start, end))
+            return out
+        return timed
+
+    def collect(self) -> dict[str, float]:
+        for name, start, end in self.pending:
+            end.synchronize()
+            self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end) / 1e3
+        self.pending = []
+        return self.totals
+
+
+def run_variant(a: argparse.Namespace, variant: str) -> dict:
+    import dflash.train.objective as objective_module
     from dflash.train.objective import ObjectiveConfig, compute_loss
 
-    s, drafter, batch = build(a)
+    s, drafter, batch = build(a, variant)
     if a.compile:
         drafter.compile_training()
     device = batch["hidden"].device
@@ -79,6 +114,7 @@ def main() -> None:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if a.dtype == "bf16"
                 else torch.autocast(device.type, enabled=False))
     params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
 
     def sync() -> None:
         if device.type == "cuda":
@@ -93,55 +129,120 @@ def main() -> None:
         forward = time.perf_counter()
         out.loss.backward()
         sync()
+        backward = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
         end = time.perf_counter()
-        for p in params:
-            p.grad = None
-        return {"forward_s": forward - start, "backward_s": end - forward, "step_s": end - start,
-                "step_cpu_s": time.process_time() - cpu, "blocks": int(out.anchor_valid.sum())}
+        return {"forward_s": forward - start, "backward_s": backward - forward, "optimizer_s": end - backward,
+                "step_s": end - start, "step_cpu_s": time.process_time() - cpu, "blocks": int(out.anchor_valid.sum())}
 
     step(0)  # warm-up (and the compile)
+    step(1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    if a.profile:
-        from torch.profiler import ProfilerActivity, profile, record_function
+    timer = PartTimer(device)
+    originals = {name: getattr(objective_module, name) for name in ("exact_topk", "selector_objective")}
+    if variant != "dflash":
+        for name, fn in originals.items():
+            setattr(objective_module, name, timer.wrap(name, fn))
+    try:
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
 
-        wrapped = []
-        for owner, name in ((dflash2.GroupedDynamicConv, "prepare"), (dflash2.GroupedDynamicConv, "finish"),
-                            (dflash2, "top_candidates"), (dflash2.CandidateSelector, "forward"),
-                            (dflash2, "selector_objective")):
-            original = getattr(owner, name)
-
-            def timed(*args, _f=original, _n=f"dflash2.{name}", **kw):
-                with record_function(_n):
-                    return _f(*args, **kw)
-
-            wrapped.append((owner, name, original))
-            setattr(owner, name, timed)
-        import dflash.train.objective as objective_module
-        objective_module.selector_objective = dflash2.selector_objective
-        wrapped.append((objective_module, "selector_objective", original))
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities, profile_memory=True) as prof:
-            runs = [step(1 + i) for i in range(a.steps)]
-        for owner, name, original in wrapped:
-            setattr(owner, name, original)
-        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        events = prof.key_averages()
-        print(events.table(sort_by=sort, row_limit=30), flush=True)
-        total = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-        for e in events:  # the DFlash2 parts' forward (their backward is in the operators above)
-            if e.key.startswith("dflash2."):
-                print(f"{e.key}: {getattr(e, total) / 1e3 / a.steps:.1f} ms/step in {e.count // a.steps} calls")
-    else:
-        runs = [step(1 + i) for i in range(a.steps)]
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=activities) as prof:
+                runs = [step(2 + i) for i in range(a.steps)]
+            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=30), flush=True)
+        else:
+            runs = [step(2 + i) for i in range(a.steps)]
+    finally:
+        for name, fn in originals.items():
+            setattr(objective_module, name, fn)
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
-    mean.update(drafter_type=a.drafter_type, shape=a.shape, vocab=s.vocab, dtype=a.dtype, compile=a.compile,
-                samples=int(batch["hidden"].shape[0]), device=str(device),
+    parts = {name: seconds / len(runs) for name, seconds in timer.collect().items()}
+    dflash2 = (None if variant == "dflash" else
+               {k: getattr(drafter.config, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                      "selector_top_k")})
+    if variant == "dflash2-noconv":  # no convolution FLOPs
+        dflash2 = dict(dflash2, conv_kernel_size=0)
+    samples = int(batch["hidden"].shape[0])
+    flops = samples * flops_per_sample(s, s.seq_len, round(mean["blocks"] / samples), dflash2)
+    mean.update(variant=variant, shape=a.shape, vocab=s.vocab, dtype=a.dtype, compile=a.compile, samples=samples,
+                device=str(device), context_tokens_per_second=samples * s.seq_len / mean["step_s"],
+                model_tflop_per_step=flops / 1e12, fraction_of_peak=flops / mean["step_s"] / PEAK_FLOPS,
+                parts_s=parts,
                 peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
-    print(json.dumps(mean, indent=1))
+    return mean
+
+
+def report(results: dict[str, dict]) -> dict:
+    """The variants side by side, and DFlash2's parts from their differences."""
+    print(f"{'variant':<15} {'ms/step':>8} {'fwd':>7} {'bwd':>7} {'optim':>6} {'of peak':>8} {'ctx tok/s':>10} "
+          f"{'GiB':>6}")
+    for name, r in results.items():
+        gib = f"{r['peak_gpu_memory_gib']:6.1f}" if r["peak_gpu_memory_gib"] is not None else "     -"
+        print(f"{name:<15} {r['step_s'] * 1e3:8.1f} {r['forward_s'] * 1e3:7.1f} {r['backward_s'] * 1e3:7.1f} "
+              f"{r['optimizer_s'] * 1e3:6.1f} {r['fraction_of_peak']:8.1%} {r['context_tokens_per_second']:10.0f} {gib}")
+    ms = {name: r["step_s"] * 1e3 for name, r in results.items()}
+    parts: dict[str, float] = {}
+    if "dflash" in ms and "dflash2" in ms:
+        parts["dflash2 over dflash"] = ms["dflash2"] - ms["dflash"]
+        print(f"tokens/s dflash2 / dflash: {ms['dflash'] / ms['dflash2']:.3f}x")
+    if "dflash2" in ms and "dflash2-noconv" in ms:
+        parts["convolutions (dflash2 - dflash2-noconv)"] = ms["dflash2"] - ms["dflash2-noconv"]
+    timed = results.get("dflash2-noconv", results.get("dflash2", {})).get("parts_s", {})
+    if "exact_topk" in timed:
+        parts["top-K (timed in the step)"] = timed["exact_topk"] * 1e3
+    if "selector_objective" in timed:
+        parts["selector forward (timed in the step)"] = timed["selector_objective"] * 1e3
+    if "dflash" in ms and "dflash2-noconv" in ms:
+        head = ms["dflash2-noconv"] - ms["dflash"]
+        parts["head: top-K + selector (dflash2-noconv - dflash)"] = head
+        parts["  of it the selector's backward, its optimizer step and the rest"] = (
+            head - timed.get("exact_topk", 0.0) * 1e3 - timed.get("selector_objective", 0.0) * 1e3)
+    for name, value in parts.items():
+        print(f"{name:<66} {value:8.2f} ms/step")
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="quality-bpe")
+    parser.add_argument("--samples", type=int, default=None, help="samples per step (default bench_train's)")
+    parser.add_argument("--vocab", type=int, default=None, help="the target's vocabulary (default the shape's)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, run in this order in one process (of {', '.join(VARIANTS)})")
+    parser.add_argument("--drafter-type", choices=VARIANTS, default=None, help="one variant alone (--variants X)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after two warm-up steps)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="bf16: autocast, as the trainer on CUDA (the default there); fp32 elsewhere")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward, as the trainer")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators per variant")
+    parser.add_argument("--json", help="also write the figures to this file")
+    a = parser.parse_args()
+    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    variants = [a.drafter_type] if a.drafter_type else [v.strip() for v in a.variants.split(",") if v.strip()]
+    if not variants or set(variants) - set(VARIANTS):
+        parser.error(f"--variants {a.variants!r}: choose among {', '.join(VARIANTS)}.")
+    results = {}
+    for variant in variants:
+        results[variant] = run_variant(a, variant)
+        print(f"{variant}: {results[variant]['step_s'] * 1e3:.1f} ms/step", flush=True)
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    parts = report(results)
+    card = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    out = {"bench": "profile_step", "card": card, "shape": a.shape, "variants": results, "parts_ms": parts}
+    print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(mean, f)
+            json.dump(out, f)
 
 
 if __name__ == "__main__":
