@@ -169,7 +169,7 @@ def info(cache: str, settings: InfoSettings) -> None:
         f"target_layer_ids {s['target_layer_ids']} (K={s['num_layers']}), hidden_size {s['hidden_size']}",
         f"codec            {codec['name']} (zstd level {codec['clevel']}{_packing(codec)}, "
         f"blocksize {codec['blocksize']}), "
-        f"chunk_rows {s['chunk_rows']}, shard_rows {s['shard_rows']}",
+        f"chunk_rows {s['chunk_rows']}, shard_rows {s['shard_rows']}" + _recompressed(s["codec_history"]),
         f"extras           last_hidden={s['extras'].get('last_hidden')}, topk={s['extras'].get('topk')}, "
         f"top1={_top1_line(s)}",
         f"parts            {s['parts']}" + (
@@ -198,6 +198,15 @@ def info(cache: str, settings: InfoSettings) -> None:
     if s["data"]:
         lines.append(f"data             {json.dumps(s['data'], default=str)[:300]}")
     click.echo("\n".join(lines))
+
+
+def _recompressed(history: list[str]) -> str:
+    """Where a recompressed cache's values came from: a lossy codec among them set their precision."""
+    if not history:
+        return ""
+    lossy = [c for c in history if c in ("fp8", "nf4")]
+    return (f"; recompressed from {' -> '.join(history)}"
+            + (f" (the values keep {lossy[0]}'s precision)" if lossy else ""))
 
 
 def _top1_line(s: dict) -> str:
@@ -256,7 +265,8 @@ def verify(cache: str, settings: VerifySettings) -> None:
     mode = "structure" if fast else f"{report.chunks} chunks"
     if report.ok:
         planned = f" (of {report.planned} planned: unfinished)" if report.planned else ""
-        click.echo(f"OK: {report.parts} parts{planned}, {mode} checked, no problems found.")
+        evicted = f", {len(report.evicted)} of them evicted (see the note)" if report.evicted else ""
+        click.echo(f"OK: {report.parts} parts{planned}{evicted}, {mode} checked, no problems found.")
         return
     for problem in report.problems:
         click.echo(f"BAD {problem}")

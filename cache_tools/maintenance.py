@@ -83,6 +83,8 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     planned: int | None = None
     """Parts the extraction's plan promises when more than are committed (an unfinished cache)."""
+    evicted: list[str] = field(default_factory=list)
+    """Committed parts not checked: evicted under a disk budget (their files deleted by design)."""
 
     @property
     def ok(self) -> bool:
@@ -280,6 +282,7 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
             report.parts += 1
             pf = reader.part_arrays(i)
             if evicted.is_evicted(rec.name) and not pf.dir.is_dir():
+                report.evicted.append(rec.name)
                 continue
             if not pf.dir.is_dir():
                 report.problems.append(Problem(rec.name, None, "", f"the part directory {pf.dir} is missing"))
@@ -312,10 +315,14 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
         report.notes.append(f"the extraction has not finished: {left.describe()} (stopped before its end, still "
                             "running, or a rank lost). Rerun its dflash-extract command to finish it; dflash-train "
                             "refuses the cache until then (or with --allow-incomplete trains on what is there).")
-    if gone := evicted.evicted():
-        report.notes.append(f"{len(gone)} parts ({sum(st.nbytes for st in gone.values())} bytes) are evicted under a "
-                            "disk budget (manifest.evicted.jsonl): not checked; dflash-extract with --follow-epochs "
-                            "extracts them again, byte for byte.")
+    if gone := report.evicted:
+        states = evicted.evicted()
+        names = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
+        report.notes.append(f"{len(gone)} parts ({names}; {sum(states[n].nbytes for n in gone if n in states)} bytes) "
+                            "are evicted under a disk budget (manifest.evicted.jsonl): their files were deleted once "
+                            "training had read them, so they are not checked. An extraction's later --follow-epochs "
+                            "pass writes them again; until then a training run without --follow and the maintenance "
+                            "verbs refuse the cache.")
     if (cache_dir / PARTS_DIR).is_dir():
         names = {r.name for r in records}
         extra = [p.name for p in (cache_dir / PARTS_DIR).iterdir() if p.name not in names]

@@ -146,7 +146,13 @@ def recompress_cache(
     header = copy.deepcopy(reader.manifest.header)
     header["hidden"]["codec"] = new_codec.to_dict()
     header["hidden"]["storage_dtype"] = new_codec.storage_dtype.name
-    header["producer"] = {**header.get("producer", {}), "recompressed_from": reader.manifest.codec.to_dict()}
+    earlier = header.get("producer", {})
+    # Every codec the values went through, oldest first: a lossy one (fp8, nf4) sets their precision
+    # whatever the codec now (an older recompress recorded only its own source).
+    history = earlier.get("codec_history") or (
+        [earlier["recompressed_from"]["name"]] if isinstance(earlier.get("recompressed_from"), dict) else [])
+    header["producer"] = {**earlier, "recompressed_from": reader.manifest.codec.to_dict(),
+                          "codec_history": [*history, reader.manifest.codec.name]}
     writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER.format(command="recompress"))
     report = CopyReport(dst=dst, src_bytes=reader.manifest.nbytes)
     jobs = [(reader, i, p.name) for i, p in enumerate(reader.parts)]

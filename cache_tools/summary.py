@@ -38,6 +38,13 @@ def top1_samples(manifest: Manifest) -> int | None:
     return int(top1_selected(keys, share).sum())
 
 
+def _codec_history(producer: dict[str, Any]) -> list[str]:
+    if producer.get("codec_history"):
+        return list(producer["codec_history"])
+    earlier = producer.get("recompressed_from")
+    return [earlier["name"]] if isinstance(earlier, dict) and "name" in earlier else []
+
+
 def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
     """Summary of a cache from its manifest alone (no part is opened)."""
     m = read_manifest(cache_dir)
@@ -61,6 +68,8 @@ def cache_info(cache_dir: str | os.PathLike) -> dict[str, Any]:
         "num_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "codec": m.codec.to_dict(),
+        # the codecs a recompress wrote it from, oldest first (empty: written by an extraction)
+        "codec_history": _codec_history(m.header.get("producer") or {}),
         "chunk_rows": m.chunk_rows,
         "shard_rows": m.shard_rows,
         "extras": m.header["extras"],
