@@ -8,7 +8,8 @@ first touches the part (`ensure`), or ahead of it by `prefetch`. Every downloade
 checked against the index's size and crc32c before it is renamed into place, and a part is
 marked staged only once all its files are; a failed or corrupt download is retried, then named.
 Under a disk budget (`staging.StagingBudget`) the least recently used staged parts are evicted
-to make room. Everything is kept on disk (markers, per-part locks), so DataLoader workers and a
+to make room; the small arrays count against it but stay (where they alone exceed it, the
+directory holds them plus one part). Everything is kept on disk (markers, per-part locks), so DataLoader workers and a
 process restarted after a kill share one staging directory.
 """
 

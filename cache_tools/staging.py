@@ -6,7 +6,9 @@ staging directory): the bytes in use are what the directory's files hold on disk
 the filesystem each time, so any number of processes (loader workers, extraction ranks) see
 the same figure without talking to each other. A budget admits one more part while the
 directory holds less than the budget, so a directory never holds more than the budget plus
-one part, and a part larger than the whole budget still goes through alone.
+one part, and a part larger than the whole budget still goes through alone. What is never
+evicted counts too (a remote cache's small arrays, staged for every part at open): where it
+alone exceeds the budget, the directory holds it plus one part.
 """
 
 from __future__ import annotations
