@@ -9,6 +9,9 @@ import http.server
 import os
 import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 
@@ -206,3 +209,30 @@ def test_a_stop_request_ends_the_retries_of_a_failing_download(tmp_path, s3, mon
             stage.ensure("part-000000")
     assert stopped.value.signum == signal.SIGTERM
     assert not list(stage.path.rglob(f"*{remote.PARTIAL}*"))
+
+
+def test_a_signal_stops_an_upload_without_starting_another_object(tmp_path, s3):
+    """SIGTERM reached the main thread, but the thread pool then ran every queued object to the
+    end before the command could exit."""
+    make_cache(tmp_path / "c", parts=3)
+    url = fresh_url()
+    script = textwrap.dedent(f"""
+        import sys, time
+        from dflash.cache_tools import remote_store
+        from dflash.cache_tools.cli import main
+        real = remote_store.RemoteStore.put
+        def slow(self, key, data, **kw):
+            print("put", key, flush=True)
+            time.sleep(0.3)
+            return real(self, key, data, **kw)
+        remote_store.RemoteStore.put = slow
+        main(["upload", {str(tmp_path / "c")!r}, {url!r}, "--threads", "1"])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=os.environ.copy())
+    assert proc.stdout.readline().startswith("put ")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert out.count("put ") <= 1, out  # at most the object in flight when the signal came
+    assert "manifest.json" not in remote_objects(s3, url)
