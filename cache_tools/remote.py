@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from .remote_store import (
     is_remote,
     local_disk_message,
     obstore_usable,
+    run_parallel,
     staged_manifest,
     stop_requested,
 )
@@ -132,8 +132,7 @@ class StagedCache:
             )
         small = _small_arrays(header)
         jobs = [(p.name, f) for p in m.parts for f in index.parts[p.name] if _in_skeleton(f.path, small)]
-        with ThreadPoolExecutor(max(1, self.threads)) as pool:
-            list(pool.map(lambda a: self._fetch_checked(*a), jobs))
+        run_parallel(lambda job, _: self._fetch_checked(*job), jobs, self.threads)
         return self
 
     def identity(self) -> dict[str, Any]:
@@ -179,8 +178,7 @@ class StagedCache:
             return
         files = [f for f in self.index.parts[name] if not (self.path / PARTS_DIR / name / f.path).exists()
                  or (self.path / PARTS_DIR / name / f.path).stat().st_size != f.size]
-        with ThreadPoolExecutor(max(1, min(self.threads, len(files) or 1))) as pool:
-            list(pool.map(lambda f: self._fetch_checked(name, f), files))
+        run_parallel(lambda f, _: self._fetch_checked(name, f), files, min(self.threads, len(files) or 1))
         marker = self.path / STAGED_DIR / name
         marker.write_bytes(b"")
 

@@ -17,14 +17,17 @@ import json
 import os
 import re
 import signal
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import google_crc32c
+from dflash.runtime.errors import Interrupted
 from dflash.runtime.signals import StopRequest
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
@@ -33,6 +36,8 @@ from .manifest import HEADER_FILE, LOG_FILE, header_identity, read_manifest
 REMOTE_SCHEMES = ("s3://",)
 FILES_INDEX = "manifest.files.jsonl"
 READ_BLOCK = 8 << 20
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 # Written with every object by upload (S3 user metadata): the object's crc32c and the identity
@@ -139,6 +144,39 @@ def obstore_usable() -> bool:
 
 def is_remote(path: str | os.PathLike) -> bool:
     return str(path).startswith(REMOTE_SCHEMES)
+
+
+def run_parallel(fn: Callable[[T, threading.Event], R], items: list[T], threads: int) -> list[R]:
+    """`fn(item, stop)` over `items` in threads, results in order. The first error (or a signal's
+    `Interrupted` in the waiting main thread) cancels what has not started and sets `stop`,
+    which a running `fn` checks between objects (`check_stop`): no transfer starts behind an error or
+    a stop."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = [pool.submit(fn, item, stop) for item in items]
+        try:
+            for f in as_completed(futures):
+                f.result()  # the first failure, as it happens
+            return [f.result() for f in futures]
+        except BaseException:
+            stop.set()
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def check_stop(stop: threading.Event) -> None:
+    """Between two objects of `run_parallel`: end this thread's work if another failed, or raise
+    `Interrupted` once a stop was requested."""
+    if stop.is_set():
+        raise _Stopped
+    if signum := stop_requested():
+        stop.set()
+        raise Interrupted(signum)
+
+
+class _Stopped(Exception):
+    """A thread's work ended because another thread failed (that thread's error is raised)."""
 
 
 # -- the store ---------------------------------------------------------------------------------

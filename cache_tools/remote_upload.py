@@ -9,13 +9,11 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import google_crc32c
-from dflash.runtime.errors import Interrupted
 
 from .errors import CacheError
 from .eviction import refuse_evicted
@@ -30,49 +28,17 @@ from .remote_store import (
     RemoteFile,
     RemoteStore,
     cache_digest,
+    check_stop,
     describe_cache,
     file_crc32c,
+    run_parallel,
     staged_manifest,
-    stop_requested,
 )
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 def part_files(part_dir: Path) -> list[RemoteFile]:
     return [RemoteFile(p.relative_to(part_dir).as_posix(), p.stat().st_size, file_crc32c(p))
             for p in sorted(part_dir.rglob("*")) if p.is_file()]
-
-
-def run_parallel(fn: Callable[[T, threading.Event], R], items: list[T], threads: int) -> list[R]:
-    """`fn(item, stop)` over `items` in threads, results in order. The first error (or a signal's
-    `Interrupted` in the waiting main thread) cancels what has not started and sets `stop`,
-    which a running `fn` checks between objects: nothing keeps uploading behind an error."""
-    stop = threading.Event()
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        futures = [pool.submit(fn, item, stop) for item in items]
-        try:
-            for f in as_completed(futures):
-                f.result()  # the first failure, as it happens
-            return [f.result() for f in futures]
-        except BaseException:
-            stop.set()
-            for f in futures:
-                f.cancel()
-            raise
-
-
-def _check_stop(stop: threading.Event) -> None:
-    if stop.is_set():
-        raise _Stopped
-    if signum := stop_requested():
-        stop.set()
-        raise Interrupted(signum)
-
-
-class _Stopped(Exception):
-    """A thread's work ended because another thread failed (that thread's error is raised)."""
 
 
 # -- upload and verify -------------------------------------------------------------------------
@@ -116,7 +82,7 @@ def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8, replac
     def one(name: str, stop: threading.Event) -> tuple[int, int]:
         up = kept = 0
         for f in local_files[name]:
-            _check_stop(stop)
+            check_stop(stop)
             key = f"{PARTS_DIR}/{name}/{f.path}"
             have = found.get(key)
             if have is not None and (have.size, have.crc32c, have.cache) == (f.size, f.crc32c, digest):
@@ -156,7 +122,7 @@ def _survey(store: RemoteStore, threads: int) -> dict[str, ObjectInfo]:
     keys = store.keys()
 
     def look(key: str, stop: threading.Event) -> ObjectInfo | None:
-        _check_stop(stop)
+        check_stop(stop)
         return store.info(key)
 
     return {k: info for k, info in zip(keys, run_parallel(look, keys, threads), strict=True) if info is not None}
@@ -220,7 +186,9 @@ def verify_remote(url: str, *, fast: bool = False, threads: int = 8) -> RemoteVe
         missing = [p.name for p in m.parts if p.name not in index.parts]
         report.problems += [f"part {n}: not in {FILES_INDEX} (an incomplete upload: upload again)" for n in missing]
 
-        def check(name: str, f: RemoteFile) -> str | None:
+        def check(job: tuple[str, RemoteFile], stop: threading.Event) -> str | None:
+            check_stop(stop)
+            name, f = job
             key = f"{PARTS_DIR}/{name}/{f.path}"
             size = store.size(key)
             if size is None:
@@ -236,8 +204,7 @@ def verify_remote(url: str, *, fast: bool = False, threads: int = 8) -> RemoteVe
             return None
 
         jobs = [(p.name, f) for p in m.parts if p.name in index.parts for f in index.parts[p.name]]
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            report.problems += [r for r in pool.map(lambda a: check(*a), jobs) if r]
+        report.problems += [r for r in run_parallel(check, jobs, threads) if r]
         report.parts, report.files = len(m.parts), len(jobs)
         for p in m.parts:
             indexed = sum(f.size for f in index.parts.get(p.name, []))
