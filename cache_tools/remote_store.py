@@ -103,11 +103,12 @@ def failure_reason(e: BaseException) -> str:
     network, AWS_ENDPOINT_URL), the credentials were refused, or the error's own first line
     (obstore's debug dump is left out)."""
     text = " ".join(str(e).split("Debug source:", 1)[0].split())
+    detail = _clip(text.rsplit(" - ", 1)[-1])  # obstore: "Error performing GET <url> in 2s - <the cause>"
     if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or _CREDENTIALS.search(text):
-        return (f"the credentials were refused or are missing ({_clip(text)}): set AWS_ACCESS_KEY_ID and "
+        return (f"the credentials were refused or are missing ({detail}): set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key that may use this bucket")
     if _NETWORK.search(text):
-        return (f"{endpoint_name()} cannot be reached ({_clip(text)}): check the network and AWS_ENDPOINT_URL "
+        return (f"{endpoint_name()} cannot be reached ({detail}): check the network and AWS_ENDPOINT_URL "
                 "(AWS_ALLOW_HTTP=true for an http:// endpoint), then rerun")
     return _clip(text, 300)
 
