@@ -60,6 +60,9 @@ class EvalCommandConfig:
     """Exit with status 1 if any greedy output diverges from the target's."""
     as_json: bool = setting(False, one_way=True, flag="--json")
     """Print the report as JSON."""
+    update_card: bool = setting(False, one_way=True)
+    """Record the figures in the drafter's model card (its README.md, written again from config.json,
+    where they are kept beside the training record; one entry per prompt set, block and temperature)."""
 
 
 @click.command(cls=Command, name="dflash-eval", context_settings={"help_option_names": ["-h", "--help"]},
@@ -76,10 +79,15 @@ def main(settings: EvalCommandConfig) -> None:
     from .run import format_report, run_eval  # torch and transformers load here
 
     measured = {k: v for k, v in asdict(settings).items()
-                if k not in ("target_model", "drafter", "prompts", "strict", "as_json")}
+                if k not in ("target_model", "drafter", "prompts", "strict", "as_json", "update_card")}
     measured["stop_token_ids"] = tuple(settings.stop_token_ids)
     report = run_eval(settings.target_model, settings.drafter, list(settings.prompts), **measured)
     click.echo(json.dumps(report, indent=2) if settings.as_json else format_report(report))
+    if settings.update_card:
+        from dflash.train.export import update_card
+
+        card = update_card(settings.drafter, report)
+        click.echo(f"model card updated: {card}", err=settings.as_json)
     checks = [c for r in report["prompt_sets"] for c in (r["lossless"], r.get("prompt_lookup", {}).get("lossless")) if c]
     diverged = any(c["checked"] and not c["identical"] for c in checks)
     if diverged:

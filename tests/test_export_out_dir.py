@@ -112,7 +112,7 @@ def test_an_empty_directory_or_an_earlier_export_is_replaced_by_the_export(check
         (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "old": 1}))
     res = export(checkpoint, out)
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert "old" not in json.loads((out / "config.json").read_text())
 
 

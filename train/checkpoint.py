@@ -257,13 +257,46 @@ def export_from_state(drafter_config: DrafterConfig, model_state: dict[str, torc
                           training_target=training_target)
 
 
-def training_target(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """What an export records of the target a run trained against (its checkpoint's meta.json)."""
-    target = (meta.get("identity") or {}).get("target")
+RECIPE_KEYS = ("drafter_type", "num_draft_layers", "epochs", "max_steps", "lr", "lr_schedule", "warmup_ratio",
+               "max_anchors", "loss_weighting", "gamma", "soft_label_weight", "hard_label", "noise_type", "seed")
+"""The settings of a run its export's model card names (train/model_card.py)."""
+
+
+def training_target(meta: dict[str, Any], exported_step: int | None = None) -> dict[str, Any] | None:
+    """What an export records of the run behind it (its checkpoint's meta.json): the target it
+    trained against ({"target": identity, "target_path"}, read by dflash-eval and --init-drafter),
+    and for its model card ("run") the data, the recipe, the steps trained and the step whose weights
+    are exported (`exported_step`, default the checkpoint's), and the held-out estimate."""
+    identity = meta.get("identity") or {}
+    target = identity.get("target")
     if not target:
         return None
-    path = ((meta.get("config") or {}).get("target_model"))
-    return {"target": target, **({"target_path": str(Path(path).resolve())} if path else {})}
+    config = meta.get("config") or {}
+    path = config.get("target_model")
+    caches = identity.get("caches") or []
+    run: dict[str, Any] = {
+        "steps": meta.get("step"),
+        "exported_step": meta.get("step") if exported_step is None else exported_step,
+        "data": {"samples": sum(int(c.get("samples", 0)) for c in caches),
+                 "tokens": sum(int(c.get("tokens", 0)) for c in caches),
+                 "caches": [f"{(c.get('identity') or {}).get('data', {}).get('name', '?')} "
+                            f"({(c.get('identity') or {}).get('hidden', {}).get('codec', {}).get('name', '?')})"
+                            for c in caches]},
+        "recipe": {k: config[k] for k in RECIPE_KEYS if config.get(k) not in (None, 0) or k == "seed"},
+        "heldout": meta.get("heldout") or {},
+    }
+    if path and (name := _hub_name(Path(path))) is not None:
+        run["target_name_or_path"] = name
+    return {"target": target, **({"target_path": str(Path(path).resolve())} if path else {}), "run": run}
+
+
+def _hub_name(target_dir: Path) -> str | None:
+    """The `_name_or_path` the target's own config.json records, if any (a Hub id, for the card)."""
+    try:
+        name = json.loads((target_dir / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from .drafter_config import DrafterConfig
 from .model import DFlashDrafter
+from .model_card import CARD_NAME, card_text, evaluation_record
 from .rope import rope_parameters_from_config
 from .target_head import load_target_head
 from .target_weights import load_target_config, load_target_weights
@@ -161,23 +162,29 @@ def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir
             "states; evaluate it with the target it was trained against, or train one for this target.")
 
 
-EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME})
-"""Everything `export_drafter` writes into its directory (its lock file and staging lie beside it)."""
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, CARD_NAME})
+"""Everything `export_drafter` writes into its directory (its lock file and staging lie beside it);
+an export written before the model card has no README.md."""
 
 
 def is_export_dir(path: str | Path) -> bool:
     """Whether `path` is a directory as `export_drafter` leaves it: a DFlash drafter's config.json
-    (its architectures and dflash_config) and model.safetensors, and nothing else."""
+    (its architectures and dflash_config), model.safetensors and the model card written from that
+    config.json (or none, as before the card), and nothing else."""
     path = Path(path)
     try:
         entries = {p.name: p for p in path.iterdir()}
-        if set(entries) != EXPORT_FILES or any(p.is_symlink() or not p.is_file() for p in entries.values()):
+        if not {CONFIG_NAME, WEIGHTS_NAME} <= set(entries) <= EXPORT_FILES or any(
+                p.is_symlink() or not p.is_file() for p in entries.values()):
             return False
         config = json.loads(entries[CONFIG_NAME].read_text())
+        # a README.md is the card an export writes, as it wrote it: an edited one is the user's
+        card = entries[CARD_NAME].read_text() if CARD_NAME in entries else None
     except (OSError, ValueError):
         return False
     return (isinstance(config, dict) and isinstance(config.get("dflash_config"), dict)
-            and config.get("architectures") in [[name] for name in ARCHITECTURES.values()])
+            and config.get("architectures") in [[name] for name in ARCHITECTURES.values()]
+            and (card is None or card == card_text(config, TRAINING_KEY)))
 
 
 def _listing(path: Path, most: int = 5) -> str:
@@ -209,7 +216,7 @@ def export_out_dir(out_dir: str | Path, *, what: str = "The export directory",
         raise InputError(
             f"{named} already holds files that are not a drafter export ({_listing(out)}): an export replaces "
             f"its directory whole, so they would be deleted. It replaces only an empty directory or an earlier "
-            f"export (just {CONFIG_NAME} of a DFlash drafter and {WEIGHTS_NAME}). {fix}")
+            f"export (just {CONFIG_NAME} of a DFlash drafter, {WEIGHTS_NAME} and the {CARD_NAME} written with them). {fix}")
     return out
 
 
@@ -230,9 +237,29 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.
         save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
         config = drafter_hf_config(drafter.config, dtype, training_target=training_target)
         (stage / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (stage / CARD_NAME).write_text(card_text(config, TRAINING_KEY))
         # safetensors creates its file private (0600); the export is read like config.json
         os.chmod(stage / WEIGHTS_NAME, stat.S_IMODE((stage / CONFIG_NAME).stat().st_mode))
     return Path(out_dir)
+
+
+def update_card(drafter_dir: str | Path, report: dict[str, Any]) -> Path:
+    """Record a dflash-eval report's figures in an export (config.json's training record, one entry
+    per prompt set, block and temperature, replacing an earlier one of the same) and write its
+    model card again from it; returns the card's path. Each file is replaced atomically."""
+    from dflash.runtime.fsio import atomic_write_bytes
+
+    drafter_dir = Path(drafter_dir)
+    config = read_export_config(drafter_dir)
+    record = dict(config.get(TRAINING_KEY) or {})
+    fresh = evaluation_record(report)
+    key = lambda e: (e["prompt_set"], e["block_size"], e["temperature"])  # noqa: E731
+    kept = [e for e in record.get("evaluations") or [] if key(e) not in {key(f) for f in fresh}]
+    record["evaluations"] = kept + fresh
+    config[TRAINING_KEY] = record
+    atomic_write_bytes(drafter_dir / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(drafter_dir / CARD_NAME, card_text(config, TRAINING_KEY).encode())
+    return drafter_dir / CARD_NAME
 
 
 def config_from_export(hf_config: dict[str, Any], target_config: Any | None = None, **overrides: Any) -> DrafterConfig:

@@ -34,6 +34,7 @@ from .checkpoint import (
     capture_rng,
     export_from_state,
     step_dir_name,
+    training_target,
 )
 from .config import DivergedError, OptimizationConfig, TrainConfig, TrainConfigError
 from .data import TrainingData, check_cache_target, open_training_data
@@ -251,8 +252,9 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     best = heldout.best_step if heldout.best_step not in (None, step) else None
     final_dir = export_final(model, optimizer, drafter, run_dir / FINAL_DIR, info, log,
                              best=checkpoints.dir / step_dir_name(best) if best is not None else None,
-                             training_target={"target": identity["target"],
-                                              "target_path": str(Path(cfg.model.target_model).resolve())})
+                             training_target=training_target({
+                                 "identity": identity, "config": cfg.to_dict(), "step": step,
+                                 "heldout": heldout.summary(step)}, exported_step=best if best is not None else step))
     log.info(heldout.final_message(step, final_dir, last_checkpoint, caveat=data.heldout_caveat(),
                                    cut_short=length.done_text()))
     log.close()

@@ -273,8 +273,11 @@ class HeldoutTracker:
 
     def summary(self, step: int) -> dict[str, Any]:
         """For a checkpoint's meta.json: its own held-out tau (when evaluated there) and the best."""
+        best = self.best_step is not None
         return {"heldout_tau": self.last_tau if self.last_step == step else None,
-                "best_step": self.best_step, "best_heldout_tau": self.best_tau if self.best_step is not None else None}
+                "best_step": self.best_step, "best_heldout_tau": self.best_tau if best else None,
+                "interval": list(self.best_interval) if best and self.best_interval else None,
+                "lookup_tau": self.lookup_tau if best else None}
 
     def final_message(self, step: int, final_dir: Path | None, last_checkpoint: Path | None,
                       caveat: str = "", cut_short: str = "") -> str:
