@@ -32,7 +32,7 @@ from torch import nn
 
 from .batching import Batch
 from .buffers import PartGroup
-from .target import LayerCapture, next_token_outputs
+from .target import LayerCapture, head_reducer, next_token_outputs
 
 # Diagnostic: quantize fp8 with the eager (unfused) code on the GPU too.
 EAGER_FP8_ENV = "DFLASH_EXTRACT_EAGER_FP8"
@@ -90,6 +90,30 @@ def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quanti
                 raise RuntimeError("compiled fp8 quantization differs from the eager code")
 
 
+def _compiled_head(reduce, device: torch.device, vocab: int, dtype: torch.dtype):
+    """The head's chunk reduction (`target.next_token_reducer`) fused by torch.compile: eager,
+    the logsumexp writes a float32 temporary as large as the chunk's logits, exponentiates it
+    in place and sums it, and the argmax reads the logits again; fused, both read the bf16
+    logits once. Compiled before the loop for any row count, checked against the eager code;
+    where compiling fails the eager code is used."""
+    try:
+        compiled = torch.compile(reduce, dynamic=True)
+        with torch.inference_mode():
+            for rows in (7, 33):  # two sizes: the row count stays symbolic
+                probe = torch.randn(rows, vocab, device=device, dtype=torch.float32).mul_(4).to(dtype)
+                got, want = compiled(probe), reduce(probe)
+                for g, w in zip(got, want):
+                    if (g is None) != (w is None) or (g is not None and (
+                            g.shape != w.shape or not (torch.equal(g, w) if not g.is_floating_point()
+                                                       else torch.allclose(g, w, rtol=1e-5, atol=1e-5)))):
+                        raise RuntimeError("the compiled head reduction differs from the eager code")
+    except Exception as e:  # noqa: BLE001 - any compiler failure: stay correct, run eager
+        print(f"note: the target's top-k log-probs are reduced unfused ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
+        return reduce
+    return compiled
+
+
 _NP_OF = {torch.int16: np.uint16, torch.uint8: np.uint8, torch.float32: np.float32, torch.int32: np.int32}
 
 
@@ -109,7 +133,7 @@ class ExtractionEngine:
 
     def __init__(self, model: nn.Module, capture: LayerCapture, codec: HiddenCodec, *,
                  device: torch.device, topk: int, min_rows: int = 1024, top1: str | None = None,
-                 top1_share: float = 1.0):
+                 top1_share: float = 1.0, store_last_hidden: bool | None = None):
         self.model = model
         self.capture = capture
         self.codec = codec
@@ -118,6 +142,10 @@ class ExtractionEngine:
         self.top1 = top1  # the storage dtype of the target's greedy next token, None: not stored
         self.top1_share = top1_share  # stored for the samples whose split key scores below it (top1_selected)
         self.min_rows = min_rows
+        # Whether the cache keeps the last hidden state (None: whenever the capture reaches the
+        # last layer); without it, the last layer feeds the head alone and is neither encoded
+        # nor copied.
+        self.store_last_hidden = capture.need_last if store_last_hidden is None else store_last_hidden
         self.cuda = device.type == "cuda"
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.NUM_SLOTS)]
         self._launched = 0
@@ -131,6 +159,11 @@ class ExtractionEngine:
             hidden = int(model.get_input_embeddings().weight.shape[1])
             widths = [(len(capture.target_layer_ids), hidden)] + ([(1, hidden)] if capture.need_last else [])
             self._quantize = _compiled_quantizer(device, widths, self._quantize)
+        # The head's reduction of every token's logits (--store-topk, or the top-1 of every row).
+        self._reduce = head_reducer(model, topk=topk, top1=top1 is not None) if topk or top1 else None
+        if self.cuda and topk:
+            head = model.get_output_embeddings()
+            self._reduce = _compiled_head(self._reduce, device, int(head.weight.shape[0]), head.weight.dtype)
 
     def _encode(self, h: torch.Tensor, num_layers: int, name: str) -> dict[str, torch.Tensor]:
         if self.codec.has_scale:
@@ -178,9 +211,10 @@ class ExtractionEngine:
         if cap.last_hidden is not None:
             last = cap.last_hidden.reshape(-1, cap.last_hidden.shape[-1])
             last = last.index_select(0, gather.to(last.device))
-            out.update(self._encode(last.to(self.device), 1, LAST_HIDDEN))
+            if self.store_last_hidden:
+                out.update(self._encode(last.to(self.device), 1, LAST_HIDDEN))
             if self.topk or (self.top1 and selected is None):  # one pass of the head for both
-                heads = next_token_outputs(self.model, last, topk=self.topk, top1=self.top1)
+                heads = next_token_outputs(self.model, last, topk=self.topk, top1=self.top1, reduce=self._reduce)
         if self.top1 and selected is not None:
             heads[TOP1_IDS] = self._selected_top1(batch, selected, cap, last, heads.get(TOP1_IDS))
         out.update({name: values.to(self.device) for name, values in heads.items()})

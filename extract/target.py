@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,36 +266,70 @@ def _final_norm_and_head(model: nn.Module, what: str, fix: str = "") -> tuple[nn
     return norm, head
 
 
+def next_token_reducer(topk: int, top1: bool, *, scale: float | None = None,
+                       softcap: float | None = None) -> Callable[[torch.Tensor], tuple]:
+    """What the cache keeps of one row chunk of the head's output [C, V] (in the head's dtype):
+    (top-k log-probs f32 [C, k], their ids int64 [C, k], the top-1 int64 [C]), None for what is
+    not asked; `scale`, `softcap`: the target's post-head steps (runtime/logits.py).
+
+    The same values as `log_softmax(logits.float()).topk(k)`, without a float32 copy of the
+    vocabulary's logits or of their log-probs: the top-k is taken on the head's own output
+    (bf16: a float32 copy has the same order, exactly, at twice the bytes to sort), and a
+    log-prob is its logit minus the row's logsumexp, whose maximum is the top-1's logit. Ties
+    among the top k are equal logits with equal log-probs; which of two tied ids comes first,
+    and which one a tie at the k-th place keeps, is topk's choice, as it was. The top-1 is the
+    argmax (the first of tied maxima). Nothing depends on a value on the host: torch.compile
+    fuses the logsumexp and the argmax into one read of the chunk (ExtractionEngine does).
+    A post-head step is applied in float32 first, as the target's forward does."""
+    steps = scale is not None or softcap is not None
+
+    def reduce(logits: torch.Tensor) -> tuple:
+        z = apply_post_head(logits.float(), scale=scale, softcap=softcap) if steps else logits
+        logprobs = ids = first = None
+        if topk:
+            values, ids = z.topk(topk, dim=-1)
+            top = values[:, :1].float()
+            # z - top is float32 (type promotion): the one float32 temporary, eager
+            logsum = (z - top).exp_().sum(dim=-1, keepdim=True).log()
+            logprobs = values.float() - top - logsum  # as log_softmax: (x - max) - log(sum)
+        if top1:
+            first = z.argmax(dim=-1)
+        return logprobs, ids, first
+
+    return reduce
+
+
+def head_reducer(model: nn.Module, *, topk: int, top1: bool) -> Callable[[torch.Tensor], tuple]:
+    """`next_token_reducer` with the target's own post-head steps."""
+    return next_token_reducer(topk, top1, **post_head_steps(model.config))
+
+
 @torch.inference_mode()
 def next_token_outputs(model: nn.Module, last_hidden: torch.Tensor, *, topk: int = 0, top1: str | None = None,
-                       chunk_tokens: int = 2048) -> dict[str, torch.Tensor]:
+                       chunk_tokens: int = 2048, reduce: Callable[[torch.Tensor], tuple] | None = None,
+                       ) -> dict[str, torch.Tensor]:
     """What the cache stores of the target's next-token distribution, from pre-norm last hidden
-    states [T, D] in token chunks (full logits of 32K tokens x 150K vocab would not fit), through
-    the target's own final norm, lm_head and post-head steps (runtime/logits.py), one head pass
-    for both:
+    states [T, D], through the target's own final norm, lm_head and post-head steps
+    (runtime/logits.py), one head pass for both:
     - `topk`: "topk_ids" (int32) and "topk_logprobs" (f32), the top-k log-probs;
     - `top1`: "top1_ids" [T, 1], the greedy next token (argmax) in the bits of that dtype
       (schema.TOP1_DTYPES: uint16 ids travel as int16 of the same bits). What greedy
-      verification checks a draft against: the trainer's held-out estimate replays it."""
+      verification checks a draft against: the trainer's held-out estimate replays it.
+    The head runs on `chunk_tokens` rows at a time (the logits of 32K tokens x 150K ids would
+    not fit), each chunk reduced at once (`next_token_reducer`; `reduce`: the same for these
+    `topk` and `top1`, compiled by the caller)."""
     norm, head = (_final_norm_and_head(model, "--store-topk") if topk else
                   _final_norm_and_head(model, "Storing the target's top-1", ": pass --no-store-top1"))
-    steps = post_head_steps(model.config)  # the logits the target's forward returns (soft cap, scale)
-    # The top-1 alone of a head with no post-head step: the argmax of the head's own output (a
-    # float32 copy has the same order, exactly, at twice the memory traffic of the widest tensor).
-    raw_argmax = not topk and not any(v is not None for v in steps.values())
+    reduce = reduce or head_reducer(model, topk=topk, top1=top1 is not None)
     ids_k, lp_k, ids_1 = [], [], []
     for start in range(0, last_hidden.shape[0], chunk_tokens):
-        logits = head(norm(last_hidden[start:start + chunk_tokens]))
-        if not raw_argmax:
-            logits = apply_post_head(logits.float(), **steps)
+        logprobs, ids, first = reduce(head(norm(last_hidden[start:start + chunk_tokens])))
         if topk:
-            lp, ids = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
             ids_k.append(ids.to(torch.int32))
-            lp_k.append(lp)
+            lp_k.append(logprobs)
         if top1:
-            ids = logits.argmax(dim=-1)
-            ids_1.append(torch.where(ids >= 1 << 15, ids - (1 << 16), ids).to(torch.int16) if top1 == "uint16"
-                         else ids.to(torch.int32))
+            ids_1.append(torch.where(first >= 1 << 15, first - (1 << 16), first).to(torch.int16)
+                         if top1 == "uint16" else first.to(torch.int32))
     out = {}
     if topk:
         out[TOPK_IDS], out[TOPK_LOGPROBS] = torch.cat(ids_k), torch.cat(lp_k)
