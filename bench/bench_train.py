@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "steps; quality: the drafter "
                              "of bench/quality (hidden 384, 5 layers), 64 samples of 256 tokens per step, byte ids; "
                              "quality-bpe: the same over the BPE benchmark's 8,192 ids; 8b-chat: "
-                             "the 8b drafter on 32 samples of 512 tokens a step (40 % prompt: ~147K scored slots); small: a "
+                             "the 8b drafter on 32 samples of 512 tokens a step (40 %% prompt: ~147K scored slots); small: a "
                              "tiny shape on the CPU (a smoke run of the bench)")
     parser.add_argument("--small", action="store_true", help="same as --shape small")
     parser.add_argument("--samples", type=int, default=None, help="cache samples (default 256; small: 32)")
