@@ -1,14 +1,26 @@
-"""Extraction throughput on one GPU: plain prefill vs stop-after-last-layer vs full extraction.
+"""Extraction throughput on one GPU: plain prefill vs the two forwards an extraction is held to.
 
 Builds a randomly initialized target in bf16 directly on the GPU (no checkpoint), writes
 synthetic ~2K-token samples, and reports side by side:
   prefill      model(ids, logits_to_keep=1)                      tokens/s
-  capture      the forward that stops after the last captured layer  tokens/s (measured before
-               and after every extraction; each extraction is compared with the two around it)
+  stop-fwd     the forward that stops after the last captured layer  tokens/s: the reference of
+               an extraction without top-k (--store-topk 0)
+  full-fwd     the forward through every layer, the final norm and the head over every token,
+               reduced to the top-K log-probs as dflash-extract reduces them (no capture, nothing
+               copied): the reference of an extraction that stores them (its default, K = 8;
+               K: the largest '@K' of --codecs, else 8). Both references are measured before
+               and after every extraction; each extraction is compared with the two around it.
+  head-fwd     the same forward and head with no top-k (once): what the top-k itself costs
   extract bf16 full extraction into a cache (codec bf16)          tokens/s, GPU util (NVML, over
                the timed span: first batch to last commit), bytes/token
   extract fp8  the same with codec fp8
-Each cache is deleted after it is measured. Target: extract >= 0.95x capture.
+Each cache is deleted after it is measured. Targets: an extraction >= 0.95x stop-fwd without
+top-k, >= 0.95x full-fwd with it.
+
+A --codecs entry ending in '+old' (e.g. 'bf16@8,bf16@8+old') runs that extraction with the
+top-k formula before the chunk reduction (bench/bench_topk.py's old_next_token_outputs: per
+2,048-row chunk a float32 copy of the logits, their log_softmax and its topk), and full-fwd is
+then measured once with it too: old against new, side by side in one process.
 
 Target shapes (--shape; 5 captured layers from the default layer rule):
   8b          Qwen3-8B (dense Qwen3: hidden 4096, 36 layers, 32/8 heads)
@@ -24,6 +36,7 @@ reads.
 
     python bench/bench_extract.py --output /dev/shm/dflash-bench          # one H200
     python bench/bench_extract.py --shape 27b-hybrid --output /dev/shm/x --json /dev/shm/x.json
+    python bench/bench_extract.py --codecs bf16,bf16@8,bf16@8+old --output /dev/shm/x   # top-k, old vs new
     python bench/bench_extract.py --small --output /tmp/dflash-bench      # CPU smoke run
 """
 
@@ -40,15 +53,18 @@ import sys
 import time
 from pathlib import Path
 
+import dflash.extract.engine as extraction_engine
 import torch
 import transformers
+from bench_topk import head_alone, old_next_token_outputs
 from dflash.cache_tools.layers import default_target_layer_ids
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.batching import make_batches
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import plan_windows
+from dflash.extract.engine import _compiled_head
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
-from dflash.extract.target import LayerCapture
+from dflash.extract.target import LayerCapture, head_reducer, next_token_outputs
 from profiling import GpuSampler, device_busy_seconds
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -299,27 +315,35 @@ def traced_extraction(out: Path, data: Path, tokens: int, layer_ids, budget, arg
     small.unlink()
 
 
-def print_table(rows: list, stop_rates: list[float], own_rate: float, raw: int) -> None:
-    """The figures: tokens/s of each row against the stop-after-last-layer forward around it."""
+def print_table(rows: list, stop_rates: list[float], full_rates: list[float], own_rate: float, raw: int,
+                full_label: str) -> None:
+    """The figures: tokens/s of each row against the two reference forwards around it."""
     print("\nstop-after-last-layer forward, measured before and after each extraction: "
           + ", ".join(f"{r:,.0f}" for r in stop_rates) + " tokens/s")
-    print(f"{'what':48s} {'tokens/s':>10s} {'vs stop-fwd':>11s} {'vs own batches':>14s} {'GPU util':>9s} "
-          f"{'bytes/token':>12s}")
-    for name, tps, util, bpt, ref in rows:
+    print(f"{full_label} (full-fwd), the same: " + ", ".join(f"{r:,.0f}" for r in full_rates) + " tokens/s")
+    print(f"{'what':52s} {'tokens/s':>10s} {'vs stop-fwd':>11s} {'vs full-fwd':>11s} {'vs own batches':>14s} "
+          f"{'GPU util':>9s} {'bytes/token':>12s}")
+    for name, tps, util, bpt, ref, full in rows:
         util_s = f"{util:.0f}%" if util is not None else "-"
         bpt_s = f"{bpt:,.0f}" if bpt is not None else "-"
         own_s = f"{tps / own_rate:.3f}x" if name.startswith("full") else "-"
-        print(f"{name:48s} {tps:10,.0f} {tps / ref:10.3f}x {own_s:>14s} {util_s:>9s} {bpt_s:>12s}")
-    print(f"(raw bf16 would be {raw:,} bytes/token; target: full extraction >= 0.95x stop-fwd; "
-          "'vs own batches': against the same forward over the batches the extraction runs, padding included, "
-          "in real tokens/s)")
+        full_s = f"{tps / full:.3f}x" if full else "-"
+        print(f"{name:52s} {tps:10,.0f} {tps / ref:10.3f}x {full_s:>11s} {own_s:>14s} {util_s:>9s} {bpt_s:>12s}")
+    print(f"(raw bf16 would be {raw:,} bytes/token; targets: an extraction without top-k >= 0.95x stop-fwd, one "
+          "with top-k >= 0.95x full-fwd; 'vs own batches': against the stop-forward over the batches the "
+          "extraction runs, padding included, in real tokens/s)")
+
+
+OLD_TOPK = "+old"
+"""The end of a --codecs entry that runs its extraction with the old top-k formula."""
 
 
 def parse_topk(entry: str) -> tuple[str, int | None]:
-    """A --codecs entry's own --store-topk ('bf16@8'; None for the flag's) and the entry without it."""
-    rest, sep, k = entry.partition("@")
+    """A --codecs entry's own --store-topk ('bf16@8'; None for the flag's) and the entry without it
+    (and without a '+old' at its end)."""
+    rest, sep, k = entry.removesuffix(OLD_TOPK).partition("@")
     if not sep:
-        return entry, None
+        return rest, None
     if not k.isdigit():
         raise SystemExit(f"--codecs entry {entry!r}: after '@' comes the top-k to store, e.g. 'bf16@8'")
     return rest, int(k)
@@ -372,7 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Codecs to extract with; 'bf16-staged' adds a bf16 run through the host-copy "
                          "fallback (DFLASH_EXTRACT_STAGED_COPY=1) for comparison; 'CODEC:SHARE' runs that "
                          "codec at --top1-share SHARE (e.g. 'bf16,bf16:0': what storing the top-1 costs, "
-                         "side by side); 'CODEC@K' stores the top-K log-probs too (--store-topk K).")
+                         "side by side); 'CODEC@K' stores the top-K log-probs too (--store-topk K); a '+old' "
+                         "at the end of an entry (e.g. 'bf16@8+old') runs it with the top-k formula before the "
+                         "chunk reduction (float32 log_softmax of the whole vocabulary), to compare old and new "
+                         "in one process. The full-fwd reference reduces to the largest K of the entries (8 if "
+                         "none has one).")
     ap.add_argument("--trace-tokens", type=int, default=0,
                     help="Also extract this many tokens (bf16) under torch.profiler and print where the "
                          "host and the GPU spend their time.")
@@ -399,6 +427,7 @@ class Bench:
         self.fwd_tokens = args.forward_tokens or (8192 if small else (1 << 17 if big else 1 << 18))
         self.budget = min(args.token_budget, 4096) if small else args.token_budget
         self.label = f"<in-memory {args.shape}-shaped {architecture}>"
+        self._reducers: dict[int, object] = {}
         warnings = FallbackWarnings()
         logging.getLogger("transformers").addHandler(warnings)
         try:
@@ -447,6 +476,36 @@ class Bench:
             finally:
                 capture.close()
 
+    def full_forward_rate(self, topk: int, formula=next_token_outputs) -> float:
+        """The forward through every layer, the final norm and the head over every token, reduced
+        to the top-`topk` log-probs (0: the logits thrown away) by `formula` (the old one:
+        bench_topk.old_next_token_outputs), in tokens/s: what an extraction storing the top-k
+        computes, without the capture, the packing, the encoding and the copies. The reduction
+        is compiled as ExtractionEngine compiles it."""
+        reduce = self.reducer(topk) if topk else None
+        with torch.inference_mode():
+            capture = LayerCapture(self.model, self.layer_ids, need_last=True)
+
+            def forward(ids: torch.Tensor):
+                last = capture(ids, None).last_hidden
+                last = last.reshape(-1, last.shape[-1])
+                return (formula(self.model, last, topk=topk, reduce=reduce) if topk
+                        else head_alone(self.model, last))
+            try:
+                return time_forward(forward, self.batches, self.device)
+            finally:
+                capture.close()
+
+    def reducer(self, topk: int):
+        """The head's top-k reduction as the extraction runs it (compiled on a GPU), once per k."""
+        if topk not in self._reducers:
+            reduce = head_reducer(self.model, topk=topk, top1=False)
+            if self.device.type == "cuda":
+                head = self.model.get_output_embeddings().weight
+                reduce = _compiled_head(reduce, self.device, int(head.shape[0]), head.dtype)
+            self._reducers[topk] = reduce
+        return self._reducers[topk]
+
     def own_batches_rate(self) -> float:
         """The same forward over the very batches the extraction runs (its windows, lengths and
         padding), in real tokens/s: extraction / this is the part of the host side not hidden."""
@@ -459,17 +518,20 @@ class Bench:
         utilisation over its timed span and the check's largest relative error per captured layer."""
         codec, share = parse_codec(name)
         codec, staged = codec.removesuffix("-staged"), codec.endswith("-staged")
-        cache = self.out / f"bench-cache-{name.replace(':', '-').replace('@', '-top')}"
+        cache = self.out / f"bench-cache-{name.replace(':', '-').replace('@', '-top').replace('+', '-')}"
         shutil.rmtree(cache, ignore_errors=True)
         cfg = self.config(self.data, cache, codec, share, parse_topk(name)[1])
         if staged:
             os.environ[STAGED_COPY_ENV] = "1"
+        if name.endswith(OLD_TOPK):  # the engine's head with the formula before the chunk reduction
+            extraction_engine.next_token_outputs = old_next_token_outputs
         try:
             with GpuSampler(self.device) as gpu:
                 summary = run_extraction(cfg, model=self.model)
                 returned = time.perf_counter()
         finally:
             os.environ.pop(STAGED_COPY_ENV, None)
+            extraction_engine.next_token_outputs = next_token_outputs
         # GPU utilisation over the timed span only (first batch to last commit): start-up
         # (writers, page-locking, compiling) and shutdown leave the GPU idle and are not timed.
         end = returned - summary.teardown_seconds
@@ -495,16 +557,34 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     b = Bench(args, architecture, shape, device, out)
     layer_ids = b.layer_ids
-    # The stop-after-last-layer forward is measured before and after every extraction, and each
-    # extraction is compared with the mean of the two measurements around it: the GPU's clocks
-    # drift over minutes of load (thermals), which a single measurement at the start would bias.
+    # The two reference forwards (stop-fwd and full-fwd) are measured before and after every
+    # extraction, and each extraction is compared with the mean of the two measurements around
+    # it: the GPU's clocks drift over minutes of load (thermals), which a single measurement at
+    # the start would bias.
+    entries = args.codecs.split(",")
+    topks = [parse_topk(e)[1] if parse_topk(e)[1] is not None else args.store_topk for e in entries]
+    ref_k = max(topks) or ExtractConfig.store_topk  # the full-fwd reference's top-k
+    full_label = f"forward + head + top-{ref_k} over every token"
     stop_rates = [b.stop_forward_rate()]
     print(f"forward stopping after layer {max(layer_ids)}: {stop_rates[0]:,.0f} tokens/s", flush=True)
-    rows = [("prefill model(ids, logits_to_keep=1)", b.prefill, None, None, stop_rates[0]),
-            (f"forward stopping after layer {max(layer_ids)}", stop_rates[0], None, None, stop_rates[0])]
+    full_rates = [b.full_forward_rate(ref_k)]
+    print(f"{full_label}: {full_rates[0]:,.0f} tokens/s", flush=True)
+    head_rate = b.full_forward_rate(0)
+    print(f"forward + head over every token, no top-k: {head_rate:,.0f} tokens/s", flush=True)
+    rows = [("prefill model(ids, logits_to_keep=1)", b.prefill, None, None, stop_rates[0], full_rates[0]),
+            (f"forward stopping after layer {max(layer_ids)}", stop_rates[0], None, None, stop_rates[0],
+             full_rates[0]),
+            (full_label, full_rates[0], None, None, stop_rates[0], full_rates[0]),
+            ("forward + head over every token, no top-k", head_rate, None, None, stop_rates[0], full_rates[0])]
+    old_rate = None
+    if any(e.endswith(OLD_TOPK) for e in entries):
+        old_rate = b.full_forward_rate(ref_k, old_next_token_outputs)
+        print(f"{full_label}, the old top-k formula: {old_rate:,.0f} tokens/s = {old_rate / full_rates[0]:.3f}x "
+              "of the new", flush=True)
+        rows.append((f"{full_label}, old formula", old_rate, None, None, stop_rates[0], full_rates[0]))
     own_rate = b.own_batches_rate()
-    print(f"  the same over the extraction's own batches: {own_rate:,.0f} tokens/s", flush=True)
-    rows.append(("  the same over the extraction's own batches", own_rate, None, None, stop_rates[0]))
+    print(f"  the stop-forward over the extraction's own batches: {own_rate:,.0f} tokens/s", flush=True)
+    rows.append(("  stop-fwd over the extraction's own batches", own_rate, None, None, stop_rates[0], None))
     raw = len(layer_ids) * shape["hidden_size"] * 2
     result = {"bench": "extract", "shape": args.shape, "small": args.small, "architecture": architecture,
               "dims": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -512,7 +592,9 @@ def main() -> None:
               "build_seconds": b.build_seconds, "target_layer_ids": layer_ids, "top1_share": args.top1_share,
               "tokens": b.tokens, "seq_len": b.seq_len, "token_budget": b.budget, "linear_attention": b.kernels,
               "prefill_tokens_per_second": b.prefill, "own_batches_tokens_per_second": own_rate,
-              "raw_bytes_per_token": raw, "extract": {}, "stop_forward_tokens_per_second": stop_rates}
+              "raw_bytes_per_token": raw, "extract": {}, "stop_forward_tokens_per_second": stop_rates,
+              "full_forward_topk": ref_k, "full_forward_tokens_per_second": full_rates,
+              "head_forward_tokens_per_second": head_rate, "full_forward_old_topk_tokens_per_second": old_rate}
 
     def write_json() -> None:  # after every codec too: a run stopped later keeps what it measured
         if device.type == "cuda":
@@ -522,7 +604,7 @@ def main() -> None:
 
     write_json()
     failed = []
-    for entry in args.codecs.split(","):
+    for entry, topk in zip(entries, topks):
         summary, util, per_layer, floor = b.extract(entry)
         name, n = entry, 1
         while name in result["extract"]:  # an entry again (before and after another): its own row
@@ -530,16 +612,21 @@ def main() -> None:
             name = f"{entry}#{n}"
         err = max(per_layer.values())
         stop_rates.append(b.stop_forward_rate())
+        full_rates.append(b.full_forward_rate(ref_k))
         around = (stop_rates[-2] + stop_rates[-1]) / 2
+        full_around = (full_rates[-2] + full_rates[-1]) / 2
         bpt = summary.bytes / max(summary.tokens, 1)
-        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, util, bpt, around))
+        rows.append((f"full extraction, codec {name}", summary.tokens_per_second, util, bpt, around,
+                     full_around if topk else None))
         result["extract"][name] = {
             "tokens": summary.tokens, "seconds": summary.seconds, "tokens_per_second": summary.tokens_per_second,
-            "vs_stop_forward": summary.tokens_per_second / around, "vs_own_batches": summary.tokens_per_second / own_rate,
+            "vs_stop_forward": summary.tokens_per_second / around,
+            "vs_full_forward": summary.tokens_per_second / full_around if topk else None,
+            "vs_own_batches": summary.tokens_per_second / own_rate,
             "gpu_util_percent": util, "bytes_per_token": bpt, "check_max_relative_error": err,
             "check_relative_error_per_layer": per_layer, "batched_forward_relative_error_per_layer": floor,
             "top1_share": args.top1_share if parse_codec(entry)[1] is None else parse_codec(entry)[1],
-            "store_topk": args.store_topk if parse_topk(entry)[1] is None else parse_topk(entry)[1]}
+            "store_topk": topk, "old_topk_formula": entry.endswith(OLD_TOPK)}
         limit = CHECK_LIMITS.get(parse_codec(entry)[0].removesuffix("-staged"), 0.03)
         if not check_passes(list(per_layer.values()), list(floor.values()), limit):
             failed.append(f"cache {name} does not match the target's states (error {err:.3f}; limit {limit} "
@@ -550,7 +637,7 @@ def main() -> None:
     if args.trace_tokens:
         traced_extraction(out, b.data, args.trace_tokens, layer_ids, b.budget, args, device, b.model, b.label)
 
-    print_table(rows, stop_rates, own_rate, raw)
+    print_table(rows, stop_rates, full_rates, own_rate, raw, full_label)
     b.data.unlink()
     write_json()
     print(json.dumps(result), flush=True)

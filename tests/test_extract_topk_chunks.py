@@ -137,3 +137,11 @@ def test_an_engine_storing_the_topk_without_the_last_hidden_state_neither_encode
     for name in (TOPK_IDS, TOPK_LOGPROBS, HIDDEN, scale_of(HIDDEN)):
         assert np.array_equal(got[None][name], got[False][name])
     assert got[False][TOPK_IDS].shape == (15, 4)
+
+
+def test_an_extract_bench_entry_ending_in_old_runs_the_old_formula_at_its_own_k():
+    import bench_extract
+
+    assert bench_extract.parse_topk("bf16@8+old") == ("bf16", 8)
+    assert bench_extract.parse_codec("bf16:0@8+old") == ("bf16", 0.0)
+    assert bench_extract.parse_topk("bf16+old") == ("bf16", None)
