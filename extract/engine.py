@@ -99,7 +99,9 @@ def _compiled_head(reduce, device: torch.device, vocab: int, dtype: torch.dtype)
     try:
         compiled = torch.compile(reduce, dynamic=True)
         with torch.inference_mode():
-            for rows in (7, 33):  # two sizes: the row count stays symbolic
+            # two sizes: the row count stays symbolic; and one row, which torch.compile
+            # specializes (a batch's last chunk can be one row: compiled here, not mid-run)
+            for rows in (7, 33, 1):
                 probe = torch.randn(rows, vocab, device=device, dtype=torch.float32).mul_(4).to(dtype)
                 got, want = compiled(probe), reduce(probe)
                 for g, w in zip(got, want):
