@@ -5,11 +5,19 @@ the command at once: `stop_at_once()` turns it into `Interrupted`, which the CLI
 the signal's exit status (130 / 143). Inside one (a training step, the parts of an extraction
 in progress), `StopRequest` records the first signal so that the loop can finish its unit,
 save, and return; a second signal exits at once, stopping the worker processes first.
+
+A loop that waits for something another process makes (a part of a cache being extracted, a
+plan) cannot finish its unit until that comes, which may be never: it calls `check_stop(what)`
+between its looks (at least once a second), which raises `StopWaiting` once a stop was requested,
+in the process that received the signal and in the worker processes it forked since (DataLoader
+workers ignore the signals and wait for parts themselves); the loop that started the wait turns
+it into a stop after its last completed unit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -17,6 +25,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 from .errors import Interrupted
 
@@ -106,6 +115,39 @@ def signals_deferred() -> Iterator[None]:
                 signal.raise_signal(received[0])
 
 
+class StopWaiting(Exception):
+    """A wait given up because a stop was requested (`check_stop`). An Exception, not a
+    BaseException, so that a DataLoader worker hands it to its trainer (torch re-raises it there
+    from its message, the one argument it takes)."""
+
+
+_stop_signal: Any = None
+"""The first stop signal of this process's running `StopRequest` (0: none), in memory shared with
+the worker processes it forks meanwhile, which see it too. Made by each process that enters one
+(a process forked before shares nothing with it: two runs forked from one parent stop apart)."""
+_stop_signal_pid = 0
+
+
+def _shared_stop_signal() -> Any:
+    global _stop_signal, _stop_signal_pid
+    if _stop_signal is None or _stop_signal_pid != os.getpid():
+        _stop_signal, _stop_signal_pid = multiprocessing.RawValue(ctypes.c_int, 0), os.getpid()
+    return _stop_signal
+
+
+def stop_requested() -> int:
+    """The stop signal asked for (this process's `StopRequest`, or the one of the trainer that
+    forked this worker), or 0."""
+    return int(_stop_signal.value) if _stop_signal is not None else 0
+
+
+def check_stop(what: str) -> None:
+    """For a loop that waits for `what` (another process's work): raise `StopWaiting` once a stop
+    was requested. Call it between looks, at least once a second."""
+    if signum := stop_requested():
+        raise StopWaiting(f"stopped by {signal_name(signum)} while waiting for {what}")
+
+
 def kill_worker_processes() -> None:
     """Kill this process's multiprocessing children (e.g. DataLoader workers, which ignore signals)."""
     for child in multiprocessing.active_children():
@@ -151,12 +193,14 @@ class StopRequest:
             finally:  # whatever stopping the workers raised, exit with the signal's status
                 os._exit(exit_status(signum))
         self.signum = signum
+        _shared_stop_signal().value = signum  # what the waits of this process and its workers look at (check_stop)
         sys.stderr.write(f"\n{signal_name(signum)} received: {self.finishing} "
                          "(send it again to exit at once).\n")
         sys.stderr.flush()
 
     def __enter__(self) -> StopRequest:
         stop_if_signalled()  # a signal came before the work and its stop was lost
+        _shared_stop_signal().value = 0  # (made before the work forks its workers)
         if _in_main_thread():
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -166,3 +210,4 @@ class StopRequest:
         for s, handler in self._previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        _shared_stop_signal().value = 0

@@ -26,14 +26,26 @@ import numpy as np
 import torch
 from dflash.cache_tools.errors import CacheCorruptError, CacheError, CacheNotFoundError
 from dflash.cache_tools.eviction import TRAINED_PREFIX, EvictionLog, PartState, write_trained
-from dflash.cache_tools.manifest import CommitLog, Manifest, header_identity, read_header
-from dflash.cache_tools.plan import ExtractionPlan, extraction_progress, read_plan
+from dflash.cache_tools.manifest import (
+    HEADER_FILE,
+    PARTS_DIR,
+    WRITER_LOCK_FILE,
+    CommitLog,
+    Manifest,
+    header_identity,
+    read_header,
+)
+from dflash.cache_tools.plan import PLAN_FILE, ExtractionPlan, extraction_progress, read_plan
+from dflash.cache_tools.quarantine import QUARANTINE_DIR
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import SAMPLE_IDS, sample_offsets
+from dflash.runtime.locks import is_held
+from dflash.runtime.signals import check_stop
 
 if TYPE_CHECKING:
     from dflash.cache_tools.cache_set import CacheSet
 
+START_SECONDS = 600.0  # a path where no extraction has begun is waited on this long (an extractor loading its target)
 POLL_SECONDS = 0.05  # first wait between looks at the commit log; doubles up to MAX_POLL_SECONDS
 MAX_POLL_SECONDS = 0.5
 TRAINED_GLOB = f"{TRAINED_PREFIX}*.json"
@@ -75,9 +87,16 @@ def cache_set_part_numbers(caches: CacheSet) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def wait_for_plan(cache_dir: Path, announce: Callable[[str], None]) -> tuple[dict[str, Any], ExtractionPlan]:
-    """The header and extraction plan of a cache, waiting until dflash-extract has written them."""
-    start, noticed = time.monotonic(), -NOTICE_SECONDS
+def wait_for_plan(cache_dir: Path, announce: Callable[[str], None], *,
+                  start_seconds: float = START_SECONDS) -> tuple[dict[str, Any], ExtractionPlan]:
+    """The header and extraction plan of a cache, waiting until dflash-extract has written them.
+
+    Waits only where the plan can come: a path where no extraction has begun (no such directory,
+    or an empty one) is waited on for `start_seconds` (an extraction started beside this run
+    creates it once its target is loaded), then refused; one that cannot become a followed cache
+    (a file, another directory's files, a cache with parts but no plan and no extraction writing
+    it) is refused at once. Every look checks the stop request (runtime.signals.check_stop)."""
+    start, noticed, since = time.monotonic(), -NOTICE_SECONDS, time.strftime("%H:%M:%S")
     while True:
         header = None
         try:
@@ -88,12 +107,55 @@ def wait_for_plan(cache_dir: Path, announce: Callable[[str], None]) -> tuple[dic
         if plan is not None:
             return header, plan
         waited = time.monotonic() - start
+        state = _plan_wait_state(cache_dir, header, waited, start_seconds)
         if waited - noticed >= NOTICE_SECONDS:
             noticed = waited
-            announce(f"--follow: waiting for the extraction plan of {cache_dir} ({cache_dir / 'manifest.plan.json'}; "
-                     f"{waited:.0f} s so far). dflash-extract writes it when it starts the cache; a cache written by "
-                     "an earlier version never gets one: train on it without --follow.")
+            announce(f"--follow: waiting for the extraction plan of {cache_dir} ({PLAN_FILE}) since {since} "
+                     f"({waited:.0f} s): {state}")
+        check_stop(f"the extraction plan of {cache_dir}")
         time.sleep(MAX_POLL_SECONDS)
+
+
+def _plan_wait_state(cache_dir: Path, header: dict[str, Any] | None, waited: float, start_seconds: float) -> str:
+    """What a wait for the plan of `cache_dir` waits on and what ends it; refuses (CacheError, exit 2)
+    where the plan cannot come."""
+    follow = f"dflash-train --follow --cache {cache_dir}"
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise CacheError(f"{follow}: {cache_dir} is a file, not a cache directory. Pass the directory that "
+                         "dflash-extract --output names.")
+    if header is None:
+        present = sorted(p.name for p in cache_dir.iterdir()) if cache_dir.is_dir() else []
+        foreign = [n for n in present if not n.startswith(".") and n not in (PARTS_DIR, PLAN_FILE, QUARANTINE_DIR)]
+        if foreign:
+            raise CacheError(f"{follow}: {cache_dir} holds files ({', '.join(foreign[:3])}) but no cache "
+                             f"({HEADER_FILE}), and dflash-extract does not write a cache into such a directory. "
+                             "Check the path: pass the directory that dflash-extract --output names.")
+        if waited >= start_seconds:
+            raise CacheError(f"{follow}: no extraction has begun at {cache_dir} in {waited:.0f} s "
+                             f"({'no such directory' if not present else f'no {HEADER_FILE}'}). Check the path, "
+                             "or start dflash-extract --output on it first, then this run.")
+        return (f"no cache there yet ({'no such directory' if not present else f'no {HEADER_FILE}'}): "
+                f"dflash-extract creates it once its target is loaded. Refused if no extraction has begun "
+                f"there within {start_seconds:.0f} s (a mistyped path?)")
+    running = extraction_running(cache_dir)
+    log = CommitLog(cache_dir)
+    log.refresh()
+    if log.records and running is False:
+        raise CacheError(f"{follow}: the cache holds {len(log.records)} committed part(s) but no extraction plan "
+                         f"({PLAN_FILE}) and no extraction is writing it, so no plan will come: it was written by "
+                         "an earlier version, or its extraction stopped at a bad record (no plan is written for "
+                         "such input). Train on it without --follow.")
+    if running is False:
+        return ("no extraction is writing the cache now (it stopped before writing its plan): rerun the "
+                "dflash-extract command that started it; it writes the plan first")
+    return "dflash-extract is starting the cache and writes the plan before any part"
+
+
+def extraction_running(cache_dir: Path) -> bool | None:
+    """Whether a process on this host writes `cache_dir` (holds its writer lock); None where that
+    cannot be told (runtime.locks.is_held)."""
+    lock = cache_dir / WRITER_LOCK_FILE
+    return is_held(lock) if lock.exists() else False
 
 
 class FollowCacheSet:
@@ -202,6 +264,7 @@ class FollowCacheSet:
             if waited - noticed >= NOTICE_SECONDS:
                 noticed = waited
                 self.announce(self._wait_notice(want.name, waited, state if record is not None else None))
+            check_stop(f"part {want.name} of {self.cache_dir}")  # a stop ends the wait: the trainer saves and exits
             time.sleep(poll)
             poll = min(poll * 2, MAX_POLL_SECONDS)
             self._drop_evicted()
@@ -261,7 +324,9 @@ class FollowCacheSet:
         done = extraction_progress(self.plan, self._log)
         where = f"--follow: waiting {waited:.0f} s for part {name} of {self.cache_dir}"
         if evicted is None:
-            return f"{where} ({done.committed} of {done.planned} planned parts committed so far)"
+            ends = ("dflash-extract commits it" if extraction_running(self.cache_dir) is not False else
+                    "no extraction on this host writes the cache now: rerun dflash-extract to resume it")
+            return f"{where} ({done.committed} of {done.planned} planned parts committed so far; {ends})"
         again = ("dflash-extract extracts it again for this epoch" if evicted.reextract else
                  "the extraction that evicted it does not extract it again: rerun dflash-extract on the cache "
                  "with --disk-budget and --follow-epochs of at least this run's --epochs")
@@ -275,6 +340,10 @@ def open_follow(config: Any, announce: Callable[[str], None] = print) -> FollowC
     if len(config.cache) != 1:
         raise TrainConfigError(f"--follow follows one cache, but {len(config.cache)} were given with --cache: "
                                "follow one, or train on finished caches without --follow.")
+    if "://" in str(config.cache[0]):
+        raise TrainConfigError(f"--follow reads a local cache while dflash-extract writes it; {config.cache[0]} is "
+                               "a remote URL, which no extraction writes: train on it without --follow once it is "
+                               "uploaded, or follow the local cache the extraction writes.")
     caches = FollowCacheSet(config.cache[0], max_seq_len=config.max_seq_len,
                             verify_checksums=config.verify_checksums, announce=announce)
     check_extraction_budget(config, caches.cache_dir)

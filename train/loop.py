@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from dflash.runtime.errors import InputError
 from dflash.runtime.locks import WriterLock
-from dflash.runtime.signals import StopRequest
+from dflash.runtime.signals import StopRequest, StopWaiting
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
@@ -162,6 +162,22 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         report_consumption(data, info.rank, info.world_size)  # --follow: what a disk budget may evict
         return path
 
+    def stop_waiting(step: int, position: dict[str, Any]) -> TrainResult:
+        # A stop that came while the run waited for data another process makes (--follow: a part not
+        # extracted yet), which may never come: the step in progress is abandoned (the loader goes
+        # back to `position`, its start) and the last completed step is saved, unless it is already
+        # (or none is: nothing to save). Under several ranks the save is collective and the others
+        # may be inside the step: this rank exits with its last checkpoint, and the launcher ends them.
+        nonlocal last_checkpoint
+        data.loader.close()  # its workers stop waiting too (they see the stop: runtime.signals.check_stop)
+        data.loader.load_state_dict(position)
+        if step and saved_step != step and info.world_size == 1:
+            refuse_nonfinite(step)
+            last_checkpoint = save(step)
+        log.info(f"stopped at step {step} while waiting for data; rerun the same command to resume.")
+        log.close()
+        return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics, heldout.best_step)
+
     metrics = RunningMetrics(drafter.config.block_size, info.device)
 
     def refuse_nonfinite(step: int, last: dict[str, float] | None = None) -> None:
@@ -189,10 +205,13 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         while step < total_steps:
             profiler.begin(step)
             model.train()
-            wait_before = data.loader.wait_seconds
+            wait_before, position = data.loader.wait_seconds, data.loader.state_dict()
             for micro in range(cfg.optimization.grad_accum):
                 with profiler.section("data_wait"):
-                    batch = data.loader.next_batch()
+                    try:
+                        batch = data.loader.next_batch()
+                    except StopWaiting:
+                        return stop_waiting(step, position)
                 # Anchors and noise come from a generator seeded by this batch's place in the run:
                 # no stream state to carry over a resume, and the same draws on any world size.
                 generators = batch_generators(cfg.optimization.seed, data.loader.epoch, data.loader.last_index, info.device)
@@ -230,7 +249,11 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                 refuse_nonfinite(step, last)
                 metrics.reset()
             new_best = False
-            if eval_due and (eval_metrics := evaluate(loss_model, data, objective, autocast, cfg, info)) is not None:
+            try:
+                eval_metrics = evaluate(loss_model, data, objective, autocast, cfg, info) if eval_due else eval_metrics
+            except StopWaiting:  # (--follow: held-out samples of parts not extracted yet)
+                return stop_waiting(step, data.loader.state_dict())
+            if eval_due and eval_metrics is not None:
                 log.log(step, "eval", heldout.observe(step, eval_metrics))
                 new_best = heldout.best_step == step
                 checkpoints.best_step = heldout.best_step  # kept from now on, whatever keep_checkpoints says
