@@ -124,8 +124,10 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
     refuse_nothing_to_learn(data, cfg.model.block_size)
     refuse_backend_off_its_device(cfg.model.attention_backend, info.device)
 
-    # Model: the drafter's own weights plus the target's frozen embedding and lm_head.
-    drafter = build_drafter(cfg, data, announce=log.info).to(info.device)
+    # Model: the drafter's own weights plus the target's frozen embedding and lm_head (or, resumed,
+    # the latest checkpoint's, loaded below: an --init-drafter is then not loaded).
+    checkpoints = Checkpointer(run_dir, keep_checkpoints=cfg.logging.keep_checkpoints)
+    drafter = build_drafter(cfg, data, announce=log.info, resume_from=checkpoints.latest()).to(info.device)
     model = wrap_model(drafter, cfg.runtime.parallel, info)
     optimizer = build_optimizer(cfg, model, info.device)
     total_steps = length.total_steps
@@ -139,7 +141,6 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                                             block_size=drafter.config.block_size)
 
     # Resume from the latest complete checkpoint when there is one and it is this run's.
-    checkpoints = Checkpointer(run_dir, keep_checkpoints=cfg.logging.keep_checkpoints)
     identity = run_identity(cfg, data, drafter, target_config, info)
     heldout = HeldoutTracker()  # best held-out evaluation so far: part of every checkpoint
     step = resume(cfg, checkpoints, identity, model, optimizer, scheduler, data, log, heldout)
@@ -354,9 +355,10 @@ def drafter_line(c: Any) -> str:
     return f"drafter: DFlash ({shape}), exported as DFlashDraftModel"
 
 
-def build_drafter(cfg: TrainConfig, data: TrainingData,
-                  announce: Callable[[str], None] | None = None) -> DFlashDrafter:
-    """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache."""
+def build_drafter(cfg: TrainConfig, data: TrainingData, announce: Callable[[str], None] | None = None,
+                  resume_from: Path | None = None) -> DFlashDrafter:
+    """A fresh drafter (seeded) with the target's frozen tensors; layers from the cache. Its weights
+    come from --init-drafter, unless the run resumes (`resume_from`: that checkpoint's win)."""
     manifest = data.caches.manifest
     soft_weight = cfg.objective.soft_label_weight or 0.0
     if soft_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
@@ -375,7 +377,7 @@ def build_drafter(cfg: TrainConfig, data: TrainingData,
     if announce is not None:
         announce(drafter_line(drafter.config))
     if cfg.model.init_drafter:
-        warm_start(drafter, cfg.model.init_drafter, cfg.model.target_model, announce)
+        warm_start(drafter, cfg.model.init_drafter, cfg.model.target_model, announce, resume_from=resume_from)
     if cfg.runtime.gradient_checkpointing:
         for layer in drafter.layers:
             layer.forward = functools.partial(recompute, layer.forward, use_reentrant=False)

@@ -26,14 +26,20 @@ _WARM_START_FIELDS = {"num_hidden_layers": "--num-draft-layers", "block_size": "
 
 
 def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
-               announce: Callable[[str], None] | None = None) -> None:
+               announce: Callable[[str], None] | None = None, *, resume_from: Path | None = None) -> None:
     """Load an exported drafter's weights into the freshly built `drafter` (--init-drafter): its
     shape and what it reads (target layers, block size, drafter type) must be this run's, except
     that a DFlash2 run may start from a DFlash drafter of its shape: the backbone's tensors come from
     it, the convolutions stay at the identity and the selector at its start (every edge 0), so the
     run starts from exactly that drafter's predictions. An export that records another target than
     this run's (its `dflash_training`) still loads, as a start from a related run, with a note
-    naming both targets."""
+    naming both targets. A run that resumes (`resume_from`, its latest checkpoint) takes the
+    checkpoint's weights: the export is not loaded, and the startup line says so."""
+    if resume_from is not None:
+        if announce is not None:
+            announce(f"warm start: none, the run resumes from {resume_from}, whose weights win: --init-drafter "
+                     f"{init_dir} is ignored on resume (a new --output-dir starts from it)")
+        return
     fix = ("pass a drafter exported for this target with this run's shape (dflash-train export "
            "CHECKPOINT OUT_DIR makes one of a checkpoint), set the flags above to the export's, or drop --init-drafter")
     try:

@@ -1,0 +1,32 @@
+"""A resumed run takes its checkpoint's weights: an --init-drafter given to the resuming command is
+not loaded, and the startup says so instead of announcing a warm start (issue #52, weak spot: it
+printed "warm start: the drafter's N weight tensors from X", then loaded the checkpoint over them)."""
+
+from __future__ import annotations
+
+from conftest import tiny_train_config
+
+
+def test_resuming_with_a_new_init_drafter_ignores_it_and_says_the_checkpoint_wins(tiny_world, tmp_path, capsys,
+                                                                                     monkeypatch):
+    from dflash.train import warm_start
+    from dflash.train.loop import train
+
+    first = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "other", max_steps=2,
+                                    eval_fraction=0))
+    assert first.exit_status == 0
+    export = tmp_path / "other" / "final"
+    run = tmp_path / "run"
+    stopped = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=2, eval_fraction=0))
+    assert stopped.checkpoint is not None
+    capsys.readouterr()
+
+    def not_read(path):
+        raise AssertionError(f"the --init-drafter export {path} was read for a run that resumes")
+
+    monkeypatch.setattr(warm_start, "read_export_weights", not_read)
+    resumed = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3, eval_fraction=0,
+                                      init_drafter=str(export)))
+    assert resumed.exit_status == 0 and resumed.step == 3
+    said = [line for line in capsys.readouterr().out.splitlines() if str(export) in line and "warm start" in line]
+    assert said and str(stopped.checkpoint) in said[0], said  # the checkpoint it resumes from is named
