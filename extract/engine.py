@@ -92,9 +92,10 @@ def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quanti
 
 def _compiled_head(reduce, device: torch.device, vocab: int, dtype: torch.dtype):
     """The head's chunk reduction (`target.next_token_reducer`) fused by torch.compile: eager,
-    the logsumexp writes a float32 temporary as large as the chunk's logits, exponentiates it
-    in place and sums it, and the argmax reads the logits again; fused, both read the bf16
-    logits once. Compiled before the loop for any row count, checked against the eager code;
+    the log_softmax writes a float32 copy of the chunk's logits and their log-probs over the
+    whole vocabulary, and the argmax reads the logits again; fused, one kernel reads the bf16
+    logits for each row's maximum, sum of exponentials and argmax, and only the k log-probs
+    are written. Compiled before the loop for any row count, checked against the eager code;
     where compiling fails the eager code is used."""
     try:
         compiled = torch.compile(reduce, dynamic=True)

@@ -270,31 +270,28 @@ def next_token_reducer(topk: int, top1: bool, *, scale: float | None = None,
                        softcap: float | None = None) -> Callable[[torch.Tensor], tuple]:
     """What the cache keeps of one row chunk of the head's output [C, V] (in the head's dtype):
     (top-k log-probs f32 [C, k], their ids int64 [C, k], the top-1 int64 [C]), None for what is
-    not asked; `scale`, `softcap`: the target's post-head steps (runtime/logits.py).
+    not asked; `scale`, `softcap`: the target's post-head steps (runtime/logits.py), applied in
+    float32 first, as the target's forward does.
 
-    The same values as `log_softmax(logits.float()).topk(k)`, without a float32 copy of the
-    vocabulary's logits or of their log-probs: the top-k is taken on the head's own output
-    (bf16: a float32 copy has the same order, exactly, at twice the bytes to sort), and a
-    log-prob is its logit minus the row's logsumexp, whose maximum is the top-1's logit. Ties
-    among the top k are equal logits with equal log-probs; which of two tied ids comes first,
-    and which one a tie at the k-th place keeps, is topk's choice, as it was. The top-1 is the
-    argmax (the first of tied maxima). Nothing depends on a value on the host: torch.compile
-    fuses the logsumexp and the argmax into one read of the chunk (ExtractionEngine does).
-    A post-head step is applied in float32 first, as the target's forward does."""
+    The values of `log_softmax(logits.float()).topk(k)`, with the top-k taken on the head's own
+    output (bf16: its float32 copy and its log-probs have the same order, exactly, at twice the
+    bytes to sort) and the log_softmax gathered at those k ids: compiled (ExtractionEngine does),
+    only each row's maximum and sum of exponentials are computed, in one read of the bf16 logits
+    with the argmax, and no float32 tensor of the vocabulary's width is written; eager, the
+    log-probs are those of before, bit for bit. Ties are equal logits with equal log-probs; which
+    of two tied ids comes first, and which one a tie at the k-th place keeps, is topk's choice,
+    as it was. The top-1 is the argmax (the first of tied maxima)."""
     steps = scale is not None or softcap is not None
 
     def reduce(logits: torch.Tensor) -> tuple:
         z = apply_post_head(logits.float(), scale=scale, softcap=softcap) if steps else logits
-        logprobs = ids = first = None
+        logprobs = ids = None
         if topk:
-            values, ids = z.topk(topk, dim=-1)
-            top = values[:, :1].float()
-            # z - top is float32 (type promotion): the one float32 temporary, eager
-            logsum = (z - top).exp_().sum(dim=-1, keepdim=True).log()
-            logprobs = values.float() - top - logsum  # as log_softmax: (x - max) - log(sum)
-        if top1:
-            first = z.argmax(dim=-1)
-        return logprobs, ids, first
+            ids = z.topk(topk, dim=-1).indices
+            z32 = z.float()
+            logprobs = torch.log_softmax(z32, dim=-1).gather(-1, ids)
+            z = z32  # the argmax of the same values (on a CPU, faster in float32)
+        return logprobs, ids, z.argmax(dim=-1) if top1 else None
 
     return reduce
 
