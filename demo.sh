@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The embedded demo: install the package and run the whole pipeline on CPU (78 s on 2 idle
-# cores after the install, no network besides the install): the small target the package ships
+# The embedded demo: install the package and run the whole pipeline on CPU (a few minutes on 2
+# cores after the install, docs/BENCHMARKS.md; no network besides the install): the small target the package ships
 # (`--train-target` trains it anew on the shipped corpus), its completions, dflash-extract,
 # dflash-train, dflash-eval beside prompt lookup. Extra arguments go to dflash-demo,
 # e.g. `bash demo.sh --workdir /tmp/demo` or `bash demo.sh --small`.
