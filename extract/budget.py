@@ -22,9 +22,10 @@ just before it is needed: a budget below the cache would re-extract all of it ev
 
 from __future__ import annotations
 
+import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ from dflash.cache_tools.manifest import PARTS_DIR, CommitLog
 from dflash.cache_tools.plan import read_plan
 from dflash.cache_tools.staging import disk_usage, format_size
 
+from .batching import group_by_budget
+from .config import ExtractConfigError
+
 NOTICE_SECONDS = 30.0  # a waiting extraction says why this often
 POLL_SECONDS = 0.05
 PART_OVERHEAD_BYTES = 128 << 10  # a part's metadata files and folders (blocks), until one is measured
@@ -52,8 +56,7 @@ class ExtractionBudget:
         self.cache_dir = Path(cache_dir)
         self.limit, self.follow_epochs = int(limit), int(follow_epochs)
         self.commits, self.evictions = CommitLog(self.cache_dir), EvictionLog(self.cache_dir)
-        plan = read_plan(self.cache_dir, header)
-        self.order = {name: i for i, name in enumerate(plan.names())} if plan is not None else {}
+        self.header, self.order = header, {}  # plan order: read once the plan is written (evict_one)
         raw = sum((spec.width or 1) * spec.dtype.itemsize for spec in schema if spec.per == "token")
         self.bytes_per_token, self.overhead = float(raw), PART_OVERHEAD_BYTES  # until parts are measured
         self.reserved: dict[str, int] = {}  # admitted parts of this process, not yet committed
@@ -93,6 +96,37 @@ class ExtractionBudget:
     def estimate(self, tokens: int) -> int:
         return int(tokens * self.bytes_per_token) + self.overhead
 
+    # -- what a forward batch needs at once ----------------------------------------------------------
+    def check_batches(self, windows: Iterable[list], token_budget: int, ranks: int = 1) -> None:
+        """Refuse (BudgetTooSmallError) a budget that cannot hold the parts one forward batch spans:
+        a batch's parts finish together, so all of them are reserved before any can be committed,
+        and nothing this extraction holds open can be evicted. Waiting for room then never ends.
+        `windows`: each sort window as its list of parts (data.PartPlan); each of `ranks` extraction
+        ranks may hold its largest batch at once."""
+        self.refresh()
+        windows = [([len(p.samples) for p in plans], [s.length for p in plans for s in p.samples],
+                    [p.num_tokens for p in plans]) for plans in windows]
+        base = self.used() - disk_usage(self.cache_dir / PARTS_DIR, allocated=True)  # manifests, plan
+
+        def need(budget: int) -> tuple[int, int]:
+            """(bytes, parts) of the largest batch's parts at --token-budget `budget`."""
+            most = (0, 0)
+            for counts, lengths, tokens in windows:
+                part_of = [k for k, n in enumerate(counts) for _ in range(n)]
+                for members in group_by_budget(lengths, budget):
+                    spanned = {part_of[m] for m in members}
+                    most = max(most, (sum(self.estimate(tokens[k]) for k in spanned), len(spanned)))
+            return most
+
+        span, parts = need(token_budget)
+        if base + ranks * span <= self.limit:
+            return
+        low, high = 0, token_budget  # the largest --token-budget whose batches fit (0: none does)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if base + ranks * need(mid)[0] <= self.limit else (low, mid - 1)
+        raise BudgetTooSmallError(self.limit, base + ranks * span, parts, token_budget, low)
+
     # -- admission ---------------------------------------------------------------------------------
     def admit(self, parts: list[tuple[str, int]], *, should_stop: Callable[[], bool],
               before_wait: Callable[[], None] = lambda: None, poll: Callable[[], None] = lambda: None,
@@ -128,21 +162,35 @@ class ExtractionBudget:
             waited = time.monotonic() - start
             if waited - noticed >= NOTICE_SECONDS:
                 noticed = waited
-                self.announce(self._wait_notice(parts, used, need, waited))
+                self.announce(self._wait_notice(parts, used, need, start))
             time.sleep(POLL_SECONDS)
 
-    def _wait_notice(self, parts: list[tuple[str, int]], used: int, need: int, waited: float) -> str:
+    def _wait_notice(self, parts: list[tuple[str, int]], used: int, need: int, since: float) -> str:
+        """What the wait is for, since when, what holds the room, and what would end it."""
         reports = read_trained(self.cache_dir)
-        trainer = ("no training run reports its consumption yet (dflash-train --follow writes "
-                   "manifest.trained-rank*.json after each checkpoint)" if reports is None else
+        waiting = (f"--disk-budget: waiting {time.monotonic() - since:.0f} s (since "
+                   f"{time.strftime('%H:%M:%S', time.localtime(time.time() - (time.monotonic() - since)))}) "
+                   f"for room for {parts[0][0]}{f' and {len(parts) - 1} more' if len(parts) > 1 else ''} "
+                   f"({format_size(need)}): {format_size(used)} of {format_size(self.limit)} held")
+        opened = sum(self.reserved.values())
+        if opened + need > self.limit - (used - self.parts_bytes()):
+            return (f"{waiting}, and this extraction's {len(self.reserved)} open part(s) of one forward batch "
+                    f"reserve {format_size(opened)}: a batch's parts are committed together, so no room comes. "
+                    "Stop it (Ctrl-C) and rerun with a lower --token-budget or a higher --disk-budget.")
+        untrained = [n for n in self.commits.records if self.present(n)
+                     and not trained_by_all(reports, n, self.evictions.state(n).epoch)]
+        kept = sum(1 for n in untrained if self.evictions.state(n).epoch > 0)
+        trainer = ("no training run has reported its consumption yet" if reports is None else
                    "the training ranks are at epoch " + ", ".join(str(r.epoch) for r in reports)
-                   + f" and have trained {min(len(r.parts) for r in reports)} of this epoch's parts")
-        return (f"--disk-budget: waiting {waited:.0f} s for room for {parts[0][0]}"
-                f"{f' and {len(parts) - 1} more part(s)' if len(parts) > 1 else ''} ({format_size(need)}): "
-                f"{format_size(used)} of {format_size(self.limit)} held and nothing may be evicted; {trainer}. "
-                "A part may go once every rank has trained on it and checkpointed; if the trainer is waiting "
-                "too, the budget is below what it reads at once (a group of --shuffle-parts plus the parts "
-                "read since its last checkpoint): raise --disk-budget, lower --shuffle-parts or --save-interval.")
+                   + f" with {min(len(r.parts) for r in reports)} of its parts trained")
+        return (f"{waiting} by {len(untrained)} committed part(s) no training rank has reported trained"
+                f"{f' ({kept} kept for a later epoch)' if kept else ''}; {trainer}. It ends when the next "
+                "report (dflash-train --follow writes manifest.trained-rank*.json after each checkpoint) lets a "
+                "part go; if the trainer waits too, the budget is below its --shuffle-parts group plus one "
+                "forward batch's parts: raise --disk-budget, or lower --shuffle-parts or --token-budget.")
+
+    def parts_bytes(self) -> int:
+        return disk_usage(self.cache_dir / PARTS_DIR, allocated=True)
 
     # -- eviction ----------------------------------------------------------------------------------
     def evict_one(self) -> bool:
@@ -150,6 +198,8 @@ class ExtractionBudget:
         reports = read_trained(self.cache_dir)
         if reports is None:
             return False
+        if not self.order and (plan := read_plan(self.cache_dir, self.header)) is not None:
+            self.order = {name: i for i, name in enumerate(plan.names())}
         best, best_key = None, None
         for name, record in self.commits.records.items():
             state = self.evictions.state(name)
@@ -171,6 +221,12 @@ class ExtractionBudget:
         return True
 
     # -- later epochs ------------------------------------------------------------------------------
+    def gone_for_epoch(self, name: str, epoch: int) -> bool:
+        """Whether `name` is not on disk for pass `epoch` (>= 1): never committed, or evicted after an
+        epoch before it. By the logs as last refreshed (todo_for_epoch keeps the part)."""
+        state = self.evictions.state(name)
+        return name not in self.commits.records or (state.evicted and state.epoch + 1 <= epoch)
+
     def todo_for_epoch(self, name: str, epoch: int) -> bool:
         """Whether pass `epoch` (>= 1) must extract `name` again: it was evicted after an earlier
         epoch. A part still on disk is kept for `epoch` instead (not evicted before it is read then)."""
@@ -181,3 +237,26 @@ class ExtractionBudget:
         if state.evicted:
             return state.epoch + 1 <= epoch
         return not keep_part(self.cache_dir, name, epoch)
+
+
+class BudgetTooSmallError(ExtractConfigError):
+    """--disk-budget cannot hold the parts of one forward batch (ExtractionBudget.check_batches)."""
+
+    def __init__(self, budget: int, smallest: int, parts: int, token_budget: int, fitting_token_budget: int):
+        self.budget, self.smallest, self.parts = budget, smallest, parts
+        self.token_budget, self.fitting_token_budget = token_budget, fitting_token_budget
+        way = (f"lower --token-budget to {fitting_token_budget} (a batch's parts then fit)" if fitting_token_budget
+               else "lower --part-tokens (a new cache: --force or another --output), since one part alone does not fit")
+        super().__init__(
+            f"--disk-budget {format_size(budget)} cannot hold the {parts} parts one forward batch of --token-budget "
+            f"{token_budget} spans (about {format_size(smallest)} with the cache's manifests): a batch's parts are "
+            "committed together, so the extraction would wait for room forever. Raise --disk-budget to at least "
+            f"{size_at_least(smallest)} plus the trainer's group of --shuffle-parts parts, or {way}.")
+
+
+def size_at_least(nbytes: int) -> str:
+    """A size --disk-budget reads as `nbytes` or a little more ("2.7MiB")."""
+    for unit, step in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= step:
+            return f"{math.ceil(nbytes * 10 / step) / 10:g}{unit}"
+    return str(int(nbytes))

@@ -104,12 +104,15 @@ class PartGroup:
     but their rows are dropped.
 
     Sample j of the window is sample `where[j][1]` of part `where[j][0]`; a batch's members
-    are window indices."""
+    are window indices. A part's `todo` may be left undecided (None) until the first batch
+    touches it: `decide(plan)` says then whether it is done (a later epoch under a disk budget
+    keeps a part on disk only when the walk reaches it, extract/loop.py)."""
 
-    def __init__(self, plans: list[PartPlan], todo: list[bool],
-                 buffers: list[PartBuffer | None] | None = None):
+    def __init__(self, plans: list[PartPlan], todo: list[bool | None],
+                 buffers: list[PartBuffer | None] | None = None, decide=None):
         self.plans = plans
         self.todo = list(todo)
+        self.decide = decide
         self.buffers: list[PartBuffer | None] = list(buffers) if buffers is not None else [None] * len(plans)
         self.where = [(p, i) for p, plan in enumerate(plans) for i in range(len(plan.samples))]
         self.samples = [s for plan in plans for s in plan.samples]
@@ -124,6 +127,8 @@ class PartGroup:
         opened = []
         for m in members:
             p = self.where[m][0]
+            if self.todo[p] is None:
+                self.todo[p] = bool(self.decide(self.plans[p]))
             if self.todo[p] and self.buffers[p] is None:
                 self.buffers[p] = new_buffer(self.plans[p])
                 opened.append(self.buffers[p])

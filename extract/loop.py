@@ -60,13 +60,18 @@ class ExtractionLoop:
 
     def __init__(self, *, files: list, rules: PartRules, rank: int, world_size: int, token_budget: int,
                  committed: set[str], engine: ExtractionEngine, pool: WriterPool, progress: Any,
-                 summary: Any, direct: bool, budget: Any = None, follow_epochs: int = 1):
+                 summary: Any, direct: bool, budget: Any = None, follow_epochs: int = 1,
+                 evicted: set[str] = frozenset()):
         """`budget`: an extract.budget.ExtractionBudget (--disk-budget), with which the loop extracts
-        again, for each of `follow_epochs` - 1 later epochs, the parts evicted after the one before."""
+        again, for each of `follow_epochs` - 1 later epochs, the parts evicted after the one before.
+        `evicted`: committed parts whose files an earlier run under a budget deleted; without a
+        budget they are extracted again (restored, checked against the evicted copies)."""
         self.files, self.rules = files, rules
         self.budget, self.follow_epochs = budget, follow_epochs if budget is not None else 1
         self.rank, self.world_size, self.token_budget = rank, world_size, token_budget
         self.committed = committed
+        self.restore = set(evicted) if budget is None else set()
+        self.extracted: set[str] = set()  # parts this run extracted (a second time: a re-extraction)
         self.engine, self.pool, self.progress, self.summary = engine, pool, progress, summary
         self.direct = direct
         self.timer = StageTimer()
@@ -86,18 +91,30 @@ class ExtractionLoop:
             todo = []
             for plan in plans:
                 self.summary.parts_this_rank += 1
-                todo.append(plan.name not in self.committed)
+                todo.append(plan.name not in self.committed or plan.name in self.restore)
                 if not todo[-1]:
                     self.summary.parts_done_before += 1
                     self.progress.skip(plan)
             if any(todo):
                 yield PartGroup(plans, todo)
         for epoch in range(1, self.follow_epochs):  # --disk-budget: what the next epoch reads again
+            # The parts of the pass before are committed first: one still being written would read
+            # as missing and be extracted twice.
+            self._finish_all()
             for plans in plan_windows(self.files, self.rules):
-                if plans[0].window % self.world_size == self.rank:
-                    todo = [self.budget.todo_for_epoch(plan.name, epoch) for plan in plans]
-                    if any(todo):
+                if plans[0].window % self.world_size != self.rank:
+                    continue
+                self.budget.refresh()
+                if not any(self.budget.gone_for_epoch(plan.name, epoch) for plan in plans):
+                    todo = [self.budget.todo_for_epoch(plan.name, epoch) for plan in plans]  # on disk: kept
+                    if any(todo):  # (evicted meanwhile by another rank)
                         yield PartGroup(plans, todo)
+                    continue
+                # A part is kept for this epoch when the walk reaches it, in the order the trainer
+                # reads them: until then it may still be evicted to make room for the parts
+                # extracted again before it (kept all at once, they filled the budget: both sides waited).
+                yield PartGroup(plans, [None] * len(plans),
+                                decide=lambda plan, e=epoch: self.budget.todo_for_epoch(plan.name, e))
 
     def own_batches(self) -> Iterator[tuple[PartGroup, Batch]]:
         for group in self.own_groups():
@@ -138,19 +155,20 @@ class ExtractionLoop:
         self.summary.interrupted_by = stop.signum or None
         self.timer.report()
 
+    def _finish_all(self) -> None:
+        """Finish the batches in flight and commit their complete parts."""
+        while self.in_flight:
+            self._finish(*self.in_flight.popleft())
+        self.pool.drain()
+
     def _admit(self, plan: PartPlan) -> None:
         """Room under --disk-budget for a part about to be started. Before waiting for it, the
         batches in flight are finished and their parts committed (a trainer may wait for them);
         a part still open then needs this batch to finish, so the new one goes in over the budget
         (the bound's "plus one part") rather than wait for a trainer that may be waiting for it."""
-        def finish_in_flight() -> None:
-            while self.in_flight:
-                self._finish(*self.in_flight.popleft())
-            self.pool.drain()
-
         with self.timer("disk_budget"):
             self.budget.admit([(plan.name, plan.num_tokens)], should_stop=lambda: self._stop.requested,
-                              before_wait=finish_in_flight, poll=self.pool.poll,
+                              before_wait=self._finish_all, poll=self.pool.poll,
                               may_exceed=lambda: bool(self.open_buffers))
 
     def _new_buffer(self, plan: PartPlan) -> PartBuffer:
@@ -183,6 +201,11 @@ class ExtractionLoop:
         with self.timer("submit"):
             self.pool.submit(buf)
             self.pool.poll()
+        if plan.name in self.committed or plan.name in self.extracted:  # evicted, extracted again
+            summary.parts_reextracted += 1
+            summary.tokens_reextracted += plan.num_tokens
+            return
+        self.extracted.add(plan.name)
         summary.parts_written += 1
         summary.samples += len(plan.samples)
         summary.tokens += plan.num_tokens

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.errors import ConfigMismatchError
-from dflash.cache_tools.eviction import record_budget
+from dflash.cache_tools.eviction import EvictionLog, record_budget
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
 from dflash.cache_tools.layers import default_target_layer_ids
-from dflash.cache_tools.manifest import header_top1_share, make_header, read_header
+from dflash.cache_tools.manifest import CommitLog, header_top1_share, make_header, read_header
 from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.staging import parse_size
 from dflash.cache_tools.writer import CacheWriter
@@ -33,13 +33,15 @@ from dflash.runtime.signals import StopRequest, stop_if_signalled
 from torch import nn
 from tqdm import tqdm
 
-from .budget import ExtractionBudget
+from .budget import BudgetTooSmallError, ExtractionBudget
 from .config import ExtractConfig
 from .data import (
+    BadRecordError,
     DataSnapshot,
     PartPlan,
     json_documents_note,
     list_data_files,
+    plan_windows,
     repeated_files_note,
     skipped_files_note,
     snapshot_data,
@@ -74,6 +76,11 @@ class ExtractSummary:
     parts_total: int = 0  # of the sort windows reached (all of them, unless stopped)
     parts_this_rank: int = 0
     parts_planned: int = 0  # the cache's plan: every part of the extraction (0: no plan)
+    parts_reextracted: int = 0  # evicted parts extracted again (later epochs, or restored)
+    tokens_reextracted: int = 0
+    parts_on_disk: int = 0  # at the end, by the cache's logs: committed parts whose files are there
+    parts_evicted: int = 0  # and those evicted under a disk budget
+    budgeted: bool = False  # run under --disk-budget
     bytes: int = 0
     seconds: float = 0.0  # from the first batch to the last part committed
     setup_seconds: float = 0.0  # writers started, part segments page-locked (before the first batch)
@@ -85,7 +92,7 @@ class ExtractSummary:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (self.tokens + self.tokens_reextracted) / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def padding_waste(self) -> float:
@@ -94,17 +101,23 @@ class ExtractSummary:
     def format(self) -> str:
         state = (f"stopped by {signal.Signals(self.interrupted_by).name}" if self.interrupted_by
                  else "done")
+        again = (f" and {self.parts_reextracted} evicted parts again ({self.tokens_reextracted} tokens)"
+                 if self.parts_reextracted else "")
         return (
             f"dflash-extract {state}: {self.samples} samples, {self.tokens} tokens in "
-            f"{self.parts_written} parts ({self.bytes / 1e9:.2f} GB), "
+            f"{self.parts_written} parts{again} ({self.bytes / 1e9:.2f} GB), "
             f"{self.tokens_per_second:,.0f} tokens/s (start-up {self.setup_seconds:.1f} s and "
             f"shutdown {self.teardown_seconds:.1f} s not counted), padding waste {self.padding_waste:.1%}; "
             f"skipped {self.skipped_bad} bad and {self.skipped_long} long samples, truncated "
             f"{self.truncated}; {self.parts_done_before} parts were already committed; "
-            + (f"this rank's parts: {self.parts_this_rank} of {self.parts_total}." if not self.interrupted_by
-               or self.parts_total >= self.parts_planned else
-               f"this rank's parts reached before the stop: {self.parts_this_rank} of {self.parts_total}, of the "
-               f"{self.parts_planned} the extraction plans (rerun the same command to finish it).")
+            + (f"this rank's parts: {self.parts_this_rank} of {self.parts_total}." if not self.interrupted_by else
+               f"this rank committed {self.parts_done_before + self.parts_written} of the {self.parts_this_rank} "
+               f"parts it reached before the stop, of the {self.parts_planned or self.parts_total} the extraction "
+               "plans (rerun the same command to finish it).")
+            + (f" The cache holds {self.parts_on_disk} of its {self.parts_planned} planned parts; "
+               f"{self.parts_evicted} are evicted under --disk-budget"
+               + (": a later --follow-epochs pass extracts them again, or rerun without --disk-budget to restore "
+                  "them all." if self.budgeted else ".") if self.parts_evicted else "")
             + (f" Removed {self.leftovers_removed} leftover(s) of interrupted writers."
                if self.leftovers_removed else "")
             + "".join(f"\nNote: {note}" for note in self.notes)
@@ -224,6 +237,15 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     rules = config.part_rules(header["target"]["vocab_size"], positions)
+    budget = _disk_budget(config, cache)
+    if budget is not None:  # a budget that cannot hold one batch's parts is refused before anything waits
+        try:
+            budget.check_batches(plan_windows(data, rules), config.token_budget, config.world_size)
+        except BudgetTooSmallError:
+            cache.close()
+            raise
+        except BadRecordError:
+            pass  # (no plan: the run stops at the record, naming it)
     # Before the plan, which a following trainer waits for: it checks what the budget needs.
     record_budget(config.output, None if config.disk_budget is None else parse_size(config.disk_budget))
     planned = ensure_plan(config.output, data, rules)  # what a following trainer plans from
@@ -244,8 +266,9 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         raise
     loop = ExtractionLoop(files=data, rules=rules, rank=config.rank,
                           world_size=config.world_size, token_budget=config.token_budget,
-                          committed=set(cache.committed()), engine=engine, pool=pool, progress=progress,
-                          summary=summary, direct=direct, budget=_disk_budget(config, cache),
+                          committed=set(cache.committed()), evicted=set(EvictionLog(config.output).refresh().evicted()),
+                          engine=engine, pool=pool, progress=progress,
+                          summary=summary, direct=direct, budget=budget,
                           follow_epochs=config.follow_epochs)
     t0 = time.perf_counter()
     engine.mark_start()
@@ -272,6 +295,12 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
         progress.close()
         cache.close()
     summary.bytes = pool.nbytes
+    summary.budgeted = budget is not None
+    on_disk = CommitLog(Path(config.output))
+    on_disk.refresh()
+    evicted = EvictionLog(config.output).refresh().evicted()
+    summary.parts_evicted = len(evicted)
+    summary.parts_on_disk = len(on_disk.records) - len(evicted)
     summary.notes += data.changes_since_start()
     if note := long_samples_note(config, positions, summary):
         summary.notes.append(note)

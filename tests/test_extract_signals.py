@@ -79,7 +79,9 @@ def test_sigint_exits_130_within_seconds_and_rerun_completes(setup, zygote, tmp_
 def test_a_stopped_runs_summary_sets_the_parts_it_reached_beside_the_plan():
     from dflash.extract.pipeline import ExtractSummary
 
-    stopped = ExtractSummary(interrupted_by=signal.SIGINT, parts_total=36, parts_this_rank=36, parts_planned=46)
-    assert "reached before the stop: 36 of 36, of the 46 the extraction plans" in stopped.format()
+    stopped = ExtractSummary(interrupted_by=signal.SIGINT, parts_total=36, parts_this_rank=36, parts_planned=46,
+                             parts_done_before=3, parts_written=2)
+    # What it committed, not what it reached ("36 of 36" read as finished, also with nothing committed).
+    assert "committed 5 of the 36 parts it reached before the stop, of the 46 the extraction plans" in stopped.format()
     done = ExtractSummary(parts_total=46, parts_this_rank=46, parts_planned=46)
     assert "this rank's parts: 46 of 46." in done.format()
