@@ -164,9 +164,9 @@ class ExtractionEngine:
             self._quantize = _compiled_quantizer(device, widths, self._quantize)
         # The head's reduction of every token's logits (--store-topk, or the top-1 of every row).
         self._reduce = head_reducer(model, topk=topk, top1=top1 is not None) if topk or top1 else None
-        if self.cuda and topk:
-            head = model.get_output_embeddings()
-            self._reduce = _compiled_head(self._reduce, device, int(head.weight.shape[0]), head.weight.dtype)
+        if self.cuda and topk:  # (probed where the head's logits are: its device under a device map)
+            w = model.get_output_embeddings().weight
+            self._reduce = _compiled_head(self._reduce, w.device, int(w.shape[0]), w.dtype)
 
     def _encode(self, h: torch.Tensor, num_layers: int, name: str) -> dict[str, torch.Tensor]:
         if self.codec.has_scale:
