@@ -122,9 +122,9 @@ def refuse_evicted(cache_dir: str | os.PathLike, command: str, also: str = "") -
         raise CacheError(
             f"{len(gone)} part(s) of {cache_dir} are evicted under a disk budget ({gone[0]} first; "
             f"{EVICTION_FILE}): their files were deleted once training had read them, and only an extraction's "
-            f"later --follow-epochs pass writes them again. {command} reads every part: extract the cache anew "
-            "into a directory with room for all of it (dflash-extract without --disk-budget)" + (f"; {also}" if also else "")
-            + ".")
+            f"later --follow-epochs pass writes them again. {command} reads every part: rerun the dflash-extract "
+            "command on the cache without --disk-budget, with room for all of it: it restores them (checked "
+            "against the evicted copies)" + (f"; {also}" if also else "") + ".")
 
 
 def encode_event(event: dict[str, Any]) -> bytes:
