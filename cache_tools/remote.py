@@ -30,6 +30,7 @@ from typing import Any
 
 import google_crc32c
 from dflash.runtime.errors import Interrupted
+from dflash.runtime.signals import check_stop
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
 from .manifest import HEADER_FILE, LOG_FILE, PARTS_DIR, header_identity, read_header, read_manifest
@@ -313,8 +314,10 @@ class StagedCache:
 
 def _stop_if_requested() -> None:
     """A stop signal ends a fetch's wait (a retry's backoff, room being made by another
-    process) with `Interrupted`, where waiting on could last as long as the network is down (a
-    download under way is finished: the step it feeds can then be checkpointed)."""
+    process), where waiting on could last as long as the network is down (a download under way
+    is finished): in a training run, in its process or a loader worker it forked, with
+    `StopWaiting`, after which the run saves its last completed step; elsewhere with `Interrupted`."""
+    check_stop("an object of the remote cache")
     if signum := stop_requested():
         raise Interrupted(signum)
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import google_crc32c
 from dflash.runtime.errors import Interrupted
 from dflash.runtime.signals import StopRequest
+from dflash.runtime.signals import stop_requested as stop_requested_here
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
 from .manifest import HEADER_FILE, LOG_FILE, header_identity, read_manifest
@@ -84,7 +85,9 @@ def stop_requested() -> int:
     thread ends its wait within one poll. (A command under `stop_at_once` is stopped by its main
     thread, which raises `Interrupted` where it waits.)"""
     owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-    return owner.signum if isinstance(owner, StopRequest) else 0
+    if isinstance(owner, StopRequest) and owner.signum:
+        return owner.signum
+    return stop_requested_here()  # (a loader worker: its trainer's StopRequest, in shared memory)
 
 
 def endpoint_name() -> str:

@@ -41,7 +41,7 @@ from .errors import (
     UsageError,
     kind_of,
 )
-from .signals import exit_status, signal_name, stop_at_once
+from .signals import StopWaiting, exit_status, signal_name, stop_at_once, stop_requested
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -139,8 +139,10 @@ class _Contract:
         except DflashError as e:
             echo_error(str(e))
             return EXIT_STATUS.get(kind_of(e), EXIT_USAGE)
-        except (Interrupted, KeyboardInterrupt, click.Abort) as e:
-            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT  # Ctrl-C
+        except (Interrupted, StopWaiting, KeyboardInterrupt, click.Abort) as e:
+            # (StopWaiting: a wait given up for a stop that no loop of this command turned into its own)
+            signum = (e.signum if isinstance(e, Interrupted) else
+                      stop_requested() or signal.SIGTERM if isinstance(e, StopWaiting) else signal.SIGINT)  # Ctrl-C
             click.echo(paragraph(f"{name} stopped by {signal_name(signum)}{self.stop_note}"), err=True)
             return exit_status(signum)
         except OSError as e:  # disk full, permission denied, a file that vanished, ...

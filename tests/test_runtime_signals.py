@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 
@@ -112,3 +113,22 @@ def test_a_signal_that_lands_while_the_handlers_are_set_is_a_stop_not_a_tracebac
     err = capsys.readouterr().err
     assert "stopped by SIGTERM" in err and "Traceback" not in err
     assert {s: signal.getsignal(s) for s in signals.STOP_SIGNALS} == before  # the one set is put back
+
+
+def test_a_wait_given_up_for_a_stop_that_no_loop_handled_exits_with_the_signals_status():
+    """A StopWaiting no loop of the command turned into its own stop (a remote fetch's wait in a
+    command other than training) is a stop at the CLI boundary, not an unexpected failure."""
+    import click
+    from click.testing import CliRunner
+    from dflash.runtime.cli import Command
+    from dflash.runtime.signals import StopRequest, check_stop
+
+    @click.command(cls=Command, name="waiter")
+    def waiter() -> None:
+        with StopRequest():
+            os.kill(os.getpid(), signal.SIGTERM)
+            check_stop("an object")
+
+    result = CliRunner().invoke(waiter, [], standalone_mode=True)
+    assert result.exit_code == 143, result.output
+    assert "Traceback" not in result.output and "unexpected" not in result.output
