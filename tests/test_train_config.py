@@ -32,7 +32,7 @@ FLAT_SETTINGS = {
     "drafter_type", "selector_loss_weight", "selector_top_k", "selector_rank", "selector_stop_gradient",
     "conv_kernel_size", "conv_group_size", "lr", "lr_schedule", "decay_ratio", "min_lr_ratio", "warmup_ratio",
     "weight_decay", "adam_betas", "adam_eps", "grad_accum", "grad_clip", "epochs", "max_steps", "seed", "dtype",
-    "compile", "compile_mode", "compile_dynamic", "gradient_checkpointing", "parallel", "device", "log_interval",
+    "compile", "compile_mode", "compile_dynamic", "gradient_checkpointing", "memory_check", "parallel", "device", "log_interval",
     "eval_interval", "profile_interval", "progress", "tensorboard", "save_interval", "keep_checkpoints", "resume",
 }
 REQUIRED = {"cache": ["c"], "target_model": "t", "output_dir": "o"}

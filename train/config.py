@@ -448,6 +448,10 @@ class RuntimeConfig:
     of varying shapes compile once instead of once per size that starts to vary (not yet measured on a GPU)."""
     gradient_checkpointing: bool = False
     """Recompute each draft layer in the backward pass (less memory; each layer's forward runs twice)."""
+    memory_check: bool = True
+    """Before the first step, estimate the GPU memory of the run's largest micro-batch (from the
+    samples' lengths): lower --logits-chunk-mib where the head's logits at once do not fit, refuse
+    with the setting to change where nothing else does (docs/train.md, "Long samples")."""
     parallel: str = setting("ddp", choices=PARALLEL_MODES)
     """With several processes: ddp (replicated drafter) or fsdp (FSDP2, sharded drafter)."""
     device: str | None = None

@@ -1,0 +1,178 @@
+"""The training step's memory estimate (train/memory.py): its terms grow with what they count, the
+startup check lowers --logits-chunk-mib or refuses with a setting that fits, and its per-token
+activation figures match the bytes autograd saves at a small shape on the CPU."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_train_config
+from dflash.train import memory
+from dflash.train.memory import (
+    GIB,
+    Dims,
+    MemoryBudgetError,
+    MicroBatch,
+    estimate_step_memory,
+    plan_step_memory,
+    worst_micro_batches,
+)
+
+QWEN3_8B = Dims(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936,
+                context_layers=5, draft_layers=5, block_size=16, drafter_type="dflash2")
+
+
+def _config(tmp_path, **overrides):
+    return tiny_train_config(tmp_path / "cache", tmp_path / "target", tmp_path / "run", **overrides)
+
+
+def test_estimate_grows_with_context_anchors_and_samples():
+    base = estimate_step_memory(QWEN3_8B, MicroBatch(1, 8192, 512)).total
+    assert estimate_step_memory(QWEN3_8B, MicroBatch(1, 32768, 512)).total > base
+    assert estimate_step_memory(QWEN3_8B, MicroBatch(1, 8192, 1024)).total > base
+    assert estimate_step_memory(QWEN3_8B, MicroBatch(2, 8192, 1024)).total > base
+    dflash = estimate_step_memory(Dims(**{**QWEN3_8B.__dict__, "drafter_type": "dflash"}), MicroBatch(1, 8192, 512))
+    assert dflash.total < base
+
+
+def test_chunked_head_and_gradient_checkpointing_need_less():
+    chat = MicroBatch(32, 512, 32 * 300)
+    at_once = estimate_step_memory(QWEN3_8B, chat, logits_chunk_mib=0)
+    chunked = estimate_step_memory(QWEN3_8B, chat, logits_chunk_mib=1024)
+    assert chunked.terms["head"] < at_once.terms["head"] / 10
+    recomputed = estimate_step_memory(QWEN3_8B, chat, gradient_checkpointing=True)
+    assert recomputed.terms["block activations"] < chunked.terms["block activations"] / 2
+
+
+def test_the_8b_shape_at_32k_tokens_fits_an_80_gib_card_at_the_defaults():
+    """One 32,768-token sample, 512 anchors, DFlash2, the head all at once (its 7,680 slots are under
+    --logits-chunk-mib 8192): well under 80 GiB, and the sdpa mask adds its dense [Q, T + Q]."""
+    flex = estimate_step_memory(QWEN3_8B, MicroBatch(1, 32768, 512))
+    assert flex.total < 70 * GIB
+    sdpa = estimate_step_memory(QWEN3_8B, MicroBatch(1, 32768, 512), backend="sdpa")
+    assert sdpa.terms["attention mask"] == 8192 * (32768 + 8192) * 3
+
+
+def test_worst_micro_batches_follow_the_packing_bound():
+    batches = worst_micro_batches(np.array([32768, 512, 512, 100]), token_budget=32768, max_batch_size=64,
+                                  max_anchors=512)
+    by_length = {b.tokens: b for b in batches}
+    assert by_length[32768] == MicroBatch(1, 32768, 512)
+    assert by_length[512] == MicroBatch(64, 512, 64 * 511)
+    assert by_length[100] == MicroBatch(64, 100, 64 * 99)
+
+
+def test_a_run_that_fits_is_left_as_it_is(tmp_path):
+    cfg = _config(tmp_path, logits_chunk_mib=8192, token_budget=32768, max_seq_len=32768, max_batch_size=1)
+    plan = plan_step_memory(cfg, QWEN3_8B, [32768] * 4, 80 * GIB)
+    assert plan.config is cfg and plan.note is None
+    assert plan.batch == MicroBatch(1, 32768, 4)  # this config's --max-anchors 4
+
+
+def test_the_head_goes_to_chunks_where_its_logits_at_once_do_not_fit(tmp_path):
+    cfg = _config(tmp_path, logits_chunk_mib=8192, token_budget=32768, max_seq_len=32768, max_batch_size=1,
+                  max_anchors=512)
+    at_once = plan_step_memory(cfg, QWEN3_8B, [32768], 200 * GIB).estimate
+    free = int((at_once.total - at_once.terms["head"] / 2) / memory.USABLE_FRACTION)
+    plan = plan_step_memory(cfg, QWEN3_8B, [32768], free)
+    assert plan.config.objective.logits_chunk_mib < 8192
+    assert plan.estimate.total <= free * memory.USABLE_FRACTION
+    assert "--logits-chunk-mib" in plan.note
+    assert plan.config.data == cfg.data and plan.config.model == cfg.model
+
+
+def test_a_run_that_cannot_fit_names_a_setting_whose_value_fits(tmp_path):
+    # 64 samples of 512 tokens a micro-batch: ~33K anchors, far over 80 GiB at the 8B shape
+    cfg = _config(tmp_path, token_budget=32768, max_seq_len=32768, max_batch_size=64, max_anchors=512)
+    lengths = [32768, 512, 512]
+    with pytest.raises(MemoryBudgetError) as refused:
+        plan_step_memory(cfg, QWEN3_8B, lengths, 80 * GIB)
+    message = str(refused.value)
+    assert "--max-batch-size" in message
+    size = int(message.split("--max-batch-size ")[2].split()[0].rstrip(","))  # the fix, after the setting
+    fixed = _config(tmp_path, token_budget=32768, max_seq_len=32768, max_batch_size=size, max_anchors=512)
+    assert plan_step_memory(fixed, QWEN3_8B, lengths, 80 * GIB).estimate.total <= 80 * GIB
+    with pytest.raises(MemoryBudgetError):
+        plan_step_memory(_config(tmp_path, token_budget=32768, max_seq_len=32768, max_batch_size=size + 1,
+                                 max_anchors=512), QWEN3_8B, lengths, 80 * GIB)
+
+
+def test_the_check_does_nothing_off_cuda(tmp_path):
+    cfg = _config(tmp_path)
+    data = types.SimpleNamespace(caches=types.SimpleNamespace(lengths=np.array([64, 64])), train_indices=np.arange(2))
+    assert memory.fit_to_device(cfg, None, data, "cpu") is cfg
+
+
+def test_chunk_size_agrees_with_the_head():
+    from dflash.train.head_loss import CHUNK_MIB
+
+    assert memory.CHUNK_MIB == CHUNK_MIB
+
+
+def _saved_activation_bytes(dims: Dims, context: int, anchors: int) -> int:
+    """Bytes of the tensors autograd saves in a bf16 forward of a drafter of `dims` (eager, CPU),
+    the attention saving what a fused kernel saves (q, k, v, its output, a float32 logsumexp),
+    without the weights and their bf16 copies."""
+    import dflash.train.layers as layers
+    import torch.nn.functional as F
+    from dflash.train.attention import build_layer_masks
+    from dflash.train.drafter_config import DrafterConfig
+    from dflash.train.model import DFlashDrafter
+    from dflash.train.target_weights import TargetWeights
+
+    class FusedAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask):
+            with torch.no_grad():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True)
+            ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1]))
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None, None, None
+
+    config = DrafterConfig(hidden_size=dims.hidden, num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
+                           head_dim=dims.head_dim, intermediate_size=dims.intermediate, vocab_size=dims.vocab,
+                           num_target_layers=dims.context_layers, num_hidden_layers=dims.draft_layers,
+                           target_layer_ids=list(range(dims.context_layers)), block_size=dims.block_size,
+                           drafter_type=dims.drafter_type, attention_backend="sdpa")
+    drafter = DFlashDrafter(config, TargetWeights(torch.randn(dims.vocab, dims.hidden),
+                                                  torch.randn(dims.vocab, dims.hidden)))
+    hidden = torch.randn(1, context, dims.context_layers * dims.hidden, dtype=torch.bfloat16)
+    positions = torch.arange(anchors)[None] * (context // anchors)
+    block = (positions[:, :, None] + torch.arange(dims.block_size)).flatten(1)
+    masks = build_layer_masks(positions, context, dims.block_size, [(None, False)] * dims.draft_layers, "sdpa")
+    weights = {p.untyped_storage().data_ptr() for p in (*drafter.parameters(), *drafter.buffers())}
+    shapes = {tuple(p.shape) for p in drafter.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        cast = t.dim() == 2 and tuple(t.shape) in shapes and t.dtype == torch.bfloat16
+        if storage.data_ptr() not in weights and t.data_ptr() != hidden.data_ptr() and not cast:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    attend = layers.attend
+    layers.attend = lambda q, k, v, mask: FusedAttention.apply(q, k, v, mask)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            drafter(hidden, torch.zeros_like(block), block, masks)
+    finally:
+        layers.attend = attend
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("drafter_type", ["dflash", "dflash2"])
+def test_activation_terms_match_the_bytes_autograd_saves(drafter_type):
+    dims = Dims(hidden=320, heads=4, kv_heads=2, head_dim=64, intermediate=1152, vocab=64, context_layers=2,
+                draft_layers=2, block_size=16, drafter_type=drafter_type)
+    batch = MicroBatch(1, 400, 24)
+    measured = _saved_activation_bytes(dims, batch.tokens, batch.anchors)
+    terms = estimate_step_memory(dims, batch, compiled=False).terms
+    estimated = terms["context activations"] + terms["block activations"]
+    assert 0.85 < estimated / measured < 1.15, (estimated, measured)
