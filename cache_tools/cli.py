@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from dflash.runtime.cli import EXIT_FAILED, Group
-from dflash.runtime.settings import setting, settings_options
+from dflash.runtime.settings import IntList, setting, settings_options
 
 if TYPE_CHECKING:
     from .rewrite import CopyReport
@@ -73,6 +73,43 @@ class RecompressSettings:
 
 
 @dataclass(kw_only=True)
+class ImportSettings:
+    format: str
+    """The source's format: specforge (the --output-path of SpecForge's prepare_hidden_states.py) or
+    speculators (the dataset directory of speculators' prepare_data.py, whose hidden_states/
+    data_generation_offline.py filled)."""
+    target_model: str
+    """The target the hidden states were computed with: its config.json (hidden size, layers,
+    vocabulary) checks the files and, with its tokenizer files, is the cache's target identity. No
+    weights are read."""
+    target_layer_ids: list[int] | None = setting(None, type=IntList())
+    """The layers the files hold, in our numbering (id l is the output of decoder layer l, as
+    dflash-extract --target-layer-ids); a speculators file's extra last slot (the last layer) is
+    found by its width. Give this or --source-layer-ids."""
+    source_layer_ids: list[int] | None = setting(None, type=IntList())
+    """The layers the files hold, as the source numbers them: SpecForge as we do; speculators one
+    more (vLLM counts the embedding), with the last layer N that launch_vllm.py appends."""
+    codec: str = setting("bf16", choices=CODEC_CHOICES)
+    """Hidden-state codec of the new cache (bf16 keeps bf16 sources bit for bit)."""
+    store_last_hidden: bool = False
+    """Store the files' last-layer slot (speculators: layer N, before the final norm) as the cache's
+    last_hidden."""
+    skip_bad: bool = False
+    """Leave out (and count) the sample files that cannot be read or fail a check, instead of stopping
+    at the first one with an error."""
+    part_tokens: int = setting(65536, type=click.IntRange(min=1))
+    """Tokens per cache part (the unit of resume)."""
+    chunk_rows: int = setting(128, type=click.IntRange(min=1))
+    """Rows per compressed chunk in the cache."""
+    shard_rows: int = setting(8192, type=click.IntRange(min=1))
+    """Rows per shard file in the cache (a multiple of --chunk-rows)."""
+    force: bool = setting(False, one_way=True)
+    """Delete an OUT cache written with other settings and start anew."""
+    progress: bool | None = None
+    """Show a progress bar (default: on a terminal)."""
+
+
+@dataclass(kw_only=True)
 class MergeSettings:
     force: bool = setting(False, one_way=True)
     """Delete a DST cache written with other settings and start anew."""
@@ -121,7 +158,7 @@ CACHE_ARG = click.argument("cache", type=click.Path(file_okay=False, path_type=s
 
 
 @click.group(cls=Group, name="dflash-cache", context_settings={"help_option_names": ["-h", "--help"]},
-             stop_note="; committed parts are kept (recompress and merge resume when rerun).")
+             stop_note="; committed parts are kept (recompress, merge and import resume when rerun).")
 def main() -> None:
     """Inspect, check and maintain dflash hidden-state caches.
 
@@ -388,6 +425,51 @@ def merge(dst: str, srcs: tuple[str, ...], settings: MergeSettings) -> None:
 
     report = rewrite.merge_caches(dst, list(srcs), force=settings.force, progress=settings.progress)
     _echo_copy(report, "Merged")
+
+
+@main.command(name="import")
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("out", type=click.Path(file_okay=False, path_type=str))
+@settings_options(ImportSettings)
+def import_(src: str, out: str, settings: ImportSettings) -> None:
+    """Turn another trainer's hidden-state directory SRC into the cache OUT.
+
+    Reads SpecForge's offline features (--format specforge: one torch.save file per sample) or
+    speculators' (--format speculators: a dataset directory and one safetensors file per row),
+    checks every sample (token counts of ids, mask and hidden states; the width against the layer
+    ids and the target's hidden size; ids in the target's vocabulary) and writes a cache of any
+    codec, planned first and committed part by part like an extraction: a rerun of the same
+    command resumes, and `dflash-cache verify OUT` checks it. The files do not say which layers
+    they hold: give --target-layer-ids or --source-layer-ids. See docs/cache-tools.md.
+
+    \b
+    Example:
+      dflash-cache import sf-out runs/cache --format specforge --target-model /models/qwen3-8b \\
+          --target-layer-ids 1,9,17,25,33
+      dflash-cache import sharegpt-data runs/cache --format speculators \\
+          --target-model /models/qwen3-8b --source-layer-ids 2,18,33,36 --codec fp8
+    """
+    from .importing import ImportOptions, import_cache
+
+    options = ImportOptions(
+        format=settings.format, target_layer_ids=settings.target_layer_ids,
+        source_layer_ids=settings.source_layer_ids, codec=settings.codec,
+        store_last_hidden=settings.store_last_hidden, skip_bad=settings.skip_bad, part_tokens=settings.part_tokens,
+        chunk_rows=settings.chunk_rows, shard_rows=settings.shard_rows)
+    report = import_cache(src, out, target_model=settings.target_model, options=options, force=settings.force,
+                          progress=settings.progress)
+    ratio = report.raw_bf16_bytes / report.dst_bytes if report.dst_bytes else 0.0
+    click.echo(f"Imported {len(report.written)} parts, {len(report.skipped)} already present (skipped); "
+               f"{report.layers}.")
+    click.echo(f"{report.dst}: {report.samples} samples, {report.tokens} tokens, {_human_bytes(report.dst_bytes)} "
+               f"({ratio:.3f}x vs raw bf16).")
+    for path, problem in report.bad[:5]:
+        click.echo(f"skipped {path}: {problem}")
+    if report.bad or report.bad_before:
+        click.echo(f"Skipped {len(report.bad) or report.bad_before} bad sample file(s) (--skip-bad)"
+                   + (f", {len(report.bad) - 5} more not listed" if len(report.bad) > 5 else "") + ".")
+    for note in report.notes:
+        click.echo(f"Note: {note}")
 
 
 def _verify_remote(url: str, fast: bool) -> None:

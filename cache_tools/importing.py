@@ -1,0 +1,385 @@
+"""`dflash-cache import`: another trainer's hidden-state directory becomes a cache of ours.
+
+The source is read through its registered `SampleSource` (cache_tools/importers.py); what
+follows is the same for every format and the same as an extraction's:
+
+1. the header: the target's identity from its config.json and tokenizer files (no weights are
+   read), the layer ids in our numbering, the codec, and a digest of the source's file list
+   (names and sizes) as the data's identity;
+2. the plan (cache_tools/plan.py): every sample file's token count and prompt split key, read
+   once (ids, mask and shapes only where the format allows), cut into parts of at most
+   --part-tokens in sample-id order, written before any part; a rerun finds it and reads no file
+   twice;
+3. the parts, each committed atomically through `CacheWriter`: a rerun skips the committed ones
+   and writes exactly the others, so an interrupted import resumes and a finished one is left
+   as it is.
+
+Every sample is checked (token counts of ids, mask and hidden states; the hidden width against
+the layer ids and the target's hidden size; ids inside the target's vocabulary; a 0/1 mask;
+finite states) and a file that fails is named with its key, or left out and counted with
+--skip-bad when the import is planned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dflash.runtime.errors import InputError, SettingError
+from dflash.runtime.locks import inside
+
+from .codecs import HiddenCodec
+from .errors import CacheError, CacheStorageError
+from .identity import config_file_hash, target_provenance, tokenizer_hash
+from .importers import BadSampleFile, RawSample, SampleFile, SampleSource, source_for
+from .layers import validate_target_layer_ids
+from .maintenance import progress_bar
+from .manifest import HEADER_FILE, check_identity, make_header, read_manifest
+from .plan import PlannedPart, read_plan, write_plan
+from .sample_scores import prompt_split_key
+from .summary import raw_bf16_bytes
+from .writer import CacheWriter
+
+
+class ImportSourceEmpty(CacheError):
+    """No sample file of a source can be imported (every one is bad)."""
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What the import needs of the target: its identity (cache header) and dimensions."""
+
+    identity: dict[str, Any]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def read_target(model_dir: str | os.PathLike) -> TargetShape:
+    """The target's identity from `model_dir`'s config.json and tokenizer files (no weights read:
+    the cache records no weights hash)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist: --target-model names the target's Hugging Face directory "
+                         "(its config.json gives the hidden size, layers and vocabulary).") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path} cannot be read as JSON ({e}).") from e
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    try:
+        hidden, layers, vocab = (int(text[k]) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{path} lacks a usable {e} (hidden_size, num_hidden_layers and vocab_size are needed "
+                         "to check the imported hidden states).") from None
+    archs = config.get("architectures") or [None]
+    identity = {"architecture": archs[0], "hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab,
+                "config_hash": config_file_hash(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
+                "weights_hash": None}
+    return TargetShape(identity, layers, hidden, vocab)
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImportLayers:
+    """The slots of the source's files, in its numbering, and what each becomes in the cache."""
+
+    source_ids: tuple[int, ...]
+    target_layer_ids: tuple[int, ...]
+    final: bool  # the files' last slot is the last layer's output (before the final norm)
+
+    def describe(self, source: SampleSource, store_last_hidden: bool) -> str:
+        ours = list(self.target_layer_ids)
+        shown = list(self.source_ids[:-1] if self.final else self.source_ids)
+        kept = "stored as last_hidden" if store_last_hidden else "not stored: --store-last-hidden keeps it"
+        last = f" + the last layer {self.source_ids[-1]} ({kept})" if self.final else ""
+        return f"{source.name} layers {shown}{last} -> target_layer_ids {ours}"
+
+
+def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, first_file: Path, *,
+                   target_layer_ids: list[int] | None, source_layer_ids: list[int] | None) -> ImportLayers:
+    """Our layer ids and the files' slots, from one of the two flags and the first file's width."""
+    flag_help = (f"--target-layer-ids (ours: id l is the output of decoder layer l) or --source-layer-ids (as "
+                 f"{source.name} numbers them: {source.layer_ids_help})")
+    if (target_layer_ids is None) == (source_layer_ids is None):
+        raise SettingError(f"Pass one of {flag_help}: the {source.name} files do not record which layers they hold.")
+    if first.slot_width is not None and first.slot_width != target.hidden_size:
+        raise BadSampleFile(first_file, None, f"holds layers of width {first.slot_width}, the target's hidden size is "
+                                              f"{target.hidden_size}: it was written for another target")
+    if first.width % target.hidden_size:
+        raise BadSampleFile(first_file, None, f"holds hidden states of width {first.width}, not a multiple of the "
+                                              f"target's hidden size {target.hidden_size}: it was written for another target")
+    slots, n, offset = first.width // target.hidden_size, target.num_layers, source.layer_offset
+    numbering = (f" ({source.name} numbers our layer id l as l + {offset})" if offset else "")
+    if source_layer_ids is not None:
+        ids = [int(i) for i in source_layer_ids]
+        final = source.final_slot and bool(ids) and ids[-1] - offset == n - 1
+        ours = [i - offset for i in (ids[:-1] if final else ids)]
+        fix = f"Pass --source-layer-ids with the ids {source.name} captured{numbering}"
+        ours = validate_target_layer_ids(ours, n, where=f"--source-layer-ids {ids}{numbering}", fix=fix)
+    else:
+        ours = validate_target_layer_ids(target_layer_ids or [], n, where="--target-layer-ids")
+        final = source.final_slot and slots == len(ours) + 1
+        ids = [i + offset for i in ours] + ([n - 1 + offset] if final else [])
+    if len(ids) != slots:
+        raise BadSampleFile(first_file, None, f"holds {slots} layers of width {target.hidden_size}, but the layer ids "
+                                              f"name {len(ids)} ({ids} in {source.name}'s numbering)",
+                            f"Pass the ids of every layer the files hold ({flag_help}).")
+    if first.layer_ids is not None and list(first.layer_ids) != ids:
+        raise BadSampleFile(first_file, None, f"records the layers {list(first.layer_ids)}, the flags name {ids}")
+    return ImportLayers(tuple(ids), tuple(ours), final)
+
+
+# -- samples ------------------------------------------------------------------------------------
+
+
+def check_sample(raw: RawSample, path: Path, target: TargetShape, width: int) -> None:
+    """Raise BadSampleFile where a sample's parts disagree or leave the target's ranges."""
+    tokens = raw.input_ids.shape[0]
+    if tokens == 0:
+        raise BadSampleFile(path, "input_ids", "is empty: a cached sample needs at least one token")
+    if raw.loss_mask.shape[0] != tokens:
+        raise BadSampleFile(path, "loss_mask", f"has {raw.loss_mask.shape[0]} entries for {tokens} input_ids")
+    if raw.rows != tokens:
+        raise BadSampleFile(path, "hidden states", f"has {raw.rows} rows for {tokens} input_ids: the hidden states "
+                                                   "are not the states of these tokens")
+    if raw.width != width:
+        raise BadSampleFile(path, "hidden states", f"has width {raw.width}, the other files {width} (the layers or "
+                                                   "the target differ between files)")
+    if raw.slot_width is not None and raw.slot_width != target.hidden_size:
+        raise BadSampleFile(path, "hidden states", f"holds layers of width {raw.slot_width}, the target's hidden size "
+                                                   f"is {target.hidden_size}")
+    outside = np.flatnonzero((raw.input_ids < 0) | (raw.input_ids >= target.vocab_size))
+    if outside.size:
+        raise BadSampleFile(path, "input_ids", f"holds the id {int(raw.input_ids[outside[0]])} at position "
+                                               f"{int(outside[0])}, outside the target's {target.vocab_size} ids")
+    if not np.isin(raw.loss_mask, (0, 1)).all():
+        raise BadSampleFile(path, "loss_mask", "holds values other than 0 and 1")
+
+
+def _split_key(raw: RawSample) -> int:
+    return prompt_split_key(raw.input_ids, raw.loss_mask)
+
+
+def source_digest(source: SampleSource, files: list[SampleFile]) -> tuple[str, int]:
+    """sha256 over the sample files' ids, names (relative to the source) and sizes, and their bytes:
+    the data's identity (a file added, removed or rewritten at another size is another source)."""
+    digest = hashlib.sha256(source.name.encode())
+    total = 0
+    for f in files:
+        size = f.path.stat().st_size
+        total += size
+        digest.update(f"\n{f.sample_id}\t{f.path.relative_to(source.src)}\t{size}".encode())
+    return digest.hexdigest(), total
+
+
+# -- the import ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ImportReport:
+    """What an import did (or found done): the CLI prints it."""
+
+    dst: Path
+    layers: str = ""
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    bad: list[tuple[Path, str]] = field(default_factory=list)  # left out by --skip-bad (found now)
+    bad_before: int = 0  # left out by --skip-bad when the import was planned (a rerun)
+    notes: list[str] = field(default_factory=list)
+    dst_bytes: int = 0
+    raw_bf16_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    """The settings that decide the imported cache's content (recorded in its header)."""
+
+    format: str
+    target_layer_ids: list[int] | None = None
+    source_layer_ids: list[int] | None = None
+    codec: str = "bf16"
+    store_last_hidden: bool = False
+    skip_bad: bool = False
+    part_tokens: int = 65536
+    chunk_rows: int = 128
+    shard_rows: int = 8192
+
+
+_SOLE_WRITER = ("dflash-cache import writes the cache alone: wait for the other writer to finish or stop it, then "
+                "rerun (or choose another output directory).")
+_PLANNED_FIX = ("It was readable when the import was planned: restore it, or start the import anew with --force "
+                "(--skip-bad then leaves it out).")
+
+
+def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model: str | os.PathLike,
+                 options: ImportOptions, force: bool = False, progress: bool | None = None) -> ImportReport:
+    """Import the `options.format` directory `src` into the cache `dst` (resumable)."""
+    src, dst = Path(src), Path(dst)
+    if inside(dst, src) or inside(src, dst):
+        raise CacheError(f"The cache {dst} and the source {src} overlap: write the cache into a directory outside "
+                         "the source (and not around it).")
+    if options.part_tokens <= 0:
+        raise SettingError(f"--part-tokens must be positive (got {options.part_tokens}).")
+    source = source_for(options.format, src)
+    target = read_target(target_model)
+    files = source.scan()
+    report = ImportReport(dst=dst, notes=list(source.notes))
+    first, first_file, early_bad = _first_readable(source, files, options.skip_bad)
+    layers = resolve_layers(source, target, first, first_file.path, target_layer_ids=options.target_layer_ids,
+                            source_layer_ids=options.source_layer_ids)
+    if options.store_last_hidden and not layers.final:
+        raise SettingError(f"--store-last-hidden: the {source.name} files hold no last-layer slot "
+                           f"({layers.describe(source, False)}); import without it.")
+    report.layers = layers.describe(source, options.store_last_hidden)
+    header = _header(source, files, layers, target, options, target_model)
+    if (dst / HEADER_FILE).exists() and not force:  # refused before any file is read for the plan
+        check_identity(read_manifest(dst), header, what="import")
+    plan = read_plan(dst, header) if (dst / HEADER_FILE).exists() else None
+    planned = None if plan is None else list(plan.parts)
+    if planned is None:
+        planned = _plan(source, files, target, first.width, options, report, early_bad, progress)
+    writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER)
+    try:
+        if read_plan(dst, header) is None:
+            write_plan(dst, header, planned)
+        in_plan = {i for p in planned for i in p.sample_ids}
+        if plan is not None:
+            report.bad_before = sum(f.sample_id not in in_plan for f in files)
+        by_id = {f.sample_id: f for f in files}
+        bad_ids = sorted(f.sample_id for f in files if f.sample_id not in in_plan)
+        _write_parts(source, writer, planned, by_id, bad_ids, layers, target, first.width, options, report, progress)
+    finally:
+        writer.close()
+    final = writer.manifest()
+    report.samples, report.tokens = final.num_samples, final.num_tokens
+    report.dst_bytes, report.raw_bf16_bytes = final.nbytes, raw_bf16_bytes(final)
+    return report
+
+
+def _first_readable(source: SampleSource, files: list[SampleFile],
+                    skip_bad: bool) -> tuple[RawSample, SampleFile, list[tuple[SampleFile, BadSampleFile]]]:
+    """The first sample file that reads (its shape says how many layers the files hold)."""
+    bad: list[tuple[SampleFile, BadSampleFile]] = []
+    for f in files:
+        try:
+            return source.read(f, shape_only=True), f, bad
+        except BadSampleFile as e:
+            if not skip_bad:
+                raise
+            bad.append((f, e))
+    raise ImportSourceEmpty(f"None of the {len(files)} sample files of {source.src} can be read "
+                            f"(the first: {bad[0][1]}).")
+
+
+def _header(source: SampleSource, files: list[SampleFile], layers: ImportLayers, target: TargetShape,
+            options: ImportOptions, target_model: str | os.PathLike) -> dict[str, Any]:
+    digest, nbytes = source_digest(source, files)
+    return make_header(
+        target=target.identity, target_layer_ids=list(layers.target_layer_ids), hidden_size=target.hidden_size,
+        codec=HiddenCodec(name=options.codec), chunk_rows=options.chunk_rows, shard_rows=options.shard_rows,
+        store_last_hidden=options.store_last_hidden,
+        data={"imported": source.name, "samples": len(files), "bytes": nbytes, "sha256": digest},
+        settings={"imported_from": source.name, "source_layer_ids": list(layers.source_ids),
+                  "skip_bad": options.skip_bad, "part_tokens": options.part_tokens,
+                  "store_last_hidden": options.store_last_hidden, "store_topk": 0},
+        producer={"name": "dflash-pipeline", "command": "dflash-cache import"},
+        provenance={**target_provenance(target_model), "imported_from": source.provenance()},
+    )
+
+
+def _plan(source: SampleSource, files: list[SampleFile], target: TargetShape, width: int, options: ImportOptions,
+          report: ImportReport, early_bad: list, progress: bool | None) -> list[PlannedPart]:
+    """Every readable sample's length and split key, cut into parts of at most --part-tokens."""
+    bad_ids = {f.sample_id for f, _ in early_bad}
+    report.bad += [(f.path, str(e)) for f, e in early_bad]
+    parts: list[PlannedPart] = []
+    ids: list[int] = []
+    lengths: list[int] = []
+    keys: list[int] = []
+
+    def close() -> None:
+        if ids:
+            parts.append(PlannedPart(f"part-{len(parts):06d}", tuple(ids), tuple(lengths), tuple(keys)))
+            ids.clear(), lengths.clear(), keys.clear()
+
+    with progress_bar(len(files), "plan", "file", progress) as bar:
+        for f in files:
+            bar.update(1)
+            if f.sample_id in bad_ids:
+                continue
+            try:
+                raw = source.read(f, shape_only=True)
+                check_sample(raw, f.path, target, width)
+            except BadSampleFile as e:
+                if not options.skip_bad:
+                    raise
+                report.bad.append((f.path, str(e)))
+                continue
+            n = raw.input_ids.shape[0]
+            if ids and sum(lengths) + n > options.part_tokens:
+                close()
+            ids.append(f.sample_id), lengths.append(n), keys.append(_split_key(raw))
+    close()
+    if not parts:
+        raise ImportSourceEmpty(f"None of the {len(files)} sample files of {source.src} can be imported "
+                                f"(the first: {report.bad[0][1] if report.bad else 'none'}).")
+    return parts
+
+
+def _write_parts(source: SampleSource, writer: CacheWriter, planned: list[PlannedPart], by_id: dict[int, SampleFile],
+                 bad_ids: list[int], layers: ImportLayers, target: TargetShape, width: int, options: ImportOptions,
+                 report: ImportReport, progress: bool | None) -> None:
+    done = writer.committed()
+    kept = len(layers.target_layer_ids) * target.hidden_size
+    with progress_bar(sum(p.tokens for p in planned), "import", "tok", progress) as bar:
+        for index, part in enumerate(planned):
+            if part.name in done:
+                report.skipped.append(part.name)
+                bar.update(part.tokens)
+                continue
+            # the bad files whose ids fall before this part's last (after the previous part's): its stats
+            low = planned[index - 1].sample_ids[-1] if index else -1
+            high = part.sample_ids[-1] if index + 1 < len(planned) else float("inf")
+            skipped = sum(low < i <= high for i in bad_ids)
+            try:
+                with writer.part_writer(part.name) as pw:
+                    for sid, length, key in zip(part.sample_ids, part.lengths, part.split_keys or (), strict=True):
+                        raw = _read_planned(source, by_id[sid], target, width, length)
+                        hidden = raw.hidden
+                        pw.add_sample(sid, raw.input_ids, raw.loss_mask, hidden[:, :kept],
+                                      last_hidden=hidden[:, kept:] if options.store_last_hidden else None,
+                                      split_key=key)
+                    pw.stats.update({"imported_from": source.name, **({"skipped_bad": skipped} if skipped else {})})
+            except OSError as e:  # a full disk: its OSError names no file (a write's)
+                raise CacheStorageError(
+                    f"Writing part {part.name} into {writer.cache_dir} failed: {e.strerror or e}"
+                    f"{f' ({e.filename})' if e.filename else ''}. Free space there (or fix the cause), then rerun "
+                    "the same command: the parts written so far are kept and skipped.") from e
+            (report.written if pw.committed else report.skipped).append(part.name)
+            bar.update(part.tokens)
+
+
+def _read_planned(source: SampleSource, f: SampleFile, target: TargetShape, width: int, length: int) -> RawSample:
+    """A planned sample, read whole and checked again (the file may have changed since the plan)."""
+    import torch
+
+    try:
+        raw = source.read(f)
+        check_sample(raw, f.path, target, width)
+        if raw.rows != length:
+            raise BadSampleFile(f.path, "input_ids", f"has {raw.rows} tokens, {length} when the import was planned")
+        if not bool(torch.isfinite(raw.hidden).all()):
+            raise BadSampleFile(f.path, "hidden states", "holds NaN or infinite values")
+    except BadSampleFile as e:
+        raise BadSampleFile(e.path, e.key, e.problem, _PLANNED_FIX) from e
+    return raw
