@@ -15,7 +15,8 @@ extracted again for the next epoch that reads it. Two kinds of small files carry
                                   kept      a part still on disk kept for a later epoch
   manifest.budget.json          the --disk-budget the extraction runs under (written before its plan,
                                 removed by one without a budget): a following trainer applies the
-                                budget's checks even when it is not given --disk-budget itself
+                                budget's checks even when it is not given --disk-budget itself; and
+                                the estimated bytes of the parts its largest forward batch spans
   manifest.trained-rankNNNNN.json  one per training rank, written atomically after each of its
                                 checkpoints: the epoch of that checkpoint's data position and the
                                 parts this epoch's consumed batches cover. A resume from the last
@@ -230,21 +231,35 @@ def keep_part(cache_dir: str | os.PathLike, name: str, epoch: int) -> bool:
     return True
 
 
-def record_budget(cache_dir: str | os.PathLike, limit: int | None) -> None:
-    """Record the extraction's --disk-budget in the cache (None: it has none; an earlier record goes)."""
+def record_budget(cache_dir: str | os.PathLike, limit: int | None, batch_bytes: int | None = None) -> None:
+    """Record the extraction's --disk-budget in the cache (None: it has none; an earlier record goes),
+    with `batch_bytes`, the estimated bytes of the parts its largest forward batch spans (what it holds
+    open at once beside a trainer's group: recorded_batch_bytes)."""
     path = Path(cache_dir) / BUDGET_FILE
+    body = {"disk_budget": int(limit or 0), **({} if batch_bytes is None else {"batch_bytes": int(batch_bytes)})}
     # Under the cache lock: a writer opening the cache removes temporary files there (orphans).
     with file_lock(Path(cache_dir) / LOCK_FILE):
         if limit is None:
             path.unlink(missing_ok=True)
         else:
-            atomic_write_bytes(path, json.dumps({"disk_budget": int(limit)}).encode())
+            atomic_write_bytes(path, json.dumps(body).encode())
 
 
 def recorded_budget(cache_dir: str | os.PathLike) -> int | None:
     """The --disk-budget in bytes an extraction of the cache runs under, or None."""
+    return _budget_field(cache_dir, "disk_budget")
+
+
+def recorded_batch_bytes(cache_dir: str | os.PathLike) -> int | None:
+    """The estimated bytes of the parts one forward batch of the budgeted extraction spans at most
+    (None: no budget, or recorded before this was): a trainer's group of parts needs room beside them."""
+    return _budget_field(cache_dir, "batch_bytes", optional=True)
+
+
+def _budget_field(cache_dir: str | os.PathLike, key: str, optional: bool = False) -> int | None:
     try:
-        return int(json.loads((Path(cache_dir) / BUDGET_FILE).read_bytes())["disk_budget"])
+        body = json.loads((Path(cache_dir) / BUDGET_FILE).read_bytes())
+        return None if optional and key not in body else int(body[key])
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -97,12 +97,12 @@ class ExtractionBudget:
         return int(tokens * self.bytes_per_token) + self.overhead
 
     # -- what a forward batch needs at once ----------------------------------------------------------
-    def check_batches(self, windows: Iterable[list], token_budget: int, ranks: int = 1) -> None:
+    def check_batches(self, windows: Iterable[list], token_budget: int, ranks: int = 1) -> int:
         """Refuse (BudgetTooSmallError) a budget that cannot hold the parts one forward batch spans:
         a batch's parts finish together, so all of them are reserved before any can be committed,
         and nothing this extraction holds open can be evicted. Waiting for room then never ends.
         `windows`: each sort window as its list of parts (data.PartPlan); each of `ranks` extraction
-        ranks may hold its largest batch at once."""
+        ranks may hold its largest batch at once. Returns the estimated bytes of the largest batch's parts."""
         self.refresh()
         windows = [([len(p.samples) for p in plans], [s.length for p in plans for s in p.samples],
                     [p.num_tokens for p in plans]) for plans in windows]
@@ -120,7 +120,7 @@ class ExtractionBudget:
 
         span, parts = need(token_budget)
         if base + ranks * span <= self.limit:
-            return
+            return span
         low, high = 0, token_budget  # the largest --token-budget whose batches fit (0: none does)
         while low < high:
             mid = (low + high + 1) // 2

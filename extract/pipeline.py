@@ -237,17 +237,17 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     cache = CacheWriter(config.output, header, force=config.force and config.rank == 0,
                         wait_for_force=FORCE_WAIT_SECONDS if config.force and config.rank > 0 else 0.0)
     rules = config.part_rules(header["target"]["vocab_size"], positions)
-    budget = _disk_budget(config, cache)
+    budget, batch_bytes = _disk_budget(config, cache), None
     if budget is not None:  # a budget that cannot hold one batch's parts is refused before anything waits
         try:
-            budget.check_batches(plan_windows(data, rules), config.token_budget, config.world_size)
+            batch_bytes = budget.check_batches(plan_windows(data, rules), config.token_budget, config.world_size)
         except BudgetTooSmallError:
             cache.close()
             raise
         except BadRecordError:
             pass  # (no plan: the run stops at the record, naming it)
     # Before the plan, which a following trainer waits for: it checks what the budget needs.
-    record_budget(config.output, None if config.disk_budget is None else parse_size(config.disk_budget))
+    record_budget(config.output, None if config.disk_budget is None else parse_size(config.disk_budget), batch_bytes)
     planned = ensure_plan(config.output, data, rules)  # what a following trainer plans from
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,

@@ -11,7 +11,7 @@ import signal
 import time
 from pathlib import Path
 
-from dflash.cache_tools.eviction import EvictionLog
+from dflash.cache_tools.eviction import EvictionLog, recorded_batch_bytes
 from dflash.cache_tools.staging import disk_usage, parse_size
 
 from .helpers import (
@@ -59,6 +59,8 @@ def test_a_budget_below_one_batchs_parts_is_refused_at_startup_with_what_fits(zy
                    what="a commit")
         run.signal(signal.SIGINT)
         assert run.wait(timeout=30) == 130, run.output()
+        # What a following trainer adds its group to: the largest batch's parts, within the budget.
+        assert 0 < recorded_batch_bytes(out) <= parse_size(extra[-1])
 
 
 def test_a_stop_ends_an_extraction_waiting_for_room_and_its_summary_counts_what_is_on_disk(zygote, world, tmp_path):
