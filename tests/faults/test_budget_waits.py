@@ -128,3 +128,28 @@ def test_a_budgeted_follow_run_over_two_epochs_ends_with_the_offline_weights(zyg
     assert f"and {len(evicted)} evicted parts again" in summary_of(again), again.output()
     assert not EvictionLog(cache).refresh().evicted()
     assert cache_hash(cache) == cache_hash(full)
+
+
+def test_the_wait_notice_names_what_holds_the_room_and_what_ends_the_wait(tmp_path):
+    """It advised --shuffle-parts / --save-interval also when the extraction's own open parts of one
+    batch filled the budget (the batch against the part size was the cause)."""
+    from conftest import write_tiny_cache
+    from dflash.cache_tools.manifest import read_manifest
+    from dflash.cache_tools.schema import PartSchema
+    from dflash.extract.budget import ExtractionBudget
+
+    cache = write_tiny_cache(tmp_path / "cache", samples=8, parts=2)
+    header = read_manifest(cache).header
+    used = disk_usage(cache, allocated=True)
+    budget = ExtractionBudget(cache, header, used + 4096, schema=PartSchema.from_header(header),
+                              announce=lambda _: None)
+    budget.refresh()
+    since = time.monotonic() - 31
+    # Committed parts no trainer has reported: the trainer's report ends the wait.
+    text = budget._wait_notice([("part-000002", 10)], used, 8192, since)
+    assert "2 committed part(s) no training rank has reported trained" in text, text
+    assert "manifest.trained-rank" in text and "since" in text, text
+    # This extraction's own open parts fill it: only a smaller batch (or a larger budget) ends it.
+    budget.reserved = {"part-000002": 3 * used, "part-000003": 3 * used}
+    text = budget._wait_notice([("part-000004", 10)], used, 8192, since)
+    assert "2 open part(s) of one forward batch" in text and "--token-budget" in text, text
