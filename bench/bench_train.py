@@ -23,9 +23,24 @@ gradient is not needed:
   context kv L * 2*T*D*(2*Hkv*d)                 x3
   block qkvo L * 2*Q*D*(2*Hq*d + 2*Hkv*d)        x3
   mlp        L * 2*Q*3*D*I                       x3
-  attention  L * 4*Q*Hq*d*(T/2 + B)              x3 (keys actually visible: the context before
-                                                     the anchor, T/2 on average, plus the block)
+  attention  sum over layers 4*Q*Hq*d*keys       x3 (keys a block query actually sees, the
+                                                     block-sparse mask's visible pairs: the context
+                                                     before its anchor, averaged over the positions
+                                                     anchors are drawn from (the completion), plus
+                                                     its block; a sliding layer of window W sees
+                                                     min(anchor, W - 1 - slot) context keys, a
+                                                     causal one slot + 1 block keys: `visible_keys`)
   lm_head    2*A*(B-1)*D*V                       x2 (frozen: input grad only)
+
+Long samples: --shape 8b-8k / 8b-32k (27b-8k / 27b-32k) train one 8,192- or 32,768-token sample a
+step (512 anchors of 16: the block side is the 3,072-token shape's, the context grows), and
+--sliding-window 0,2048 trains each drafter with full layers (0) and with sliding ones of 2,048
+tokens (the trainer's --draft-layer-types sliding --draft-sliding-window 2048), in turn:
+
+    python bench/bench_train.py --shape 8b-32k --drafter-type dflash,dflash2 --sliding-window 0,2048 \
+        --steps 6 --warmup-steps 3 --workdir /dev/shm/b32k
+
+Each run's peak GPU memory is printed beside the trainer's estimate of it (train/memory.py).
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from profiling import device_busy_seconds
 
@@ -82,24 +98,57 @@ TARGET_27B = Shape(hidden=5120, heads=24, kv_heads=4, head_dim=256, intermediate
 # budget of 16,384), 40 % prompt, so ~9.8K anchors and ~147K scored slots a step, against the
 # 7.7K of one long sample: the shape where the head's logits outgrow the GPU unless chunked.
 CHAT_8B = Shape(**{**FULL.__dict__, "seq_len": 512})
+# Long samples: one sample of 8,192 or 32,768 tokens a step, 512 anchors (the trainer's default --max-anchors),
+# so the block side is the 3,072-token shape's and the context (fc, its keys/values, attention) grows.
+LONG = {f"{name}-{k}k": Shape(**{**shape.__dict__, "seq_len": k * 1024}) for name, shape in
+        (("8b", FULL), ("27b", TARGET_27B)) for k in (8, 32)}
+# The long shapes' smoke run on the CPU: one 2,048-token sample of the small drafter, 32 anchors.
+SMALL_LONG = Shape(**{**SMALL.__dict__, "seq_len": 2048})
 LAYER_IDS = {36: [1, 9, 17, 25, 33], 64: [1, 16, 31, 46, 61], 8: [1, 2, 3, 4, 5], 6: [0, 2, 4]}
 SHAPES = {"8b": FULL, "8b-chat": CHAT_8B, "27b": TARGET_27B, "quality": QUALITY, "quality-bpe": QUALITY_BPE,
-          "small": SMALL}
-BATCH = {"8b": 1, "8b-chat": 32, "27b": 1, "quality": 64, "quality-bpe": 64, "small": 1}
+          "small": SMALL, "small-long": SMALL_LONG, **LONG}
+BATCH = {"8b": 1, "8b-chat": 32, "27b": 1, "quality": 64, "quality-bpe": 64, "small": 1, "small-long": 1,
+         **dict.fromkeys(LONG, 1)}
 """Samples per step (a token budget of BATCH x seq_len)."""
-PROMPT = {"8b": 0.1, "8b-chat": 0.4, "27b": 0.1, "quality": 96 / 256, "quality-bpe": 96 / 256, "small": 0.1}
+PROMPT = {"8b": 0.1, "8b-chat": 0.4, "27b": 0.1, "quality": 96 / 256, "quality-bpe": 96 / 256, "small": 0.1,
+          "small-long": 0.1, **dict.fromkeys(LONG, 0.1)}
 """Share of each sample that is prompt (loss mask 0)."""
+CPU_SHAPES = ("small", "small-long")
+"""Shapes that run on the CPU (smoke runs of the bench)."""
 
 
-def flops_per_sample(s: Shape, context: int, anchors: int, dflash2: dict | None = None) -> float:
+def visible_keys(context: int, prompt: float, block_size: int, window: int | None = None,
+                 causal: bool = False) -> float:
+    """Keys one block query sees under the training mask (train/attention.py), averaged over its
+    slot and over the anchor positions p the trainer draws from (every completion position with a
+    completion token after it: p in [prompt, context - 2], uniformly): the context keys j < p (within
+    the window: j > p + slot - W), plus its own block's keys (slot + 1 of them when causal; within
+    the window too)."""
+    first = int(context * prompt)
+    p = np.arange(first, max(first + 1, context - 1), dtype=np.float64)[:, None]  # [positions, 1]
+    slot = np.arange(block_size, dtype=np.float64)[None, :]  # [1, slots]
+    seen = p if window is None else np.minimum(p, np.maximum(0.0, window - 1 - slot))
+    block = slot + 1 if causal else np.full_like(slot, block_size)
+    if window is not None:
+        block = np.minimum(block, window) if causal else block - np.maximum(0.0, slot - window + 1)
+    return float((seen + block).mean())
+
+
+def flops_per_sample(s: Shape, context: int, anchors: int, dflash2: dict | None = None, *, prompt: float = 0.0,
+                     layers: list[tuple[int | None, bool]] | None = None) -> float:
+    """Model FLOPs of one sample of `context` tokens and `anchors` blocks (module docstring); `prompt`
+    is the share of the sample anchors are not drawn from, `layers` each draft layer's (window,
+    causal) (default: all full and bidirectional)."""
     k = len(LAYER_IDS[s.target_layers])
     q = anchors * s.block_size
-    d, hq, hkv, hd = s.hidden, s.heads, s.kv_heads, s.head_dim
+    d, hq, hd = s.hidden, s.heads, s.head_dim
+    hkv = s.kv_heads
     fc = 2 * context * k * d * d * 2
     ctx_kv = s.draft_layers * 2 * context * d * 2 * hkv * hd * 3
     block = s.draft_layers * 2 * q * d * (2 * hq * hd + 2 * hkv * hd) * 3
     mlp = s.draft_layers * 2 * q * 3 * d * s.intermediate * 3
-    attention = s.draft_layers * 4 * q * hq * hd * (context / 2 + s.block_size) * 3
+    kinds = layers or [(None, False)] * s.draft_layers
+    attention = sum(4 * q * hq * hd * visible_keys(context, prompt, s.block_size, w, c) * 3 for w, c in kinds)
     lm_head = 2 * anchors * (s.block_size - 1) * d * s.vocab * 2
     return float(fc + ctx_kv + block + mlp + attention + lm_head + dflash2_flops(s, anchors, dflash2))
 
@@ -156,7 +205,7 @@ def _write_part(args: tuple[str, Shape, int, int, float]) -> int:
     writer = CacheWriter(cache, _header(s))
     g = torch.Generator().manual_seed(part)
     width = len(LAYER_IDS[s.target_layers]) * s.hidden
-    base = torch.randn(s.seq_len + samples, width, generator=g).to(torch.bfloat16)
+    base = torch.randn(s.seq_len + samples, width, generator=g, dtype=torch.bfloat16)
     with writer.part_writer(f"part-{part:06d}") as pw:
         for i in range(samples):
             ids = torch.randint(0, s.vocab - 1, (s.seq_len,), generator=g)
@@ -233,7 +282,11 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
     # The logged counts are over all processes and samples; attention is per sample (its own context).
     dflash2 = ({k: getattr(config.model, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                  "selector_top_k")} if config.model.drafter_type == "dflash2" else None)
-    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)), dflash2)
+    layers = [(config.model.draft_sliding_window if t == "sliding_attention" else None,
+               (t == "sliding_attention") if config.model.draft_causal is None else config.model.draft_causal)
+              for t in parse_types(config.model.draft_layer_types, config.model.num_draft_layers)]
+    flops = samples * flops_per_sample(shape, int(round(context / samples)), int(round(anchors / samples)), dflash2,
+                                       prompt=PROMPT[shape_name], layers=layers)
     wait = sum(r["data_wait"] * r["seconds_per_step"] for r in measured) / sum(r["seconds_per_step"] for r in measured)
     result = {
         "shape": {"small": "small (CPU)", "8b": "Qwen3-8B drafter (5 layers), K=5, B=16",
@@ -241,7 +294,10 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
                   "27b": "Qwen3.6-27B drafter (hidden 5120, 5 layers), K=5, B=16",
                   "quality": "bench/quality drafter (hidden 384, 5 layers), K=3, B=16, 64 x 256 tokens",
                   "quality-bpe": "bench/quality BPE drafter (hidden 384, 5 layers, 8,192 ids), K=3, B=16, "
-                                 "64 x 256 tokens"}[shape_name],
+                                 "64 x 256 tokens",
+                  "small-long": "small (CPU), one 2,048-token sample",
+                  **{name: f"{'Qwen3-8B' if name.startswith('8b') else 'Qwen3.6-27B'} drafter (5 layers), K=5, B=16, "
+                           f"one {SHAPES[name].seq_len:,}-token sample, 512 anchors" for name in LONG}}[shape_name],
         "drafter_type": config.model.drafter_type,
         "compile": config.runtime.compile, "compile_mode": config.runtime.compile_mode, "steps_per_second": 1 / step_time,
         "processes": world,
@@ -251,13 +307,46 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
         "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
         "context_tokens_per_second_per_process": context / step_time / world, "data_wait_fraction": wait,
         "peak_gpu_memory_gib": max(r["gpu_mem_gib"] for r in measured),
+        "draft_layer_types": config.model.draft_layer_types, "draft_sliding_window": config.model.draft_sliding_window,
+        "estimated_gpu_memory_gib": estimated_memory(config, shape, samples, context, anchors, world) / 2**30,
     }
     return result
 
 
+def estimated_memory(config: Any, shape: Shape, samples: float, context: float, anchors: float, world: int) -> float:
+    """The trainer's estimate (train/memory.py) of a step's peak GPU memory for the measured batches."""
+    from dflash.train.memory import Dims, MicroBatch, estimate_step_memory
+
+    m = config.model
+    types = parse_types(m.draft_layer_types, m.num_draft_layers)
+    dims = Dims(hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                intermediate=shape.intermediate, vocab=shape.vocab, context_layers=len(LAYER_IDS[shape.target_layers]),
+                draft_layers=shape.draft_layers, block_size=shape.block_size, drafter_type=m.drafter_type,
+                selector_rank=m.selector_rank, selector_top_k=m.selector_top_k, conv_kernel_size=m.conv_kernel_size,
+                conv_group_size=m.conv_group_size,
+                layer_attention=tuple((m.draft_sliding_window if t == "sliding_attention" else None,
+                                       (t == "sliding_attention") if m.draft_causal is None else m.draft_causal)
+                                      for t in types))
+    per_process = max(1, round(samples / world))
+    batch = MicroBatch(samples=per_process, tokens=int(round(context / samples)), anchors=int(round(anchors / world)))
+    backend = "sdpa" if config.runtime.device == "cpu" or m.attention_backend == "sdpa" else "flex"
+    return estimate_step_memory(dims, batch, backend=backend, logits_chunk_mib=config.objective.logits_chunk_mib,
+                                gradient_checkpointing=config.runtime.gradient_checkpointing,
+                                compiled=config.runtime.compile is not False, world_size=world,
+                                parallel=config.runtime.parallel).total
+
+
+def parse_types(types: str, layers: int) -> list[str]:
+    from dflash.train.layer_types import parse_layer_types
+
+    return parse_layer_types(types, layers)
+
+
 def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: Shape, batch: int, *, cache: Path,
-                 target: Path, run: Path, workers: int, steps: int, warmup: int, resumed_from: int, kind: str):
-    """The TrainConfig of one measured run of `kind` (dflash or dflash2), with --train-arg applied."""
+                 target: Path, run: Path, workers: int, steps: int, warmup: int, resumed_from: int, kind: str,
+                 window: int = 0):
+    """The TrainConfig of one measured run of `kind` (dflash or dflash2), its draft layers sliding with
+    `window` (0: full), with --train-arg applied."""
     from dflash.runtime.settings import convert_file_value, settings_of
     from dflash.train.config import TrainConfig
 
@@ -265,12 +354,14 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
         cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
         block_size=shape.block_size, max_anchors=shape.anchors, token_budget=shape.seq_len * batch,
         max_batch_size=batch,
-        max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=4, epochs=100,
+        max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=2 if shape.seq_len > 4096 else 4, epochs=100,
         max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run,
         log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
         profile_interval=a.profile_interval, drafter_type=kind,
     )
+    if window:
+        values.update(draft_layer_types=a.layer_types, draft_sliding_window=window)
     settings = settings_of(TrainConfig)
     for item in a.train_arg:
         name, _, value = item.partition("=")
@@ -286,13 +377,14 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
     """The runs' step time, fraction of peak, context tokens/s and peak memory in one table, each
     drafter's tokens/s against the first's."""
     first = results[0]
-    lines = [f"{'drafter':<8} {'ms/step':>9} {'TFLOP/s':>8} {'of peak':>8} {'ctx tok/s':>10} {'vs ' + first['drafter_type']:>10} "
-             f"{'GiB':>6}"]
+    lines = [f"{'drafter':<8} {'window':>6} {'ms/step':>9} {'TFLOP/s':>8} {'of peak':>8} {'ctx tok/s':>10} "
+             f"{'vs ' + first['drafter_type']:>10} {'GiB':>6} {'est GiB':>8}"]
     for r in results:
-        lines.append(f"{r['drafter_type']:<8} {r['seconds_per_step'] * 1e3:9.1f} {r['model_tflops']:8.0f} "
+        lines.append(f"{r['drafter_type']:<8} {r.get('draft_sliding_window') or 'full':>6} "
+                     f"{r['seconds_per_step'] * 1e3:9.1f} {r['model_tflops']:8.0f} "
                      f"{r['fraction_of_peak']:8.1%} {r['context_tokens_per_second']:10.0f} "
                      f"{r['context_tokens_per_second'] / first['context_tokens_per_second']:9.3f}x "
-                     f"{r['peak_gpu_memory_gib']:6.1f}")
+                     f"{r['peak_gpu_memory_gib']:6.1f} {r.get('estimated_gpu_memory_gib', 0):8.1f}")
     return "\n".join(lines)
 
 
@@ -305,8 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "steps; quality: the drafter "
                              "of bench/quality (hidden 384, 5 layers), 64 samples of 256 tokens per step, byte ids; "
                              "quality-bpe: the same over the BPE benchmark's 8,192 ids; 8b-chat: "
-                             "the 8b drafter on 32 samples of 512 tokens a step (40 %% prompt: ~147K scored slots); small: a "
-                             "tiny shape on the CPU (a smoke run of the bench)")
+                             "the 8b drafter on 32 samples of 512 tokens a step (40 %% prompt: ~147K scored slots); "
+                             "8b-8k, 8b-32k, 27b-8k, 27b-32k: one sample of 8,192 or 32,768 tokens a step (512 anchors), "
+                             "a cache of 16 / 8 samples by default; small: a tiny shape on the CPU (a smoke run of the "
+                             "bench); small-long: the same with one 2,048-token sample (the long shapes' smoke run)")
     parser.add_argument("--small", action="store_true", help="same as --shape small")
     parser.add_argument("--samples", type=int, default=None, help="cache samples (default 256; small: 32)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 100; small: 10)")
@@ -326,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "their defaults; the step time against a dflash run of the same shape is their cost); "
                              "several, comma-separated: each trained in turn in this process on the same cache, "
                              "and their figures printed side by side")
+    parser.add_argument("--sliding-window", default="0", metavar="W[,W...]",
+                        help="train the draft layers --layer-types with a sliding window of W tokens (the trainer's "
+                             "--draft-layer-types sliding --draft-sliding-window W; sliding layers are causal, as the "
+                             "engines serve them); 0: full layers; several, comma-separated: each drafter trained with "
+                             "each in turn, side by side (e.g. 0,2048)")
+    parser.add_argument("--layer-types", default="sliding",
+                        help="--draft-layer-types of the runs with a --sliding-window (default: every layer sliding; "
+                             "e.g. sliding,sliding,sliding,sliding,full)")
     parser.add_argument("--train-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="override a TrainConfig field, e.g. --train-arg attention_backend=sdpa (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (else the run and cache are deleted)")
@@ -345,11 +447,20 @@ def main() -> None:
 
     if a.small:
         a.shape = "small"
-    a.small = a.shape == "small"
+    a.small = a.shape in CPU_SHAPES
     shape, batch = SHAPES[a.shape], BATCH[a.shape]
-    samples = a.samples or (32 if a.small else max(256, 8 * batch))
+    # A long sample's states are 0.3 (8K) to 1.3 GiB (32K) at the 8B shape: a small cache, re-read every epoch,
+    # and few batches in flight (workers x prefetch).
+    long = shape.seq_len > 4096
+    samples = a.samples or (32 if a.small else (8 if shape.seq_len > 16384 else 16) if long else max(256, 8 * batch))
     steps, warmup = a.steps or (10 if a.small else 100), a.warmup_steps or (4 if a.small else 20)
-    workers = a.num_workers if a.num_workers is not None else (2 if a.small else 8)
+    workers = a.num_workers if a.num_workers is not None else (2 if a.small or long else 8)
+    try:
+        windows = [int(w) for w in a.sliding_window.split(",") if w.strip()] or [0]
+    except ValueError:
+        parser.error(f"--sliding-window {a.sliding_window!r}: window sizes in tokens, comma-separated (0: full layers).")
+    if any(w < 0 for w in windows):
+        parser.error(f"--sliding-window {a.sliding_window!r}: a window is 1 token or more (0: full layers).")
     work = Path(a.workdir)
     target, cache, run = work / "target", work / "cache", work / "run"
     # Under torchrun (DDP over the GPUs of one host) rank 0 prepares the data, the others wait.
@@ -368,7 +479,8 @@ def main() -> None:
         if not (target / "model.safetensors").exists():
             write_target(target, shape)
         if not (cache / "manifest.json").exists():
-            write_cache(cache, shape, samples, per_part=8 if not a.small else 4, writers=a.writers,
+            write_cache(cache, shape, samples, per_part=8 if not a.small else 4,
+                        writers=min(a.writers, max(1, samples // 8)) if long else a.writers,
                         prompt=PROMPT[a.shape])
         ready.touch()
     while not ready.exists():
@@ -379,13 +491,14 @@ def main() -> None:
     kinds = [k.strip() for k in a.drafter_type.split(",") if k.strip()]
     if not kinds or set(kinds) - {"dflash", "dflash2"}:
         parser.error(f"--drafter-type {a.drafter_type!r}: dflash, dflash2, or both comma-separated.")
-    if a.resume_run and len(kinds) > 1:
-        parser.error("--resume-run continues one run: give one --drafter-type.")
+    variants = [(kind, window) for kind in kinds for window in windows]
+    if a.resume_run and len(variants) > 1:
+        parser.error("--resume-run continues one run: give one --drafter-type and one --sliding-window.")
     results = []
-    for kind in kinds:
-        runs = run if len(kinds) == 1 else work / f"run-{kind}"
+    for kind, window in variants:
+        runs = run if len(variants) == 1 else work / f"run-{kind}-{window or 'full'}"
         config = train_config(a, parser, shape, batch, cache=cache, target=target, run=runs, workers=workers,
-                              steps=steps, warmup=warmup, resumed_from=resumed_from, kind=kind)
+                              steps=steps, warmup=warmup, resumed_from=resumed_from, kind=kind, window=window)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # each drafter's own peak
         train_start = time.perf_counter()
@@ -402,7 +515,7 @@ def main() -> None:
                 print(f"resumed from step {resumed_from} on {world} process(es)", flush=True)
             print(json.dumps(result, indent=1), flush=True)
             results.append(result)
-        if len(kinds) > 1:
+        if len(variants) > 1:
             import gc
 
             torch._dynamo.reset()  # the next drafter compiles afresh, not against this one's guards
