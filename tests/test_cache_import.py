@@ -239,6 +239,60 @@ def test_an_import_stopped_mid_part_resumes_to_the_cache_an_unstopped_import_wri
     assert_same_as(dict(enumerate(samples)), tmp_path / "stopped")
 
 
+KILLED_IMPORT = """
+import sys, time
+from dflash.cache_tools import importers
+from dflash.cache_tools.importing import ImportOptions, import_cache
+
+real = importers.SpecForgeSource.read
+
+def held(self, sample, *, shape_only=False):
+    if not shape_only and sample.sample_id >= int(sys.argv[4]):
+        time.sleep(600)  # inside a part: held here until the test kills the process
+    return real(self, sample, shape_only=shape_only)
+
+importers.SpecForgeSource.read = held
+import_cache(sys.argv[1], sys.argv[2], target_model=sys.argv[3],
+             options=ImportOptions(format="specforge", target_layer_ids=[1, 2], part_tokens=70))
+"""
+
+
+def test_an_import_killed_mid_part_resumes_to_the_cache_an_unkilled_import_writes(tiny_world, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    samples = make_samples(12)
+    src = write_specforge(tmp_path / "sf", samples)
+    whole = tmp_path / "whole"
+    options = ImportOptions(format="specforge", target_layer_ids=LAYERS, part_tokens=70)
+    import_cache(src, whole, target_model=tiny_world["target"], options=options)
+    plan = json.loads((whole / "manifest.plan.json").read_text())["parts"]
+    hold = plan[2]["sample_ids"][1]  # the second sample of the third part
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_IMPORT, str(src), str(out), str(tiny_world["target"]),
+                             str(hold)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = out / "manifest.parts.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and log.read_text().count("\n") == 2 and list((out / "parts").glob(".tmp-part-000002*"))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert list((out / "parts").glob(".tmp-*"))  # the part it was writing, left behind
+    resumed = run(*import_args("specforge", src, out, tiny_world["target"], "--part-tokens", "70"))
+    assert resumed.exit_code == 0 and f"Imported {len(plan) - 2} parts, 2 already present" in resumed.output, \
+        resumed.output
+    assert not list((out / "parts").glob(".tmp-*"))
+    a, b = read_manifest(whole), read_manifest(out)
+    assert [(p.name, p.sample_ids, p.lengths, p.split_keys) for p in a.parts] == \
+        [(p.name, p.sample_ids, p.lengths, p.split_keys) for p in b.parts]
+    assert_same_as(dict(enumerate(samples)), out)
+    assert run("verify", out).exit_code == 0
+
+
 def test_a_resume_with_other_layer_ids_is_refused(tiny_world, tmp_path):
     src = write_specforge(tmp_path / "sf", make_samples(3))
     out = tmp_path / "cache"
