@@ -16,8 +16,8 @@ activations are still held for the backward, the head's logits and their gradien
   float32 gradient), or, past --logits-chunk-mib, one chunk of rows at a time plus an [N, D]
   gradient;
 - the attention mask: nothing for flex full layers (tile counts), a dense [Q, T + Q] bool per
-  sample for sdpa, and, built before the forward, the mask_mod's entries for flex sliding or
-  causal layers (`attention.build_attention_mask`, evaluated one slice of query rows at a time).
+  sample for sdpa, and, built before the forward, every (query, key) entry of the mask_mod for flex
+  sliding or causal layers (`attention.build_attention_mask` through create_block_mask).
 
 The per-token figures were measured on the CPU as the bytes of the tensors autograd saves
 (tests/test_train_memory.py repeats the measurement at a small shape); under torch.compile the
@@ -51,8 +51,6 @@ CHUNK_MIB = 1024  # head_loss.CHUNK_MIB (head_loss imports torch; a test checks 
 MASK_BUILD_BYTES = 18
 """Bytes per (query, key) entry while a flex mask_mod is evaluated (a bool result and int64
 intermediates of a few of its comparisons)."""
-MASK_ROWS_BYTES = 256 * MIB
-"""What `attention` lets one slice of mask_mod rows take while it builds a sliding or causal mask."""
 
 
 class MemoryBudgetError(TrainConfigError):
@@ -192,8 +190,7 @@ def estimate_step_memory(dims: Dims, batch: MicroBatch, *, backend: str = "flex"
     terms["gradients"] = max(0, 4 * params // shard - terms["head"])
     if backend == "flex" and dims.masked_layers():
         # Built before the forward: only the state and the batch are held then.
-        rows = min(per_sample_block, max(128, MASK_ROWS_BYTES // (MASK_BUILD_BYTES * (t + per_sample_block))))
-        build = rows * (t + per_sample_block) * MASK_BUILD_BYTES
+        build = b * per_sample_block * (t + per_sample_block) * MASK_BUILD_BYTES  # create_block_mask: every entry
         held = sum(v for k, v in terms.items() if k not in ("context activations", "block activations", "head",
                                                              "gradients", "attention mask"))
         terms["attention mask"] = max(0, held + build - (sum(terms.values()) - terms["attention mask"]))
