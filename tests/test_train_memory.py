@@ -176,3 +176,31 @@ def test_activation_terms_match_the_bytes_autograd_saves(drafter_type):
     terms = estimate_step_memory(dims, batch, compiled=False).terms
     estimated = terms["context activations"] + terms["block activations"]
     assert 0.85 < estimated / measured < 1.15, (estimated, measured)
+
+
+def _qwen3_8b_data(lengths):
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         intermediate_size=12288, vocab_size=151936, num_hidden_layers=36)
+    caches = types.SimpleNamespace(lengths=np.asarray(lengths),
+                                   manifest=types.SimpleNamespace(target_layer_ids=[1, 9, 17, 25, 33]))
+    return target, types.SimpleNamespace(caches=caches, train_indices=np.arange(len(lengths)))
+
+
+@pytest.mark.parametrize("free_gib", [20, 300])
+def test_the_startup_check_refuses_on_a_small_device_and_passes_on_a_large_one(tmp_path, monkeypatch, free_gib):
+    """A fake CUDA device of `free_gib` free: one 32K-token sample of the 8B drafter refused at 20 GiB
+    (naming the flags), left as it is at 300 GiB; --no-memory-check skips it."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * GIB, 300 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    cfg = _config(tmp_path, token_budget=32768, max_seq_len=32768, max_batch_size=1, max_anchors=512,
+                  drafter_type="dflash2", block_size=16, num_draft_layers=5)
+    target, data = _qwen3_8b_data([32768, 32768])
+    if free_gib == 20:
+        with pytest.raises(MemoryBudgetError, match="--gradient-checkpointing|--max-anchors"):
+            memory.fit_to_device(cfg, target, data, "cuda")
+    else:
+        assert memory.fit_to_device(cfg, target, data, "cuda") is cfg
+    unchecked = _config(tmp_path, token_budget=32768, max_seq_len=32768, memory_check=False)
+    assert memory.fit_to_device(unchecked, target, data, "cuda") is unchecked
