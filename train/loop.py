@@ -51,6 +51,7 @@ from .evaluation import LossModel, evaluate
 from .export import export_out_dir
 from .follow import follow_fields, report_consumption
 from .loader import dequantize_batch
+from .memory import fit_to_device
 from .model import DFlashDrafter
 from .objective import (
     compute_loss,
@@ -123,6 +124,9 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
         log.info(f"Note: {note}")
     refuse_nothing_to_learn(data, cfg.model.block_size)
     refuse_backend_off_its_device(cfg.model.attention_backend, info.device)
+    # CUDA: the largest micro-batch must fit the device (the head's chunks shrink to fit, or a refusal
+    # names a setting that fits), before the first step runs out of memory
+    cfg = fit_to_device(cfg, target_config, data, info.device, log.info, world_size=info.world_size)
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head (or, resumed,
     # the latest checkpoint's, loaded below: an --init-drafter is then not loaded).
