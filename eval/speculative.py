@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from dflash.train.dflash2 import block_lattice, walk_greedy, walk_sampled
 from dflash.train.model import DFlashDrafter
 
 from .target import (
@@ -274,9 +273,8 @@ class DrafterProposer(Proposer):
         self.context = DraftContext(drafter)
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.block_size, self.trained_block_size = block_size, trained
-        self.walk: SelectorWalk | None = None
-        if drafter.candidate_selector is not None:  # DFlash2: the selector walks the block
-            self.walk = SelectorWalk(drafter, temperature, seed)
+        # the head's decode step (DFlash2: the selector walks the block), or None: the backbone's argmax
+        self.walk = drafter.head.proposer(drafter, temperature, seed)
 
     def prefill(self, out: Any, positions: torch.Tensor, valid: torch.Tensor) -> None:
         self.context.append(capture_hidden(out.hidden_states, self.layer_ids), positions, valid.bool())
@@ -297,30 +295,6 @@ class DrafterProposer(Proposer):
 
     def select(self, rows: torch.Tensor) -> None:
         self.context.select(rows)
-
-
-class SelectorWalk:
-    """DFlash2's drafts from a block's states: the candidate selector's path from the anchor,
-    greedy at T = 0, sampled at T > 0 (`q`, the last block's draft distribution over its
-    candidates, is kept for a verifier that rejection-samples; the loop here checks each draft
-    against the target's own choice, which is lossless for any draft)."""
-
-    def __init__(self, drafter: DFlashDrafter, temperature: float, seed: int) -> None:
-        self.drafter, self.temperature = drafter, temperature
-        self.generator: torch.Generator | None = None
-        self.q: torch.Tensor | None = None
-        if temperature > 0:
-            device = drafter.embed_weight.device
-            self.generator = torch.Generator(device=device).manual_seed(seed + 1)  # not the target's draws
-
-    def __call__(self, states: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        d, c = self.drafter, self.drafter.config
-        ids, scores = block_lattice(d.candidate_selector, states, d.logits(states), anchors,
-                                    c.output_multiplier, c.final_logit_softcapping)
-        if self.temperature == 0:
-            return walk_greedy(ids, scores)
-        drafts, self.q = walk_sampled(ids, scores, self.temperature, self.generator)
-        return drafts
 
 
 @torch.no_grad()

@@ -238,11 +238,11 @@ def test_dflash_train_help_is_the_default_commands_help_with_the_training_option
 def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
     from dflash.cache_tools import cli as cache_cli
     from dflash.cache_tools.codecs import CODEC_NAMES
-    from dflash.train import attention, config, dflash2
+    from dflash.train import attention, config, heads
 
     assert cache_cli.CODEC_CHOICES == CODEC_NAMES
     assert config.ATTENTION_BACKENDS == attention.ATTENTION_BACKENDS
-    assert config.DRAFTER_TYPES == dflash2.DRAFTER_TYPES
+    assert config.DRAFTER_TYPES == heads.head_names()
 
 
 def test_every_console_script_runs_under_the_contract():

@@ -26,6 +26,7 @@ from dflash.runtime.settings import (
     settings_of,
 )
 
+from .heads import get_head, head_names
 from .layer_types import parse_layer_types
 
 DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.devices) training supports
@@ -36,7 +37,7 @@ LOSS_WEIGHTINGS = ("decay", "acceptance")
 HARD_LABELS = ("sample", "target")
 LR_SCHEDULES = ("cosine", "wsd")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # model.COMPILE_MODES
-DRAFTER_TYPES = ("dflash", "dflash2")  # dflash2.DRAFTER_TYPES
+DRAFTER_TYPES = head_names()  # the built-in heads (train/heads/); one registered later is checked at build
 
 
 class TrainConfigError(UsageError):
@@ -265,7 +266,7 @@ class ModelConfig(DrafterSettings):
                                "conv_group_size"), 1)
         if self.block_size < 2:
             raise TrainConfigError(f"--block-size must be at least 2 (got {self.block_size}).")
-        _check_choices(self, {"attention_backend": ATTENTION_BACKENDS, "drafter_type": DRAFTER_TYPES})
+        _check_choices(self, {"attention_backend": ATTENTION_BACKENDS, "drafter_type": head_names()})
         try:
             types = parse_layer_types(self.draft_layer_types, self.num_draft_layers)
         except ValueError as e:
@@ -283,10 +284,7 @@ class ModelConfig(DrafterSettings):
         out.update(layer_types=self.draft_layer_types, sliding_window=self.draft_sliding_window,
                    causal=self.draft_causal)
         out["drafter_type"] = self.drafter_type
-        if self.drafter_type == "dflash2":
-            out.update(selector_top_k=self.selector_top_k,
-                       selector_rank=self.selector_rank, conv_kernel_size=self.conv_kernel_size,
-                       conv_group_size=self.conv_group_size)
+        out.update({name: getattr(self, name) for name in get_head(self.drafter_type).setting_names})
         return out
 
 
@@ -536,11 +534,12 @@ class TrainConfig:
         return replace(self, objective=replace(self.objective, soft_label_weight=weight))
 
     def with_hard_label(self, cache_has_top1: bool) -> TrainConfig:
-        """This config with --hard-label decided: as given, else target for a DFlash2 drafter where
-        the cache stores the target's top-k or top-1, and sample otherwise (the run records it)."""
+        """This config with --hard-label decided: as given, else the drafter head's default (target
+        for DFlash2) where the cache stores the target's top-k or top-1, and sample otherwise (the
+        run records it)."""
         if self.objective.hard_label is not None:
             return self
-        label = "target" if self.model.drafter_type == "dflash2" and cache_has_top1 else "sample"
+        label = get_head(self.model.drafter_type).default_hard_label if cache_has_top1 else "sample"
         return replace(self, objective=replace(self.objective, hard_label=label))
 
     @classmethod

@@ -32,8 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DRAFTER_TYPES = ("dflash", "dflash2")
-
 
 class GroupedDynamicConv(nn.Module):
     """The pair of in-block convolutions around one sublayer (`attention_conv` or `mlp_conv`).

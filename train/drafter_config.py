@@ -12,7 +12,7 @@ from dflash.runtime.logits import post_head_steps
 
 from .attention import ATTENTION_BACKENDS
 from .config import DrafterSettings
-from .dflash2 import DRAFTER_TYPES
+from .heads import get_head
 from .layer_types import parse_layer_types
 from .rope import drafter_rope_parameters, rope_parameters_from_config
 from .target_weights import default_target_layer_ids
@@ -110,23 +110,7 @@ class DrafterConfig(DrafterSettings):
             self.sliding_window = int(self.sliding_window)
         else:
             self.sliding_window = None
-        if self.drafter_type not in DRAFTER_TYPES:
-            raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}.")
-        if self.drafter_type == "dflash2":
-            if self.conv_kernel_size < 1:
-                raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) must be at least 1.")
-            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
-                fits = max(d for d in range(1, max(1, self.conv_group_size) + 1) if self.hidden_size % d == 0)
-                raise ValueError(
-                    f"conv_group_size {self.conv_group_size} must divide the hidden size {self.hidden_size}: pass "
-                    f"--conv-group-size {fits} (the largest divisor of {self.hidden_size} up to it), or "
-                    "--drafter-type dflash for a plain DFlash drafter, which has no convolutions.")
-            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
-                raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 and selector_top_k "
-                                 f"({self.selector_top_k}) in 1..{self.vocab_size}, the target's vocabulary: pass "
-                                 f"--selector-top-k {min(max(1, self.selector_top_k), self.vocab_size)} and "
-                                 "--selector-rank at least 1, or --drafter-type dflash for a plain DFlash drafter, "
-                                 "which has no selector.")
+        get_head(self.drafter_type).check(self)  # an unknown name: a ValueError naming the heads
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."

@@ -68,7 +68,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     block_size = loss_model.drafter.config.block_size
     labels, greedy = RunningMetrics(block_size, info.device), RunningMetrics(block_size, info.device)
     walk = VerificationWalk((block_size, block_size // 2) if block_size >= 8 else (block_size,))
-    backbone_walk = VerificationWalk((block_size,))  # DFlash2: the backbone's top-1 without the selector
+    backbone_walk = VerificationWalk((block_size,))  # with a head's choice: the backbone's top-1 without it
     held = (data.eval_caches if data.eval_caches is not None else data.caches).manifest
     replay = held.topk > 0 or held.top1 is not None
     clean = dataclasses.replace(objective, noise_type="none")
@@ -136,7 +136,7 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     kept = {k: v for k, v in result.items() if k in ("tau_from_acc", "blocks") or k.startswith("acc_")}
     estimator = ("greedy" if replay else "labels") + (" walk" if taus else " blocks")
     smaller = {f"tau_b{w}": t for w, t in taus.items() if w != block_size}
-    if loss_model.drafter.candidate_selector is not None:  # DFlash2: the backbone's tau beside the selector's
+    if loss_model.drafter.head.picks_drafts:  # DFlash2: the backbone's tau beside the selector's
         backbone_taus = backbone_walk.taus(all_reduce_sum(backbone_walk.state(), info))
         if block_size in backbone_taus:
             smaller["tau_backbone"] = backbone_taus[block_size]

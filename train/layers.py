@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMask, attend
-from .dflash2 import GroupedDynamicConv
+from .heads import get_head
 from .rope import apply_rope
 
 if TYPE_CHECKING:
@@ -88,18 +88,25 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        # DFlash2: a convolution inside each block before and after both sublayers (dflash2.py).
-        self.attention_conv = self.mlp_conv = None
-        if c.drafter_type == "dflash2":
-            self.attention_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
-            self.mlp_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+        # A head may wrap the sublayers (DFlash2: an in-block convolution before and after each);
+        # the wrapper's attribute prefixes its tensors (layers.N.attention_conv.*).
+        head = get_head(c.drafter_type)
+        self.wrappers = {sublayer: attr for sublayer, attr in head.wrapper_names.items()}
+        for sublayer, attr in self.wrappers.items():
+            setattr(self, attr, head.wrap_sublayer(c, sublayer))
         self.block_size = c.block_size
 
     def forward(self, x, context_kv, rope, mask) -> torch.Tensor:
-        if self.attention_conv is None:
+        if not self.wrappers:
             x = x + self.self_attn(self.input_layernorm(x), context_kv, rope, mask)
             return x + self.mlp(self.post_attention_layernorm(x))
-        h, delta = self.attention_conv.prepare(self.input_layernorm(x), self.block_size)
-        x = x + self.attention_conv.finish(self.self_attn(h, context_kv, rope, mask), delta, self.block_size)
-        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), self.block_size)
-        return x + self.mlp_conv.finish(self.mlp(h), delta, self.block_size)
+        x = x + self._wrapped("attention", self.self_attn, self.input_layernorm(x), context_kv, rope, mask)
+        return x + self._wrapped("mlp", self.mlp, self.post_attention_layernorm(x))
+
+    def _wrapped(self, sublayer: str, module: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+        attr = self.wrappers.get(sublayer)
+        if attr is None:
+            return module(x, *args)
+        wrapper = getattr(self, attr)
+        h, state = wrapper.prepare(x, self.block_size)
+        return wrapper.finish(module(h, *args), state, self.block_size)

@@ -22,11 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMask, inference_mask
-from .dflash2 import (
-    CandidateSelector,
-    GroupedDynamicConv,
-)
 from .drafter_config import DrafterConfig
+from .heads import get_head
 from .layers import DrafterLayer, RMSNorm, rms_normalize
 from .rope import (
     RotaryEmbedding,
@@ -63,8 +60,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.candidate_selector = (CandidateSelector(c.hidden_size, c.vocab_size, c.selector_rank, c.selector_top_k)
-                                   if c.drafter_type == "dflash2" else None)
+        self.head = get_head(c.drafter_type)  # what the drafter adds to the backbone (train/heads/)
+        module = self.head.build(c)
+        if module is not None:  # e.g. DFlash2's candidate_selector: its name prefixes its tensors
+            setattr(self, self.head.module_name, module)
         self.register_buffer("embed_weight", target.embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head_weight", target.lm_head.detach(), persistent=False)
         norm = target.final_norm
@@ -105,9 +104,13 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        for module in self.modules():  # after the loop above, which also reaches their Linears
-            if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
-                module.reset_parameters(std)
+        self.head.initialize(self, std)  # after the loop above, which also reaches the head's Linears
+
+    @property
+    def head_module(self) -> nn.Module | None:
+        """The head's module on the backbone's states (`DraftHead.build`), or None."""
+        name = self.head.module_name
+        return getattr(self, name, None) if name else None
 
     # -- pieces -----------------------------------------------------------------------------
 

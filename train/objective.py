@@ -26,7 +26,7 @@ from dflash.runtime.errors import InputError
 
 from .attention import build_layer_masks
 from .config import ObjectiveConfig
-from .dflash2 import exact_topk, selector_objective
+from .dflash2 import exact_topk
 from .head_loss import (
     CHUNK_MIB,
     candidate_logits,
@@ -35,6 +35,7 @@ from .head_loss import (
     needs_chunks,
     slot_losses,
 )
+from .heads.base import HeadInputs
 from .model import DFlashDrafter
 
 _GAMMA_TABLE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -206,13 +207,19 @@ class LossOutput:
     """[B, A] bool."""
     predicted: torch.Tensor | None = None
     """[B, A, block_size-1] long: the drafter's top-1 token of each scored slot (-1 elsewhere); for
-    DFlash2 the selector's choice (what its walk drafts when the earlier slots were right)."""
-    selector_loss: torch.Tensor | None = None
-    """DFlash2: the selector's cross-entropy (scalar)."""
+    a head with a loss of its own its choice (DFlash2: what the selector's walk drafts when the
+    earlier slots were right)."""
+    head_loss: torch.Tensor | None = None
+    """The head's own loss before its weight (scalar; DFlash2: the selector's cross-entropy)."""
     backbone_predicted: torch.Tensor | None = None
-    """DFlash2: like `predicted`, the backbone's own top-1 (the drafter without its selector)."""
+    """With a head's choice: like `predicted`, the backbone's own top-1 (the drafter without its head)."""
     backbone_correct: torch.Tensor | None = None
-    """DFlash2: like `correct`, for `backbone_predicted`."""
+    """With a head's choice: like `correct`, for `backbone_predicted`."""
+
+    @property
+    def selector_loss(self) -> torch.Tensor | None:
+        """DFlash2's name for `head_loss`."""
+        return self.head_loss
 
 
 _NO_SOFT_LABELS = ("soft_label_weight > 0 but the batch has neither last_hidden nor topk_ids/topk_logprobs; "
@@ -367,24 +374,24 @@ def compute_loss(
     if config.hard_label == "target":  # the target's greedy choice there, not the sample's token
         labels = greedy_labels(batch, labels, b, a, k, cache_rows)
     target = labels[b, a, k]
-    selector = drafter.candidate_selector
+    head = drafter.head  # (through a DDP/FSDP wrapper too: LossModel forwards attributes to the drafter)
+    top_k = head.candidates(c)
     vocab = drafter.lm_head_weight.shape[0]
     chunk = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
     soft_weight = config.soft_label_weight or 0.0  # None (not yet decided by the cache, TrainConfig.with_soft_labels): off
     soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
     if needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
         # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
-        # what follows needs the slots' losses, the labels' log-probs, the argmax and (DFlash2) the top-K.
+        # what follows needs the slots' losses, the labels' log-probs, the argmax and the head's top-K.
         row_loss, label_lp, per_position, top1, top_ids = slot_losses(
-            drafter, scored, target, chunk, top_k=selector.top_k if selector is not None else 0,
-            soft_weight=soft_weight, **soft)
+            drafter, scored, target, chunk, top_k=top_k, soft_weight=soft_weight, **soft)
         logits = logprobs = picked = None
     else:
         logits = drafter.logits(scored)
-        if selector is None:
+        if not top_k:
             logprobs, picked, top_ids = torch.log_softmax(logits.float(), dim=-1), None, None
-        else:  # DFlash2: the top-K and the label's logits for the selector, gathered with the log-softmax
-            top_ids = exact_topk(logits.detach(), selector.top_k)[1]
+        else:  # the top-K and the label's logits for the head, gathered with the log-softmax
+            top_ids = exact_topk(logits.detach(), top_k)[1]
             logprobs, picked = log_softmax_with_candidates(logits, torch.cat([top_ids, target[:, None]], dim=-1))
         label_lp, top1 = logprobs.gather(1, target[:, None]).squeeze(1), None
         row_loss = -label_lp
@@ -404,23 +411,20 @@ def compute_loss(
     predicted = torch.full_like(labels, -1)
     predicted[b, a, k] = logprobs.argmax(-1) if top1 is None else top1
     correct = predicted == labels  # False where not scored (-1 is no token)
-    if selector is None:
+    own = head.objective(HeadInputs(
+        drafter=drafter, states=scored, labels=target, weights=weights, input_ids=input_ids, rows=(b, cache_rows),
+        top_ids=top_ids, candidate_logits=picked,
+        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk)), config)
+    if own is None:
         return LossOutput(
             loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,
             anchor_positions=anchors, anchor_valid=anchor_valid, predicted=predicted,
         )
-    # DFlash2: slot k+1 (index k) follows the true token at p+k (the anchor for k = 0).
-    predecessors = input_ids[b, cache_rows]
-    selector_loss, choice = selector_objective(
-        selector, scored, None, predecessors, target, weights.detach(),
-        output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
-        stop_gradient=config.selector_stop_gradient, top_ids=top_ids, candidate_logits=picked,
-        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk))
     chosen = torch.full_like(labels, -1)
-    chosen[b, a, k] = choice
+    chosen[b, a, k] = own.choice
     return LossOutput(
-        loss=loss + config.selector_loss_weight * selector_loss, ce=ce.detach(), kl=kl,
+        loss=loss + own.loss, ce=ce.detach(), kl=kl,
         correct=chosen == labels, valid=valid, anchor_positions=anchors, anchor_valid=anchor_valid,
-        predicted=chosen, selector_loss=selector_loss.detach(), backbone_predicted=predicted,
+        predicted=chosen, head_loss=own.logged, backbone_predicted=predicted,
         backbone_correct=correct,
     )

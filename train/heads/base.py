@@ -1,0 +1,160 @@
+"""`DraftHead`: what a kind of drafter declares about itself, in one place.
+
+The backbone asks a head, and nothing else, about its kind: no module outside train/heads/
+compares `drafter_type` with a name (tests/test_heads.py scans for it). Every method has a
+default that adds nothing, which is the plain DFlash drafter (heads/dflash.py); DFlash2
+(heads/dflash2.py) overrides most of them. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# The drafter (train/model.py), its DrafterConfig (train/drafter_config.py) and the objective's
+# settings (train/config.py) import this package: named here without importing them back.
+DFlashDrafter = Any
+DrafterConfig = Any
+ObjectiveConfig = Any
+
+
+@dataclass
+class HeadInputs:
+    """What the objective hands a head's loss: the N scored block slots of a batch."""
+
+    drafter: DFlashDrafter
+    states: torch.Tensor
+    """[N, D] the backbone's normed states of the scored slots."""
+    labels: torch.Tensor
+    """[N] the tokens they train toward (the sample's, or the target's top-1 with --hard-label target)."""
+    weights: torch.Tensor
+    """[N] the slots' loss weights (with grad where the acceptance weighting has one: detach to use)."""
+    input_ids: torch.Tensor
+    """[B, T] the batch's tokens."""
+    rows: tuple[torch.Tensor, torch.Tensor]
+    """(batch row [N], cache row [N]) of each slot: slot k+1 of the block at anchor p is row p+k."""
+    top_ids: torch.Tensor | None
+    """[N, K] the backbone's top-K ids (K = the head's `candidates`), None where it asks for none."""
+    candidate_logits: torch.Tensor | None
+    """[N, K+1] the backbone logits of the top-K and the label, where the head was run at once."""
+    gather_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(states [N, D], ids [N, C]) -> their logits [N, C], chunked like the backbone's loss."""
+
+    @property
+    def predecessors(self) -> torch.Tensor:
+        """[N] the true token before each slot (the anchor for slot 1)."""
+        return self.input_ids[self.rows]
+
+
+@dataclass
+class HeadOutput:
+    """A head's part of the loss of one batch."""
+
+    loss: torch.Tensor
+    """The term added to the backbone's loss (already weighted by the head's own setting)."""
+    logged: torch.Tensor
+    """The head's loss before its weight, detached (the run's metrics)."""
+    choice: torch.Tensor
+    """[N] the token the head drafts at each scored slot when the earlier slots were right."""
+
+
+class DraftHead:
+    """A drafter kind on the DFlash backbone. Subclass it, set the class attributes, override what
+    the head adds, and register one instance (`heads.register_head`, or `_BUILTIN` for a head of
+    the package)."""
+
+    name: str = ""
+    """--drafter-type's value, and what checkpoints record as drafter_type."""
+    title: str = ""
+    """How messages and reports name the drafter (DFlash2)."""
+    architecture: str = ""
+    """The export's `architectures` entry, by which vLLM and SGLang pick the model class."""
+    setting_names: tuple[str, ...] = ()
+    """The DrafterSettings fields this head reads (the rest of the code ignores them for other
+    heads): they reach its DrafterConfig, its run identity and its export."""
+    module_name: str | None = None
+    """The attribute of the drafter that holds `build()`'s module: the prefix of its tensor names
+    in checkpoints and exports (part of the export contract)."""
+    wrapper_names: ClassVar[dict[str, str]] = {}
+    """Sublayer ("attention" or "mlp") -> the attribute of every draft layer that holds the
+    head's wrapper of it (`wrap_sublayer`): the wrapper's tensors are `layers.N.<attribute>.*`."""
+    picks_drafts: bool = False
+    """The head chooses the drafted tokens (`objective` returns its choices, `proposer` decodes
+    them): held-out evaluation reports the backbone's own tau beside the drafter's."""
+    default_hard_label: str = "sample"
+    """--hard-label when not given, where the cache stores the target's top-1 (else sample)."""
+    warm_starts_from: tuple[str, ...] = ()
+    """Other heads whose exports may start a run of this one (--init-drafter): the backbone's
+    tensors load and this head's own keep their fresh start."""
+    serving: ClassVar[dict[str, Any]] = {}
+    """The model card's serving facts: name, vllm_method (None: detected from the architecture),
+    sglang_algorithm, tags."""
+
+    # -- the model --------------------------------------------------------------------------
+
+    def check(self, config: DrafterConfig) -> None:
+        """Refuse settings this head cannot build (ValueError naming the flag and the fix)."""
+
+    def wrap_sublayer(self, config: DrafterConfig, sublayer: str) -> nn.Module:
+        """The wrapper of `sublayer` (a key of `wrapper_names`) in one draft layer: a module with
+        `prepare(x, block_size) -> (input, state)` and `finish(output, state, block_size)`."""
+        raise NotImplementedError(f"head {self.name!r} names a wrapper of {sublayer} but builds none.")
+
+    def build(self, config: DrafterConfig) -> nn.Module | None:
+        """The head's module on the backbone's states (held as `module_name`), or None."""
+        return None
+
+    def initialize(self, drafter: DFlashDrafter, std: float) -> None:
+        """The head's own start, after the backbone's (every Linear normal(std), every norm 1)."""
+
+    def owns_tensor(self, name: str) -> bool:
+        """Whether a drafter tensor is one of this head's own (its module's or its wrappers')."""
+        return bool((self.module_name and name.startswith(self.module_name + "."))
+                    or any(f".{attr}." in name for attr in self.wrapper_names.values()))
+
+    # -- training ---------------------------------------------------------------------------
+
+    def candidates(self, config: DrafterConfig) -> int:
+        """How many of the backbone's top tokens per slot the head's loss reads (0: none)."""
+        return 0
+
+    def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput | None:
+        """The head's loss term and its choices over the scored slots, or None (the backbone's
+        argmax drafts)."""
+        return None
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int
+                 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """(states [B, L, D] of a block's drafted slots, anchors [B]) -> drafts [B, L], or None for
+        the backbone's argmax. Any drafts are lossless: verification keeps the target's tokens."""
+        return None
+
+    # -- the export and the run -------------------------------------------------------------
+
+    def export_keys(self, config: DrafterConfig) -> dict[str, Any]:
+        """The `dflash_config` keys the engines' loaders read for this head."""
+        return {}
+
+    def settings_from_export(self, dflash_config: dict[str, Any]) -> dict[str, Any]:
+        """DrafterConfig values read back from an export's `dflash_config` (ValueError for what the
+        head cannot serve)."""
+        return {}
+
+    def identity(self, config: Any) -> dict[str, Any]:
+        """The head's part of the run identity a resumed run must share with its checkpoint."""
+        return {"drafter_type": self.name, **{n: getattr(config, n) for n in self.setting_names}}
+
+    def describe(self, config: DrafterConfig, shape: str) -> str:
+        """The startup line's word on the drafter (`shape`: its layers, block and target layers)."""
+        return f"{self.title} ({shape}), exported as {self.architecture}"
+
+    def warm_start_note(self) -> str:
+        """How this head's own tensors start when a drafter of another head warm-starts it."""
+        return "at their fresh start"
