@@ -119,7 +119,7 @@ class ExtractionBudget:
             return most
 
         span, parts = need(token_budget)
-        if base + ranks * span <= self.limit:
+        if base + ranks * span <= self.limit or not parts:
             return span
         low, high = 0, token_budget  # the largest --token-budget whose batches fit (0: none does)
         while low < high:
