@@ -227,5 +227,6 @@ def unrecorded_weights_note(recorded: dict[str, Any] | None, current: dict[str, 
     while `current` does: accepted, but the weights could not be checked."""
     if (recorded or {}).get("weights_hash") is None and (current or {}).get("weights_hash") is not None:
         return (f"{what} records no hash of its target's weights (written before they were "
-                "recorded): that this target's weights are the same ones is not checked.")
+                "recorded, or imported from another trainer's files): that this target's weights are the same ones "
+                "is not checked.")
     return None

@@ -370,8 +370,10 @@ class SpeculatorsSource(SampleSource):
                               "(not generated: --max-samples, or requests that failed): they are not imported.")
         return [SampleFile(i, found[i]) for i in sorted(found)]
 
-    def _row(self, row: int, name: str) -> np.ndarray:
+    def _row(self, row: int, name: str, path: Path) -> np.ndarray:
         values = self._table.column(name)[row].values
+        if values is None:
+            raise BadSampleFile(path, name, f"is missing from row {row} of the dataset at {self.src}")
         return np.asarray(values.to_numpy(zero_copy_only=False)).astype(np.int64, copy=False)
 
     def read(self, sample: SampleFile, *, shape_only: bool = False) -> RawSample:
@@ -396,12 +398,12 @@ class SpeculatorsSource(SampleSource):
                 hidden = None if shape_only else fh.get_tensor("hidden_states")
         except (OSError, RuntimeError, ValueError) as e:
             raise BadSampleFile(path, None, f"cannot be read ({e})") from e
-        input_ids = self._row(sample.sample_id, "input_ids")
+        input_ids = self._row(sample.sample_id, "input_ids", path)
         if not np.array_equal(token_ids, input_ids):
             raise BadSampleFile(path, "token_ids", f"holds {len(token_ids)} token ids that are not row "
                                                    f"{sample.sample_id}'s input_ids ({len(input_ids)} ids) in the dataset",
                                 "The hidden states belong to another sample: regenerate the file.")
-        out = RawSample(input_ids, self._row(sample.sample_id, "loss_mask"), rows=shape[0], width=shape[1] * shape[2],
+        out = RawSample(input_ids, self._row(sample.sample_id, "loss_mask", path), rows=shape[0], width=shape[1] * shape[2],
                         slot_width=shape[2])
         if hidden is not None:
             out.hidden = hidden.reshape(shape[0], shape[1] * shape[2])

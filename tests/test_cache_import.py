@@ -302,6 +302,18 @@ def test_a_resume_with_other_layer_ids_is_refused(tiny_world, tmp_path):
     assert other.exit_code == 2 and "target_layer_ids" in other.output
 
 
+def test_a_source_that_gained_a_file_since_the_import_is_refused_and_imported_anew_with_force(tiny_world, tmp_path):
+    samples = make_samples(4)
+    src = write_specforge(tmp_path / "sf", samples[:3])
+    out = tmp_path / "cache"
+    assert run(*import_args("specforge", src, out, tiny_world["target"])).exit_code == 0
+    write_specforge(src, samples[3:], first=3)
+    refused = run(*import_args("specforge", src, out, tiny_world["target"]))
+    assert refused.exit_code == 2 and "data.sha256" in refused.output, refused.output
+    assert run(*import_args("specforge", src, out, tiny_world["target"], "--force")).exit_code == 0
+    assert_same_as(dict(enumerate(samples)), out)
+
+
 # -- bad files ----------------------------------------------------------------------------------------
 
 
