@@ -28,6 +28,7 @@ from dflash.runtime.safetensors_files import (
     refuse_incomplete_weights,
 )
 from dflash.runtime.signals import stop_if_signalled
+from dflash.train.heads import get_head, head_names
 
 from .lookup import lookup_generate
 from .speculative import (
@@ -352,7 +353,7 @@ def default_stop_tokens(model: Any) -> tuple[int, ...]:
 
 def format_report(report: dict[str, Any]) -> str:
     s = report["settings"]
-    kind = {"dflash2": " drafter=DFlash2", "dflash": " drafter=DFlash"}.get(s.get("drafter_type", ""), "")
+    kind = f" drafter={get_head(s['drafter_type']).title}" if s.get("drafter_type") in head_names() else ""
     lines = [f"dflash-eval  device={s['device']} dtype={s['dtype']}{kind} block_size={s['block_size']} "
              f"batch_size={s['batch_size']} temperature={s['temperature']} max_new_tokens={s['max_new_tokens']}"]
     for r in report["prompt_sets"]:

@@ -72,7 +72,8 @@ def check_weight_dir(directory: str | os.PathLike, *, fix: str) -> None:
         check_safetensors(path, fix=fix)
 
 
-# The architectures of a drafter export (train/export.py writes them); no target has them.
+# The architectures of the built-in heads' exports (train/heads/; runtime imports no train module);
+# no target has them, nor the `dflash_config` every drafter export writes.
 DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
@@ -89,6 +90,8 @@ def refuse_drafter_as_target(directory: str | os.PathLike, *, flag: str = "--tar
         return  # missing or unreadable: the loader's own check names it
     architectures = config.get("architectures") if isinstance(config, dict) else None
     found = [a for a in architectures or [] if a in DRAFTER_ARCHITECTURES]
+    if not found and isinstance(config, dict) and isinstance(config.get("dflash_config"), dict):
+        found = list(architectures or []) or ["none listed"]  # a drafter of a head registered elsewhere
     if found:
         raise DrafterAsTargetError(
             f"{directory} is a DFlash drafter export (config.json architectures {found}), not a target "

@@ -34,9 +34,10 @@ from dflash.runtime.locks import OutputIsInputError, inside, output_lock, same_p
 from dflash.runtime.safetensors_files import check_safetensors
 from safetensors.torch import load_file, save_file
 
-from .config import ResumeMismatchError, TrainConfigError
+from .config import DrafterSettings, ResumeMismatchError, TrainConfigError
 from .drafter_config import DrafterConfig
 from .export import export_drafter, export_out_dir
+from .heads import get_head, head_names
 
 CHECKPOINT_VERSION = 1
 
@@ -224,17 +225,22 @@ def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path:
         shown = "; ".join(d.replace("cache has", "checkpoint has").replace("requested", "this run has")
                           for d in diffs[:8]) + ("; ..." if len(diffs) > 8 else "")
         grown = any(d.startswith("caches[") and (".samples:" in d or ".tokens:" in d) for d in diffs)
-        was_dflash = ((saved_identity.get("model") or {}).get("drafter_type", "dflash") == "dflash"
-                      and (current.get("model") or {}).get("drafter_type", "dflash") == "dflash2")
+        # (a run identity without drafter_type is a DFlash drafter's: heads.get_head(None))
+        was = (saved_identity.get("model") or {}).get("drafter_type")
+        now = (current.get("model") or {}).get("drafter_type")
+        default_changed = (was != now and now == DrafterSettings.drafter_type  # the default became `now` since
+                           and (was is None or was in head_names()))
+        was_head, now_head = (get_head(was), get_head(now)) if default_changed else (None, None)
         raise ResumeMismatchError(
             f"Cannot resume from {path}: it was trained with other data, target or batching/model "
             f"settings: {shown}."
             + (" A cache holds other samples than when the checkpoint was written (was it still being "
                "extracted? `dflash-train --follow` trains on a cache while it is written)." if grown else "")
-            + (" The checkpoint is a DFlash drafter and this run a DFlash2 one: the default --drafter-type "
-               "became dflash2 after it started (docs/recipe.md); pass --drafter-type dflash to finish it as "
-               "it started, or export it (dflash-train export CHECKPOINT OUT_DIR) and start a DFlash2 run from it "
-               "in a new --output-dir with --init-drafter OUT_DIR." if was_dflash else "")
+            + (f" The checkpoint is a {was_head.title} drafter and this run a {now_head.title} one: the default "
+               f"--drafter-type became {now_head.name} after it started (docs/recipe.md); pass --drafter-type "
+               f"{was_head.name} to finish it as it started, or export it (dflash-train export CHECKPOINT OUT_DIR) and "
+               f"start a {now_head.title} run from it in a new --output-dir with --init-drafter OUT_DIR."
+               if default_changed else "")
             + " Rerun with the checkpoint's settings, or start a new run with another --output-dir."
         )
     return notes

@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .drafter_config import DrafterConfig
+from .heads import architectures, get_head, head_for_architecture
 from .model import DFlashDrafter
 from .model_card import CARD_NAME, card_text, evaluation_record
 from .rope import rope_parameters_from_config
@@ -42,7 +43,6 @@ from .target_weights import load_target_config, load_target_weights
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
 def _uniform_causality(config: DrafterConfig) -> bool | None:
@@ -74,14 +74,11 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
         dflash["mask_token"] = config.mask_token
     if causal is not None:
         dflash["causal"] = causal
-    if config.drafter_type == "dflash2":  # the keys vLLM's and SGLang's DFlash2 loaders read
-        dflash.update(conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size,
-                      selector_rank=config.selector_rank, selector_top_k=config.selector_top_k,
-                      input_embedding_scale=1.0, output_multiplier=config.output_multiplier,
-                      final_logit_softcapping=config.final_logit_softcapping)
+    head = get_head(config.drafter_type)
+    dflash.update(head.export_keys(config))  # the keys the engines' loaders read for the head (DFlash2's)
     sliding = "sliding_attention" in config.layer_types
     out = {
-        "architectures": [ARCHITECTURES[config.drafter_type]],
+        "architectures": [head.architecture],
         "model_type": "qwen3",
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
@@ -183,7 +180,7 @@ def is_export_dir(path: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return (isinstance(config, dict) and isinstance(config.get("dflash_config"), dict)
-            and config.get("architectures") in [[name] for name in ARCHITECTURES.values()]
+            and config.get("architectures") in [[name] for name in architectures()]
             and (card is None or card == card_text(config, TRAINING_KEY)))
 
 
@@ -289,18 +286,10 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
         layer_types=hf_config.get("layer_types") or None,
         sliding_window=hf_config.get("sliding_window"),
         mask_token=dflash.get("mask_token"),
-        drafter_type="dflash",  # a DFlash2 export says so (below)
     )
-    if ARCHITECTURES["dflash2"] in (hf_config.get("architectures") or []):
-        embedding_scale = float(dflash.get("input_embedding_scale", 1.0))
-        if embedding_scale != 1.0:
-            raise ValueError(f"input_embedding_scale {embedding_scale} is not supported: this trainer's drafters "
-                             "embed with the target's embedding as it is (1.0).")
-        values.update(drafter_type="dflash2", conv_kernel_size=int(dflash["conv_kernel_size"]),
-                      conv_group_size=int(dflash["conv_group_size"]), selector_rank=int(dflash["selector_rank"]),
-                      selector_top_k=int(dflash["selector_top_k"]),
-                      output_multiplier=float(dflash.get("output_multiplier", 1.0)),
-                      final_logit_softcapping=dflash.get("final_logit_softcapping") or None)
+    # the head its architecture names; an export that names none of them is a DFlash one (z-lab's layout)
+    head = head_for_architecture(hf_config.get("architectures")) or get_head(None)
+    values.update(drafter_type=head.name, **head.settings_from_export(dflash))
     values.update(overrides)
     config = DrafterConfig(**values)
     causal = hf_config.get("is_causal", dflash.get("causal"))
@@ -319,7 +308,7 @@ def read_export_config(drafter_dir: str | Path) -> dict[str, Any]:
             f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}."
         )
     hf_config = json.loads(config_path.read_text())
-    if "dflash_config" not in hf_config and not set(ARCHITECTURES.values()) & set(hf_config.get("architectures") or []):
+    if "dflash_config" not in hf_config and not set(architectures()) & set(hf_config.get("architectures") or []):
         raise ValueError(
             f"{config_path} is not a DFlash drafter config (no dflash_config, architectures "
             f"{hf_config.get('architectures')}); pass the directory written by export_drafter."

@@ -50,6 +50,7 @@ from .distributed import (
 from .evaluation import LossModel, evaluate
 from .export import export_out_dir
 from .follow import follow_fields, report_consumption
+from .heads import get_head
 from .loader import dequantize_batch
 from .memory import fit_to_device
 from .model import DFlashDrafter
@@ -352,11 +353,7 @@ def load_target_config_or_fail(target_dir: str) -> Any:
 def drafter_line(c: Any) -> str:
     """The startup line that says which drafter a run trains (and how the engines will load it)."""
     shape = f"{c.num_hidden_layers} layer(s), block {c.block_size}, target layers {list(c.target_layer_ids)}"
-    if c.drafter_type == "dflash2":
-        return (f"drafter: DFlash2 ({shape}; convolutions of {c.conv_kernel_size} taps, group {c.conv_group_size}; "
-                f"selector top-{c.selector_top_k}, rank {c.selector_rank}), exported as DFlash2DraftModel; "
-                "--drafter-type dflash trains plain DFlash (DFlashDraftModel)")
-    return f"drafter: DFlash ({shape}), exported as DFlashDraftModel"
+    return f"drafter: {get_head(c.drafter_type).describe(c, shape)}"
 
 
 def build_drafter(cfg: TrainConfig, data: TrainingData, announce: Callable[[str], None] | None = None,

@@ -15,17 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .heads import get_head, head_for_architecture
+
 CARD_NAME = "README.md"
 
-# How each architecture is served, as read from vLLM 0.34.0 (`--speculative-config`; without a
-# `method` it detects the speculator from the draft checkpoint's architectures) and SGLang 0.5.23
-# (`srt/models/dflash.py` serves DFlash and DFlash2 drafters under one algorithm).
-SERVING: dict[str, dict[str, Any]] = {
-    "DFlashDraftModel": {"name": "DFlash", "vllm_method": "dflash", "sglang_algorithm": "DFLASH",
-                         "tags": ["dflash"]},
-    "DFlash2DraftModel": {"name": "DFlash2", "vllm_method": None, "sglang_algorithm": "DFLASH",
-                          "tags": ["dflash", "dflash2"]},
-}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -74,8 +67,8 @@ def _drafter_rows(hf_config: dict[str, Any], serving: dict[str, Any]) -> list[tu
     types = hf_config.get("layer_types") or []
     if "sliding_attention" in types:
         rows.append(("layer types", f"{', '.join(types)} (window {hf_config.get('sliding_window')})"))
-    head = {k: dflash[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-            if k in dflash}
+    named = head_for_architecture(hf_config.get("architectures")) or get_head(None)
+    head = {k: dflash[k] for k in named.setting_names if k in dflash}
     if head:
         rows.append(("head", ", ".join(f"{k} {v}" for k, v in head.items())))
     return rows
@@ -127,8 +120,8 @@ def _evaluation_lines(record: dict[str, Any]) -> list[str]:
 
 def card_text(hf_config: dict[str, Any], training_key: str) -> str:
     """The README.md of an export whose config.json is `hf_config`."""
-    architecture = (hf_config.get("architectures") or ["DFlashDraftModel"])[0]
-    serving = SERVING.get(architecture, SERVING["DFlashDraftModel"])
+    # how the engines serve it, as its head declares (an architecture of no head: a DFlash drafter)
+    serving = (head_for_architecture(hf_config.get("architectures")) or get_head(None)).serving
     record = hf_config.get(training_key) or {}
     target = base_model(record) or (Path(record["target_path"]).name if record.get("target_path") else "its target")
     parts = [_front_matter(hf_config, record, serving), "", f"# {serving['name']} drafter for {target}", "",

@@ -38,9 +38,7 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
         "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
                   "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                   "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal,
-                  **({"drafter_type": c.drafter_type, "conv_kernel_size": c.conv_kernel_size,
-                      "conv_group_size": c.conv_group_size, "selector_rank": c.selector_rank,
-                      "selector_top_k": c.selector_top_k} if c.drafter_type != "dflash" else {})},
+                  **drafter.head.identity(c)},  # the head's settings (none for DFlash, as recorded before heads)
     }
 
 

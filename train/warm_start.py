@@ -17,6 +17,7 @@ from .export import (
     trained_target,
     training_target_change,
 )
+from .heads import get_head
 from .model import DFlashDrafter
 from .target_weights import load_target_config
 
@@ -29,9 +30,10 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
                announce: Callable[[str], None] | None = None, *, resume_from: Path | None = None) -> None:
     """Load an exported drafter's weights into the freshly built `drafter` (--init-drafter): its
     shape and what it reads (target layers, block size, drafter type) must be this run's, except
-    that a DFlash2 run may start from a DFlash drafter of its shape: the backbone's tensors come from
-    it, the convolutions stay at the identity and the selector at its start (every edge 0), so the
-    run starts from exactly that drafter's predictions. An export that records another target than
+    that a head may start from a drafter of a head it names (`DraftHead.warm_starts_from`: DFlash2
+    from DFlash) of its shape: the backbone's tensors come from it, the head's own keep their fresh
+    start (DFlash2's convolutions the identity, its selector's edges 0), so the run starts from
+    exactly that drafter's predictions. An export that records another target than
     this run's (its `dflash_training`) still loads, as a start from a related run, with a note
     naming both targets. A run that resumes (`resume_from`, its latest checkpoint) takes the
     checkpoint's weights: the export is not loaded, and the startup line says so."""
@@ -48,14 +50,15 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"--init-drafter {init_dir}: {e} To start from a checkpoint, export it first: "
                          "dflash-train export CHECKPOINT OUT_DIR.") from e
-    upgrade = theirs.drafter_type == "dflash" and drafter.config.drafter_type == "dflash2"
+    head = drafter.head  # a head may start from another's export: its own tensors keep their fresh start
+    upgrade = theirs.drafter_type != drafter.config.drafter_type and theirs.drafter_type in head.warm_starts_from
     differ = [f"{flag} {_listed(getattr(drafter.config, f))} here, {_listed(getattr(theirs, f))} there"
               for f, flag in _WARM_START_FIELDS.items()
               if getattr(theirs, f) is not None and _listed(getattr(theirs, f)) != _listed(getattr(drafter.config, f))
               and not (upgrade and f == "drafter_type")]
     own = drafter.state_dict()
     wanted = {k for k in own if k not in state} & {k for k, _ in drafter.named_parameters() if _.requires_grad}
-    fresh = {k for k in wanted if upgrade and _dflash2_only(k)}  # DFlash2's own parts, at their start
+    fresh = {k for k in wanted if upgrade and head.owns_tensor(k)}  # the head's own parts, at their start
     wanted -= fresh
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k} {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(set(state) & set(own))
@@ -68,8 +71,8 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
         drafter.load_state_dict(state, strict=False)
     if announce is not None:
         announce(f"warm start: the drafter's {len(state)} weight tensors from {init_dir}" + (
-            f", a DFlash drafter: DFlash2's {len(fresh)} tensors of its own start as they do in a fresh run (the "
-            "convolutions at the identity, the selector's edges at 0), so training starts from that drafter's "
+            f", a {get_head(theirs.drafter_type).title} drafter: {head.title}'s {len(fresh)} tensors of its own start "
+            f"as they do in a fresh run ({head.warm_start_note()}), so training starts from that drafter's "
             "predictions" if upgrade else "") + (
             "" if trained_target(init_dir) else " (its config.json records no target it was trained against, so "
             "whether that is this run's target is not checked)"))
@@ -88,11 +91,6 @@ def other_target_note(init_dir: str, target_model: str) -> str | None:
     return (f"--init-drafter {init_dir} was trained against another target ({trained_at}) than this run's "
             f"({Path(target_model).resolve()}): {shown}; its weights fit this drafter and are loaded, so the run "
             "starts from that target's drafter (pass an export of a run on this target if that is not what you meant).")
-
-
-def _dflash2_only(name: str) -> bool:
-    """Whether a drafter tensor is one of DFlash2's additions (its convolutions, its selector)."""
-    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
 
 
 def _listed(value: Any) -> Any:

@@ -92,8 +92,9 @@ class DraftHead:
     """Other heads whose exports may start a run of this one (--init-drafter): the backbone's
     tensors load and this head's own keep their fresh start."""
     serving: ClassVar[dict[str, Any]] = {}
-    """The model card's serving facts: name, vllm_method (None: detected from the architecture),
-    sglang_algorithm, tags."""
+    """The model card's serving facts, as read from vLLM 0.34.0 (`--speculative-config`; without a
+    `method` it detects the speculator from the draft checkpoint's architectures) and SGLang 0.5.23:
+    name, vllm_method (None: detected), sglang_algorithm, tags."""
 
     # -- the model --------------------------------------------------------------------------
 
