@@ -106,8 +106,8 @@ class ImportLayers:
 def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, first_file: Path, *,
                    target_layer_ids: list[int] | None, source_layer_ids: list[int] | None) -> ImportLayers:
     """Our layer ids and the files' slots, from one of the two flags and the first file's width."""
-    flag_help = (f"--target-layer-ids (ours: id l is the output of decoder layer l) or --source-layer-ids (as "
-                 f"{source.name} numbers them: {source.layer_ids_help})")
+    flag_help = (f"--target-layer-ids (ours: id l is the output of decoder layer l) or --source-layer-ids (the "
+                 f"{source.name} numbering: {source.layer_ids_help})")
     if (target_layer_ids is None) == (source_layer_ids is None):
         raise SettingError(f"Pass one of {flag_help}: the {source.name} files do not record which layers they hold.")
     if first.slot_width is not None and first.slot_width != target.hidden_size:
@@ -130,8 +130,8 @@ def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, 
         ids = [i + offset for i in ours] + ([n - 1 + offset] if final else [])
     if len(ids) != slots:
         raise BadSampleFile(first_file, None, f"holds {slots} layers of width {target.hidden_size}, but the layer ids "
-                                              f"name {len(ids)} ({ids} in {source.name}'s numbering)",
-                            f"Pass the ids of every layer the files hold ({flag_help}).")
+                                              f"name {len(ids)} ({ids} in the {source.name} numbering)",
+                            f"Pass the ids of every layer the files hold: {flag_help}.")
     if first.layer_ids is not None and list(first.layer_ids) != ids:
         raise BadSampleFile(first_file, None, f"records the layers {list(first.layer_ids)}, the flags name {ids}")
     return ImportLayers(tuple(ids), tuple(ours), final)
@@ -359,7 +359,8 @@ def _write_parts(source: SampleSource, writer: CacheWriter, planned: list[Planne
                         pw.add_sample(sid, raw.input_ids, raw.loss_mask, hidden[:, :kept],
                                       last_hidden=hidden[:, kept:] if options.store_last_hidden else None,
                                       split_key=key)
-                    pw.stats.update({"imported_from": source.name, **({"skipped_bad": skipped} if skipped else {})})
+                    if skipped:
+                        pw.stats["skipped_bad"] = skipped
             except OSError as e:  # a full disk: its OSError names no file (a write's)
                 raise CacheStorageError(
                     f"Writing part {part.name} into {writer.cache_dir} failed: {e.strerror or e}"

@@ -427,6 +427,39 @@ def test_training_on_an_imported_cache_gives_the_weights_of_training_on_our_cach
     assert_same_weights(*weights)
 
 
+def test_training_on_an_import_of_our_extractions_states_gives_the_weights_of_training_on_the_extraction(
+        tiny_world, tmp_path):
+    """The peer's files hold exactly what our extraction computed for the same data and target (as
+    SpecForge would write them): the import trains to the same weights as the extraction."""
+    from conftest import random_records, write_jsonl
+    from dflash.extract.config import ExtractConfig
+    from dflash.extract.pipeline import run_extraction
+    from dflash.train.loop import train
+
+    records = [r for r in random_records(16, seed=5, min_len=12, max_len=40)]
+    for r in records:
+        r["input_ids"] = [i % WORLD_VOCAB for i in r["input_ids"]]
+    extracted = tmp_path / "extracted"
+    run_extraction(ExtractConfig(target_model=str(tiny_world["target"]), data=str(write_jsonl(tmp_path / "d.jsonl", records)),
+                                 output=str(extracted), dtype="bf16", target_layer_ids=LAYERS, store_topk=0,
+                                 store_top1=False, part_tokens=150, progress=False, num_writers=0))
+    states = {sid: Sample(s["input_ids"].to(torch.int64), s["loss_mask"].to(torch.int64), s["hidden"], s["hidden"][:, :0])
+              for sid, s in cache_samples(extracted).items()}
+    src = tmp_path / "sf"
+    for sid, s in states.items():
+        write_specforge(src, [s], first=sid)
+    imported = tmp_path / "imported"
+    assert run(*import_args("specforge", src, imported, tiny_world["target"])).exit_code == 0
+    weights = []
+    for cache in (extracted, imported):
+        out = tmp_path / f"run-{cache.name}"
+        result = train(tiny_train_config(cache, tiny_world["target"], out, max_steps=6, epochs=2, save_interval=3,
+                                         eval_fraction=0.25, eval_interval=3))
+        assert result.exit_status == 0
+        weights.append(final_weights(out))
+    assert_same_weights(*weights)
+
+
 # -- a third format is one registration -----------------------------------------------------------
 
 
