@@ -337,6 +337,7 @@ def test_a_truncated_sample_file_is_named_and_skipped_with_skip_bad(tiny_world, 
     ("mask", "loss_mask"),
     ("vocab", "input_ids"),
     ("keys", None),
+    ("nan", "hidden states"),
 ])
 def test_a_sample_whose_parts_disagree_is_refused_naming_the_file_and_key(tiny_world, tmp_path, damage, key):
     samples = make_samples(3)
@@ -349,6 +350,8 @@ def test_a_sample_whose_parts_disagree_is_refused_naming_the_file_and_key(tiny_w
         record["loss_mask"] = record["loss_mask"][:-1]
     elif damage == "vocab":
         record["input_ids"][2] = WORLD_VOCAB
+    elif damage == "nan":
+        record["hidden_states"][0, 3, 5] = float("nan")
     else:
         record["aux"] = record.pop("hidden_states")
     torch.save(record, path)
