@@ -500,3 +500,14 @@ def test_an_unknown_format_is_refused_listing_the_registered_ones(tiny_world, tm
     result = run("import", tmp_path / "src", tmp_path / "cache", "--format", "eagle", "--target-model", tiny_world["target"],
                  "--target-layer-ids", "1,2")
     assert result.exit_code == 2 and "specforge" in result.output and "speculators" in result.output
+
+
+def test_the_format_registry_loads_without_torch():
+    import subprocess
+    import sys
+
+    script = ("import sys, dflash.cache_tools.importers as m; "
+              "print(sorted(m.SOURCES), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['specforge',", "'speculators']", "False"]
