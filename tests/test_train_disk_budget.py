@@ -18,6 +18,7 @@ from dflash.cache_tools.plan import PlannedPart, write_plan
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import SAMPLE_IDS
 from dflash.train.cli import main
+from dflash.train.config import TrainConfigError
 from dflash.train.data import open_training_data
 
 
@@ -82,7 +83,8 @@ def planned_cache(tmp_path, parts: int = 8):
     return cache, max(p.nbytes for p in manifest.parts)
 
 
-def test_a_shuffle_parts_group_larger_than_the_budget_is_warned_with_a_group_that_fits(tiny_world, tmp_path):
+def test_a_shuffle_parts_group_larger_than_the_budget_is_refused_naming_a_group_that_fits(tiny_world, tmp_path):
+    """Such a run would wait for ever beside its extraction (issue #52): it was only warned."""
     cache, part = planned_cache(tmp_path)
     budget = int(2.5 * part)
 
@@ -93,12 +95,26 @@ def test_a_shuffle_parts_group_larger_than_the_budget_is_warned_with_a_group_tha
         data.loader.close()
         return data.summary()
 
-    text = summary(4)
-    assert "warning: a group of --shuffle-parts 4 planned parts needs about" in text, text
-    assert "more than --disk-budget" in text and "measured on 8 committed part(s)" in text
-    fits = int(re.search(r"Lower --shuffle-parts to about (\d+)", text).group(1))
+    with pytest.raises(TrainConfigError) as refused:
+        summary(4)
+    text = str(refused.value)
+    assert "--shuffle-parts 4" in text and "--disk-budget" in text and "measured on 8 committed part(s)" in text
+    fits = int(re.search(r"Lower --shuffle-parts to (\d+)", text).group(1))
     assert 1 <= fits < 4
-    assert "--shuffle-parts" not in summary(fits)  # the group it proposes fits the budget
+    summary(fits)  # the group it proposes fits the budget: no refusal
+
+
+def test_the_group_refusal_counts_the_parts_one_extraction_batch_spans(tiny_world, tmp_path):
+    from dflash.cache_tools.eviction import record_budget
+
+    cache, part = planned_cache(tmp_path)
+    budget = int(3.5 * part)
+    config = tiny_train_config(cache, tiny_world["target"], tmp_path / "run", follow=True, eval_fraction=0,
+                               disk_budget=str(budget), shuffle_parts=2, epochs=1)
+    open_training_data(config, rank=0, world_size=1, pin_memory=False).loader.close()  # a group of 2 fits
+    record_budget(cache, budget, batch_bytes=2 * part)  # as an extraction under this budget records it
+    with pytest.raises(TrainConfigError):  # beside two parts of the extraction's batch it does not
+        open_training_data(config, rank=0, world_size=1, pin_memory=False)
 
 
 def test_the_budget_does_not_change_the_batches(tiny_world, tmp_path):

@@ -31,7 +31,13 @@ from dflash.runtime.lookup import sample_lookup_walk
 from dflash.runtime.positions import target_positions
 
 from .config import DataConfig, TrainConfig, TrainConfigError
-from .follow import FollowCacheSet, canonical_order, group_budget_warning, open_follow, part_groups
+from .follow import (
+    FollowCacheSet,
+    canonical_order,
+    open_follow,
+    part_groups,
+    refuse_group_over_budget,
+)
 from .heldout import cap_by_score, eval_split, without_top1
 from .loader import TrainLoader, eval_batches
 from .reporting import unlike_heldout
@@ -404,9 +410,9 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     # Plans start from sample id order: batches never depend on the order parts were committed in.
     train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
     groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
-    warnings = []
+    warnings: list[str] = []
     if isinstance(caches, FollowCacheSet) and config.disk_budget is not None:  # (the config asks for groups)
-        warnings.append(group_budget_warning(caches, config.shuffle_parts, config.disk_budget_bytes()))
+        refuse_group_over_budget(caches, config.shuffle_parts, config.disk_budget_bytes())
     loader = TrainLoader(caches, train_indices, config, seed=optimization.seed, epochs=optimization.epochs,
                          rank=rank, world_size=world_size, grad_accum=optimization.grad_accum, groups=groups,
                          pin_memory=pin_memory)

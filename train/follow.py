@@ -372,10 +372,19 @@ def check_extraction_budget(config: Any, cache_dir: Path) -> None:
             f"it without one: what that budget needs holds here too. {e}") from None
 
 
-def group_budget_warning(caches: FollowCacheSet, shuffle_parts: int, budget: int) -> str:
-    """A warning when one --shuffle-parts group of planned parts does not fit the disk budget
-    (empty when every group fits). A group's bytes are its tokens times the bytes per token of the
-    parts committed so far or, before any, of the arrays' raw size (above the compressed size)."""
+def refuse_group_over_budget(caches: FollowCacheSet, shuffle_parts: int, budget: int) -> None:
+    """Refuse (TrainConfigError) a --disk-budget that cannot hold one --shuffle-parts group of
+    planned parts beside the parts one forward batch of the extraction spans (recorded in the
+    cache's budget file; 0 where it is not): the run reads a group's parts in shuffled order and
+    reports a part trained only once the group's batches are past it, so the extraction would
+    wait for room while the trainer waits for the group's other parts, both for ever. A group's
+    bytes are its tokens times the bytes per token of the parts committed so far or, before any,
+    of the arrays' raw size (above the compressed size)."""
+    from dflash.cache_tools.eviction import recorded_batch_bytes
+    from dflash.cache_tools.staging import format_size
+
+    from .config import TrainConfigError
+
     caches._log.refresh()
     committed = list(caches._log.records.values())
     tokens = sum(r.tokens for r in committed)
@@ -392,22 +401,23 @@ def group_budget_warning(caches: FollowCacheSet, shuffle_parts: int, budget: int
         group_tokens[g] = group_tokens.get(g, 0) + part.tokens
         group_parts[g] = group_parts.get(g, 0) + 1
     if not group_tokens:
-        return ""
+        return
     largest = max(group_tokens, key=group_tokens.__getitem__)
-    need = group_tokens[largest] * per_token
+    batch = recorded_batch_bytes(caches.cache_dir) or 0
+    need = group_tokens[largest] * per_token + batch
     if need <= budget:
-        return ""
-    from dflash.cache_tools.staging import format_size
-
-    part_bytes = need / group_parts[largest]
-    fits = max(1, int(budget // part_bytes) - 1)  # a group plus the bound's one part
-    return (f"warning: a group of --shuffle-parts {shuffle_parts} planned parts needs about {format_size(need)} "
-            f"({group_parts[largest]} parts, {group_tokens[largest]:,} tokens at {per_token:,.0f} B/token, "
-            f"{how}), more than --disk-budget {format_size(budget)}: the run reads a group's parts in "
-            "shuffled order and reports a part as trained only when the group's batches are past it, so "
-            "the extraction waits for room while the trainer waits for the group's other parts. Lower "
-            f"--shuffle-parts to about {fits}, or raise --disk-budget here and in dflash-extract "
-            "(docs/train.md, \"A disk budget\")")
+        return
+    part_bytes = group_tokens[largest] * per_token / group_parts[largest]
+    fits = int((budget - batch) // part_bytes) - 1  # a group plus the bound's one part
+    fix = f"raise --disk-budget to at least {format_size(need)} here and in dflash-extract"
+    fix = f"Lower --shuffle-parts to {fits}, or {fix}" if fits >= 1 else fix[0].upper() + fix[1:]
+    beside = f" and the {format_size(batch)} of parts one extraction batch spans" if batch else ""
+    raise TrainConfigError(
+        f"--disk-budget {format_size(budget)} cannot hold a group of --shuffle-parts {shuffle_parts} planned parts "
+        f"(about {format_size(need - batch)}: {group_parts[largest]} parts, {group_tokens[largest]:,} tokens at "
+        f"{per_token:,.0f} B/token, {how}){beside}: the run reads a group's parts in shuffled order and reports a "
+        "part trained only once the group is past it, so the extraction would wait for room while the trainer "
+        f"waits for the group's other parts, for ever. {fix} (docs/train.md, \"A disk budget\").")
 
 
 def trained_parts(caches: Any, loader: Any) -> int:
