@@ -153,6 +153,19 @@ def test_a_specforge_directory_becomes_a_cache_with_its_ids_masks_and_hidden_bit
     assert verified.exit_code == 0 and "OK:" in verified.output and "unfinished" not in verified.output
 
 
+def test_a_specforge_eagle3_directory_imports_its_auxiliary_layers(tiny_world, tmp_path):
+    samples = make_samples(3)
+    src = tmp_path / "eagle3"
+    (src / "rows_0-2000").mkdir(parents=True)
+    for i, s in enumerate(samples):
+        torch.save({"input_ids": s.ids, "loss_mask": s.mask, "aux_hidden_state": s.hidden.unsqueeze(0),
+                    "hidden_state": s.last.unsqueeze(0)}, src / "rows_0-2000" / f"data_{i}.ckpt")
+    assert run(*import_args("specforge", src, tmp_path / "cache", tiny_world["target"])).exit_code == 0
+    assert_same_as(dict(enumerate(samples)), tmp_path / "cache")
+    refused = run(*import_args("specforge", src, tmp_path / "other", tiny_world["target"], "--store-last-hidden"))
+    assert refused.exit_code == 2 and "--store-last-hidden" in refused.output
+
+
 def test_a_speculators_directory_counts_layers_from_the_embedding_and_keeps_its_last_layer(tiny_world, tmp_path):
     samples = make_samples()
     src = write_speculators(tmp_path / "spec", samples, without_file=(3,))
