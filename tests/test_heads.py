@@ -158,3 +158,13 @@ def test_an_unregistered_head_is_refused_by_the_settings(tiny_world, tmp_path):
 
     with pytest.raises(TrainConfigError, match="drafter-type"):
         tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", drafter_type="toy")
+
+
+def test_an_export_of_a_head_the_runtime_does_not_list_is_refused_as_a_target(tmp_path):
+    from dflash.runtime.safetensors_files import DrafterAsTargetError, refuse_drafter_as_target
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ToyDraftModel"], "dflash_config": {}}))
+    with pytest.raises(DrafterAsTargetError):
+        refuse_drafter_as_target(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    refuse_drafter_as_target(tmp_path)  # a target passes
