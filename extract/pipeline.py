@@ -252,7 +252,7 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     built = time.perf_counter()
     engine = ExtractionEngine(model, capture, cache.codec, device=device, topk=config.store_topk,
                               min_rows=config.token_budget, top1=cache.header["extras"].get("top1"),
-                              top1_share=header_top1_share(cache.header))
+                              top1_share=header_top1_share(cache.header), store_last_hidden=config.store_last_hidden)
     engine_seconds = time.perf_counter() - built  # compiling the fp8 quantizer, on a GPU
     summary = ExtractSummary(leftovers_removed=len(cache.removed_orphans), notes=list(data.notes))
     summary.parts_planned = planned
