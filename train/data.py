@@ -337,9 +337,11 @@ def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool 
     if unfinished and finished and not config.allow_incomplete:
         where, progress = unfinished[0]
         more = f" (and {len(unfinished) - 1} more cache(s) like it)" if len(unfinished) > 1 else ""
+        header = next(r.manifest.header for r in caches.readers if r.cache_dir == where)
+        writer = "dflash-cache import" if (header.get("settings") or {}).get("imported_from") else "dflash-extract"
         raise TrainConfigError(
-            f"{where} is not a finished cache: {progress.describe()}{more}. Its extraction was stopped before "
-            "its end, is still running, or lost one of its ranks. Rerun the same dflash-extract command to finish "
+            f"{where} is not a finished cache: {progress.describe()}{more}. Its {writer} was stopped before "
+            f"its end, is still running, or lost one of its ranks. Rerun the same {writer} command to finish "
             "it (it resumes from the committed parts), or train while it extracts with --follow; to train on the "
             "committed parts alone, pass --allow-incomplete.")
     return caches
