@@ -56,6 +56,10 @@ class EvalCommandConfig:
     """Also run prompt lookup (n-gram drafting, no training) under the same verification."""
     lookup_ngram: int = 4
     """Longest suffix n-gram prompt lookup matches (falls back to shorter ones)."""
+    confidence_threshold: float | None = None
+    """Also decode stopping each block where the running product of the drafts' predicted acceptance
+    probabilities falls below this (a drafter with a confidence head, DSpark's), and report its tau
+    and drafts per cycle beside the whole block's."""
     strict: bool = setting(False, one_way=True)
     """Exit with status 1 if any greedy output diverges from the target's."""
     as_json: bool = setting(False, one_way=True, flag="--json")

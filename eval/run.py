@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from .lookup import lookup_generate
 from .speculative import (
     DecodeConfig,
     Generation,
+    NoConfidenceError,
     acceptance_summary,
     first_divergence,
     speculative_generate,
@@ -169,7 +170,10 @@ def evaluate_prompt_set(
     """Target-only and speculative decoding of `prompts` (and prompt lookup, the baseline, unless
     `settings.baseline` is off); tau, speed and the lossless check of each."""
     device = torch.device(settings.device)
-    decoders = {"speculative": lambda batch, cfg: speculative_generate(model, drafter, batch, cfg)}
+    decoders = {"speculative": lambda batch, cfg: speculative_generate(
+        model, drafter, batch, replace(cfg, confidence_threshold=None))}  # the whole block
+    if config.confidence_threshold is not None:  # and the drafts the head is sure enough of
+        decoders["confidence_stop"] = lambda batch, cfg: speculative_generate(model, drafter, batch, cfg)
     if settings.baseline:
         decoders["prompt_lookup"] = lambda batch, cfg: lookup_generate(model, batch, cfg, max_ngram=settings.lookup_ngram)
     # Warm up every path (kernels, allocator) so that no timing pays for it.
@@ -214,6 +218,18 @@ def evaluate_prompt_set(
         report["tau_vs_prompt_lookup"] = report["tau"] / max(report["prompt_lookup"]["tau"], 1e-9)
         report["prompt_lookup"]["intervals"] = tau_intervals(lookup["gens"])
     report["intervals"] = tau_intervals(spec["gens"], runs["prompt_lookup"]["gens"] if "prompt_lookup" in runs else None)
+    if "confidence_stop" in runs:
+        stop = runs["confidence_stop"]
+        report["confidence_stop"] = {
+            "threshold": config.confidence_threshold,
+            **acceptance_summary(stop["gens"]),
+            "tau_per_prompt_mean": per_prompt_mean(stop["gens"]),
+            "tau_vs_whole_block": acceptance_summary(stop["gens"])["tau"] / max(report["tau"], 1e-9),
+            "seconds": stop["seconds"], "tokens_per_second": stop["tokens_per_second"],
+            "speedup": stop["tokens_per_second"] / max(target_tps, 1e-9),
+            "lossless": lossless_check(baseline, stop["gens"], config),
+            "intervals": tau_intervals(stop["gens"], spec["gens"]),
+        }
     return report
 
 
@@ -367,6 +383,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"  tau (accepted+1 per cycle): {r['tau']:.3f}{_interval(r, 'tau')} "
             f"(per-prompt mean {r['tau_per_prompt_mean']:.3f}{_interval(r, 'tau_per_prompt_mean')})",
             f"  histogram (length:cycles):  {hist}",
+            f"  drafts per cycle: {r['drafted_per_cycle']:.2f}",
             f"  target-only: {r['target_only']['tokens_per_second']:.1f} tok/s ({r['target_only']['seconds']:.2f} s)",
             f"  speculative: {r['speculative']['tokens_per_second']:.1f} tok/s ({r['speculative']['seconds']:.2f} s)",
             f"  speedup:     {r['speedup']:.2f}x",
@@ -374,9 +391,27 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         for d in lossless.get("divergences", [])[:5]:
             lines.append(f"    prompt {d['prompt']}: token {d['position']}: target {d['target']}, speculative {d['speculative']}")
+        if "confidence_stop" in r:
+            lines += format_confidence_stop(r)
         if "prompt_lookup" in r:
             lines += format_lookup(r)
     return "\n".join(lines)
+
+
+def format_confidence_stop(r: dict[str, Any]) -> list[str]:
+    """The lines of a prompt set's decode that stopped each block where the drafter was unsure."""
+    c = r["confidence_stop"]
+    lossless = c["lossless"]
+    check = ("identical to target" if lossless.get("identical") else
+             f"DIVERGED on {lossless.get('divergent_prompts')} prompt(s)") if lossless["checked"] else "not checked (sampling)"
+    return [
+        f"  confidence stop (running product of the drafts' confidence >= {c['threshold']:g}):",
+        f"    tau:       {c['tau']:.3f}{_interval(c, 'tau')} ({c['tau_vs_whole_block']:.2f}x the whole block's"
+        f"{_interval(c, 'tau_vs_baseline')})",
+        f"    drafts per cycle: {c['drafted_per_cycle']:.2f} (whole block {r['drafted_per_cycle']:.2f})",
+        f"    speed:     {c['tokens_per_second']:.1f} tok/s ({c['seconds']:.2f} s), speedup {c['speedup']:.2f}x",
+        f"    lossless:  {check}",
+    ]
 
 
 def _interval(r: dict[str, Any], key: str) -> str:
@@ -413,7 +448,7 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
              temperature: float = 0.0, seed: int = 0, stop_token_ids: tuple[int, ...] = (),
              ignore_eos: bool = False, device: str = "auto", dtype: str = "auto",
              attn_implementation: str | None = None, baseline: bool = True,
-             lookup_ngram: int = 4) -> dict[str, Any]:
+             lookup_ngram: int = 4, confidence_threshold: float | None = None) -> dict[str, Any]:
     """The whole evaluation as a function (the CLI and the demo call it); returns the report dict."""
     if batch_size < 1:
         raise EvalError(f"--batch-size must be >= 1, got {batch_size}.")
@@ -429,7 +464,7 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
     stops = () if ignore_eos else (tuple(stop_token_ids) or default_stop_tokens(model))
     try:
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops,
-                              block_size=block_size or trained, seed=seed)
+                              block_size=block_size or trained, seed=seed, confidence_threshold=confidence_threshold)
     except ValueError as e:
         raise EvalError(str(e)) from None
     vocab = model.config.get_text_config().vocab_size
@@ -438,15 +473,18 @@ def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, ma
     for path in prompt_files:
         prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=max_prompts, positions=positions,
                                max_new_tokens=max_new_tokens, block_size=config.block_size)
-        result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(
-            batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
+        try:
+            result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(
+                batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
+        except NoConfidenceError as e:
+            raise EvalError(f"{drafter_dir}: {e}") from None
         sets.append({"name": Path(path).stem, "path": str(path), **result})
     return {
         "settings": {"device": device, "dtype": dtype, "drafter_type": drafter.config.drafter_type,
                      "block_size": config.block_size,
                      "trained_block_size": trained, "batch_size": batch_size, "temperature": temperature,
                      "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops), "baseline": baseline,
-                     "lookup_ngram": lookup_ngram},
+                     "lookup_ngram": lookup_ngram, "confidence_threshold": confidence_threshold},
         "prompt_sets": sets,
     }
 

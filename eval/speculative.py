@@ -21,7 +21,9 @@ cropped. A batch of one therefore never has holes and is exactly the textbook lo
 The loop (`verify_generate`) takes its drafts from a `Proposer`: the DFlash drafter here,
 prompt lookup in `lookup.py`. A proposer may propose fewer than B-1 tokens for a row (filler
 after them is never accepted), and the verified block is only as wide as the longest
-proposal, so every method is measured under the same verification.
+proposal, so every method is measured under the same verification. A drafter head that predicts
+each draft's acceptance probability proposes, under a confidence threshold, only the drafts it is
+sure enough of (`DecodeConfig.confidence_threshold`).
 
 Greedy decoding (temperature 0) is lossless: the output is the target's own greedy output
 token for token. With temperature > 0 the target samples a token at every verified position
@@ -49,6 +51,10 @@ from .target import (
 )
 
 
+class NoConfidenceError(ValueError):
+    """A confidence threshold was given for a drafter that predicts no confidence of its drafts."""
+
+
 @dataclass(kw_only=True)
 class DecodeConfig:
     """How sequences are generated (shared by speculative and target-only decoding)."""
@@ -65,6 +71,9 @@ class DecodeConfig:
     """Seed of the sampling generator (temperature > 0)."""
     pad_token_id: int = 0
     """Filler id for left padding; it is masked out, any valid id works."""
+    confidence_threshold: float | None = None
+    """A drafter whose head predicts each draft's acceptance probability proposes a block's drafts
+    while their running product stays at or above this (at least one); None: the whole block."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -73,6 +82,8 @@ class DecodeConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {self.block_size}.")
+        if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be a probability in [0, 1], got {self.confidence_threshold}.")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
 
@@ -84,6 +95,8 @@ class Generation:
     """New tokens (prompt excluded), cut after a stop token or at max_new_tokens."""
     acceptance_lengths: list[int] = field(default_factory=list)
     """Per draft-verify cycle: accepted drafts + 1 (empty for target-only decoding)."""
+    drafted: list[int] = field(default_factory=list)
+    """Per draft-verify cycle: the drafts proposed (at most the block's B-1)."""
 
 
 class TokenChooser:
@@ -266,7 +279,8 @@ class DrafterProposer(Proposer):
 
     needs_hidden_states = True
 
-    def __init__(self, drafter: DFlashDrafter, block_size: int, *, temperature: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, drafter: DFlashDrafter, block_size: int, *, temperature: float = 0.0, seed: int = 0,
+                 confidence_threshold: float | None = None) -> None:
         trained = drafter.config.block_size
         if not 2 <= block_size <= trained:
             raise ValueError(f"block_size {block_size} must be between 2 and the drafter's trained block size {trained}.")
@@ -275,6 +289,7 @@ class DrafterProposer(Proposer):
         self.block_size, self.trained_block_size = block_size, trained
         # the head's decode step (DFlash2: the selector walks the block), or None: the backbone's argmax
         self.walk = drafter.head.proposer(drafter, temperature, seed)
+        self.confidence_threshold = confidence_threshold
 
     def prefill(self, out: Any, positions: torch.Tensor, valid: torch.Tensor) -> None:
         self.context.append(capture_hidden(out.hidden_states, self.layer_ids), positions, valid.bool())
@@ -284,10 +299,28 @@ class DrafterProposer(Proposer):
         if self.walk is not None:
             states = self.context.draft_states(anchors, anchor_positions, self.trained_block_size)
             drafts = self.walk(states[:, : self.block_size - 1], anchors)
-            return drafts, torch.full_like(anchors, self.block_size - 1)
+            confidence = None
+            if isinstance(drafts, tuple):  # the head predicts each draft's acceptance probability
+                drafts, confidence = drafts
+            return self._stop_where_unsure(drafts, confidence)
         logits = self.context.draft(anchors, anchor_positions, self.trained_block_size)
-        drafts = logits[:, : self.block_size - 1].argmax(dim=-1)
-        return drafts, torch.full_like(anchors, self.block_size - 1)
+        return self._stop_where_unsure(logits[:, : self.block_size - 1].argmax(dim=-1), None)
+
+    def _stop_where_unsure(self, drafts: torch.Tensor, confidence: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts, how many per row are proposed): all of them, or with a confidence threshold the
+        leading drafts whose running product of confidences stays at or above it (at least one);
+        the block is cut to the longest proposal."""
+        full = torch.full_like(drafts[:, 0], drafts.shape[1])
+        if self.confidence_threshold is None:
+            return drafts, full
+        if confidence is None:
+            raise NoConfidenceError("--confidence-threshold stops drafting where the drafter's confidence falls, but this "
+                             "drafter predicts none (a DSpark drafter exported with its confidence head does): "
+                             "drop the flag.")
+        sure = confidence.float().cumprod(dim=1) >= self.confidence_threshold
+        lengths = sure.long().cumprod(dim=1).sum(dim=1).clamp(min=1)
+        return drafts[:, : int(lengths.max())], lengths
 
     def update(self, out: Any, block_positions: torch.Tensor, kept: torch.Tensor, unused: int) -> None:
         self.context.append(capture_hidden(out.hidden_states, self.layer_ids), block_positions, kept)
@@ -306,7 +339,8 @@ def speculative_generate(
 ) -> list[Generation]:
     """Speculative decoding of all `prompts` as one batch with the DFlash drafter (see the module docstring)."""
     block_size = config.block_size or drafter.config.block_size
-    proposer = DrafterProposer(drafter, block_size, temperature=config.temperature, seed=config.seed)
+    proposer = DrafterProposer(drafter, block_size, temperature=config.temperature, seed=config.seed,
+                               confidence_threshold=config.confidence_threshold)
     return verify_generate(model, proposer, prompts, config)
 
 
@@ -383,6 +417,7 @@ def verify_generate(
         for i, row in enumerate(active):
             a = int(accepted[i])
             results[row].acceptance_lengths.append(a + 1)
+            results[row].drafted.append(int(lengths[i]))
             done.append(_finish(results[row].tokens, chosen[i, : a + 1].tolist(), config))
         anchors = chosen.gather(1, accepted[:, None]).squeeze(1)
         next_pos = next_pos + accepted + 1
@@ -392,8 +427,10 @@ def verify_generate(
 
 
 def acceptance_summary(generations: Sequence[Generation]) -> dict[str, Any]:
-    """tau (mean of accepted+1 over all cycles of all sequences) and its histogram."""
+    """tau (mean of accepted+1 over all cycles of all sequences), its histogram and the drafts
+    proposed per cycle."""
     lengths = [n for g in generations for n in g.acceptance_lengths]
+    drafted = [n for g in generations for n in g.drafted]
     histogram: dict[int, int] = {}
     for n in lengths:
         histogram[n] = histogram.get(n, 0) + 1
@@ -401,6 +438,7 @@ def acceptance_summary(generations: Sequence[Generation]) -> dict[str, Any]:
         "tau": sum(lengths) / len(lengths) if lengths else 0.0,
         "cycles": len(lengths),
         "histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "drafted_per_cycle": sum(drafted) / len(drafted) if drafted else 0.0,
     }
 
 

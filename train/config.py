@@ -234,6 +234,48 @@ class DrafterSettings:
     """dflash2: taps of the in-block convolutions."""
     conv_group_size: int = 16
     """dflash2: channels sharing one dynamic tap offset (must divide the target's hidden size)."""
+    # -- dspark (train/heads/dspark.py): defaults as speculators' DSparkSpeculatorConfig
+    markov_rank: int = 256
+    """dspark: rank r of the Markov head (markov_w1 embeds the previous token to r, markov_w2 maps r
+    to a bias on the draft logits)."""
+    enable_confidence_head: bool = True
+    """dspark: also train the confidence head, each draft's predicted acceptance probability
+    (dflash-eval --confidence-threshold stops a block where it falls; SGLang 0.5.23 loads a DSpark
+    drafter only with one)."""
+    confidence_head_with_markov: bool = True
+    """dspark: the confidence head reads the previous token's Markov embedding beside the state."""
+    draft_vocab_size: int | None = None
+    """dspark: a draft vocabulary smaller than the target's is not supported yet: leave it out (the
+    target's vocabulary, what the export records)."""
+    # -- xpress (train/heads/xpress.py): defaults as vLLM 0.34's XPressRefinerHead and speculators 0.9
+    xpress_rank: int = 256
+    """xpress: low rank r of the refiner (its token embedding, hidden projections, mix and MLP)."""
+    xpress_mlp_hidden: int = 512
+    """xpress: width of the refiner's SwiGLU MLP (speculators: r x xpress_mlp_ratio 2)."""
+    xpress_passes: int = 6
+    """xpress: Jacobi passes over the block when decoding (speculators' num_jacobi_passes; block - 1
+    passes give the sequential decode exactly)."""
+    xpress_topc: int = 512
+    """xpress: each pass scores the backbone's top-C tokens per slot, as vLLM serves it (its
+    xpress_topc); 0: the whole vocabulary."""
+    # -- lilicorr (train/heads/lilicorr/): the engines have no defaults (SGLang requires every key)
+    lilicorr_candidate_topk: int = 8
+    """lilicorr: candidates per slot, the top-K of the full vocabulary's log-softmax (a power of two
+    up to 16, as vLLM and SGLang require)."""
+    lilicorr_hidden_size: int = 0
+    """lilicorr: width of the correlator (0: the drafter's; narrower adds token_proj and costs less)."""
+    lilicorr_num_layers: int = 2
+    """lilicorr: attention+MLP layers over the block's candidate lattice."""
+    lilicorr_num_heads: int = 8
+    """lilicorr: attention heads of those layers (must divide the correlator's width)."""
+    lilicorr_mlp_ratio: float = 2.0
+    """lilicorr: MLP width of those layers over the correlator's width."""
+    lilicorr_factor_dim: int = 64
+    """lilicorr: width of the unit vectors whose dot products score candidate -> candidate."""
+    lilicorr_vector_eps: float = 1e-6
+    """lilicorr: epsilon of those vectors' normalization."""
+    lilicorr_logit_scale: float = 16.0
+    """lilicorr: factor on the dot products (in [-1, 1]) that makes them the walk's logits."""
 
 
 @section
@@ -337,9 +379,20 @@ class ObjectiveConfig:
     """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
     selector_stop_gradient: bool = False
     """dflash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
+    # -- dspark (train/heads/dspark.py)
+    markov_loss_weight: float = 1.0
+    """dspark: weight of the loss of the Markov-biased logits, (1 - w) CE + w KL to the target's
+    top-k as the backbone's (w: --soft-label-weight)."""
+    markov_tv_weight: float = 0.0
+    """dspark: weight of the total-variation distance of the biased logits to the target's top-k
+    (speculators' tv loss; 0: off)."""
+    confidence_loss_weight: float = 1.0
+    """dspark: weight of the confidence head's binary cross-entropy toward each slot's acceptance
+    probability (speculators' confidence_head_alpha)."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight", "selector_loss_weight"))
+        _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight", "selector_loss_weight",
+                             "markov_loss_weight", "markov_tv_weight", "confidence_loss_weight"))
         _check_at_least(self, ("max_anchors",), 1)
         _check_at_least(self, ("logits_chunk_mib",), 0)
         _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
@@ -359,6 +412,9 @@ class ObjectiveConfig:
             raise TrainConfigError(f"--soft-label-weight must be in [0, 1] (got {self.soft_label_weight}).")
         if self.selector_loss_weight < 0:
             raise TrainConfigError(f"--selector-loss-weight must be 0 or more (got {self.selector_loss_weight}).")
+        for name in ("markov_loss_weight", "markov_tv_weight", "confidence_loss_weight"):  # dspark
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")
 
     def noise_amplitude(self, progress: float) -> float:
         """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""

@@ -113,6 +113,7 @@ def drafter_hf_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16
     }
     if causal is not None:
         out["is_causal"] = causal
+    out.update({k: dflash[k] for k in head.config_key_names if k in dflash})  # read at the top level too
     if training_target:
         out[TRAINING_KEY] = dict(training_target)
     return out
@@ -289,7 +290,8 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
     )
     # the head its architecture names; an export that names none of them is a DFlash one (z-lab's layout)
     head = head_for_architecture(hf_config.get("architectures")) or get_head(None)
-    values.update(drafter_type=head.name, **head.settings_from_export(dflash))
+    top = {k: hf_config[k] for k in head.config_key_names if k in hf_config}
+    values.update(drafter_type=head.name, **head.settings_from_export({**top, **dflash}))
     values.update(overrides)
     config = DrafterConfig(**values)
     causal = hf_config.get("is_causal", dflash.get("causal"))

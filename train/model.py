@@ -62,8 +62,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = get_head(c.drafter_type)  # what the drafter adds to the backbone (train/heads/)
         module = self.head.build(c)
-        if module is not None:  # e.g. DFlash2's candidate_selector: its name prefixes its tensors
-            setattr(self, self.head.module_name, module)
+        for name, part in (module if isinstance(module, dict) else {self.head.module_name: module}).items():
+            if part is not None:  # e.g. DFlash2's candidate_selector: its name prefixes its tensors
+                setattr(self, name, part)
         self.register_buffer("embed_weight", target.embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head_weight", target.lm_head.detach(), persistent=False)
         norm = target.final_norm

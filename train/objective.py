@@ -413,7 +413,7 @@ def compute_loss(
     correct = predicted == labels  # False where not scored (-1 is no token)
     own = head.objective(HeadInputs(
         drafter=drafter, states=scored, labels=target, weights=weights, input_ids=input_ids, rows=(b, cache_rows),
-        top_ids=top_ids, candidate_logits=picked,
+        top_ids=top_ids, candidate_logits=picked, soft_labels=soft,
         gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk)), config)
     if own is None:
         return LossOutput(

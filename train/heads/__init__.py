@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .base import DraftHead
 
-_BUILTIN = {"dflash": "dflash.train.heads.dflash", "dflash2": "dflash.train.heads.dflash2"}
+_BUILTIN = {"dflash": "dflash.train.heads.dflash", "dflash2": "dflash.train.heads.dflash2",
+            "dspark": "dflash.train.heads.dspark"}
 """The heads that ship with the trainer: name -> the module whose `HEAD` it is (imported on first use)."""
 _LOADED: dict[str, DraftHead] = {}
 

@@ -9,7 +9,7 @@ default that adds nothing, which is the plain DFlash drafter (heads/dflash.py); 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -44,6 +44,9 @@ class HeadInputs:
     """[N, K+1] the backbone logits of the top-K and the label, where the head was run at once."""
     gather_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(states [N, D], ids [N, C]) -> their logits [N, C], chunked like the backbone's loss."""
+    soft_labels: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The slots' soft labels where the run uses them (--soft-label-weight > 0), else empty: the
+    target's top-k (soft_ids, soft_logprobs renormalized, [N, k]) or its last states (soft_hidden)."""
 
     @property
     def predecessors(self) -> torch.Tensor:
@@ -80,6 +83,9 @@ class DraftHead:
     module_name: str | None = None
     """The attribute of the drafter that holds `build()`'s module: the prefix of its tensor names
     in checkpoints and exports (part of the export contract)."""
+    config_key_names: tuple[str, ...] = ()
+    """Keys of `export_keys` the engines read at the top level of config.json: the export writes
+    them there too, and a reader takes them from there where dflash_config lacks them."""
     wrapper_names: ClassVar[dict[str, str]] = {}
     """Sublayer ("attention" or "mlp") -> the attribute of every draft layer that holds the
     head's wrapper of it (`wrap_sublayer`): the wrapper's tensors are `layers.N.<attribute>.*`."""
@@ -107,7 +113,8 @@ class DraftHead:
         raise NotImplementedError(f"head {self.name!r} names a wrapper of {sublayer} but builds none.")
 
     def build(self, config: DrafterConfig) -> nn.Module | None:
-        """The head's module on the backbone's states (held as `module_name`), or None."""
+        """The head's module on the backbone's states (held as `module_name`), or None; or
+        {attribute: module} for a head whose export names several (`module_name` is the first)."""
         return None
 
     def initialize(self, drafter: DFlashDrafter, std: float) -> None:
@@ -133,8 +140,10 @@ class DraftHead:
 
     def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int
                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """(states [B, L, D] of a block's drafted slots, anchors [B]) -> drafts [B, L], or None for
-        the backbone's argmax. Any drafts are lossless: verification keeps the target's tokens."""
+        """(states [B, L, D] of a block's drafted slots, anchors [B]) -> drafts [B, L], or (drafts,
+        confidence [B, L]) for a head that predicts each draft's acceptance probability (dflash-eval
+        --confidence-threshold stops a block there); or None for the backbone's argmax. Any drafts
+        are lossless: verification keeps the target's tokens."""
         return None
 
     # -- the export and the run -------------------------------------------------------------

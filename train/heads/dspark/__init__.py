@@ -1,0 +1,123 @@
+"""DSpark: the DFlash backbone plus a Markov head, a low-rank transition bias from the token drafted
+before each slot added to the slot's logits and sampled left to right, and a confidence head that
+predicts each draft's acceptance probability (`Qwen3DSparkModel`; the modules and their arithmetic:
+modules.py; the engines' contract: docs/drafter.md, "DSpark").
+
+Importing this module imports no torch (the registry's heads are read by `dflash-train --help`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..base import DFlashDrafter, DrafterConfig, DraftHead, HeadInputs, HeadOutput, ObjectiveConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .modules import MarkovWalk
+
+
+class DSparkHead(DraftHead):
+    name = "dspark"
+    title = "DSpark"
+    architecture = "Qwen3DSparkModel"  # vLLM 0.34.0 registry.py and SGLang 0.5.23 dspark.py's EntryClass
+    setting_names = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size")
+    module_name = "markov_head"  # and confidence_head beside it: the engines' tensor prefixes
+    # vLLM's and SGLang's DSpark loaders read these from the config's top level (getattr(config, ...))
+    config_key_names = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                        "draft_vocab_size", "sample_from_anchor", "dspark_noise_token_id")
+    picks_drafts = True
+    warm_starts_from = ("dflash",)
+    # vLLM 0.34: method "dspark" (detected from the architecture); SGLang 0.5.23: --speculative-algorithm DSPARK
+    serving = {"name": "DSpark", "vllm_method": "dspark", "sglang_algorithm": "DSPARK", "tags": ["dflash", "dspark"]}
+
+    def check(self, config: DrafterConfig) -> None:
+        c = config
+        if c.markov_rank < 1:
+            raise ValueError(f"markov_rank ({c.markov_rank}) must be at least 1: the Markov head is what DSpark "
+                             "adds (vLLM and SGLang refuse a DSpark drafter without one); pass --markov-rank 256, "
+                             "or --drafter-type dflash for a drafter without it.")
+        if c.draft_vocab_size is not None and c.draft_vocab_size != c.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {c.draft_vocab_size}: a DSpark draft vocabulary smaller than the target's "
+                f"({c.vocab_size}) is not supported by this trainer (it needs a pruned lm_head and a token map); "
+                "leave --draft-vocab-size out to draft over the target's vocabulary.")
+
+    def build(self, config: DrafterConfig) -> dict[str, nn.Module | None]:
+        from .modules import ConfidenceHead, MarkovHead
+
+        c = config
+        confidence = None
+        if c.enable_confidence_head:
+            confidence = ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0))
+        return {"markov_head": MarkovHead(c.vocab_size, c.markov_rank), "confidence_head": confidence}
+
+    def initialize(self, drafter: DFlashDrafter, std: float) -> None:
+        from .modules import ConfidenceHead, MarkovHead
+
+        for module in drafter.modules():  # the bias and the confidence at 0: a fresh head drafts what DFlash does
+            if isinstance(module, (MarkovHead, ConfidenceHead)):
+                module.reset_parameters()
+
+    def owns_tensor(self, name: str) -> bool:
+        return name.startswith(("markov_head.", "confidence_head."))
+
+    def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput:
+        from .modules import dspark_objective
+
+        loss, logged, choice = dspark_objective(
+            inputs, markov_weight=objective.markov_loss_weight, tv_weight=objective.markov_tv_weight,
+            confidence_weight=objective.confidence_loss_weight, soft_weight=objective.soft_label_weight or 0.0)
+        return HeadOutput(loss=loss, logged=logged, choice=choice)
+
+    def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> MarkovWalk:
+        from .modules import MarkovWalk
+
+        return MarkovWalk(drafter, temperature, seed)
+
+    def export_keys(self, config: DrafterConfig) -> dict[str, Any]:
+        c = config
+        return dict(markov_rank=c.markov_rank, markov_head_type="vanilla",
+                    enable_confidence_head=bool(c.enable_confidence_head),
+                    confidence_head_with_markov=bool(c.confidence_head_with_markov),
+                    # (no draft_vocab_size: both engines then draft over the target's vocabulary)
+                    # the anchor is the verified token and slot k predicts the token at anchor + k, as
+                    # in DFlash (speculators' sample_from_anchor=False)
+                    sample_from_anchor=False, dspark_noise_token_id=c.mask_token_id)
+
+    def settings_from_export(self, dflash_config: dict[str, Any]) -> dict[str, Any]:
+        d = dflash_config
+        kind = str(d.get("markov_head_type", "vanilla")).lower()
+        if kind != "vanilla":
+            raise ValueError(f"markov_head_type {kind!r}: only the vanilla Markov head (markov_w1, markov_w2) is "
+                             "supported; this drafter's gated or recurrent head is not.")
+        if d.get("sample_from_anchor", True) is not False:
+            raise ValueError("sample_from_anchor is true or absent (speculators' default): the anchor slot drafts "
+                             "too, block_size drafts a block; this trainer's DSpark drafters draft block_size - 1 "
+                             "from a verified anchor (sample_from_anchor false) and decode no other layout.")
+        if "markov_rank" not in d:
+            raise ValueError("a DSpark drafter's config.json names its markov_rank; this one does not.")
+        out: dict[str, Any] = dict(
+            markov_rank=int(d["markov_rank"]),
+            # absent: vLLM 0.34 builds no confidence head, and none reading the Markov embedding
+            enable_confidence_head=bool(d.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)))
+        if d.get("draft_vocab_size") is not None:
+            out["draft_vocab_size"] = int(d["draft_vocab_size"])
+        if d.get("mask_token_id") is None and d.get("dspark_noise_token_id") is not None:
+            out["mask_token_id"] = int(d["dspark_noise_token_id"])
+        return out
+
+    def describe(self, config: DrafterConfig, shape: str) -> str:
+        c = config
+        confidence = ("a confidence head" + (" on the state and the Markov embedding" if c.confidence_head_with_markov
+                                             else " on the state")) if c.enable_confidence_head else "no confidence head"
+        return (f"DSpark ({shape}; Markov head of rank {c.markov_rank}, {confidence}), exported as Qwen3DSparkModel; "
+                "--drafter-type dflash trains plain DFlash (DFlashDraftModel)")
+
+    def warm_start_note(self) -> str:
+        return "the Markov bias and the confidence at 0"
+
+
+HEAD = DSparkHead()
