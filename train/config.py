@@ -247,35 +247,6 @@ class DrafterSettings:
     draft_vocab_size: int | None = None
     """dspark: a draft vocabulary smaller than the target's is not supported yet: leave it out (the
     target's vocabulary, what the export records)."""
-    # -- xpress (train/heads/xpress.py): defaults as vLLM 0.34's XPressRefinerHead and speculators 0.9
-    xpress_rank: int = 256
-    """xpress: low rank r of the refiner (its token embedding, hidden projections, mix and MLP)."""
-    xpress_mlp_hidden: int = 512
-    """xpress: width of the refiner's SwiGLU MLP (speculators: r x xpress_mlp_ratio 2)."""
-    xpress_passes: int = 6
-    """xpress: Jacobi passes over the block when decoding (speculators' num_jacobi_passes; block - 1
-    passes give the sequential decode exactly)."""
-    xpress_topc: int = 512
-    """xpress: each pass scores the backbone's top-C tokens per slot, as vLLM serves it (its
-    xpress_topc); 0: the whole vocabulary."""
-    # -- lilicorr (train/heads/lilicorr/): the engines have no defaults (SGLang requires every key)
-    lilicorr_candidate_topk: int = 8
-    """lilicorr: candidates per slot, the top-K of the full vocabulary's log-softmax (a power of two
-    up to 16, as vLLM and SGLang require)."""
-    lilicorr_hidden_size: int = 0
-    """lilicorr: width of the correlator (0: the drafter's; narrower adds token_proj and costs less)."""
-    lilicorr_num_layers: int = 2
-    """lilicorr: attention+MLP layers over the block's candidate lattice."""
-    lilicorr_num_heads: int = 8
-    """lilicorr: attention heads of those layers (must divide the correlator's width)."""
-    lilicorr_mlp_ratio: float = 2.0
-    """lilicorr: MLP width of those layers over the correlator's width."""
-    lilicorr_factor_dim: int = 64
-    """lilicorr: width of the unit vectors whose dot products score candidate -> candidate."""
-    lilicorr_vector_eps: float = 1e-6
-    """lilicorr: epsilon of those vectors' normalization."""
-    lilicorr_logit_scale: float = 16.0
-    """lilicorr: factor on the dot products (in [-1, 1]) that makes them the walk's logits."""
 
 
 @section
