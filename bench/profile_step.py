@@ -104,6 +104,7 @@ class PartTimer:
 
 def run_variant(a: argparse.Namespace, variant: str) -> dict:
     import dflash.train.objective as objective_module
+    from dflash.train.anchors import add_anchors
     from dflash.train.objective import ObjectiveConfig, compute_loss
 
     s, drafter, batch = build(a, variant)
@@ -121,10 +122,12 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
             torch.cuda.synchronize()
 
     def step(seed: int) -> dict[str, float]:
+        # the anchors, as the trainer's loader draws them (in a worker, not timed here)
+        anchored = add_anchors(dict(batch), s.anchors, drafter.config.block_size, torch.Generator().manual_seed(seed))
         sync()
         start, cpu = time.perf_counter(), time.process_time()
         with autocast:
-            out = compute_loss(drafter, batch, objective, generator=torch.Generator().manual_seed(seed))
+            out = compute_loss(drafter, anchored, objective)
         sync()
         forward = time.perf_counter()
         out.loss.backward()

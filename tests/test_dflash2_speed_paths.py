@@ -9,10 +9,11 @@ import contextlib
 
 import pytest
 import torch
+from anchor_utils import loss_of
 from dflash.train import dflash2, objective
 from dflash.train.dflash2 import exact_topk, topk_segment
 from dflash.train.head_loss import log_softmax_with_candidates
-from dflash.train.objective import ObjectiveConfig, compute_loss
+from dflash.train.objective import ObjectiveConfig
 from test_drafter_objective import hand_batch
 from test_drafter_support import tiny_drafter
 
@@ -109,7 +110,7 @@ def test_a_dflash2_run_trains_the_same_weights_as_the_step_it_replaces(autocast,
         losses = []
         for step in range(3):
             with context():
-                out = compute_loss(drafter, batch, cfg, generator=torch.Generator().manual_seed(step))
+                out = loss_of(drafter, batch, cfg, generator=torch.Generator().manual_seed(step))
             out.loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from anchor_utils import loss_of
 from dflash.train.dflash2 import (
     CandidateSelector,
     GroupedDynamicConv,
@@ -18,7 +19,7 @@ from dflash.train.dflash2 import (
 )
 from dflash.train.export import export_drafter, load_drafter
 from dflash.train.model import DFlashDrafter
-from dflash.train.objective import ObjectiveConfig, compute_loss
+from dflash.train.objective import ObjectiveConfig
 from safetensors import safe_open
 from test_drafter_export import block_logits, expected_weight_names, sample_batch
 from test_drafter_support import HIDDEN, VOCAB, save_tiny_target, tiny_drafter
@@ -187,7 +188,7 @@ def test_the_objective_adds_the_weighted_selector_loss_and_can_stop_its_gradient
 
     def run(weight, stop=False):
         drafter = tiny_drafter(seed=5, **DFLASH2).train()
-        out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=8, selector_loss_weight=weight,
+        out = loss_of(drafter, batch, ObjectiveConfig(max_anchors=8, selector_loss_weight=weight,
                                                            selector_stop_gradient=stop),
                            generator=torch.Generator().manual_seed(0))
         out.loss.backward()

@@ -8,10 +8,11 @@ import json
 import dflash.train.export as export_module
 import pytest
 import torch
+from anchor_utils import loss_of
 from dflash.train.drafter_config import DrafterConfig
 from dflash.train.export import export_drafter, load_drafter
 from dflash.train.model import DFlashDrafter
-from dflash.train.objective import ObjectiveConfig, compute_loss
+from dflash.train.objective import ObjectiveConfig
 from reference_decoding import ContextCache
 from safetensors import safe_open
 from test_drafter_support import (
@@ -64,7 +65,7 @@ def block_logits(drafter: DFlashDrafter, batch: dict) -> torch.Tensor:
 
     handle = drafter.norm.register_forward_hook(grab)
     with torch.no_grad():
-        compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64), generator=torch.Generator().manual_seed(0))
+        loss_of(drafter, batch, ObjectiveConfig(max_anchors=64), generator=torch.Generator().manual_seed(0))
     handle.remove()
     return drafter.logits(out["states"])
 

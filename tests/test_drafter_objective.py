@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from anchor_utils import loss_of
 from conftest import block_metrics
 from dflash.train.attention import build_attention_mask
 from dflash.train.config import TrainConfigError
@@ -71,7 +72,7 @@ def test_loss_is_the_weighted_mean_of_scored_slots_computed_by_hand():
     drafter = tiny_drafter()
     batch = hand_batch()
     gamma = 2.0
-    out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64, gamma=gamma, loss_weighting="decay"))
+    out = loss_of(drafter, batch, ObjectiveConfig(max_anchors=64, gamma=gamma, loss_weighting="decay"))
     expected_valid = [[v for _, v in sorted(h.items())] for h in HAND_ANCHORS]
     assert out.valid[0, :3].int().tolist() == expected_valid[0]
     assert out.valid[1].int().tolist() == expected_valid[1]
@@ -100,7 +101,7 @@ def test_a_batch_without_anchors_gives_zero_loss_that_backpropagates():
     drafter = tiny_drafter()
     batch = hand_batch()
     batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
-    out = compute_loss(drafter, batch, ObjectiveConfig())
+    out = loss_of(drafter, batch, ObjectiveConfig())
     assert out.loss.item() == 0.0 and not out.valid.any()
     out.loss.backward()
 
@@ -128,7 +129,7 @@ def test_soft_labels_shift_and_both_sources_agree():
     # Top-1 "target" that puts all its mass on the real next token: KL then equals the CE,
     # which only holds if row t is used for the label at t + 1.
     one_hot = dict(batch, topk_ids=torch.roll(ids, -1, dims=1)[..., None], topk_logprobs=torch.zeros(2, 8, 1))
-    out = compute_loss(drafter, one_hot, ObjectiveConfig(max_anchors=64, soft_label_weight=1.0))
+    out = loss_of(drafter, one_hot, ObjectiveConfig(max_anchors=64, soft_label_weight=1.0))
     assert out.kl.item() == pytest.approx(out.ce.item(), rel=1e-5)
     assert out.loss.item() == pytest.approx(out.kl.item(), rel=1e-5)
 
@@ -139,12 +140,12 @@ def test_soft_labels_shift_and_both_sources_agree():
     target_logprobs = torch.log_softmax(normed @ drafter.lm_head_weight.T, dim=-1)
     full = dict(batch, topk_ids=torch.arange(VOCAB).expand(2, 8, VOCAB), topk_logprobs=target_logprobs)
     cfg = ObjectiveConfig(max_anchors=64, soft_label_weight=0.25)
-    via_topk = compute_loss(drafter, full, cfg)
-    via_hidden = compute_loss(drafter, dict(batch, last_hidden=last_hidden), cfg)
+    via_topk = loss_of(drafter, full, cfg)
+    via_hidden = loss_of(drafter, dict(batch, last_hidden=last_hidden), cfg)
     assert via_topk.kl.item() == pytest.approx(via_hidden.kl.item(), rel=1e-4)
     assert via_hidden.loss.item() == pytest.approx(0.75 * via_hidden.ce.item() + 0.25 * via_hidden.kl.item(), rel=1e-5)
     with pytest.raises(ValueError, match="soft_label_weight"):
-        compute_loss(drafter, batch, cfg)
+        loss_of(drafter, batch, cfg)
 
 
 def test_metrics_count_leading_correct_slots_per_block():
@@ -163,25 +164,24 @@ def test_metrics_count_leading_correct_slots_per_block():
     assert tau_from_accuracies([1.0, 1.0]) == 3.0
 
 
-def test_anchors_drawn_by_the_caller_give_the_same_loss_as_drawn_inside():
-    """The trainer draws anchors and lists the scored slots on the host (no device sync);
-    the result must not change."""
-    from dflash.train.loop import add_anchors
+def test_the_loss_reads_the_anchors_the_loader_drew_and_draws_none_itself():
+    """One producer of anchors (train/anchors.py, run by the loader): the loss refuses a batch
+    without them, and the scored slots listed on the host (no device sync) are those of `valid`."""
+    from dflash.train.anchors import add_anchors
 
     drafter = tiny_drafter()
     bs = drafter.config.block_size
     config = ObjectiveConfig(max_anchors=2)
-    inside = compute_loss(drafter, hand_batch(), config, generator=torch.Generator().manual_seed(5))
-    batch = hand_batch()
-    add_anchors(batch, config.max_anchors, bs, torch.Generator().manual_seed(5))
-    assert torch.equal(batch["scored_slots"], torch.stack(inside.valid.nonzero(as_tuple=True)))
-    outside = compute_loss(drafter, batch, config)
-    assert torch.equal(inside.anchor_positions, outside.anchor_positions)
-    assert torch.equal(inside.loss, outside.loss)
-    assert torch.equal(inside.correct, outside.correct)
-    other = hand_batch()
-    add_anchors(other, config.max_anchors, bs, torch.Generator().manual_seed(6))
-    assert not torch.equal(compute_loss(drafter, other, config).anchor_positions, inside.anchor_positions)
+    with pytest.raises(ValueError, match="anchor_positions"):
+        compute_loss(drafter, hand_batch(), config)
+    batch = add_anchors(hand_batch(), config.max_anchors, bs, torch.Generator().manual_seed(5))
+    listed = compute_loss(drafter, batch, config)
+    assert torch.equal(batch["scored_slots"], torch.stack(listed.valid.nonzero(as_tuple=True)))
+    unlisted = compute_loss(drafter, {k: v for k, v in batch.items() if k != "scored_slots"}, config)
+    assert torch.equal(listed.anchor_positions, batch["anchor_positions"])
+    assert torch.equal(listed.loss, unlisted.loss) and torch.equal(listed.correct, unlisted.correct)
+    other = add_anchors(hand_batch(), config.max_anchors, bs, torch.Generator().manual_seed(6))
+    assert not torch.equal(compute_loss(drafter, other, config).anchor_positions, listed.anchor_positions)
 
 
 def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and_argmax():
@@ -254,7 +254,7 @@ def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, 
         drafter = tiny_drafter(seed=4, **(DFLASH2 if kind == "dflash2" else {})).train()
         cfg = ObjectiveConfig(max_anchors=64, loss_weighting=weighting, selector_stop_gradient=stop,
                               soft_label_weight=0.0 if soft is None else 0.4)
-        out = compute_loss(drafter, batch, cfg, generator=torch.Generator().manual_seed(5))
+        out = loss_of(drafter, batch, cfg, generator=torch.Generator().manual_seed(5))
         out.loss.backward()
         runs.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
     (plain, plain_grads), (chunked, chunked_grads) = runs
@@ -287,7 +287,7 @@ def test_the_target_label_trains_toward_the_targets_top1_and_is_the_sample_on_a_
 
     def run(b, label, **kw):
         cfg = ObjectiveConfig(max_anchors=64, loss_weighting="decay", hard_label=label, **kw)
-        return compute_loss(drafter, b, cfg, generator=torch.Generator().manual_seed(5))
+        return loss_of(drafter, b, cfg, generator=torch.Generator().manual_seed(5))
 
     a, b = run(greedy, "sample"), run(greedy, "target")
     assert torch.equal(a.loss, b.loss) and torch.equal(a.correct, b.correct)

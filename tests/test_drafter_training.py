@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import torch
+from anchor_utils import loss_of
 from dflash.train.metrics import BlockMetrics
-from dflash.train.objective import ObjectiveConfig, compute_loss
+from dflash.train.objective import ObjectiveConfig
 from test_drafter_support import HIDDEN, tiny_drafter
 
 PERIOD, SEQ_LEN, BATCH, STEPS = 5, 32, 8, 200
@@ -33,7 +34,7 @@ def periodic_batch(generator: torch.Generator, token_table: torch.Tensor) -> dic
 def evaluate(drafter, batch) -> dict[str, float]:
     metrics = BlockMetrics(block_size=drafter.config.block_size)
     with torch.no_grad():
-        out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=64), generator=torch.Generator().manual_seed(0))
+        out = loss_of(drafter, batch, ObjectiveConfig(max_anchors=64), generator=torch.Generator().manual_seed(0))
     metrics.update(out.correct, out.valid, out.loss)
     return metrics.compute()
 
@@ -61,7 +62,7 @@ def run_periodic_training():
     objective = ObjectiveConfig(max_anchors=8, noise_type="uniform", noise_start=0.05, noise_end=0.0)
     start = time.perf_counter()
     for step in range(STEPS):
-        out = compute_loss(
+        out = loss_of(
             drafter, periodic_batch(data_rng, token_table), objective,
             generator=anchor_rng, progress=step / STEPS,
         )

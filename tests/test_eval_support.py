@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from anchor_utils import loss_of
 from dflash.eval.speculative import (
     DecodeConfig,
     DraftContext,
@@ -27,7 +28,7 @@ from dflash.eval.speculative import (
 from dflash.eval.target import capture_hidden
 from dflash.train.drafter_config import DrafterConfig
 from dflash.train.model import DFlashDrafter
-from dflash.train.objective import ObjectiveConfig, compute_loss
+from dflash.train.objective import ObjectiveConfig
 from dflash.train.target_weights import TargetWeights
 from reference_decoding import ContextCache
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -117,7 +118,7 @@ def _drafter(target: torch.nn.Module, steps: int, block_size: int, seed: int, **
         rows = torch.randint(0, 64, (16,), generator=g)
         batch = {"hidden": all_hidden[rows], "input_ids": all_ids[rows], "loss_mask": loss_mask,
                  "lengths": torch.full((16,), all_ids.shape[1])}
-        out = compute_loss(drafter, batch, ObjectiveConfig(max_anchors=8), generator=g)
+        out = loss_of(drafter, batch, ObjectiveConfig(max_anchors=8), generator=g)
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()

@@ -8,19 +8,20 @@ import functools
 import numpy as np
 import pytest
 import torch
+from anchor_utils import loss_of
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.train import config as train_config
 from dflash.train import model as train_model
+from dflash.train.anchors import draw_anchors
 from dflash.train.config import DataConfig
 from dflash.train.loader import TrainLoader
-from dflash.train.loop import draw_anchors
-from dflash.train.objective import ObjectiveConfig, compute_loss
+from dflash.train.objective import ObjectiveConfig
 from test_drafter_objective import hand_batch
 from test_drafter_support import tiny_drafter
 
 
 def _loss_and_grads(drafter):
-    out = compute_loss(drafter.train(), hand_batch(), ObjectiveConfig(max_anchors=3),
+    out = loss_of(drafter.train(), hand_batch(), ObjectiveConfig(max_anchors=3),
                        generator=torch.Generator().manual_seed(5))
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
@@ -74,8 +75,8 @@ def test_compile_dynamic_compiles_once_for_batches_of_varying_shapes(monkeypatch
     counters.clear()
     objective = ObjectiveConfig(max_anchors=3)
     for i, batch in enumerate(_varying_batches()):
-        want = compute_loss(eager, batch, objective, generator=torch.Generator().manual_seed(i)).loss
-        got = compute_loss(compiled, batch, objective, generator=torch.Generator().manual_seed(i)).loss
+        want = loss_of(eager, batch, objective, generator=torch.Generator().manual_seed(i)).loss
+        got = loss_of(compiled, batch, objective, generator=torch.Generator().manual_seed(i)).loss
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     graphs = counters["stats"]["unique_graphs"]
     # torch's default: a static graph first, then one more as sizes start to vary; dynamic: one

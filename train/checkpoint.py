@@ -3,9 +3,10 @@
 RUN_DIR/checkpoints/step-000123/
   model.safetensors  the drafter's trainable weights (float32, full, names as in the export)
   optimizer.pt       the full AdamW state, keyed by parameter name (any world size loads it)
-  trainer.pt         scheduler, data position, RNG states (python, numpy, torch CPU and CUDA)
-  meta.json          step, epoch, data position, the run's identity (caches, target, batching,
-                     model shape), its full config and the drafter's config
+  trainer.pt         scheduler, data position, RNG states (python, numpy, torch CPU and CUDA),
+                     the held-out tracker (`TrainState.state_dict`, versioned)
+  meta.json          step, epoch, the run's identity (caches, target, batching, model shape),
+                     its full config and the drafter's config
 
 A checkpoint is staged in `.tmp-step-...` beside its final name, every file fsynced, then
 renamed into place: a directory named step-N is always complete. Only the last
@@ -20,9 +21,10 @@ import pickle
 import random
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,13 +35,18 @@ from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
 from dflash.runtime.locks import OutputIsInputError, inside, output_lock, same_path
 from dflash.runtime.safetensors_files import check_safetensors
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from .config import DrafterSettings, ResumeMismatchError, TrainConfigError
+from .distributed import DistInfo, barrier, full_state, load_full_state
 from .drafter_config import DrafterConfig
 from .export import export_drafter, export_out_dir
 from .heads import get_head, head_names
 
 CHECKPOINT_VERSION = 1
+TRAIN_STATE_VERSION = 2
+"""trainer.pt's layout: 2 records its version; 1 (no version key: every checkpoint before it) holds
+the same keys, and meta.json held a second copy of the loader's position, which is not read."""
 
 
 class CheckpointCorruptError(CorruptDataError):
@@ -64,6 +71,11 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.meta["step"])
+
+    def state(self) -> dict[str, Any]:
+        """Its `TrainState.state_dict` (a version-1 trainer.pt has no version key, the same keys)."""
+        return {"version": 1, **self.trainer, "step": self.step, "identity": self.meta.get("identity") or {},
+                "model": self.model, "optimizer": self.optimizer}
 
 
 def step_dir_name(step: int | None) -> str:
@@ -128,6 +140,54 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """Everything that decides a run's next batch and its continuation, saved as one checkpoint and
+    loaded back as one: the step, the drafter's weights and the optimizer's state (gathered whole
+    under FSDP), the schedule, the loader's position, the RNG streams, the best held-out evaluation
+    so far (`heldout`, which also picks the exported step) and the run's identity (what a resumed
+    run must share with it: `check_resume`)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # an LRScheduler
+    loader: Any  # a TrainLoader: its state_dict is the data position, its epoch goes to meta.json
+    heldout: Any  # a HeldoutTracker: state_dict, summary(step) for meta.json, best_step
+    identity: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+
+    def state_dict(self, info: DistInfo) -> dict[str, Any]:
+        """Collective under FSDP (every rank calls it): rank 0 gets the weights, others empty dicts."""
+        model_state, optim_state = full_state(self.model, self.optimizer, info)
+        return {"version": TRAIN_STATE_VERSION, "step": self.step, "identity": self.identity,
+                "model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict(), "rng": capture_rng(), "heldout": self.heldout.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `Checkpoint.state()`); the identity is checked before (`check_resume`)."""
+        version = state.get("version", 1)
+        if version not in (1, TRAIN_STATE_VERSION):
+            raise ResumeMismatchError(f"The checkpoint's trainer state has version {version}; this dflash-train "
+                                      f"reads versions 1 and {TRAIN_STATE_VERSION}.")
+        load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        restore_rng(state["rng"])
+        if state.get("heldout") is not None:  # (checkpoints from before the held-out tracker have none)
+            self.heldout.load_state_dict(state["heldout"])
+        self.step = int(state["step"])
+
+
+_TRAINER_KEYS = ("version", "scheduler", "loader", "rng", "heldout")
+"""What of a TrainState goes to trainer.pt (the weights have their own files, step and identity meta.json)."""
+
+
 class Checkpointer:
     """Writes, lists, prunes and reads the checkpoints of one run directory."""
 
@@ -171,6 +231,28 @@ class Checkpointer:
         self.prune()
         return final
 
+    def save_state(self, state: TrainState, info: DistInfo, about: dict[str, Any]) -> Path | None:
+        """Checkpoint `state` at its step (collective under FSDP: every rank calls it; rank 0 writes,
+        the others wait). `about`: what meta.json records of the run besides the state (its config)."""
+        full = state.state_dict(info)
+        path = None
+        if info.is_main:
+            meta = {"epoch": state.loader.epoch, "identity": state.identity, **about,
+                    "heldout": state.heldout.summary(state.step)}
+            path = self.save(state.step, full["model"], full["optimizer"],
+                             {k: full[k] for k in _TRAINER_KEYS}, meta)
+        barrier(info)
+        return path
+
+    def restore(self, state: TrainState, path: Path, identity: dict[str, Any]) -> tuple[Checkpoint, list[str]]:
+        """Load checkpoint `path` into `state` after checking it is this run's (`check_resume`:
+        refused otherwise); returns it and the notes of the check."""
+        ckpt = self.load(path)
+        notes = check_resume(ckpt.meta["identity"], identity, path)
+        state.load_state_dict(ckpt.state())
+        self.best_step = state.heldout.best_step
+        return ckpt, notes
+
     def prune(self) -> None:
         """Delete all but the last `keep_checkpoints`, and never the best one (`best_step`)."""
         for old in self.complete()[:-self.keep_checkpoints]:
@@ -193,6 +275,39 @@ class Checkpointer:
             raise CheckpointCorruptError(f"Checkpoint {path} cannot be read ({e}). Delete it to resume "
                                    "from the one before, or start in a new --output-dir.") from e
         return Checkpoint(path=path, meta=meta, model=model, optimizer=optimizer, trainer=trainer)
+
+
+class RunCheckpoints:
+    """A run's checkpoints of its TrainState: when to write one (`save`, `save_unless_saved`),
+    what comes before (`guard`: never a checkpoint of nan weights) and after (`after_save`), and
+    the newest one."""
+
+    def __init__(self, checkpoints: Checkpointer, state: TrainState, info: DistInfo, about: dict[str, Any], *,
+                 guard: Callable[[int], None], announce: Callable[[str], None],
+                 after_save: Callable[[], None] = lambda: None):
+        self.checkpoints, self.state, self.info, self.about = checkpoints, state, info, about
+        self.guard, self.announce, self.after_save = guard, announce, after_save
+        self.last: Path | None = checkpoints.latest()
+        """The newest checkpoint (the one resumed from, or none yet)."""
+        self.saved_step = state.step if state.step else -1
+
+    def save(self) -> Path | None:
+        self.guard(self.state.step)
+        path = self.checkpoints.save_state(self.state, self.info, self.about)
+        if path is not None:
+            self.announce(f"checkpoint: {path}")
+        self.after_save()
+        self.last, self.saved_step = path, self.state.step
+        return path
+
+    def save_unless_saved(self) -> Path | None:
+        """Save the current step unless its checkpoint is already written."""
+        if self.saved_step != self.state.step:
+            self.save()
+        return self.last
+
+    def due(self, save_interval: int) -> bool:
+        return bool(save_interval) and self.state.step % save_interval == 0
 
 
 def _load_plain(file: Path) -> Any:

@@ -1,9 +1,9 @@
 """The training loop: `train(config)` reads top to bottom; each piece it wires lives in its own module.
 
-data (loader.py) -> drafter (model.py) -> loss (objective.py) -> optimizer/schedule (here)
--> held-out estimate (evaluation.py) -> metrics and logs (reporting.py) -> checkpoints
-(checkpoint.py), over any number of processes (distributed.py), stopped cleanly by SIGINT/SIGTERM
-(signals.py).
+data and anchors (loader.py, anchors.py) -> drafter (model.py) -> loss (objective.py) ->
+optimizer/schedule (here) -> held-out estimate (evaluation.py) -> metrics and logs (reporting.py)
+-> a nan guard (divergence.py) -> checkpoints of the TrainState (checkpoint.py), over any number of
+processes (distributed.py), stopped cleanly by SIGINT/SIGTERM (runtime.signals).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +27,18 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from .anchors import AnchorDraw, noise_generator
 from .attention import refuse_backend_off_its_device
 from .checkpoint import (
     MODEL_FILE,
     Checkpointer,
-    capture_rng,
+    RunCheckpoints,
+    TrainState,
     export_from_state,
     step_dir_name,
     training_target,
 )
-from .config import DivergedError, OptimizationConfig, TrainConfig, TrainConfigError
+from .config import TrainConfig, TrainConfigError
 from .data import TrainingData, check_cache_target, open_training_data
 from .distributed import (
     DistInfo,
@@ -47,6 +49,7 @@ from .distributed import (
     unwrap,
     wrap_model,
 )
+from .divergence import DivergenceGuard
 from .evaluation import LossModel, evaluate
 from .export import export_out_dir
 from .follow import follow_fields, report_consumption
@@ -54,13 +57,7 @@ from .heads import get_head
 from .loader import dequantize_batch
 from .memory import fit_to_device
 from .model import DFlashDrafter
-from .objective import (
-    compute_loss,
-    label_summary,
-    sample_anchors,
-    scored_slots,
-    stores_target_top1,
-)
+from .objective import compute_loss, label_summary, stores_target_top1
 from .reporting import HeldoutTracker, RunLogger, RunningMetrics, StepProfiler, gpu_memory_gib
 from .resume import resume, run_identity
 from .run_length import RunLength
@@ -93,6 +90,89 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
+    run = start_run(cfg, cleanup)  # data, drafter, optimizer, the resumed TrainState, checkpoints
+    state, data, log = run.state, run.data, run.log
+    log.start(run.total_steps, state.step)
+    with StopRequest(finishing="finishing this step, writing a checkpoint, then exiting",
+                     abandoning="exiting now without a checkpoint") as stop:
+        while state.step < run.total_steps:
+            position = data.loader.state_dict()  # where a stop while waiting for data goes back to
+            try:
+                train_step(run)  # batch -> forward -> loss -> backward (x grad_accum) -> clip -> step
+            except StopWaiting:  # (--follow: a part not extracted yet)
+                return stop_waiting(run, stop, position)
+            state.step += 1
+            log.advance(1)
+            if (report := run.profiler.report()) is not None:
+                log.info(f"[step {state.step}] {report}")
+            eval_due = run.eval_due()
+            if run.log_due() or eval_due:
+                run.last = log_train_metrics(run)  # CPU-GPU sync point: only every log_interval steps
+            new_best = False
+            if eval_due:
+                try:
+                    new_best = evaluate_heldout(run)
+                except StopWaiting:  # (--follow: held-out samples of parts not extracted yet)
+                    return stop_waiting(run, stop, data.loader.state_dict())
+            # A signal on any rank stops every rank after the same step (agreed on the CPU).
+            stopping = any_rank(stop.signum, run.info)
+            if run.checkpoints.due(cfg.logging.save_interval) or stopping or new_best:
+                run.checkpoints.save()  # (never of nan weights: the guard refuses first)
+            if stopping:
+                log.info(f"stopped at step {state.step}; rerun the same command to resume.")
+                return run.result(stop.exit_status or 130)
+    return finish_run(run)
+
+
+# -- the pieces train() wires -------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """The components of one training run, wired by `start_run`."""
+
+    cfg: TrainConfig
+    info: DistInfo
+    run_dir: Path
+    log: RunLogger
+    data: TrainingData
+    drafter: DFlashDrafter
+    model: nn.Module
+    loss_model: LossModel
+    autocast: contextlib.AbstractContextManager
+    length: RunLength
+    state: TrainState
+    checkpoints: RunCheckpoints
+    metrics: RunningMetrics
+    profiler: StepProfiler
+    guard: DivergenceGuard
+    last: dict[str, float] = field(default_factory=dict)
+    """The last logged training metrics."""
+    eval_metrics: dict[str, Any] | None = None
+    """The last held-out evaluation's."""
+
+    @property
+    def total_steps(self) -> int:
+        return self.length.total_steps
+
+    def log_due(self) -> bool:
+        step = self.state.step
+        return step % self.cfg.logging.log_interval == 0 or step == self.total_steps
+
+    def eval_due(self) -> bool:
+        step, every = self.state.step, self.cfg.logging.eval_every(self.total_steps)
+        return bool(every and step % every == 0) or step == self.total_steps
+
+    def result(self, exit_status: int, final_dir: Path | None = None) -> TrainResult:
+        self.log.close()
+        return TrainResult(self.state.step, exit_status, self.checkpoints.last, final_dir, self.last,
+                           self.eval_metrics, self.state.heldout.best_step)
+
+
+def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
+    """Everything before the first step: the run directory, the data and its batch plan, the
+    startup summary, the drafter, the optimizer and schedule, and the TrainState resumed from
+    the latest checkpoint of this run when there is one."""
     info = init_distributed(cfg.runtime.device)
     run_dir = Path(cfg.logging.output_dir)
     if info.is_main:
@@ -131,166 +211,132 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head (or, resumed,
     # the latest checkpoint's, loaded below: an --init-drafter is then not loaded).
-    checkpoints = Checkpointer(run_dir, keep_checkpoints=cfg.logging.keep_checkpoints)
-    drafter = build_drafter(cfg, data, announce=log.info, resume_from=checkpoints.latest()).to(info.device)
+    checkpointer = Checkpointer(run_dir, keep_checkpoints=cfg.logging.keep_checkpoints)
+    drafter = build_drafter(cfg, data, announce=log.info, resume_from=checkpointer.latest()).to(info.device)
     model = wrap_model(drafter, cfg.runtime.parallel, info)
     optimizer = build_optimizer(cfg, model, info.device)
-    total_steps = length.total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_multiplier, total_steps=total_steps, warmup_ratio=cfg.optimization.warmup_ratio, min_lr_ratio=cfg.optimization.min_lr_ratio,
-        schedule=cfg.optimization.lr_schedule, decay_ratio=cfg.optimization.decay_ratio))
-    objective, autocast = cfg.objective, autocast_context(cfg.runtime.dtype, info.device)
-    loss_model = LossModel(model, drafter)
-    # Anchors are drawn where each batch is read (a loader worker), off the training thread.
-    data.loader.prepare = functools.partial(draw_anchors, seed=cfg.optimization.seed, max_anchors=objective.max_anchors,
-                                            block_size=drafter.config.block_size)
+        lr_multiplier, total_steps=length.total_steps, warmup_ratio=cfg.optimization.warmup_ratio,
+        min_lr_ratio=cfg.optimization.min_lr_ratio, schedule=cfg.optimization.lr_schedule,
+        decay_ratio=cfg.optimization.decay_ratio))
+    # The loader is the only producer of anchors: drawn where each batch is read (a loader
+    # worker, off the training thread), seeded by the batch's place in the run.
+    data.loader.prepare = AnchorDraw(cfg.optimization.seed, cfg.objective.max_anchors, drafter.config.block_size)
 
     # Resume from the latest complete checkpoint when there is one and it is this run's.
     identity = run_identity(cfg, data, drafter, target_config, info)
-    heldout = HeldoutTracker()  # best held-out evaluation so far: part of every checkpoint
-    step = resume(cfg, checkpoints, identity, model, optimizer, scheduler, data, log, heldout)
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, loader=data.loader,
+                       heldout=HeldoutTracker(), identity=identity)
+    state.step = resume(cfg, checkpointer, state, log)
     if info.is_main:
-        checkpoints.remove_stale()
-
-    def save(step: int) -> Path | None:
-        # Full (gathered) state; collective under FSDP, so every rank calls it. Rank 0 writes.
-        model_state, optim_state = full_state(model, optimizer, info)
-        path = None
-        if info.is_main:
-            trainer_state = {"scheduler": scheduler.state_dict(), "loader": data.loader.state_dict(),
-                             "rng": capture_rng(), "heldout": heldout.state_dict()}
-            meta = {"epoch": data.loader.epoch, "loader": data.loader.state_dict(), "identity": identity,
-                    "config": cfg.to_dict(), "drafter_config": dataclasses.asdict(drafter.config),
-                    "world_size": info.world_size, "heldout": heldout.summary(step)}
-            path = checkpoints.save(step, model_state, optim_state, trainer_state, meta)
-            log.info(f"checkpoint: {path}")
-        barrier(info)
-        report_consumption(data, info.rank, info.world_size)  # --follow: what a disk budget may evict
-        return path
-
-    def stop_waiting(step: int, position: dict[str, Any]) -> TrainResult:
-        # A stop that came while the run waited for data another process makes (--follow: a part not
-        # extracted yet), which may never come: the step in progress is abandoned (the loader goes
-        # back to `position`, its start) and the last completed step is saved, unless it is already
-        # (or none is: nothing to save). Under several ranks the save is collective and the others
-        # may be inside the step: this rank exits with its last checkpoint, and the launcher ends them.
-        nonlocal last_checkpoint
-        data.loader.close()  # its workers stop waiting too (they see the stop: runtime.signals.check_stop)
-        data.loader.load_state_dict(position)
-        if step and saved_step != step and info.world_size == 1:
-            refuse_nonfinite(step)
-            last_checkpoint = save(step)
-        log.info(f"stopped at step {step} while waiting for data; rerun the same command to resume.")
-        log.close()
-        return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics, heldout.best_step)
+        checkpointer.remove_stale()
 
     metrics = RunningMetrics(drafter.config.block_size, info.device)
+    guard = DivergenceGuard(metrics, model, cfg, info, latest_checkpoint=checkpointer.latest,
+                            final_dir=run_dir / FINAL_DIR, before_raise=log.close)
+    checkpoints = RunCheckpoints(
+        checkpointer, state, info, guard=guard.check, announce=log.info,
+        about={"config": cfg.to_dict(), "drafter_config": dataclasses.asdict(drafter.config),
+               "world_size": info.world_size},
+        # --follow: what a disk budget may evict
+        after_save=functools.partial(report_consumption, data, info.rank, info.world_size))
+    return Run(cfg=cfg, info=info, run_dir=run_dir, log=log, data=data, drafter=drafter, model=model,
+               loss_model=LossModel(model, drafter), autocast=autocast_context(cfg.runtime.dtype, info.device),
+               length=length, state=state, checkpoints=checkpoints, metrics=metrics,
+               profiler=StepProfiler(cfg.logging.profile_interval, info.device), guard=guard)
 
-    def refuse_nonfinite(step: int, last: dict[str, float] | None = None) -> None:
-        # Given `last` (a log's metrics, reduced over ranks: the same on every rank), its loss and
-        # gradient norm decide; else (before a checkpoint or the export) the device's note of a
-        # non-finite step and the weights themselves, agreed over ranks. No bf16 loss scaler skips a
-        # step here: one nan gradient makes AdamW's moments, then every weight, nan.
-        if last is not None:
-            if all(math.isfinite(last[k]) for k in ("loss", "grad_norm")):
-                return
-            bad = int(metrics.first_nonfinite.item()) or step
-        else:
-            bad = metrics.nonfinite_step(info)
-            if not bad and not any_rank(int(not weights_finite(model)), info):
-                return
-        log.close()
-        raise DivergedError(diverged_message(bad or step, cfg, last, checkpoints.latest(), run_dir / "final"))
-    profiler = StepProfiler(cfg.logging.profile_interval, info.device)
-    # saved_step: the step of the newest checkpoint (the one resumed from, or none yet: -1)
-    last, saved_step, last_checkpoint, eval_metrics = {}, (step if step else -1), checkpoints.latest(), None
-    eval_every = cfg.logging.eval_every(total_steps)
-    log.start(total_steps, step)
-    with StopRequest(finishing="finishing this step, writing a checkpoint, then exiting",
-                     abandoning="exiting now without a checkpoint") as stop:
-        while step < total_steps:
-            profiler.begin(step)
-            model.train()
-            wait_before, position = data.loader.wait_seconds, data.loader.state_dict()
-            for micro in range(cfg.optimization.grad_accum):
-                with profiler.section("data_wait"):
-                    try:
-                        batch = data.loader.next_batch()
-                    except StopWaiting:
-                        return stop_waiting(step, position)
-                # Anchors and noise come from a generator seeded by this batch's place in the run:
-                # no stream state to carry over a resume, and the same draws on any world size.
-                generators = batch_generators(cfg.optimization.seed, data.loader.epoch, data.loader.last_index, info.device)
-                with profiler.section("host_to_device"):  # the batch holds its anchors (draw_anchors)
-                    batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
-                last_micro = micro == cfg.optimization.grad_accum - 1
-                with gradient_sync(model, last_micro):  # all-reduce only with the last micro-batch
-                    with profiler.section("forward"), autocast:
-                        out = compute_loss(loss_model, batch, objective, generator=generators[0],
-                                           noise_generator=generators[1], progress=step / total_steps)
-                    with profiler.section("backward"):
-                        (out.loss / cfg.optimization.grad_accum).backward()
-                metrics.update(out, batch)
-            with profiler.section("optimizer"):
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optimization.grad_clip or math.inf)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            metrics.add_step(grad_norm, data.loader.wait_seconds - wait_before, step + 1)
-            step += 1
-            log.advance(1)
-            if (report := profiler.report()) is not None:
-                log.info(f"[step {step}] {report}")
 
-            eval_due = (eval_every and step % eval_every == 0) or step == total_steps
-            if step % cfg.logging.log_interval == 0 or step == total_steps or eval_due:
-                last = metrics.compute(info)  # CPU-GPU sync point: only every log_interval steps
-                last.update(lr=scheduler.get_last_lr()[0], epoch=data.loader.epoch,
-                            gpu_mem_gib=gpu_memory_gib(info.device))
-                heldout.add_train(last)
-                following = follow_fields(data)  # --follow: parts extracted and trained, data wait
-                log.log(step, "train", {**heldout.train_fields(), **last, **following})
-                log.advance(0, **heldout.progress_fields(), train_tau=last["tau"], loss=last["loss"],
-                            tok_s=last["context_tokens_per_second"], **following)
-                refuse_nonfinite(step, last)
-                metrics.reset()
-            new_best = False
-            try:
-                eval_metrics = evaluate(loss_model, data, objective, autocast, cfg, info) if eval_due else eval_metrics
-            except StopWaiting:  # (--follow: held-out samples of parts not extracted yet)
-                return stop_waiting(step, data.loader.state_dict())
-            if eval_due and eval_metrics is not None:
-                log.log(step, "eval", heldout.observe(step, eval_metrics))
-                new_best = heldout.best_step == step
-                checkpoints.best_step = heldout.best_step  # kept from now on, whatever keep_checkpoints says
-            # A signal on any rank stops every rank after the same step (agreed on the CPU).
-            stopping = any_rank(stop.signum, info)
-            if (cfg.logging.save_interval and step % cfg.logging.save_interval == 0) or stopping or new_best:
-                refuse_nonfinite(step)  # never a checkpoint of nan weights
-                last_checkpoint, saved_step = save(step), step
-            if stopping:
-                log.info(f"stopped at step {step}; rerun the same command to resume.")
-                log.close()
-                return TrainResult(step, stop.exit_status or 130, last_checkpoint, None, last, eval_metrics,
-                                   heldout.best_step)
+def train_step(run: Run) -> None:
+    """One optimizer step: --grad-accum micro-batches (batch -> forward -> loss -> backward), then
+    clip the gradients and step the optimizer and the schedule. The loader raises StopWaiting when
+    a stop came while it waited for data."""
+    cfg, data, info, profiler, step = run.cfg, run.data, run.info, run.profiler, run.state.step
+    accum, optimizer = cfg.optimization.grad_accum, run.state.optimizer
+    profiler.begin(step)
+    run.model.train()
+    wait_before = data.loader.wait_seconds
+    for micro in range(accum):
+        with profiler.section("data_wait"):
+            batch = data.loader.next_batch()  # with its anchors (anchors.AnchorDraw)
+        # The noise comes from a generator seeded by this batch's place in the run, as its anchors.
+        noise = noise_generator(cfg.optimization.seed, data.loader.epoch, data.loader.last_index, info.device)
+        with profiler.section("host_to_device"):
+            batch = dequantize_batch({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
+        with gradient_sync(run.model, micro == accum - 1):  # all-reduce only with the last micro-batch
+            with profiler.section("forward"), run.autocast:
+                out = compute_loss(run.loss_model, batch, cfg.objective, noise_generator=noise,
+                                   progress=step / run.total_steps)
+            with profiler.section("backward"):
+                (out.loss / accum).backward()
+        run.metrics.update(out, batch)
+    with profiler.section("optimizer"):
+        grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optimization.grad_clip or math.inf)
+        optimizer.step()
+        run.state.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    run.metrics.add_step(grad_norm, data.loader.wait_seconds - wait_before, step + 1)
 
-    refuse_nonfinite(step)  # neither a checkpoint nor final/ of nan weights
-    if saved_step != step:
-        last_checkpoint = save(step)
-    # RUN_DIR/final is the best held-out checkpoint; the last step's stays in checkpoints/.
+
+def log_train_metrics(run: Run) -> dict[str, float]:
+    """Reduce the training metrics since the last log over ranks, log them, and stop the run if
+    they went nan (the guard); returns them."""
+    step, data, heldout = run.state.step, run.data, run.state.heldout
+    last = run.metrics.compute(run.info)
+    last.update(lr=run.state.scheduler.get_last_lr()[0], epoch=data.loader.epoch,
+                gpu_mem_gib=gpu_memory_gib(run.info.device))
+    heldout.add_train(last)
+    following = follow_fields(data)  # --follow: parts extracted and trained, data wait
+    run.log.log(step, "train", {**heldout.train_fields(), **last, **following})
+    run.log.advance(0, **heldout.progress_fields(), train_tau=last["tau"], loss=last["loss"],
+                    tok_s=last["context_tokens_per_second"], **following)
+    run.guard.check(step, last)
+    run.metrics.reset()
+    return last
+
+
+def evaluate_heldout(run: Run) -> bool:
+    """The held-out estimate of this step (when the run has held-out samples); whether it is the
+    best so far, whose checkpoint is then written and kept whatever --keep-checkpoints says."""
+    metrics = evaluate(run.loss_model, run.data, run.cfg.objective, run.autocast, run.cfg, run.info)
+    if metrics is None:
+        return False
+    run.eval_metrics = metrics
+    heldout, step = run.state.heldout, run.state.step
+    run.log.log(step, "eval", heldout.observe(step, metrics))
+    run.checkpoints.checkpoints.best_step = heldout.best_step
+    return heldout.best_step == step
+
+
+def stop_waiting(run: Run, stop: StopRequest, position: dict[str, Any]) -> TrainResult:
+    """A stop that came while the run waited for data another process makes (--follow: a part not
+    extracted yet), which may never come: the step in progress is abandoned (the loader goes back
+    to `position`, its start) and the last completed step is saved, unless it is already (or none
+    is: nothing to save). Under several ranks the save is collective and the others may be inside
+    the step: this rank exits with its last checkpoint, and the launcher ends them."""
+    loader = run.data.loader
+    loader.close()  # its workers stop waiting too (they see the stop: runtime.signals.check_stop)
+    loader.load_state_dict(position)
+    if run.state.step and run.info.world_size == 1:
+        run.checkpoints.save_unless_saved()
+    run.log.info(f"stopped at step {run.state.step} while waiting for data; rerun the same command to resume.")
+    return run.result(stop.exit_status or 130)
+
+
+def finish_run(run: Run) -> TrainResult:
+    """The last checkpoint and the export: RUN_DIR/final is the best held-out checkpoint's weights
+    (the last step's when none is better); the last step's stay in checkpoints/."""
+    step, heldout = run.state.step, run.state.heldout
+    run.guard.check(step)  # neither a checkpoint nor final/ of nan weights
+    last_checkpoint = run.checkpoints.save_unless_saved()
     best = heldout.best_step if heldout.best_step not in (None, step) else None
-    final_dir = export_final(model, optimizer, drafter, run_dir / FINAL_DIR, info, log,
-                             best=checkpoints.dir / step_dir_name(best) if best is not None else None,
-                             training_target=training_target({
-                                 "identity": identity, "config": cfg.to_dict(), "step": step,
-                                 "heldout": heldout.summary(step)}, exported_step=best if best is not None else step))
-    log.info(heldout.final_message(step, final_dir, last_checkpoint, caveat=data.heldout_caveat(),
-                                   cut_short=length.done_text()))
-    log.close()
-    return TrainResult(step, 0, last_checkpoint, final_dir, last, eval_metrics, heldout.best_step)
-
-
-# -- the pieces train() wires -------------------------------------------------------------------
+    target = training_target({"identity": run.state.identity, "config": run.cfg.to_dict(), "step": step,
+                              "heldout": heldout.summary(step)}, exported_step=best if best is not None else step)
+    final_dir = export_final(run.model, run.state.optimizer, run.drafter, run.run_dir / FINAL_DIR, run.info, run.log,
+                             best=run.checkpoints.checkpoints.dir / step_dir_name(best) if best is not None else None,
+                             training_target=target)
+    run.log.info(heldout.final_message(step, final_dir, last_checkpoint, caveat=run.data.heldout_caveat(),
+                                       cut_short=run.length.done_text()))
+    return run.result(0, final_dir)
 
 
 def seed_everything(seed: int) -> None:
@@ -313,34 +359,6 @@ def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:
             "next, so a sample needs 2 tokens at least. Extract the full completions (check the data's "
             "input_ids and --max-seq-len of dflash-extract) and train on that cache."
         )
-
-
-@torch.no_grad()
-def weights_finite(model: nn.Module) -> bool:
-    """Whether every trainable weight (this rank's shard under FSDP) is finite (a host sync)."""
-    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
-             for p in model.parameters() if p.requires_grad]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-def diverged_message(step: int, cfg: TrainConfig, last: dict[str, float] | None, checkpoint: Path | None,
-                     final_dir: Path) -> str:
-    """What a run whose loss went nan or inf says as it stops (DivergedError)."""
-    lr = cfg.optimization.lr
-    seen = f" (logged: loss={last['loss']:.4g}, grad_norm={last['grad_norm']:.4g})" if last else ""
-    kept = (f"the last checkpoint, {checkpoint}, is from before it and is kept" if checkpoint is not None
-            else "no checkpoint was written before it")
-    final = (f"{final_dir} is as it was" if (final_dir / "config.json").is_file()
-             else f"nothing was exported to {final_dir}")
-    return (f"The loss diverged at step {step}: the training loss or gradient norm became nan or inf{seen}, and "
-            "from there every weight of the drafter turns nan. The run stopped without checkpointing or exporting "
-            f"those weights: {kept}; {final}. Rerun with a lower --lr (this run's is {lr:g}; the default is "
-            f"{OptimizationConfig.lr:g}): in a new --output-dir to start over"
-            + (", or the same command with the lower --lr to resume from that checkpoint (one written shortly "
-               "before the divergence may hold weights already far off)" if checkpoint is not None else "")
-            + (". A --grad-clip (0 turns clipping off) and a longer --warmup-ratio also steady the first steps"
-               if cfg.optimization.grad_clip == 0 else ". A longer --warmup-ratio also steadies the first steps")
-            + ".")
 
 
 def load_target_config_or_fail(target_dir: str) -> Any:
@@ -440,39 +458,6 @@ def _fsdp_no_sync(model: Any):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def add_anchors(batch: dict, max_anchors: int, block_size: int, generator: torch.Generator) -> None:
-    """Put the batch's anchors and its scored block slots (both worked out on the host, so
-    the step never waits for the GPU) into it; the DataLoader pins them with the batch."""
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], max_anchors, generator)
-    slots = scored_slots(batch["input_ids"], batch["loss_mask"], batch["lengths"], anchors, valid, block_size)
-    batch.update(anchor_positions=anchors, anchor_valid=valid, scored_slots=slots)
-
-
-def draw_anchors(batch: dict, epoch: int, batch_index: int, *, seed: int, max_anchors: int,
-                 block_size: int) -> None:
-    """`add_anchors` with the anchor generator of global batch `batch_index` of `epoch`: the
-    same draws wherever it runs (a loader worker, or the trainer's own process)."""
-    add_anchors(batch, max_anchors, block_size, torch.Generator().manual_seed(batch_seeds(seed, epoch, batch_index)[0]))
-
-
-def batch_seeds(seed: int, epoch: int, batch_index: int) -> tuple[int, int]:
-    """(anchor seed, noise seed) of one global training batch."""
-    # The 0 once told training batches from held-out ones (evaluation now draws no anchors);
-    # it stays so that the same run gets the same draws as before.
-    entropy = [seed, 0, epoch, batch_index]
-    anchor_seed, noise_seed = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint64)
-    return int(anchor_seed), int(noise_seed)
-
-
-def batch_generators(seed: int, epoch: int, batch_index: int,
-                     device: torch.device) -> tuple[torch.Generator, torch.Generator]:
-    """(anchor generator on the CPU, noise generator on `device`) of one global training batch."""
-    anchor_seed, noise_seed = batch_seeds(seed, epoch, batch_index)
-    anchors = torch.Generator().manual_seed(anchor_seed)
-    noise = torch.Generator(device=device).manual_seed(noise_seed)
-    return anchors, noise
 
 
 @torch.no_grad()

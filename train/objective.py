@@ -334,32 +334,28 @@ def compute_loss(
     batch: dict,
     config: ObjectiveConfig,
     *,
-    generator: torch.Generator | None = None,
     progress: float = 0.0,
     noise_generator: torch.Generator | None = None,
 ) -> LossOutput:
-    """Draw anchors, run every block of the batch in one pass and score the predictions.
+    """Run every block of the batch (its anchors drawn where it was read: anchors.add_anchors) in
+    one pass and score the predictions.
 
-    `progress` in [0, 1] drives the noise schedule; `generator` (CPU) draws the anchors and,
-    unless `noise_generator` is given, the noise when it lives on the same device.
+    `progress` in [0, 1] drives the noise schedule, drawn with `noise_generator`.
     """
-    missing = {"hidden", "input_ids", "loss_mask", "lengths"} - set(batch)
+    missing = {"hidden", "input_ids", "loss_mask", "lengths", "anchor_positions", "anchor_valid"} - set(batch)
     if missing:
-        raise ValueError(f"batch is missing {sorted(missing)}; the cache loader must provide them.")
+        raise ValueError(f"batch is missing {sorted(missing)}; the cache loader must provide them "
+                         "(the anchors: train/anchors.py).")
     c = drafter.config
     hidden, input_ids, loss_mask = batch["hidden"], batch["input_ids"].long(), batch["loss_mask"]
     lengths = batch["lengths"].long()
     block_size = c.block_size
-
-    if "anchor_positions" in batch:  # drawn by the caller on the host (no device sync here)
-        anchors, anchor_valid = batch["anchor_positions"], batch["anchor_valid"]
-    else:
-        anchors, anchor_valid = sample_anchors(loss_mask, lengths, config.max_anchors, generator)
+    anchors, anchor_valid = batch["anchor_positions"], batch["anchor_valid"]  # drawn on the host: no device sync
     block_ids, block_positions = build_blocks(input_ids, anchors, c.mask_token_id, block_size)
     labels, valid = block_targets(input_ids, loss_mask, lengths, anchors, anchor_valid, block_size)
     kinds = [c.layer_attention(i) for i in range(c.num_hidden_layers)]
     mask = build_layer_masks(anchors, hidden.shape[1], block_size, kinds, c.attention_backend)
-    hidden = add_hidden_noise(hidden, config, progress, noise_generator or generator)
+    hidden = add_hidden_noise(hidden, config, progress, noise_generator)
     states = drafter(hidden, block_ids, block_positions, mask)  # [B, A*Bs, D]
     states = states.view(anchors.shape[0], anchors.shape[1], block_size, -1)[:, :, 1:]
 

@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.identity import comparable, target_identity
-from torch import nn
 
-from .checkpoint import Checkpointer, check_resume, compute_changes, restore_rng
+from .checkpoint import Checkpointer, TrainState, compute_changes
 from .config import TrainConfig, TrainConfigError
 from .data import TrainingData
-from .distributed import DistInfo, load_full_state
+from .distributed import DistInfo
 from .model import DFlashDrafter
-from .reporting import HeldoutTracker, RunLogger
+from .reporting import RunLogger
 
 
 def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
@@ -42,10 +41,9 @@ def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, t
     }
 
 
-def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any], model: nn.Module,
-           optimizer: torch.optim.Optimizer, scheduler: Any, data: TrainingData, log: RunLogger,
-           heldout: HeldoutTracker) -> int:
-    """Load the latest checkpoint of this run directory; returns the step to continue from."""
+def resume(cfg: TrainConfig, checkpoints: Checkpointer, state: TrainState, log: RunLogger) -> int:
+    """Load the latest checkpoint of this run directory into `state` (refused when it is not this
+    run's: checkpoint.check_resume); returns the step to continue from."""
     latest = checkpoints.latest()
     if latest is None:
         if cfg.logging.resume:
@@ -54,26 +52,21 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, identity: dict[str, Any]
             log.info(f"{log.path} held the records of an earlier run in this directory, whose checkpoints are "
                      f"gone: moved to {aside.name}, so that this run's steps do not mix with them.")
         return 0
-    ckpt = checkpoints.load(latest)
-    for note in check_resume(ckpt.meta["identity"], identity, latest):
-        log.info(f"Note: {note}")
+    optimizer, scheduler = state.optimizer, state.scheduler
     # this run's settings, as build_optimizer gave them to each group (the scheduler, built since,
     # moved its lr to the first step's and kept --lr as its initial_lr)
     built = [{"lr": group["initial_lr"], **{k: group[k] for k in OPTIMIZER_SETTINGS}} for group in optimizer.param_groups]
-    load_full_state(model, optimizer, ckpt.model, ckpt.optimizer)
-    scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    ckpt, notes = checkpoints.restore(state, latest, state.identity)
+    for note in notes:
+        log.info(f"Note: {note}")
     apply_optimizer_settings(optimizer, scheduler, built)
-    data.loader.load_state_dict(ckpt.trainer["loader"])
-    restore_rng(ckpt.trainer["rng"])
-    if "heldout" in ckpt.trainer:  # the best held-out evaluation so far and the train-tau window
-        heldout.load_state_dict(ckpt.trainer["heldout"])
-        checkpoints.best_step = heldout.best_step
+    data_epoch = state.loader.epoch
     if dropped := log.keep_until(ckpt.step):
         log.info(f"{log.path}: dropped {dropped} record(s) of steps after {ckpt.step}, logged by the run that "
                  "stopped before checkpointing them; this run logs those steps again.")
     now = cfg.to_dict()
     changed = {k: (v, now[k]) for k, v in ckpt.meta.get("config", {}).items() if k in now and now[k] != v}
-    log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data.loader.epoch}). To start over, "
+    log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data_epoch}). To start over, "
              "use a new --output-dir.")
     if changed:
         log.info("settings changed since that checkpoint: " + ", ".join(
