@@ -218,8 +218,10 @@ class DraftContext:
         return self.drafter.logits(self.draft_states(anchor_ids, anchor_positions, block_size))
 
     @torch.no_grad()
-    def draft_states(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
-        """The drafter's normed states [B, block_size-1, D] of the drafted slots (see `draft`)."""
+    def draft_states(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int, *,
+                     with_anchor: bool = False) -> torch.Tensor:
+        """The drafter's normed states [B, block_size-1, D] of the drafted slots (see `draft`); with
+        `with_anchor` [B, block_size, D], the anchor's slot first."""
         d = self.drafter
         if self.valid is None:
             raise ValueError("append context before drafting a block.")
@@ -230,7 +232,7 @@ class DraftContext:
         positions = anchor_positions[:, None] + offsets
         masks = d.block_masks(self.positions, self.valid, positions)
         states = d.run_block(block_ids, positions, list(zip(self.keys, self.values)), masks)
-        return states[:, 1:]
+        return states if with_anchor else states[:, 1:]
 
 
 # -- the speculative loop ---------------------------------------------------------------------
@@ -289,6 +291,7 @@ class DrafterProposer(Proposer):
         self.block_size, self.trained_block_size = block_size, trained
         # the head's decode step (DFlash2: the selector walks the block), or None: the backbone's argmax
         self.walk = drafter.head.proposer(drafter, temperature, seed)
+        self.whole_block = drafter.head.reads_whole_block
         self.confidence_threshold = confidence_threshold
 
     def prefill(self, out: Any, positions: torch.Tensor, valid: torch.Tensor) -> None:
@@ -297,8 +300,13 @@ class DrafterProposer(Proposer):
     def propose(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
                 histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.walk is not None:
-            states = self.context.draft_states(anchors, anchor_positions, self.trained_block_size)
-            drafts = self.walk(states[:, : self.block_size - 1], anchors)
+            whole = self.whole_block  # XPress's refiner mixes the whole block, the anchor's slot included
+            states = self.context.draft_states(anchors, anchor_positions, self.trained_block_size, with_anchor=whole)
+            if whole:
+                before = torch.tensor([(list(p) + list(o))[-2] for p, o in histories], device=anchors.device)
+                drafts = self.walk(states, anchors, before)[:, : self.block_size - 1]
+            else:
+                drafts = self.walk(states[:, : self.block_size - 1], anchors)
             confidence = None
             if isinstance(drafts, tuple):  # the head predicts each draft's acceptance probability
                 drafts, confidence = drafts

@@ -247,6 +247,17 @@ class DrafterSettings:
     draft_vocab_size: int | None = None
     """dspark: a draft vocabulary smaller than the target's is not supported yet: leave it out (the
     target's vocabulary, what the export records)."""
+    # -- xpress (train/heads/xpress.py): defaults as vLLM 0.34's XPressRefinerHead and speculators 0.9
+    xpress_rank: int = 256
+    """xpress: low rank r of the refiner (its token embedding, hidden projections, mix and MLP)."""
+    xpress_mlp_hidden: int = 512
+    """xpress: width of the refiner's SwiGLU MLP (speculators: r x xpress_mlp_ratio 2)."""
+    xpress_passes: int = 6
+    """xpress: Jacobi passes over the block when decoding (speculators' num_jacobi_passes; block - 1
+    passes give the sequential decode exactly)."""
+    xpress_topc: int = 512
+    """xpress: each pass scores the backbone's top-C tokens per slot, as vLLM serves it (its
+    xpress_topc); 0: the whole vocabulary."""
 
 
 @section
@@ -360,6 +371,15 @@ class ObjectiveConfig:
     confidence_loss_weight: float = 1.0
     """dspark: weight of the confidence head's binary cross-entropy toward each slot's acceptance
     probability (speculators' confidence_head_alpha)."""
+    # -- xpress (train/heads/xpress.py): defaults as speculators 0.9's XPress recipe
+    xpress_consistency_weight: float = 0.3
+    """xpress: weight of the free-running Jacobi rounds' loss (each round fed the previous one's
+    argmax, the inputs the refiner meets when decoding; 0: off)."""
+    xpress_consistency_passes: int = 3
+    """xpress: free-running rounds of the consistency loss (their losses averaged)."""
+    xpress_base_anchor_weight: float = 0.6
+    """xpress: the backbone's own loss against the refined logits' 1 (speculators' base_anchor_weight:
+    it keeps the backbone's argmax, the passes' start, good on its own)."""
 
     def __post_init__(self) -> None:
         _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight", "selector_loss_weight",
@@ -386,6 +406,11 @@ class ObjectiveConfig:
         for name in ("markov_loss_weight", "markov_tv_weight", "confidence_loss_weight"):  # dspark
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")
+        _check_finite(self, ("xpress_consistency_weight", "xpress_base_anchor_weight"))  # xpress
+        _check_at_least(self, ("xpress_consistency_passes",), 0)
+        if self.xpress_consistency_weight < 0 or self.xpress_base_anchor_weight <= 0:
+            raise TrainConfigError(f"--xpress-consistency-weight must be 0 or more and --xpress-base-anchor-weight more "
+                                   f"than 0 (got {self.xpress_consistency_weight} and {self.xpress_base_anchor_weight}).")
 
     def noise_amplitude(self, progress: float) -> float:
         """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""

@@ -51,9 +51,11 @@ def serve_lines(hf_config: dict[str, Any], serving: dict[str, Any], *, target: s
               f"    --speculative-algorithm {serving['sglang_algorithm']} --speculative-draft-model-path {drafter}")
     if "sliding_attention" in (hf_config.get("layer_types") or []):
         sglang += f" \\\n    --speculative-draft-window-size {hf_config['sliding_window']}"
-    return ["vLLM 0.34 (`num_speculative_tokens` is the block size minus one; vLLM does not read `block_size`):",
-            "", "```bash", f"vllm serve {target} --speculative-config '{json.dumps(spec)}'", "```", "",
-            "SGLang 0.5.23:", "", "```bash", sglang, "```"]
+    vllm = ["vLLM 0.34 (`num_speculative_tokens` is the block size minus one; vLLM does not read `block_size`):",
+            "", "```bash", f"vllm serve {target} --speculative-config '{json.dumps(spec)}'", "```", ""]
+    if not serving["sglang_algorithm"]:  # e.g. XPress: no model of SGLang 0.5.23 declares its architecture
+        return [*vllm, f"SGLang 0.5.23 does not serve {serving['name']} drafters."]
+    return [*vllm, "SGLang 0.5.23:", "", "```bash", sglang, "```"]
 
 
 def _drafter_rows(hf_config: dict[str, Any], serving: dict[str, Any]) -> list[tuple[str, str]]:

@@ -356,8 +356,8 @@ def compute_loss(
     kinds = [c.layer_attention(i) for i in range(c.num_hidden_layers)]
     mask = build_layer_masks(anchors, hidden.shape[1], block_size, kinds, c.attention_backend)
     hidden = add_hidden_noise(hidden, config, progress, noise_generator)
-    states = drafter(hidden, block_ids, block_positions, mask)  # [B, A*Bs, D]
-    states = states.view(anchors.shape[0], anchors.shape[1], block_size, -1)[:, :, 1:]
+    blocks = drafter(hidden, block_ids, block_positions, mask).view(anchors.shape[0], anchors.shape[1], block_size, -1)
+    states = blocks[:, :, 1:]
 
     # Only scored slots go through the (large) lm_head. Their indices come with the batch
     # when the caller computed them on the host (no device sync); else from `valid`.
@@ -410,7 +410,8 @@ def compute_loss(
     own = head.objective(HeadInputs(
         drafter=drafter, states=scored, labels=target, weights=weights, input_ids=input_ids, rows=(b, cache_rows),
         top_ids=top_ids, candidate_logits=picked, soft_labels=soft,
-        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk)), config)
+        gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk),
+        block_states=blocks, anchors=anchors, slots=(b, a, k)), config)
     if own is None:
         return LossOutput(
             loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,

@@ -44,6 +44,12 @@ class HeadInputs:
     """[N, K+1] the backbone logits of the top-K and the label, where the head was run at once."""
     gather_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(states [N, D], ids [N, C]) -> their logits [N, C], chunked like the backbone's loss."""
+    block_states: torch.Tensor | None = None
+    """[B, A, block_size, D] every block slot's normed state, the anchor's first (XPress reads whole blocks)."""
+    anchors: torch.Tensor | None = None
+    """[B, A] each block's anchor position (padding blocks included)."""
+    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(batch row, block, k) [N] of each scored slot: slot k+1 of block (row, block) in `block_states`."""
     soft_labels: dict[str, torch.Tensor] = field(default_factory=dict)
     """The slots' soft labels where the run uses them (--soft-label-weight > 0), else empty: the
     target's top-k (soft_ids, soft_logprobs renormalized, [N, k]) or its last states (soft_hidden)."""
@@ -92,6 +98,9 @@ class DraftHead:
     picks_drafts: bool = False
     """The head chooses the drafted tokens (`objective` returns its choices, `proposer` decodes
     them): held-out evaluation reports the backbone's own tau beside the drafter's."""
+    reads_whole_block: bool = False
+    """The proposer's walk is called with every slot's state, the anchor's first ([B, T, D] at the
+    trained block size T), the anchors and the tokens before them ([B]), and returns T-1 drafts."""
     default_hard_label: str = "sample"
     """--hard-label when not given, where the cache stores the target's top-1 (else sample)."""
     warm_starts_from: tuple[str, ...] = ()
