@@ -17,7 +17,12 @@ import signal
 import pytest
 import torch
 from conftest import assert_same_weights, final_weights, tiny_train_config
-from dflash.eval.speculative import DecodeConfig, NoConfidenceError, speculative_generate, target_generate
+from dflash.eval.speculative import (
+    DecodeConfig,
+    NoConfidenceError,
+    speculative_generate,
+    target_generate,
+)
 from dflash.train import heads
 from dflash.train.export import export_drafter, load_drafter
 from dflash.train.heads.base import HeadInputs
