@@ -171,6 +171,7 @@ class DraftContext:
         self.values: list[torch.Tensor] = []
         self.valid: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # [B, L] absolute position of every column
+        self.fused: torch.Tensor | None = None  # [B, L, D] the fused context (anchor_context)
 
     @property
     def length(self) -> int:
@@ -185,8 +186,9 @@ class DraftContext:
         new = [layer.self_attn.project_kv(context, cos, sin) for layer in d.layers]
         if self.valid is None:
             self.keys, self.values, self.valid = [k for k, _ in new], [v for _, v in new], valid.bool()
-            self.positions = positions
+            self.positions, self.fused = positions, context
             return
+        self.fused = torch.cat([self.fused, context], dim=1)
         self.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(self.keys, new)]
         self.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(self.values, new)]
         self.valid = torch.cat([self.valid, valid.bool()], dim=1)
@@ -199,14 +201,23 @@ class DraftContext:
             self.keys = [k[:, :, :length] for k in self.keys]
             self.values = [v[:, :, :length] for v in self.values]
             self.valid = self.valid[:, :length]
-            self.positions = self.positions[:, :length]
+            self.positions, self.fused = self.positions[:, :length], self.fused[:, :length]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (finished sequences leave the batch)."""
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         if self.valid is not None:
-            self.valid, self.positions = self.valid[rows], self.positions[rows]
+            self.valid, self.positions, self.fused = self.valid[rows], self.positions[rows], self.fused[rows]
+
+    def anchor_context(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the fused context of each row's last valid column [B, D], whether it has one [B]): the
+        state of the token before the anchor, the last verified one; None before any context."""
+        if self.valid is None:
+            return None
+        last = (self.valid.long() * torch.arange(1, self.length + 1, device=self.valid.device)).argmax(dim=1)
+        rows = torch.arange(self.valid.shape[0], device=self.valid.device)
+        return self.fused[rows, last], self.valid.any(dim=1)
 
     @torch.no_grad()
     def draft(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -291,6 +302,8 @@ class DrafterProposer(Proposer):
         self.block_size, self.trained_block_size = block_size, trained
         # the head's decode step (DFlash2: the selector walks the block), or None: the backbone's argmax
         self.walk = drafter.head.proposer(drafter, temperature, seed)
+        if hasattr(self.walk, "bind"):  # a step that reads more of the context than the block's states
+            self.walk.bind(self.context)
         self.whole_block = drafter.head.reads_whole_block
         self.confidence_threshold = confidence_threshold
 

@@ -258,6 +258,24 @@ class DrafterSettings:
     xpress_topc: int = 512
     """xpress: each pass scores the backbone's top-C tokens per slot, as vLLM serves it (its
     xpress_topc); 0: the whole vocabulary."""
+    # -- lilicorr (train/heads/lilicorr/): the engines have no defaults (SGLang requires every key)
+    lilicorr_candidate_topk: int = 8
+    """lilicorr: candidates per slot, the top-K of the full vocabulary's log-softmax (a power of two
+    up to 16, as vLLM and SGLang require)."""
+    lilicorr_hidden_size: int = 0
+    """lilicorr: width of the correlator (0: the drafter's; narrower adds token_proj and costs less)."""
+    lilicorr_num_layers: int = 2
+    """lilicorr: attention+MLP layers over the block's candidate lattice."""
+    lilicorr_num_heads: int = 8
+    """lilicorr: attention heads of those layers (must divide the correlator's width)."""
+    lilicorr_mlp_ratio: float = 2.0
+    """lilicorr: MLP width of those layers over the correlator's width."""
+    lilicorr_factor_dim: int = 64
+    """lilicorr: width of the unit vectors whose dot products score candidate -> candidate."""
+    lilicorr_vector_eps: float = 1e-6
+    """lilicorr: epsilon of those vectors' normalization."""
+    lilicorr_logit_scale: float = 16.0
+    """lilicorr: factor on the dot products (in [-1, 1]) that makes them the walk's logits."""
 
 
 @section
@@ -380,6 +398,10 @@ class ObjectiveConfig:
     xpress_base_anchor_weight: float = 0.6
     """xpress: the backbone's own loss against the refined logits' 1 (speculators' base_anchor_weight:
     it keeps the backbone's argmax, the passes' start, good on its own)."""
+    # -- lilicorr (train/heads/lilicorr/)
+    lilicorr_loss_weight: float = 1.0
+    """lilicorr: weight of the correlator's loss, the walk's cross-entropy along the true path (ours:
+    no released trainer trains LiLiCorr; docs/drafter.md, "LiLiCorr")."""
 
     def __post_init__(self) -> None:
         _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight", "selector_loss_weight",
@@ -411,6 +433,9 @@ class ObjectiveConfig:
         if self.xpress_consistency_weight < 0 or self.xpress_base_anchor_weight <= 0:
             raise TrainConfigError(f"--xpress-consistency-weight must be 0 or more and --xpress-base-anchor-weight more "
                                    f"than 0 (got {self.xpress_consistency_weight} and {self.xpress_base_anchor_weight}).")
+        _check_finite(self, ("lilicorr_loss_weight",))  # lilicorr
+        if self.lilicorr_loss_weight < 0:
+            raise TrainConfigError(f"--lilicorr-loss-weight must be 0 or more (got {self.lilicorr_loss_weight}).")
 
     def noise_amplitude(self, progress: float) -> float:
         """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""

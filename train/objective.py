@@ -411,7 +411,8 @@ def compute_loss(
         drafter=drafter, states=scored, labels=target, weights=weights, input_ids=input_ids, rows=(b, cache_rows),
         top_ids=top_ids, candidate_logits=picked, soft_labels=soft,
         gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk),
-        block_states=blocks, anchors=anchors, slots=(b, a, k)), config)
+        block_states=blocks, anchors=anchors, slots=(b, a, k), context=hidden,
+        label_logprobs=label_lp.detach()), config)
     if own is None:
         return LossOutput(
             loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from .base import DraftHead
 
 _BUILTIN = {"dflash": "dflash.train.heads.dflash", "dflash2": "dflash.train.heads.dflash2",
-            "dspark": "dflash.train.heads.dspark", "xpress": "dflash.train.heads.xpress"}
+            "dspark": "dflash.train.heads.dspark", "xpress": "dflash.train.heads.xpress",
+            "lilicorr": "dflash.train.heads.lilicorr"}
 """The heads that ship with the trainer: name -> the module whose `HEAD` it is (imported on first use)."""
 _LOADED: dict[str, DraftHead] = {}
 

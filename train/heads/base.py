@@ -50,6 +50,12 @@ class HeadInputs:
     """[B, A] each block's anchor position (padding blocks included)."""
     slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """(batch row, block, k) [N] of each scored slot: slot k+1 of block (row, block) in `block_states`."""
+    context: torch.Tensor | None = None
+    """[B, T, K*D] the captured target states the drafter read (noise included); LiLiCorr fuses the
+    anchor's (the last verified token's) from them."""
+    label_logprobs: torch.Tensor | None = None
+    """[N] the backbone's log-probability of each label, detached (with `candidate_logits`, the
+    candidates' full-vocabulary log-probs)."""
     soft_labels: dict[str, torch.Tensor] = field(default_factory=dict)
     """The slots' soft labels where the run uses them (--soft-label-weight > 0), else empty: the
     target's top-k (soft_ids, soft_logprobs renormalized, [N, k]) or its last states (soft_hidden)."""
