@@ -95,6 +95,11 @@ def _refiner_class():
                         module.weight.normal_(0.0, std)
                 self.mix.L.zero_()
 
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            """`hidden_cache`: the first call on a block goes through the module, so that a sharded
+            (FSDP) refiner gathers its parameters, which stay gathered for the passes after it."""
+            return self.hidden_cache(h)
+
         def hidden_cache(self, h: torch.Tensor) -> torch.Tensor:
             """[n, T, D] the block's states -> [n, T, 2r], the part no pass changes."""
             h = h.to(self.down_h.weight.dtype)
@@ -183,7 +188,7 @@ class XPressHead(DraftHead):
         tokens = ids.gather(1, positions.flatten(1)).view(batch * width, block)  # the true block
         before = ids.gather(1, (anchors - 1).clamp(min=0)).flatten()  # the anchor itself at position 0
         before = torch.where(anchors.flatten() > 0, before, tokens[:, 0])
-        hcache = refiner.hidden_cache(full.reshape(batch * width, block, -1))
+        hcache = refiner(full.reshape(batch * width, block, -1))  # first: gathers a sharded refiner
         scored_block = b * width + a  # the block of each scored slot, in [B * A]
         slot = k + 1
 
@@ -352,7 +357,7 @@ class JacobiWalk:
         if self.temperature > 0:
             uniform = torch.rand(base.shape, generator=self.generator, device=base.device).clamp_(1e-20, 1.0)
             noise = -torch.log(-torch.log(uniform))
-        hcache = refiner.hidden_cache(states)
+        hcache = refiner(states)
 
         def pick(scores: torch.Tensor) -> torch.Tensor:
             choice = (scores / self.temperature + noise if noise is not None else scores).argmax(-1)
