@@ -276,3 +276,13 @@ def test_two_ranks_train_xpress_as_one_rank_does_under_ddp_and_fsdp(tiny_world, 
     for two in runs.values():
         for step in (3, 6):
             assert_close_weights(weights(two, step), weights(one, step))
+
+
+def test_settings_xpress_cannot_train_are_refused_naming_the_flag(tiny_world, target, tmp_path):
+    from dflash.train.config import TrainConfigError
+
+    with pytest.raises(TrainConfigError, match="--xpress-base-anchor-weight"):
+        tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", drafter_type="xpress",
+                          xpress_base_anchor_weight=0.0)
+    with pytest.raises(ValueError, match="--xpress-rank 0"):
+        tiny_drafter(target, **{**XPRESS, "xpress_rank": 0})
