@@ -263,7 +263,8 @@ class XPressHead(DraftHead):
     def describe(self, config: DrafterConfig, shape: str) -> str:
         c = config
         return (f"XPress ({shape}; refiner rank {c.xpress_rank}, MLP {c.xpress_mlp_hidden}; decoded by "
-                f"{c.xpress_passes} Jacobi passes over the top-{c.xpress_topc or 'all'}), exported as Qwen3XPressModel")
+                f"{c.xpress_passes} Jacobi passes over {f'the top-{c.xpress_topc}' if c.xpress_topc else 'the vocabulary'}), "
+                "exported as Qwen3XPressModel")
 
     def warm_start_note(self) -> str:
         return "the refiner at speculators' start (the mix at 0)"
