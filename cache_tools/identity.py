@@ -226,7 +226,6 @@ def unrecorded_weights_note(recorded: dict[str, Any] | None, current: dict[str, 
     """A sentence when `recorded` (an older cache's or checkpoint's target) has no weights hash
     while `current` does: accepted, but the weights could not be checked."""
     if (recorded or {}).get("weights_hash") is None and (current or {}).get("weights_hash") is not None:
-        return (f"{what} records no hash of its target's weights (written before they were "
-                "recorded, or imported from another trainer's files): that this target's weights are the same ones "
-                "is not checked.")
+        return (f"{what} records no hash of its target's weights (older or imported): not checked "
+                "against this target.")
     return None

@@ -59,7 +59,7 @@ def test_chat_data_to_an_evaluated_drafter_with_the_template_in_the_manifest(tmp
                                   "--max-batch-size", "4", "--num-workers", "0", "--dtype", "fp32", "--device", "cpu",
                                   "--save-interval", "0", "--no-progress", "--no-tensorboard"])
     # The trainer says which rendering its data has (the one to serve with).
-    assert f"rendered with chat template sha256 {sha[:12]} kwargs {{\"enable_thinking\": false}}" in trained.output
+    assert f"chat template sha256 {sha[:12]} kwargs {{\"enable_thinking\": false}}" in trained.output
     result = invoke(eval_main, ["--target-model", target, "--drafter", run / "final", "--prompts",
                                 tmp_path / "eval.jsonl", "--max-new-tokens", "8", "--device", "cpu",
                                 "--dtype", "fp32", "--json"])

@@ -105,7 +105,7 @@ def test_the_startup_summary_counts_the_groups_it_holds_out(grouped, tmp_path):
     held = {grouped["records"][int(i)].get("group") for i in ids[data.eval_indices]} - {None}
     held = {g if isinstance(g, int) else int(g.split("-")[1]) for g in held}
     assert 0 < len(held) < GROUPS
-    assert f"(the records name {GROUPS} groups: {len(held)} of them held out whole)" in data.summary()
+    assert f"({len(held)} of {GROUPS} record groups held out whole)" in data.summary()
     assert data.caches.grouped().sum() == GROUPS * PER_GROUP
 
 

@@ -36,10 +36,9 @@ def test_a_run_that_max_steps_ends_partway_through_its_epochs_says_where_and_its
     out = capsys.readouterr().out
     [note] = _lines(out, "Note: --max-steps")
     assert note.startswith(f"Note: --max-steps 20 ends the run at step 20, partway through epoch 2 of 3 (step "
-                           f"{20 - first} of its {second}), where the 3 epoch(s) of --epochs are "
-                           f"{first + second + third} steps.")
-    assert "The learning-rate schedule spans the 20 steps, not the epochs" in note
-    assert "down to 0.1 x --lr at step 20" in note and "held-out evaluations, 10 a run (every 2 step(s))" in note
+                           f"{20 - first} of its {second}); all 3 epoch(s) take {first + second + third} steps")
+    [schedule] = _lines(out, "schedule over those 20 steps:")
+    assert "to 0.1 x --lr at step 20" in schedule and "held-out evaluations every 2 step(s)" in schedule
     # what it says is what the run does: the schedule reaches its floor at step 20, evaluated every 2 steps
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if r["kind"] == "eval"] == list(range(2, 21, 2))

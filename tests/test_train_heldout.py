@@ -108,7 +108,7 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     on = data(eval_fraction=0.25)
     assert on.heldout_count == len(on.eval_indices) > 0
     assert len(on.train_indices) + on.heldout_count == len(on.caches)
-    assert "noisy estimate" in on.summary()  # a dozen held-out samples: the summary says so
+    assert "held-out samples evaluated: a noisy tau" in on.summary()  # a dozen held-out samples: the summary says so
     assert f"only {len(on.train_indices)} training samples" in on.summary()  # and a few dozen training ones
     # its advice names dflash-generate's flag for more answers per prompt, which exists
     from dflash.prepare.driver import GenerateConfig

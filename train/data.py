@@ -116,13 +116,10 @@ def few_groups_warning(held: int, total: int, fraction: float) -> str:
     with the --eval-fraction that would hold out about that many."""
     wanted = min(FEW_HELDOUT_GROUPS, total)
     suggest = min(0.5, max(fraction, math.ceil(100 * wanted / total) / 100))
-    return (f"; warning: only {held} whole group(s) of the records are held out, and a pooled tau over so few "
-            f"documents rests on which ones they are (on the project's BPE benchmark, 9 held-out files of 604 "
-            f"read 1.67x the decoded tau; over {FEW_HELDOUT_GROUPS} files a pooled tau came within 10 % of the "
-            f"whole in 90 % of draws; a 10 % split holding 62 files read 1.21x, for 3.7 % less tau from the "
-            f"data it kept out of training, docs/BENCHMARKS.md): raise --eval-fraction to about {suggest:g} "
-            f"(about {wanted} groups; a cache without top-k log-probs needs --top1-share at least that, so that "
-            f"they keep the target's top-1) or give --eval-cache of greedy completions of other documents' prompts")
+    return (f"; warning: only {held} whole group(s) of the records are held out: a pooled tau over so few "
+            f"documents rests on which they are (docs/recipe.md, held-out split); raise --eval-fraction to about "
+            f"{suggest:g} (about {wanted} groups; without top-k log-probs, --top1-share at least that) or give "
+            "--eval-cache of greedy completions of other documents' prompts")
 
 
 @dataclass
@@ -230,55 +227,50 @@ class TrainingData:
                 "measure the drafter with dflash-eval on prompts of other documents")
 
     def summary(self) -> str:
+        """The startup summary of the data: one line of figures, then one short line per caveat."""
         c = self.caches
         where = "in --eval-cache" if self.eval_caches is not None else "held out"
-        text = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
+        head = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
                 f"{len(self.train_indices)} for training, {self.heldout_count} {where}")
         if self.train_cap:
-            text += f" (training capped at {self.train_cap} samples by --max-train-samples)"
+            head += f" (capped by --max-train-samples {self.train_cap})"
         if len(self.eval_indices) < self.heldout_count:
-            text += f" ({len(self.eval_indices)} of them evaluated, --eval-max-samples)"
+            head += f" ({len(self.eval_indices)} evaluated, --eval-max-samples)"
         if self.heldout_groups is not None:
             held, total = self.heldout_groups
-            text += f" (the records name {total} groups: {held} of them held out whole)"
-        text += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
+            head += f" ({held} of {total} record groups held out whole)"
+        head += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
+        lines = [head]
         if not self.heldout_count:
-            text += ("; no held-out samples: the logged tau is measured on training batches only "
-                     "(set --eval-fraction or --eval-cache for an honest estimate)")
+            lines.append("no held-out samples: tau is measured on training batches (set --eval-fraction or --eval-cache)")
         elif len(self.eval_indices) < FEW_HELDOUT:
-            text += (f"; only {len(self.eval_indices)} held-out samples are evaluated: their tau is a noisy "
-                     "estimate (raise --eval-fraction or give --eval-cache)")
+            lines.append(f"only {len(self.eval_indices)} held-out samples evaluated: a noisy tau (raise --eval-fraction "
+                         "or give --eval-cache)")
         if self.heldout_count and self.heldout_groups is not None:
             held, total = self.heldout_groups
             if held < FEW_HELDOUT_GROUPS and total > held:
-                text += few_groups_warning(held, total, self.config.eval_fraction)
-        held = (self.eval_caches if self.eval_caches is not None else c).manifest
-        if self.heldout_count and not held.top1 and not held.topk:
-            text += ("; warning: the held-out cache stores no target top-1 (extracted before it was stored "
-                     "by default, or with --no-store-top1), so the held-out estimate checks drafts against "
-                     "the samples' own tokens: on sampled completions it under-reads what greedy decoding "
-                     "accepts; extract again without --no-store-top1, or give --eval-cache of greedy completions")
+                lines.append(few_groups_warning(held, total, self.config.eval_fraction).removeprefix("; "))
+        held_manifest = (self.eval_caches if self.eval_caches is not None else c).manifest
+        if self.heldout_count and not held_manifest.top1 and not held_manifest.topk:
+            lines.append("warning: the held-out cache stores no target top-1 (--no-store-top1, or an older cache): "
+                         "its estimate checks drafts against the samples' own tokens and under-reads on sampled "
+                         "completions; extract without --no-store-top1, or give --eval-cache of greedy completions")
         elif self.eval_without_top1:
             share = ", ".join(sorted({f"{r.top1_share:g}" for r in (self.eval_caches if self.eval_caches is not None else c).readers}))
-            text += (f"; warning: {self.eval_without_top1} of the {len(self.eval_indices)} evaluated held-out samples "
-                     f"have no target top-1 (the cache stores it for a share {share} of its samples, dflash-extract "
-                     f"--top1-share, and the held-out set is larger), so their estimate checks drafts against their own "
-                     f"tokens: on sampled completions it under-reads what greedy decoding accepts; extract with "
-                     f"--top1-share at least --eval-fraction (1 for a cache used whole, as --eval-cache), or lower "
-                     f"--eval-fraction or --eval-max-samples")
+            lines.append(f"warning: {self.eval_without_top1} of the {len(self.eval_indices)} evaluated held-out samples "
+                         f"have no target top-1 (dflash-extract --top1-share {share}): their estimate under-reads on "
+                         "sampled completions; extract with --top1-share at least --eval-fraction (1 for an "
+                         "--eval-cache), or lower --eval-fraction or --eval-max-samples")
         if len(self.train_indices) < FEW_TRAINING:
-            text += (f"; only {len(self.train_indices)} training samples: on the project's BPE benchmark "
-                     "4,096 target completions at the defaults (a DFlash2 drafter, 10 epochs, soft labels from the "
-                     "cache's top-8) gave 1.26x prompt lookup's tau on code and 1.51x on prose (plain DFlash 1.21x and "
-                     "1.52x; 6 epochs of DFlash without soft labels 0.90-1.02x and 1.51x); 32,768 gave 2.25x on code "
-                     "at 6 epochs (DFlash 1.92x) and 1.74-1.91x on prose with DFlash; on code, two more sampled completions of each prompt (dflash-generate "
-                     "--samples-per-prompt 3 --temperature 0.7) took 0.98x to 1.62x at 6 epochs (docs/recipe.md): "
-                     "more target-generated answers help most")
-        text += "".join(f"; {w}" for w in self.warnings)
+            lines.append(f"only {len(self.train_indices)} training samples: more target completions help most "
+                         "(docs/recipe.md, Data and epochs)")
+        lines += [w.removeprefix("; ") for w in self.warnings]
         if c.truncated_samples:
-            text += (f"; {c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are "
-                     f"truncated ({c.truncated_tokens} tokens dropped)")
-        return text + rendering_summary([r.manifest.header for r in c.readers])
+            lines.append(f"{c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are truncated "
+                         f"({c.truncated_tokens} tokens dropped)")
+        if rendering := rendering_summary([r.manifest.header for r in c.readers]):
+            lines.append(rendering.removeprefix("; "))
+        return "\n".join(lines)
 
 
 def _walked_text(caches: CacheSet, indices: np.ndarray, block_size: int) -> tuple[float, int] | None:
@@ -312,7 +304,7 @@ def rendering_summary(headers: list[dict[str, Any]]) -> str:
     described = [f"sha256 {str(r.get('chat_template_sha256'))[:12]} kwargs {json.dumps(r.get('chat_template_kwargs', {}))}"
                  for r in renderings]
     if len(renderings) == 1:
-        return f"; rendered with chat template {described[0]} (serve with the same template and kwargs)"
+        return f"; chat template {described[0]} (serve with the same)"
     return (f"; WARNING: the data was rendered with {len(renderings)} different chat templates or kwargs "
             f"({'; '.join(described)}): a drafter learns the rendering it trains on, so serve with the one "
             "that most of the data used, or prepare the data again with one")

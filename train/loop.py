@@ -197,7 +197,9 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
                                    caches=data.caches):
         log.info(f"Note: {note}")
-    log.info(data.summary() + label_summary(cfg.objective, manifest))
+    log.info(data.summary())
+    if labels := label_summary(cfg.objective, manifest):
+        log.info(labels.removeprefix("; ").replace("; hard labels", "\nhard labels"))
     length = RunLength.of(data.loader.steps_per_epoch, cfg.optimization.max_steps)  # --epochs, or --max-steps
     if note := length.startup_note(cfg, heldout=bool(data.heldout_count)):
         log.info(f"Note: {note}")
@@ -406,10 +408,8 @@ def build_drafter(cfg: TrainConfig, data: TrainingData, announce: Callable[[str]
         drafter.compile_training(cfg.runtime.compile_mode, per_layer=cfg.runtime.parallel == "fsdp" or cfg.runtime.gradient_checkpointing,
                                  dynamic=cfg.runtime.compile_dynamic)
         if announce is not None:
-            announce("compiling the training forward: the first steps, and a few later ones whose batch "
-                     "shapes are new to it, take longer (about 4 minutes in all for bench/quality's drafter "
-                     "on a fresh H200 host, 30 s when torch.compile's cache, TORCHINDUCTOR_CACHE_DIR, "
-                     "holds an earlier run of the same drafter); --no-compile trains eager")
+            announce("compiling the training forward: the first steps and new batch shapes take longer "
+                     "(docs/train.md, Throughput); --no-compile trains eager")
     return drafter
 
 

@@ -51,23 +51,21 @@ class RunLength:
         return f"{where} epoch {epoch + 1} of {of}" + (f" ({'; '.join(said)})" if said else "")
 
     def startup_note(self, cfg: TrainConfig, heldout: bool) -> str | None:
-        """What a run cut by --max-steps says before its first step (None: its epochs decide its length)."""
+        """What a run cut by --max-steps says before its first step, two lines (None: its epochs decide its length)."""
         if not self.cut:
             return None
         o, n = cfg.optimization, self.total_steps
         floor = "0" if o.min_lr_ratio == 0 else f"{o.min_lr_ratio:g} x --lr"
-        decay = (f"--lr held and a linear decay over the last {max(1, math.ceil(o.decay_ratio * n))} step(s) (wsd)"
-                 if o.lr_schedule == "wsd" else "a cosine decay")
-        warmup = f"a warmup of {math.ceil(o.warmup_ratio * n)} step(s), then " if o.warmup_ratio else ""
         unseen = "" if n >= self.steps_per_epoch[0] else (
-            f"; it takes about {100 * n / self.steps_per_epoch[0]:.0f} % of the first epoch's batches, so some "
-            "training samples are never trained on")
-        evaluations = (f"; so are the default held-out evaluations, 10 a run (every {cfg.logging.eval_every(n)} "
-                       "step(s))" if heldout and cfg.logging.eval_interval is None else "")
-        return (f"--max-steps {o.max_steps} ends the run at step {n}, {self.where_it_ends()}, where the "
-                f"{len(self.steps_per_epoch)} epoch(s) of --epochs are {self.epochs_steps} steps{unseen}. The "
-                f"learning-rate schedule spans the {n} steps, not the epochs: {warmup}{decay} down to {floor} at "
-                f"step {n}{evaluations}. To train every epoch, drop --max-steps (or raise it to {self.epochs_steps}).")
+            f"; about {100 * n / self.steps_per_epoch[0]:.0f} % of the first epoch: some samples go untrained")
+        evaluations = (f"; held-out evaluations every {cfg.logging.eval_every(n)} step(s), 10 a run"
+                       if heldout and cfg.logging.eval_interval is None else "")
+        decay = (f"--lr held, then a linear decay over the last {max(1, math.ceil(o.decay_ratio * n))} (wsd)"
+                 if o.lr_schedule == "wsd" else "a cosine decay")
+        warmup = f"warmup {math.ceil(o.warmup_ratio * n)}, then " if o.warmup_ratio else ""
+        return (f"--max-steps {o.max_steps} ends the run at step {n}, {self.where_it_ends()}; all "
+                f"{len(self.steps_per_epoch)} epoch(s) take {self.epochs_steps} steps{unseen}\n"
+                f"schedule over those {n} steps: {warmup}{decay} to {floor} at step {n}{evaluations}")
 
     def done_text(self) -> str:
         """For the run's last line, after "done: N steps": where --max-steps ended it ("" when the epochs did)."""

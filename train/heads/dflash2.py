@@ -96,9 +96,8 @@ class DFlash2Head(DraftHead):
 
     def describe(self, config: DrafterConfig, shape: str) -> str:
         c = config
-        return (f"DFlash2 ({shape}; convolutions of {c.conv_kernel_size} taps, group {c.conv_group_size}; "
-                f"selector top-{c.selector_top_k}, rank {c.selector_rank}), exported as DFlash2DraftModel; "
-                "--drafter-type dflash trains plain DFlash (DFlashDraftModel)")
+        return (f"DFlash2 ({shape}), exported as DFlash2DraftModel\n  its head: convolutions of "
+                f"{c.conv_kernel_size} taps, group {c.conv_group_size}; selector top-{c.selector_top_k}, rank {c.selector_rank}")
 
     def warm_start_note(self) -> str:
         return "the convolutions at the identity, the selector's edges at 0"
