@@ -241,9 +241,8 @@ def _soft_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
         return f"; soft labels: weight {weight:g}, from {source} in the cache"
     if manifest.store_last_hidden or manifest.topk:
         return "; soft labels: off (--soft-label-weight 0)"
-    return ("; soft labels: off, the cache stores no top-k log-probs (extracted with --store-topk 0, or before "
-            "dflash-extract stored the top-8 by default): extracted with them, the default weight 0.5 gave "
-            "+3.9 % tau on code and +3.0 % on prose on the BPE benchmark (docs/recipe.md)")
+    return ("; soft labels: off, the cache stores no top-k log-probs (extract with --store-topk for them; "
+            "docs/recipe.md, Defaults)")
 
 
 def stores_target_top1(manifest: Any) -> bool:
