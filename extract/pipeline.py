@@ -20,7 +20,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.eviction import EvictionLog, record_budget
 from dflash.cache_tools.identity import target_provenance, unrecorded_weights_note
-from dflash.cache_tools.layers import default_target_layer_ids
+from dflash.cache_tools.layers import default_target_layer_ids, validate_target_layer_ids
 from dflash.cache_tools.manifest import CommitLog, header_top1_share, make_header, read_header
 from dflash.cache_tools.schema import top1_dtype
 from dflash.cache_tools.staging import parse_size
@@ -50,7 +50,7 @@ from .engine import ExtractionEngine
 from .loop import ExtractionLoop
 from .pinned import SegmentPinner
 from .plan_file import ensure_plan
-from .target import LayerCapture, decoder_layers, load_target, target_identity
+from .target import LayerCapture, config_layer_count, decoder_layers, load_target, target_identity
 from .writers import WriterPool, start_fork_server, stop_fork_server
 
 # Diagnostic: copy rows through the engine's pinned slots and a host-side copy, instead of
@@ -195,6 +195,8 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
                  json_documents_note(config.data, documents)):
         if config.rank == 0 and note:
             print(f"Note: {note}", file=sys.stderr, flush=True)
+    if model is None:
+        check_layer_ids_before_loading(config)
     device = resolve_device(config.device)  # under torchrun each process of a host takes its own GPU
     if writer_count(config, device):
         start_fork_server()  # the writers' imports then overlap loading the target
@@ -203,6 +205,17 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     except BaseException:
         stop_fork_server()  # (the writer pool stops it too, when it got that far)
         raise
+
+
+def check_layer_ids_before_loading(config: ExtractConfig) -> None:
+    """The layer rule against the layer count of the target's config.json, so that ids it refuses
+    are refused in a second rather than after the weights load (minutes for a large target);
+    LayerCapture checks them again against the decoder layers the loaded model has."""
+    count = config_layer_count(config.target_model)
+    if count is None:
+        return
+    ids = config.target_layer_ids or default_target_layer_ids(count, config.num_captured_layers)
+    validate_target_layer_ids(ids, count, where="this extraction")
 
 
 def _run_extraction(config: ExtractConfig, files, device: torch.device, model: nn.Module | None, *,

@@ -17,6 +17,7 @@ without top-1.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,20 @@ def load_target(
         model = model.to(device)
     model.eval().requires_grad_(False)
     return model
+
+
+def config_layer_count(model_dir: str | Path) -> int | None:
+    """The decoder layer count config.json gives (`num_hidden_layers`, in `text_config` for a
+    multimodal wrapper), read without loading anything; None where it gives none (load_target
+    and decoder_layers then say what is wrong)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    text = text if isinstance(text, dict) else config
+    count = text.get("num_hidden_layers") if isinstance(text, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
