@@ -161,7 +161,7 @@ def shipped(acts: torch.Tensor, k: int, raw: int, dev: str) -> None:
     """The cache's nf4 codec itself: quantize_nf4 (as extraction runs it), its stored chunks
     (Blosc as the writer stores them, crc32c and index entries), decode_nf4 (as the reader)."""
     from dflash.cache_tools.codecs import HiddenCodec, decode_nf4
-    from dflash.runtime.quantize import quantize_nf4
+    from dflash.extract.codecs import quantize_nf4
 
     width = acts.shape[1]
     rows = torch.cat([quantize_nf4(acts[s: s + 4096].to(dev)).cpu() for s in range(0, acts.shape[0], 4096)]).numpy()

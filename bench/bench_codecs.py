@@ -56,7 +56,8 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
-from dflash.runtime.quantize import quantize_fp8
+from dflash.extract.codecs import quantize_fp8, quantize_nf4_rows
+from dflash.train.codecs import device_decoder
 
 
 # -- activations --------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def cache_end_to_end(acts: torch.Tensor, k: int, d: int, codec: HiddenCodec, wor
     write = write_cache(path, hidden, scale, k, d, codec, args)
     nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     reader = CacheReader(path)
-    out = {"hidden": torch.empty(1024, acts.shape[1], dtype=torch.bfloat16)}
+    out = {"hidden": np.empty((1024, acts.shape[1]), dtype=np.uint16)}  # bf16 bits
     for i in range(len(reader)):  # untimed: opens the parts, pages the data in
         reader.read_sample(i, out=None if codec.has_scale else out, dequantize=not codec.has_scale)
     torch.set_num_threads(1)
@@ -241,6 +242,46 @@ def cache_end_to_end(acts: torch.Tensor, k: int, d: int, codec: HiddenCodec, wor
     shutil.rmtree(path)
     return {"bytes_per_token": nbytes / tokens, "ratio": tokens * acts.shape[1] * 2 / nbytes, "write": write,
             "by_zarr": by_zarr, "read": read}
+
+
+def host_decode_speed(acts: torch.Tensor, k: int, name: str, rows: int = 1024, repeats: int = 5) -> tuple[float, float]:
+    """GB/s of decoded bf16 per core of the codec's numpy decode (the reader's, in a loader
+    worker) and of its torch decoder run on the CPU, over `rows`-row samples."""
+    codec = HiddenCodec(name=name)
+    encode = {"fp8": quantize_fp8, "nf4": quantize_nf4_rows}[name]
+    samples = [encode(acts[s: s + rows], k) for s in range(0, acts.shape[0] - rows + 1, rows)]
+    decode = device_decoder(codec)
+    out = np.empty((rows, acts.shape[1]), dtype=np.uint16)
+    stored = [(q.numpy(), None if sc is None else sc.numpy()) for q, sc in samples]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a DataLoader worker's torch runs on one thread
+    try:
+        def numpy_pass():
+            for q, sc in stored:
+                codec.decode(q, sc, out)
+
+        def torch_pass():
+            for q, sc in samples:
+                decode(q, sc)
+
+        speeds = []
+        for run in (numpy_pass, torch_pass):
+            run()  # warm
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            speeds.append(repeats * len(samples) * rows * acts.shape[1] * 2 / (time.perf_counter() - t0) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    return speeds[0], speeds[1]
+
+
+def print_host_decode(acts: torch.Tensor, k: int) -> None:
+    print("\n| host decode, one core | numpy (the reader) GB/s | torch on the CPU GB/s | numpy / torch |")
+    print("|---|---|---|---|")
+    for name in ("fp8", "nf4"):
+        np_speed, torch_speed = host_decode_speed(acts, k, name)
+        print(f"| {name} | {np_speed:.2f} | {torch_speed:.2f} | {np_speed / torch_speed:.2f}x |", flush=True)
 
 
 # -- report -------------------------------------------------------------------------------
@@ -291,6 +332,7 @@ def bench_kind(kind: str, acts: torch.Tensor, k: int, d: int, baseline, work: Pa
         del chunks
     print_sweep(kind, rows, args)
     sys.stdout.flush()
+    print_host_decode(acts, k)
     print("\n| shipped codec | bytes/token on disk (whole cache) | ratio | CacheWriter GB/s | the same, zarr "
           "writing the hidden shards | read_sample GB/s/core |")
     print("|---|---|---|---|---|---|")
@@ -303,6 +345,8 @@ def bench_kind(kind: str, acts: torch.Tensor, k: int, d: int, baseline, work: Pa
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="smoke-test sizes: K=2, hidden 256, 8192 tokens, 30 steps")
+    p.add_argument("--host-decode-only", action="store_true",
+                   help="only the numpy vs torch host decode of fp8 and nf4, on synthetic activations")
     p.add_argument("--kinds", default="model", help="comma list of model, synthetic")
     p.add_argument("--layers", type=int, help="K, captured layers (default 5; small 2)")
     p.add_argument("--hidden", type=int, help="hidden size of the model / width D of synthetic (default 1024; small 256)")
@@ -338,6 +382,9 @@ def main() -> None:
     baseline = load_baseline(args.compare_with) if args.compare_with else None
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-codecs-", dir=args.workdir))
     print(environment())
+    if args.host_decode_only:
+        print_host_decode(synthetic_activations(args.tokens, args.layers, args.hidden, args.seed), args.layers)
+        return
     t0 = time.perf_counter()
     try:
         for kind in args.kinds.split(","):

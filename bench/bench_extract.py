@@ -65,6 +65,7 @@ from dflash.extract.data import plan_windows
 from dflash.extract.engine import _compiled_head
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture, head_reducer, next_token_outputs
+from dflash.train.loader import sample_tensors
 from profiling import GpuSampler, device_busy_seconds
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -248,7 +249,7 @@ def check_cache(cache: Path, model, layer_ids: list[int], count: int,
     try:
         singles, rows = [], []
         for index in torch.linspace(0, len(reader) - 1, count).long().tolist():
-            sample = reader.read_sample(index)
+            sample = sample_tensors(reader.read_sample(index))
             ids = sample["input_ids"].long()
             with torch.inference_mode():
                 ref = torch.cat(capture(ids[None].to(device), None).layers, dim=-1)[0].float()

@@ -11,9 +11,9 @@ import time
 
 import torch
 from bench_extract import FULL, build_model
-from dflash.extract.engine import _compiled_quantizer, quantize_nf4_rows
+from dflash.extract.codecs import quantize_fp8, quantize_nf4_rows
+from dflash.extract.engine import _compiled_quantizer
 from dflash.extract.target import LayerCapture
-from dflash.runtime.quantize import quantize_fp8
 
 
 def gpu_ms(fn, reps: int = 5) -> float:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .errors import ConfigMismatchError
 from .eviction import refuse_evicted
@@ -126,7 +125,7 @@ class CacheSet:
         cache = int(np.searchsorted(self.starts, index, side="right") - 1)
         return cache, index - int(self.starts[cache])
 
-    def read(self, index: int, out: dict[str, torch.Tensor] | None = None,
+    def read(self, index: int, out: dict[str, np.ndarray] | None = None,
              dequantize: bool = True) -> dict[str, Any]:
         cache, local = self.locate(index)
         return self.readers[cache].read_sample(local, max_tokens=self.max_seq_len, out=out,

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from dflash.runtime.fsio import file_lock
 from tqdm import tqdm
 
-from .codecs import nf4_scale_bits
+from .codecs import bf16_values, nf4_scale_bits
 from .errors import CacheCorruptError
 from .eviction import EvictionLog, refuse_evicted
 from .manifest import (
@@ -382,8 +381,8 @@ def cache_stats(
         for (p, c), rows in groups.items():
             lo, hi = c * cr, min((c + 1) * cr, m.parts[p].tokens)
             got = reader.read_tokens(p, lo, hi)
-            sel = torch.as_tensor(rows) - lo
-            x = got[HIDDEN][sel].float().reshape(len(rows), k, d).numpy().astype(np.float64)
+            sel = np.asarray(rows) - lo
+            x = bf16_values(got[HIDDEN][sel]).reshape(len(rows), k, d).astype(np.float64)
             mask_on += int(got[LOSS_MASK][sel].sum())
             sums += x.sum(axis=(0, 2))
             sumsq += (x * x).sum(axis=(0, 2))

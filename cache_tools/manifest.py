@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .checksum import crc32c
-from .codecs import PACKING_ONLY, HiddenCodec
+from .codecs import HiddenCodec, codec_identity
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
 from .identity import Purpose, comparable, target_differences
 
@@ -274,8 +274,7 @@ def header_identity(header: dict[str, Any]) -> dict[str, Any]:
     ident["target"] = comparable(ident.get("target"))
     hidden = ident.get("hidden")
     if isinstance(hidden, dict) and isinstance(hidden.get("codec"), dict):
-        codec = {k: v for k, v in hidden["codec"].items() if k not in PACKING_ONLY}
-        ident["hidden"] = {**hidden, "codec": codec}
+        ident["hidden"] = {**hidden, "codec": codec_identity(hidden["codec"])}
     return ident
 
 

@@ -3,7 +3,9 @@
 zarr writes the parts; CacheReader reads a cache's samples through one PartFiles per part
 (part_files.py), without zarr's per-call machinery. Only the manifest is read at open; parts
 are touched when a sample of theirs is requested. Forked or pickled copies (DataLoader workers)
-drop the open maps and reopen lazily.
+drop the open maps and reopen lazily. Samples come out as numpy arrays (hidden states as bf16
+bits, uint16, decoded by the cache's codec): this module imports no torch; the trainer views
+them as tensors (`dflash.train.loader`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from dflash.runtime.quantize import dequantize_fp8
 
-from .codecs import decode_nf4
 from .manifest import PARTS_DIR, Manifest, read_manifest
 from .part_files import PartFiles, ScratchBuffer
 from .sample_scores import top1_selected
@@ -37,12 +36,12 @@ from .schema import (
 
 
 class CacheReader:
-    """Random access to the samples of one cache, as torch tensors.
+    """Random access to the samples of one cache, as numpy arrays.
 
     Opening reads the manifest only. `read_sample(i)` returns a dict with
-      hidden      [T, K*D] bfloat16 (fp8 caches are dequantized with their scales)
+      hidden      [T, K*D] uint16: bf16 bits (a lossy codec's rows decoded by the codec)
       input_ids   [T] int64, loss_mask [T] uint8, sample_id (int)
-      last_hidden [T, D] bfloat16, topk_ids [T, k] int64, topk_logprobs [T, k] float32,
+      last_hidden [T, D] uint16 bf16 bits, topk_ids [T, k] int64, topk_logprobs [T, k] float32,
                   top1_ids [T, 1] int64 when the cache stores them;
       top1_known  (bool, with top1_ids) whether top1_ids hold the target's top-1: a cache of
                   --top1-share F holds it for the samples whose split key scores below F
@@ -54,7 +53,6 @@ class CacheReader:
         cache_dir: str | os.PathLike,
         *,
         verify_checksums: bool = True,
-        pin_memory: bool = False,
         max_open_parts: int = 64,
         manifest: Manifest | None = None,
         stage: Any = None,
@@ -67,7 +65,6 @@ class CacheReader:
         self.stage = stage  # a StagedCache whose directory cache_dir is: parts are fetched as read
         self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
         self.verify_checksums = verify_checksums
-        self.pin_memory = pin_memory and torch.cuda.is_available()
         self.max_open_parts = max_open_parts
         self.parts = self.manifest.parts
         counts = np.array([p.samples for p in self.parts], dtype=np.int64)
@@ -145,17 +142,17 @@ class CacheReader:
         return off
 
     def read_sample(
-        self, index: int, *, max_tokens: int | None = None, out: dict[str, torch.Tensor] | None = None,
+        self, index: int, *, max_tokens: int | None = None, out: dict[str, np.ndarray] | None = None,
         dequantize: bool = True,
     ) -> dict[str, Any]:
         """Sample `index` (global order: parts in commit order), optionally its first max_tokens.
 
-        `out` may hold preallocated bf16 tensors for "hidden" (and "last_hidden") with exactly
-        the sample's rows, e.g. a slice of a padded batch: chunks are decoded straight into
-        them, which saves a copy and the page faults of a fresh buffer per sample.
-        With dequantize=False an fp8 cache returns its stored e4m3 bytes ("hidden", uint8) and
-        scales ("hidden_scale", float32 [T, K]) for dequantization on the GPU
-        (`dflash.runtime.quantize.dequantize_fp8`); `out` then holds tensors of those dtypes.
+        `out` may hold preallocated uint16 arrays (bf16 bits) for "hidden" (and "last_hidden")
+        with exactly the sample's rows, e.g. a view of a slice of a padded batch: chunks are
+        decoded straight into them, which saves a copy and the page faults of a fresh buffer
+        per sample. With dequantize=False the hidden arrays come as stored (the codec's
+        storage dtype, with their "hidden_scale" float32 [T, K] where the codec keeps scales),
+        for a decoder on the GPU (`dflash.train.codecs`); `out` then holds arrays of those dtypes.
         """
         part_idx, local, start, stop = self._sample_rows(index, max_tokens)
         result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
@@ -203,66 +200,52 @@ class CacheReader:
         key = sample_id if keys is None else keys[local]
         return bool(top1_selected(np.array([key], np.int64), self.top1_share)[0])
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
-
     def _read_hidden(self, pf: PartFiles, array: str, start: int, stop: int,
-                     into: dict[str, torch.Tensor], dequantize: bool) -> dict[str, torch.Tensor]:
-        """{array: rows} (bf16), or for fp8 with dequantize=False {array: uint8 rows,
-        array_scale: float32 scales} so that the caller can dequantize on its GPU."""
-        meta = pf.array_meta(array)
-        shape = (stop - start, self.schema.value_width(array) if self._codec.packed else meta.shape[1])
-        raw_fp8 = self._codec.has_scale and not dequantize
-        if self._codec.packed and not dequantize:
-            shape = (stop - start, meta.shape[1])
-        dtype = torch.uint8 if raw_fp8 or (self._codec.packed and not dequantize) else torch.bfloat16
-        out = into.get(array)
-        if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
-            kind = str(dtype).removeprefix("torch.")
-            raise ValueError(f"out[{array!r}] must be a contiguous {kind} tensor of shape {shape}")
-        if self._codec.has_scale:
-            q = out if raw_fp8 and out is not None else self._empty(shape, torch.uint8)
-            pf.read_rows(array, start, stop, q.numpy())
-            scale = torch.from_numpy(pf.small_array(scale_of(array))[start:stop])
-            if raw_fp8:
-                scale_out = into.get(scale_of(array))
-                scale = scale_out.copy_(scale) if scale_out is not None else scale.clone()
-                return {array: q, scale_of(array): scale}
-            h = dequantize_fp8(q, scale)
-            if out is not None:
-                return {array: out.copy_(h)}
-            return {array: h.pin_memory() if self.pin_memory else h}
-        h = out if out is not None else self._empty(shape, torch.bfloat16)
-        if self._codec.packed and not dequantize:  # nf4 rows as stored, for the trainer's GPU to decode
-            q = out if out is not None else self._empty((stop - start, meta.shape[1]), torch.uint8)
-            pf.read_rows(array, start, stop, q.numpy())
-            return {array: q}
-        if self._codec.packed:  # nf4: the stored rows, decoded into the bf16 output
-            stored = np.empty((stop - start, meta.shape[1]), dtype=np.uint8)
-            pf.read_rows(array, start, stop, stored)
-            decode_nf4(stored, shape[1], out=h.view(torch.int16).numpy().view(np.uint16))
-            return {array: h}
-        pf.read_rows(array, start, stop, h.view(torch.int16).numpy())
-        return {array: h}
+                     into: dict[str, np.ndarray], decode: bool) -> dict[str, np.ndarray]:
+        """{array: bf16 bits} decoded by the codec, or with decode=False {array: stored rows,
+        and its scale where the schema has one} for the caller to decode on its GPU."""
+        n, spec, scale_name = stop - start, self.schema[array], scale_of(array)
+        pf.array_meta(array)  # the hidden array's metadata is checked before its scale's
+        scale = pf.small_array(scale_name)[start:stop] if scale_name in self.schema else None
+        if not decode:
+            got = {array: _out(into, array, (n, spec.width), spec.dtype)}
+            pf.read_rows(array, start, stop, got[array])
+            if scale is not None:
+                got[scale_name] = _out(into, scale_name, scale.shape, scale.dtype)
+                got[scale_name][...] = scale
+            return got
+        out = _out(into, array, (n, self.schema.value_width(array)), np.dtype(np.uint16))
+        self._codec.decode_rows(lambda rows: pf.read_rows(array, start, stop, rows), scale, out)
+        return {array: out}
 
     def read_tokens(self, part_idx: int, start: int, stop: int,
-                    out: dict[str, torch.Tensor] | None = None, *, dequantize: bool = True) -> dict[str, Any]:
+                    out: dict[str, np.ndarray] | None = None, *, dequantize: bool = True) -> dict[str, Any]:
         """Token rows [start, stop) of one part (any range, also across sample boundaries)."""
         pf = self._part(part_idx)
         into = out or {}
         rows: dict[str, Any] = {}
         for spec in self.schema:  # ids come out as int64 (what embeddings and losses index with)
-            if spec.name in HIDDEN_ARRAYS:  # their fp8 scales are read with them
+            if spec.name in HIDDEN_ARRAYS:  # their scales are read with them
                 rows.update(self._read_hidden(pf, spec.name, start, stop, into, dequantize))
             elif spec.per == "token" and spec.chunked:  # top-k, top-1
                 arr = np.empty((stop - start, *spec.row_shape), dtype=spec.dtype)
                 pf.read_rows(spec.name, start, stop, arr)
-                rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype.kind in "iu" else arr)
+                rows[spec.name] = arr.astype(np.int64) if arr.dtype.kind in "iu" else arr
             elif spec.source == DATA:
                 arr = pf.small_array(spec.name)[start:stop]
-                rows[spec.name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype == np.int32 else arr.copy())
+                rows[spec.name] = arr.astype(np.int64) if arr.dtype == np.int32 else arr.copy()
         return rows
 
     def part_arrays(self, part_idx: int) -> PartFiles:
         """Low-level access for tools (verify, stats)."""
         return self._part(part_idx)
+
+
+def _out(into: dict[str, np.ndarray], name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The caller's buffer for `name` (checked: contiguous, this shape and dtype), or a new one."""
+    out = into.get(name)
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out[{name!r}] must be a contiguous {np.dtype(dtype).name} array of shape {tuple(shape)}")
+    return out

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from dflash.runtime.fsio import (
     LOCK_SUFFIX,
     TEMP_PREFIX,
@@ -31,9 +30,8 @@ from dflash.runtime.fsio import (
     temp_name,
 )
 from dflash.runtime.locks import LockedError, WriterLock
-from dflash.runtime.quantize import bf16_bits, quantize_fp8, quantize_nf4
 
-from .codecs import HiddenCodec
+from .codecs import HiddenCodec, bf16_values
 from .errors import CacheError, CacheStorageError
 from .eviction import BUDGET_FILE, EVICTION_FILE, TRAINED_PREFIX, EvictionLog, restore_part
 from .identity import Purpose
@@ -70,9 +68,20 @@ from .schema import (
 TMP_PREFIX = TEMP_PREFIX  # what runtime.fsio.temp_name starts with
 
 def _as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
+    if hasattr(x, "detach"):  # a torch tensor (this module imports no torch)
         x = x.detach().cpu().numpy()
     return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _host_values(x: Any) -> np.ndarray:
+    """Hidden values to encode, as float32 numpy: a float array, a float/bf16 torch tensor, or
+    uint16 bf16 bits (what a reader decodes to) convert exactly."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().float().numpy()
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        return bf16_values(x)
+    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 class CacheWriter:
@@ -329,10 +338,10 @@ class PartWriter:
         sample_id: int,
         input_ids: Any,
         loss_mask: Any,
-        hidden: torch.Tensor | np.ndarray,
+        hidden: Any,
         *,
         hidden_scale: np.ndarray | None = None,
-        last_hidden: torch.Tensor | np.ndarray | None = None,
+        last_hidden: Any = None,
         last_hidden_scale: np.ndarray | None = None,
         topk_ids: Any = None,
         topk_logprobs: Any = None,
@@ -340,8 +349,9 @@ class PartWriter:
         split_key: int | None = None,
         grouped: bool = False,
     ) -> None:
-        """Add one sample. `hidden` is [T, K*D]: a float/bf16 tensor (encoded here) or an
-        array already in the codec's storage dtype (with `hidden_scale` [T, K] for fp8).
+        """Add one sample. `hidden` is [T, K*D]: float values, a numpy array or a float/bf16
+        torch tensor (encoded here by the codec, on the host), or an array already in the
+        codec's storage dtype (with `hidden_scale` [T, K] where the codec keeps scales).
         `split_key`: its prompt's key (sample_scores.prompt_split_key), or with `grouped` its
         record group's (group_split_key); a part records keys when every sample has one, none
         when none has."""
@@ -351,7 +361,7 @@ class PartWriter:
         cols = {INPUT_IDS: ids, LOSS_MASK: _as_numpy(loss_mask, np.uint8)}
         for name, x, scale in ((HIDDEN, hidden, hidden_scale), (LAST_HIDDEN, last_hidden, last_hidden_scale)):
             if x is not None:
-                cols[name], scale = self._encode(x, scale, self.cache.schema.scale_width(name))
+                cols[name], scale = self._encode(name, x, scale)
                 if scale is not None:
                     cols[scale_of(name)] = scale
         if topk_ids is not None:
@@ -430,20 +440,14 @@ class PartWriter:
         self._split_keys += split_keys
         self._lengths += lengths
 
-    def _encode(self, x, scale, num_layers) -> tuple[np.ndarray, np.ndarray | None]:
-        codec = self.cache.codec
+    def _encode(self, name: str, x: Any, scale: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows of hidden array `name` in stored form (and their scales, where the codec keeps them)."""
+        codec, schema = self.cache.codec, self.cache.schema
         if isinstance(x, np.ndarray) and x.dtype == codec.storage_dtype:
-            if codec.has_scale and scale is None:
-                raise CacheError("fp8 data given as stored bytes needs its scale array too.")
+            if scale is None and scale_of(name) in schema:
+                raise CacheError(f"{codec.name} rows given as stored need their {scale_of(name)} array too.")
             return np.ascontiguousarray(x), (None if scale is None else _as_numpy(scale, np.float32))
-        if isinstance(x, np.ndarray):
-            x = torch.from_numpy(x)
-        if codec.has_scale:
-            q, scale = quantize_fp8(x, num_layers)
-            return q.cpu().numpy(), scale.cpu().numpy()
-        if codec.packed:
-            return quantize_nf4(x).cpu().numpy(), None
-        return bf16_bits(x), None
+        return codec.encode(_host_values(x), schema.scale_width(name))
 
     @property
     def num_samples(self) -> int:

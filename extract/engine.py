@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from dflash.cache_tools.codecs import HiddenCodec
+from dflash.cache_tools.codecs import HiddenCodec, bf16_values
 from dflash.cache_tools.sample_scores import top1_selected
 from dflash.cache_tools.schema import (
     HIDDEN,
@@ -27,35 +27,32 @@ from dflash.cache_tools.schema import (
     TOP1_IDS,
     scale_of,
 )
-from dflash.runtime.quantize import dequantize_nf4, quantize_fp8, quantize_nf4
 from torch import nn
 
 from .batching import Batch
 from .buffers import PartGroup
+from .codecs import device_encoder, quantize_fp8
 from .target import LayerCapture, head_reducer, next_token_outputs
 
-# Diagnostic: quantize fp8 with the eager (unfused) code on the GPU too.
+# Diagnostic: run a lossy codec's encoder with the eager (unfused) code on the GPU too.
 EAGER_FP8_ENV = "DFLASH_EXTRACT_EAGER_FP8"
 
 
-def quantize_nf4_rows(hidden: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, None]:
-    """quantize_nf4 with quantize_fp8's signature (its scales are inside the rows)."""
-    return quantize_nf4(hidden), None
-
-
-def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]], quantize=quantize_fp8):
-    """quantize_fp8 fused by torch.compile: in eager mode the scale search makes several passes
-    over a float32 copy of the batch per candidate scale, a visible share of the forward on a
-    GPU (docs/BENCHMARKS.md, extraction runs); fused, each candidate reads the batch once.
+def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]], quantize=quantize_fp8,
+                        codec: HiddenCodec | None = None):
+    """A codec's device encoder (`quantize`, of `codec`: fp8 by default) fused by torch.compile:
+    in eager mode the scale search makes several passes over a float32 copy of the batch per
+    candidate scale (nf4: 15 compares per candidate), a visible share of the forward on a GPU
+    (docs/BENCHMARKS.md, extraction runs); fused, each candidate reads the batch once.
     Compiled here, before the loop, for every (layers, hidden) width the loop will use, with
-    the token count dynamic; where compiling fails the eager code is used. The nf4 quantizer
-    (`quantize`) is compiled the same way: eager, its 15 compares per candidate are 15 passes."""
+    the token count dynamic; where compiling fails the eager code is used."""
+    codec = codec if codec is not None else HiddenCodec(name="fp8")
     try:
         compiled = torch.compile(quantize, dynamic=True)
         # Under inference mode, as in launch(): compiled outside it, the first batch would
         # compile again (a guard on the grad mode) while the GPU waits.
         with torch.inference_mode():
-            _probe(compiled, device, widths, quantize)
+            _probe(compiled, device, widths, quantize, codec)
     except Exception as e:  # noqa: BLE001 - any compiler failure: stay correct, run eager
         print(f"note: hidden-state quantization runs unfused ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
@@ -73,21 +70,29 @@ def _allocator_line(device: torch.device) -> str:
             f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f}")
 
 
-def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quantize=quantize_fp8) -> None:
+def _probe(compiled, device: torch.device, widths: list[tuple[int, int]], quantize, codec: HiddenCodec) -> None:
+    """The compiled encoder's rows decode (by the codec, on the host) as close to the probe as
+    the eager code's: fused arithmetic may pick another of two near-equal scales of a row or
+    group (a few bytes differ), so the check is the decoded error, not the bytes."""
     for layers, hidden in widths:
         for tokens in (7, 33):  # two sizes: the token count stays symbolic
             probe = torch.randn(tokens, layers * hidden, device=device, dtype=torch.bfloat16)
-            q, scale = compiled(probe, layers)
-            ref_q, ref_scale = quantize(probe, layers)
-            if scale is None:  # nf4: fused arithmetic may pick another of two near-equal scales of a
-                # group (a few bytes differ), so the check is the decoded error, not the bytes
-                if q.shape != ref_q.shape:
-                    raise RuntimeError("compiled nf4 quantization differs from the eager code")
-                err, ref_err = ((dequantize_nf4(t).float() - probe.float()).norm() for t in (q, ref_q))
-                if err > ref_err * 1.01:
-                    raise RuntimeError("compiled nf4 quantization differs from the eager code")
-            elif q.shape != ref_q.shape or not torch.allclose(scale, ref_scale, rtol=1e-5):
-                raise RuntimeError("compiled fp8 quantization differs from the eager code")
+            got, want = compiled(probe, layers), quantize(probe, layers)
+            if any((a is None) != (b is None) or (a is not None and a.shape != b.shape) for a, b in zip(got, want)):
+                raise RuntimeError(f"compiled {codec.name} encoding differs from the eager code")
+            values = probe.float().cpu().numpy()
+            err, ref_err = (float(np.linalg.norm(_host_decoded(codec, *rows, values.shape) - values))
+                            for rows in (got, want))
+            if err > ref_err * 1.01:
+                raise RuntimeError(f"compiled {codec.name} encoding differs from the eager code")
+
+
+def _host_decoded(codec: HiddenCodec, stored: torch.Tensor, scale: torch.Tensor | None,
+                  shape: tuple[int, int]) -> np.ndarray:
+    """Device-encoded rows decoded by the codec on the host, as float32 values of `shape`."""
+    bits = codec.decode(stored.cpu().numpy(), None if scale is None else scale.cpu().numpy(),
+                        np.empty(shape, np.uint16))
+    return bf16_values(bits)
 
 
 def _compiled_head(reduce, device: torch.device, vocab: int, dtype: torch.dtype):
@@ -157,11 +162,12 @@ class ExtractionEngine:
         self._timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = (
             [] if self.cuda and os.environ.get("DFLASH_PROFILE_EXTRACT") else None)
         self._origin: torch.cuda.Event | None = None
-        self._quantize = quantize_nf4_rows if codec.packed else quantize_fp8
-        if self.cuda and (codec.has_scale or codec.packed) and not os.environ.get(EAGER_FP8_ENV):
+        encoder = device_encoder(codec)
+        self._quantize = encoder.encode
+        if self.cuda and encoder.fused and not os.environ.get(EAGER_FP8_ENV):
             hidden = int(model.get_input_embeddings().weight.shape[1])
             widths = [(len(capture.target_layer_ids), hidden)] + ([(1, hidden)] if capture.need_last else [])
-            self._quantize = _compiled_quantizer(device, widths, self._quantize)
+            self._quantize = _compiled_quantizer(device, widths, self._quantize, codec)
         # The head's reduction of every token's logits (--store-topk, or the top-1 of every row).
         self._reduce = head_reducer(model, topk=topk, top1=top1 is not None) if topk or top1 else None
         if self.cuda and topk:  # (probed where the head's logits are: its device under a device map)
@@ -169,12 +175,10 @@ class ExtractionEngine:
             self._reduce = _compiled_head(self._reduce, w.device, int(w.shape[0]), w.dtype)
 
     def _encode(self, h: torch.Tensor, num_layers: int, name: str) -> dict[str, torch.Tensor]:
-        if self.codec.has_scale:
-            q, scale = self._quantize(h, num_layers)
-            return {name: q, scale_of(name): scale}
-        if self.codec.packed:  # nf4 on the device: a quarter of the bf16 bytes cross to the host
-            return {name: self._quantize(h, num_layers)[0]}
-        return {name: h.to(torch.bfloat16).view(torch.int16)}
+        """The codec's stored rows (and scales, where it keeps them), on the device: a lossy
+        codec's bytes, not bf16's, cross to the host."""
+        rows, scale = self._quantize(h, num_layers)
+        return {name: rows} if scale is None else {name: rows, scale_of(name): scale}
 
     def _host(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
         """A host buffer of at least like's rows (grown on demand, pinned on CUDA)."""

@@ -29,7 +29,10 @@ def random_sample(gen: torch.Generator, length: int, width: int, *, outliers: bo
     return ids, mask, hidden.to(torch.bfloat16)
 
 
-def bits(x: torch.Tensor) -> np.ndarray:
+def bits(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The bf16 bits of a tensor or of a reader's decoded rows (uint16), as int16."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).view(np.int16)
     return x.contiguous().view(torch.int16).numpy()
 
 

@@ -12,6 +12,7 @@ import torch
 from conftest import make_tiny_target
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
+from dflash.train.loader import sample_tensors
 from faults.site.fault_points import SLEEP_PER_PART
 
 
@@ -32,7 +33,7 @@ def cache_contents(cache_dir: Path) -> dict[int, dict]:
     reader = CacheReader(cache_dir)
     out: dict[int, dict] = {}
     for i in range(len(reader)):
-        s = reader.read_sample(i)
+        s = sample_tensors(reader.read_sample(i))
         assert s["sample_id"] not in out, f"sample {s['sample_id']} is in the cache twice"
         out[s["sample_id"]] = {
             "hidden": s["hidden"].view(torch.int16).numpy().copy(),

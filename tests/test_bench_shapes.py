@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -97,7 +98,7 @@ def test_the_extraction_check_passes_a_real_cache_and_catches_a_row_out_of_place
 
     def shifted(self, index):  # the states of each sample one position late: a gather off by a row
         sample = read(self, index)
-        sample["hidden"] = torch.roll(sample["hidden"], 1, dims=0)
+        sample["hidden"] = np.roll(sample["hidden"], 1, axis=0)
         return sample
 
     monkeypatch.setattr(CacheReader, "read_sample", shifted)

@@ -21,6 +21,7 @@ from dflash.cache_tools.orphans import remove_orphans
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.fsio import file_lock
+from dflash.train.loader import sample_tensors
 
 WRITER_SCRIPT = textwrap.dedent("""
     import os, sys, time, traceback, torch
@@ -87,7 +88,7 @@ def check_parts(cache, parts):
         p = int(record.name.split("-")[1])
         for s, (ids, _mask, hidden) in enumerate(expected_part(p)):
             part_idx, local = idx, s
-            got = reader.read_sample(int(reader._part_start[part_idx]) + local)
+            got = sample_tensors(reader.read_sample(int(reader._part_start[part_idx]) + local))
             assert got["sample_id"] == p * 100 + s
             assert torch.equal(got["input_ids"], ids)
             np.testing.assert_array_equal(bits(got["hidden"]), bits(hidden))

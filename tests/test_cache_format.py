@@ -15,6 +15,7 @@ from dflash.cache_tools.errors import CacheError, ConfigMismatchError
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
+from dflash.train.loader import sample_tensors
 
 LENGTHS = [1, 2, 15, 16, 17, 63, 64, 65, 130, 1000, 3001]
 NF4_BOUND = 0.15  # nf4's documented bound per (token, layer) row (docs/cache-format.md)
@@ -50,7 +51,7 @@ def test_lossless_codecs_round_trip_bit_exact(tmp_path, codec):
     assert len(reader) == len(LENGTHS)
     assert reader.lengths.tolist() == LENGTHS
     for i, ref in enumerate(written):
-        got = reader.read_sample(i)
+        got = sample_tensors(reader.read_sample(i))
         assert got["sample_id"] == ref["sample_id"]
         assert got["hidden"].dtype == torch.bfloat16
         np.testing.assert_array_equal(bits(got["hidden"]), bits(ref["hidden"]))
@@ -70,7 +71,7 @@ def test_fp8_round_trip_within_documented_error(tmp_path):
     reader = CacheReader(tmp_path / "c")
     worst = 0.0
     for i, ref in enumerate(written):
-        got = reader.read_sample(i)
+        got = sample_tensors(reader.read_sample(i))
         assert got["hidden"].dtype == torch.bfloat16
         err = rel_error_per_token_layer(ref["hidden"], got["hidden"], 2)
         worst = max(worst, float(err.max()))
@@ -84,7 +85,7 @@ def test_nf4_round_trip_within_documented_error(tmp_path):
     reader = CacheReader(tmp_path / "c")
     worst, worst_cos = 0.0, 1.0
     for i, ref in enumerate(written):
-        got = reader.read_sample(i)
+        got = sample_tensors(reader.read_sample(i))
         assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == ref["hidden"].shape
         worst = max(worst, float(rel_error_per_token_layer(ref["hidden"], got["hidden"], 2).max()))
         cos = torch.nn.functional.cosine_similarity(ref["hidden"].float(), got["hidden"].float(), dim=1)
@@ -112,7 +113,7 @@ def test_recompressing_to_and_from_nf4_decodes_and_re_encodes(tmp_path):
     recompress_cache(tmp_path / "nf4", tmp_path / "back", codec="bf16", progress=False)
     nf4, back = CacheReader(tmp_path / "nf4"), CacheReader(tmp_path / "back")
     for i, ref in enumerate(written):
-        got = nf4.read_sample(i)["hidden"]
+        got = sample_tensors(nf4.read_sample(i))["hidden"]
         assert float(rel_error_per_token_layer(ref["hidden"], got, 2).max()) <= NF4_BOUND
         np.testing.assert_array_equal(bits(back.read_sample(i)["hidden"]), bits(got))  # bf16 keeps nf4's values
 
@@ -133,7 +134,7 @@ def test_soft_label_arrays_round_trip(tmp_path, codec):
                           hidden_size=256)
     reader = CacheReader(tmp_path / "c")
     for i, ref in enumerate(written):
-        got = reader.read_sample(i)
+        got = sample_tensors(reader.read_sample(i))
         assert torch.equal(got["topk_ids"], ref["topk_ids"])
         assert torch.equal(got["topk_logprobs"], ref["topk_logprobs"])
         if codec == "bf16":
@@ -146,10 +147,10 @@ def test_soft_label_arrays_round_trip(tmp_path, codec):
 def test_token_ranges_and_truncated_reads(tmp_path):
     written = write_cache(tmp_path / "c", "bf16", [100, 50, 300], per_part=3)
     reader = CacheReader(tmp_path / "c")
-    got = reader.read_sample(2, max_tokens=17)
+    got = sample_tensors(reader.read_sample(2, max_tokens=17))
     np.testing.assert_array_equal(bits(got["hidden"]), bits(written[2]["hidden"][:17]))
     # A token range across a sample boundary inside one part.
-    rng = reader.read_tokens(0, 90, 160)
+    rng = sample_tensors(reader.read_tokens(0, 90, 160))
     ref = torch.cat([written[0]["hidden"][90:], written[1]["hidden"], written[2]["hidden"][:10]])
     np.testing.assert_array_equal(bits(rng["hidden"]), bits(ref))
 

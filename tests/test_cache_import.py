@@ -34,6 +34,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.sample_scores import prompt_split_key
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.errors import Interrupted
+from dflash.train.loader import sample_tensors
 from safetensors.torch import save_file
 
 LAYERS = [1, 2]  # ours, of the tiny world's 4-layer target (at most N-2)
@@ -118,7 +119,7 @@ def cache_samples(cache: Path) -> dict[int, dict]:
     reader = CacheReader(cache)
     out = {}
     for i in range(len(reader)):
-        s = reader.read_sample(i)
+        s = sample_tensors(reader.read_sample(i))
         out[s["sample_id"]] = s
     reader.close()
     return out

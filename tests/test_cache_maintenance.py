@@ -17,6 +17,7 @@ from dflash.cache_tools.rewrite import merge_caches, recompress_cache
 from dflash.cache_tools.summary import cache_info
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.fsio import file_lock
+from dflash.train.loader import sample_tensors
 
 VOCAB = 1000
 
@@ -171,7 +172,7 @@ def test_stats_finds_an_outlier_channel_and_counts_every_sample(tmp_path):
 
 def _read_all(cache: Path) -> dict[int, dict[str, torch.Tensor]]:
     reader = CacheReader(cache)
-    return {s["sample_id"]: s for s in (reader.read_sample(i) for i in range(len(reader)))}
+    return {s["sample_id"]: s for s in (sample_tensors(reader.read_sample(i)) for i in range(len(reader)))}
 
 
 def test_recompress_to_fp8_keeps_samples_within_3_percent(tmp_path):

@@ -13,6 +13,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
+from dflash.train.loader import sample_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v1-caches"
 CODECS = ("bf16", "fp8", "raw")
@@ -27,7 +28,7 @@ def old_cache(tmp_path: Path, codec: str) -> tuple[Path, dict[str, np.ndarray]]:
 
 
 def read_all(reader: CacheReader, **kw) -> list[dict]:
-    return [reader.read_sample(i, **kw) for i in range(len(reader))]
+    return [sample_tensors(reader.read_sample(i, **kw)) for i in range(len(reader))]
 
 
 def concat(samples: list[dict], key: str) -> np.ndarray:

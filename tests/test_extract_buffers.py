@@ -11,6 +11,7 @@ import torch
 from dflash.cache_tools.schema import PartSchema
 from dflash.extract.buffers import PartBuffer, PartGroup, part_layout
 from dflash.extract.data import PartPlan, Sample
+from dflash.train.loader import sample_tensors
 
 
 @pytest.mark.parametrize("threads", [0, 3])
@@ -125,7 +126,7 @@ def test_pool_cycles_parts_through_its_pinned_segments_and_unpins_them(tmp_path)
     reader = CacheReader(tmp_path / "cache")
     assert len(reader) == 12
     for i in range(12):
-        sample = reader.read_sample(i)
+        sample = sample_tensors(reader.read_sample(i))
         part = sample["sample_id"] // 100
         assert (sample["hidden"].view(torch.int16) == part).all(), f"sample {i} has another part's rows"
 

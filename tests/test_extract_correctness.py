@@ -202,7 +202,7 @@ def test_nf4_extraction_end_to_end_then_info_and_verify(qwen3_target, tmp_path):
 
 def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     from dflash.extract import engine
-    from dflash.runtime.quantize import quantize_fp8
+    from dflash.extract.codecs import quantize_fp8
 
     def broken(*_a, **_k):
         raise RuntimeError("no compiler here")

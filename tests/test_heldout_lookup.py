@@ -14,6 +14,7 @@ from conftest import tiny_train_config
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.sample_scores import heldout_scores
 from dflash.runtime.lookup import lookup_walk
+from dflash.train.loader import sample_tensors
 from dflash.train.loop import train
 from test_record_groups import group_key
 from test_split_keys import extract_records
@@ -127,7 +128,7 @@ def test_the_note_on_unlike_samples_says_the_confidence_s_direction_and_the_text
 
 def confidence(caches: CacheSet, indices: list[int]) -> float:
     """The target's top-1 probability averaged over the loss tokens of `indices`, read whole."""
-    samples = [caches.read(i) for i in indices]
+    samples = [sample_tensors(caches.read(i)) for i in indices]
     probs = [s["topk_logprobs"][:, 0].exp()[s["loss_mask"].bool()] for s in samples]
     return float(torch.cat(probs).double().mean())
 
@@ -174,7 +175,7 @@ def test_reading_the_top1_log_probs_alone_gives_each_samples_rows_across_parts(t
     assert len(caches.readers[0].parts) > 1
     order = [5, 0, len(caches) - 1, 3, 4]
     for index, (logprobs, mask) in zip(order, caches.read_top1_logprobs(order), strict=True):
-        whole = caches.read(index)
+        whole = sample_tensors(caches.read(index))
         assert logprobs.dtype == np.float32 and len(logprobs) == 20
         assert logprobs.tolist() == whole["topk_logprobs"][:, 0].tolist()
         assert mask.tolist() == whole["loss_mask"].bool().tolist()
@@ -224,6 +225,6 @@ def test_reading_the_ids_alone_gives_each_samples_tokens_and_mask_across_parts(t
     assert len(caches.readers[0].parts) > 1
     order = [5, 0, len(caches) - 1, 3, 4]  # any order, parts revisited
     for index, (ids, mask) in zip(order, caches.read_ids(order), strict=True):
-        whole = caches.read(index)
+        whole = sample_tensors(caches.read(index))
         assert ids.dtype == np.int64 and mask.dtype == bool and len(ids) == 20
         assert ids.tolist() == whole["input_ids"].tolist() and mask.tolist() == whole["loss_mask"].bool().tolist()

@@ -133,3 +133,41 @@ def test_no_module_imports_another_modules_private_names():
                     and node.value.id in bound_modules and _private(node.attr)):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {bound_modules[node.value.id]}.{node.attr}")
     assert not found, "\n".join(found)
+
+
+# The layers, lowest first: a module may import its own package and the packages of lower
+# layers only (extract, prepare and train share a layer and do not import each other).
+LAYERS = (("runtime",), ("cache_tools",), ("extract", "prepare", "train"), ("eval",), ("demo",))
+
+
+def layer_violations(modules: dict[str, Path], layers=LAYERS) -> list[tuple[str, str, int]]:
+    """(module, imported module, line) of every import against the layer order."""
+    rank = {package: i for i, group in enumerate(layers) for package in group}
+    found = []
+    for name, path in modules.items():
+        package = name.split(".")[1]
+        for target, _, _, line in imports_of(name, path, modules):
+            other = target.split(".")[1]
+            if other != package and rank[other] >= rank[package]:
+                found.append((name, target, line))
+    return found
+
+
+def test_the_layer_check_finds_upward_and_sideways_imports_and_allows_downward_ones(tmp_path):
+    sources = {"runtime.fsio": "from dflash.cache_tools import codecs\n",  # upward
+               "cache_tools.codecs": "import dflash.runtime.fsio\n",  # downward
+               "train.loop": "def f():\n    from dflash.extract.engine import x\n",  # sideways, in a function
+               "extract.engine": "",
+               "eval.run": "from dflash.train import loop\n"}  # downward
+    modules = {}
+    for module, source in sources.items():
+        path = tmp_path / f"{module}.py"
+        path.write_text(source)
+        modules[f"dflash.{module}"] = path
+    assert sorted((a, b) for a, b, _ in layer_violations(modules)) == [
+        ("dflash.runtime.fsio", "dflash.cache_tools.codecs"), ("dflash.train.loop", "dflash.extract.engine")]
+
+
+def test_no_module_imports_against_the_layer_order():
+    found = [f"{name} imports {target} (line {line})" for name, target, line in layer_violations(project_modules())]
+    assert not found, "imports against runtime < cache_tools < (extract, prepare, train) < eval < demo:\n" + "\n".join(found)

@@ -27,6 +27,7 @@ from dflash.eval.speculative import (
     verify_generate,
 )
 from dflash.train.export import load_drafter
+from dflash.train.loader import sample_tensors
 from dflash.train.loop import train
 from dflash.train.model import DFlashDrafter
 from extract_utils import run_cli
@@ -127,7 +128,7 @@ def assert_cache_holds_each_sample_run_alone(cache: Path, model: torch.nn.Module
     try:
         assert len({len(reader.read_sample(i)["input_ids"]) for i in range(len(reader))}) > 1
         for i in range(len(reader)):
-            sample = reader.read_sample(i)
+            sample = sample_tensors(reader.read_sample(i))
             with torch.no_grad():
                 states = model(sample["input_ids"].long()[None], output_hidden_states=True).hidden_states
             got = sample["hidden"].float().chunk(len(layer_ids), dim=-1)
@@ -200,7 +201,7 @@ def test_soft_labels_from_last_hidden_equal_the_target_own_logits(tmp_path, fami
     drafter = DFlashDrafter.from_target(target, with_final_norm=True, target_layer_ids=[1, 3], num_hidden_layers=1)
     reader = CacheReader(cache)
     for i in (0, len(reader) - 1):
-        sample = reader.read_sample(i)
+        sample = sample_tensors(reader.read_sample(i))
         last_hidden = sample["last_hidden"].float()
         got = drafter.target_logits(last_hidden)
         with torch.no_grad():
@@ -229,7 +230,7 @@ def test_stored_topk_logprobs_are_the_target_own_next_token_logprobs(tmp_path, f
     target, model = save_target(tmp_path / "target", family_config(family))
     reader = CacheReader(extract(tmp_path, target, "--store-topk", "4"))
     for i in (0, len(reader) - 1):
-        sample = reader.read_sample(i)
+        sample = sample_tensors(reader.read_sample(i))
         with torch.no_grad():
             logits = model(sample["input_ids"][None].long()).logits[0].float()
         logprobs, ids = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)

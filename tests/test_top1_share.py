@@ -17,6 +17,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores, top1_selected
 from dflash.extract.target import LayerCapture
 from dflash.train.data import open_training_data
+from dflash.train.loader import sample_tensors
 from dflash.train.metrics import VerificationWalk, greedy_path, greedy_replay, top1_known
 from dflash.train.objective import LossOutput
 from extract_utils import run_cli
@@ -99,7 +100,7 @@ def test_stored_top1_of_selected_samples_is_the_argmax_of_the_targets_own_forwar
         reader = CacheReader(cache)
         known = []
         for i in range(len(reader)):
-            sample = reader.read_sample(i)
+            sample = sample_tensors(reader.read_sample(i))
             chosen = bool(top1_selected(sample_key(sample), SHARE)[0])  # by its prompt's key
             assert sample["top1_known"] == chosen
             known.append(chosen)
@@ -177,7 +178,7 @@ def hidden_bits(cache: Path) -> dict[int, np.ndarray]:
     reader = CacheReader(cache)
     try:
         return {s["sample_id"]: s["hidden"].view(torch.int16).numpy().copy()
-                for s in (reader.read_sample(i) for i in range(len(reader)))}
+                for s in (sample_tensors(reader.read_sample(i)) for i in range(len(reader)))}
     finally:
         reader.close()
 
@@ -189,7 +190,7 @@ def test_share_one_is_the_cache_of_before_and_no_share_changes_the_hidden_state_
     assert "top1_share" not in header["extras"] and header["extras"]["top1"] == "uint16"  # the header of before
     reader = CacheReader(full)
     for i in range(len(reader)):
-        sample = reader.read_sample(i)
+        sample = sample_tensors(reader.read_sample(i))
         assert sample["top1_known"] and torch.equal(sample["top1_ids"][:, 0].long(), own_argmax(model, sample["input_ids"]))
     reader.close()
     # batches where no sample is selected (a share too small for any of the 12) store zeros and no share leaks

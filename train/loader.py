@@ -35,8 +35,8 @@ from dflash.cache_tools.schema import (
     scale_of,
 )
 from dflash.runtime.errors import CorruptDataError, DflashError
-from dflash.runtime.quantize import dequantize_fp8, dequantize_nf4
 
+from .codecs import device_decoder
 from .config import DataConfig, ResumeMismatchError, TrainConfigError
 from .plans import check_budget, plan_epoch, plan_eval
 from .workers import worker_init
@@ -50,8 +50,29 @@ LOADER_STATE_VERSION = 1
 # -- collation --------------------------------------------------------------------------------
 
 
+def as_tensor(name: str, x: Any) -> torch.Tensor:
+    """One array of a sample read from a cache (numpy) as a tensor, without a copy: a decoded
+    hidden array's bf16 bits (uint16) as bfloat16."""
+    if not isinstance(x, np.ndarray):
+        return x
+    if name in HIDDEN_ARRAYS and x.dtype == np.uint16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def sample_tensors(sample: dict[str, Any]) -> dict[str, Any]:
+    """A sample read from a cache (numpy arrays) as tensors, without copies (`as_tensor`)."""
+    return {k: as_tensor(k, v) for k, v in sample.items()}
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a (contiguous) tensor; bfloat16 as its bits (uint16), as a reader decodes."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad samples into the batch dict of `objective.compute_loss`.
+    """Right-pad samples (numpy, as a cache reads them, or tensors) into the batch dict of
+    `objective.compute_loss`.
 
     `padded` holds batch tensors already filled in place (see `read_batch`); they are used as
     they are instead of being assembled from the samples.
@@ -62,11 +83,11 @@ def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | Non
     for key in (*HIDDEN_ARRAYS, INPUT_IDS, LOSS_MASK, *TOPK_ARRAYS, TOP1_IDS):  # the part schema's per-token arrays
         if key not in samples[0] or key in out:
             continue
-        first = samples[0][key]
+        first = as_tensor(key, samples[0][key])
         t = torch.empty((batch_size, seq_len, *first.shape[1:]), dtype=first.dtype)
         for b, s in enumerate(samples):
             n = s[key].shape[0]
-            t[b, :n] = s[key]
+            t[b, :n] = as_tensor(key, s[key])
             t[b, n:] = 0
         out[key] = t
     out[SAMPLE_IDS] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.long)
@@ -75,44 +96,56 @@ def collate(samples: list[dict[str, Any]], padded: dict[str, torch.Tensor] | Non
     return out
 
 
+STORED_CODEC = "stored_codec:"
+"""A batch whose hidden arrays are still in a codec's stored form holds an empty tensor under
+this prefix and the codec's name (a key, not a value: read without a device synchronisation)."""
+
+
 def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
     """Read samples and collate them, decoding hidden states straight into the padded batch.
 
     The hidden states are most of the bytes: decoding them in place saves a copy per sample
-    and a fresh (page-faulting) buffer per sample. When every cache is fp8 the batch keeps
-    the stored e4m3 bytes and their scales ("hidden_scale"), half the bytes to move, and
-    `dequantize_batch` turns them into bf16 on the training device.
+    and a fresh (page-faulting) buffer per sample. When every cache has one codec with a
+    device decoder (fp8, nf4: dflash.train.codecs) the batch keeps the stored rows (and their
+    scales), a quarter to a half of the bytes to move, and `dequantize_batch` decodes them
+    on the training device.
     """
     indices = [int(j) for j in indices]
     lengths = [int(caches.lengths[j]) for j in indices]
     schema = caches.readers[0].schema
-    fp8 = all(r.manifest.codec.has_scale for r in caches.readers)
-    nf4 = all(r.manifest.codec.packed for r in caches.readers)  # stored rows, decoded on the GPU too
-    dtype = torch.uint8 if fp8 or nf4 else torch.bfloat16
+    names = {r.manifest.codec.name for r in caches.readers}
+    stored = len(names) == 1 and device_decoder(next(iter(names))) is not None
     shape = (len(indices), max(lengths))
     padded = {}
     for spec in schema.hidden_arrays():
-        width = spec.width if fp8 or nf4 else schema.value_width(spec.name)  # stored, or decoded bf16
-        padded[spec.name] = torch.empty((*shape, width), dtype=dtype)
-        if fp8:
-            padded[scale_of(spec.name)] = torch.empty((*shape, schema.scale_width(spec.name)), dtype=torch.float32)
+        if stored:
+            padded[spec.name] = torch.from_numpy(np.empty((*shape, spec.width), dtype=spec.dtype))
+            if scale_of(spec.name) in schema:
+                padded[scale_of(spec.name)] = torch.empty((*shape, schema.scale_width(spec.name)), dtype=torch.float32)
+        else:  # decoded to bf16 by the reader
+            padded[spec.name] = torch.empty((*shape, schema.value_width(spec.name)), dtype=torch.bfloat16)
     samples = []
     for b, (j, n) in enumerate(zip(indices, lengths)):
-        samples.append(caches.read(j, out={k: v[b, :n] for k, v in padded.items()}, dequantize=not (fp8 or nf4)))
+        samples.append(caches.read(j, out={k: _as_numpy(v[b, :n]) for k, v in padded.items()}, dequantize=not stored))
         for v in padded.values():
             v[b, n:] = 0
-    return collate(samples, padded)
+    batch = collate(samples, padded)
+    if stored:
+        batch[STORED_CODEC + next(iter(names))] = torch.empty(0)
+    return batch
 
 
 def dequantize_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp8 rows + scales (or nf4 rows) of `read_batch` -> bf16 rows, where the batch now lives (the GPU)."""
+    """The stored hidden rows of `read_batch` (and their scales) -> bf16 rows, decoded by their
+    codec's device decoder where the batch now lives (the GPU)."""
+    marker = next((k for k in batch if k.startswith(STORED_CODEC)), None)
+    if marker is None:
+        return batch
+    del batch[marker]
+    decode = device_decoder(marker.removeprefix(STORED_CODEC))
     for name in HIDDEN_ARRAYS:
-        scale = batch.pop(scale_of(name), None)
-        if scale is not None:
-            q = batch[name]
-            batch[name] = dequantize_fp8(q.flatten(0, 1), scale.flatten(0, 1)).view(*q.shape)
-        elif name in batch and batch[name].dtype == torch.uint8:  # nf4: codes and scales in each row
-            batch[name] = dequantize_nf4(batch[name])
+        if name in batch:
+            batch[name] = decode(batch[name], batch.pop(scale_of(name), None))
     return batch
 
 

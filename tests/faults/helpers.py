@@ -20,6 +20,7 @@ import torch
 from conftest import write_jsonl  # noqa: F401 (the campaign's modules import it from here)
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
+from dflash.train.loader import sample_tensors
 
 HIDDEN, VOCAB, TARGET_LAYERS, LAYER_IDS = 32, 64, 4, "1,2"
 SITE_DIR = Path(__file__).with_name("site")
@@ -71,7 +72,7 @@ def cache_hash(cache_dir: Path) -> str:
     reader = CacheReader(cache_dir)
     samples = {}
     for i in range(len(reader)):
-        s = reader.read_sample(i)
+        s = sample_tensors(reader.read_sample(i))
         assert s["sample_id"] not in samples, f"sample {s['sample_id']} is in {cache_dir} twice"
         samples[s["sample_id"]] = s
     h = hashlib.sha256()

@@ -16,6 +16,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
+from dflash.train.loader import sample_tensors
 
 from .helpers import wait_until
 
@@ -66,7 +67,7 @@ class Samples(torch.utils.data.Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int):
-        s = self.reader.read_sample(i)
+        s = sample_tensors(self.reader.read_sample(i))
         return s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"].view(torch.int16)
 
 

@@ -20,6 +20,7 @@ from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
 from dflash.train.cli import main as train_main
+from dflash.train.loader import sample_tensors
 
 from .helpers import (
     cache_hash,
@@ -315,7 +316,7 @@ def test_a_short_write_of_a_commit_record_fails_the_commit_instead_of_tearing_th
     monkeypatch.setattr(os, "write", short_write)
     with pytest.raises(OSError, match="commit record"), writer.part_writer(last) as pw:
         for i in range(len(src) - src.parts[-1].samples, len(src)):
-            s = src.read_sample(i)
+            s = sample_tensors(src.read_sample(i))
             pw.add_sample(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"],
                           top1_ids=s.get("top1_ids"), topk_ids=s.get("topk_ids"),
                           topk_logprobs=s.get("topk_logprobs"))  # (an extraction stores top-1 and top-k)

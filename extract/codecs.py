@@ -1,26 +1,74 @@
-"""The compute side of the hidden-state codecs: fp8 quantization and bf16 bits.
+"""The extraction engine's side of the hidden-state codecs: each codec's encoder on the device
+(the GPU during extraction), registered under the codec's name.
 
-The cache format (`dflash.cache_tools.codecs`) says how stored bytes are laid out and
-compressed; these functions turn activations into those bytes and back, on whatever device the
-tensors are on (the GPU during extraction and training). They import torch; the format layer
-does not, so that `dflash-cache info` and other format-only tools start without it.
+The format (`dflash.cache_tools.codecs`) says how stored rows are laid out and decoded, and
+encodes on the host with numpy; these torch functions compute the same stored rows where the
+activations are, so that only the stored bytes cross to the host. A lossy codec's encoder is
+elementwise work and one reduction per candidate scale: `fused` asks the engine to compile it
+(torch.compile), which turns its several passes over the batch into a few kernels.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from dflash.cache_tools.codecs import NF4_GROUP, NF4_LEVELS, NF4_SCALE_CANDIDATES
+from collections.abc import Callable
+from dataclasses import dataclass
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-# nf4's levels (the format's, cache_tools.codecs) as Python floats, and the midpoints between
-# neighbours: constants to torch.compile, so the quantizer traces into one graph.
+import torch
+from dflash.cache_tools.codecs import (
+    FP8_MAX,
+    FP8_SCALE_CANDIDATES,
+    NF4_GROUP,
+    NF4_LEVELS,
+    NF4_SCALE_CANDIDATES,
+    HiddenCodec,
+)
+
+Encode = Callable[[torch.Tensor, int], "tuple[torch.Tensor, torch.Tensor | None]"]
+"""[T, K*D] activations, K -> ([T, stored width] stored rows, [T, K] float32 scales or None)."""
+
+# nf4's levels as Python floats, and the midpoints between neighbours: constants to
+# torch.compile, so the quantizer traces into one graph.
 _NF4_LEVELS = [float(v) for v in NF4_LEVELS]
 _NF4_MIDS = [(a + b) / 2 for a, b in zip(_NF4_LEVELS[:-1], _NF4_LEVELS[1:])]
 
 
+@dataclass(frozen=True)
+class DeviceEncoder:
+    encode: Encode
+    fused: bool = False
+    """Compile it before the loop (a lossy codec's scale search)."""
+
+
+_ENCODERS: dict[str, DeviceEncoder] = {}
+
+
+def register_device_encoder(name: str, *, fused: bool = False) -> Callable[[Encode], Encode]:
+    """Decorator: the device encoder of the codec `name`."""
+    def register(fn: Encode) -> Encode:
+        _ENCODERS[name] = DeviceEncoder(fn, fused)
+        return fn
+    return register
+
+
+def device_encoder(codec: HiddenCodec) -> DeviceEncoder:
+    """The device encoder registered for `codec` (ValueError naming the codec without one)."""
+    found = _ENCODERS.get(codec.name)
+    if found is None:
+        raise ValueError(f"the {codec.name} codec has no device encoder for extraction "
+                         "(dflash.extract.codecs.register_device_encoder)")
+    return found
+
+
+@register_device_encoder("bf16")
+@register_device_encoder("raw")
+def encode_bf16(hidden: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, None]:
+    """bf16 bits, as int16 (the host reads them as uint16)."""
+    return hidden.to(torch.bfloat16).view(torch.int16), None
+
+
+@register_device_encoder("fp8", fused=True)
 def quantize_fp8(
-    hidden: torch.Tensor, num_layers: int, *, scale_candidates: int = 8
+    hidden: torch.Tensor, num_layers: int, *, scale_candidates: int = FP8_SCALE_CANDIDATES
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, K*D] float -> ([T, K*D] uint8 e4m3 bits, [T, K] float32 scales).
 
@@ -47,21 +95,6 @@ def quantize_fp8(
         best_scale = torch.where(better, scale, best_scale)
         best_err = torch.where(better, err, best_err)
     return best_q.reshape(tokens, width), best_scale.reshape(tokens, num_layers)
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """Inverse of quantize_fp8: ([T, K*D] uint8, [T, K] float32) -> [T, K*D] out_dtype."""
-    tokens, width = q.shape
-    num_layers = scale.shape[1]
-    x = q.view(torch.float8_e4m3fn).reshape(tokens, num_layers, width // num_layers).float()
-    return (x * scale.reshape(tokens, num_layers, 1)).reshape(tokens, width).to(out_dtype)
-
-
-def bf16_bits(hidden: torch.Tensor) -> np.ndarray:
-    """A bf16 tensor as uint16 numpy bits (zarr v3 has no bfloat16 dtype); a free view."""
-    if hidden.dtype != torch.bfloat16:
-        hidden = hidden.to(torch.bfloat16)
-    return hidden.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def quantize_nf4(hidden: torch.Tensor) -> torch.Tensor:
@@ -100,16 +133,7 @@ def quantize_nf4(hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed, scale_bytes], dim=1)
 
 
-def dequantize_nf4(rows: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """Inverse of quantize_nf4 on the rows' device: [..., W/2 + W/16] uint8 -> [..., W] out_dtype
-    (the trainer decodes nf4 batches on the GPU: a quarter of bf16's bytes cross to it)."""
-    stored = rows.shape[-1]
-    width = stored * 16 // 9
-    flat = rows.reshape(-1, stored)
-    levels = torch.tensor(_NF4_LEVELS, device=rows.device)
-    codes = flat[:, : width // 2]
-    values = torch.stack([levels[(codes & 15).long()], levels[(codes >> 4).long()]], dim=-1)
-    scales = flat[:, width // 2:].contiguous().view(torch.bfloat16).float()
-    # + 0.0: padding rows (zero bytes: code 0 = -1.0 times scale 0) decode to +0.0, as padding is
-    out = values.reshape(-1, width // NF4_GROUP, NF4_GROUP) * scales.unsqueeze(-1) + 0.0
-    return out.reshape(*rows.shape[:-1], width).to(out_dtype)
+@register_device_encoder("nf4", fused=True)
+def quantize_nf4_rows(hidden: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, None]:
+    """quantize_nf4 with the encoders' signature (its scales are inside the rows)."""
+    return quantize_nf4(hidden), None
