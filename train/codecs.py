@@ -15,7 +15,9 @@ import torch
 from dflash.cache_tools.codecs import NF4_GROUP, NF4_LEVELS, HiddenCodec
 
 Decode = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-"""([..., stored width] stored rows, [..., K] float32 scales or None) -> [..., W] bfloat16."""
+"""([..., stored width] stored rows, [..., K] float32 scales or None) -> [..., W] bfloat16.
+A batch's padding rows are zero bytes (and zero scales): they must decode to +0.0, as the
+padding of a batch the host decoded is."""
 
 _DECODERS: dict[str, Decode] = {}
 _NF4_LEVELS = [float(v) for v in NF4_LEVELS]

@@ -1,0 +1,135 @@
+"""A codec is a registration: a toy codec declared here, in the tests, writes a cache, reads it
+back, names itself in the manifest and travels to the trainer's device, with no product file
+edited. And the shipped codecs' host encoders store what the extraction engine's GPU encoders
+store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from cache_utils import random_sample, tiny_header
+from dflash.cache_tools.cache_set import CacheSet
+from dflash.cache_tools.codecs import (
+    HiddenCodec,
+    bf16_bits,
+    bf16_values,
+    codec_names,
+    register_codec,
+)
+from dflash.cache_tools.errors import CacheError
+from dflash.cache_tools.manifest import read_manifest
+from dflash.cache_tools.reader import CacheReader
+from dflash.cache_tools.writer import CacheWriter
+from dflash.extract.codecs import device_encoder
+from dflash.train.codecs import register_device_decoder
+from dflash.train.loader import STORED_CODEC, collate, dequantize_batch, read_batch
+
+
+@register_codec
+@dataclass(frozen=True, kw_only=True)
+class ToyInt8Codec(HiddenCodec):
+    """Symmetric int8 with one float32 scale per (token, layer), stored as uint8 (+128)."""
+
+    name: str = "toy-int8"
+    storage_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+    has_scale: ClassVar[bool] = True
+    lossless: ClassVar[bool] = False
+
+    def encode(self, values, num_layers):
+        tokens, width = values.shape
+        x = values.reshape(tokens, num_layers, -1)
+        scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True) / 127, 1e-30).astype(np.float32)
+        q = (np.rint(x / scale) + 128).astype(np.uint8)
+        return q.reshape(tokens, width), scale.reshape(tokens, num_layers)
+
+    def decode(self, stored, scale, out):
+        tokens, width = stored.shape
+        x = (stored.astype(np.float32) - 128).reshape(tokens, scale.shape[1], -1) * scale[:, :, None]
+        return bf16_bits(x.reshape(tokens, width), out)
+
+
+@register_device_decoder("toy-int8")
+def decode_toy_int8(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    *lead, width = rows.shape
+    x = (rows.float() - 128).reshape(-1, scale.shape[-1], width // scale.shape[-1]) * scale.reshape(-1, scale.shape[-1], 1)
+    return (x + 0.0).reshape(*lead, width).bfloat16()  # + 0.0: padding (zero bytes, scale 0) is +0.0
+
+
+def write(path, codec: str, seed: int = 0):
+    writer = CacheWriter(path, tiny_header(codec, hidden_size=32, store_last_hidden=True))
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    with writer.part_writer("part-000000") as pw:
+        for s, n in enumerate([5, 70, 33, 1]):
+            ids, mask, hidden = random_sample(gen, n, 64)
+            last = torch.randn(n, 32, generator=gen).bfloat16()
+            pw.add_sample(s, ids, mask, hidden, last_hidden=last)
+            samples.append((hidden, last))
+    return path, samples
+
+
+def test_a_codec_registered_in_the_tests_writes_and_reads_a_cache(tmp_path):
+    assert "toy-int8" in codec_names()
+    cache, samples = write(tmp_path / "c", "toy-int8")
+    manifest = read_manifest(cache)
+    assert isinstance(manifest.codec, ToyInt8Codec) and manifest.header["hidden"]["codec"]["name"] == "toy-int8"
+    reader = CacheReader(cache)
+    assert "hidden_scale" in reader.schema and reader.schema["hidden"].dtype == np.uint8  # its declared stored form
+    for i, (hidden, last) in enumerate(samples):
+        got = reader.read_sample(i)
+        for key, want in (("hidden", hidden), ("last_hidden", last)):
+            x, y = want.float().numpy(), bf16_values(got[key])
+            assert np.abs(x - y).max() <= np.abs(x).max() / 127  # within half a step of the largest scale
+        stored = reader.read_sample(i, dequantize=False)
+        assert stored["hidden"].dtype == np.uint8 and stored["hidden_scale"].shape == (len(hidden), 2)
+
+
+def test_a_registered_device_decoder_decodes_the_batch_as_the_reader_does(tmp_path):
+    caches = CacheSet([str(write(tmp_path / "c", "toy-int8")[0])], max_seq_len=1000)
+    batch = read_batch(caches, [1, 0, 3])
+    assert batch["hidden"].dtype == torch.uint8 and STORED_CODEC + "toy-int8" in batch  # travels stored
+    got = dequantize_batch(batch)
+    want = collate([caches.read(i) for i in [1, 0, 3]])
+    for key in ("hidden", "last_hidden"):
+        assert torch.equal(got[key].view(torch.int16), want[key].view(torch.int16))
+    assert not any(k.startswith(STORED_CODEC) or k.endswith("_scale") for k in got)
+
+
+def test_a_codec_name_nobody_registered_is_refused_naming_the_registered_ones():
+    with pytest.raises(CacheError, match="Unknown codec 'toy-int9'") as err:
+        HiddenCodec.from_dict({"name": "toy-int9"})
+    assert all(name in str(err.value) for name in ("bf16", "fp8", "nf4", "toy-int8"))
+    with pytest.raises(ValueError, match="registered already"):
+        register_codec(type("Other", (ToyInt8Codec,), {"__annotations__": {}}))
+
+
+def test_nf4_refuses_a_width_that_is_not_a_multiple_of_its_group():
+    nf4 = HiddenCodec(name="nf4")
+    with pytest.raises(CacheError, match="multiples of 32"):
+        nf4.validate(48)
+    assert nf4.bytes_per_token(64, 2) == 64 // 2 + 2 * 64 // 32
+    assert HiddenCodec(name="fp8").bytes_per_token(64, 2) == 64 + 4 * 2  # e4m3 bytes and two scales
+    assert HiddenCodec(name="bf16").bytes_per_token(64, 2) == 128
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "nf4"])
+def test_the_host_encoder_stores_what_the_extraction_engines_encoder_stores(name):
+    codec = HiddenCodec(name=name)
+    hidden = torch.randn(300, 2 * 64) * torch.rand(300, 1) * 10
+    hidden[:, ::9] *= 40
+    want = [t if t is None else t.numpy() for t in device_encoder(codec).encode(hidden, 2)]
+    got = codec.encode(hidden.numpy(), 2)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            np.testing.assert_array_equal(g.view(np.uint8) if g.dtype != np.float32 else g,
+                                          w.view(np.uint8) if w.dtype != np.float32 else w)
+
+
+def test_identity_leaves_out_the_packing_fields():
+    assert HiddenCodec(name="fp8", clevel=5, blocksize=0).identity() == {"name": "fp8"}
+    assert HiddenCodec.from_dict({"name": "bf16", "zstd_hash_log": 20}).identity() == {"name": "bf16"}
