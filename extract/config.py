@@ -1,5 +1,7 @@
 """Settings of one extraction run: a small validated dataclass and a config-file loader. The
-target-layer rule is part of the cache contract: `cache_tools.layers`."""
+settings that decide the cache's content are marked where they are declared (`identity=True`):
+the header records them and a resume must match them (`content_settings`). The target-layer rule
+is part of the cache contract: `cache_tools.layers`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES, DtypeChoice
 from dflash.runtime.errors import SettingError
 from dflash.runtime.positions import TargetPositions
-from dflash.runtime.settings import IntList, setting
+from dflash.runtime.settings import IntList, identity_of, setting
 
 from .data import PartRules
 
@@ -42,7 +44,7 @@ class ExtractConfig:
     num_captured_layers: int = 5
     """With no --target-layer-ids: how many target layers the DFlash rule captures (its K; the
     reference calls it num_draft_layers, the deprecated name of this setting)."""
-    dtype: str = setting("bf16", type=DtypeChoice(DTYPE_NAMES))
+    dtype: str = setting("bf16", type=DtypeChoice(DTYPE_NAMES), identity=True)
     """Compute dtype of the target. The cache always stores bf16 (or fp8)."""
     attn_implementation: str | None = None
     """Attention kernel passed to from_pretrained (sdpa, eager, flash_attention_2, ...) [default:
@@ -51,20 +53,20 @@ class ExtractConfig:
     """Torch device [default: cuda if available, else cpu]."""
     device_map: str | None = None
     """'auto' spreads a large target over the visible GPUs (needs accelerate)."""
-    max_seq_len: int = 8192
+    max_seq_len: int = setting(8192, identity=True)
     """Longest sample kept whole, at most the target's positions (its config's
     max_position_embeddings, extended by a rope_scaling factor): longer ones are truncated or
     skipped (--long-samples), and the summary says when the target's positions held them."""
-    long_samples: str = setting("truncate", choices=LONG_SAMPLE_POLICIES)
+    long_samples: str = setting("truncate", choices=LONG_SAMPLE_POLICIES, identity=True)
     """What to do with samples longer than --max-seq-len (or the target's positions)."""
-    skip_bad: bool = False
+    skip_bad: bool = setting(False, identity=True)
     """Skip malformed records (counted in the manifest) instead of stopping with an error."""
-    part_tokens: int = 65536
+    part_tokens: int = setting(65536, identity=True)
     """Tokens per cache part (the unit of resume): a part closes before the sample that would
     take it past this many tokens."""
     token_budget: int = 32768
     """Padded tokens per forward batch (batch size x longest sample)."""
-    sort_window_tokens: int | None = None
+    sort_window_tokens: int | None = setting(None, identity=True)
     """Sort consecutive records up to this many tokens by length and cut them, in that order, into
     parts: batches of similar lengths, little padding. Changes which samples go to which part, so a
     resume must keep it [default: 16 x --part-tokens; 0: each part alone]."""
@@ -75,9 +77,9 @@ class ExtractConfig:
     """Rows per compressed chunk in the cache."""
     shard_rows: int = 8192
     """Rows per shard file in the cache (a multiple of --chunk-rows)."""
-    store_last_hidden: bool = False
+    store_last_hidden: bool = setting(False, identity=True)
     """Also store the last decoder layer's output (pre-norm), for soft labels."""
-    store_topk: int = 8
+    store_topk: int = setting(8, identity=True)
     """Also store the target's top-k next-token log-probs, the trainer's soft labels (0: off). The top-8
     cost 64 bytes a token before compression, and the target's last layers and head run over every
     token (about 14 % of the forward at the Qwen3-8B shape); trained on them, the drafter's tau rose
@@ -187,18 +189,11 @@ class ExtractConfig:
         )
 
     def content_settings(self, positions: TargetPositions | None = None) -> dict[str, Any]:
-        """The settings that decide the cache's content (recorded in the header's `settings`;
-        `max_seq_len` is the length samples are held to, the target's positions where fewer)."""
-        return {
-            "max_seq_len": self.sample_limit(positions),
-            "long_samples": self.long_samples,
-            "skip_bad": self.skip_bad,
-            "dtype": self.dtype,
-            "part_tokens": self.part_tokens,
-            "sort_window_tokens": self.window_tokens(),
-            "store_last_hidden": self.store_last_hidden,
-            "store_topk": self.store_topk,
-        }
+        """The settings that decide the cache's content, those marked `identity=True` (recorded in
+        the header's `settings`; `max_seq_len` is the length samples are held to, the target's
+        positions where fewer, and `sort_window_tokens` the window as `window_tokens` decides it)."""
+        return identity_of(self, values={"max_seq_len": self.sample_limit(positions),
+                                         "sort_window_tokens": self.window_tokens()})
 
 
 DEPRECATED_KEYS = {"num_draft_layers": "num_captured_layers"}

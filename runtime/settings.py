@@ -8,7 +8,10 @@ A command's settings are one `kw_only` dataclass; each field is one setting:
   `list[X]` a repeatable flag, `tuple[float, float]` a flag of two values, `X | None` a setting
   whose default is decided later;
 - `setting(...)` adds what the annotation cannot say: the choices, a click type (a path that must
-  exist, a dtype), another flag spelling, a one-way flag (`--force`), a hidden flag;
+  exist, a dtype), another flag spelling, a one-way flag (`--force`), a hidden flag, and what the
+  setting means to a resume (`identity=`): a setting so marked is part of the identity a resumed
+  run or cache must match (`identity_of` builds it from the marks); one not marked may change
+  between a run and its resume;
 - a field whose type is a dataclass decorated with `@section` is a group of settings: its fields
   are flags and keys of their own, flat (`lr`, not `optimization.lr`).
 
@@ -63,6 +66,23 @@ def section(cls: type) -> type:
 
 
 @dataclass(frozen=True)
+class Identity:
+    """Where a setting enters the identity a resume must match (`setting(identity=...)`)."""
+
+    group: str | None = None
+    """The part of the identity it sits in (None: the top level)."""
+    key: str | None = None
+    """Its name there (default: the setting's)."""
+    source: str | None = None
+    """The attribute its value is read from, where the identity records a value the run resolved
+    rather than the setting as given (default: the key): of the object `identity_of` is given for
+    the group, else of the settings' own section (a property of it)."""
+    omit_default: bool = False
+    """Left out at its default: a setting added after identities were first recorded without it,
+    so that those still match."""
+
+
+@dataclass(frozen=True)
 class SettingSpec:
     """What a field's annotation cannot say about its flag (`setting(...)`)."""
 
@@ -79,11 +99,18 @@ class SettingSpec:
     hidden: bool = False
     """Left out of --help (e.g. a deprecated spelling)."""
     metavar: str | None = None
+    identity: Identity | None = None
+    """Part of the identity a resume must match (None: it may change on resume)."""
 
 
-def setting(default: Any = MISSING, *, default_factory: Any = MISSING, **spec: Any) -> Any:
-    """A dataclass field with `SettingSpec` metadata: `x: int = setting(4, choices=...)`."""
-    kwargs: dict[str, Any] = {"metadata": {_META: SettingSpec(**spec)}}
+def setting(default: Any = MISSING, *, default_factory: Any = MISSING, identity: Identity | str | bool | None = None,
+            **spec: Any) -> Any:
+    """A dataclass field with `SettingSpec` metadata: `x: int = setting(4, choices=...)`.
+    `identity=True` (top level), a group's name or an `Identity` marks it part of the identity a
+    resume must match."""
+    if identity is True or isinstance(identity, str):
+        identity = Identity(group=None if identity is True else identity)
+    kwargs: dict[str, Any] = {"metadata": {_META: SettingSpec(identity=identity or None, **spec)}}
     if default_factory is not MISSING:
         kwargs["default_factory"] = default_factory
     else:
@@ -143,6 +170,10 @@ class Setting:
     @property
     def flag(self) -> str:
         return next(o for o in self.option.opts if o.startswith("--"))
+
+    @property
+    def spec(self) -> SettingSpec:
+        return self.field.metadata.get(_META, SettingSpec())
 
     def default(self) -> Any:
         f = self.field
@@ -420,6 +451,38 @@ def flat_values(obj: Any) -> dict[str, Any]:
         else:
             out[f.name] = value
     return out
+
+
+def identity_of(obj: Any, *, resolved: Mapping[str, Any] | None = None,
+                values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The identity a resume must match, of the settings of `obj` marked `identity=`: {key: value}
+    at the top level and {group: {key: value}} in groups, in declaration order, tuples as lists
+    (as JSON keeps them). `resolved` gives per group an object holding the values as the run
+    resolved them (a drafter's config for its shape), read by each setting's `source` or key;
+    `values` gives a setting's value by its name where the caller decides it."""
+    resolved, values = resolved or {}, values or {}
+    out: dict[str, Any] = {}
+    for name, s in settings_of(type(obj)).items():
+        mark = s.spec.identity
+        if mark is None:
+            continue
+        key = mark.key or name
+        if name in values:
+            value = values[name]
+        elif mark.group in resolved:
+            value = getattr(resolved[mark.group], mark.source or key)
+        else:
+            value = getattr(getattr(obj, s.section) if s.section else obj, mark.source or name)
+        if mark.omit_default and value == s.default():
+            continue
+        (out.setdefault(mark.group, {}) if mark.group else out)[key] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 # -- the click side ---------------------------------------------------------------------------

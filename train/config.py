@@ -4,8 +4,11 @@ share one name. `TrainConfig` is made of sections, one per component, each decla
 `DrafterSettings` is the part a drafter records in its own `DrafterConfig`), `objective` (how
 blocks are drawn and scored: `ObjectiveConfig`, what the loss reads), `optimization`, `runtime`
 and `logging`. Flags and config-file keys stay flat (`--lr`, `lr`, not `optimization.lr`), and so
-does `to_dict()`, the settings a checkpoint records. Importing this module does not import torch:
-`dflash-train --help` builds its flags from it.
+does `to_dict()`, the settings a checkpoint records. A setting that decides the batches or the
+drafter's shape says so where it is declared (`setting(identity=...)`): the run identity a resumed
+run must share with its checkpoint is built from those marks (`resume.run_identity`); every other
+setting may change on resume. Importing this module does not import torch: `dflash-train --help`
+builds its flags from it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
 from dflash.runtime.errors import DflashError, MismatchError, UsageError
 from dflash.runtime.settings import (
+    Identity,
     build_settings,
     flat_values,
     read_settings_file,
@@ -96,24 +100,24 @@ class DataConfig:
     """Hidden-state cache directory (repeat for several caches of the same target and layers)."""
     eval_cache: list[str] = field(default_factory=list)
     """Held-out cache(s) for evaluation; when given, no training sample is held out (--eval-fraction is unused)."""
-    eval_fraction: float = 0.02
+    eval_fraction: float = setting(0.02, identity=Identity(source="held_out_fraction"))
     """Fraction of the training caches' samples held out for evaluation, chosen by a hash of each sample id (stable as caches grow; 0: no held-out split)."""
     eval_max_samples: int = 2000
     """Evaluate on at most this many held-out samples, the same ones every time (0: all)."""
     eval_max_batches: int = 0
     """Evaluate on at most this many held-out batches per rank (0: all)."""
-    max_train_samples: int = 0
+    max_train_samples: int = setting(0, identity=Identity(omit_default=True))
     """Train on at most this many of the training samples (0: all), chosen by a hash of each sample
     id: a larger cap keeps every sample of a smaller one (for a learning curve: how tau grows with data)."""
-    token_budget: int = 16384
+    token_budget: int = setting(16384, identity="batching")
     """Padded tokens per micro-batch (batch size x longest sample)."""
-    max_batch_size: int = 64
+    max_batch_size: int = setting(64, identity="batching")
     """Most samples per micro-batch."""
-    max_seq_len: int = 8192
+    max_seq_len: int = setting(8192, identity="batching")
     """Longer samples are truncated to this many tokens (counted and reported at startup)."""
-    shuffle_window: int = 8192
+    shuffle_window: int = setting(8192, identity="batching")
     """Samples sorted by length together before batching (larger: less padding, less randomness)."""
-    shuffle_parts: int = 0
+    shuffle_parts: int = setting(0, identity=Identity("batching", omit_default=True))
     """0: shuffle each epoch over the whole data; N: plan each epoch group by group, N consecutive
     parts of the extraction at a time (what --follow and a disk budget need: training then trails
     the extraction and needs at most a group's parts at once)."""
@@ -158,6 +162,11 @@ class DataConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
         self._check_disk_settings()
+
+    @property
+    def held_out_fraction(self) -> float:
+        """The fraction of the training caches held out: --eval-fraction, or 0 with --eval-cache."""
+        return 0.0 if self.eval_cache else self.eval_fraction
 
     def disk_budget_bytes(self) -> int | None:
         """--disk-budget in bytes (None: no budget)."""
@@ -211,9 +220,9 @@ class DrafterSettings:
     """The drafter's settings a run chooses and a drafter records (`DrafterConfig` is a
     `DrafterSettings` too, with the target's dimensions and the resolved layer attention)."""
 
-    block_size: int = 16
+    block_size: int = setting(16, identity="model")
     """Tokens per drafted block: the anchor plus block_size-1 predictions."""
-    mask_token_id: int | None = None
+    mask_token_id: int | None = setting(None, identity="model")
     """Embedding row used for masked block positions (default: the tokenizer's mask token, else an
     unused or reserved row; the choice is kept in checkpoints and the export)."""
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
@@ -285,13 +294,13 @@ class ModelConfig(DrafterSettings):
 
     target_model: str = ""
     """Target model directory: only its config.json, embedding and lm_head are read."""
-    num_draft_layers: int = 5
+    num_draft_layers: int = setting(5, identity=Identity("model", source="num_hidden_layers"))
     """Decoder layers of the drafter."""
-    draft_layer_types: str = "full"
+    draft_layer_types: str = setting("full", identity=Identity("model", key="layer_types"))
     """Attention of the draft layers: full, sliding, or one per layer (e.g. sliding,sliding,full)."""
-    draft_sliding_window: int | None = None
+    draft_sliding_window: int | None = setting(None, identity=Identity("model", key="sliding_window"))
     """Window of the sliding draft layers in tokens (required with sliding layers)."""
-    draft_causal: bool | None = None
+    draft_causal: bool | None = setting(None, identity=Identity("model", key="causal"))
     """Block tokens see only earlier block tokens (default: causal for sliding layers, bidirectional
     for full ones, as vLLM and SGLang serve them)."""
     init_drafter: str | None = None
@@ -474,7 +483,8 @@ class OptimizationConfig:
     """AdamW betas."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
-    grad_accum: int = 1
+    # the identity records the batches of a step across ranks (resume.run_identity gives the world size)
+    grad_accum: int = setting(1, identity=Identity("batching", key="batches_per_step (world_size x grad_accum)"))
     """Micro-batches per optimizer step on each rank."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0: off)."""
@@ -483,7 +493,7 @@ class OptimizationConfig:
     tau on code, -1.3 % on prose; with the default soft labels +11.6 % and +1.6 % (docs/recipe.md)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: run all epochs); the schedule spans them."""
-    seed: int = 0
+    seed: int = setting(0, identity="batching")
     """Seed of the model init, the per-epoch shuffle and every batch's anchors and noise."""
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.identity import comparable, target_identity
+from dflash.runtime.settings import identity_of
 
 from .checkpoint import Checkpointer, TrainState, compute_changes
 from .config import TrainConfig, TrainConfigError
@@ -19,24 +20,21 @@ from .reporting import RunLogger
 
 def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
                  info: DistInfo) -> dict[str, Any]:
-    """What a resumed run must share with its checkpoint: the data, its batches, the model's shape."""
+    """What a resumed run must share with its checkpoint: the data, its batches, the model's shape.
+    The settings in it are those train/config.py marks `identity=` (the shape as the drafter's
+    config resolved it); the rest are facts of the run: its caches, target and head."""
     c = drafter.config
+    settings = identity_of(cfg, resolved={"model": c},
+                           values={"grad_accum": info.world_size * cfg.optimization.grad_accum})
     return {
+        **settings,
         "caches": data.caches.identity(),
         "eval_caches": data.eval_caches.identity() if data.eval_caches is not None else [],
-        # the held-out split (by sample id) decides the training samples; --eval-cache replaces it
-        "eval_fraction": 0.0 if cfg.data.eval_cache else cfg.data.eval_fraction,
-        "eval_split": "sample_id hash",
-        **({"max_train_samples": cfg.data.max_train_samples} if cfg.data.max_train_samples else {}),
+        "eval_split": "sample_id hash",  # the held-out split (by sample id) decides the training samples
         # the target's identity (cache_tools.identity): its files, never its path
         "target": comparable(target_identity(target_config, cfg.model.target_model)),
-        "batching": {"token_budget": cfg.data.token_budget, "max_batch_size": cfg.data.max_batch_size,
-                     "max_seq_len": cfg.data.max_seq_len, "shuffle_window": cfg.data.shuffle_window, "seed": cfg.optimization.seed,
-                     "sample_order": "sample_id", **({"shuffle_parts": cfg.data.shuffle_parts} if cfg.data.shuffle_parts else {}),
-                     "batches_per_step (world_size x grad_accum)": info.world_size * cfg.optimization.grad_accum},
-        "model": {"num_draft_layers": c.num_hidden_layers, "block_size": c.block_size,
-                  "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                  "layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "causal": c.causal,
+        "batching": {**settings["batching"], "sample_order": "sample_id"},
+        "model": {**settings["model"], "target_layer_ids": list(c.target_layer_ids),
                   **drafter.head.identity(c)},  # the head's settings (none for DFlash, as recorded before heads)
     }
 
