@@ -300,14 +300,38 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
     return config
 
 
+INDEX_NAME = "model.safetensors.index.json"
+"""The index of a sharded safetensors checkpoint (Hugging Face's save_pretrained): its weight_map
+names the shard of each tensor."""
+
+
+def export_weight_files(drafter_dir: str | Path) -> list[Path]:
+    """The safetensors files of a drafter directory: model.safetensors; else the shards its
+    model.safetensors.index.json names; else its one *.safetensors file; [] where there is none
+    of these (a named shard need not exist: `read_export_weights` names a missing one)."""
+    drafter_dir = Path(drafter_dir)
+    if (drafter_dir / WEIGHTS_NAME).is_file():
+        return [drafter_dir / WEIGHTS_NAME]
+    if (drafter_dir / INDEX_NAME).is_file():
+        try:
+            weight_map = json.loads((drafter_dir / INDEX_NAME).read_text()).get("weight_map") or {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{drafter_dir / INDEX_NAME} is not a safetensors index ({e}).") from e
+        return [drafter_dir / name for name in sorted(set(weight_map.values()))]
+    found = sorted(p for p in drafter_dir.glob("*.safetensors") if p.is_file())
+    return found if len(found) == 1 else []
+
+
 def read_export_config(drafter_dir: str | Path) -> dict[str, Any]:
     """The config.json of a drafter export (ours, or a z-lab / SGLang / vLLM layout DFlash or
-    DFlash2 drafter), checked to be one; FileNotFoundError / ValueError say what is wrong."""
+    DFlash2 drafter, its weights in one file or sharded), checked to be one;
+    FileNotFoundError / ValueError say what is wrong."""
     drafter_dir = Path(drafter_dir)
-    config_path, weights_path = drafter_dir / CONFIG_NAME, drafter_dir / WEIGHTS_NAME
-    if not config_path.is_file() or not weights_path.is_file():
+    config_path = drafter_dir / CONFIG_NAME
+    if not config_path.is_file() or not export_weight_files(drafter_dir):
         raise FileNotFoundError(
-            f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}."
+            f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME} (or the "
+            f"shards {INDEX_NAME} names)."
         )
     hf_config = json.loads(config_path.read_text())
     if "dflash_config" not in hf_config and not set(architectures()) & set(hf_config.get("architectures") or []):
@@ -319,12 +343,23 @@ def read_export_config(drafter_dir: str | Path) -> dict[str, Any]:
 
 
 def read_export_weights(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a drafter export's model.safetensors (checked to be a whole file)."""
-    weights_path = Path(drafter_dir) / WEIGHTS_NAME
-    check_safetensors(weights_path, fix="Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), "
-                      "or copy the directory again.")
-    with safe_open(str(weights_path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    """The tensors of a drafter export's model.safetensors, or of every shard its index names
+    (each checked to be a whole file; a tensor in two shards is refused)."""
+    fix = "Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), or copy the directory again."
+    files = export_weight_files(drafter_dir)
+    if not files:
+        raise FileNotFoundError(f"{drafter_dir} holds no {WEIGHTS_NAME} (nor the shards of {INDEX_NAME}).")
+    tensors: dict[str, torch.Tensor] = {}
+    for weights_path in files:
+        if not weights_path.is_file():
+            raise FileNotFoundError(f"{weights_path} is missing: {Path(drafter_dir) / INDEX_NAME} names it. {fix}")
+        check_safetensors(weights_path, fix=fix)
+        with safe_open(str(weights_path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                if name in tensors:
+                    raise ValueError(f"tensor {name} is in two shards of {drafter_dir} ({weights_path.name} is one).")
+                tensors[name] = f.get_tensor(name)
+    return tensors
 
 
 def load_drafter(
