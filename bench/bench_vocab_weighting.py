@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from dflash.demo import pipeline as demo
+from dflash.eval.config import EvalConfig
 from dflash.eval.run import run_eval
 
 
@@ -43,8 +44,9 @@ def run_vocabulary(workdir: Path, vocab: int, sizes: demo.DemoSizes, seed: int) 
                    [*demo.drafter_train_args(workdir / "cache", workdir / "target", run_dir, sizes, seed),
                     "--loss-weighting", "decay"], workdir / "train-decay.log")
     trained = time.perf_counter() - start
-    evaluated = run_eval(str(workdir / "target"), str(run_dir / "final"), [str(workdir / "heldout_prompts.jsonl")],
-                         max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="fp32")
+    evaluated = run_eval(EvalConfig(target_model=str(workdir / "target"), drafter=str(run_dir / "final"),
+                                    prompts=[str(workdir / "heldout_prompts.jsonl")],
+                                    max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="fp32"))
     rows.append(row(shown, "decay", evaluated, trained))
     print(f"  vocabulary {shown}: demo {prepared:.0f} s (target loss {report['target_final_loss']:.3f}), "
           f"decay drafter {trained:.0f} s", flush=True)

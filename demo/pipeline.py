@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.eval.config import EvalConfig
 from dflash.eval.run import format_report, run_eval
 from dflash.eval.speculative import DecodeConfig, target_generate
 from dflash.runtime.errors import EnvironmentFault, InputError, UsageError
@@ -359,8 +360,8 @@ def run_demo(workdir: Path, sizes: DemoSizes, seed: int = 0, log: Any = print,
     lap("train")
 
     log("[5/5] dflash-eval on held-out prompts")
-    report = run_eval(str(target_dir), str(run_dir / "final"), [str(prompts)],
-                      max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="fp32")
+    report = run_eval(EvalConfig(target_model=str(target_dir), drafter=str(run_dir / "final"), prompts=[str(prompts)],
+                                 max_new_tokens=sizes.eval_new_tokens, batch_size=1, device="cpu", dtype="fp32"))
     log(format_report(report))
     lap("eval")
 

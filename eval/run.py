@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
-from dflash.runtime.errors import InputError, MismatchError, UsageError
+from dflash.runtime.errors import InputError, MismatchError
 from dflash.runtime.positions import TargetPositions, target_positions
 from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
 from dflash.runtime.safetensors_files import (
@@ -30,6 +30,7 @@ from dflash.runtime.safetensors_files import (
 from dflash.runtime.signals import stop_if_signalled
 from dflash.train.heads import get_head, head_names
 
+from .config import EvalConfig, EvalError
 from .lookup import lookup_generate
 from .speculative import (
     DecodeConfig,
@@ -42,10 +43,6 @@ from .speculative import (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class EvalError(UsageError):
-    """A setting of `dflash-eval` is wrong."""
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -443,48 +440,41 @@ def format_lookup(r: dict[str, Any]) -> list[str]:
     ]
 
 
-def run_eval(target_model: str, drafter_dir: str, prompt_files: list[str], *, max_new_tokens: int = 128,
-             max_prompts: int | None = None, block_size: int | None = None, batch_size: int = 1,
-             temperature: float = 0.0, seed: int = 0, stop_token_ids: tuple[int, ...] = (),
-             ignore_eos: bool = False, device: str = "auto", dtype: str = "auto",
-             attn_implementation: str | None = None, baseline: bool = True,
-             lookup_ngram: int = 4, confidence_threshold: float | None = None) -> dict[str, Any]:
+def run_eval(config: EvalConfig) -> dict[str, Any]:
     """The whole evaluation as a function (the CLI and the demo call it); returns the report dict."""
-    if batch_size < 1:
-        raise EvalError(f"--batch-size must be >= 1, got {batch_size}.")
-    if lookup_ngram < 1:
-        raise EvalError(f"--lookup-ngram must be >= 1 (the longest suffix prompt lookup matches), got {lookup_ngram}.")
-    device = str(resolve_device(device))
+    c = config
+    device = str(resolve_device(c.device))
     # fp32 on CPU keeps batched (padded) and single-token passes bit-close: see docs/eval.md.
-    dtype = resolve_dtype_name(dtype, device)
-    model, drafter, tokenizer = load_models(target_model, drafter_dir, device, torch_dtype(dtype), attn_implementation)
+    dtype = resolve_dtype_name(c.dtype, device)
+    model, drafter, tokenizer = load_models(c.target_model, c.drafter, device, torch_dtype(dtype), c.attn_implementation)
     trained = drafter.config.block_size
-    if block_size is not None and not 2 <= block_size <= trained:
-        raise EvalError(f"--block-size {block_size} must be between 2 and the drafter's trained block size {trained}.")
-    stops = () if ignore_eos else (tuple(stop_token_ids) or default_stop_tokens(model))
+    if c.block_size is not None and not 2 <= c.block_size <= trained:
+        raise EvalError(f"--block-size {c.block_size} must be between 2 and the drafter's trained block size {trained}.")
+    stops = () if c.ignore_eos else (tuple(c.stop_token_ids) or default_stop_tokens(model))
     try:
-        config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops,
-                              block_size=block_size or trained, seed=seed, confidence_threshold=confidence_threshold)
+        decode = DecodeConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature, stop_token_ids=stops,
+                              block_size=c.block_size or trained, seed=c.seed,
+                              confidence_threshold=c.confidence_threshold)
     except ValueError as e:
         raise EvalError(str(e)) from None
     vocab = model.config.get_text_config().vocab_size
     positions = target_positions(model.config)
     sets = []
-    for path in prompt_files:
-        prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=max_prompts, positions=positions,
-                               max_new_tokens=max_new_tokens, block_size=config.block_size)
+    for path in c.prompts:
+        prompts = load_prompts(path, vocab, tokenizer=tokenizer, max_prompts=c.max_prompts, positions=positions,
+                               max_new_tokens=c.max_new_tokens, block_size=decode.block_size)
         try:
-            result = evaluate_prompt_set(model, drafter, prompts, config, EvalSettings(
-                batch_size=batch_size, device=device, baseline=baseline, lookup_ngram=lookup_ngram))
+            result = evaluate_prompt_set(model, drafter, prompts, decode, EvalSettings(
+                batch_size=c.batch_size, device=device, baseline=c.baseline, lookup_ngram=c.lookup_ngram))
         except NoConfidenceError as e:
-            raise EvalError(f"{drafter_dir}: {e}") from None
+            raise EvalError(f"{c.drafter}: {e}") from None
         sets.append({"name": Path(path).stem, "path": str(path), **result})
     return {
         "settings": {"device": device, "dtype": dtype, "drafter_type": drafter.config.drafter_type,
-                     "block_size": config.block_size,
-                     "trained_block_size": trained, "batch_size": batch_size, "temperature": temperature,
-                     "max_new_tokens": max_new_tokens, "stop_token_ids": list(stops), "baseline": baseline,
-                     "lookup_ngram": lookup_ngram, "confidence_threshold": confidence_threshold},
+                     "block_size": decode.block_size,
+                     "trained_block_size": trained, "batch_size": c.batch_size, "temperature": c.temperature,
+                     "max_new_tokens": c.max_new_tokens, "stop_token_ids": list(stops), "baseline": c.baseline,
+                     "lookup_ngram": c.lookup_ngram, "confidence_threshold": c.confidence_threshold},
         "prompt_sets": sets,
     }
 

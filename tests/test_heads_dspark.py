@@ -201,6 +201,7 @@ SETTINGS = dict(max_steps=STEPS, epochs=2, grad_accum=1, seed=3, save_interval=2
 
 
 def test_dspark_trains_resumes_bit_exact_exports_and_decodes_losslessly(tiny_world, tmp_path, monkeypatch):
+    from dflash.eval.config import EvalConfig
     from dflash.eval.run import run_eval
     from transformers import AutoModelForCausalLM
 
@@ -239,8 +240,9 @@ def test_dspark_trains_resumes_bit_exact_exports_and_decodes_losslessly(tiny_wor
     # dflash-eval's confidence stop: reported beside the whole block, lossless
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
-    report = run_eval(str(world["target"]), str(whole.final_dir), [str(prompt_file)], max_new_tokens=8,
-                      baseline=False, ignore_eos=True, confidence_threshold=0.3)
+    report = run_eval(EvalConfig(target_model=str(world["target"]), drafter=str(whole.final_dir),
+                                 prompts=[str(prompt_file)], max_new_tokens=8, baseline=False, ignore_eos=True,
+                                 confidence_threshold=0.3))
     result = report["prompt_sets"][0]
     stop = result["confidence_stop"]
     assert stop["threshold"] == 0.3 and stop["lossless"]["identical"] and result["lossless"]["identical"]

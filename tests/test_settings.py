@@ -36,8 +36,8 @@ def captured(monkeypatch):
     monkeypatch.setattr(pipeline, "run_extraction", lambda config: seen.append(config) or summary)
     monkeypatch.setattr(loop, "train", lambda config: seen.append(config) or SimpleNamespace(exit_status=0))
 
-    def fake_eval(target_model, drafter, prompts, **settings):
-        seen.append(SimpleNamespace(target_model=target_model, drafter=drafter, prompts=prompts, **settings))
+    def fake_eval(config):
+        seen.append(config)
         return {"settings": {}, "prompt_sets": []}
 
     monkeypatch.setattr(eval_run, "run_eval", fake_eval)
@@ -134,7 +134,7 @@ ACCEPTED = [
     ("train", "max_steps", 5.0, 5),
     ("eval", "baseline", "false", False),
     ("eval", "ignore_eos", "true", True),
-    ("eval", "stop_token_id", 2, (2,)),
+    ("eval", "stop_token_id", 2, [2]),
     ("eval", "dtype", "bfloat16", "bf16"),
 ]
 
