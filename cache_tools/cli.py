@@ -17,12 +17,11 @@ import click
 from dflash.runtime.cli import EXIT_FAILED, Group
 from dflash.runtime.settings import IntList, setting, settings_options
 
+from .codecs import CODEC_NAMES  # (no torch)
+
 if TYPE_CHECKING:
     from .rewrite import CopyReport
 
-# The names of `codecs.CODEC_NAMES`, spelled here so that --help need not import the codecs
-# (torch); tests/test_cli_contract.py checks that the two agree.
-CODEC_CHOICES = ("bf16", "fp8", "nf4", "raw")
 
 
 # -- the settings of each command (flags, --config keys and --help: dflash.runtime.settings) ----
@@ -61,7 +60,7 @@ class StatsSettings:
 
 @dataclass(kw_only=True)
 class RecompressSettings:
-    codec: str = setting(MISSING, choices=CODEC_CHOICES)
+    codec: str = setting(MISSING, choices=CODEC_NAMES)
     """bf16 (lossless), fp8 (e4m3, one scale per token and layer; ~2-3 % error), nf4 (4-bit, one
     scale per 32 values), raw (uncompressed)."""
     clevel: int = setting(1, type=click.IntRange(0, 22))
@@ -89,7 +88,7 @@ class ImportSettings:
     source_layer_ids: list[int] | None = setting(None, type=IntList())
     """The layers the files hold, as the source numbers them: SpecForge as we do; speculators one
     more (vLLM counts the embedding), with the last layer N that launch_vllm.py appends."""
-    codec: str = setting("bf16", choices=CODEC_CHOICES)
+    codec: str = setting("bf16", choices=CODEC_NAMES)
     """Hidden-state codec of the new cache (bf16 keeps bf16 sources bit for bit)."""
     store_last_hidden: bool = False
     """Store the files' last-layer slot (speculators: layer N, before the final norm) as the cache's

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.cache_tools.cli import CODEC_CHOICES
+from dflash.cache_tools.codecs import CODEC_NAMES
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES, DtypeChoice
 from dflash.runtime.errors import SettingError
@@ -70,7 +70,7 @@ class ExtractConfig:
     """Sort consecutive records up to this many tokens by length and cut them, in that order, into
     parts: batches of similar lengths, little padding. Changes which samples go to which part, so a
     resume must keep it [default: 16 x --part-tokens; 0: each part alone]."""
-    codec: str = setting("bf16", choices=CODEC_CHOICES)
+    codec: str = setting("bf16", choices=CODEC_NAMES)
     """Hidden-state codec: bf16 lossless, fp8 e4m3 + per-token scale, nf4 4-bit + a scale per 32
     values, raw uncompressed."""
     chunk_rows: int = 128
@@ -121,8 +121,6 @@ class ExtractConfig:
         for name in ("target_model", "data", "output"):
             if not getattr(self, name):
                 raise bad(f"--{name.replace('_', '-')} is required.")
-        from dflash.cache_tools.codecs import CODEC_NAMES  # (torch: not needed for --help)
-
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise bad(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 
 import click
 import pytest
@@ -132,8 +133,8 @@ def captured_eval(monkeypatch):
 
     calls = []
 
-    def fake_run_eval(target_model, drafter_dir, prompt_files, **settings):
-        calls.append({"target_model": target_model, "drafter": drafter_dir, "prompts": prompt_files, **settings})
+    def fake_run_eval(config):
+        calls.append(asdict(config))
         return {"settings": {}, "prompt_sets": []}
 
     monkeypatch.setattr(eval_cli, "run_eval", fake_run_eval)
@@ -152,7 +153,7 @@ def test_eval_config_accepts_its_documented_keys_and_flags_override_them(tmp_pat
     (call,) = captured_eval
     assert call["prompts"] == [str(p) for p in prompts]
     assert call["max_new_tokens"] == 9  # the flag wins over the file
-    assert call["dtype"] == "fp32" and call["baseline"] is False and call["stop_token_ids"] == (2,)
+    assert call["dtype"] == "fp32" and call["baseline"] is False and call["stop_token_ids"] == [2]
 
 
 def test_eval_config_takes_one_prompt_file_as_a_string(tmp_path, captured_eval):
@@ -236,12 +237,17 @@ def test_dflash_train_help_is_the_default_commands_help_with_the_training_option
 
 
 def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
+    # one tuple each, imported where it is used (a copy could drift: tests/test_settings_identity.py)
     from dflash.cache_tools import cli as cache_cli
     from dflash.cache_tools.codecs import CODEC_NAMES
-    from dflash.train import attention, config, heads
+    from dflash.extract.config import ExtractConfig
+    from dflash.runtime.settings import settings_of
+    from dflash.train import attention, config, heads, model
 
-    assert cache_cli.CODEC_CHOICES == CODEC_NAMES
-    assert config.ATTENTION_BACKENDS == attention.ATTENTION_BACKENDS
+    for cls in (cache_cli.RecompressSettings, cache_cli.ImportSettings, ExtractConfig):
+        assert settings_of(cls)["codec"].spec.choices is CODEC_NAMES, cls
+    assert settings_of(config.TrainConfig)["attention_backend"].spec.choices is attention.ATTENTION_BACKENDS
+    assert settings_of(config.TrainConfig)["compile_mode"].spec.choices is model.COMPILE_MODES
     assert config.DRAFTER_TYPES == heads.head_names()
 
 

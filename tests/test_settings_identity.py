@@ -169,3 +169,47 @@ def test_identity_of_gathers_the_marked_settings_by_group_key_source_and_default
     resolved = SimpleNamespace(width=8, resolved_depth=3, late=0)
     assert identity_of(toy, resolved={"shape": resolved}, values={"seed": 9}) == {
         "shape": {"width": 8, "depth": 3}, "seed": 9, "span": [1, 2]}
+
+
+# -- dflash-eval's measurement takes the command's settings, declared once ---------------------
+
+
+def test_run_eval_takes_the_eval_settings_and_the_command_adds_only_what_it_does_with_the_report():
+    import inspect
+
+    from dflash.eval.cli import EvalCommandConfig
+    from dflash.eval.config import EvalConfig
+    from dflash.eval.run import run_eval
+    from dflash.runtime.settings import settings_of
+
+    assert list(inspect.signature(run_eval).parameters) == ["config"]
+    assert issubclass(EvalCommandConfig, EvalConfig)
+    assert set(settings_of(EvalCommandConfig)) - set(settings_of(EvalConfig)) == {"strict", "as_json", "update_card"}
+
+
+def test_an_eval_setting_out_of_range_is_refused_when_the_settings_are_built():
+    from dflash.eval.config import EvalConfig, EvalError
+
+    for bad in ({"batch_size": 0}, {"lookup_ngram": 0}):
+        with pytest.raises(EvalError):
+            EvalConfig(target_model="t", drafter="d", prompts=["p"], **bad)
+
+
+# -- choices live once -------------------------------------------------------------------------
+
+
+def test_no_tuple_of_choices_is_spelled_twice_in_the_product_code():
+    import ast
+    from collections import defaultdict
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spelled: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for package in ("runtime", "cache_tools", "extract", "prepare", "train", "eval", "demo"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+                if (isinstance(value, ast.Tuple) and len(value.elts) >= 2
+                        and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts)):
+                    spelled[tuple(e.value for e in value.elts)].append(f"{path.relative_to(root)}:{node.lineno}")
+    assert {names: where for names, where in spelled.items() if len(where) > 1} == {}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+from .config import ATTENTION_BACKENDS  # beside --attention-backend (torch-free, for --help)
 
 
 def build_dense_mask(anchor_positions: torch.Tensor, context_len: int, block_size: int, *,

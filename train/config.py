@@ -36,11 +36,11 @@ from .layer_types import parse_layer_types
 DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.devices) training supports
 PARALLEL_MODES = ("ddp", "fsdp")
 NOISE_TYPES = ("none", "uniform", "gaussian")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")  # attention.ATTENTION_BACKENDS (a test checks they agree)
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")  # the kernels of train/attention.py (it imports them from here)
 LOSS_WEIGHTINGS = ("decay", "acceptance")
 HARD_LABELS = ("sample", "target")
 LR_SCHEDULES = ("cosine", "wsd")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # model.COMPILE_MODES
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's (model.py checks them)
 DRAFTER_TYPES = head_names()  # the built-in heads (train/heads/); one registered later is checked at build
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMask, inference_mask
+from .config import COMPILE_MODES  # torch.compile's, beside --compile-mode
 from .drafter_config import DrafterConfig
 from .heads import get_head
 from .layers import DrafterLayer, RMSNorm, rms_normalize
@@ -34,8 +35,6 @@ from .target_weights import (
     load_target_config,
     load_target_weights,
 )
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's
 
 
 class DFlashDrafter(nn.Module):
