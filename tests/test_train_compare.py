@@ -63,6 +63,9 @@ def test_candidates_train_on_the_same_subset_and_the_pick_is_the_best_row(tiny_w
     assert result.pick.second != result.pick.best and result.pick.overlap is not None
     summary = json.loads((out / COMPARE_DIR / SUMMARY_FILE).read_text())
     assert [r["head"] for r in summary["rows"]] == ["dflash", "dflash2"] and summary["pick"]["best"] == result.pick.best
+    spent = summary["time_cost"]
+    assert spent["candidates_seconds"] == pytest.approx(sum(r.record["train_seconds"] for r in result.rows))
+    assert 0 < spent["ratio"] < math.inf
     assert not (out / "final").exists()  # --no-train-best: the full run is only printed
     table = "\n".join(lines)
     assert all(f"{taus[h]:.3f}" in table for h in taus)

@@ -255,9 +255,15 @@ def decode_candidate(record: dict[str, Any], compare: CompareConfig, log: Callab
     if decoded and decoded.get("decoded") == what:
         return decoded
     log(f"compare: decoding {record['head']} on {', '.join(compare.prompts)}")
-    report = run_eval(settings["target_model"], str(run_dir / FINAL_DIR), list(compare.prompts),
-                      max_new_tokens=compare.max_new_tokens, max_prompts=compare.max_prompts,
-                      device=settings.get("device") or "auto", baseline=False)
+    measured = {"target_model": settings["target_model"], "drafter": str(run_dir / FINAL_DIR),
+                "prompts": list(compare.prompts), "max_new_tokens": compare.max_new_tokens,
+                "max_prompts": compare.max_prompts, "device": settings.get("device") or "auto", "baseline": False}
+    try:
+        from dflash.eval.config import EvalConfig
+    except ImportError:  # (a dflash-eval whose run_eval takes its settings as arguments)
+        report = run_eval(measured.pop("target_model"), measured.pop("drafter"), measured.pop("prompts"), **measured)
+    else:
+        report = run_eval(EvalConfig(**measured))
     prompts = [p for s in report["prompt_sets"] for p in s["per_prompt"]]
     decoded = {"decoded": what, "tokens": [p["accepted_tokens"] for p in prompts],
                "cycles": [p["cycles"] for p in prompts],
@@ -374,6 +380,19 @@ def pick_best(rows: list[Row]) -> Pick:
     return pick
 
 
+def time_cost(plan: ComparePlan, rows: dict[str, Row], best: str) -> dict[str, Any] | None:
+    """The candidates' training seconds summed, against one full run of `best` at the steps a
+    second its candidate trained at (None without a rate)."""
+    rate = rows[best].record["steps_per_second"]
+    if not rate:
+        return None
+    spent = sum(r.record["train_seconds"] for r in rows.values())
+    full = plan.full_steps / rate
+    return {"candidates_seconds": spent, "full_run_seconds": full, "ratio": spent / full,
+            "text": f"cost: the candidates trained {spent:,.1f} s in all; one full run of {best} takes about "
+                    f"{full:,.1f} s at its candidate's steps a second: {spent / full:.2f}x its training time"}
+
+
 def _span(interval: Sequence[float]) -> str:
     return f" [{interval[0]:.3f}-{interval[1]:.3f}]" if len(interval) == 2 else ""
 
@@ -472,12 +491,16 @@ def compare_heads(values: dict[str, Any], compare: CompareConfig,
     command = full_run_command(values, pick.best)
     log(format_table(rows))
     log(pick.text({r.head: r for r in rows}))
+    spent = time_cost(plan, {r.head: r for r in rows}, pick.best)
+    if spent:
+        log(spent["text"])
     if any(r.decoded and not r.decoded["lossless"] for r in rows):
         log("warning: a decoded output differs from the target's greedy output (docs/eval.md, 'The lossless check').")
     summary = {"plan": {"fraction": compare.fraction, "train_samples": plan.train_samples,
                         "candidate_samples": plan.candidate_samples, "full_steps": plan.full_steps,
                         "candidate_steps": plan.candidate_steps, "cost": plan.cost},
-               "rows": [r.as_dict() for r in rows], "pick": vars(pick), "command": command}
+               "rows": [r.as_dict() for r in rows], "pick": vars(pick), "command": command,
+               **({"time_cost": {k: v for k, v in spent.items() if k != "text"}} if spent else {})}
     from .reporting import strict_json
 
     atomic_write_json(Path(values["output_dir"]) / COMPARE_DIR / SUMMARY_FILE, strict_json(summary))
