@@ -23,6 +23,7 @@ import os
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +326,7 @@ class Row:
     def interval(self, by: str) -> list[float]:
         return list(self.decoded_figures["tau_interval"] if by == "decoded" else self.heldout.get("tau_interval") or [])
 
-    @property
+    @cached_property
     def decoded_figures(self) -> dict[str, Any]:
         return decoded_figures(self.decoded["tokens"], self.decoded["cycles"]) if self.decoded else {}
 
