@@ -21,10 +21,10 @@ def test_resuming_with_a_new_init_drafter_ignores_it_and_says_the_checkpoint_win
     assert stopped.checkpoint is not None
     capsys.readouterr()
 
-    def not_read(path):
+    def not_read(path, *_):
         raise AssertionError(f"the --init-drafter export {path} was read for a run that resumes")
 
-    monkeypatch.setattr(warm_start, "read_export_weights", not_read)
+    monkeypatch.setattr(warm_start, "read_drafter", not_read)  # what reads a drafter, in any layout
     resumed = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3, eval_fraction=0,
                                       init_drafter=str(export)))
     assert resumed.exit_status == 0 and resumed.step == 3
