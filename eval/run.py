@@ -20,6 +20,12 @@ import numpy as np
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.intervals import (
+    INTERVAL_RESAMPLES,
+    bootstrap_draw,
+    percentile_interval,
+    resampled_tau,
+)
 from dflash.runtime.positions import TargetPositions, target_positions
 from dflash.runtime.records import NotJson, completion_start, iter_lines, read_json
 from dflash.runtime.safetensors_files import (
@@ -239,9 +245,6 @@ def per_prompt(prompts: list[list[int]], generations: list[Generation]) -> list[
             for p, g in zip(prompts, generations)]
 
 
-INTERVAL_RESAMPLES = 2000
-
-
 def tau_intervals(generations: list[Generation], baseline: list[Generation] | None = None,
                   resamples: int = INTERVAL_RESAMPLES, seed: int = 0) -> dict[str, Any]:
     """95 % bootstrap intervals over the prompts (the prompts drawn with replacement, `resamples`
@@ -267,24 +270,6 @@ def tau_intervals(generations: list[Generation], baseline: list[Generation] | No
         if baseline is not None and len(baseline) == len(generations):
             out["tau_vs_baseline"] = percentile_interval(pooled / resampled_tau(*sums(baseline), draw))
     return out
-
-
-def bootstrap_draw(prompts: int, resamples: int = INTERVAL_RESAMPLES, seed: int = 0) -> np.ndarray:
-    """[resamples, prompts] prompt indices drawn with replacement (a fixed seed: the same draw
-    for the same sizes); resampling two methods' figures with one draw pairs them."""
-    return np.random.default_rng(seed).integers(0, prompts, size=(resamples, prompts))
-
-
-def resampled_tau(tokens: np.ndarray, cycles: np.ndarray, draw: np.ndarray) -> np.ndarray:
-    """The pooled tau (tokens over cycles) of each resample of `draw`."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return tokens[draw].sum(1) / cycles[draw].sum(1)
-
-
-def percentile_interval(values: np.ndarray) -> list[float]:
-    """The 95 % interval (2.5th and 97.5th percentiles) of the finite values; [] for none."""
-    finite = values[np.isfinite(values)]
-    return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if finite.size else []
 
 
 def per_prompt_mean(generations: list[Generation]) -> float:
