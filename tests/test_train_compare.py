@@ -1,4 +1,5 @@
-"""`dflash-train compare` (train/compare.py): the candidate heads train on the same nested subset
+"""`dflash-compare` (train/compare.py trains and tabulates, eval/compare.py decodes and is the
+command): the candidate heads train on the same nested subset
 of the training samples for the same steps, each is measured on the same held-out split (and, with
 --prompts, decoded), the table has one row of finite figures per head, the pick is the best one,
 and the best head then trains on the whole data as `dflash-train --drafter-type BEST` would. A
@@ -10,13 +11,17 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from conftest import assert_same_weights, final_weights, read_metrics, write_jsonl
+from dflash.eval.compare import DECODED_FILE
+from dflash.eval.compare import main as compare_main
 from dflash.train import heads
-from dflash.train.cli import main
+from dflash.train.cli import main as train_main
 from dflash.train.compare import COMPARE_DIR, SUMMARY_FILE, CompareConfig, compare_heads
 
 SETTINGS = dict(num_draft_layers=1, block_size=4, max_anchors=4, token_budget=128, max_batch_size=4,
@@ -129,9 +134,9 @@ def test_the_command_decodes_the_prompts_picks_by_decoded_tau_and_prints_the_ful
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt_ids": [5, 9, 13, 2, 7]}, {"prompt_ids": [11, 3, 8]},
                                                          {"prompt_ids": [1, 2, 3, 4, 5, 6]}])
     out = tmp_path / "run"
-    args = ["compare", *cli_flags(run_values(tiny_world, out)), "--heads", "dflash,dflash2", "--fraction", "0.5",
+    args = [*cli_flags(run_values(tiny_world, out)), "--heads", "dflash,dflash2", "--fraction", "0.5",
             "--prompts", str(prompts), "--max-new-tokens", "8", "--no-train-best"]
-    done = CliRunner().invoke(main, args)
+    done = CliRunner().invoke(compare_main, args)
     assert done.exit_code == 0, done.output
     summary = json.loads((out / COMPARE_DIR / SUMMARY_FILE).read_text())
     rows = {r["head"]: r for r in summary["rows"]}
@@ -144,12 +149,13 @@ def test_the_command_decodes_the_prompts_picks_by_decoded_tau_and_prints_the_ful
     pick = summary["pick"]
     assert pick["by"] == "decoded" and pick["tau"] == max(r["decoded"]["tau"] for r in rows.values())
     assert "decoded tau" in done.output and pick["best"] in done.output
+    assert all((out / COMPARE_DIR / head / DECODED_FILE).is_file() for head in rows)
 
     # the printed command is the best head's normal run on the whole data
     command = shlex.split(summary["command"])
     assert command[0] == "dflash-train" and command[command.index("--drafter-type") + 1] == pick["best"]
     assert summary["command"] in done.output
-    full = CliRunner().invoke(main, command[1:])
+    full = CliRunner().invoke(train_main, command[1:])
     assert full.exit_code == 0, full.output
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["architectures"] == [heads.get_head(pick["best"]).architecture]
@@ -162,9 +168,31 @@ def test_the_command_decodes_the_prompts_picks_by_decoded_tau_and_prints_the_ful
     (["--heads", "dflash,nope"], "--heads"),
     (["--drafter-type", "dflash"], "--heads"),
     (["--eval-fraction", "0"], "--eval-fraction"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
 ])
 def test_settings_it_cannot_compare_with_are_refused_naming_the_flag(tiny_world, tmp_path, extra, named):
-    args = ["compare", *cli_flags(run_values(tiny_world, tmp_path / "run")), *extra]
-    done = CliRunner().invoke(main, args)
+    args = [*cli_flags(run_values(tiny_world, tmp_path / "run")), *extra]
+    done = CliRunner().invoke(compare_main, args)
     assert done.exit_code == 2, done.output
     assert named in done.output and not (tmp_path / "run" / COMPARE_DIR).exists()
+
+
+def test_dflash_train_compare_is_refused_naming_dflash_compare(tiny_world, tmp_path):
+    # the comparison decodes through dflash-eval, so it is no subcommand of the trainer (train may
+    # not import eval: tests/test_import_graph.py); the old spelling names the command to run
+    args = ["compare", *cli_flags(run_values(tiny_world, tmp_path / "run")), "--heads", "dflash"]
+    done = CliRunner().invoke(train_main, args)
+    assert done.exit_code == 2, done.output
+    assert "dflash-compare" in done.output and not (tmp_path / "run").exists()
+
+
+def test_the_help_of_dflash_compare_imports_neither_torch_nor_transformers():
+    script = ("import contextlib, io, json, sys\n"
+              "from dflash.eval.compare import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+              "    main(['--help'])\n"
+              "assert '--prompts' in out.getvalue() and '--heads' in out.getvalue()\n"
+              "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

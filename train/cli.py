@@ -3,8 +3,6 @@
     dflash-train [run] --cache CACHE [--cache CACHE2 ...] --target-model DIR --output-dir RUN_DIR [options]
     dflash-train export CHECKPOINT_DIR OUT_DIR
     dflash-train estimate DRAFTER_DIR --cache CACHE [--cache ...] --target-model DIR [--json]
-    dflash-train compare --cache CACHE --target-model DIR --output-dir RUN_DIR [--heads dflash2,dspark]
-                         [--fraction 0.25] [--prompts FILE] [--no-train-best] [run options]
 
 Every run option is a TrainConfig field (train/config.py) of the same name, through the one
 settings path of every command (`dflash.runtime.settings`); `--config FILE` reads them from JSON
@@ -48,6 +46,9 @@ class TrainGroup(Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `run` is the default command, its help too: `dflash-train --help` lists the training
         # options (the other commands are named at the top of that help).
+        if args and args[0] == "compare":
+            raise click.UsageError("the head comparison is its own command now: dflash-compare, with the same "
+                                   "options (dflash-compare --help).", ctx)
         if not args or args[0] not in self.commands:
             args = ["run", *args]
         return super().parse_args(ctx, args)
@@ -75,8 +76,8 @@ def run(settings: TrainConfig) -> None:
     `run` is the default command: `dflash-train --cache ...` is `dflash-train run --cache ...`.
     Rerunning the same command in the same --output-dir resumes from its latest checkpoint.
 
-    Other commands: `dflash-train export --help`, `dflash-train estimate --help`,
-    `dflash-train compare --help` (train the candidate heads on a fraction of the data and keep the best).
+    Other commands: `dflash-train export --help`, `dflash-train estimate --help`; `dflash-compare --help`
+    trains the candidate heads on a fraction of the data and keeps the best.
 
     Exit status: 0 done, 2 bad settings or data, 130/143 stopped by SIGINT/SIGTERM after
     writing a checkpoint, 1 unexpected failure.
@@ -151,48 +152,6 @@ def estimate(drafter_dir: str, as_json: bool, settings: dict[str, Any]) -> None:
 
     result = estimate_drafter(drafter_dir, settings)
     click.echo(json.dumps(result) if as_json else format_estimate(result))
-
-
-COMPARE_HELP = {"drafter_type": "Not taken here: --heads names the candidates, and the best is trained."}
-
-
-@main.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--heads", default=None, metavar="NAMES",
-              help="Comma-separated candidate heads, e.g. dflash2,dspark  [default: every registered head an "
-                   "engine serves]")
-@click.option("--fraction", type=float, default=0.25, show_default=True,
-              help="Share of the training samples each candidate trains on (a nested hash subset: "
-                   "--max-train-samples), for --epochs of it.")
-@click.option("--prompts", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="JSONL prompts (as dflash-eval's) to decode each candidate on against --target-model; repeat for "
-                   "several files. Without it the heads are compared by the held-out estimate.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="New tokens a decoded prompt generates.")
-@click.option("--max-prompts", type=int, default=None, help="Decode only the first N prompts of each file.")
-@click.option("--train-best/--no-train-best", default=True, show_default=True,
-              help="Then train the best head on the whole data in --output-dir (off: print that command).")
-@settings_options(TrainConfig, build=False, help_overrides=COMPARE_HELP, error=TrainConfigError)
-def compare(heads: str | None, fraction: float, prompts: tuple[str, ...], max_new_tokens: int,
-            max_prompts: int | None, train_best: bool, settings: dict[str, Any]) -> None:
-    """Let measurement choose the drafter head (docs/train.md, "Choosing the head"): train each
-    candidate on --fraction of the training samples for the same steps, in RUN_DIR/compare/HEAD/,
-    measure it on the held-out split (and, with --prompts, by speculative decoding), print a table
-    and the best with its margin, then train the best on the whole data in RUN_DIR. It prints at
-    startup what the candidates cost in training steps against one full run. Rerunning the same
-    command reads the finished candidates and resumes a stopped one.
-
-    \b
-    Example:
-      dflash-train compare --cache runs/cache --target-model /models/Qwen3-8B --output-dir runs/drafter \\
-          --heads dflash2,dspark,lilicorr --fraction 0.25 --prompts eval/prompts.jsonl
-    """
-    # (torch loads once a candidate trains)
-    from .compare import CompareConfig, compare_heads, parse_heads
-
-    options = CompareConfig(heads=parse_heads(heads), fraction=fraction, prompts=tuple(prompts),
-                            max_new_tokens=max_new_tokens, max_prompts=max_prompts, train_best=train_best)
-    result = compare_heads(settings, options, log=click.echo)
-    if result.exit_status:
-        sys.exit(result.exit_status)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
-"""`dflash-train compare`: let measurement choose the drafter head (docs/train.md, "Choosing the head").
+"""The training half of `dflash-compare`: let measurement choose the drafter head (docs/train.md,
+"Choosing the head").
 
 Each candidate head trains as a run of its own (OUTPUT_DIR/compare/<head>/, resumed as any run)
 with the user's settings, its --drafter-type and a nested hash subset of the training samples
 (--max-train-samples: --fraction of them, the same samples for every head), for the same steps,
 and is evaluated once, at its last step, on the run's held-out split (evaluation.evaluate: the
-walk over the held-out samples, prompt lookup's tau on the same samples beside it) and, given
---prompts, decoded against the target by dflash-eval's `run_eval`. The table names the best, its
+walk over the held-out samples, prompt lookup's tau on the same samples beside it) and, given a
+`decode` callable (the command's, eval/compare.py: dflash-eval's decoding of --prompts), decoded
+against the target; this module only tabulates what it returns. The table names the best, its
 margin over the second and whether their 95 % intervals overlap; then the best head trains on the
 whole data in OUTPUT_DIR, as `dflash-train --drafter-type BEST` would (or the command is printed).
 
 A candidate's figures are kept beside its run (compare.json, decoded.json): a rerun of the same
 command reads them instead of training or decoding again, and a candidate stopped by a signal
-resumes from its checkpoint. The command line is in cli.py; this module loads when it runs.
+resumes from its checkpoint. The command line is in eval/compare.py, a layer above both training
+and decoding.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 from dflash.runtime.errors import InputError
 from dflash.runtime.fsio import atomic_write_json
+from dflash.runtime.intervals import bootstrap_draw, percentile_interval, resampled_tau
 from dflash.runtime.settings import settings_of
 
 from .config import TrainConfig, TrainConfigError
@@ -39,8 +43,6 @@ COMPARE_DIR = "compare"
 """OUTPUT_DIR/compare/<head>/: each candidate's run directory."""
 RESULT_FILE = "compare.json"
 """In a candidate's run directory: the settings it trained with and its figures."""
-DECODED_FILE = "decoded.json"
-"""In a candidate's run directory: its decoded prompts' tokens and cycles, and what was decoded."""
 SUMMARY_FILE = "summary.json"
 """OUTPUT_DIR/compare/summary.json: the plan, the table's rows and the pick."""
 
@@ -52,18 +54,12 @@ def served_heads() -> tuple[str, ...]:
 
 @dataclass(kw_only=True)
 class CompareConfig:
-    """What `dflash-train compare` takes besides the run's settings."""
+    """What a head comparison takes besides the run's settings (and, in dflash-compare, what to decode)."""
 
     heads: tuple[str, ...] = ()
     """The candidate heads (--heads dflash2,dspark); empty: every registered head an engine serves."""
     fraction: float = 0.25
     """The share of the training samples each candidate trains on (a nested hash subset)."""
-    prompts: tuple[str, ...] = ()
-    """JSONL prompt files to decode each candidate on (dflash-eval's); empty: the held-out estimate only."""
-    max_new_tokens: int = 128
-    """New tokens a decoded prompt generates."""
-    max_prompts: int | None = None
-    """Decode only the first N prompts of each file."""
     train_best: bool = True
     """Train the best head on the whole data in OUTPUT_DIR (off: print that command)."""
 
@@ -76,9 +72,6 @@ class CompareConfig:
         if not (math.isfinite(self.fraction) and 0 < self.fraction <= 1):
             raise TrainConfigError(f"--fraction must be above 0 and at most 1 (got {self.fraction}): the share of "
                                    "the training samples each candidate trains on, e.g. 0.25.")
-        if self.max_new_tokens < 1 or (self.max_prompts is not None and self.max_prompts < 1):
-            raise TrainConfigError(f"--max-new-tokens and --max-prompts must be at least 1 (got {self.max_new_tokens} "
-                                   f"and {self.max_prompts}).")
 
 
 def parse_heads(text: str | None) -> tuple[str, ...]:
@@ -145,21 +138,21 @@ def plan_compare(values: dict[str, Any], compare: CompareConfig) -> ComparePlan:
     """Check the run's settings and size the candidates' runs."""
     if "drafter_type" in values:
         raise TrainConfigError(
-            f"dflash-train compare chooses the head: drafter_type {values['drafter_type']!r} (--drafter-type, or a "
+            f"dflash-compare chooses the head: drafter_type {values['drafter_type']!r} (--drafter-type, or a "
             "key of --config) names one. Name the candidates with --heads and leave drafter_type out.")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise TrainConfigError(
-            "dflash-train compare trains its candidates one after another in one process: start it without "
+            "dflash-compare trains its candidates one after another in one process: start it without "
             "torchrun. For several GPUs, run one compare per GPU (--heads HEAD --device cuda:N --no-train-best, "
             "the same --output-dir), then the whole command once more: it reads their results.")
     full = TrainConfig.from_dict({**values, "drafter_type": compare.heads[0]})
     if full.data.follow:
-        raise TrainConfigError("dflash-train compare needs a finished cache: leave out --follow (its candidates "
+        raise TrainConfigError("dflash-compare needs a finished cache: leave out --follow (its candidates "
                                "would each train on a different part of a growing cache).")
     train_samples, full_steps, heldout = _training_shape(full)
     if not heldout:
         raise TrainConfigError(
-            "dflash-train compare measures each head on held-out samples, and this run holds none out: pass "
+            "dflash-compare measures each head on held-out samples, and this run holds none out: pass "
             "--eval-fraction above 0 (e.g. 0.02) or an --eval-cache.")
     samples = max(1, math.ceil(compare.fraction * train_samples))
     max_steps = math.ceil(compare.fraction * full.optimization.max_steps) if full.optimization.max_steps else 0
@@ -240,48 +233,13 @@ def _release_compiled() -> None:
         torch.cuda.empty_cache()
 
 
-def decode_candidate(record: dict[str, Any], compare: CompareConfig, log: Callable[[str], None]) -> dict[str, Any]:
-    """The candidate's export decoded on --prompts against the target (dflash-eval's `run_eval`,
-    greedy, without the prompt-lookup baseline): each prompt's accepted tokens and cycles, read from
-    decoded.json when these prompts were decoded with this candidate already."""
-    from dflash.eval.run import run_eval  # torch, transformers
-
-    from .loop import FINAL_DIR
-
-    settings = record["settings"]
-    run_dir = Path(settings["output_dir"])
-    what = {"prompts": [str(Path(p).resolve()) for p in compare.prompts], "max_new_tokens": compare.max_new_tokens,
-            "max_prompts": compare.max_prompts, "settings": settings, "steps": record["steps"]}
-    decoded = _read_json(run_dir / DECODED_FILE)
-    if decoded and decoded.get("decoded") == what:
-        return decoded
-    log(f"compare: decoding {record['head']} on {', '.join(compare.prompts)}")
-    measured = {"target_model": settings["target_model"], "drafter": str(run_dir / FINAL_DIR),
-                "prompts": list(compare.prompts), "max_new_tokens": compare.max_new_tokens,
-                "max_prompts": compare.max_prompts, "device": settings.get("device") or "auto", "baseline": False}
-    try:
-        from dflash.eval.config import EvalConfig
-    except ImportError:  # (a dflash-eval whose run_eval takes its settings as arguments)
-        report = run_eval(measured.pop("target_model"), measured.pop("drafter"), measured.pop("prompts"), **measured)
-    else:
-        report = run_eval(EvalConfig(**measured))
-    prompts = [p for s in report["prompt_sets"] for p in s["per_prompt"]]
-    decoded = {"decoded": what, "tokens": [p["accepted_tokens"] for p in prompts],
-               "cycles": [p["cycles"] for p in prompts],
-               "lossless": all(s["lossless"].get("identical", True) or not s["lossless"].get("checked", True)
-                               for s in report["prompt_sets"])}
-    atomic_write_json(run_dir / DECODED_FILE, decoded)
-    return decoded
-
-
 # -- the table and the pick -----------------------------------------------------------------------
 
 
 def decoded_figures(tokens: Sequence[float], cycles: Sequence[float]) -> dict[str, Any]:
     """Pooled tau (tokens over cycles) and the per-prompt mean, each with its 95 % bootstrap interval
-    over the prompts (dflash-eval's draw: a fixed seed, so every head is resampled alike)."""
-    from dflash.eval.run import bootstrap_draw, percentile_interval, resampled_tau
-
+    over the prompts (runtime/intervals.py's draw, dflash-eval's too: a fixed seed, so every head is
+    resampled alike)."""
     t, c = np.asarray(tokens, dtype=np.float64), np.asarray(cycles, dtype=np.float64)
     keep = c > 0
     own = np.where(keep, t / np.where(keep, c, 1), 0.0)
@@ -298,8 +256,6 @@ def decoded_figures(tokens: Sequence[float], cycles: Sequence[float]) -> dict[st
 
 def paired_ratio_interval(best: dict[str, Any], second: dict[str, Any]) -> list[float]:
     """The 95 % interval of best's pooled tau over second's on the same prompts, resampled together."""
-    from dflash.eval.run import bootstrap_draw, percentile_interval, resampled_tau
-
     if len(best["tokens"]) != len(second["tokens"]) or len(best["tokens"]) < 2:
         return []
     draw = bootstrap_draw(len(best["tokens"]))
@@ -470,10 +426,16 @@ class CompareResult:
     """The best head's full run (what --no-train-best prints)."""
 
 
-def compare_heads(values: dict[str, Any], compare: CompareConfig,
-                  log: Callable[[str], None] = print) -> CompareResult:
-    """Plan, train (or read) every candidate, decode them on --prompts, print the table and the
-    pick, then train the best head on the whole data (unless `compare.train_best` is off)."""
+Decoder = Callable[[dict[str, Any]], dict[str, Any]]
+"""A candidate's record (its head, settings and steps) -> its decoded prompts: {"tokens": [accepted
+tokens a prompt], "cycles": [cycles a prompt], "lossless": bool} (eval/compare.py's)."""
+
+
+def compare_heads(values: dict[str, Any], compare: CompareConfig, log: Callable[[str], None] = print,
+                  decode: Decoder | None = None) -> CompareResult:
+    """Plan, train (or read) every candidate, decode each with `decode` (None: the held-out estimate
+    only), print the table and the pick, then train the best head on the whole data (unless
+    `compare.train_best` is off)."""
     plan = plan_compare(values, compare)
     log(plan.startup_line(compare.fraction))
     records = {}
@@ -485,9 +447,9 @@ def compare_heads(values: dict[str, Any], compare: CompareConfig,
             return CompareResult(status, plan)
         records[head] = record
     rows = [Row(head, records[head]) for head in plan.heads]
-    if compare.prompts:
+    if decode is not None:
         for row in rows:
-            row.decoded = decode_candidate(row.record, compare, log)
+            row.decoded = decode(row.record)
     pick = pick_best(rows)
     command = full_run_command(values, pick.best)
     log(format_table(rows))
