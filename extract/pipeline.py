@@ -29,6 +29,7 @@ from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import DflashError
 from dflash.runtime.locks import refuse_output_among_inputs
 from dflash.runtime.positions import TargetPositions, target_positions
+from dflash.runtime.safetensors_files import refuse_drafter_as_target
 from dflash.runtime.signals import StopRequest, stop_if_signalled
 from torch import nn
 from tqdm import tqdm
@@ -211,6 +212,7 @@ def check_layer_ids_before_loading(config: ExtractConfig) -> None:
     """The layer rule against the layer count of the target's config.json, so that ids it refuses
     are refused in a second rather than after the weights load (minutes for a large target);
     LayerCapture checks them again against the decoder layers the loaded model has."""
+    refuse_drafter_as_target(config.target_model)  # a drafter's config has a drafter's layers: say what it is first
     count = config_layer_count(config.target_model)
     if count is None:
         return
