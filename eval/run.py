@@ -365,7 +365,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"  tau (accepted+1 per cycle): {r['tau']:.3f}{_interval(r, 'tau')} "
             f"(per-prompt mean {r['tau_per_prompt_mean']:.3f}{_interval(r, 'tau_per_prompt_mean')})",
             f"  histogram (length:cycles):  {hist}",
-            f"  drafts per cycle: {r['drafted_per_cycle']:.2f}",
+            *([f"  drafts per cycle: {r['drafted_per_cycle']:.2f}"] if "drafted_per_cycle" in r else []),
             f"  target-only: {r['target_only']['tokens_per_second']:.1f} tok/s ({r['target_only']['seconds']:.2f} s)",
             f"  speculative: {r['speculative']['tokens_per_second']:.1f} tok/s ({r['speculative']['seconds']:.2f} s)",
             f"  speedup:     {r['speedup']:.2f}x",

@@ -459,7 +459,8 @@ def acceptance_summary(generations: Sequence[Generation]) -> dict[str, Any]:
         "tau": sum(lengths) / len(lengths) if lengths else 0.0,
         "cycles": len(lengths),
         "histogram": {str(k): histogram[k] for k in sorted(histogram)},
-        "drafted_per_cycle": sum(drafted) / len(drafted) if drafted else 0.0,
+        # (a decoder that records its drafts: prompt lookup's vary by match, a drafter's by confidence)
+        **({"drafted_per_cycle": sum(drafted) / len(drafted)} if drafted else {}),
     }
 
 

@@ -215,6 +215,8 @@ def test_summary_pools_cycles_of_all_sequences():
     assert acceptance_summary(gens) == {"tau": pytest.approx(7 / 3), "cycles": 3,
                                         "histogram": {"1": 1, "2": 1, "4": 1}}
     assert acceptance_summary([Generation(tokens=[1])])["tau"] == 0.0
+    drafted = [Generation(tokens=[], acceptance_lengths=[1, 4], drafted=[3, 2])]
+    assert acceptance_summary(drafted)["drafted_per_cycle"] == 2.5  # only where the decoder records its drafts
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
     assert first_divergence([1, 2, 3], [1, 2]) == 2

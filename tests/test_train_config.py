@@ -34,6 +34,13 @@ FLAT_SETTINGS = {
     "weight_decay", "adam_betas", "adam_eps", "grad_accum", "grad_clip", "epochs", "max_steps", "seed", "dtype",
     "compile", "compile_mode", "compile_dynamic", "gradient_checkpointing", "memory_check", "parallel", "device", "log_interval",
     "eval_interval", "profile_interval", "progress", "tensorboard", "save_interval", "keep_checkpoints", "resume",
+    # the heads' own settings (train/heads/*: each head lists them in its setting_names)
+    "markov_rank", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size", "markov_loss_weight",
+    "markov_tv_weight", "confidence_loss_weight",
+    "xpress_rank", "xpress_mlp_hidden", "xpress_topc", "xpress_passes", "xpress_consistency_passes",
+    "xpress_consistency_weight", "xpress_base_anchor_weight",
+    "lilicorr_candidate_topk", "lilicorr_hidden_size", "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio",
+    "lilicorr_factor_dim", "lilicorr_logit_scale", "lilicorr_vector_eps", "lilicorr_loss_weight",
 }
 REQUIRED = {"cache": ["c"], "target_model": "t", "output_dir": "o"}
 
