@@ -263,7 +263,7 @@ class TrainingData:
                          "--eval-cache), or lower --eval-fraction or --eval-max-samples")
         if len(self.train_indices) < FEW_TRAINING:
             lines.append(f"only {len(self.train_indices)} training samples: more target completions help most "
-                         "(docs/recipe.md, Data and epochs)")
+                         "(dflash-generate --samples-per-prompt 3; docs/recipe.md)")
         lines += [w.removeprefix("; ") for w in self.warnings]
         if c.truncated_samples:
             lines.append(f"{c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are truncated "
