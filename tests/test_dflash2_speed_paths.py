@@ -42,10 +42,10 @@ def test_the_two_stage_top_k_gives_torch_topks_values_and_its_ids_where_nothing_
                 assert torch.equal(at, want_at)
 
 
-def test_the_segment_width_balances_the_two_stages_and_short_rows_take_torch_topk():
-    assert topk_segment(151_936, 16) == 128 and topk_segment(248_320, 16) == 128  # 1,187 / 1,940 segments
-    assert topk_segment(8192, 16) == 16  # 512 segments, 256 candidates
-    assert topk_segment(128, 4) == 0 and topk_segment(1000, 100) == 0
+def test_the_segment_width_is_the_measured_one_and_short_rows_take_torch_topk():
+    assert topk_segment(151_936, 16) == 256 and topk_segment(248_320, 16) == 256  # 593 / 970 segments
+    assert topk_segment(8192, 16) == 128  # 64 segments, 2,048 candidates
+    assert topk_segment(128, 4) == 0 and topk_segment(1000, 100) == 0 and topk_segment(4096, 16) == 0
     row = torch.randn(1, 100)
     assert torch.equal(exact_topk(row, 3)[1], torch.topk(row, 3).indices)
 

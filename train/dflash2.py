@@ -26,8 +26,6 @@ parameter names, shapes and arithmetic here are theirs (docs/drafter.md, "DFlash
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,12 +130,13 @@ def transform_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
 
 
 def topk_segment(vocab: int, k: int) -> int:
-    """The segment width of `exact_topk` over rows of `vocab` ids: the power of two nearest
-    sqrt(vocab / k), so that the segments' maxima (vocab / width of them) and the candidates of the
-    k best segments (k * width) are about as many; 0 where a row is too short for segments to pay
-    (fewer than 8k of them): torch.topk over the whole row."""
-    width = 1 << max(3, round(math.log2(math.sqrt(max(vocab, 1) / max(k, 1)))))
-    return width if vocab // width >= 8 * k else 0
+    """The segment width of `exact_topk` over rows of `vocab` ids: 256 ids for a large vocabulary,
+    128 below 64K (bench/bench_topk_train.py on an H100, top-16: at 151,936 ids widths of 256-512
+    run in 0.22-0.32x torch.topk's time, 128 in 0.25-0.43x; at 8,192 ids 128 in 0.69-0.91x, where
+    the sqrt(vocab / k) width of 16 was 1.5x slower than torch.topk); 0 where a row is too short
+    for segments to pay (fewer than 4k of them): torch.topk over the whole row."""
+    width = 256 if vocab >= 65536 else 128
+    return width if vocab // width >= 4 * k else 0
 
 
 def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
