@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.reader import CacheReader
+from dflash.train.loader import sample_tensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -45,7 +46,7 @@ def cache_to_ckpt_dir(cache_dir: str | Path, out_dir: str | Path, *, max_samples
     total = len(reader) if max_samples <= 0 else min(max_samples, len(reader))
     written = skipped = tokens = 0
     for i in range(total):
-        s = reader.read_sample(i)
+        s = sample_tensors(reader.read_sample(i))  # (the reader gives numpy; bf16 as its bits)
         mask = s["loss_mask"].to(torch.int64)
         if int((mask[1:] * mask[:-1]).sum()) < min_supervised_pairs:
             skipped += 1

@@ -38,7 +38,8 @@ class CacheTokens(torch.utils.data.Dataset):
                 offsets.append(offsets[-1] + n)
             rows = reader.read_tokens(part, 0, offsets[-1])  # ids and masks of the whole part
             for a, b in zip(offsets, offsets[1:]):
-                self.samples.append((rows["input_ids"][a:b].clone(), rows["loss_mask"][a:b].to(torch.float32)))
+                self.samples.append((torch.from_numpy(rows["input_ids"][a:b].copy()),  # (the reader gives numpy)
+                                     torch.from_numpy(rows["loss_mask"][a:b].astype("float32"))))
         reader.close()
 
     def __len__(self) -> int:
