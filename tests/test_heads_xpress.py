@@ -255,29 +255,6 @@ def test_xpress_trains_resumes_bit_exact_exports_and_decodes_losslessly(tiny_wor
     assert [g.tokens for g in speculative_generate(model, drafter, prompts, DecodeConfig(max_new_tokens=12, block_size=3))] == want
 
 
-@pytest.mark.slow
-def test_two_ranks_train_xpress_as_one_rank_does_under_ddp_and_fsdp(tiny_world, zygote, tmp_path):
-    """The refiner is called outside the drafter's forward (its first call gathers it under FSDP),
-    and the held-out evaluation (the refiner's tau and the backbone's) runs on both ranks."""
-    from dflash.train.loop import train
-    from test_train_distributed import SETTINGS as RUN
-    from test_train_distributed import assert_close_weights, start_ranks, weights
-
-    kind = {k: v for k, v in SETTINGS.items() if k.startswith("xpress") or k == "drafter_type"}
-    kind["eval_fraction"] = 0.3
-    runs = {mode: tmp_path / mode for mode in ("ddp", "fsdp")}
-    ranks = {mode: start_ranks(zygote, tiny_world, tmp_path, out, grad_accum=1, parallel=mode, **kind)
-             for mode, out in runs.items()}
-    one = tmp_path / "one-rank"
-    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], one, grad_accum=2, **RUN, **kind))
-    for mode, procs in ranks.items():
-        for rank, proc in enumerate(procs):
-            assert proc.wait(timeout=180) == 0, f"{mode} rank {rank}: {proc.output()[-4000:]}"
-    for two in runs.values():
-        for step in (3, 6):
-            assert_close_weights(weights(two, step), weights(one, step))
-
-
 def test_settings_xpress_cannot_train_are_refused_naming_the_flag(tiny_world, target, tmp_path):
     from dflash.train.config import TrainConfigError
 

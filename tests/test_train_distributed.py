@@ -1,6 +1,8 @@
 """Two processes (torchrun's environment, gloo on CPU) train what one process trains with the same global
-batch, and their checkpoint resumes on one process: DFlash, and DFlash2 (its convolutions and its
-candidate selector, which the loss calls outside the drafter's forward)."""
+batch, and their checkpoint resumes on one process: every registered head (DFlash's backbone alone, DFlash2's
+convolutions and candidate selector, DSpark's Markov and confidence heads, XPress's refiner, LiLiCorr's
+correlator: the heads' modules the loss calls outside the drafter's forward), with the held-out evaluation
+(the head's tau and the backbone's) on both ranks."""
 
 from __future__ import annotations
 
@@ -12,14 +14,25 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_metrics, tiny_train_config
+from dflash.train.heads import get_head, head_names
 from dflash.train.loop import train
 from safetensors.torch import load_file
 
 SETTINGS = dict(max_steps=6, save_interval=3, keep_checkpoints=5, epochs=3)
-# DFlash2 with a held-out share: its evaluation (the selector's and the backbone's tau) runs on both ranks.
-DRAFTERS = {"dflash": {}, "dflash2": dict(drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8,
-                                          selector_loss_weight=1.0, eval_fraction=0.3)}
+# Each head small, with a held-out share: its evaluation runs on both ranks. A head not listed runs
+# with its defaults.
+HEAD_SETTINGS = {
+    "dflash": dict(eval_fraction=0.3),
+    "dflash2": dict(selector_rank=8, selector_top_k=4, conv_group_size=8, selector_loss_weight=1.0, eval_fraction=0.3),
+    "dspark": dict(markov_rank=8, enable_confidence_head=True, confidence_head_with_markov=True, eval_fraction=0.3),
+    "xpress": dict(xpress_rank=8, xpress_mlp_hidden=16, xpress_topc=8, eval_fraction=0.3),
+    "lilicorr": dict(lilicorr_candidate_topk=4, lilicorr_num_layers=1, lilicorr_num_heads=4, lilicorr_factor_dim=8,
+                     eval_fraction=0.3),
+}
 
+
+def head_settings(name: str) -> dict:
+    return {"drafter_type": name, **HEAD_SETTINGS.get(name, dict(eval_fraction=0.3))}
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
@@ -58,10 +71,10 @@ def resume_on_one_process(world: dict[str, Path], checkpoint: Path, out: Path, *
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("drafter", head_names())
 def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(tiny_world, zygote, tmp_path,
                                                                                drafter):
-    kind = DRAFTERS[drafter]
+    kind = head_settings(drafter)
     # DDP and FSDP launches overlap with each other and with the one-process reference run.
     runs = {mode: tmp_path / mode for mode in ("ddp", "fsdp")}
     ranks = {mode: start_ranks(zygote, tiny_world, tmp_path, out, grad_accum=1, parallel=mode, **kind)
@@ -85,18 +98,20 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch_and_resume_on_one(t
         resumed = tmp_path / f"{mode}-resumed-on-one"
         resume_on_one_process(tiny_world, two / "checkpoints" / "step-000003", resumed, **kind)
         assert_close_weights(weights(resumed, 6), weights(two, 6))
-    if "eval_fraction" in kind:  # the held-out evaluation ran on both ranks, the same under DDP and FSDP
-        ddp, fsdp = ([r for r in read_metrics(runs[mode]) if r["kind"] == "eval"] for mode in ("ddp", "fsdp"))
-        assert ddp and len(fsdp) == len(ddp)
-        for a, b in zip(fsdp, ddp):
-            assert a["blocks"] == b["blocks"] > 0
-            assert a["tau"] == pytest.approx(b["tau"]) and a["tau_backbone"] == pytest.approx(b["tau_backbone"])
-        # Every held-out batch is evaluated once whatever the ranks (an odd count is not cut to an
-        # even one), and the estimate's interval resamples every rank's walked samples: the
-        # one-process run's figures.
-        single = [r for r in read_metrics(one) if r["kind"] == "eval"]
-        assert len(single) == len(ddp) and all(len(r["tau_interval"]) == 2 for r in ddp)
-        for a, b in zip(ddp, single):
-            assert (a["walked_samples"], a["blocks"]) == (b["walked_samples"], b["blocks"])
-            assert a["tau"] == pytest.approx(b["tau"], rel=1e-6)
-            assert a["tau_interval"] == pytest.approx(b["tau_interval"], rel=1e-6)
+    # The held-out evaluation ran on both ranks, the same under DDP and FSDP: the head's tau, and the
+    # backbone's beside it where the head picks the drafts.
+    picks = get_head(drafter).picks_drafts
+    ddp, fsdp = ([r for r in read_metrics(runs[mode]) if r["kind"] == "eval"] for mode in ("ddp", "fsdp"))
+    assert ddp and len(fsdp) == len(ddp)
+    for a, b in zip(fsdp, ddp):
+        assert a["blocks"] == b["blocks"] > 0 and ("tau_backbone" in a) == ("tau_backbone" in b) == picks
+        assert a["tau"] == pytest.approx(b["tau"]) and a.get("tau_backbone") == pytest.approx(b.get("tau_backbone"))
+    # Every held-out batch is evaluated once whatever the ranks (an odd count is not cut to an
+    # even one), and the estimate's interval resamples every rank's walked samples: the
+    # one-process run's figures.
+    single = [r for r in read_metrics(one) if r["kind"] == "eval"]
+    assert len(single) == len(ddp) and all(len(r["tau_interval"]) == 2 for r in ddp)
+    for a, b in zip(ddp, single):
+        assert (a["walked_samples"], a["blocks"]) == (b["walked_samples"], b["blocks"])
+        assert a["tau"] == pytest.approx(b["tau"], rel=1e-6)
+        assert a["tau_interval"] == pytest.approx(b["tau_interval"], rel=1e-6)

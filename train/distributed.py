@@ -67,20 +67,22 @@ def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
     FSDP shards the whole drafter as one unit: its forward projects the fused context through
     every layer's k/v before any layer runs, so a per-layer unit would be used outside its own
     forward. Parameters are gathered for the forward and the backward; gradients and the AdamW
-    state (3/4 of the training memory of the weights) stay sharded. The head's module (DFlash2's
-    candidate selector) is a unit of its own: the loss calls it after the drafter's forward, on the
-    drafter's states, so its own call gathers its parameters (they are not left to the drafter's
-    unit staying gathered after its forward) and its backward reduce-scatters their gradients. Like the
-    drafter's unit it stays gathered until that backward: the held-out evaluation calls it once
-    per anchor chunk, a number that differs between ranks, and a gather per call would wait forever.
+    state (3/4 of the training memory of the weights) stay sharded. The head's modules
+    (`DraftHead.sharded_units`: DFlash2's candidate selector, DSpark's Markov embedding and
+    projection and its confidence head, XPress's refiner, LiLiCorr's correlator) are units of their
+    own: the loss calls them after the drafter's forward, on the drafter's states, so their own
+    calls gather their parameters (they are not left to the drafter's unit staying gathered after
+    its forward) and their backward reduce-scatters their gradients. Like the drafter's unit they
+    stay gathered until that backward: the held-out evaluation calls them once per anchor chunk, a
+    number that differs between ranks, and a gather per call would wait forever.
     """
     if not info.distributed:
         return model
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        if (head := getattr(model, "head_module", None)) is not None:
-            fully_shard(head, reshard_after_forward=False)
+        for unit in model.head.sharded_units(model):
+            fully_shard(unit, reshard_after_forward=False)
         fully_shard(model)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP

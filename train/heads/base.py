@@ -140,6 +140,16 @@ class DraftHead:
         return bool((self.module_name and name.startswith(self.module_name + "."))
                     or any(f".{attr}." in name for attr in self.wrapper_names.values()))
 
+    def sharded_units(self, drafter: DFlashDrafter) -> list[nn.Module]:
+        """The drafter's modules of this head that FSDP2 shards as units of their own
+        (train/distributed.py): the loss and the decode call them outside the drafter's forward.
+        FSDP gathers a unit's parameters in its forward's pre-hook, so each must be called through
+        its forward: a head that calls its module through other methods names the submodules those
+        methods call. Default: every top-level submodule with parameters whose tensors
+        (`<attribute>.*`) the head owns."""
+        return [module for attribute, module in drafter.named_children()
+                if self.owns_tensor(attribute + ".") and next(module.parameters(), None) is not None]
+
     # -- training ---------------------------------------------------------------------------
 
     def candidates(self, config: DrafterConfig) -> int:

@@ -63,6 +63,11 @@ class DSparkHead(DraftHead):
     def owns_tensor(self, name: str) -> bool:
         return name.startswith(("markov_head.", "confidence_head."))
 
+    def sharded_units(self, drafter: DFlashDrafter) -> list[nn.Module]:
+        # the Markov head is called through embed() and bias(): its embedding and projection are the units
+        units = [drafter.markov_head.markov_w1, drafter.markov_head.markov_w2]
+        return units + ([drafter.confidence_head] if getattr(drafter, "confidence_head", None) is not None else [])
+
     def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput:
         from .modules import dspark_objective
 
