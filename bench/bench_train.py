@@ -315,6 +315,7 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
 
 def estimated_memory(config: Any, shape: Shape, samples: float, context: float, anchors: float, world: int) -> float:
     """The trainer's estimate (train/memory.py) of a step's peak GPU memory for the measured batches."""
+    from dflash.train.heads import get_head
     from dflash.train.memory import Dims, MicroBatch, estimate_step_memory
 
     m = config.model
@@ -322,8 +323,7 @@ def estimated_memory(config: Any, shape: Shape, samples: float, context: float, 
     dims = Dims(hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                 intermediate=shape.intermediate, vocab=shape.vocab, context_layers=len(LAYER_IDS[shape.target_layers]),
                 draft_layers=shape.draft_layers, block_size=shape.block_size, drafter_type=m.drafter_type,
-                selector_rank=m.selector_rank, selector_top_k=m.selector_top_k, conv_kernel_size=m.conv_kernel_size,
-                conv_group_size=m.conv_group_size,
+                settings=tuple((n, getattr(m, n)) for n in get_head(m.drafter_type).setting_names),
                 layer_attention=tuple((m.draft_sliding_window if t == "sliding_attention" else None,
                                        (t == "sliding_attention") if m.draft_causal is None else m.draft_causal)
                                       for t in types))

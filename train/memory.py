@@ -9,12 +9,15 @@ activations are still held for the backward, the head's logits and their gradien
 - the micro-batch: its captured target states, T x K x D bf16 per sample;
 - context activations: per context token, the fused context and each draft layer's keys and values;
 - block activations: per block token (anchors x block size) and draft layer, the attention's and
-  the MLP's saved tensors (DFlash2's convolutions add some); with --gradient-checkpointing only
+  the MLP's saved tensors (a head's wrappers add some); with --gradient-checkpointing only
   each layer's input is kept, and one layer's activations are rebuilt at a time;
 - the head: N = anchors x (block size - 1) scored slots over V ids: all at once about 12 bytes a
-  logit (DFlash2 14: the bf16 logits, their float32 log-softmax kept for the backward, and the
-  float32 gradient), or, past --logits-chunk-mib, one chunk of rows at a time plus an [N, D]
-  gradient;
+  logit (the logits, their float32 log-softmax kept for the backward, and the float32 gradient),
+  or, past --logits-chunk-mib, one chunk of rows at a time plus an [N, D] gradient;
+- what the drafter's head adds (`DraftHead.memory`, a `HeadMemory`): its parameters, its wrappers'
+  activations per block token and layer, its loss's per slot and per logit (DFlash2: the bf16
+  logits kept for its candidates, 2 bytes a logit at once; its convolutions, 32 bytes a block token
+  and layer, measured); DSpark's, XPress's and LiLiCorr's figures are rough, from their shapes;
 - the attention mask: nothing for flex full layers (tile counts), a dense [Q, T + Q] bool per
   sample for sdpa, and, built before the forward, every (query, key) entry of the mask_mod for flex
   sliding or causal layers (`attention.build_attention_mask` through create_block_mask).
@@ -30,13 +33,16 @@ length - 1) anchors.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .config import TrainConfig, TrainConfigError
+from .config import DrafterSettings, TrainConfig, TrainConfigError
+from .heads import get_head
+from .heads.base import HeadMemory
 
 GIB = 2**30
 MIB = 2**20
@@ -72,10 +78,9 @@ class Dims:
     draft_layers: int
     block_size: int
     drafter_type: str = "dflash"
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
+    settings: tuple[tuple[str, Any], ...] = ()
+    """The head's settings (DrafterSettings fields, `DraftHead.setting_names`) as (name, value);
+    those absent at their defaults."""
     layer_attention: tuple[tuple[int | None, bool], ...] = field(default=())
     """(window, causal) per draft layer; empty: every layer full and bidirectional."""
 
@@ -84,24 +89,24 @@ class Dims:
         return cls(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
                    head_dim=c.head_dim, intermediate=c.intermediate_size, vocab=c.vocab_size,
                    context_layers=len(c.target_layer_ids), draft_layers=c.num_hidden_layers,
-                   block_size=c.block_size, drafter_type=c.drafter_type, selector_rank=c.selector_rank,
-                   selector_top_k=c.selector_top_k, conv_kernel_size=c.conv_kernel_size,
-                   conv_group_size=c.conv_group_size,
+                   block_size=c.block_size, drafter_type=c.drafter_type,
+                   settings=tuple((n, getattr(c, n)) for n in get_head(c.drafter_type).setting_names),
                    layer_attention=tuple(c.layer_attention(i) for i in range(c.num_hidden_layers)))
 
     @property
-    def dflash2(self) -> bool:
-        return self.drafter_type == "dflash2"
+    def head(self) -> HeadMemory:
+        """What the drafter's head adds (`DraftHead.memory`), from these dimensions and its settings."""
+        config = types.SimpleNamespace(**{
+            **vars(DrafterSettings()), **dict(self.settings), "drafter_type": self.drafter_type,
+            "block_size": self.block_size, "hidden_size": self.hidden, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate_size": self.intermediate,
+            "vocab_size": self.vocab, "num_target_layers": self.context_layers, "num_hidden_layers": self.draft_layers})
+        return get_head(self.drafter_type).memory(config)
 
     def trainable_params(self) -> int:
         d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         layer = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate + 2 * d + 2 * self.head_dim
-        if self.dflash2:
-            layer += 2 * (2 * self.conv_kernel_size * (d // self.conv_group_size) * d + 2 * self.conv_kernel_size * d)
-        total = self.draft_layers * layer + self.context_layers * d * d + 2 * d
-        if self.dflash2:
-            total += 2 * self.vocab * self.selector_rank + d * self.selector_rank
-        return total
+        return self.draft_layers * layer + self.context_layers * d * d + 2 * d + self.head.params
 
     def masked_layers(self) -> bool:
         """Whether a layer is sliding or causal (its flex mask is built from mask_mod entries)."""
@@ -142,11 +147,15 @@ class Estimate:
 def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int) -> int:
     """The target head's loss at its peak: all at once, or past `logits_chunk_mib` in chunks
     (objective.compute_loss, head_loss.slot_losses)."""
-    v, d = dims.vocab, dims.hidden
+    v, d, head = dims.vocab, dims.hidden, dims.head
+    own_rows, limit = slots * head.own_logit_rows, head.own_chunk_mib or logits_chunk_mib
+    if limit > 0 and own_rows * v * 4 > limit * MIB:  # the head's own logits in chunks
+        own_rows = min(own_rows, max(1, (CHUNK_MIB * MIB) // (4 * v)))
+    own = own_rows * v * head.own_logit_bytes + slots * head.slot_bytes
     if logits_chunk_mib <= 0 or slots * v * 4 <= logits_chunk_mib * MIB:
-        return slots * v * (14 if dims.dflash2 else 12)
+        return slots * v * (12 + head.logit_bytes) + own
     rows = max(1, (min(CHUNK_MIB, logits_chunk_mib) * MIB) // (4 * v))
-    return min(rows, slots) * v * 10 + slots * d * 8
+    return min(rows, slots) * v * 10 + slots * d * 8 + own
 
 
 def estimate_step_memory(dims: Dims, batch: MicroBatch, *, backend: str = "flex", logits_chunk_mib: int = 8192,
@@ -162,7 +171,7 @@ def estimate_step_memory(dims: Dims, batch: MicroBatch, *, backend: str = "flex"
     shard = world_size if parallel == "fsdp" and world_size > 1 else 1
     scale = COMPILED_ACTIVATIONS if compiled else 1.0
 
-    per_block_layer = 8 * i + (62 if dims.dflash2 else 30) * d + 12 * q_width + 16 * kv_width
+    per_block_layer = 8 * i + 30 * d + dims.head.layer_block_bytes + 12 * q_width + 16 * kv_width
     per_context_layer = 4 * d + 12 * kv_width
     context = b * t * (layers * per_context_layer + 2 * kd + 6 * d + 8 * dims.head_dim)
     if gradient_checkpointing:  # each layer's input kept (float32); one layer's activations rebuilt at a time

@@ -78,6 +78,30 @@ class HeadOutput:
     """[N] the token the head drafts at each scored slot when the earlier slots were right."""
 
 
+@dataclass(frozen=True)
+class HeadMemory:
+    """What a head adds to the memory of a training step, as the startup check estimates it
+    (train/memory.py, docs/train.md "Long samples"); every figure 0 for plain DFlash."""
+
+    params: int = 0
+    """Trainable parameters (its modules and its wrappers in every draft layer): 18 bytes each with
+    AdamW, the bf16 copies and the gradients."""
+    layer_block_bytes: int = 0
+    """Activations saved per block token and draft layer (its wrappers of the sublayers)."""
+    slot_bytes: int = 0
+    """Activations saved per scored slot by its loss (besides full-vocabulary logits)."""
+    logit_bytes: int = 0
+    """Bytes per logit (scored slot x vocabulary) beyond the backbone's 12 while the target head's
+    logits are computed all at once (under --logits-chunk-mib)."""
+    own_logit_rows: int = 0
+    """Full-vocabulary logit rows per scored slot that the head's loss computes itself."""
+    own_logit_bytes: int = 0
+    """Bytes per logit of those rows: all at once where they fit `own_chunk_mib` of float32, else one
+    chunk of CHUNK_MIB (head_loss.chunk_rows) at a time, recomputed in the backward."""
+    own_chunk_mib: int | None = None
+    """The limit of computing those rows at once: None, --logits-chunk-mib (as the backbone's)."""
+
+
 class DraftHead:
     """A drafter kind on the DFlash backbone. Subclass it, set the class attributes, override what
     the head adds, and register one instance (`heads.register_head`, or `_BUILTIN` for a head of
@@ -160,6 +184,12 @@ class DraftHead:
         """The head's loss term and its choices over the scored slots, or None (the backbone's
         argmax drafts)."""
         return None
+
+    def memory(self, config: DrafterConfig) -> HeadMemory:
+        """What the head adds to a training step's memory (`HeadMemory`): rough figures from its
+        modules' shapes, for the startup check. `config`: the drafter's dimensions (hidden_size,
+        vocab_size, intermediate_size, num_hidden_layers, block_size, ...) and its settings."""
+        return HeadMemory()
 
     # -- decoding ---------------------------------------------------------------------------
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import DFlashDrafter, DrafterConfig, DraftHead, HeadInputs, HeadOutput, ObjectiveConfig
+from .base import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftHead,
+    HeadInputs,
+    HeadMemory,
+    HeadOutput,
+    ObjectiveConfig,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +81,15 @@ class DFlash2Head(DraftHead):
             stop_gradient=objective.selector_stop_gradient, top_ids=inputs.top_ids,
             candidate_logits=inputs.candidate_logits, gather_logits=inputs.gather_logits)
         return HeadOutput(loss=objective.selector_loss_weight * loss, logged=loss.detach(), choice=choice)
+
+    def memory(self, config: DrafterConfig) -> HeadMemory:
+        c, d, k = config, config.hidden_size, config.conv_kernel_size
+        # two convolutions a layer (their taps' projection and the offsets), the selector's two codebooks
+        # and its hidden projection; measured (tests/test_train_memory.py): the convolutions save 32 bytes
+        # a block token and layer, and the bf16 logits kept for the candidates 2 bytes a logit at once
+        conv = 2 * k * (d // c.conv_group_size) * d + 2 * k * d
+        params = c.num_hidden_layers * 2 * conv + 2 * c.vocab_size * c.selector_rank + d * c.selector_rank
+        return HeadMemory(params=params, layer_block_bytes=32 * d, logit_bytes=2)
 
     def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> SelectorWalk:
         return SelectorWalk(drafter, temperature, seed)

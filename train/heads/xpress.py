@@ -28,7 +28,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import DFlashDrafter, DrafterConfig, DraftHead, HeadInputs, HeadOutput, ObjectiveConfig
+from .base import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftHead,
+    HeadInputs,
+    HeadMemory,
+    HeadOutput,
+    ObjectiveConfig,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -234,6 +242,17 @@ class XPressHead(DraftHead):
                 else:
                     picks.append(refined_scores(drafter, flat[i:i + rows], lat[i:i + rows], topc, argmax=True))
         return torch.cat(picks).view(states.shape[:-1])
+
+    def memory(self, config: DrafterConfig) -> HeadMemory:
+        c, d, r, m = config, config.hidden_size, config.xpress_rank, config.xpress_mlp_hidden
+        params = 2 * c.vocab_size * r + 2 * d * r + 3 * r * r + r * c.block_size ** 2 + 3 * r * m
+        # rough, not measured: the teacher-forced pass and the default 3 consistency rounds (J = 4) each
+        # score every slot over the vocabulary (float32 logits and their log-softmax, 12 bytes a logit,
+        # as the backbone's, chunked past --logits-chunk-mib); per slot each pass's latent, mix and
+        # SwiGLU activations in bf16 and the block's hidden cache
+        passes = 4
+        return HeadMemory(params=params, own_logit_rows=passes, own_logit_bytes=12,
+                          slot_bytes=passes * 2 * (4 * r + 3 * m) + 2 * 3 * r)
 
     # -- decoding ---------------------------------------------------------------------------
 

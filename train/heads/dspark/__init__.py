@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..base import DFlashDrafter, DrafterConfig, DraftHead, HeadInputs, HeadOutput, ObjectiveConfig
+from ..base import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftHead,
+    HeadInputs,
+    HeadMemory,
+    HeadOutput,
+    ObjectiveConfig,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -75,6 +83,15 @@ class DSparkHead(DraftHead):
             inputs, markov_weight=objective.markov_loss_weight, tv_weight=objective.markov_tv_weight,
             confidence_weight=objective.confidence_loss_weight, soft_weight=objective.soft_label_weight or 0.0)
         return HeadOutput(loss=loss, logged=logged, choice=choice)
+
+    def memory(self, config: DrafterConfig) -> HeadMemory:
+        c, d, r = config, config.hidden_size, config.markov_rank
+        confidence = (d + (r if c.confidence_head_with_markov else 0) + 1) if c.enable_confidence_head else 0
+        # rough, not measured: its biased logits are a second full-vocabulary pass (float32 logits, the
+        # bias, their sum, the log-softmax and its gradient) a 1 GiB chunk at a time; per slot the
+        # Markov embedding and its gradient, the confidence head's input, the slot's loss terms
+        return HeadMemory(params=2 * c.vocab_size * r + confidence, own_logit_rows=1, own_logit_bytes=20,
+                          own_chunk_mib=1024, slot_bytes=8 * r + 4 * (d + r) + 32)
 
     def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> MarkovWalk:
         from .modules import MarkovWalk

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..base import DFlashDrafter, DrafterConfig, DraftHead, HeadInputs, HeadOutput, ObjectiveConfig
+from ..base import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftHead,
+    HeadInputs,
+    HeadMemory,
+    HeadOutput,
+    ObjectiveConfig,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +91,19 @@ class LiLiCorrDraftHead(DraftHead):
 
         loss, choice = lattice_objective(inputs)
         return HeadOutput(loss=objective.lilicorr_loss_weight * loss, logged=loss.detach(), choice=choice)
+
+    def memory(self, config: DrafterConfig) -> HeadMemory:
+        c, d, t, k = config, config.hidden_size, config.block_size, config.lilicorr_candidate_topk
+        w, f, heads = c.lilicorr_hidden_size or d, c.lilicorr_factor_dim, c.lilicorr_num_heads
+        m = int(w * c.lilicorr_mlp_ratio)
+        layer = 4 * w * w + 4 * w + 2 * w + 2 * w * m + m + w  # attention, norms, MLP (lattice.LatticeLayer)
+        params = (c.lilicorr_num_layers * layer + (d * w + w if w != d else 0) + 2 * (d * w + w)
+                  + 7 * w + w * w + 10 + (t - 1 + k) * w + heads * 2 * t + 3 * w * w + 3 * w + 3 * (w * f + f))
+        # rough, not measured: each slot's K candidates are lattice tokens of width w through every layer
+        # (bf16: the norms' and attention's inputs, q/k/v, the output, the MLP's) and the attention bias
+        # over the block's (T-1) x K candidates per head
+        per_candidate = c.lilicorr_num_layers * (16 * w + 4 * m) + 12 * w + 40
+        return HeadMemory(params=params, slot_bytes=k * per_candidate + k * (t - 1) * k * heads * 2)
 
     def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> LatticeWalk:
         return LatticeWalk(drafter, temperature, seed)
