@@ -23,6 +23,7 @@ from .plan import ExtractionProgress, unfinished_extraction
 from .reader import CacheReader
 from .remote import open_reader
 from .schema import SAMPLE_IDS
+from .sources import part_number
 
 
 # Header parts that must agree between caches trained on together (the codec may differ: every
@@ -80,7 +81,10 @@ def check_compatible(first: CacheReader, other: CacheReader) -> None:
 
 
 class CacheSet:
-    """One or more caches of the same target and layers, seen as one list of samples."""
+    """One or more finished caches of the same target and layers, seen as one list of samples
+    (a `sources.SampleSource`); an s3:// cache is read from its staged copy."""
+
+    follows = False  # (every part is committed: a read never waits)
 
     def __init__(self, cache_dirs: list[str], *, max_seq_len: int, verify_checksums: bool = True,
                  disk_budget: int | None = None, staging_dir: str | None = None):
@@ -105,9 +109,19 @@ class CacheSet:
         self.truncated_tokens = int((full - self.lengths).sum())
         self._sample_ids: np.ndarray | None = None
         self._split_keys: np.ndarray | None = None
+        self.reading_epoch: int | None = None  # (set by the loader; a finished cache reads alike for every epoch)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def progress(self) -> ExtractionProgress | None:
+        return None  # (no extraction is followed: see unfinished() for one that stopped early)
+
+    def release(self, names: list[str]) -> None:
+        pass  # (nothing is evicted from a finished cache: its maps stay open)
+
+    def report_trained(self, parts: list[str], *, epoch: int, rank: int, world_size: int) -> None:
+        pass  # (no extraction waits for it)
 
     def unfinished(self) -> list[tuple[Path, ExtractionProgress]]:
         """The caches whose extraction plan promises parts not committed yet, with how far each
@@ -186,6 +200,20 @@ class CacheSet:
                     at += rec.samples
             self._split_keys = np.concatenate(keys).astype(np.int64) if keys else np.zeros(0, np.int64)
         return self._split_keys
+
+    def part_numbers(self) -> np.ndarray:
+        """The number of each sample's part ('part-000012': 12; the extraction's order), or for a
+        part of another name (a merged cache) its position in its cache."""
+        out = [np.full(p.samples, part_number(p.name, i), dtype=np.int64)
+               for r in self.readers for i, p in enumerate(r.parts)]
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def part_names(self) -> list[str]:
+        return [p.name for r in self.readers for p in r.parts]
+
+    def sample_parts(self) -> np.ndarray:
+        sizes = [p.samples for r in self.readers for p in r.parts]
+        return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
 
     def grouped(self) -> np.ndarray:
         """bool per sample, in index order: whether its split key is its record group's (the

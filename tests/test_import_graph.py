@@ -101,9 +101,9 @@ def _private(name: str) -> bool:
 def test_the_graph_sees_relative_absolute_and_function_local_imports():
     graph = import_graph()
     assert "dflash.cache_tools.codecs" in graph["dflash.cache_tools.manifest"]  # from .codecs import ...
-    assert "dflash.cache_tools.cache_set" in graph["dflash.train.loader"]  # from dflash.cache_tools.cache_set import
+    assert "dflash.cache_tools.sources" in graph["dflash.train.loader"]  # from dflash.cache_tools.sources import
     assert "dflash.cache_tools.maintenance" in graph["dflash.cache_tools.cli"]  # inside a command function
-    assert "dflash.cache_tools.cache_set" in graph["dflash.train.heldout"]  # under TYPE_CHECKING
+    assert "dflash.cache_tools.sources" in graph["dflash.train.heldout"]  # under TYPE_CHECKING
 
 
 def test_the_cycle_finder_finds_a_circle():

@@ -26,13 +26,13 @@ from dflash.cache_tools.identity import (
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
+from dflash.cache_tools.sources import SampleSource
 from dflash.runtime.locks import is_held, same_path
 from dflash.runtime.lookup import sample_lookup_walk
 from dflash.runtime.positions import target_positions
 
 from .config import DataConfig, TrainConfig, TrainConfigError
 from .follow import (
-    FollowCacheSet,
     canonical_order,
     open_follow,
     part_groups,
@@ -48,7 +48,8 @@ FEW_TRAINING = 8192  # fewer training samples than this: the summary says what s
 TEXT_SAMPLES = 512  # training samples whose text prompt lookup walks, beside the held-out samples' (text_lookup)
 
 
-def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, caches: Any = None) -> list[str]:
+def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *,
+                       caches: SampleSource | None = None) -> list[str]:
     """Refuse a cache extracted from another model than the target given to the trainer (the
     identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use.
     Returns notes: the target's weights differ from the cache's (same config), the cache is
@@ -73,7 +74,7 @@ def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *, ca
                           found_what=f"the target model at {target_dir}"),
              unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}"),
              long_samples_note(manifest, target_config)]
-    if not isinstance(caches, FollowCacheSet) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
+    if not (caches is not None and caches.follows) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
         notes.append(f"The cache at {manifest.cache_dir} is being written by a live extraction: this run trains on "
                      f"the {len(manifest.parts)} parts committed when it started. `dflash-train --follow` trains on "
                      "a cache while it is written; a later resume of this run on the grown cache is refused.")
@@ -97,13 +98,11 @@ def long_samples_note(manifest: Any, target_config: Any) -> str | None:
             "dflash-extract holds samples to the target's positions (--long-samples truncate or skip).")
 
 
-def count_heldout_groups(caches: CacheSet | FollowCacheSet, heldout: np.ndarray) -> tuple[int, int] | None:
+def count_heldout_groups(caches: SampleSource, heldout: np.ndarray) -> tuple[int, int] | None:
     """(held-out groups, all groups) of the samples whose records name a group; None without any
     (or for a followed cache, whose plan does not say which are grouped)."""
-    if not isinstance(caches, CacheSet):
-        return None
     grouped = caches.grouped()
-    if not grouped.any():
+    if grouped is None or not grouped.any():
         return None
     keys = caches.split_keys()
     held = np.zeros(len(caches), dtype=bool)
@@ -126,7 +125,7 @@ def few_groups_warning(held: int, total: int, fraction: float) -> str:
 class TrainingData:
     """The caches, the split and the loaders of a run."""
 
-    caches: CacheSet
+    caches: SampleSource
     train_indices: np.ndarray
     loader: TrainLoader
     eval_caches: CacheSet | None
@@ -155,7 +154,7 @@ class TrainingData:
         rank reads the same ones, spread over the records' groups), sorted; None for a followed
         cache, an estimate, or an --eval-cache (its samples are not a draw of the same data: greedy
         completions of other prompts, surer and more repetitive than half-sampled ones by kind)."""
-        if (not isinstance(self.caches, CacheSet) or self.estimate or self.eval_caches is not None
+        if (self.caches.follows or self.estimate or self.eval_caches is not None
                 or not len(self.train_indices)):
             return None
         count = min(TEXT_SAMPLES, len(self.train_indices))
@@ -202,7 +201,7 @@ class TrainingData:
         """Prompt lookup's tau along the evaluated held-out samples' text, as text_lookup walks the
         training text; None without held-out samples, for a followed cache, an estimate or an
         --eval-cache (text_samples)."""
-        if (not isinstance(self.caches, CacheSet) or self.estimate or self.eval_caches is not None
+        if (self.caches.follows or self.estimate or self.eval_caches is not None
                 or not len(self.eval_indices)):
             return None
         return _walked_text(self.caches, self.eval_indices, block_size)
@@ -310,14 +309,6 @@ def rendering_summary(headers: list[dict[str, Any]]) -> str:
             "that most of the data used, or prepare the data again with one")
 
 
-def open_caches(config: DataConfig, *, finished: bool = True) -> CacheSet | FollowCacheSet:
-    """The training caches of the data section: finished ones, or with --follow one that is still
-    being extracted. `finished`: refuse one whose extraction has not ended (open_cache_set)."""
-    if config.follow:
-        return open_follow(config)
-    return open_cache_set(config.cache, config, finished=finished)
-
-
 def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool = True) -> CacheSet:
     """Finished caches as one list of samples; an s3:// one is staged under --staging-dir within
     --disk-budget. With `finished`, a cache whose extraction has not committed every planned part
@@ -339,10 +330,10 @@ def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool 
     return caches
 
 
-def refuse_shared_eval_data(caches: CacheSet | FollowCacheSet, eval_caches: CacheSet) -> None:
+def refuse_shared_eval_data(caches: SampleSource, eval_caches: CacheSet) -> None:
     """An --eval-cache extracted from the same data as a --cache (a copy of it, under another
     path): the held-out tau would be measured on samples the drafter trains on."""
-    for reader in getattr(caches, "readers", []):
+    for reader in caches.readers:
         for held in eval_caches.readers:
             if (digest := shared_data(reader, held)) is not None:
                 raise TrainConfigError(
@@ -379,7 +370,8 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     config, optimization = run.data, run.optimization
     if not estimate:
         refuse_repeated_caches(list(config.cache), list(config.eval_cache or []))
-    caches = open_caches(config, finished=not estimate)
+    followed = open_follow(config) if config.follow else None
+    caches = followed if followed is not None else open_cache_set(config.cache, config, finished=not estimate)
     eval_caches = None
     if config.eval_cache:
         eval_caches = open_cache_set(config.eval_cache, config, finished=not estimate)
@@ -405,8 +397,8 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
     groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
     warnings: list[str] = []
-    if isinstance(caches, FollowCacheSet) and config.disk_budget is not None:  # (the config asks for groups)
-        refuse_group_over_budget(caches, config.shuffle_parts, config.disk_budget_bytes())
+    if followed is not None and config.disk_budget is not None:  # (the config asks for groups)
+        refuse_group_over_budget(followed, config.shuffle_parts, config.disk_budget_bytes())
     loader = TrainLoader(caches, train_indices, config, seed=optimization.seed, epochs=optimization.epochs,
                          rank=rank, world_size=world_size, grad_accum=optimization.grad_accum, groups=groups,
                          pin_memory=pin_memory)

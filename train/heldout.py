@@ -21,10 +21,10 @@ import numpy as np
 from dflash.cache_tools.sample_scores import heldout_scores, top1_selected
 
 if TYPE_CHECKING:
-    from dflash.cache_tools.cache_set import CacheSet
+    from dflash.cache_tools.sources import SampleSource
 
 
-def eval_split(caches: CacheSet, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def eval_split(caches: SampleSource, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, held-out) sample indices. A sample is held out when the hash of its split key
     (its prompt's hash, or its sample id in a cache of before) falls below `fraction`: its side
     depends on that key only, so the answers of one prompt share a side, and it stays put when
@@ -45,7 +45,7 @@ def cap_by_score(indices: np.ndarray, scores: np.ndarray, max_samples: int) -> n
     return np.sort(indices[keep])
 
 
-def without_top1(caches: CacheSet, indices: np.ndarray) -> int:
+def without_top1(caches: SampleSource, indices: np.ndarray) -> int:
     """How many of the samples `indices` have no target top-1 in their cache (a cache without
     top-1 or top-k, or a sample outside its --top1-share in a cache without top-k): their held-out replay checks drafts against
     their own tokens."""

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.schema import (
     HIDDEN_ARRAYS,
     INPUT_IDS,
@@ -34,6 +33,7 @@ from dflash.cache_tools.schema import (
     TOPK_ARRAYS,
     scale_of,
 )
+from dflash.cache_tools.sources import SampleSource
 from dflash.runtime.errors import CorruptDataError, DflashError
 
 from .codecs import device_decoder
@@ -101,7 +101,7 @@ STORED_CODEC = "stored_codec:"
 this prefix and the codec's name (a key, not a value: read without a device synchronisation)."""
 
 
-def read_batch(caches: CacheSet, indices: Any) -> dict[str, torch.Tensor]:
+def read_batch(caches: SampleSource, indices: Any) -> dict[str, torch.Tensor]:
     """Read samples and collate them, decoding hidden states straight into the padded batch.
 
     The hidden states are most of the bytes: decoding them in place saves a copy per sample
@@ -199,7 +199,7 @@ class _BatchList(torch.utils.data.Dataset):
     """Map-style dataset whose item i is the collated batch `batches[i]` (read in a worker),
     passed to `prepare(batch, i)` when given."""
 
-    def __init__(self, caches: CacheSet, batches: Sequence[np.ndarray],
+    def __init__(self, caches: SampleSource, batches: Sequence[np.ndarray],
                  prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None):
         self.caches, self.batches, self.prepare = caches, batches, prepare
 
@@ -208,8 +208,8 @@ class _BatchList(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         try:
-            if hasattr(self.caches, "reading_epoch"):  # --follow: the training epoch it is read for
-                self.caches.reading_epoch = self.batches.position(i)[0] if isinstance(self.batches, RankBatches) else None
+            # The training epoch it is read for (--follow refuses a part evicted for a later one).
+            self.caches.reading_epoch = self.batches.position(i)[0] if isinstance(self.batches, RankBatches) else None
             batch = read_batch(self.caches, self.batches[i])
             if self.prepare is not None:
                 self.prepare(batch, i)
@@ -220,7 +220,7 @@ class _BatchList(torch.utils.data.Dataset):
             raise WorkerReadError(str(e)) from None
 
 
-def data_loader(caches: CacheSet, batches: Sequence[np.ndarray], config: DataConfig,
+def data_loader(caches: SampleSource, batches: Sequence[np.ndarray], config: DataConfig,
                 prepare: Callable[[dict[str, torch.Tensor], int], None] | None = None, *,
                 pin_memory: bool = False) -> torch.utils.data.DataLoader:
     """A DataLoader of `batches` (worker processes and prefetch of the data section;
@@ -241,7 +241,7 @@ def data_loader(caches: CacheSet, batches: Sequence[np.ndarray], config: DataCon
 class TrainLoader:
     """This rank's micro-batches, epoch after epoch, from a resumable position."""
 
-    def __init__(self, caches: CacheSet, indices: np.ndarray, config: DataConfig, *, seed: int, epochs: int,
+    def __init__(self, caches: SampleSource, indices: np.ndarray, config: DataConfig, *, seed: int, epochs: int,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1, prepare: BatchPrepare | None = None,
                  groups: np.ndarray | None = None, pin_memory: bool = False):
         self.caches, self.indices, self.config = caches, indices, config
@@ -331,7 +331,7 @@ SPLIT_KEYS = "split_keys"
 prompt's): the held-out interval resamples whole groups, whose samples are not independent."""
 
 
-def eval_batches(caches: CacheSet, indices: np.ndarray, config: DataConfig, *, rank: int, world_size: int,
+def eval_batches(caches: SampleSource, indices: np.ndarray, config: DataConfig, *, rank: int, world_size: int,
                  max_batches: int = 0, pin_memory: bool = False
                  ) -> tuple[torch.utils.data.DataLoader, int] | None:
     """A DataLoader over this rank's share of the held-out batches, and how many of its first

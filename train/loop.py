@@ -350,10 +350,9 @@ def seed_everything(seed: int) -> None:
 def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:
     """A run whose training samples are all too short for one block (a block starts at a token
     and predicts the next: 2 tokens at least) would end with loss 0 and an untrained drafter."""
-    lengths = getattr(data.caches, "lengths", None)
-    if lengths is None or not len(data.train_indices) or data.config.follow:  # (a followed cache grows)
+    if not len(data.train_indices) or data.caches.follows:  # (a followed cache grows)
         return
-    longest = int(np.max(np.asarray(lengths)[data.train_indices]))
+    longest = int(np.max(data.caches.lengths[data.train_indices]))
     if longest < 2:
         raise InputError(
             f"Nothing to learn: every one of the {len(data.train_indices)} training samples is {longest} token "
