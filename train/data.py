@@ -24,7 +24,7 @@ from dflash.cache_tools.identity import (
     weights_note,
 )
 from dflash.cache_tools.layers import validate_target_layer_ids
-from dflash.cache_tools.manifest import WRITER_LOCK_FILE, chat_templates
+from dflash.cache_tools.manifest import WRITER_LOCK_FILE, Manifest, chat_templates
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
 from dflash.cache_tools.sources import SampleSource
 from dflash.runtime.locks import is_held, same_path
@@ -48,7 +48,7 @@ FEW_TRAINING = 8192  # fewer training samples than this: the summary says what s
 TEXT_SAMPLES = 512  # training samples whose text prompt lookup walks, beside the held-out samples' (text_lookup)
 
 
-def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *,
+def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, *,
                        caches: SampleSource | None = None) -> list[str]:
     """Refuse a cache extracted from another model than the target given to the trainer (the
     identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use.
@@ -81,7 +81,7 @@ def check_cache_target(manifest: Any, target_config: Any, target_dir: str, *,
     return [n for n in notes if n]
 
 
-def long_samples_note(manifest: Any, target_config: Any) -> str | None:
+def long_samples_note(manifest: Manifest, target_config: Any) -> str | None:
     """A note for a cache holding samples longer than the target's positions, or None.
 
     dflash-extract holds samples to them (runtime.positions); a cache extracted before it did may
