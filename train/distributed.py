@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from dflash.runtime.devices import resolve_device
+from dflash.runtime.signals import check_stop, stop_requested
 from torch import nn
 
 
@@ -152,14 +154,36 @@ def all_gather_rows(rows: list[list[float]], info: DistInfo) -> list[list[float]
 
 
 def any_rank(flag: int, info: DistInfo) -> int:
-    """The largest of one small integer over ranks, through the CPU control group."""
+    """The largest of one small integer over ranks, through the CPU control group (`wait_for_peers`)."""
     if not info.distributed:
         return flag
     t = torch.tensor([flag], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control_group)
+    wait_for_peers(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control_group, async_op=True))
     return int(t.item())
 
 
 def barrier(info: DistInfo) -> None:
     if info.distributed:
-        dist.barrier(group=info.control_group)
+        wait_for_peers(dist.barrier(group=info.control_group, async_op=True))
+
+
+PEER_POLL_SECONDS = 0.05
+PEER_STOP_GRACE_SECONDS = 3.0
+"""How long a rank at an agreement point still waits for its peers once a stop was requested:
+they come within it when they stop too (the step's agreement, then the checkpoint)."""
+
+
+def wait_for_peers(work: Any) -> None:
+    """Wait for a collective of the CPU agreement points in Python, looking every 50 ms, not inside
+    gloo (where no signal handler runs until the group's 30-minute timeout): a peer that does not
+    come (it waits for a part, or is gone) cannot hold a stop. Once a stop was requested and the
+    peers have not come within PEER_STOP_GRACE_SECONDS, raises `StopWaiting` (`check_stop`); a
+    signal that stops at once (`stop_at_once`: startup, the export) raises in the sleep."""
+    stop_seen = None
+    while not work.is_completed():
+        if stop_requested():
+            stop_seen = stop_seen or time.monotonic()
+            if time.monotonic() - stop_seen >= PEER_STOP_GRACE_SECONDS:
+                check_stop("the other ranks at a collective agreement point (a rank that waits for data, or is gone)")
+        time.sleep(PEER_POLL_SECONDS)
+    work.wait()  # the collective's own error, if any

@@ -10,6 +10,7 @@ plan will never come) is refused at startup, exit 2, naming what it was given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -123,6 +124,98 @@ def test_a_follow_run_waiting_for_the_plan_stops_at_the_first_signal(zygote, wor
     sent = run.signal(signal.SIGINT)
     assert_stopped(run, signal.SIGINT, sent)
     assert complete_checkpoints(tmp_path / "run") == []
+
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_one_waiting_for_a_part_both_stop_at_the_first_signal(zygote, world, tmp_path):
+    """Both ranks of `torchrun --nproc-per-node 2` train on the committed parts, then wait for the
+    next one: each stops within 10 s of one SIGTERM, with 143, their checkpoints intact."""
+    cache = partial_cache(world, tmp_path / "cache", committed=8)
+    out = tmp_path / "run"
+    config = train_config_file(tmp_path / "follow.json", cache, world["target"], save_interval=1,
+                               keep_checkpoints=100, **FOLLOW)
+    port = free_port()
+    ranks = [zygote.run("train", ["--config", config, "--output-dir", out], env={
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "held"}) for rank in (0, 1)]
+    wait_until(lambda: logged_steps(out) and all(waiting(r, started=text) for r, text in zip(ranks, ("drafter:", ""))),
+               timeout=120, what="both ranks to train on the committed parts, then wait")  # (rank 1 prints nothing)
+    saved = complete_checkpoints(out)
+    assert saved, "no checkpoint of a completed step"
+    sent = [r.signal(signal.SIGTERM) for r in ranks]
+    for r, t in zip(ranks, sent):
+        assert_stopped(r, signal.SIGTERM, t)
+    # Every checkpoint of a completed step is whole: the run resumes from the last one.
+    assert complete_checkpoints(out)[:len(saved)] == saved
+    last = out / "checkpoints" / complete_checkpoints(out)[-1]
+    assert {"model.safetensors", "meta.json"} <= {p.name for p in last.iterdir()}
+
+
+
+def _rank(rank: int, store: Path, point: str, ready: int) -> None:
+    """One rank of a two-rank gloo group: rank 1 never comes to the agreement point (held: e.g.
+    waiting for a part, or frozen); rank 0 waits there under a StopRequest, as the trainer does."""
+    import datetime
+
+    import torch.distributed as dist
+    from dflash.runtime.signals import StopRequest, StopWaiting
+    from dflash.train.distributed import DistInfo, any_rank, barrier
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(minutes=30))
+    info = DistInfo(rank=rank, world_size=2, control_group=dist.group.WORLD)
+    with StopRequest() as stop:
+        os.write(ready, b"x")
+        if rank == 1:
+            time.sleep(3600)
+        try:
+            any_rank(1, info) if point == "any_rank" else barrier(info)
+        except StopWaiting:
+            os._exit(STATUS[stop.signum])
+    os._exit(0)
+
+
+@pytest.mark.parametrize("point", ["any_rank", "barrier"])
+def test_a_rank_whose_peer_never_comes_to_an_agreement_point_stops_at_the_first_signal(tmp_path, point):
+    """The CPU agreement points (train/distributed.py `any_rank`, `barrier`: each step's stop flag,
+    the checkpoint's barrier) waited inside gloo, where no signal handler runs: a rank whose peer
+    waits for a part or is gone ignored SIGTERM until the group's 30-minute timeout."""
+    read, write = os.pipe()
+    pids = []
+    for rank in (0, 1):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read)
+                _rank(rank, tmp_path / "store", point, write)
+            finally:
+                os._exit(99)
+        pids.append(pid)
+    os.close(write)
+    try:
+        assert len(os.read(read, 1) + os.read(read, 1)) == 2, "a rank did not start"
+        time.sleep(1.0)  # rank 0 is inside the collective
+        os.kill(pids[0], signal.SIGTERM)
+        sent = time.monotonic()
+        status = None
+        while status is None and time.monotonic() - sent < 10:
+            done, raw = os.waitpid(pids[0], os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw) if done else None
+            time.sleep(0.05)
+        assert status == STATUS[signal.SIGTERM], f"rank 0: status {status} 10 s after SIGTERM (None: still waiting)"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
 
 
 # -- waits that can never end are refused (bug 5) -----------------------------------------------
