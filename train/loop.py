@@ -114,10 +114,14 @@ def _train(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> TrainResult:
                     new_best = evaluate_heldout(run)
                 except StopWaiting:  # (--follow: held-out samples of parts not extracted yet)
                     return stop_waiting(run, stop, data.loader.state_dict())
-            # A signal on any rank stops every rank after the same step (agreed on the CPU).
-            stopping = any_rank(stop.signum, run.info)
-            if run.checkpoints.due(cfg.logging.save_interval) or stopping or new_best:
-                run.checkpoints.save()  # (never of nan weights: the guard refuses first)
+            # A signal on any rank stops every rank after the same step (agreed on the CPU; a peer
+            # that never comes to it is given up once a stop was asked for: runtime.signals).
+            try:
+                stopping = any_rank(stop.signum, run.info)
+                if run.checkpoints.due(cfg.logging.save_interval) or stopping or new_best:
+                    run.checkpoints.save()  # (never of nan weights: the guard refuses first)
+            except StopWaiting:
+                return stop_waiting(run, stop, data.loader.state_dict())
             if stopping:
                 log.info(f"stopped at step {state.step}; rerun the same command to resume.")
                 return run.result(stop.exit_status or 130)
@@ -311,7 +315,7 @@ def evaluate_heldout(run: Run) -> bool:
 
 def stop_waiting(run: Run, stop: StopRequest, position: dict[str, Any]) -> TrainResult:
     """A stop that came while the run waited for data another process makes (--follow: a part not
-    extracted yet), which may never come: the step in progress is abandoned (the loader goes back
+    extracted yet) or for a peer rank at an agreement point, which may never come: the step in progress is abandoned (the loader goes back
     to `position`, its start) and the last completed step is saved, unless it is already (or none
     is: nothing to save). Under several ranks the save is collective and the others may be inside
     the step: this rank exits with its last checkpoint, and the launcher ends them."""
@@ -320,7 +324,8 @@ def stop_waiting(run: Run, stop: StopRequest, position: dict[str, Any]) -> Train
     loader.load_state_dict(position)
     if run.state.step and run.info.world_size == 1:
         run.checkpoints.save_unless_saved()
-    run.log.info(f"stopped at step {run.state.step} while waiting for data; rerun the same command to resume.")
+    run.log.info(f"stopped at step {run.state.step} while waiting for data or a peer rank; rerun the same command "
+                 "to resume.")
     return run.result(stop.exit_status or 130)
 
 
