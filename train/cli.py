@@ -85,10 +85,14 @@ def run(settings: TrainConfig) -> None:
     from .distributed import shutdown_distributed
     from .loop import train  # torch: only once the settings are known to be good
 
+    finished = False
     try:
         result = train(settings)
+        finished = result.exit_status == 0
     finally:
-        shutdown_distributed()  # a rank that exits without it can break its peers' last collective
+        # a rank that exits without the last barrier can break its peers' last collective; a stopped
+        # or failed run does not wait for peers that may never come
+        shutdown_distributed(wait=finished)
     if result.exit_status:
         sys.exit(result.exit_status)
 

@@ -57,9 +57,12 @@ def init_distributed(device: str | None = None) -> DistInfo:
     return info
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(*, wait: bool = True) -> None:
+    """Leave the process group, after a last barrier with the peers when `wait` (a finished run);
+    a stopped or failed run leaves at once: a peer may never come to that barrier."""
     if dist.is_initialized():
-        dist.barrier()
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -264,6 +264,11 @@ def train_step(run: Run) -> None:
     for micro in range(accum):
         with profiler.section("data_wait"):
             batch = data.loader.next_batch()  # with its anchors (anchors.AnchorDraw)
+            if data.caches.follows:
+                # every rank holds its batch before the step's collectives: a peer waiting for a part
+                # that may never come would hold this rank in the gradient all-reduce, where no
+                # signal is seen; this wait is checked (distributed.wait_for_peers)
+                barrier(info)
         # The noise comes from a generator seeded by this batch's place in the run, as its anchors.
         noise = noise_generator(cfg.optimization.seed, data.loader.epoch, data.loader.last_index, info.device)
         with profiler.section("host_to_device"):
