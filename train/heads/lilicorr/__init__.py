@@ -166,7 +166,9 @@ class LatticeWalk:
         return found
 
     def __call__(self, states: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        from .lattice import candidates, walk_greedy, walk_sampled
+        from dflash.train.dflash2 import walk_greedy  # (the same chain walk as DFlash2's selector)
+
+        from .lattice import candidates, walk_sampled
 
         d = self.drafter
         head: LiLiCorrHead = d.lilicorr

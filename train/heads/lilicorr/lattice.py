@@ -221,18 +221,6 @@ def path_loss(scores: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, sco
     return loss, choice
 
 
-def walk_greedy(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Drafts [M, S]: from the anchor, each slot's best successor of the previous choice."""
-    m, slots, k = ids.shape
-    rows = torch.arange(m, device=ids.device)
-    previous = torch.zeros(m, dtype=torch.long, device=ids.device)
-    out = []
-    for slot in range(slots):
-        previous = scores[rows, slot, previous].argmax(-1)
-        out.append(ids[rows, slot, previous])
-    return torch.stack(out, dim=1)
-
-
 def walk_sampled(ids: torch.Tensor, scores: torch.Tensor, temperature: float,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(drafts [M, S], q [M, S, K]): each slot drawn from softmax(row / T) over the successors of the
