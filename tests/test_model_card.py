@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conftest import tiny_train_config
 from dflash.train.checkpoint import export_checkpoint
 from dflash.train.export import TRAINING_KEY, is_export_dir, load_drafter, update_card
+from dflash.train.heads import get_head, head_names
 from dflash.train.loop import train
 from dflash.train.model_card import CARD_NAME, card_text
 
@@ -35,7 +36,7 @@ def front_matter(card: str) -> dict[str, object]:
     return out
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+@pytest.fixture(scope="module", params=list(head_names()))
 def run(request, tiny_world, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"card-{request.param}") / "run"
     result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, drafter_type=request.param,
@@ -50,14 +51,15 @@ def test_an_export_carries_a_card_that_says_what_it_is_how_to_serve_it_and_what_
     config = json.loads((final / "config.json").read_text())
     meta = front_matter(card)
     assert meta["library_name"] == "transformers"
-    assert {"speculative-decoding", "dflash"} <= set(meta["tags"])
-    assert ("dflash2" in meta["tags"]) == (run["type"] == "dflash2")
+    serving = get_head(run["type"]).serving  # the head's serving facts (checked against the engines in its tests)
+    assert {"speculative-decoding", *serving["tags"]} <= set(meta["tags"])
     assert "base_model" not in meta  # the tiny target names no Hub id
     # the launch lines: block 4 -> 3 speculative tokens; the method only where vLLM cannot detect it
     spec = json.loads(re.search(r"--speculative-config '(\{.*?\})'", card).group(1))
     assert spec["num_speculative_tokens"] == config["block_size"] - 1
-    assert spec.get("method") == ("dflash" if run["type"] == "dflash" else None)
-    assert "--speculative-algorithm DFLASH" in card
+    assert spec.get("method") == serving["vllm_method"]
+    algorithm = serving["sglang_algorithm"]
+    assert (f"--speculative-algorithm {algorithm}" in card) if algorithm else ("sglang.launch_server" not in card)
     assert config["architectures"][0] in card
     # the data and the recipe it was trained on, and the held-out estimate beside prompt lookup
     record = config[TRAINING_KEY]["run"]
