@@ -166,9 +166,11 @@ class LatticeWalk:
         return found
 
     def __call__(self, states: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        from dflash.train.dflash2 import walk_greedy  # (the same chain walk as DFlash2's selector)
+        # the same chain walks as DFlash2's selector; sampled over float32 scores, no log-prob prior
+        # added (SGLang's `lilicorr_sample_path`)
+        from dflash.train.dflash2 import walk_greedy, walk_sampled
 
-        from .lattice import candidates, walk_sampled
+        from .lattice import candidates
 
         d = self.drafter
         head: LiLiCorrHead = d.lilicorr
@@ -177,7 +179,7 @@ class LatticeWalk:
         scores = head(d.embed(ids), log_probs, states, context.to(states.dtype), valid)
         if self.temperature == 0:
             return walk_greedy(ids, scores)
-        drafts, self.q = walk_sampled(ids, scores, self.temperature, self.generator)
+        drafts, self.q = walk_sampled(ids, scores.float(), self.temperature, self.generator)
         return drafts
 
 

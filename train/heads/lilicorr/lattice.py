@@ -219,21 +219,3 @@ def path_loss(scores: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, sco
     loss = (w * nll).sum() / w.sum().clamp(min=1e-12)
     choice = ids.gather(-1, rows.argmax(-1, keepdim=True)).squeeze(-1)
     return loss, choice
-
-
-def walk_sampled(ids: torch.Tensor, scores: torch.Tensor, temperature: float,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(drafts [M, S], q [M, S, K]): each slot drawn from softmax(row / T) over the successors of the
-    previous choice, no log-prob prior added (SGLang's `lilicorr_sample_path`); q is that row."""
-    if temperature <= 0:
-        raise ValueError(f"a sampled walk needs a temperature > 0, got {temperature}; use walk_greedy.")
-    m, slots, k = ids.shape
-    rows = torch.arange(m, device=ids.device)
-    previous = torch.zeros(m, dtype=torch.long, device=ids.device)
-    out, qs = [], []
-    for slot in range(slots):
-        q = torch.softmax(scores[rows, slot, previous].float() / temperature, dim=-1)
-        previous = torch.multinomial(q, 1, generator=generator).squeeze(-1)
-        out.append(ids[rows, slot, previous])
-        qs.append(q)
-    return torch.stack(out, dim=1), torch.stack(qs, dim=1)
