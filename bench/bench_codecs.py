@@ -57,7 +57,7 @@ from dflash.cache_tools.manifest import make_header
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
 from dflash.extract.codecs import quantize_fp8, quantize_nf4_rows
-from dflash.train.codecs import device_decoder
+from dflash.train.data.codecs import device_decoder
 
 
 # -- activations --------------------------------------------------------------------------

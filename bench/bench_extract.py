@@ -65,7 +65,7 @@ from dflash.extract.data import plan_windows
 from dflash.extract.engine import _compiled_head
 from dflash.extract.pipeline import STAGED_COPY_ENV, run_extraction
 from dflash.extract.target import LayerCapture, head_reducer, next_token_outputs
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 from profiling import GpuSampler, device_busy_seconds
 from transformers import AutoModelForCausalLM, Qwen3Config
 

@@ -1,5 +1,5 @@
 """The top-K of DFlash2's training step: torch.topk against the two-stage exact top-K
-(train/dflash2.py `exact_topk`) over the head's logits of a step's scored slots.
+(train/heads/dflash2/modules.py `exact_topk`) over the head's logits of a step's scored slots.
 
 At the 8B shape a step scores 512 anchors x 15 slots = 7,680 rows of 151,936 logits (bf16 under
 autocast, float32 on the chunked head path); the quality benchmark's small drafter about 150K rows of
@@ -46,7 +46,7 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 def measure(rows: int, vocab: int, k: int, dtype: torch.dtype, device: torch.device, segments: list[int],
             repeats: int) -> list[dict]:
-    from dflash.train.dflash2 import exact_topk, topk_segment
+    from dflash.train.heads.dflash2.modules import exact_topk, topk_segment
 
     g = torch.Generator(device=device).manual_seed(0)
     logits = (3 * torch.randn(rows, vocab, generator=g, device=device)).to(dtype)

@@ -2,7 +2,7 @@
 workers).
 
 Writes a synthetic target (config.json + embed_tokens/lm_head/norm only, random bf16) and a
-synthetic bf16 cache under --workdir, runs `dflash.train.loop.train` on it, and prints context
+synthetic bf16 cache under --workdir, runs `dflash.train.run.loop.train` on it, and prints context
 tokens/s, achieved model FLOP/s and its fraction of the bf16 peak, the data-wait fraction and
 peak GPU memory.
 
@@ -40,7 +40,7 @@ tokens (the trainer's --draft-layer-types sliding --draft-sliding-window 2048), 
     python bench/bench_train.py --shape 8b-32k --drafter-type dflash,dflash2 --sliding-window 0,2048 \
         --steps 6 --warmup-steps 3 --workdir /dev/shm/b32k
 
-Each run's peak GPU memory is printed beside the trainer's estimate of it (train/memory.py).
+Each run's peak GPU memory is printed beside the trainer's estimate of it (train/run/memory.py).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ CPU_SHAPES = ("small", "small-long")
 
 def visible_keys(context: int, prompt: float, block_size: int, window: int | None = None,
                  causal: bool = False) -> float:
-    """Keys one block query sees under the training mask (train/attention.py), averaged over its
+    """Keys one block query sees under the training mask (train/model/attention.py), averaged over its
     slot and over the anchor positions p the trainer draws from (every completion position with a
     completion token after it: p in [prompt, context - 2], uniformly): the context keys j < p (within
     the window: j > p + slot - W), plus its own block's keys (slot + 1 of them when causal; within
@@ -226,7 +226,7 @@ def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int,
 
 def traced_train(config, *, skip: int, warm: int, active: int) -> None:
     """train(config) under torch.profiler: steps skip+warm+1 .. skip+warm+active are recorded."""
-    from dflash.train import loop
+    from dflash.train.run import loop
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = torch.cuda.is_available() and config.runtime.device != "cpu"
@@ -314,9 +314,9 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
 
 
 def estimated_memory(config: Any, shape: Shape, samples: float, context: float, anchors: float, world: int) -> float:
-    """The trainer's estimate (train/memory.py) of a step's peak GPU memory for the measured batches."""
+    """The trainer's estimate (train/run/memory.py) of a step's peak GPU memory for the measured batches."""
     from dflash.train.heads import get_head
-    from dflash.train.memory import Dims, MicroBatch, estimate_step_memory
+    from dflash.train.run.memory import Dims, MicroBatch, estimate_step_memory
 
     m = config.model
     types = parse_types(m.draft_layer_types, m.num_draft_layers)
@@ -337,7 +337,7 @@ def estimated_memory(config: Any, shape: Shape, samples: float, context: float, 
 
 
 def parse_types(types: str, layers: int) -> list[str]:
-    from dflash.train.layer_types import parse_layer_types
+    from dflash.train.model.layer_types import parse_layer_types
 
     return parse_layer_types(types, layers)
 
@@ -443,7 +443,7 @@ def main() -> None:
     parser = build_parser()
     a = parser.parse_args()
 
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     if a.small:
         a.shape = "small"

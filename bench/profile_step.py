@@ -35,9 +35,9 @@ VARIANTS = ("dflash", "dflash2", "dflash2-noconv")
 
 
 def build(a: argparse.Namespace, variant: str):
-    from dflash.train.drafter_config import DrafterConfig
-    from dflash.train.model import DFlashDrafter
-    from dflash.train.target_weights import TargetWeights
+    from dflash.train.model.drafter import DFlashDrafter
+    from dflash.train.model.drafter_config import DrafterConfig
+    from dflash.train.model.target_weights import TargetWeights
 
     s = SHAPES[a.shape]
     if a.vocab:
@@ -103,9 +103,9 @@ class PartTimer:
 
 
 def run_variant(a: argparse.Namespace, variant: str) -> dict:
-    import dflash.train.objective as objective_module
-    from dflash.train.anchors import add_anchors
-    from dflash.train.objective import ObjectiveConfig, compute_loss
+    import dflash.train.loss.objective as objective_module
+    from dflash.train.data.anchors import add_anchors
+    from dflash.train.loss.objective import ObjectiveConfig, compute_loss
 
     s, drafter, batch = build(a, variant)
     if a.compile:

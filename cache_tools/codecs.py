@@ -15,7 +15,7 @@ are c-blosc's own, written through numcodecs exactly as zarr's BloscCodec writes
 level and block size are the ones that store a trained model's activations in the fewest bytes
 at the throughput extraction needs (docs/BENCHMARKS.md, bench/bench_codecs.py).
 This module is the format and imports no torch: the GPU-fused encoders are the extraction
-engine's (`dflash.extract.codecs`), the device decoders the trainer's (`dflash.train.codecs`),
+engine's (`dflash.extract.codecs`), the device decoders the trainer's (`dflash.train.data.codecs`),
 each registered under the codec's name.
 """
 

@@ -5,7 +5,7 @@ zarr writes the parts; CacheReader reads a cache's samples through one PartFiles
 are touched when a sample of theirs is requested. Forked or pickled copies (DataLoader workers)
 drop the open maps and reopen lazily. Samples come out as numpy arrays (hidden states as bf16
 bits, uint16, decoded by the cache's codec): this module imports no torch; the trainer views
-them as tensors (`dflash.train.loader`).
+them as tensors (`dflash.train.data.loader`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class CacheReader:
         decoded straight into them, which saves a copy and the page faults of a fresh buffer
         per sample. With dequantize=False the hidden arrays come as stored (the codec's
         storage dtype, with their "hidden_scale" float32 [T, K] where the codec keeps scales),
-        for a decoder on the GPU (`dflash.train.codecs`); `out` then holds arrays of those dtypes.
+        for a decoder on the GPU (`dflash.train.data.codecs`); `out` then holds arrays of those dtypes.
         """
         part_idx, local, start, stop = self._sample_rows(index, max_tokens)
         result = self.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)

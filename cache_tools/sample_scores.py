@@ -8,7 +8,7 @@ extracted before has none and
 uses the sample id itself as the key (`CacheSet.split_keys`), which keeps its scores, and so its
 split, bit for bit. Both stages read the scores, so they belong to the cache contract: the
 trainer's held-out split holds out a sample when its `heldout_scores` value is below
---eval-fraction (train/heldout.py), and `dflash-extract --top1-share F` stores the target's
+--eval-fraction (train/data/heldout.py), and `dflash-extract --top1-share F` stores the target's
 top-1 for the samples whose same score is below F (`top1_selected`). One score, so that with
 F >= the held-out fraction every held-out sample has its top-1, and the samples of lowest score
 (those an evaluation cap keeps) first. numpy only: no torch.

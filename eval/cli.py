@@ -50,7 +50,7 @@ def main(settings: EvalCommandConfig) -> None:
     report = run_eval(settings)
     click.echo(json.dumps(report, indent=2) if settings.as_json else format_report(report))
     if settings.update_card:
-        from dflash.train.export import update_card
+        from dflash.train.exports.export import update_card
 
         card = update_card(settings.drafter, report)
         click.echo(f"model card updated: {card}", err=settings.as_json)

@@ -1,7 +1,7 @@
 """`dflash-compare`: let measurement choose the drafter head (docs/train.md, "Choosing the head").
 
 The candidates train, are measured on the held-out split, tabulated and picked in
-train/compare.py; given --prompts, each candidate's export is also decoded against the target by
+train/measure/compare.py; given --prompts, each candidate's export is also decoded against the target by
 dflash-eval's measurement (`run.run_eval`), here. The command drives both training and decoding,
 so it lives in the layer above both (eval may import train, never the reverse).
 
@@ -24,8 +24,8 @@ from dflash.runtime.cli import Command
 from dflash.runtime.fsio import atomic_write_json
 from dflash.runtime.settings import settings_options
 from dflash.train.cli import TrainGroup
-from dflash.train.compare import CompareConfig, Decoder, compare_heads, parse_heads
 from dflash.train.config import TrainConfig, TrainConfigError
+from dflash.train.measure.compare import CompareConfig, Decoder, compare_heads, parse_heads
 
 from .config import EvalConfig, EvalError
 
@@ -63,7 +63,7 @@ def decode_candidate(record: dict[str, Any], options: DecodeOptions, log: Callab
     """The candidate's export decoded on --prompts against the target (`run_eval`, greedy, without
     the prompt-lookup baseline): each prompt's accepted tokens and cycles, read from decoded.json
     when these prompts were decoded with this candidate already."""
-    from dflash.train.loop import FINAL_DIR  # torch
+    from dflash.train.run.loop import FINAL_DIR  # torch
 
     from .run import run_eval  # torch, transformers
 

@@ -303,7 +303,7 @@ def lossless_check(baseline: list[Generation], speculative: list[Generation], co
 def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
                 attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
-    from dflash.train.export import load_drafter, training_target_note
+    from dflash.train.exports.export import load_drafter, training_target_note
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}

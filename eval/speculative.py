@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from dflash.train.model import DFlashDrafter
+from dflash.train.model.drafter import DFlashDrafter
 
 from .target import (
     TargetStateRollback,

@@ -55,7 +55,7 @@ def lookup_walk(tokens: Sequence[int] | np.ndarray, anchors: Sequence[int], bloc
                 scored: Sequence[bool] | np.ndarray | None = None,
                 max_ngram: int = DEFAULT_MAX_NGRAM) -> tuple[int, int]:
     """(tokens, cycles) of prompt lookup's verification walked along `tokens` as the trainer
-    walks its drafter (train/metrics.py, VerificationWalk): the first block at the first of
+    walks its drafter (train/measure/metrics.py, VerificationWalk): the first block at the first of
     `anchors` (the eligible positions: completion tokens followed by another), each proposal made
     from the text up to its anchor (`lookup_proposal`'s) and accepted while it matches the text,
     at most `block_size - 1` tokens and only over `scored` positions (the completion's: the loss

@@ -1,9 +1,9 @@
-"""The loss of a hand-made batch, its anchors drawn as the loader draws them (train/anchors.py)."""
+"""The loss of a hand-made batch, its anchors drawn as the loader draws them (train/data/anchors.py)."""
 
 from __future__ import annotations
 
-from dflash.train.anchors import add_anchors
-from dflash.train.objective import compute_loss
+from dflash.train.data.anchors import add_anchors
+from dflash.train.loss.objective import compute_loss
 
 
 def loss_of(drafter, batch: dict, config, *, generator=None, noise_generator=None, **kw):

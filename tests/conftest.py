@@ -190,8 +190,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def block_metrics(correct, valid, loss=None) -> dict[str, float]:
-    """BlockMetrics of a single batch (train/metrics.py defines them)."""
-    from dflash.train.metrics import BlockMetrics
+    """BlockMetrics of a single batch (train/measure/metrics.py defines them)."""
+    from dflash.train.measure.metrics import BlockMetrics
 
     m = BlockMetrics(block_size=correct.shape[-1] + 1)
     m.update(correct, valid, loss)

@@ -12,7 +12,7 @@ import torch
 from conftest import make_tiny_target
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 from faults.site.fault_points import SLEEP_PER_PART
 
 

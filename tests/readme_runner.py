@@ -69,7 +69,7 @@ def main(plan_path: str) -> None:
     from dflash.extract import pipeline as _pipeline  # noqa: F401
     from dflash.prepare import cli as _prepare_cli  # noqa: F401
     from dflash.train import cli as _train_cli  # noqa: F401
-    from dflash.train import loop as _loop  # noqa: F401
+    from dflash.train.run import loop as _loop  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - lazy modules
 
     for index, command in enumerate(json.loads(open(plan_path).read())):

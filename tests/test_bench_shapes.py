@@ -20,7 +20,7 @@ def test_the_hybrid_27b_target_is_qwen36_27b_and_the_27b_drafter_bench_matches_i
     from bench_extract import SHAPES, build_config
     from bench_train import LAYER_IDS, TARGET_27B
     from dflash.cache_tools.layers import default_target_layer_ids
-    from dflash.train.drafter_config import DrafterConfig
+    from dflash.train.model.drafter_config import DrafterConfig
     from transformers import AutoModelForCausalLM
 
     architecture, dims, _ = SHAPES["27b-hybrid"]

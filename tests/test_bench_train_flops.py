@@ -1,6 +1,6 @@
 """bench_train's FLOP model counts the attention pairs the training mask lets through: for long
 samples (the context before each anchor, anchors drawn over the completion) and for sliding or
-causal layers (train/attention.py's mask, counted entry by entry)."""
+causal layers (train/model/attention.py's mask, counted entry by entry)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from bench_train import visible_keys  # noqa: E402
 
 @pytest.mark.parametrize(("window", "causal"), [(None, False), (None, True), (24, True), (24, False), (3, True)])
 def test_visible_keys_is_the_mean_of_the_training_masks_rows(window, causal):
-    from dflash.train.attention import build_dense_mask
+    from dflash.train.model.attention import build_dense_mask
 
     context, prompt, block = 300, 0.1, 4
     first = int(context * prompt)

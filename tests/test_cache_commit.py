@@ -21,7 +21,7 @@ from dflash.cache_tools.orphans import remove_orphans
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.fsio import file_lock
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 WRITER_SCRIPT = textwrap.dedent("""
     import os, sys, time, traceback, torch

@@ -15,7 +15,7 @@ from dflash.cache_tools.errors import CacheError, ConfigMismatchError
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 LENGTHS = [1, 2, 15, 16, 17, 63, 64, 65, 130, 1000, 3001]
 NF4_BOUND = 0.15  # nf4's documented bound per (token, layer) row (docs/cache-format.md)

@@ -34,7 +34,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.sample_scores import prompt_split_key
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.errors import Interrupted
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 from safetensors.torch import save_file
 
 LAYERS = [1, 2]  # ours, of the tiny world's 4-layer target (at most N-2)
@@ -246,7 +246,7 @@ def test_an_import_stopped_mid_part_resumes_to_the_cache_an_unstopped_import_wri
     assert unfinished.exit_code == 0 and "planned: unfinished" in unfinished.output
     from conftest import tiny_train_config
     from dflash.train.config import TrainConfigError
-    from dflash.train.data import open_training_data
+    from dflash.train.data.caches import open_training_data
 
     with pytest.raises(TrainConfigError) as refused:  # the trainer names the command that finishes it
         open_training_data(tiny_train_config(tmp_path / "stopped", tiny_world["target"], tmp_path / "run"),
@@ -432,7 +432,7 @@ def our_cache(path: Path, samples: dict[int, Sample], target: Path) -> Path:
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
 def test_training_on_an_imported_cache_gives_the_weights_of_training_on_our_cache(tiny_world, tmp_path, fmt):
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     samples = make_samples(12, seed=3)
     if fmt == "specforge":
@@ -459,7 +459,7 @@ def test_training_on_an_import_of_our_extractions_states_gives_the_weights_of_tr
     from conftest import random_records, write_jsonl
     from dflash.extract.config import ExtractConfig
     from dflash.extract.pipeline import run_extraction
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     records = [r for r in random_records(16, seed=5, min_len=12, max_len=40)]
     for r in records:

@@ -17,7 +17,7 @@ from dflash.cache_tools.rewrite import merge_caches, recompress_cache
 from dflash.cache_tools.summary import cache_info
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.fsio import file_lock
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 VOCAB = 1000
 

@@ -13,7 +13,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.maintenance import verify_cache
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v1-caches"
 CODECS = ("bf16", "fp8", "raw")

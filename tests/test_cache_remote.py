@@ -27,7 +27,7 @@ from dflash.cache_tools.cli import main as cache_main  # noqa: E402
 from dflash.cache_tools.errors import CacheCorruptError  # noqa: E402
 from dflash.cache_tools.reader import CacheReader  # noqa: E402
 from dflash.cache_tools.staging import disk_usage  # noqa: E402
-from dflash.train.loader import sample_tensors  # noqa: E402
+from dflash.train.data.loader import sample_tensors  # noqa: E402
 
 BUCKET = "dflash-test"
 ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
@@ -189,7 +189,7 @@ def test_staging_keeps_within_the_disk_budget_plus_one_part(tmp_path, s3):
 def test_training_from_an_s3_cache_gives_the_weights_of_training_from_the_local_copy(tiny_world, tmp_path, s3,
                                                                                    monkeypatch):
     from conftest import tiny_train_config
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
     from safetensors.torch import load_file
 
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
@@ -210,7 +210,7 @@ def test_training_with_staging_dir_and_disk_budget_stages_there_within_the_budge
     the budget plus one part, the weights are those of the local copy's run, and the run resumes
     with no budget (a budget changes where bytes live, not the batches)."""
     from conftest import tiny_train_config
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
     from safetensors.torch import load_file
 
     url = f"s3://{BUCKET}/{uuid.uuid4().hex}"

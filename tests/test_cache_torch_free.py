@@ -73,4 +73,4 @@ def test_cache_info_does_not_import_torch(tmp_path):
 
 
 def test_the_check_sees_torch_when_it_is_imported():
-    assert _loaded("import dflash.train.loader") == ["torch"]
+    assert _loaded("import dflash.train.data.loader") == ["torch"]

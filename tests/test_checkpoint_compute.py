@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from dflash.train.checkpoint import (
+from dflash.train.run.checkpoint import (
     Checkpointer,
     compute_changes,
     compute_settings,

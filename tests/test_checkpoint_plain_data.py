@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from dflash.train.checkpoint import (
+from dflash.train.run.checkpoint import (
     TRAINER_FILE,
     CheckpointCorruptError,
     Checkpointer,

@@ -242,7 +242,9 @@ def test_the_choices_the_clis_spell_out_are_the_ones_the_code_accepts():
     from dflash.cache_tools.codecs import CODEC_NAMES
     from dflash.extract.config import ExtractConfig
     from dflash.runtime.settings import settings_of
-    from dflash.train import attention, config, heads, model
+    from dflash.train import config, heads
+    from dflash.train.model import attention
+    from dflash.train.model import drafter as model
 
     for cls in (cache_cli.RecompressSettings, cache_cli.ImportSettings, ExtractConfig):
         assert settings_of(cls)["codec"].spec.choices is CODEC_NAMES, cls

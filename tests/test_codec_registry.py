@@ -25,8 +25,8 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
 from dflash.extract.codecs import device_encoder
-from dflash.train.codecs import register_device_decoder
-from dflash.train.loader import STORED_CODEC, collate, dequantize_batch, read_batch
+from dflash.train.data.codecs import register_device_decoder
+from dflash.train.data.loader import STORED_CODEC, collate, dequantize_batch, read_batch
 
 
 @register_codec

@@ -10,10 +10,11 @@ import contextlib
 import pytest
 import torch
 from anchor_utils import loss_of
-from dflash.train import dflash2, objective
-from dflash.train.dflash2 import exact_topk, topk_segment
-from dflash.train.head_loss import log_softmax_with_candidates
-from dflash.train.objective import ObjectiveConfig
+from dflash.train.heads.dflash2 import modules as dflash2
+from dflash.train.heads.dflash2.modules import exact_topk, topk_segment
+from dflash.train.loss import objective
+from dflash.train.loss.head_loss import log_softmax_with_candidates
+from dflash.train.loss.objective import ObjectiveConfig
 from test_drafter_objective import hand_batch
 from test_drafter_support import tiny_drafter
 

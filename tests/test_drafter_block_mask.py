@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.attention import build_attention_mask, make_mask_mod
-from dflash.train.masks import anchor_tile_counts, training_block_mask
+from dflash.train.model.attention import build_attention_mask, make_mask_mod
+from dflash.train.model.masks import anchor_tile_counts, training_block_mask
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -47,7 +47,7 @@ def test_tile_counts_give_the_create_block_mask_result(batch, context, anchors, 
 
 def test_tile_counts_equal_the_dense_pattern():
     positions = _anchors(2, 200, 23, seed=3)
-    from dflash.train.attention import build_dense_mask
+    from dflash.train.model.attention import build_dense_mask
 
     mask = build_dense_mask(positions, 200, 16)  # [B, Q, KV]
     q_pad, kv_pad = (-mask.shape[1]) % 128, (-mask.shape[2]) % 128

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 from anchor_utils import loss_of
-from dflash.train.dflash2 import (
+from dflash.train.exports.export import export_drafter, load_drafter
+from dflash.train.heads.dflash2.modules import (
     CandidateSelector,
     GroupedDynamicConv,
     block_lattice,
@@ -17,9 +18,8 @@ from dflash.train.dflash2 import (
     walk_greedy,
     walk_sampled,
 )
-from dflash.train.export import export_drafter, load_drafter
-from dflash.train.model import DFlashDrafter
-from dflash.train.objective import ObjectiveConfig
+from dflash.train.loss.objective import ObjectiveConfig
+from dflash.train.model.drafter import DFlashDrafter
 from safetensors import safe_open
 from test_drafter_export import block_logits, expected_weight_names, sample_batch
 from test_drafter_support import HIDDEN, VOCAB, save_tiny_target, tiny_drafter
@@ -269,8 +269,8 @@ def test_the_dflash2_export_holds_exactly_what_the_engines_load_and_reloads_iden
 
 def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny_world, tmp_path, capsys):
     from conftest import read_metrics, tiny_train_config
-    from dflash.train.estimate import estimate_drafter, format_estimate
-    from dflash.train.loop import train
+    from dflash.train.measure.estimate import estimate_drafter, format_estimate
+    from dflash.train.run.loop import train
 
     out = tmp_path / "run"
     result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=6, eval_fraction=0.3,
@@ -296,7 +296,7 @@ def test_a_dflash2_run_trains_reports_both_taus_and_exports_for_the_engines(tiny
 
 
 def test_a_hidden_size_the_default_group_does_not_divide_is_refused_with_the_group_that_fits():
-    from dflash.train.drafter_config import DrafterConfig
+    from dflash.train.model.drafter_config import DrafterConfig
     from test_drafter_support import tiny_config
 
     with pytest.raises(ValueError, match=r"conv_group_size 16 must divide the hidden size 40: pass --conv-group-size 10 "):

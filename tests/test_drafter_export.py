@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 
-import dflash.train.export as export_module
+import dflash.train.exports.export as export_module
 import pytest
 import torch
 from anchor_utils import loss_of
-from dflash.train.drafter_config import DrafterConfig
-from dflash.train.export import export_drafter, load_drafter
-from dflash.train.model import DFlashDrafter
-from dflash.train.objective import ObjectiveConfig
+from dflash.train.exports.export import export_drafter, load_drafter
+from dflash.train.loss.objective import ObjectiveConfig
+from dflash.train.model.drafter import DFlashDrafter
+from dflash.train.model.drafter_config import DrafterConfig
 from reference_decoding import ContextCache
 from safetensors import safe_open
 from test_drafter_support import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.attention import build_layer_masks
-from dflash.train.objective import build_blocks
+from dflash.train.loss.objective import build_blocks
+from dflash.train.model.attention import build_layer_masks
 from reference_decoding import ContextCache
 from test_drafter_support import HIDDEN, tiny_drafter
 

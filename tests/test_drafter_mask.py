@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash.train.attention import build_dense_mask, build_layer_masks, make_mask_mod
-from dflash.train.objective import build_blocks, sample_anchors
+from dflash.train.loss.objective import build_blocks, sample_anchors
+from dflash.train.model.attention import build_dense_mask, build_layer_masks, make_mask_mod
 from test_drafter_support import HIDDEN, tiny_drafter
 
 BLOCK = 4

@@ -9,10 +9,8 @@ import torch
 import torch.nn.functional as F
 from anchor_utils import loss_of
 from conftest import block_metrics
-from dflash.train.attention import build_attention_mask
 from dflash.train.config import TrainConfigError
-from dflash.train.metrics import BlockMetrics, tau_from_accuracies
-from dflash.train.objective import (
+from dflash.train.loss.objective import (
     ObjectiveConfig,
     add_hidden_noise,
     compute_loss,
@@ -20,6 +18,8 @@ from dflash.train.objective import (
     position_weights,
     sample_anchors,
 )
+from dflash.train.measure.metrics import BlockMetrics, tau_from_accuracies
+from dflash.train.model.attention import build_attention_mask
 from test_drafter_support import HIDDEN, VOCAB, tiny_drafter
 
 MASK = VOCAB - 1
@@ -165,9 +165,9 @@ def test_metrics_count_leading_correct_slots_per_block():
 
 
 def test_the_loss_reads_the_anchors_the_loader_drew_and_draws_none_itself():
-    """One producer of anchors (train/anchors.py, run by the loader): the loss refuses a batch
+    """One producer of anchors (train/data/anchors.py, run by the loader): the loss refuses a batch
     without them, and the scored slots listed on the host (no device sync) are those of `valid`."""
-    from dflash.train.anchors import add_anchors
+    from dflash.train.data.anchors import add_anchors
 
     drafter = tiny_drafter()
     bs = drafter.config.block_size
@@ -188,7 +188,7 @@ def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and
     # A micro-batch of many short samples scores N slots x V ids of logits at once (over 200
     # GiB at 152K ids); slot_losses holds one chunk of rows at a time. Same log-probs of the
     # labels, same gradients of the states, same argmax, whatever the chunk.
-    from dflash.train.head_loss import candidate_logits, chunk_rows, needs_chunks, slot_losses
+    from dflash.train.loss.head_loss import candidate_logits, chunk_rows, needs_chunks, slot_losses
 
     drafter = tiny_drafter(seed=3).train()
     h = torch.randn(13, HIDDEN, requires_grad=True)
@@ -243,7 +243,7 @@ def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, 
     # and predictions equal those of the plain path (DFlash2: the selector's top-K and
     # candidates' logits too, with and without its stop-gradient; soft labels from the cached
     # top-k or from the target's last hidden state: the KL too).
-    import dflash.train.objective as objective
+    import dflash.train.loss.objective as objective
 
     batch = hand_batch() if soft is None else soft_label_batch(soft)
     runs = []
@@ -276,7 +276,7 @@ def test_the_target_label_trains_toward_the_targets_top1_and_is_the_sample_on_a_
     greedy completion (top-1 = the sample's next token) the objective is the sample label's, bit
     for bit; where the top-1 differs, the cross-entropy is the one toward the top-1 (the KL to a
     one-hot top-1, computed by the soft-label path), and `correct` is greedy verification's."""
-    from dflash.train.metrics import greedy_replay
+    from dflash.train.measure.metrics import greedy_replay
 
     drafter = tiny_drafter(seed=4, **(DFLASH2 if kind == "dflash2" else {}))
     batch = hand_batch()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_target
-from dflash.train.drafter_config import DrafterConfig
-from dflash.train.model import DFlashDrafter
-from dflash.train.target_weights import (
+from dflash.train.model.drafter import DFlashDrafter
+from dflash.train.model.drafter_config import DrafterConfig
+from dflash.train.model.target_weights import (
     TargetWeights,
     default_target_layer_ids,
     load_target_weights,

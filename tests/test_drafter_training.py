@@ -6,8 +6,8 @@ import time
 
 import torch
 from anchor_utils import loss_of
-from dflash.train.metrics import BlockMetrics
-from dflash.train.objective import ObjectiveConfig
+from dflash.train.loss.objective import ObjectiveConfig
+from dflash.train.measure.metrics import BlockMetrics
 from test_drafter_support import HIDDEN, tiny_drafter
 
 PERIOD, SEQ_LEN, BATCH, STEPS = 5, 32, 8, 200

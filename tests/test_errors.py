@@ -43,7 +43,7 @@ def test_the_kinds_are_what_the_misfiled_errors_now_derive_from():
     from dflash.cache_tools.errors import CacheCorruptError, ConfigMismatchError
     from dflash.prepare.render import RenderError
     from dflash.runtime.errors import CorruptDataError, InputError, MismatchError
-    from dflash.train.checkpoint import CheckpointCorruptError
+    from dflash.train.run.checkpoint import CheckpointCorruptError
 
     assert issubclass(CheckpointCorruptError, CorruptDataError)  # an unreadable checkpoint
     assert issubclass(ConfigMismatchError, MismatchError)  # e.g. a target the cache was not extracted from

@@ -14,10 +14,10 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.eval.lookup import lookup_generate
 from dflash.eval.run import load_models
 from dflash.eval.speculative import DecodeConfig, speculative_generate, target_generate
-from dflash.train.estimate import estimate_drafter
-from dflash.train.loop import train
-from dflash.train.metrics import MIN_GREEDY_SAMPLES, VerificationWalk, walk_interval
-from dflash.train.objective import LossOutput
+from dflash.train.loss.objective import LossOutput
+from dflash.train.measure.estimate import estimate_drafter
+from dflash.train.measure.metrics import MIN_GREEDY_SAMPLES, VerificationWalk, walk_interval
+from dflash.train.run.loop import train
 from extract_utils import extract
 
 VOCAB, PROMPT, NEW, BLOCK = 48, 8, 40, 8

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from dflash.eval import run as eval_cli
 from dflash.eval.cli import main
 from dflash.eval.run import load_prompts
-from dflash.train.export import export_drafter
+from dflash.train.exports.export import export_drafter
 from test_eval_support import PERIOD, periodic_ids, tiny_drafter, tiny_target
 
 

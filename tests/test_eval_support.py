@@ -26,10 +26,10 @@ from dflash.eval.speculative import (
     target_generate,
 )
 from dflash.eval.target import capture_hidden
-from dflash.train.drafter_config import DrafterConfig
-from dflash.train.model import DFlashDrafter
-from dflash.train.objective import ObjectiveConfig
-from dflash.train.target_weights import TargetWeights
+from dflash.train.loss.objective import ObjectiveConfig
+from dflash.train.model.drafter import DFlashDrafter
+from dflash.train.model.drafter_config import DrafterConfig
+from dflash.train.model.target_weights import TargetWeights
 from reference_decoding import ContextCache
 from transformers import AutoModelForCausalLM, Qwen3Config
 

@@ -10,16 +10,16 @@ import dataclasses
 import json
 from pathlib import Path
 
-import dflash.train.export as export_module
+import dflash.train.exports.export as export_module
 import pytest
 from click.testing import CliRunner
 from conftest import tiny_train_config
 from dflash.runtime.errors import InputError
 from dflash.runtime.fsio import TEMP_PREFIX
 from dflash.train.cli import main as train_main
-from dflash.train.export import export_drafter
-from dflash.train.loop import train
-from dflash.train.model import DFlashDrafter
+from dflash.train.exports.export import export_drafter
+from dflash.train.model.drafter import DFlashDrafter
+from dflash.train.run.loop import train
 from safetensors.torch import save_file
 from test_drafter_support import save_tiny_target
 

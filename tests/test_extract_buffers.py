@@ -11,7 +11,7 @@ import torch
 from dflash.cache_tools.schema import PartSchema
 from dflash.extract.buffers import PartBuffer, PartGroup, part_layout
 from dflash.extract.data import PartPlan, Sample
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 
 @pytest.mark.parametrize("threads", [0, 3])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import final_weights, tiny_train_config
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from safetensors.torch import load_file, save_file
 
 GOLDEN = Path(__file__).with_name("fixtures") / "golden"

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import assert_same_weights, final_weights, tiny_train_config
 from dflash.train import heads
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("runtime", "cache_tools", "extract", "train", "eval", "prepare", "demo")
-HEAD_MODULES = ("train/heads/", "train/dflash2.py")  # the heads, and DFlash2's modules and arithmetic
+HEAD_MODULES = ("train/heads/", "train/heads/dflash2/modules.py")  # the heads, and DFlash2's modules and arithmetic
 NAMES = {"dflash", "dflash2", "DFlashDraftModel", "DFlash2DraftModel"}
 HEAD_ATTRIBUTES = {"candidate_selector", "attention_conv", "mlp_conv"}
 
@@ -111,7 +111,7 @@ def toy():
 
 def test_a_head_registered_from_outside_trains_resumes_exports_and_decodes_losslessly(toy, tiny_world, tmp_path):
     from dflash.eval.speculative import DecodeConfig, speculative_generate, target_generate
-    from dflash.train.export import load_drafter
+    from dflash.train.exports.export import load_drafter
     from transformers import AutoModelForCausalLM
 
     world = tiny_world
@@ -168,11 +168,11 @@ def test_an_export_of_a_head_the_runtime_does_not_list_is_refused_as_a_target(tm
 @pytest.mark.parametrize("name", heads.head_names())
 def test_each_heads_memory_counts_the_parameters_it_builds_and_the_estimate_adds_them(name):
     """`DraftHead.memory`: the parameters the startup check's estimate counts for a head are those of
-    the drafter it builds (train/memory.py reads no head by name), and its terms add to DFlash's."""
-    from dflash.train.drafter_config import DrafterConfig
-    from dflash.train.memory import Dims, MicroBatch, estimate_step_memory
-    from dflash.train.model import DFlashDrafter
-    from dflash.train.target_weights import TargetWeights
+    the drafter it builds (train/run/memory.py reads no head by name), and its terms add to DFlash's."""
+    from dflash.train.model.drafter import DFlashDrafter
+    from dflash.train.model.drafter_config import DrafterConfig
+    from dflash.train.model.target_weights import TargetWeights
+    from dflash.train.run.memory import Dims, MicroBatch, estimate_step_memory
 
     shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
                  vocab_size=96, num_target_layers=2, num_hidden_layers=2, target_layer_ids=[0, 1], block_size=8)

@@ -24,10 +24,10 @@ from dflash.eval.speculative import (
     target_generate,
 )
 from dflash.train import heads
-from dflash.train.export import export_drafter, load_drafter
+from dflash.train.exports.export import export_drafter, load_drafter
 from dflash.train.heads.base import HeadInputs
 from dflash.train.heads.dspark.modules import dspark_objective
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_drafter_export import expected_weight_names
@@ -66,7 +66,7 @@ ENGINE_FACTS = {
 def dspark_export(tmp_path, *, confidence=True, with_markov=True):
     target = save_tiny_target(tmp_path / "target")
     torch.manual_seed(0)
-    from dflash.train.model import DFlashDrafter
+    from dflash.train.model.drafter import DFlashDrafter
 
     drafter = DFlashDrafter.from_target(
         target, drafter_type="dspark", num_hidden_layers=2, target_layer_ids=[1, 5], block_size=4,

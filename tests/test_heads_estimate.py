@@ -12,7 +12,7 @@ import shutil
 import pytest
 from conftest import read_metrics, tiny_train_config
 from dflash.train.heads import get_head, head_names
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from test_train_distributed import head_settings
 from test_train_estimate import SETTINGS, invoke
 

@@ -12,12 +12,12 @@ import signal
 import pytest
 import torch
 from conftest import assert_same_weights, final_weights, tiny_train_config
-from dflash.train.dflash2 import walk_greedy, walk_sampled
-from dflash.train.export import export_drafter, load_drafter
+from dflash.train.exports.export import export_drafter, load_drafter
 from dflash.train.heads import get_head, head_for_architecture
+from dflash.train.heads.dflash2.modules import walk_greedy, walk_sampled
 from dflash.train.heads.lilicorr.lattice import LiLiCorrHead, path_loss
-from dflash.train.loop import train
-from dflash.train.model import DFlashDrafter
+from dflash.train.model.drafter import DFlashDrafter
+from dflash.train.run.loop import train
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_drafter_export import expected_weight_names

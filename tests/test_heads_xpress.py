@@ -88,7 +88,7 @@ def randomized(drafter):
 
 
 def test_an_export_has_exactly_the_tensors_and_top_level_keys_vllm_reads(target, tmp_path):
-    from dflash.train.export import export_drafter
+    from dflash.train.exports.export import export_drafter
 
     drafter = tiny_drafter(target, **XPRESS)
     c = drafter.config
@@ -110,7 +110,7 @@ def test_an_export_has_exactly_the_tensors_and_top_level_keys_vllm_reads(target,
 
 
 def test_the_refiner_computes_what_vllm_serves_from_the_export(target, tmp_path):
-    from dflash.train.export import export_drafter
+    from dflash.train.exports.export import export_drafter
     from dflash.train.heads.xpress import previous_tokens
 
     drafter = randomized(tiny_drafter(target, **XPRESS))
@@ -128,7 +128,7 @@ def test_the_refiner_computes_what_vllm_serves_from_the_export(target, tmp_path)
 def test_a_checkpoint_in_vllms_layout_imports(target, tmp_path):
     """vLLM's own attribute names (mlp_gate, ...), the folded mix_L instead of mix.L, a rank other
     than the default and the XPress keys only at the top level: the drafter reads them all."""
-    from dflash.train.export import export_drafter, load_drafter
+    from dflash.train.exports.export import export_drafter, load_drafter
 
     settings = {**XPRESS, "xpress_rank": 12, "xpress_mlp_hidden": 24}
     drafter = randomized(tiny_drafter(target, **settings))
@@ -214,8 +214,8 @@ def test_xpress_trains_resumes_bit_exact_exports_and_decodes_losslessly(tiny_wor
         speculative_generate,
         target_generate,
     )
-    from dflash.train.export import load_drafter
-    from dflash.train.loop import train
+    from dflash.train.exports.export import load_drafter
+    from dflash.train.run.loop import train
     from transformers import AutoModelForCausalLM
 
     world = tiny_world

@@ -14,8 +14,8 @@ from conftest import tiny_train_config
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.sample_scores import heldout_scores
 from dflash.runtime.lookup import lookup_walk
-from dflash.train.loader import sample_tensors
-from dflash.train.loop import train
+from dflash.train.data.loader import sample_tensors
+from dflash.train.run.loop import train
 from test_record_groups import group_key
 from test_split_keys import extract_records
 from test_target_families import VOCAB
@@ -93,7 +93,7 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_be_unlike_the_rest(tm
 
 def test_a_split_the_target_is_surer_of_is_said_to_read_high_with_the_corrected_figure(tmp_path, capsys,
                                                                                        monkeypatch):
-    from dflash.train import reporting
+    from dflash.train.measure import reporting
 
     held = heldout_groups()
     # the tiny target's confidences differ by chance, not by much: no threshold leaves them alike
@@ -113,7 +113,7 @@ def test_a_split_the_target_is_surer_of_is_said_to_read_high_with_the_corrected_
 
 
 def test_the_note_on_unlike_samples_says_the_confidence_s_direction_and_the_text_s_none():
-    from dflash.train.reporting import unlike_heldout
+    from dflash.train.measure.reporting import unlike_heldout
 
     surer = unlike_heldout([1.7, 2.0, 512], [0.850, 0.804, 512], 7.22)
     assert "surer" in surer and "likely reads high" in surer and "reads 7.220" in surer and "+5.7 %" in surer
@@ -144,7 +144,7 @@ def test_the_target_s_confidence_in_the_heldout_text_stands_beside_the_training_
         confidence(caches, [i for i, h in enumerate(in_held) if not h]))
     assert "tau_confidence_adjusted" not in record  # a censored walk (random answers): no regression figure
     # dflash-train estimate of the exported drafter over the whole cache says it too
-    from dflash.train.estimate import estimate_drafter, format_estimate
+    from dflash.train.measure.estimate import estimate_drafter, format_estimate
 
     estimate = estimate_drafter(str(tmp_path / "sure" / "run" / "final"), {
         "cache": [str(tmp_path / "sure" / "cache")], "target_model": str(tmp_path / "sure" / "target"),
@@ -154,7 +154,7 @@ def test_the_target_s_confidence_in_the_heldout_text_stands_beside_the_training_
 
 
 def test_the_regression_estimate_moves_the_split_to_the_training_samples_mean_of_any_figure():
-    from dflash.train.evaluation import regression_adjusted_tau
+    from dflash.train.measure.evaluation import regression_adjusted_tau
 
     # Twelve greedy samples whose drafter cycles a token are exactly 0.9 - 0.6 p, p the target's
     # mean top-1 probability: at the training samples' mean p the estimate is 1 / (0.9 - 0.6 p).
@@ -182,7 +182,7 @@ def test_reading_the_top1_log_probs_alone_gives_each_samples_rows_across_parts(t
 
 
 def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
-    from dflash.train.reporting import UNLIKE_CONFIDENCE
+    from dflash.train.measure.reporting import UNLIKE_CONFIDENCE
 
     record, last, _, notes = run(tmp_path, "alike", set(), capsys)
     ratio = record["lookup_text_heldout"] / record["lookup_text_training"]
@@ -198,7 +198,7 @@ def test_a_split_like_the_rest_says_nothing_of_its_text(tmp_path, capsys):
 
 
 def test_the_text_adjusted_estimate_moves_the_split_to_the_training_texts_repetitiveness():
-    from dflash.train.evaluation import text_adjusted_tau
+    from dflash.train.measure.evaluation import text_adjusted_tau
 
     # Twelve greedy samples of 100 tokens whose drafter cycles a token are exactly 0.1 + 0.5 x
     # their prompt lookup's x: the regression estimator is then exact for any text, so at the

@@ -11,7 +11,7 @@ PACKAGES = ("runtime", "cache_tools", "prepare", "extract", "train", "eval", "de
 
 
 def project_modules() -> dict[str, Path]:
-    """{"dflash.train.loop": path, "dflash.train": path of its __init__, ...}."""
+    """{"dflash.train.run.loop": path, "dflash.train": path of its __init__, ...}."""
     modules = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -101,9 +101,9 @@ def _private(name: str) -> bool:
 def test_the_graph_sees_relative_absolute_and_function_local_imports():
     graph = import_graph()
     assert "dflash.cache_tools.codecs" in graph["dflash.cache_tools.manifest"]  # from .codecs import ...
-    assert "dflash.cache_tools.sources" in graph["dflash.train.loader"]  # from dflash.cache_tools.sources import
+    assert "dflash.cache_tools.sources" in graph["dflash.train.data.loader"]  # from dflash.cache_tools.sources import
     assert "dflash.cache_tools.maintenance" in graph["dflash.cache_tools.cli"]  # inside a command function
-    assert "dflash.cache_tools.sources" in graph["dflash.train.heldout"]  # under TYPE_CHECKING
+    assert "dflash.cache_tools.sources" in graph["dflash.train.data.heldout"]  # under TYPE_CHECKING
 
 
 def test_the_cycle_finder_finds_a_circle():

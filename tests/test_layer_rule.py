@@ -9,7 +9,7 @@ from dflash.cache_tools.layers import (
     default_target_layer_ids,
     validate_target_layer_ids,
 )
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from extract_utils import make_target, run_cli
 
 CONSTRAINT = "strictly increasing, unique and at most N-2"

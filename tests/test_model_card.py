@@ -12,11 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import tiny_train_config
-from dflash.train.checkpoint import export_checkpoint
-from dflash.train.export import TRAINING_KEY, is_export_dir, load_drafter, update_card
+from dflash.train.exports.export import TRAINING_KEY, is_export_dir, load_drafter, update_card
+from dflash.train.exports.model_card import CARD_NAME, card_text
 from dflash.train.heads import get_head, head_names
-from dflash.train.loop import train
-from dflash.train.model_card import CARD_NAME, card_text
+from dflash.train.run.checkpoint import export_checkpoint
+from dflash.train.run.loop import train
 
 SETTINGS = dict(max_steps=6, epochs=2, eval_fraction=0.25, eval_interval=3, save_interval=3, lr=1e-3)
 

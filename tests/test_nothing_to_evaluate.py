@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_train_config, write_jsonl
 from dflash.runtime.errors import InputError
-from dflash.train.estimate import estimate_drafter
-from dflash.train.loop import train
+from dflash.train.measure.estimate import estimate_drafter
+from dflash.train.run.loop import train
 from extract_utils import make_target, run_cli
 
 

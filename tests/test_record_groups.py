@@ -20,7 +20,7 @@ from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.manifest import read_manifest
 from dflash.runtime.records import BadRecord, parse_record, parse_sample
-from dflash.train.heldout import eval_split
+from dflash.train.data.heldout import eval_split
 from extract_utils import run_cli
 from test_split_keys import extract_records, rewrite_record
 from test_target_families import VOCAB
@@ -96,7 +96,7 @@ def test_the_split_holds_out_whole_groups(grouped, fraction):
 
 def test_the_startup_summary_counts_the_groups_it_holds_out(grouped, tmp_path):
     from conftest import tiny_train_config
-    from dflash.train.data import open_training_data
+    from dflash.train.data.caches import open_training_data
 
     cfg = tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "run", eval_fraction=0.4)
     data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
@@ -205,7 +205,7 @@ def test_a_split_of_few_groups_is_warned_of_with_a_fraction_that_holds_out_more(
     import re
 
     from conftest import tiny_train_config
-    from dflash.train import data as data_module
+    from dflash.train.data import caches as data_module
 
     def summary(fraction: float) -> tuple[str, int]:
         cfg = tiny_train_config(grouped["cache"], grouped["target"], tmp_path / f"run-{fraction}", eval_fraction=fraction)
@@ -227,8 +227,8 @@ def test_a_split_of_few_groups_is_warned_of_with_a_fraction_that_holds_out_more(
 def test_the_last_line_of_a_run_says_when_its_heldout_tau_rests_on_few_documents(grouped, tmp_path, capsys,
                                                                                  monkeypatch):
     from conftest import tiny_train_config
-    from dflash.train import data as data_module
-    from dflash.train.loop import train
+    from dflash.train.data import caches as data_module
+    from dflash.train.run.loop import train
 
     cfg = dict(eval_fraction=0.2, eval_interval=2, max_steps=2, save_interval=2)
     train(tiny_train_config(grouped["cache"], grouped["target"], tmp_path / "few", **cfg))
@@ -251,9 +251,9 @@ def test_the_last_line_of_a_run_says_when_its_heldout_tau_rests_on_few_documents
 def test_the_heldout_interval_resamples_the_held_out_groups_whole(grouped, tmp_path, monkeypatch):
     """The evaluation hands the interval each walked sample's cluster: its group's split key
     (a prompt's own key when it has no group), so that a document's samples are drawn together."""
-    import dflash.train.evaluation as evaluation
+    import dflash.train.measure.evaluation as evaluation
     from conftest import tiny_train_config
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     seen = []
     real = evaluation.walk_interval

@@ -9,7 +9,7 @@ from conftest import read_metrics, tiny_train_config
 
 
 def _steps_per_epoch(cfg) -> list[int]:
-    from dflash.train.data import open_training_data
+    from dflash.train.data.caches import open_training_data
 
     data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
     try:
@@ -24,7 +24,7 @@ def _lines(out: str, start: str) -> list[str]:
 
 def test_a_run_that_max_steps_ends_partway_through_its_epochs_says_where_and_its_schedule_ends_there(
         tiny_world, tmp_path, capsys):
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", epochs=3, max_steps=20,
                             eval_fraction=0.3, eval_interval=None, lr_schedule="cosine", min_lr_ratio=0.1)
@@ -51,7 +51,7 @@ def test_a_run_that_max_steps_ends_partway_through_its_epochs_says_where_and_its
 
 
 def test_a_run_whose_epochs_end_first_says_nothing_of_max_steps(tiny_world, tmp_path, capsys):
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", epochs=1, max_steps=1000,
                             eval_fraction=0.3)
@@ -64,7 +64,7 @@ def test_a_run_whose_epochs_end_first_says_nothing_of_max_steps(tiny_world, tmp_
 
 
 def test_where_a_cut_run_ends_is_named_by_epoch():
-    from dflash.train.run_length import RunLength
+    from dflash.train.run.run_length import RunLength
 
     assert RunLength.of([10, 10, 10], 0).cut is False and RunLength.of([10, 10, 10], 30).cut is False
     assert RunLength.of([10, 10, 10], 10).where_it_ends() == "at the end of epoch 1 of 3"

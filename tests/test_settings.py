@@ -29,7 +29,7 @@ def captured(monkeypatch):
     """Each command with its work replaced: the settings object it would have run with."""
     from dflash.eval import run as eval_run
     from dflash.extract import pipeline
-    from dflash.train import loop
+    from dflash.train.run import loop
 
     seen: list = []
     summary = SimpleNamespace(skips=[], interrupted_by=None, format=lambda: "done")

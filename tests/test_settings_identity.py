@@ -69,8 +69,8 @@ def target_config():
 
 def stand_ins(cfg, world_size: int):
     """The run's data, drafter and ranks as run_identity reads them (a real DrafterConfig)."""
-    from dflash.train.drafter_config import DrafterConfig
     from dflash.train.heads import get_head
+    from dflash.train.model.drafter_config import DrafterConfig
 
     config = DrafterConfig.from_target_config(target_config(), target_layer_ids=[1, 4, 6],
                                               **cfg.model.drafter_overrides())
@@ -96,7 +96,7 @@ RUNS = {
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_the_run_identity_from_the_settings_marks_is_the_one_recorded_before(name, tmp_path):
-    from dflash.train.resume import run_identity
+    from dflash.train.run.resume import run_identity
 
     overrides, world_size = RUNS[name]
     cfg = tiny_train_config(tmp_path / "cache", tmp_path / "target", tmp_path / "run", **overrides)
@@ -106,7 +106,7 @@ def test_the_run_identity_from_the_settings_marks_is_the_one_recorded_before(nam
 
 
 def test_a_setting_not_marked_leaves_the_run_identity_as_it_is(tmp_path):
-    from dflash.train.resume import run_identity
+    from dflash.train.run.resume import run_identity
 
     one = tiny_train_config(tmp_path / "c", tmp_path / "t", tmp_path / "r", lr=1e-3, epochs=2)
     other = tiny_train_config(tmp_path / "c", tmp_path / "t", tmp_path / "r", lr=5e-4, epochs=4, grad_clip=0.5)

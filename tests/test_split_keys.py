@@ -25,8 +25,8 @@ from dflash.cache_tools.manifest import (
 )
 from dflash.cache_tools.plan import read_plan
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.data import open_training_data
-from dflash.train.heldout import eval_split
+from dflash.train.data.caches import open_training_data
+from dflash.train.data.heldout import eval_split
 from extract_utils import run_cli
 from test_cache_old_format import CODECS, FIXTURES
 from test_target_families import FAMILIES, VOCAB, save_target
@@ -166,7 +166,7 @@ def test_a_hand_edited_key_is_named_by_verify_and_a_wrong_count_as_a_damaged_rec
 
 
 def test_a_follow_run_sees_the_keys_of_the_plan(answered):
-    from dflash.train.follow import FollowCacheSet
+    from dflash.train.data.follow import FollowCacheSet
 
     follow = FollowCacheSet(str(answered["cache"]), max_seq_len=64, announce=lambda s: None)
     offline = CacheSet([str(answered["cache"])], max_seq_len=64)

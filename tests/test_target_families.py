@@ -26,10 +26,10 @@ from dflash.eval.speculative import (
     target_generate,
     verify_generate,
 )
-from dflash.train.export import load_drafter
-from dflash.train.loader import sample_tensors
-from dflash.train.loop import train
-from dflash.train.model import DFlashDrafter
+from dflash.train.data.loader import sample_tensors
+from dflash.train.exports.export import load_drafter
+from dflash.train.model.drafter import DFlashDrafter
+from dflash.train.run.loop import train
 from extract_utils import run_cli
 from transformers import AutoModelForCausalLM
 

@@ -14,7 +14,7 @@ from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.identity import Purpose, target_differences, target_identity, tokenizer_hash
 from dflash.cache_tools.manifest import HEADER_FILE, read_manifest
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from extract_utils import assert_same_contents, cache_contents, extract, make_target
 from transformers import AutoConfig
 

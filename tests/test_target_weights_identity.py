@@ -21,8 +21,8 @@ from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.identity import weights_hash, weights_hashes_path
 from dflash.cache_tools.manifest import HEADER_FILE
 from dflash.runtime.errors import MismatchError
-from dflash.train.checkpoint import export_checkpoint
-from dflash.train.loop import train
+from dflash.train.run.checkpoint import export_checkpoint
+from dflash.train.run.loop import train
 from extract_utils import extract, make_target
 
 
@@ -78,7 +78,7 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
     assert train(tiny_train_config(cache, two_models["first"], tmp_path / "run2", max_steps=1, **settings)).step == 1
     assert "has other weights" not in capsys.readouterr().out
     # dflash-train estimate says it too, in its line and its JSON
-    from dflash.train.estimate import estimate_drafter, format_estimate
+    from dflash.train.measure.estimate import estimate_drafter, format_estimate
 
     export = tmp_path / "export"
     export_checkpoint(next((run / "checkpoints").glob("step-*")), export)
@@ -90,7 +90,7 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
 
 
 def test_estimate_with_another_target_than_the_drafter_was_trained_against_says_so(two_models, tmp_path):
-    from dflash.train.estimate import estimate_drafter, format_estimate
+    from dflash.train.measure.estimate import estimate_drafter, format_estimate
 
     cache, run = two_models["root"] / "cache", tmp_path / "run"
     train(tiny_train_config(cache, two_models["first"], run, max_steps=1, epochs=1, eval_fraction=0.0))

@@ -16,10 +16,10 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores, top1_selected
 from dflash.extract.target import LayerCapture
-from dflash.train.data import open_training_data
-from dflash.train.loader import sample_tensors
-from dflash.train.metrics import VerificationWalk, greedy_path, greedy_replay, top1_known
-from dflash.train.objective import LossOutput
+from dflash.train.data.caches import open_training_data
+from dflash.train.data.loader import sample_tensors
+from dflash.train.loss.objective import LossOutput
+from dflash.train.measure.metrics import VerificationWalk, greedy_path, greedy_replay, top1_known
 from extract_utils import run_cli
 from test_target_families import FAMILIES, periodic_records, save_target
 from transformers import AutoModelForCausalLM
@@ -334,7 +334,7 @@ def test_the_quality_bench_extracts_the_caches_it_estimates_on_whole_with_every_
 def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tmp_path):
     from dflash.cache_tools.cache_set import CacheSet
     from dflash.cache_tools.errors import CacheCorruptError
-    from dflash.train.heldout import without_top1
+    from dflash.train.data.heldout import without_top1
 
     target, _ = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
     a, b = share_cache(tmp_path, target, 0.3), share_cache(tmp_path, target, 1.0)

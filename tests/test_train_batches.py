@@ -8,7 +8,7 @@ import torch
 from cache_utils import bits, random_sample, tiny_header
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.loader import collate, dequantize_batch, read_batch
+from dflash.train.data.loader import collate, dequantize_batch, read_batch
 
 
 def write(path, codec, seed):
@@ -71,7 +71,7 @@ def test_nf4_batches_travel_as_stored_rows_and_decode_like_the_reader(tmp_path):
 def test_training_from_an_nf4_cache_runs_to_the_end(tiny_world, tmp_path):
     from conftest import tiny_train_config
     from dflash.cache_tools.rewrite import recompress_cache
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     recompress_cache(tiny_world["cache"], tmp_path / "nf4", codec="nf4", progress=False)
     result = train(tiny_train_config(tmp_path / "nf4", tiny_world["target"], tmp_path / "run", max_steps=3))
@@ -81,7 +81,7 @@ def test_training_from_an_nf4_cache_runs_to_the_end(tiny_world, tmp_path):
 def test_training_from_an_fp8_cache_runs_to_the_end_and_exports(tiny_world, tmp_path):
     from conftest import tiny_train_config
     from dflash.cache_tools.rewrite import recompress_cache
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     world = tiny_world
     recompress_cache(world["cache"], tmp_path / "fp8", codec="fp8", progress=False)

@@ -1,4 +1,4 @@
-"""`dflash-compare` (train/compare.py trains and tabulates, eval/compare.py decodes and is the
+"""`dflash-compare` (train/measure/compare.py trains and tabulates, eval/compare.py decodes and is the
 command): the candidate heads train on the same nested subset
 of the training samples for the same steps, each is measured on the same held-out split (and, with
 --prompts, decoded), the table has one row of finite figures per head, the pick is the best one,
@@ -22,7 +22,7 @@ from dflash.eval.compare import DECODED_FILE
 from dflash.eval.compare import main as compare_main
 from dflash.train import heads
 from dflash.train.cli import main as train_main
-from dflash.train.compare import COMPARE_DIR, SUMMARY_FILE, CompareConfig, compare_heads
+from dflash.train.measure.compare import COMPARE_DIR, SUMMARY_FILE, CompareConfig, compare_heads
 
 SETTINGS = dict(num_draft_layers=1, block_size=4, max_anchors=4, token_budget=128, max_batch_size=4,
                 max_seq_len=64, shuffle_window=16, num_workers=0, epochs=1, log_interval=1, save_interval=0,
@@ -36,7 +36,7 @@ def run_values(world: dict[str, Path], out: Path, **overrides) -> dict:
 
 
 def cli_flags(values: dict) -> list[str]:
-    from dflash.train.compare import settings_flags
+    from dflash.train.measure.compare import settings_flags
 
     return settings_flags(values)
 
@@ -76,7 +76,7 @@ def test_candidates_train_on_the_same_subset_and_the_pick_is_the_best_row(tiny_w
     assert all(f"{taus[h]:.3f}" in table for h in taus)
 
     # a rerun trains nothing again: the figures are the candidates' own records
-    import dflash.train.loop as loop
+    import dflash.train.run.loop as loop
 
     def no_training(cfg):
         raise AssertionError(f"{cfg.logging.output_dir} was trained again")

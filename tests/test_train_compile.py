@@ -11,11 +11,11 @@ import torch
 from anchor_utils import loss_of
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.train import config as train_config
-from dflash.train import model as train_model
-from dflash.train.anchors import draw_anchors
 from dflash.train.config import DataConfig
-from dflash.train.loader import TrainLoader
-from dflash.train.objective import ObjectiveConfig
+from dflash.train.data.anchors import draw_anchors
+from dflash.train.data.loader import TrainLoader
+from dflash.train.loss.objective import ObjectiveConfig
+from dflash.train.model import drafter as train_model
 from test_drafter_objective import hand_batch
 from test_drafter_support import tiny_drafter
 
@@ -118,7 +118,7 @@ def test_evaluation_runs_the_eager_forward_of_a_compiled_drafter(tiny_world, tmp
     """Held-out passes have their own shapes and no backward: compiling them cost minutes on the
     benchmark for a few seconds of evaluation. Training steps keep the compiled forward."""
     from conftest import read_metrics, tiny_train_config
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     calls = []
 

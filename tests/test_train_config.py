@@ -90,7 +90,7 @@ def test_flags_config_keys_and_to_dict_stay_flat_and_come_back():
 
 
 def test_the_drafter_takes_every_drafter_setting_of_the_model_section(tmp_path):
-    from dflash.train.drafter_config import DrafterConfig
+    from dflash.train.model.drafter_config import DrafterConfig
     from transformers import AutoConfig
 
     target = make_tiny_target(tmp_path / "target")

@@ -19,7 +19,7 @@ from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import SAMPLE_IDS
 from dflash.train.cli import main
 from dflash.train.config import TrainConfigError
-from dflash.train.data import open_training_data
+from dflash.train.data.caches import open_training_data
 
 
 def run_cli(*args: str) -> tuple[int, str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import read_metrics, tiny_train_config
 from dflash.train.heads import get_head, head_names
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from safetensors.torch import load_file
 
 SETTINGS = dict(max_steps=6, save_interval=3, keep_checkpoints=5, epochs=3)

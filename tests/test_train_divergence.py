@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import tiny_train_config
 from dflash.train.cli import main
 from dflash.train.config import DivergedError
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 from safetensors.torch import load_file
 
 DIVERGING_LR = "6e4"

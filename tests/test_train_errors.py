@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import tiny_train_config, write_tiny_cache
 from dflash.cache_tools.manifest import LOG_FILE, PartRecord, encode_log_line, read_manifest
 from dflash.train.cli import main
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 
 
 def run_cli(*args: str) -> tuple[int, str]:

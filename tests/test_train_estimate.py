@@ -10,7 +10,7 @@ import sys
 from click.testing import CliRunner
 from conftest import read_metrics, tiny_train_config
 from dflash.train.cli import main as train_main
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 
 # The settings of tiny_train_config that decide the held-out batches and anchor chunks.
 SETTINGS = ["--max-anchors", "4", "--token-budget", "128", "--max-batch-size", "4", "--max-seq-len", "64",
@@ -78,8 +78,8 @@ def test_estimate_help_does_not_import_torch():
 
 def test_a_dflash2_estimate_reports_the_selector_tau_beside_the_backbone_tau_of_dflash(tiny_world, tmp_path):
     import torch
-    from dflash.train.export import export_drafter
-    from dflash.train.model import DFlashDrafter
+    from dflash.train.exports.export import export_drafter
+    from dflash.train.model.drafter import DFlashDrafter
 
     cache, target = tiny_world["cache"], tiny_world["target"]
     shape = dict(num_hidden_layers=1, target_layer_ids=[1, 2], block_size=8, mask_token_id=63, attention_backend="sdpa")

@@ -36,11 +36,11 @@ from dflash.cache_tools.manifest import (
 )
 from dflash.cache_tools.writer import CacheWriter
 from dflash.train.config import TrainConfig, TrainConfigError
-from dflash.train.data import open_training_data
-from dflash.train.heldout import eval_split
-from dflash.train.loop import train
-from dflash.train.metrics import VerificationWalk, greedy_replay
-from dflash.train.objective import LossOutput
+from dflash.train.data.caches import open_training_data
+from dflash.train.data.heldout import eval_split
+from dflash.train.loss.objective import LossOutput
+from dflash.train.measure.metrics import VerificationWalk, greedy_replay
+from dflash.train.run.loop import train
 from extract_utils import make_target, run_cli
 from safetensors.torch import load_file
 
@@ -114,7 +114,7 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     from dflash.prepare.driver import GenerateConfig
 
     assert "--samples-per-prompt 3" in on.summary() and "samples_per_prompt" in GenerateConfig.__dataclass_fields__
-    from dflash.train import data as training_data
+    from dflash.train.data import caches as training_data
 
     monkeypatch.setattr(training_data, "FEW_TRAINING", len(on.train_indices))  # as many as the notice asks for
     assert "training samples:" not in on.summary()
@@ -385,7 +385,7 @@ def test_heldout_tau_is_the_greedy_replay_when_the_cache_holds_topk(tiny_world, 
 def test_the_heldout_evaluation_builds_no_autograd_graph(tiny_world, tmp_path, monkeypatch):
     # With a graph, every anchor chunk's activations stay alive until its batch is walked: a
     # held-out batch of a few thousand anchors took tens of GiB and ran out of GPU memory.
-    import dflash.train.evaluation as evaluation
+    import dflash.train.measure.evaluation as evaluation
 
     seen = []
     real = evaluation.compute_loss
@@ -405,9 +405,9 @@ def test_the_heldout_evaluation_builds_no_autograd_graph(tiny_world, tmp_path, m
 @pytest.mark.parametrize("drafter_type", ["dflash", "dflash2"])
 def test_a_run_with_the_head_in_chunks_trains_the_weights_of_one_without(tiny_world, tmp_path, monkeypatch,
                                                                         drafter_type):
-    # The chunked head (--logits-chunk-mib, train/head_loss.py) through the whole loop: steps,
+    # The chunked head (--logits-chunk-mib, train/loss/head_loss.py) through the whole loop: steps,
     # the held-out evaluation, checkpoints. Here every micro-batch is cut into chunks of 3 slots.
-    import dflash.train.objective as objective
+    import dflash.train.loss.objective as objective
     from conftest import final_weights
 
     extra = dict(drafter_type="dflash2", selector_rank=4, selector_top_k=4) if drafter_type == "dflash2" else {}
@@ -428,7 +428,7 @@ def test_a_run_with_the_head_in_chunks_trains_the_weights_of_one_without(tiny_wo
 
 
 def _tracker_of(trajectory: list[tuple[int, float, float]]):
-    from dflash.train.reporting import HeldoutTracker
+    from dflash.train.measure.reporting import HeldoutTracker
 
     tracker = HeldoutTracker()
     for step, heldout_tau, train_tau in trajectory:
@@ -438,7 +438,7 @@ def _tracker_of(trajectory: list[tuple[int, float, float]]):
 
 
 def test_the_end_of_a_run_says_whether_its_data_or_its_steps_limit_it(tmp_path):
-    from dflash.train.reporting import HeldoutTracker
+    from dflash.train.measure.reporting import HeldoutTracker
 
     # The BPE benchmark's prose at 32,768 completions: held-out tau flat over the second half
     # while the training batches' tau climbs.
@@ -470,7 +470,7 @@ def test_the_end_of_a_run_says_whether_its_data_or_its_steps_limit_it(tmp_path):
 
 
 def test_the_last_line_sets_the_heldout_tau_beside_prompt_lookup_on_the_same_samples_also_after_a_resume(tmp_path):
-    from dflash.train.reporting import HeldoutTracker
+    from dflash.train.measure.reporting import HeldoutTracker
 
     tracker = HeldoutTracker()
     tracker.observe(10, {"tau": 2.5, "tau_lookup": 1.25})
@@ -486,7 +486,7 @@ def test_the_last_line_sets_the_heldout_tau_beside_prompt_lookup_on_the_same_sam
 
 
 def test_no_verdict_on_the_trend_before_the_run_has_evaluated_a_few_times():
-    from dflash.train.reporting import MIN_EVALS_FOR_VERDICT, PATIENCE, HeldoutTracker
+    from dflash.train.measure.reporting import MIN_EVALS_FOR_VERDICT, PATIENCE, HeldoutTracker
 
     tracker = HeldoutTracker()
     records = []

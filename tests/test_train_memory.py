@@ -1,4 +1,4 @@
-"""The training step's memory estimate (train/memory.py): its terms grow with what they count, the
+"""The training step's memory estimate (train/run/memory.py): its terms grow with what they count, the
 startup check lowers --logits-chunk-mib or refuses with a setting that fits, and its per-token
 activation figures match the bytes autograd saves at a small shape on the CPU."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_train_config
-from dflash.train import memory
-from dflash.train.memory import (
+from dflash.train.run import memory
+from dflash.train.run.memory import (
     GIB,
     Dims,
     MemoryBudgetError,
@@ -107,7 +107,7 @@ def test_the_check_does_nothing_off_cuda(tmp_path):
 
 
 def test_chunk_size_agrees_with_the_head():
-    from dflash.train.head_loss import CHUNK_MIB
+    from dflash.train.loss.head_loss import CHUNK_MIB
 
     assert memory.CHUNK_MIB == CHUNK_MIB
 
@@ -116,12 +116,12 @@ def _saved_activation_bytes(dims: Dims, context: int, anchors: int) -> int:
     """Bytes of the tensors autograd saves in a bf16 forward of a drafter of `dims` (eager, CPU),
     the attention saving what a fused kernel saves (q, k, v, its output, a float32 logsumexp),
     without the weights and their bf16 copies."""
-    import dflash.train.layers as layers
+    import dflash.train.model.layers as layers
     import torch.nn.functional as F
-    from dflash.train.attention import build_layer_masks
-    from dflash.train.drafter_config import DrafterConfig
-    from dflash.train.model import DFlashDrafter
-    from dflash.train.target_weights import TargetWeights
+    from dflash.train.model.attention import build_layer_masks
+    from dflash.train.model.drafter import DFlashDrafter
+    from dflash.train.model.drafter_config import DrafterConfig
+    from dflash.train.model.target_weights import TargetWeights
 
     class FusedAttention(torch.autograd.Function):
         @staticmethod

@@ -21,8 +21,8 @@ from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.manifest import read_manifest
 from dflash.train.cli import main as train_main
 from dflash.train.config import TrainConfigError
-from dflash.train.export import load_drafter
-from dflash.train.loop import train
+from dflash.train.exports.export import load_drafter
+from dflash.train.run.loop import train
 from extract_utils import assert_same_contents, cache_contents, make_target
 from safetensors.torch import load_file
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import assert_same_weights, final_weights, read_metrics, tiny_train_config
 from dflash.runtime.cli import paragraph
 from dflash.train.cli import main
-from dflash.train.loop import train
+from dflash.train.run.loop import train
 
 STEPS = 30
 SETTINGS = dict(max_steps=STEPS, epochs=5, grad_accum=2, save_interval=3, keep_checkpoints=2, num_workers=1,

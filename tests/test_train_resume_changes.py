@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import read_metrics, tiny_train_config
-from dflash.train.loop import lr_multiplier, train
+from dflash.train.run.loop import lr_multiplier, train
 
 FIRST, THEN = 3, 6
 SETTINGS = dict(epochs=5, save_interval=3, keep_checkpoints=3, warmup_ratio=0.34)  # warmup: 2, then 3 steps

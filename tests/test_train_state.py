@@ -1,4 +1,4 @@
-"""The TrainState a checkpoint holds (train/checkpoint.py): the loader's position is stored once, the
+"""The TrainState a checkpoint holds (train/run/checkpoint.py): the loader's position is stored once, the
 trainer state is versioned, a checkpoint of the earlier layout (no version, the position in
 meta.json too) still resumes to the uninterrupted run's weights, and a later version is refused."""
 
@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 from conftest import assert_same_weights, final_weights, tiny_train_config
-from dflash.train.checkpoint import TRAIN_STATE_VERSION
 from dflash.train.config import ResumeMismatchError
-from dflash.train.loop import train
+from dflash.train.run.checkpoint import TRAIN_STATE_VERSION
+from dflash.train.run.loop import train
 
 SETTINGS = dict(max_steps=4, epochs=2, save_interval=2, keep_checkpoints=5, noise_type="uniform", noise_start=0.05)
 

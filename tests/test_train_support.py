@@ -10,10 +10,10 @@ import pytest
 import torch
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.train.config import DataConfig, TrainConfigError, load_config_file, make_config
-from dflash.train.heldout import eval_split
-from dflash.train.loader import TrainLoader
-from dflash.train.loop import lr_multiplier
-from dflash.train.plans import plan_epoch
+from dflash.train.data.heldout import eval_split
+from dflash.train.data.loader import TrainLoader
+from dflash.train.data.plans import plan_epoch
+from dflash.train.run.loop import lr_multiplier
 
 # -- batch plans and the loader position --------------------------------------------------------
 
@@ -102,7 +102,7 @@ def test_wsd_schedule_holds_the_peak_then_decays_linearly_over_its_last_steps():
 
 
 def test_acceptance_weights_are_the_probability_of_reaching_each_slot():
-    from dflash.train.objective import acceptance_weights
+    from dflash.train.loss.objective import acceptance_weights
 
     # One block of 4 slots (3 scored), label probabilities 0.5, 0.4, 0.9: reached with 1, 0.5, 0.2.
     b, a, k = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.arange(3)
@@ -142,7 +142,7 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
 
 
 def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():
-    from dflash.train.data import rendering_summary
+    from dflash.train.data.caches import rendering_summary
 
     def header(sha, kwargs):
         return {"data": {"files": [{"path": "a.jsonl", "rendering": {"chat_template_sha256": sha,

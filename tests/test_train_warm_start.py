@@ -12,7 +12,7 @@ from dflash.runtime.errors import InputError
 @pytest.fixture(scope="module")
 def exported(tiny_world, tmp_path_factory):
     """A drafter trained a few steps and exported (the run's final/)."""
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     out = tmp_path_factory.mktemp("first") / "run"
     result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=3, eval_fraction=0.3))
@@ -21,8 +21,8 @@ def exported(tiny_world, tmp_path_factory):
 
 
 def built(tiny_world, tmp_path, **overrides):
-    from dflash.train.data import open_training_data
-    from dflash.train.loop import build_drafter
+    from dflash.train.data.caches import open_training_data
+    from dflash.train.run.loop import build_drafter
 
     cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", compile=False, **overrides)
     data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
@@ -34,7 +34,7 @@ def built(tiny_world, tmp_path, **overrides):
 
 
 def test_the_run_starts_from_the_exported_weights(tiny_world, tmp_path, exported):
-    from dflash.train.export import read_export_weights
+    from dflash.train.exports.export import read_export_weights
 
     fresh, _ = built(tiny_world, tmp_path)
     warm, notes = built(tiny_world, tmp_path, init_drafter=str(exported))
@@ -46,7 +46,7 @@ def test_the_run_starts_from_the_exported_weights(tiny_world, tmp_path, exported
 
 
 def test_a_warm_started_run_trains_and_exports(tiny_world, tmp_path, exported):
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     out = tmp_path / "warm"
     result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, max_steps=2, eval_fraction=0.3,
@@ -72,8 +72,8 @@ def test_a_directory_that_is_no_export_says_how_to_make_one(tiny_world, tmp_path
 
 
 def test_a_dflash2_run_starts_from_a_dflash2_export(tiny_world, tmp_path):
-    from dflash.train.export import read_export_weights
-    from dflash.train.loop import train
+    from dflash.train.exports.export import read_export_weights
+    from dflash.train.run.loop import train
 
     d2 = {"drafter_type": "dflash2", "selector_rank": 8, "selector_top_k": 4, "conv_group_size": 8}
     out = tmp_path / "d2"
@@ -90,8 +90,8 @@ def test_a_dflash2_run_starts_from_a_dflash_drafter_with_exactly_its_predictions
     at 0): a warm start from a DFlash export gives that export's logits, and its selector's walk
     picks the backbone's top-1."""
     from conftest import HIDDEN, LAYERS, WORLD_VOCAB
-    from dflash.train.export import load_drafter
-    from dflash.train.loop import train
+    from dflash.train.exports.export import load_drafter
+    from dflash.train.run.loop import train
     from test_drafter_export import block_logits
 
     run = tmp_path / "dflash"
@@ -120,7 +120,7 @@ def test_a_dflash2_run_starts_from_a_dflash_drafter_with_exactly_its_predictions
 def test_an_export_of_another_target_still_loads_and_the_startup_names_both_targets(
         tiny_world, tmp_path, exported, other, differs):
     from conftest import HIDDEN, TARGET_LAYERS, WORLD_VOCAB, make_tiny_target
-    from dflash.train.export import read_export_weights
+    from dflash.train.exports.export import read_export_weights
 
     target = make_tiny_target(tmp_path / "other-target", hidden=HIDDEN, layers=TARGET_LAYERS, vocab=WORLD_VOCAB,
                               heads=2, kv_heads=1, **other)

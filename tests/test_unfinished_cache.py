@@ -13,7 +13,7 @@ from conftest import tiny_train_config, write_jsonl
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.manifest import LOG_FILE, read_manifest
 from dflash.train.config import TrainConfigError
-from dflash.train.data import open_training_data
+from dflash.train.data.caches import open_training_data
 from extract_utils import make_target, run_cli
 
 

@@ -1,4 +1,4 @@
-"""--init-drafter reads a drafter in every layout train/drafter_layouts.py registers: z-lab's / vLLM's
+"""--init-drafter reads a drafter in every layout train/exports/drafter_layouts.py registers: z-lab's / vLLM's
 (a wrapper prefix, sharded, bf16), speculators' (`speculators_model_type`, its layer config's diff
 against Qwen3Config, its layer ids counted with the embedding), SpecForge's and ModelOpt's exports.
 The checkpoints are written here from those trainers' documented keys and tensor names. A warm start
@@ -24,7 +24,7 @@ D2 = {"selector_rank": 8, "selector_top_k": 4, "conv_group_size": 8}
 
 def source(tiny_world, drafter_type: str, block_size: int, seed: int = 7, **settings):
     """A drafter of the tiny target whose weights are not any run's init (another seed)."""
-    from dflash.train.model import DFlashDrafter
+    from dflash.train.model.drafter import DFlashDrafter
 
     torch.manual_seed(seed)
     return DFlashDrafter.from_target(str(tiny_world["target"]), target_layer_ids=list(LAYERS), num_hidden_layers=1,
@@ -221,7 +221,7 @@ def test_a_modelopt_dflash_export_starts_a_dflash2_run(tiny_world, tmp_path):
 
 
 def test_a_head_whose_tensors_are_the_blocks_starts_fresh_at_another_block(tiny_world, tmp_path):
-    from dflash.train.export import export_drafter
+    from dflash.train.exports.export import export_drafter
 
     run = {"drafter_type": "xpress", "xpress_rank": 16, "xpress_mlp_hidden": 32, "xpress_topc": 8}
     settings = {k: v for k, v in run.items() if k != "drafter_type"}
@@ -273,8 +273,8 @@ def test_a_modelopt_dspark_export_is_refused_naming_its_anchor_alignment(tiny_wo
 
 
 def test_another_trainers_layout_is_one_registration(tiny_world, tmp_path):
-    from dflash.train import drafter_layouts as layouts
-    from dflash.train.export import config_from_export, read_export_weights
+    from dflash.train.exports import drafter_layouts as layouts
+    from dflash.train.exports.export import config_from_export, read_export_weights
 
     theirs = source(tiny_world, "dflash", block_size=4)
     drafter_dir = write_zlab(tmp_path / "other", theirs)

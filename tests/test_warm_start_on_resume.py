@@ -9,8 +9,8 @@ from conftest import tiny_train_config
 
 def test_resuming_with_a_new_init_drafter_ignores_it_and_says_the_checkpoint_wins(tiny_world, tmp_path, capsys,
                                                                                      monkeypatch):
-    from dflash.train import warm_start
-    from dflash.train.loop import train
+    from dflash.train.exports import warm_start
+    from dflash.train.run.loop import train
 
     first = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "other", max_steps=2,
                                     eval_fraction=0))

@@ -11,7 +11,7 @@ import pytest
 from conftest import random_records, tiny_train_config, write_jsonl
 from dflash.runtime.records import BadRecord, parse_record
 from dflash.train.config import TrainConfigError
-from dflash.train.data import refuse_repeated_caches
+from dflash.train.data.caches import refuse_repeated_caches
 from extract_utils import assert_same_contents, cache_contents, extract, make_target
 
 
@@ -48,7 +48,7 @@ def test_the_same_cache_twice_or_as_its_own_eval_cache_is_refused(tiny_world, tm
     with pytest.raises(TrainConfigError, match="is also a --cache"):
         refuse_repeated_caches([str(cache)], [str(cache)])
     refuse_repeated_caches([str(cache)], [str(tmp_path / "another")])  # distinct caches pass
-    from dflash.train.loop import train
+    from dflash.train.run.loop import train
 
     with pytest.raises(TrainConfigError, match="is also a --cache"):
         train(tiny_train_config(cache, tiny_world["target"], tmp_path / "run", max_steps=1,
@@ -57,8 +57,8 @@ def test_the_same_cache_twice_or_as_its_own_eval_cache_is_refused(tiny_world, tm
 
 def test_an_exported_model_is_readable_like_its_config(tiny_world, tmp_path):
     import torch
-    from dflash.train.export import export_drafter
-    from dflash.train.model import DFlashDrafter
+    from dflash.train.exports.export import export_drafter
+    from dflash.train.model.drafter import DFlashDrafter
 
     drafter = DFlashDrafter.from_target(tiny_world["target"], num_hidden_layers=1, target_layer_ids=[1, 2],
                                         block_size=4, mask_token_id=0, attention_backend="sdpa")

@@ -26,8 +26,7 @@ import click
 from dflash.runtime.cli import Group
 from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice, torch_dtype
 from dflash.runtime.settings import setting, settings_options
-
-from .config import TrainConfig, TrainConfigError
+from dflash.train.config import TrainConfig, TrainConfigError
 
 
 class TrainGroup(Group):
@@ -82,8 +81,8 @@ def run(settings: TrainConfig) -> None:
     Exit status: 0 done, 2 bad settings or data, 130/143 stopped by SIGINT/SIGTERM after
     writing a checkpoint, 1 unexpected failure.
     """
-    from .distributed import shutdown_distributed
-    from .loop import train  # torch: only once the settings are known to be good
+    from dflash.train.run.distributed import shutdown_distributed
+    from dflash.train.run.loop import train  # torch: only once the settings are known to be good
 
     finished = False
     try:
@@ -118,7 +117,7 @@ def export(checkpoint_dir: str, out_dir: str, settings: ExportConfig) -> None:
 
     started = time.time()
     try:
-        from .checkpoint import export_checkpoint  # torch
+        from dflash.train.run.checkpoint import export_checkpoint  # torch
 
         path = export_checkpoint(checkpoint_dir, out_dir, torch_dtype(settings.dtype))
     except Interrupted as e:  # the export is staged beside OUT_DIR and renamed into place whole
@@ -152,7 +151,7 @@ def estimate(drafter_dir: str, as_json: bool, settings: dict[str, Any]) -> None:
     (DRAFTER_DIR: `export`'s output or RUN_DIR/final) over every sample of --cache: the walk
     at the drafter's block and at half of it, the per-block mean, the loss. Given greedy
     completions of the prompts dflash-eval decodes, it estimates that decoding's tau."""
-    from .estimate import estimate_drafter, format_estimate  # torch
+    from dflash.train.measure.estimate import estimate_drafter, format_estimate  # torch
 
     result = estimate_drafter(drafter_dir, settings)
     click.echo(json.dumps(result) if as_json else format_estimate(result))

@@ -29,14 +29,13 @@ from dflash.runtime.settings import (
     setting,
     settings_of,
 )
-
-from .heads import get_head, head_names
-from .layer_types import parse_layer_types
+from dflash.train.heads import get_head, head_names
+from dflash.train.model.layer_types import parse_layer_types
 
 DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.devices) training supports
 PARALLEL_MODES = ("ddp", "fsdp")
 NOISE_TYPES = ("none", "uniform", "gaussian")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")  # the kernels of train/attention.py (it imports them from here)
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")  # the kernels of train/model/attention.py (it imports them from here)
 LOSS_WEIGHTINGS = ("decay", "acceptance")
 HARD_LABELS = ("sample", "target")
 LR_SCHEDULES = ("cosine", "wsd")

@@ -1,5 +1,5 @@
 """The peers' side of the data and of the drafter: our cache as SpecForge's offline feature files,
-and a peer's export held to our loader's DFlash export contract (train/export.py).
+and a peer's export held to our loader's DFlash export contract (train/exports/export.py).
 
 Nothing here imports a peer package: the peers read what these functions write, and the
 functions read only what the peers wrote (files), so the conversion is testable without them.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 

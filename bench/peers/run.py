@@ -507,7 +507,7 @@ def train(work: Work, run: str) -> dict[str, Any]:
 
 def load_as_is(export: Path, target: Path) -> str | None:
     """None when our loader takes the export as it is, else why not."""
-    from dflash.train.export import load_drafter
+    from dflash.train.exports.export import load_drafter
 
     try:
         load_drafter(export, target)

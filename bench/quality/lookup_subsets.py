@@ -1,5 +1,5 @@
 """How far a small held-out set's tau strays from the whole, with and without the trainer's
-correction by prompt lookup (train/evaluation.py, text_adjusted_tau), on decoded prompts.
+correction by prompt lookup (train/measure/evaluation.py, text_adjusted_tau), on decoded prompts.
 
     python3 bench/quality/lookup_subsets.py EVAL.json [--size 20] [--draws 4000]
 
@@ -16,7 +16,7 @@ import argparse
 import json
 
 import numpy as np
-from dflash.train.evaluation import text_adjusted_tau
+from dflash.train.measure.evaluation import text_adjusted_tau
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 from dflash.cache_tools.cache_set import CacheSet
-from dflash.train.heldout import eval_split
+from dflash.train.data.heldout import eval_split
 
 
 def confidence(caches: CacheSet) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

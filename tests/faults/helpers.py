@@ -20,7 +20,7 @@ import torch
 from conftest import write_jsonl  # noqa: F401 (the campaign's modules import it from here)
 from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 HIDDEN, VOCAB, TARGET_LAYERS, LAYER_IDS = 32, 64, 4, "1,2"
 SITE_DIR = Path(__file__).with_name("site")

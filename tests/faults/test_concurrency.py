@@ -16,7 +16,7 @@ from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.manifest import make_header, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 from .helpers import wait_until
 

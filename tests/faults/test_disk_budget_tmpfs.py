@@ -24,7 +24,7 @@ from dflash.cache_tools.manifest import LOCK_FILE, PARTS_DIR, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.budget import ExtractionBudget
 from dflash.runtime.fsio import file_lock
-from dflash.train.follow import FollowCacheSet
+from dflash.train.data.follow import FollowCacheSet
 
 from .helpers import extract_argv, train_config_file, weights_hash
 from .test_disk_budget import EPOCHS, SETTINGS, events

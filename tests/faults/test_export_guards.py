@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 from dflash.runtime import fsio
 from dflash.runtime.locks import output_lock
-from dflash.train import export as export_module
 from dflash.train.cli import main as train_main
+from dflash.train.exports import export as export_module
 
 
 def latest_checkpoint(run_dir: Path) -> Path:

@@ -15,14 +15,14 @@ from .site.fault_points import PATCHES, POINTS
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = """
 import json, sys
-import dflash.extract.loop, dflash.extract.engine, dflash.cache_tools.writer, dflash.train.loader
-import dflash.train.checkpoint as checkpoint
+import dflash.extract.loop, dflash.extract.engine, dflash.cache_tools.writer, dflash.train.data.loader
+import dflash.train.run.checkpoint as checkpoint
 wrapped = {
     "DFLASH_TEST_SLEEP_PER_PART": dflash.extract.loop.ExtractionLoop._submit,
     "DFLASH_TEST_SLEEP_PER_FORWARD": dflash.extract.engine.ExtractionEngine.launch,
     "DFLASH_TEST_SLEEP_BEFORE_COMMIT": dflash.cache_tools.writer.write_part_group,
-    "DFLASH_TEST_SLEEP_PER_BATCH": dflash.train.loader.read_batch,
-    "DFLASH_TEST_SLEEP_IN_WORKER_INIT": dflash.train.loader.worker_init,
+    "DFLASH_TEST_SLEEP_PER_BATCH": dflash.train.data.loader.read_batch,
+    "DFLASH_TEST_SLEEP_IN_WORKER_INIT": dflash.train.data.loader.worker_init,
     "DFLASH_TEST_SLEEP_IN_CHECKPOINT": checkpoint.staged_dir,
     "DFLASH_TEST_HOLD_AT": checkpoint.Checkpointer.save,
 }

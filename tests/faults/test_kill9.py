@@ -8,7 +8,7 @@ import random
 import signal
 
 from dflash.cache_tools.reader import CacheReader
-from dflash.train.checkpoint import Checkpointer
+from dflash.train.run.checkpoint import Checkpointer
 
 from .helpers import (
     cache_hash,

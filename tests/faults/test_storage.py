@@ -20,7 +20,7 @@ from dflash.cache_tools.errors import CacheCorruptError, CacheNotFoundError
 from dflash.cache_tools.reader import CacheReader
 from dflash.extract.cli import main as extract_main
 from dflash.train.cli import main as train_main
-from dflash.train.loader import sample_tensors
+from dflash.train.data.loader import sample_tensors
 
 from .helpers import (
     cache_hash,
@@ -265,7 +265,7 @@ def test_two_extractions_started_on_one_cache_at_once_equal_a_single_run(zygote,
 
 
 def test_disk_full_during_a_checkpoint_save_is_a_clear_error_and_the_rerun_resumes(world, tmp_path, monkeypatch):
-    import dflash.train.checkpoint as checkpoint
+    import dflash.train.run.checkpoint as checkpoint
 
     out = tmp_path / "run"
     real_save = checkpoint.torch.save

@@ -167,7 +167,7 @@ def _rank(rank: int, store: Path, point: str, ready: int) -> None:
 
     import torch.distributed as dist
     from dflash.runtime.signals import StopRequest, StopWaiting
-    from dflash.train.distributed import DistInfo, any_rank, barrier
+    from dflash.train.run.distributed import DistInfo, any_rank, barrier
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(minutes=30))
@@ -185,7 +185,7 @@ def _rank(rank: int, store: Path, point: str, ready: int) -> None:
 
 @pytest.mark.parametrize("point", ["any_rank", "barrier"])
 def test_a_rank_whose_peer_never_comes_to_an_agreement_point_stops_at_the_first_signal(tmp_path, point):
-    """The CPU agreement points (train/distributed.py `any_rank`, `barrier`: each step's stop flag,
+    """The CPU agreement points (train/run/distributed.py `any_rank`, `barrier`: each step's stop flag,
     the checkpoint's barrier) waited inside gloo, where no signal handler runs: a rank whose peer
     waits for a part or is gone ignored SIGTERM until the group's 30-minute timeout."""
     read, write = os.pipe()
@@ -256,7 +256,7 @@ def test_following_a_path_where_no_plan_can_come_is_refused_at_startup_naming_it
 
 def test_a_path_where_no_extraction_begins_is_refused_once_the_start_wait_is_over(tmp_path):
     from dflash.cache_tools.errors import CacheError
-    from dflash.train.follow import wait_for_plan
+    from dflash.train.data.follow import wait_for_plan
 
     notes: list[str] = []
     typo = tmp_path / "cahce"

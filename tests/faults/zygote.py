@@ -81,7 +81,7 @@ def serve() -> None:
     from dflash.extract import cli as _extract_cli  # noqa: F401
     from dflash.extract import pipeline as _pipeline  # noqa: F401
     from dflash.train import cli as _train_cli  # noqa: F401
-    from dflash.train import loop as _loop  # noqa: F401
+    from dflash.train.run import loop as _loop  # noqa: F401
     from safetensors.torch import load_file  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM  # noqa: F401 - lazy modules
 

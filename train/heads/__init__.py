@@ -1,6 +1,6 @@
 """The registry of drafter heads: what a drafter adds to the DFlash backbone, by name.
 
-The backbone (train/model.py: the fused context, the draft layers, the masks, the anchors) is
+The backbone (train/model/drafter.py: the fused context, the draft layers, the masks, the anchors) is
 one; a head (`base.DraftHead`) declares in one module everything the rest of the code asks of
 its kind of drafter: the settings it reads, its parameters and their start, its loss term, its
 decode step, its export contract and its part of the run identity. `--drafter-type` names one.
@@ -16,7 +16,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .base import DraftHead
+    from dflash.train.heads.base import DraftHead
 
 _BUILTIN = {"dflash": "dflash.train.heads.dflash", "dflash2": "dflash.train.heads.dflash2",
             "dspark": "dflash.train.heads.dspark", "xpress": "dflash.train.heads.xpress",

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-# The drafter (train/model.py), its DrafterConfig (train/drafter_config.py) and the objective's
+# The drafter (train/model/drafter.py), its DrafterConfig (train/model/drafter_config.py) and the objective's
 # settings (train/config.py) import this package: named here without importing them back.
 DFlashDrafter = Any
 DrafterConfig = Any
@@ -81,7 +81,7 @@ class HeadOutput:
 @dataclass(frozen=True)
 class HeadMemory:
     """What a head adds to the memory of a training step, as the startup check estimates it
-    (train/memory.py, docs/train.md "Long samples"); every figure 0 for plain DFlash."""
+    (train/run/memory.py, docs/train.md "Long samples"); every figure 0 for plain DFlash."""
 
     params: int = 0
     """Trainable parameters (its modules and its wrappers in every draft layer): 18 bytes each with
@@ -166,7 +166,7 @@ class DraftHead:
 
     def sharded_units(self, drafter: DFlashDrafter) -> list[nn.Module]:
         """The drafter's modules of this head that FSDP2 shards as units of their own
-        (train/distributed.py): the loss and the decode call them outside the drafter's forward.
+        (train/run/distributed.py): the loss and the decode call them outside the drafter's forward.
         FSDP gathers a unit's parameters in its forward's pre-hook, so each must be called through
         its forward: a head that calls its module through other methods names the submodules those
         methods call. Default: every top-level submodule with parameters whose tensors

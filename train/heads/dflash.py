@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import DraftHead
+from dflash.train.heads.base import DraftHead
 
 
 class DFlashHead(DraftHead):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
@@ -181,8 +181,7 @@ class XPressHead(DraftHead):
 
     def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput:
         import torch
-
-        from ..head_loss import CHUNK_MIB, chunk_rows, needs_chunks
+        from dflash.train.loss.head_loss import CHUNK_MIB, chunk_rows, needs_chunks
 
         d, refiner = inputs.drafter, inputs.drafter.xpress_head
         full, anchors = inputs.block_states, inputs.anchors  # [B, A, T, D], [B, A]
@@ -231,7 +230,7 @@ class XPressHead(DraftHead):
 
         flat = states.reshape(-1, states.shape[-1])
         lat = None if latent is None else latent.reshape(-1, latent.shape[-1])
-        from ..head_loss import CHUNK_MIB, chunk_rows
+        from dflash.train.loss.head_loss import CHUNK_MIB, chunk_rows
 
         rows = chunk_rows(drafter.lm_head_weight.shape[0], CHUNK_MIB)
         picks = []

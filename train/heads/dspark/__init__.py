@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..base import (
+from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
@@ -21,9 +21,8 @@ from ..base import (
 )
 
 if TYPE_CHECKING:
+    from dflash.train.heads.dspark.modules import MarkovWalk
     from torch import nn
-
-    from .modules import MarkovWalk
 
 
 class DSparkHead(DraftHead):
@@ -53,7 +52,7 @@ class DSparkHead(DraftHead):
                 "leave --draft-vocab-size out to draft over the target's vocabulary.")
 
     def build(self, config: DrafterConfig) -> dict[str, nn.Module | None]:
-        from .modules import ConfidenceHead, MarkovHead
+        from dflash.train.heads.dspark.modules import ConfidenceHead, MarkovHead
 
         c = config
         confidence = None
@@ -62,7 +61,7 @@ class DSparkHead(DraftHead):
         return {"markov_head": MarkovHead(c.vocab_size, c.markov_rank), "confidence_head": confidence}
 
     def initialize(self, drafter: DFlashDrafter, std: float) -> None:
-        from .modules import ConfidenceHead, MarkovHead
+        from dflash.train.heads.dspark.modules import ConfidenceHead, MarkovHead
 
         for module in drafter.modules():  # the bias and the confidence at 0: a fresh head drafts what DFlash does
             if isinstance(module, (MarkovHead, ConfidenceHead)):
@@ -77,7 +76,7 @@ class DSparkHead(DraftHead):
         return units + ([drafter.confidence_head] if getattr(drafter, "confidence_head", None) is not None else [])
 
     def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput:
-        from .modules import dspark_objective
+        from dflash.train.heads.dspark.modules import dspark_objective
 
         loss, logged, choice = dspark_objective(
             inputs, markov_weight=objective.markov_loss_weight, tv_weight=objective.markov_tv_weight,
@@ -94,7 +93,7 @@ class DSparkHead(DraftHead):
                           own_chunk_mib=1024, slot_bytes=8 * r + 4 * (d + r) + 32)
 
     def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> MarkovWalk:
-        from .modules import MarkovWalk
+        from dflash.train.heads.dspark.modules import MarkovWalk
 
         return MarkovWalk(drafter, temperature, seed)
 

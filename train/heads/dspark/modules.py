@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dflash.train.heads.base import HeadInputs
+from dflash.train.loss.head_loss import CHUNK_MIB, chunk_rows
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from ...head_loss import CHUNK_MIB, chunk_rows
-from ..base import HeadInputs
 
 
 class MarkovHead(nn.Module):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..base import (
+from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
@@ -23,9 +23,8 @@ from ..base import (
 
 if TYPE_CHECKING:
     import torch
+    from dflash.train.heads.lilicorr.lattice import LiLiCorrHead
     from torch import nn
-
-    from .lattice import LiLiCorrHead
 
 # dflash_config keys -> DrafterSettings fields (SGLang's parse_lilicorr_draft_config requires every one)
 KEYS = {
@@ -71,7 +70,7 @@ class LiLiCorrDraftHead(DraftHead):
                              f"({c.lilicorr_logit_scale}) must be positive.")
 
     def build(self, config: DrafterConfig) -> nn.Module:
-        from .lattice import LiLiCorrHead
+        from dflash.train.heads.lilicorr.lattice import LiLiCorrHead
 
         c = config
         return LiLiCorrHead(
@@ -87,7 +86,7 @@ class LiLiCorrDraftHead(DraftHead):
         return config.lilicorr_candidate_topk
 
     def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput:
-        from .training import lattice_objective
+        from dflash.train.heads.lilicorr.training import lattice_objective
 
         loss, choice = lattice_objective(inputs)
         return HeadOutput(loss=objective.lilicorr_loss_weight * loss, logged=loss.detach(), choice=choice)
@@ -168,9 +167,8 @@ class LatticeWalk:
     def __call__(self, states: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         # the same chain walks as DFlash2's selector; sampled over float32 scores, no log-prob prior
         # added (SGLang's `lilicorr_sample_path`)
-        from dflash.train.dflash2 import walk_greedy, walk_sampled
-
-        from .lattice import candidates
+        from dflash.train.heads.dflash2.modules import walk_greedy, walk_sampled
+        from dflash.train.heads.lilicorr.lattice import candidates
 
         d = self.drafter
         head: LiLiCorrHead = d.lilicorr

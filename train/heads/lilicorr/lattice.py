@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from dflash.train.model.layers import RMSNorm
 from torch import nn
-
-from ...layers import RMSNorm
 
 NUM_FEATURES = 5
 """[log p, p, log p - max log p, rank / (K - 1), is-top-1] per candidate, in the trained Linear's order."""

@@ -13,9 +13,8 @@ among its candidates ends the path (no walk can be right past it), and its latti
 from __future__ import annotations
 
 import torch
-
-from ..base import HeadInputs
-from .lattice import path_loss
+from dflash.train.heads.base import HeadInputs
+from dflash.train.heads.lilicorr.lattice import path_loss
 
 _NEEDS = ("slots", "anchors", "context", "label_logprobs", "top_ids")
 
@@ -25,7 +24,7 @@ def lattice_objective(inputs: HeadInputs) -> tuple[torch.Tensor, torch.Tensor]:
     missing = [name for name in _NEEDS if getattr(inputs, name, None) is None]
     if missing:
         raise ValueError(f"the LiLiCorr loss needs the objective's {', '.join(missing)} of the scored slots "
-                         "(train/objective.py hands them to every head).")
+                         "(train/loss/objective.py hands them to every head).")
     d = inputs.drafter
     head = d.lilicorr
     row, block, slot = inputs.slots

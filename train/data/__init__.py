@@ -1,0 +1,1 @@
+"""What a run reads: the caches, the batches drawn from them, their anchors and the held-out split."""

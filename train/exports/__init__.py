@@ -1,0 +1,1 @@
+"""Drafters on disk: the export the engines load, its model card, the layouts read to start from one."""

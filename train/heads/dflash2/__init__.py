@@ -1,0 +1,151 @@
+"""DFlash2: in-block convolutions around every sublayer and a candidate selector over the target
+head's top-K (`DFlash2DraftModel`; the modules and their arithmetic: train/heads/dflash2/modules.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dflash.train.heads.base import (
+    DFlashDrafter,
+    DrafterConfig,
+    DraftHead,
+    HeadInputs,
+    HeadMemory,
+    HeadOutput,
+    ObjectiveConfig,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class DFlash2Head(DraftHead):
+    name = "dflash2"
+    title = "DFlash2"
+    architecture = "DFlash2DraftModel"
+    # the order of the run identity's keys, as checkpoints recorded them
+    setting_names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    module_name = "candidate_selector"
+    wrapper_names = {"attention": "attention_conv", "mlp": "mlp_conv"}
+    picks_drafts = True
+    default_hard_label = "target"  # on the BPE benchmark at 4,096 completions +5.0 % tau on code, level on prose
+    warm_starts_from = ("dflash",)
+    # vLLM 0.34 detects the speculator from the architecture; SGLang 0.5.23 serves it under DFLASH
+    serving = {"name": "DFlash2", "vllm_method": None, "sglang_algorithm": "DFLASH", "tags": ["dflash", "dflash2"]}
+
+    def check(self, config: DrafterConfig) -> None:
+        c = config
+        if c.conv_kernel_size < 1:
+            raise ValueError(f"conv_kernel_size ({c.conv_kernel_size}) must be at least 1.")
+        if c.conv_group_size < 1 or c.hidden_size % c.conv_group_size:
+            fits = max(d for d in range(1, max(1, c.conv_group_size) + 1) if c.hidden_size % d == 0)
+            raise ValueError(
+                f"conv_group_size {c.conv_group_size} must divide the hidden size {c.hidden_size}: pass "
+                f"--conv-group-size {fits} (the largest divisor of {c.hidden_size} up to it), or "
+                "--drafter-type dflash for a plain DFlash drafter, which has no convolutions.")
+        if c.selector_rank < 1 or not 1 <= c.selector_top_k <= c.vocab_size:
+            raise ValueError(f"selector_rank ({c.selector_rank}) must be >= 1 and selector_top_k "
+                             f"({c.selector_top_k}) in 1..{c.vocab_size}, the target's vocabulary: pass "
+                             f"--selector-top-k {min(max(1, c.selector_top_k), c.vocab_size)} and "
+                             "--selector-rank at least 1, or --drafter-type dflash for a plain DFlash drafter, "
+                             "which has no selector.")
+
+    def wrap_sublayer(self, config: DrafterConfig, sublayer: str) -> nn.Module:
+        from dflash.train.heads.dflash2.modules import GroupedDynamicConv
+
+        return GroupedDynamicConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+
+    def build(self, config: DrafterConfig) -> nn.Module:
+        from dflash.train.heads.dflash2.modules import CandidateSelector
+
+        return CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k)
+
+    def initialize(self, drafter: DFlashDrafter, std: float) -> None:
+        from dflash.train.heads.dflash2.modules import CandidateSelector, GroupedDynamicConv
+
+        for module in drafter.modules():  # the convolutions at the identity, the selector's edges at 0
+            if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
+                module.reset_parameters(std)
+
+    def candidates(self, config: DrafterConfig) -> int:
+        return config.selector_top_k
+
+    def objective(self, inputs: HeadInputs, objective: ObjectiveConfig) -> HeadOutput:
+        from dflash.train.heads.dflash2.modules import selector_objective
+
+        c = inputs.drafter.config
+        loss, choice = selector_objective(
+            inputs.drafter.candidate_selector, inputs.states, None, inputs.predecessors, inputs.labels,
+            inputs.weights.detach(), output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
+            stop_gradient=objective.selector_stop_gradient, top_ids=inputs.top_ids,
+            candidate_logits=inputs.candidate_logits, gather_logits=inputs.gather_logits)
+        return HeadOutput(loss=objective.selector_loss_weight * loss, logged=loss.detach(), choice=choice)
+
+    def memory(self, config: DrafterConfig) -> HeadMemory:
+        c, d, k = config, config.hidden_size, config.conv_kernel_size
+        # two convolutions a layer (their taps' projection and the offsets), the selector's two codebooks
+        # and its hidden projection; measured (tests/test_train_memory.py): the convolutions save 32 bytes
+        # a block token and layer, and the bf16 logits kept for the candidates 2 bytes a logit at once
+        conv = 2 * k * (d // c.conv_group_size) * d + 2 * k * d
+        params = c.num_hidden_layers * 2 * conv + 2 * c.vocab_size * c.selector_rank + d * c.selector_rank
+        return HeadMemory(params=params, layer_block_bytes=32 * d, logit_bytes=2)
+
+    def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> SelectorWalk:
+        return SelectorWalk(drafter, temperature, seed)
+
+    def export_keys(self, config: DrafterConfig) -> dict[str, Any]:
+        return dict(conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size,
+                    selector_rank=config.selector_rank, selector_top_k=config.selector_top_k,
+                    input_embedding_scale=1.0, output_multiplier=config.output_multiplier,
+                    final_logit_softcapping=config.final_logit_softcapping)
+
+    def settings_from_export(self, dflash_config: dict[str, Any]) -> dict[str, Any]:
+        d = dflash_config
+        embedding_scale = float(d.get("input_embedding_scale", 1.0))
+        if embedding_scale != 1.0:
+            raise ValueError(f"input_embedding_scale {embedding_scale} is not supported: this trainer's drafters "
+                             "embed with the target's embedding as it is (1.0).")
+        return dict(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
+                    selector_rank=int(d["selector_rank"]), selector_top_k=int(d["selector_top_k"]),
+                    output_multiplier=float(d.get("output_multiplier", 1.0)),
+                    final_logit_softcapping=d.get("final_logit_softcapping") or None)
+
+    def describe(self, config: DrafterConfig, shape: str) -> str:
+        c = config
+        return (f"DFlash2 ({shape}), exported as DFlash2DraftModel\n  its head: convolutions of "
+                f"{c.conv_kernel_size} taps, group {c.conv_group_size}; selector top-{c.selector_top_k}, rank {c.selector_rank}")
+
+    def warm_start_note(self) -> str:
+        return "the convolutions at the identity, the selector's edges at 0"
+
+
+class SelectorWalk:
+    """DFlash2's drafts from a block's states: the candidate selector's path from the anchor,
+    greedy at T = 0, sampled at T > 0 (`q`, the last block's draft distribution over its
+    candidates, is kept for a verifier that rejection-samples; eval's loop checks each draft
+    against the target's own choice, which is lossless for any draft)."""
+
+    def __init__(self, drafter: DFlashDrafter, temperature: float, seed: int) -> None:
+        import torch
+
+        self.drafter, self.temperature = drafter, temperature
+        self.generator: torch.Generator | None = None
+        self.q: torch.Tensor | None = None
+        if temperature > 0:
+            device = drafter.embed_weight.device
+            self.generator = torch.Generator(device=device).manual_seed(seed + 1)  # not the target's draws
+
+    def __call__(self, states: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        from dflash.train.heads.dflash2.modules import block_lattice, walk_greedy, walk_sampled
+
+        d, c = self.drafter, self.drafter.config
+        ids, scores = block_lattice(d.candidate_selector, states, d.logits(states), anchors,
+                                    c.output_multiplier, c.final_logit_softcapping)
+        if self.temperature == 0:
+            return walk_greedy(ids, scores)
+        drafts, self.q = walk_sampled(ids, scores, self.temperature, self.generator)
+        return drafts
+
+
+HEAD = DFlash2Head()

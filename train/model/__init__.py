@@ -1,0 +1,1 @@
+"""The drafter's network: the DFlash backbone, its layers, attention, masks, RoPE, and what it borrows from the target."""
