@@ -11,3 +11,5 @@
 
 Nothing here imports torch at module level: `--help` of every command stays fast.
 """
+
+from . import messages  # noqa: F401  (registers the package's finding renderers)

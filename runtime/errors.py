@@ -20,9 +20,30 @@ where (file, line, sample, part, chunk) and what to do.
 
 from __future__ import annotations
 
+from .findings import Finding, render
+
 
 class DflashError(Exception):
-    """Base of every error the pipeline raises on purpose; raise one of its kinds."""
+    """Base of every error the pipeline raises on purpose; raise one of its kinds.
+
+    Built from a `Finding` (`raise InputError(Finding("x.y", file=...))`), the error carries it
+    (`finding`, `code`, `fields`) and reads as its rendered paragraph; built from text, `finding`
+    is None."""
+
+    def __init__(self, *args: object):
+        self.finding = args[0] if len(args) == 1 and isinstance(args[0], Finding) else None
+        super().__init__(*args)
+
+    @property
+    def code(self) -> str | None:
+        return self.finding.code if self.finding is not None else None
+
+    @property
+    def fields(self) -> dict:
+        return dict(self.finding.fields) if self.finding is not None else {}
+
+    def __str__(self) -> str:
+        return render(self.finding) if self.finding is not None else super().__str__()
 
 
 class UsageError(DflashError):
