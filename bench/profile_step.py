@@ -145,10 +145,15 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timer = PartTimer(device)
-    originals = {name: getattr(objective_module, name) for name in ("exact_topk", "selector_objective")}
+    # the parts timed where the step looks them up (the head's modules are read at call time)
+    import dflash.train.heads.dflash2.modules as dflash2_modules
+    import dflash.train.loss.head_loss as head_loss_module
+    originals = {(module, name): getattr(module, name)
+                 for module, name in ((objective_module, "exact_topk"), (head_loss_module, "exact_topk"),
+                                      (dflash2_modules, "selector_objective")) if hasattr(module, name)}
     if variant != "dflash":
-        for name, fn in originals.items():
-            setattr(objective_module, name, timer.wrap(name, fn))
+        for (module, name), fn in originals.items():
+            setattr(module, name, timer.wrap(name, fn))
     try:
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -161,8 +166,8 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
         else:
             runs = [step(2 + i) for i in range(a.steps)]
     finally:
-        for name, fn in originals.items():
-            setattr(objective_module, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     parts = {name: seconds / len(runs) for name, seconds in timer.collect().items()}
     dflash2 = (None if variant == "dflash" else
