@@ -58,8 +58,8 @@ def build(a: argparse.Namespace, variant: str):
     if a.dtype == "fp32":  # the trainer's frozen tensors follow the training dtype's (bf16 under autocast)
         drafter.embed_weight, drafter.lm_head_weight = drafter.embed_weight.float(), drafter.lm_head_weight.float()
     if variant == "dflash2-noconv":
-        for layer in drafter.layers:
-            layer.attention_conv = layer.mlp_conv = None
+        for layer in drafter.layers:  # the sublayers run unwrapped
+            layer.wrappers = {}
     drafter = drafter.to(device).train()
     samples = a.samples or BATCH[a.shape]
     width = len(LAYER_IDS[s.target_layers]) * s.hidden
