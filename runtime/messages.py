@@ -6,4 +6,112 @@ sample, part, flag) and what to do. Code states findings; the words live here.
 
 from __future__ import annotations
 
-from .findings import renders  # noqa: F401
+from .findings import renders
+
+# -- records (runtime/records.py) ------------------------------------------------------------
+
+
+@renders("runtime.file-changed-while-read", example=dict(file="data/train.jsonl", nbytes=1048576))
+def _file_changed_while_read(file, nbytes):
+    return (f"{file} changed while it was read: its first {nbytes:,} bytes no longer have the sha256 "
+            "fingerprinted when the run started (the file was edited or truncated in place, not only "
+            "appended to). What was read may mix both versions: restore the file, or pass --force to "
+            "start anew from it as it is now.")
+
+
+@renders("runtime.file-unreadable", example=dict(file="data/train.jsonl.gz", error="Compressed file ended early"))
+def _file_unreadable(file, error):
+    return f"{file}: cannot read the file ({error}). Check that it is complete and readable."
+
+
+# A record's reasons (BadRecord): the reason only; the reader adds where (file, line) and the fix.
+@renders("runtime.record-not-utf8", example=dict(offset=12))
+def _record_not_utf8(offset):
+    return f"the line is not valid UTF-8 (bad byte at offset {offset})"
+
+
+@renders("runtime.record-not-json", example=dict(error="Expecting value", column=3))
+def _record_not_json(error, column):
+    return f"the line is not valid JSON ({error} at column {column})"
+
+
+@renders("runtime.record-not-int-list", example=dict(key="input_ids", got="str"))
+def _record_not_int_list(key, got):
+    return f"{key} must be a list of integers, not {got}"
+
+
+@renders("runtime.record-booleans", example=dict(key="loss_mask"))
+def _record_booleans(key):
+    return f"{key} must be a list of integers, not of booleans (true/false)"
+
+
+@renders("runtime.record-not-flat", example=dict(key="input_ids"))
+def _record_not_flat(key):
+    return f"{key} must be a flat list of integers"
+
+
+@renders("runtime.record-group-type", example=dict(value="[1, 2]"))
+def _record_group_type(value):
+    return f"group must be a string or an integer (got {value})"
+
+
+@renders("runtime.record-not-object", example={})
+def _record_not_object():
+    return "the record must be a JSON object with input_ids and a loss mask"
+
+
+@renders("runtime.record-no-input-ids", example={})
+def _record_no_input_ids():
+    return "the record has no input_ids"
+
+
+@renders("runtime.record-empty", example={})
+def _record_empty():
+    return "the sample is empty (input_ids has no tokens)"
+
+
+@renders("runtime.record-token-negative", example=dict(token=-3))
+def _record_token_negative(token):
+    return f"token id {token} is negative"
+
+
+@renders("runtime.record-token-out-of-vocab", example=dict(token=151936, vocab_size=151936))
+def _record_token_out_of_vocab(token, vocab_size):
+    return f"token id {token} is outside the target's vocabulary ({vocab_size} entries)"
+
+
+@renders("runtime.record-id-type", example={})
+def _record_id_type():
+    return "id must be a string or an integer"
+
+
+@renders("runtime.record-length-mismatch", example=dict(key="loss_mask", entries=7, tokens=8))
+def _record_length_mismatch(key, entries, tokens):
+    return f"{key} has {entries} entries but input_ids has {tokens}"
+
+
+@renders("runtime.record-mask-values", example={})
+def _record_mask_values():
+    return "loss_mask must hold only 0 and 1"
+
+
+@renders("runtime.record-prompt-len", example=dict(tokens=12))
+def _record_prompt_len(tokens):
+    return f"prompt_len must be an integer between 0 and {tokens} (the sample length)"
+
+
+@renders("runtime.record-no-loss-mask", example={})
+def _record_no_loss_mask():
+    return "the record has no loss mask: give loss_mask, labels or prompt_len"
+
+
+@renders("runtime.sidecar-unreadable", example=dict(file="data/train.jsonl.meta.json", error="Expecting value: line 1"))
+def _sidecar_unreadable(file, error):
+    return (f"{file}: cannot read this data file's sidecar ({error}). Restore it, or rerun dflash-prepare / "
+            "dflash-generate to write it again.")
+
+
+@renders("runtime.sidecar-not-object", example=dict(file="data/train.jsonl.meta.json"))
+def _sidecar_not_object(file):
+    return (f"{file}: this data file's sidecar is not a JSON object. Restore it, or rerun dflash-prepare / "
+            "dflash-generate to write it again.")

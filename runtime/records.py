@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
+from .findings import Finding, render
 from .fsio import atomic_write_json
 
 META_SUFFIX = ".meta.json"  # the sidecar: how the records were rendered
@@ -42,7 +43,25 @@ RENDERING_KEYS = ("producer", "chat_template_sha256", "chat_template_kwargs", "c
 
 
 class BadRecord(Exception):
-    """A record failed validation; the message is the reason, without the location."""
+    """A record failed validation; the message is the reason, without the location.
+
+    Built from a `Finding` (a `runtime.record-*` code), it carries it (`finding`, `code`,
+    `fields`) and reads as its rendered reason; built from text, `finding` is None."""
+
+    def __init__(self, *args: object):
+        self.finding = args[0] if args and isinstance(args[0], Finding) else None
+        super().__init__(*args)
+
+    @property
+    def code(self) -> str | None:
+        return self.finding.code if self.finding is not None else None
+
+    @property
+    def fields(self) -> dict:
+        return dict(self.finding.fields) if self.finding is not None else {}
+
+    def __str__(self) -> str:
+        return render(self.finding) if self.finding is not None else super().__str__()
 
 
 class NotJson(BadRecord):
@@ -115,14 +134,9 @@ def iter_lines(files: Iterable[Path], *, prefixes: Mapping[Path, tuple[int, str]
                     if line.strip():
                         yield f"{f}, line {line_no}", line
                 if reader and reader.hexdigest() != prefix[1]:
-                    raise FileChangedError(
-                        f"{f} changed while it was read: its first {prefix[0]:,} bytes no longer have "
-                        "the sha256 fingerprinted when the run started (the file was edited or "
-                        "truncated in place, not only appended to). What was read may mix both "
-                        "versions: restore the file, or pass --force to start anew from it as it is now."
-                    )
+                    raise FileChangedError(Finding("runtime.file-changed-while-read", file=str(f), nbytes=prefix[0]))
         except (OSError, EOFError) as e:
-            raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
+            raise InputError(Finding("runtime.file-unreadable", file=str(f), error=str(e))) from e
 
 
 def read_json(line: bytes) -> Any:
@@ -131,12 +145,12 @@ def read_json(line: bytes) -> Any:
     try:
         text = line.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise NotJson(f"the line is not valid UTF-8 (bad byte at offset {e.start})",
+        raise NotJson(Finding("runtime.record-not-utf8", offset=e.start),
                       f"not UTF-8: bad byte at offset {e.start}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise NotJson(f"the line is not valid JSON ({e.msg} at column {e.colno})", e.msg) from None
+        raise NotJson(Finding("runtime.record-not-json", error=e.msg, column=e.colno), e.msg) from None
 
 
 DOCUMENT_READ_LIMIT = 64 << 20  # bytes of a file read whole to tell one JSON document spanning lines
@@ -207,12 +221,12 @@ def format_record(record: dict[str, Any]) -> str:
 
 def _int_array(value: Any, name: str) -> np.ndarray:
     if not isinstance(value, list):
-        raise BadRecord(f"{name} must be a list of integers, not {type(value).__name__}")
+        raise BadRecord(Finding("runtime.record-not-int-list", key=name, got=type(value).__name__))
     if any(isinstance(v, bool) for v in value):  # (JSON true/false would read as 1/0)
-        raise BadRecord(f"{name} must be a list of integers, not of booleans (true/false)")
+        raise BadRecord(Finding("runtime.record-booleans", key=name))
     arr = np.asarray(value) if value else np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise BadRecord(f"{name} must be a flat list of integers")
+        raise BadRecord(Finding("runtime.record-not-flat", key=name))
     return arr.astype(np.int64)
 
 
@@ -228,7 +242,7 @@ def record_group(rec: Mapping[str, Any]) -> str | int | None:
     if group is None:
         return None
     if isinstance(group, bool) or not isinstance(group, str | int):
-        raise BadRecord(f"group must be a string or an integer (got {json.dumps(group)[:40]})")
+        raise BadRecord(Finding("runtime.record-group-type", value=json.dumps(group)[:40]))
     return group
 
 
@@ -236,42 +250,40 @@ def parse_sample(line: bytes, vocab_size: int) -> tuple[np.ndarray, np.ndarray, 
     """parse_record, plus the record's group (`record_group`)."""
     rec = read_json(line)
     if not isinstance(rec, dict):
-        raise BadRecord("the record must be a JSON object with input_ids and a loss mask")
+        raise BadRecord(Finding("runtime.record-not-object"))
     if "input_ids" not in rec:
-        raise BadRecord("the record has no input_ids")
+        raise BadRecord(Finding("runtime.record-no-input-ids"))
     ids = _int_array(rec["input_ids"], "input_ids")
     if ids.size == 0:
-        raise BadRecord("the sample is empty (input_ids has no tokens)")
+        raise BadRecord(Finding("runtime.record-empty"))
     if ids.min() < 0:
-        raise BadRecord(f"token id {int(ids.min())} is negative")
+        raise BadRecord(Finding("runtime.record-token-negative", token=int(ids.min())))
     if ids.max() >= vocab_size:
-        raise BadRecord(
-            f"token id {int(ids.max())} is outside the target's vocabulary ({vocab_size} entries)"
-        )
+        raise BadRecord(Finding("runtime.record-token-out-of-vocab", token=int(ids.max()), vocab_size=vocab_size))
     if "id" in rec and not isinstance(rec["id"], str | int):
-        raise BadRecord("id must be a string or an integer")
+        raise BadRecord(Finding("runtime.record-id-type"))
     group = record_group(rec)
     n = ids.size
     if "loss_mask" in rec:
         mask = _int_array(rec["loss_mask"], "loss_mask")
         if mask.size != n:
-            raise BadRecord(f"loss_mask has {mask.size} entries but input_ids has {n}")
+            raise BadRecord(Finding("runtime.record-length-mismatch", key="loss_mask", entries=int(mask.size), tokens=n))
         if mask.size and (mask.min() < 0 or mask.max() > 1):
-            raise BadRecord("loss_mask must hold only 0 and 1")
+            raise BadRecord(Finding("runtime.record-mask-values"))
         return ids, mask.astype(np.uint8), group
     if "labels" in rec:
         labels = _int_array(rec["labels"], "labels")
         if labels.size != n:
-            raise BadRecord(f"labels has {labels.size} entries but input_ids has {n}")
+            raise BadRecord(Finding("runtime.record-length-mismatch", key="labels", entries=int(labels.size), tokens=n))
         return ids, (labels != -100).astype(np.uint8), group
     if "prompt_len" in rec:
         p = rec["prompt_len"]
         if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= n:
-            raise BadRecord(f"prompt_len must be an integer between 0 and {n} (the sample length)")
+            raise BadRecord(Finding("runtime.record-prompt-len", tokens=n))
         mask = np.ones(n, dtype=np.uint8)
         mask[:p] = 0
         return ids, mask, group
-    raise BadRecord("the record has no loss mask: give loss_mask, labels or prompt_len")
+    raise BadRecord(Finding("runtime.record-no-loss-mask"))
 
 
 def completion_start(record: dict[str, Any]) -> int | None:
@@ -311,11 +323,9 @@ def read_sidecar(data_file: str | Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{side}: cannot read the sidecar of {Path(data_file).name} ({e}). Restore it, "
-                         "or rerun dflash-prepare / dflash-generate to write it again.") from e
+        raise InputError(Finding("runtime.sidecar-unreadable", file=str(side), error=str(e))) from e
     if not isinstance(meta, dict):
-        raise InputError(f"{side}: the sidecar of {Path(data_file).name} is not a JSON object. Restore it, "
-                         "or rerun dflash-prepare / dflash-generate to write it again.")
+        raise InputError(Finding("runtime.sidecar-not-object", file=str(side)))
     return meta
 
 

@@ -114,5 +114,6 @@ def test_a_gzip_file_appended_to_is_read_as_fingerprinted(tmp_path):
     plain = write_jsonl(tmp_path / "p.jsonl", random_records(5, seed=6))
     snap = snapshot_data([plain], plain)
     plain.write_text(plain.read_text()[::-1])
-    with pytest.raises(FileChangedError, match="changed while it was read"):
+    with pytest.raises(FileChangedError) as err:
         list(snap.lines())
+    assert err.value.code == "runtime.file-changed-while-read" and err.value.fields["file"] == str(plain)

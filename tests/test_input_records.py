@@ -72,7 +72,8 @@ def test_a_damaged_sidecar_names_the_file_and_the_fix(tmp_path, content):
     (tmp_path / "out.jsonl.meta.json").write_text(content)
     with pytest.raises(InputError) as err:
         read_rendering(data)
-    assert "out.jsonl.meta.json" in str(err.value) and "rerun dflash-prepare" in str(err.value)
+    assert err.value.code in ("runtime.sidecar-unreadable", "runtime.sidecar-not-object")
+    assert err.value.fields["file"] == str(tmp_path / "out.jsonl.meta.json")
 
 
 def test_a_prompt_line_that_is_not_utf8_is_a_clear_error(tmp_path):

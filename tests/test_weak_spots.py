@@ -22,8 +22,9 @@ from extract_utils import assert_same_contents, cache_contents, extract, make_ta
     {"input_ids": [1, 2], "labels": [-100, True]},
 ])
 def test_booleans_are_not_token_ids_or_mask_values(record):
-    with pytest.raises(BadRecord, match="not of booleans"):
+    with pytest.raises(BadRecord) as err:
         parse_record(json.dumps(record).encode(), 64)
+    assert err.value.code == "runtime.record-booleans" and err.value.fields["key"] in record
 
 
 def test_a_byte_order_mark_is_read_past_by_extraction_as_by_prepare(tmp_path):
