@@ -21,8 +21,9 @@ PACKAGES = ("runtime", "cache_tools", "extract", "prepare", "train", "eval", "de
 
 
 def _all_registered() -> dict:
-    for package in PACKAGES:
-        importlib.import_module(f"dflash.{package}")
+    for package in PACKAGES:  # and each subpackage (train/data/, ...): its __init__ registers its messages
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            importlib.import_module(".".join(("dflash", *init.parent.relative_to(ROOT).parts)))
     return {code: r for code, r in registered().items() if not code.startswith("test.")}
 
 
