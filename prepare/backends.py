@@ -26,12 +26,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.runtime.errors import EnvironmentFault, MismatchError
+from dflash.runtime.findings import Finding
 from dflash.runtime.positions import target_positions
 from dflash.runtime.safetensors_files import refuse_incomplete_weights
 
 
 class RequestFailed(Exception):
-    """A request failed for good (after its retries, or with an error a retry cannot fix)."""
+    """A request failed for good (after its retries, or with an error a retry cannot fix);
+    `finding` says how."""
+
+    def __init__(self, finding: Finding):
+        super().__init__(finding)
+        self.finding = finding
 
 
 class ServerMismatchError(MismatchError):
@@ -139,7 +145,7 @@ class ServerBackend:
             except _Retryable as e:
                 last = f"{url}: {e}"
                 self.stats.error(url, str(e))
-        raise RequestFailed(f"failed after {self.max_retries + 1} attempts; last error {last}")
+        raise RequestFailed(Finding("prepare.request-retries-spent", attempts=self.max_retries + 1, last=last))
 
     def _post(self, url: str, request: Request) -> Completion:
         with self.stats.lock:
@@ -160,7 +166,7 @@ class ServerBackend:
                 return self._post(url, request)
             if e.code == 429 or e.code >= 500:
                 raise _Retryable(f"HTTP {e.code}") from None
-            raise RequestFailed(f"{url} answered HTTP {e.code}: {detail}") from None
+            raise RequestFailed(Finding("prepare.server-http-error", url=url, status=e.code, detail=detail)) from None
         except TimeoutError:
             raise _Retryable("timed out") from None
         except urllib.error.URLError as e:
@@ -198,7 +204,7 @@ def _parse_choice(payload: dict, url: str) -> Completion:
         choice = payload["choices"][0]
         message = choice["message"]
     except (KeyError, IndexError, TypeError):
-        raise RequestFailed(f"{url} answered without a choice: {str(payload)[:300]}") from None
+        raise RequestFailed(Finding("prepare.server-no-choice", url=url, payload=str(payload)[:300])) from None
     ids = choice.get("token_ids")
     return Completion(
         text=message.get("content") or "", finish_reason=choice.get("finish_reason") or "stop",
@@ -317,11 +323,8 @@ class HFBackend:
             with torch.inference_mode(), self._stream(samples.pop()):
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         except torch.OutOfMemoryError:
-            raise BatchTooLargeError(
-                f"A batch of {len(prompts)} prompts of up to {width} tokens plus {s.max_tokens} new ones does not "
-                f"fit in the memory of {self.device}. Lower --batch-size (or --max-tokens); the records "
-                "written so far are kept and a rerun goes on from them."
-            ) from None
+            raise BatchTooLargeError(Finding("prepare.batch-out-of-memory", prompts=len(prompts), tokens=width,
+                                             new_tokens=s.max_tokens, device=str(self.device))) from None
         answers = []
         for row in out[:, width:].tolist():
             gen = []

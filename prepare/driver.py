@@ -26,7 +26,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import click
 from dflash.cache_tools.identity import (
     Purpose,
     target_differences,
@@ -34,6 +33,7 @@ from dflash.cache_tools.identity import (
     target_provenance,
 )
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.fsio import file_lock
 from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
 from dflash.runtime.records import read_sidecar, write_sidecar
@@ -105,19 +105,18 @@ class GenerateConfig(RenderConfig):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.regenerate not in ("last", "all"):
-            raise PrepareConfigError(f"--regenerate must be last or all, not {self.regenerate!r}.")
+            raise PrepareConfigError(Finding("prepare.flag-choice", flag="--regenerate", value=self.regenerate,
+                                             choices=["last", "all"]))
         if self.token_ids not in ("auto", "server", "text"):
-            raise PrepareConfigError(f"--token-ids must be auto, server or text, not {self.token_ids!r}.")
+            raise PrepareConfigError(Finding("prepare.flag-choice", flag="--token-ids", value=self.token_ids,
+                                             choices=["auto", "server", "text"]))
         for name in ("concurrency", "max_tokens", "batch_size", "sort_window", "samples_per_prompt"):
             if getattr(self, name) <= 0:
-                raise PrepareConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}.")
+                raise PrepareConfigError(Finding("prepare.flag-not-positive", flag=f"--{name.replace('_', '-')}",
+                                                 value=getattr(self, name)))
         if self.samples_per_prompt > 1 and self.temperature <= 0:
-            raise PrepareConfigError(
-                f"--samples-per-prompt {self.samples_per_prompt} with --temperature {self.temperature:g} "
-                f"would write {self.samples_per_prompt} identical greedy answers per conversation, which "
-                "teach the drafter nothing the first does not. Sample the extra answers with a temperature "
-                "(e.g. --temperature 0.7, as the target is served), or keep --samples-per-prompt 1."
-            )
+            raise PrepareConfigError(Finding("prepare.greedy-samples", samples=self.samples_per_prompt,
+                                             temperature=self.temperature))
 
     def sampling(self) -> Sampling:
         return Sampling(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
@@ -169,7 +168,7 @@ def model_identity(config: GenerateConfig) -> tuple[dict[str, Any], dict[str, An
     try:
         model_config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
-        raise InputError(f"Cannot load the config of --target-model {model_dir} ({e}). Check the model directory.") from e
+        raise InputError(Finding("prepare.target-config-unloadable", dir=str(model_dir), error=str(e))) from e
     return {"backend": "in-process", **target_identity(model_config, model_dir)}, target_provenance(model_dir)
 
 
@@ -182,15 +181,7 @@ def _model_differences(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[s
     return target_differences(old, new, Purpose.RESUME)
 
 
-def _describe_model(identity: dict[str, Any], provenance: dict[str, Any] | None) -> str:
-    provenance = provenance or {}
-    if identity.get("backend") == "server":
-        name = f"the model {identity['model']!r}" if identity.get("model") else "the default model (no --model)"
-        return f"{name} of the server {', '.join(provenance.get('server') or ['?'])}"
-    return f"the in-process model {provenance.get('target_path', '?')}"
-
-
-def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> list[str]:
+def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> list[Finding]:
     """Refuse an output of other settings or another model, or write its sidecar; every rank,
     one at a time (the sidecar must be there before any rank's first record: a rank that
     checked after another had appended one saw an output without a sidecar and refused it).
@@ -200,14 +191,10 @@ def _check_resume(config: GenerateConfig, meta: dict[str, Any]) -> list[str]:
         return _check_resume_locked(config, meta, output)
 
 
-def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: Path) -> list[str]:
+def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: Path) -> list[Finding]:
     old = read_sidecar(config.output)
     if old is None and output.exists() and output.stat().st_size:
-        raise GenerateMismatchError(
-            f"{output} exists but has no sidecar {output.name}.meta.json: it was not written by "
-            "dflash-generate (or its sidecar was lost), so its records cannot be counted as done. "
-            "Choose a new --output, or move that file away to start again."
-        )
+        raise GenerateMismatchError(Finding("prepare.output-without-sidecar", file=str(output)))
     # (after the refusals that need no model: an output that is no dflash-generate's is said first)
     meta["target"], meta["target_provenance"] = model_identity(config)
     if old is None or not output.exists():
@@ -216,43 +203,28 @@ def _check_resume_locked(config: GenerateConfig, meta: dict[str, Any], output: P
     keys = ("chat_template_sha256", "chat_template_kwargs", "generation")
     diffs = [k for k in keys if old.get(k) != meta.get(k)]
     if diffs:
-        raise GenerateMismatchError(
-            f"{config.output} was generated with other settings ({', '.join(diffs)} differ: was "
-            f"{ {k: old.get(k) for k in diffs} }). Rerun with those settings, or write to a new --output."
-        )
+        raise GenerateMismatchError(Finding("prepare.output-other-settings", file=str(config.output),
+                                            settings={k: old.get(k) for k in diffs}))
     current = meta["target"]
     if not isinstance(old.get("target"), dict):  # a sidecar written before the model was recorded
-        return [f"The output {output} records no identity of the model that wrote its answers (written "
-                f"before it was recorded): that {_describe_model(current, meta.get('target_provenance'))} "
-                "is the model that wrote them is not checked."]
+        return [Finding("prepare.output-model-unrecorded", file=str(output), model=current,
+                        provenance=meta.get("target_provenance"))]
     model_diffs = _model_differences(old["target"], current)
     if model_diffs:
-        shown = "; ".join(f"{k}: the file's {_short(a)}, this run's {_short(b)}" for k, a, b in model_diffs)
-        raise GenerateMismatchError(
-            f"{output} holds the answers of another model than this run's: they were written by "
-            f"{_describe_model(old['target'], old.get('target_provenance'))}, this run's is "
-            f"{_describe_model(current, meta.get('target_provenance'))} ({shown}). Resuming would mix "
-            "two models' answers in one file. Write to another --output, rerun with the model that "
-            f"wrote it, or delete {output} (with its {output.name}.skipped.jsonl) to start anew."
-        )
+        raise GenerateMismatchError(Finding(
+            "prepare.output-other-model", file=str(output), model=old["target"], provenance=old.get("target_provenance"),
+            this_model=current, this_provenance=meta.get("target_provenance"),
+            differences=[list(d) for d in model_diffs]))
     if current.get("backend") == "server" and current.get("model") is None:
-        return [f"No --model names the served model, now or when {output} was begun: that the server's "
-                "model is the one that wrote its answers is not checked (pass --model to have it checked)."]
+        return [Finding("prepare.served-model-unnamed", file=str(output), flag="--model")]
     return []
 
 
-def _short(value: Any) -> str:
-    """A recorded value for a message (a sha256 cut to 12 digits)."""
-    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
-        return value[:12]
-    return repr(value)
-
-
 def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
-    notes: list[str] = []
+    notes: list[Finding] = []
     files = list_chat_files(config.data, notes)
     for note in notes:
-        click.echo(f"Note: {note}", err=True)
+        emit(note)
     renderer = build_renderer(config, tokenizer)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     meta = {"producer": "dflash-generate", **render_meta(config, renderer, files),
@@ -304,7 +276,7 @@ def _todo(files, config: GenerateConfig, done: set[tuple[str, int]], rank: int, 
     with their sample indices not done yet; a bad record stops. `ids` collects every source id."""
     for n, item in enumerate(iter_conversations(files, config.format, config.group_key)):
         if isinstance(item, tuple):
-            raise InputError(f"{item[0]}: {item[1]}. Fix the record (dflash-prepare --skip-bad lists them all).")
+            raise InputError(Finding("prepare.bad-record", where=item[0], problem=item[1], command="dflash-generate"))
         if ids is not None:
             ids.add(item.id)
         if n % world != rank:
@@ -319,11 +291,8 @@ def _refuse_clashing_ids(ids: set[str], samples_per_prompt: int) -> None:
     for rid in ids:
         m = re.fullmatch(r"(.*)#([1-9][0-9]*)", rid, flags=re.DOTALL)
         if m and m.group(1) in ids and int(m.group(2)) < samples_per_prompt:
-            raise InputError(
-                f"The dataset has records with the ids {m.group(1)!r} and {rid!r}: with --samples-per-prompt "
-                f"{samples_per_prompt} the sample {m.group(2)} of {m.group(1)!r} would get the id {rid!r} too. "
-                "Rename one of the two records (their id field), then rerun."
-            )
+            raise InputError(Finding("prepare.sample-id-clash", id=m.group(1), other=rid,
+                                     samples=samples_per_prompt, sample=int(m.group(2))))
 
 
 def _drive_server(config, renderer, todo: Iterator[tuple[Conversation, list[int]]], log: OutputLog,
@@ -386,8 +355,8 @@ def _collect(results: queue.Queue, log: OutputLog, summary: GenerateSummary, pro
             if not isinstance(e, RequestFailed):
                 raise e
             summary.failed += 1
-            what = f"id {conv.id}" + (f", sample {sample}" if sample else "")
-            summary.failures.append(f"{conv.where} ({what}): {e}")
+            summary.failures.append(Finding("prepare.record-failed", where=conv.where, id=conv.id, sample=sample,
+                                            problem=e.finding))
         else:
             log.append(item)
             summary.add(item)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 from dflash.runtime.records import SIDECAR_SUFFIXES, json_document
 
 FORMATS = ("auto", "messages", "sharegpt", "prompt")
@@ -36,7 +37,11 @@ PROMPT_KEYS = (("prompt", "response"), ("instruction", "output"), ("question", "
 
 
 class BadChatRecord(Exception):
-    """A record is not a conversation in the expected shape; the message is the reason."""
+    """A record is not a conversation in the expected shape; `finding` is the reason."""
+
+    def __init__(self, finding: Finding):
+        super().__init__(finding)
+        self.finding = finding
 
 
 @dataclass
@@ -56,18 +61,18 @@ class Conversation:
         return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
 
 
-def list_chat_files(data: str | Path, notes: list[str] | None = None) -> list[Path]:
+def list_chat_files(data: str | Path, notes: list[Finding] | None = None) -> list[Path]:
     """`data` itself, or the chat files of a directory (recursively, sorted).
 
     A `.json` file of a directory is read when it is JSON Lines (as `Dataset.to_json` writes it)
     and left out when it is one JSON document (a pretty-printed config.json or stats.json:
-    `records.json_document`); `notes` receives one sentence naming the files a scan left out, but
+    `records.json_document`); `notes` receives a finding naming the files a scan left out, but
     for hidden files and dflash-generate's sidecars."""
     path = Path(data)
     if path.is_file():
         return [path]
     if not path.exists():
-        raise InputError(f"Input data {path} does not exist. Pass a JSONL/Parquet file or a directory of them with --data.")
+        raise InputError(Finding("prepare.data-missing", file=str(path)))
     files, left_out = [], []
     for p in sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
                     and not p.name.endswith(SIDECAR_SUFFIXES)):
@@ -76,15 +81,10 @@ def list_chat_files(data: str | Path, notes: list[str] | None = None) -> list[Pa
         else:
             left_out.append(p)
     if left_out and notes is not None:
-        names = [str(p.relative_to(path)) for p in left_out]
-        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        notes.append(f"the scan of {path} reads *.jsonl, *.jsonl.gz, *.json.gz, *.parquet and .json files of JSON "
-                     f"Lines, and left out {len(names)} other file{'s' if len(names) > 1 else ''}: {listed}. "
-                     "Convert one to JSON Lines (or Parquet) if it is data.")
+        notes.append(Finding("prepare.data-files-left-out", dir=str(path),
+                             files=[str(p.relative_to(path)) for p in left_out]))
     if not files:
-        raise InputError(f"Input directory {path} holds no chat files (*.jsonl, *.jsonl.gz, *.json.gz, *.parquet, "
-                         f"or .json of JSON Lines){': it holds ' + ', '.join(p.name for p in left_out[:8]) if left_out else ''}. "
-                         "Check --data.")
+        raise InputError(Finding("prepare.data-no-chat-files", dir=str(path), files=[p.name for p in left_out[:8]]))
     return files
 
 
@@ -95,10 +95,7 @@ def detect_format(rec: dict[str, Any]) -> str:
         return "sharegpt"
     if any(p in rec for p, _ in PROMPT_KEYS):
         return "prompt"
-    raise BadChatRecord(
-        f"cannot tell the record's shape from its keys {sorted(rec)[:8]}: expected messages, "
-        "conversations, or prompt/response (pass --format to force one)"
-    )
+    raise BadChatRecord(Finding("prepare.record-shape", keys=sorted(rec)[:8]))
 
 
 def _content(value: Any, what: str) -> Any:
@@ -112,21 +109,22 @@ def _content(value: Any, what: str) -> Any:
         if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
             return "".join(p["text"] for p in value)
         return value
-    raise BadChatRecord(f"{what} must be a string or a list of content parts, not {type(value).__name__}")
+    raise BadChatRecord(Finding("prepare.record-field-type", field=what, expected="a string or a list of content parts",
+                                type=type(value).__name__))
 
 
 def _normalize_message(m: Any, index: int) -> dict[str, Any]:
     if not isinstance(m, dict):
-        raise BadChatRecord(f"message {index} is not an object")
+        raise BadChatRecord(Finding("prepare.record-field-type", field=f"message {index}", expected="an object"))
     role = m.get("role")
     if role not in ROLES:
-        raise BadChatRecord(f"message {index} has role {role!r}; expected one of {', '.join(ROLES)}")
+        raise BadChatRecord(Finding("prepare.record-role", message=index, role=role, roles=list(ROLES)))
     out = {k: v for k, v in m.items() if v is not None}
     out["content"] = _content(m.get("content"), f"message {index}'s content")
     if "tool_calls" in out:
         calls = out["tool_calls"]
         if not isinstance(calls, list):
-            raise BadChatRecord(f"message {index}'s tool_calls must be a list")
+            raise BadChatRecord(Finding("prepare.record-field-type", field=f"message {index}'s tool_calls", expected="a list"))
         out["tool_calls"] = parse_tool_arguments(calls)
     return out
 
@@ -153,25 +151,27 @@ def to_messages(rec: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], li
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError:
-            raise BadChatRecord("tools is a string but not valid JSON") from None
+            raise BadChatRecord(Finding("prepare.record-tools-json")) from None
     if tools is not None and not isinstance(tools, list):
-        raise BadChatRecord("tools must be a list of tool schemas")
+        raise BadChatRecord(Finding("prepare.record-field-type", field="tools", expected="a list of tool schemas"))
     if fmt == "messages":
         msgs = rec.get("messages")
         if not isinstance(msgs, list):
-            raise BadChatRecord("messages must be a list of {role, content} objects")
+            raise BadChatRecord(Finding("prepare.record-field-type", field="messages",
+                                        expected="a list of {role, content} objects"))
         return [_normalize_message(m, i) for i, m in enumerate(msgs)], tools
     if fmt == "sharegpt":
         conv = rec.get("conversations")
         if not isinstance(conv, list):
-            raise BadChatRecord("conversations must be a list of {from, value} objects")
+            raise BadChatRecord(Finding("prepare.record-field-type", field="conversations",
+                                        expected="a list of {from, value} objects"))
         msgs = []
         for i, turn in enumerate(conv):
             if not isinstance(turn, dict) or "from" not in turn:
-                raise BadChatRecord(f"conversation turn {i} has no 'from'")
+                raise BadChatRecord(Finding("prepare.record-turn-role", turn=i, role=None))
             role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
             if role is None:
-                raise BadChatRecord(f"conversation turn {i} is from {turn['from']!r}, which is not a known ShareGPT role")
+                raise BadChatRecord(Finding("prepare.record-turn-role", turn=i, role=turn["from"]))
             msgs.append({"role": role, "content": _content(turn.get("value"), f"turn {i}'s value")})
         if isinstance(rec.get("system"), str) and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": rec["system"]})
@@ -188,7 +188,7 @@ def to_messages(rec: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], li
                 if isinstance(rec.get("system"), str) and rec["system"]:
                     msgs.insert(0, {"role": "system", "content": rec["system"]})
                 return msgs, tools
-        raise BadChatRecord("the record has no prompt (or instruction, question)")
+        raise BadChatRecord(Finding("prepare.record-no-prompt"))
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -202,20 +202,16 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                 try:
                     yield line_no, json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    yield line_no, BadChatRecord(f"the line is not valid JSON ({e})")
+                    yield line_no, BadChatRecord(Finding("prepare.record-json", error=str(e)))
     except (OSError, EOFError) as e:
-        raise InputError(f"{path}: cannot read the file ({e}). Check that it is complete and readable.") from e
+        raise InputError(Finding("prepare.data-unreadable", file=str(path), error=str(e))) from e
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise InputError(
-            f"{path} is a Parquet file, and reading Parquet needs pyarrow, which is not installed. "
-            "Install it with `pip install 'dflash-pipeline[parquet]'` (or `pip install pyarrow`), "
-            "or convert the file to JSONL."
-        ) from None
+        raise InputError(Finding("prepare.parquet-needs-pyarrow", file=str(path))) from None
     try:
         pf = pq.ParquetFile(path)
         row = 0
@@ -224,12 +220,12 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
                 row += 1
                 yield row, rec
     except OSError as e:
-        raise InputError(f"{path}: cannot read the Parquet file ({e}). Check that it is complete.") from e
+        raise InputError(Finding("prepare.data-unreadable", file=str(path), error=str(e))) from e
 
 
 def iter_conversations(files: list[Path], fmt: str = "auto", group_key: str = "group"
                        ) -> Iterator[Conversation | tuple[str, str]]:
-    """Every record of `files` in order: a Conversation, or (where, reason) for a bad record;
+    """Every record of `files` in order: a Conversation, or (where, finding) for a bad record;
     a record's `group_key` field, when it has one, is its group."""
     for path in files:
         rows = _iter_parquet(path) if path.name.endswith(".parquet") else _iter_jsonl(path)
@@ -240,16 +236,17 @@ def iter_conversations(files: list[Path], fmt: str = "auto", group_key: str = "g
                 if isinstance(rec, BadChatRecord):
                     raise rec
                 if not isinstance(rec, dict):
-                    raise BadChatRecord("the record must be a JSON object")
+                    raise BadChatRecord(Finding("prepare.record-field-type", field="the record", expected="a JSON object"))
                 shape = detect_format(rec) if fmt == "auto" else fmt
                 messages, tools = to_messages(rec, shape)
                 rid = rec.get("id")
                 if rid is not None and not isinstance(rid, str | int):
-                    raise BadChatRecord("id must be a string or an integer")
+                    raise BadChatRecord(Finding("prepare.record-field-type", field="id", expected="a string or an integer"))
                 group = rec.get(group_key)
                 if group is not None and (isinstance(group, bool) or not isinstance(group, str | int)):
-                    raise BadChatRecord(f"{group_key} (the record's group) must be a string or an integer")
+                    raise BadChatRecord(Finding("prepare.record-field-type", field=group_key,
+                                                expected="a string or an integer (the record's group)"))
                 yield Conversation(id=str(rid) if rid is not None else f"{path.name}:{number}",
                                    where=where, messages=messages, tools=tools, group=group)
             except BadChatRecord as e:
-                yield where, str(e)
+                yield where, e.finding

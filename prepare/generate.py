@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.findings import Finding
 from dflash.runtime.records import SKIPPED_SUFFIX, BadRecord, format_record, read_json
 
 from .backends import Completion, Request, ServerMismatchError
@@ -118,11 +119,7 @@ def build_record(conv: Conversation, messages: list[dict], last: Completion, ren
     else:
         prompt = renderer.prompt_ids(prompt_messages, conv.tools)
     if not last.local_prompt and last.prompt_token_ids is not None and list(last.prompt_token_ids) != prompt:
-        raise ServerMismatchError(
-            f"{conv.where} (id {conv.id}): the server tokenized the prompt differently from the local "
-            "chat template (the template, its kwargs or the tokenizer differ). Pass the template the "
-            "server uses with --chat-template and the same --chat-template-kwargs / --thinking."
-        )
+        raise ServerMismatchError(Finding("prepare.server-prompt-tokens", where=conv.where, id=conv.id))
     if last.token_ids is not None:
         answer = list(last.token_ids)
         ends = [k for k, t in enumerate(answer) if t in renderer.eos_ids]
@@ -149,7 +146,7 @@ def _answer_from_text(conv, messages, last: Completion, renderer: ChatRenderer, 
     after the prompt, closed by one end-of-turn token, which is added)."""
     answer = renderer.tokenize(last.text)
     if renderer.tokenizer.decode(answer) != last.text:
-        raise RenderError("the answer's text does not re-tokenize to itself (decode(encode(text)) differs)")
+        raise RenderError(Finding("prepare.answer-not-round-trip"))
     if last.finish_reason == "length":
         return answer
     rendered = renderer.with_loss_on("last-assistant").render(
@@ -157,8 +154,7 @@ def _answer_from_text(conv, messages, last: Completion, renderer: ChatRenderer, 
     span = rendered.input_ids[rendered.prompt_len:]
     if rendered.input_ids[: rendered.prompt_len] != prompt or span[: len(answer)] != answer \
             or len(span) != len(answer) + 1 or span[-1] not in renderer.eos_ids:
-        raise RenderError("the chat template does not render the answer's text as its tokens right "
-                          "after the prompt (the answer does not round-trip through the template)")
+        raise RenderError(Finding("prepare.answer-not-round-trip", through="the chat template"))
     return span
 
 
@@ -172,8 +168,7 @@ def _prompt_mask(conv, prompt_messages, last: Completion, prompt: list[int], ren
     r = renderer.with_loss_on("all-assistant").render(
         Conversation(id=conv.id, where=conv.where, messages=whole, tools=conv.tools))
     if r.input_ids[: len(prompt)] != prompt:
-        raise RenderError("the conversation renders its history differently from the last turn's prompt; "
-                          "use --loss-on last-assistant")
+        raise RenderError(Finding("prepare.history-differs-from-prompt", flag="--loss-on"))
     return r.loss_mask[: len(prompt)]
 
 
@@ -236,11 +231,7 @@ def _read_keys(path: Path) -> set[tuple[str, int]]:
         try:
             keys.add(_line_key(read_json(line)))
         except (BadRecord, KeyError, TypeError, ValueError):
-            raise InputError(
-                f"{path}, line {line_no}: not a record of dflash-generate (no JSON object with an id, "
-                "or a sample index that does not match its id). Point --output to a new file, or "
-                "remove the line to resume."
-            ) from None
+            raise InputError(Finding("prepare.output-line-unreadable", file=str(path), line=line_no)) from None
     return keys
 
 
@@ -262,14 +253,14 @@ class GenerateSummary:
     written: int = 0
     dropped: Counter = field(default_factory=Counter)
     failed: int = 0
-    failures: list[str] = field(default_factory=list)
+    failures: list[Finding] = field(default_factory=list)
     finish_reasons: Counter = field(default_factory=Counter)
     completion_tokens: int = 0
     seconds: float = 0.0
     retries: int = 0
     request_errors: dict[str, int] = field(default_factory=dict)
     stopped_by: int = 0
-    notes: list[str] = field(default_factory=list)  # what a resume could not check
+    notes: list[Finding] = field(default_factory=list)  # what a resume could not check
 
     def add(self, o: Outcome) -> None:
         self.finish_reasons[o.finish_reason] += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 from dflash.runtime.cli import Command
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.settings import settings_options
 
 from .cli import CONTEXT
@@ -31,8 +32,7 @@ def main(settings: GenerateConfig) -> int:
     2 bad settings or input, 130/143 stopped by a signal.
     """
     if settings.loss_on == "all-assistant" and settings.regenerate == "last":
-        click.echo("Note: --loss-on all-assistant with --regenerate last also supervises the dataset's "
-                   "earlier answers, not the target's.", err=True)
+        emit(Finding("prepare.loss-on-dataset-answers", flag="--loss-on", value="all-assistant"))
     from .driver import run_generate
 
     summary = run_generate(settings)

@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 from dflash.runtime.errors import InputError, SettingError
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.fsio import fsync_dir, temp_name
 from dflash.runtime.locks import output_lock, refuse_output_among_inputs
 from dflash.runtime.records import format_record, write_sidecar
@@ -72,17 +73,20 @@ class RenderConfig:
             try:
                 self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
             except json.JSONDecodeError as e:
-                raise PrepareConfigError(f"--chat-template-kwargs is not valid JSON ({e}); write e.g. '{{\"enable_thinking\": false}}'.") from None
+                raise PrepareConfigError(Finding("prepare.template-kwargs-json", error=str(e))) from None
         if not isinstance(self.chat_template_kwargs, dict):
-            raise PrepareConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'.")
+            raise PrepareConfigError(Finding("prepare.template-kwargs-json", error=None))
         if self.thinking not in (None, "on", "off"):
-            raise PrepareConfigError(f"--thinking must be on or off, not {self.thinking!r}.")
+            raise PrepareConfigError(Finding("prepare.flag-choice", flag="--thinking", value=self.thinking,
+                                             choices=["on", "off"]))
         if self.thinking is not None:
             self.chat_template_kwargs = {**self.chat_template_kwargs, "enable_thinking": self.thinking == "on"}
         if self.loss_on not in LOSS_ON:
-            raise PrepareConfigError(f"--loss-on must be one of {', '.join(LOSS_ON)}, not {self.loss_on!r}.")
+            raise PrepareConfigError(Finding("prepare.flag-choice", flag="--loss-on", value=self.loss_on,
+                                             choices=list(LOSS_ON)))
         if self.format not in FORMATS:
-            raise PrepareConfigError(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}.")
+            raise PrepareConfigError(Finding("prepare.flag-choice", flag="--format", value=self.format,
+                                             choices=list(FORMATS)))
 
 
 @dataclass(kw_only=True)
@@ -105,21 +109,22 @@ class PrepareConfig(RenderConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_seq_len <= 0:
-            raise PrepareConfigError(f"--max-seq-len must be positive, not {self.max_seq_len}.")
+            raise PrepareConfigError(Finding("prepare.flag-not-positive", flag="--max-seq-len", value=self.max_seq_len))
         if self.long_samples not in ("skip", "truncate"):
-            raise PrepareConfigError(f"--long-samples must be skip or truncate, not {self.long_samples!r}.")
+            raise PrepareConfigError(Finding("prepare.flag-choice", flag="--long-samples", value=self.long_samples,
+                                             choices=["skip", "truncate"]))
 
 
 def load_tokenizer(target_model: str):
     path = Path(target_model)
     if not path.is_dir():
-        raise InputError(f"--target-model {target_model} is not a local model directory. Pass the directory with the target's tokenizer files.")
+        raise InputError(Finding("prepare.target-model-not-dir", dir=str(target_model)))
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise InputError(f"Cannot load the tokenizer of {path} ({e}). Check the model directory.") from e
+        raise InputError(Finding("prepare.tokenizer-unloadable", dir=str(path), error=str(e))) from e
 
 
 def build_renderer(config: RenderConfig, tokenizer=None) -> ChatRenderer:
@@ -153,10 +158,10 @@ class PrepareSummary:
     skips: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
 
-    def skip(self, key: str, where: str, reason: str) -> None:
+    def skip(self, key: str, where: str, reason: Finding) -> None:
         self.skipped[key] += 1
         if len(self.skips) < MAX_SKIPS_LISTED:
-            self.skips.append({"where": where, "reason": reason})
+            self.skips.append({"where": where, "reason": str(reason), "code": reason.code})
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -172,10 +177,10 @@ class PrepareSummary:
 
 
 def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
-    notes: list[str] = []
+    notes: list[Finding] = []
     files = list_chat_files(config.data, notes)
     for note in notes:
-        click.echo(f"Note: {note}", err=True)
+        emit(note)
     renderer = build_renderer(config, tokenizer)
     out = Path(config.output)
     refuse_output_among_inputs(out, files)
@@ -191,10 +196,8 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
             fh.flush()
             os.fsync(fh.fileno())
         if not summary.written:
-            raise InputError(
-                f"No usable sample in {config.data} ({summary.records} records; skipped: "
-                f"{dict(summary.skipped)}). Check --data, --format and --max-seq-len."
-            )
+            raise InputError(Finding("prepare.no-usable-sample", data=str(config.data), records=summary.records,
+                                     skipped=dict(summary.skipped)))
         summary.seconds = time.perf_counter() - t0
         write_sidecar(out, {"producer": "dflash-prepare", **render_meta(config, renderer, files),
                          "max_seq_len": config.max_seq_len, "long_samples": config.long_samples,
@@ -218,15 +221,15 @@ def _init_worker(config: PrepareConfig) -> None:
 
 
 def _render_one(item: Any, renderer: ChatRenderer | None = None) -> tuple:
-    """("ok", id, where, ids, mask, group) | ("empty" | "refused", id, where, reason) | ("bad", None, where, reason)."""
+    """("ok", id, where, ids, mask, group) | ("empty" | "refused" | "bad", id, where, finding) (a bad record's id is None)."""
     if isinstance(item, tuple):
         return ("bad", None, *item)
     try:
         r = (renderer or _WORKER_RENDERER).render(item)
     except EmptySampleError as e:
-        return ("empty", item.id, item.where, str(e))
+        return ("empty", item.id, item.where, e.finding)
     except RenderError as e:
-        return ("refused", item.id, item.where, str(e))
+        return ("refused", item.id, item.where, e.finding)
     return ("ok", item.id, item.where, r.input_ids, r.loss_mask, item.group)
 
 
@@ -253,29 +256,30 @@ def _prepare_into(fh, files, config: PrepareConfig, renderer: ChatRenderer, summ
         bar.update(1)
         if kind == "bad":
             if not config.skip_bad:
-                raise InputError(f"{where}: {rest[0]}. Fix the record or pass --skip-bad to skip it.")
+                raise InputError(Finding("prepare.bad-record", where=where, problem=rest[0], command="dflash-prepare"))
             summary.skip("bad_record", where, rest[0])
             continue
         if rid in seen:
-            raise InputError(f"{where}: id {rid!r} was already used at {seen[rid]}. Ids must be unique.")
+            raise InputError(Finding("prepare.duplicate-id", where=where, id=rid, first=seen[rid]))
         seen[rid] = where
         if kind == "empty":
             summary.skip("empty", where, rest[0])
             continue
         if kind == "refused":
             if not config.skip_bad:
-                raise InputError(f"{where} (id {rid}): {rest[0]}. Or pass --skip-bad to skip such samples.")
+                raise InputError(Finding("prepare.render-refused", where=where, id=rid, problem=rest[0]))
             summary.skip("refused", where, rest[0])
             continue
         ids, mask, group = rest
         if len(ids) > config.max_seq_len:
             if config.long_samples == "skip":
-                summary.skip("long", where, f"{len(ids)} tokens > --max-seq-len {config.max_seq_len}")
+                summary.skip("long", where, Finding("prepare.sample-too-long", tokens=len(ids), flag="--max-seq-len",
+                                                    limit=config.max_seq_len))
                 continue
             ids, mask = ids[: config.max_seq_len], mask[: config.max_seq_len]
             summary.truncated += 1
             if not any(mask):
-                summary.skip("empty", where, "no supervised token within --max-seq-len")
+                summary.skip("empty", where, Finding("prepare.sample-nothing-supervised", flag="--max-seq-len"))
                 continue
         fh.write(format_record({"id": rid, **({} if group is None else {"group": group}), "input_ids": ids,
                                 "loss_mask": mask}) + "\n")

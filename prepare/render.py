@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 
 from .formats import Conversation
 
@@ -42,7 +43,7 @@ THINK_PAIRS = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
 
 
 class RenderError(InputError):
-    """A conversation cannot be rendered with a correct mask; the message is the reason."""
+    """A conversation cannot be rendered with a correct mask; its finding is the reason."""
 
 
 class EmptySampleError(RenderError):
@@ -62,17 +63,17 @@ def load_chat_template(path: str | Path) -> str:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
-        raise InputError(f"Cannot read the chat template {p} ({e}). Check --chat-template.") from e
+        raise InputError(Finding("prepare.template-unreadable", file=str(p), error=str(e))) from e
     if p.suffix == ".json":
         import json
 
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise InputError(f"{p} is not valid JSON ({e}); pass a .jinja file or a JSON with a chat_template key.") from e
+            raise InputError(Finding("prepare.template-json", file=str(p), error=str(e))) from e
         text = data.get("chat_template") if isinstance(data, dict) else None
         if not isinstance(text, str):
-            raise InputError(f"{p} has no chat_template string. Pass a Jinja file with --chat-template.")
+            raise InputError(Finding("prepare.template-json-without-template", file=str(p)))
     return text
 
 
@@ -109,10 +110,7 @@ class ChatRenderer:
         if isinstance(template, dict):
             template = template.get("default")
         if not template:
-            raise InputError(
-                "The target's tokenizer has no chat template. Pass one with --chat-template FILE "
-                "(the Jinja the serving engine uses for this model)."
-            )
+            raise InputError(Finding("prepare.tokenizer-without-template"))
         self.tokenizer = tokenizer
         self.template = template
         self.kwargs = dict(chat_template_kwargs or {})
@@ -149,7 +147,7 @@ class ChatRenderer:
                 add_generation_prompt=add_generation_prompt, **self.kwargs,
             )
         except Exception as e:  # jinja2 errors (raise_exception in templates), bad message shapes
-            raise RenderError(f"the chat template failed on it ({type(e).__name__}: {e})") from None
+            raise RenderError(Finding("prepare.template-failed", error=f"{type(e).__name__}: {e}")) from None
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -162,11 +160,11 @@ class ChatRenderer:
         """input_ids and loss_mask of a conversation; raises RenderError with the reason."""
         turns = conv.assistant_turns()
         if not turns:
-            raise EmptySampleError("it has no assistant turn (nothing to learn from)")
+            raise EmptySampleError(Finding("prepare.sample-without-assistant"))
         # An opening assistant message (a greeting) answers no prompt: it is context, never supervised.
         supervised = [i for i in (turns if self.loss_on == "all-assistant" else turns[-1:]) if i > 0]
         if not supervised:
-            raise EmptySampleError("its only assistant turn opens the conversation (there is no prompt it answers)")
+            raise EmptySampleError(Finding("prepare.sample-assistant-opens"))
         msgs = conv.messages[: supervised[-1] + 1]
         full = self.tokenize(self.render_text(msgs, conv.tools, add_generation_prompt=False))
         mask = np.zeros(len(full), np.uint8)
@@ -186,7 +184,7 @@ class ChatRenderer:
             if not self.supervise_empty_reasoning and not _has_reasoning(msgs[i]):
                 self._unmask_empty_reasoning(full, mask, start)
         if not mask.any():
-            raise EmptySampleError("its assistant turns render to no supervised token")
+            raise EmptySampleError(Finding("prepare.sample-nothing-supervised"))
         last = int(np.flatnonzero(mask)[-1]) + 1
         return Rendered(input_ids=full[:last], loss_mask=mask[:last].tolist(), prompt_len=starts[-1])
 
@@ -202,12 +200,7 @@ class ChatRenderer:
         history = self.tokenize(self.render_text(msgs[:i], tools, add_generation_prompt=False))
         if full[: len(history)] == history and at >= len(history):
             return at
-        raise RenderError(
-            f"the chat template renders the conversation before assistant turn {t + 1} (message {i}) "
-            f"differently from the same part of the whole conversation (they differ at token {at}), "
-            "so no mask can say where that turn starts; use --loss-on last-assistant, or a template "
-            "that does not rewrite history"
-        )
+        raise RenderError(Finding("prepare.template-rewrites-history", turn=t + 1, message=i, token=at))
 
     def _turn_end(self, msgs, tools, i: int, full: list[int], start: int, t: int) -> int:
         through = self.tokenize(self.render_text(msgs[: i + 1], tools, add_generation_prompt=False))
@@ -220,11 +213,7 @@ class ChatRenderer:
                 return k + 1
         if end == len(through):
             return end
-        raise RenderError(
-            f"the chat template rewrites assistant turn {t + 1} (message {i}) once later turns "
-            "follow, and no end-of-turn token of the target (EOS ids) closes it in the whole "
-            "rendering; use --loss-on last-assistant for this data"
-        )
+        raise RenderError(Finding("prepare.template-rewrites-turn", turn=t + 1, message=i))
 
     def _template_mask(self, msgs, tools, full: list[int]) -> np.ndarray:
         try:
@@ -233,10 +222,10 @@ class ChatRenderer:
                 return_assistant_tokens_mask=True, add_generation_prompt=False, **self.kwargs,
             )
         except Exception as e:
-            raise RenderError(f"the chat template's assistant mask failed ({type(e).__name__}: {e})") from None
+            raise RenderError(Finding("prepare.template-mask-failed", error=f"{type(e).__name__}: {e}")) from None
         ids, amask = list(out["input_ids"]), out["assistant_masks"]
         if ids != full:
-            raise RenderError("the template's assistant mask comes with tokens other than the rendering's")
+            raise RenderError(Finding("prepare.template-mask-tokens"))
         return np.asarray(amask, np.uint8)
 
     def _unmask_empty_reasoning(self, full: list[int], mask: np.ndarray, start: int) -> None:

@@ -159,8 +159,8 @@ def test_prepare_and_generate_carry_the_group(tmp_path):
     [conv, _] = list(iter_conversations([data]))
     assert isinstance(conv, Conversation) and conv.group == "doc-1"
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "c", "group": 1.5, "messages": messages}])
-    assert list(iter_conversations([bad])) == [(f"{bad}, line 1", "group (the record's group) must be a string or "
-                                                                  "an integer")]
+    [(where, problem)] = list(iter_conversations([bad]))
+    assert where == f"{bad}, line 1" and problem.code == "prepare.record-field-type" and problem.fields["field"] == "group"
     # --group-key takes the group from another field of the source records.
     data = write_jsonl(tmp_path / "conv.jsonl", [{"id": "a", "conversation_id": 42, "messages": messages}])
     out = tmp_path / "out2.jsonl"
