@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import atomic_write_bytes, file_lock
 
 from .errors import CacheCorruptError
@@ -91,8 +92,7 @@ def read_plan(cache_dir: str | os.PathLike, header: dict[str, Any]) -> Extractio
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CacheCorruptError(f"{path} is not valid JSON ({e}): the extraction plan is damaged. "
-                                "Delete it and rerun dflash-extract on the cache to write it again.") from e
+        raise CacheCorruptError(Finding("cache.plan-not-json", file=str(path), error=str(e))) from e
     if body.get("identity_sha256") != identity_digest(header):
         return None
     try:
@@ -103,8 +103,7 @@ def read_plan(cache_dir: str | os.PathLike, header: dict[str, Any]) -> Extractio
         if any(p.split_keys is not None and len(p.split_keys) != len(p.sample_ids) for p in parts):
             raise ValueError("split keys for every sample")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CacheCorruptError(f"{path}: the extraction plan lacks {e}: it is damaged. Delete it and "
-                                "rerun dflash-extract on the cache to write it again.") from e
+        raise CacheCorruptError(Finding("cache.plan-damaged", file=str(path), lacks=str(e))) from e
     return ExtractionPlan(parts)
 
 
@@ -121,11 +120,16 @@ class ExtractionProgress:
     def complete(self) -> bool:
         return self.committed >= self.planned
 
+    def fields(self) -> dict[str, int]:
+        """The counts, as a finding's fields (`messages.progress` renders them)."""
+        return dict(committed=self.committed, planned=self.planned, committed_samples=self.committed_samples,
+                    planned_samples=self.planned_samples)
+
     def describe(self) -> str:
         """"6 of its 46 planned parts are committed (24 of 300 samples)"."""
-        samples = (f" ({self.committed_samples:,} of {self.planned_samples:,} samples)"
-                   if self.planned_samples else "")
-        return f"{self.committed} of its {self.planned} planned parts are committed{samples}"
+        from .messages import progress
+
+        return progress(**self.fields())
 
 
 def unfinished_extraction(cache_dir: str | os.PathLike, header: dict[str, Any],

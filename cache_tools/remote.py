@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ from typing import Any
 
 import google_crc32c
 from dflash.runtime.errors import Interrupted
+from dflash.runtime.findings import Finding
 from dflash.runtime.signals import check_stop
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
@@ -40,9 +42,10 @@ from .remote_store import (
     RemoteCacheError,
     RemoteFile,
     RemoteStore,
+    endpoint_name,
     file_crc32c,
     is_remote,
-    local_disk_message,
+    local_disk_finding,
     obstore_usable,
     run_parallel,
     staged_manifest,
@@ -127,10 +130,8 @@ class StagedCache:
         self._index = index
         missing = [p.name for p in m.parts if p.name not in index.parts]
         if missing:
-            raise CacheCorruptError(
-                f"{self.url}: the parts {missing[:5]} are committed but not in {FILES_INDEX}: the "
-                "upload did not finish. Upload the cache again (`dflash-cache upload`)."
-            )
+            raise CacheCorruptError(Finding("cache.parts-not-indexed", url=self.url, parts=missing[:5],
+                                            index=FILES_INDEX))
         small = _small_arrays(header)
         jobs = [(p.name, f) for p in m.parts for f in index.parts[p.name] if _in_skeleton(f.path, small)]
         run_parallel(lambda job, _: self._fetch_checked(*job), jobs, self.threads)
@@ -185,13 +186,18 @@ class StagedCache:
 
     def _fetch_part_in_new_process(self, name: str) -> None:
         """`_fetch_part` run by a fresh interpreter (this module's __main__), its error re-raised
-        here as the same paragraph; a few hundred milliseconds per part of hundreds of MB."""
+        here with the same finding; a few hundred milliseconds per part of hundreds of MB."""
         argv = [sys.executable, "-m", __name__, str(self.url), str(self.path), name, str(self.retries),
                 str(self.threads)]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
             message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
             kind, _, text = message.partition(": ")
+            try:
+                sent = json.loads(text)
+                text = Finding(sent["code"], **sent["fields"]) if sent.get("code") else sent["text"]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                pass  # (not this module's line: the interpreter's own error)
             raise (CacheCorruptError if kind == "CacheCorruptError" else RemoteCacheError)(text or message)
 
     def _fetch_checked(self, name: str, f: RemoteFile) -> None:
@@ -212,12 +218,9 @@ class StagedCache:
                         out.write(block)
                         crc, size = google_crc32c.extend(crc, block), size + len(block)
                 if size != f.size or crc != f.crc32c:
-                    last = CacheCorruptError(
-                        f"{self.store.where(key)} (part {name!r}): the download has "
-                        + (f"{size} bytes, the index says {f.size}" if size != f.size else "a wrong crc32c")
-                        + f" after {self.retries} attempts. The remote object is corrupt: run `dflash-cache "
-                        f"verify {self.url}`, then upload the part again from a good copy."
-                    )
+                    last = CacheCorruptError(Finding(
+                        "cache.download-corrupt", object=self.store.where(key), part=name, size=size,
+                        indexed_size=f.size, attempts=self.retries, url=self.url))
                 else:
                     os.replace(tmp, dest)
                     return
@@ -225,8 +228,8 @@ class StagedCache:
                 last = e
             except OSError as e:  # the staging directory's disk: no retry mends it
                 tmp.unlink(missing_ok=True)
-                raise RemoteCacheError(local_disk_message(e, f"Staging {self.store.where(key)} (part {name!r}) "
-                                                              f"into {self.path}")) from e
+                raise RemoteCacheError(local_disk_finding(e, self.store.where(key), part=name,
+                                                          staging_dir=str(self.path))) from e
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -235,11 +238,12 @@ class StagedCache:
                 _sleep_unless_stopped(min(2.0, 0.1 * 2 ** attempt))
         if isinstance(last, CacheCorruptError):
             raise last
-        reason = str(last).removeprefix(f"Fetching {self.store.where(key)} failed: ")
-        raise RemoteCacheError(
-            f"Fetching {self.store.where(key)} (part {name!r}) failed {self.retries} times: {reason} "
-            "Parts already staged are kept."
-        ) from last
+        why = {k: last.fields[k] for k in ("cause", "detail", "endpoint")} if (
+            getattr(last, "code", None) == "cache.remote-request-failed") else dict(
+            cause="missing" if isinstance(last, CacheNotFoundError) else "other", detail=str(last),
+            endpoint=endpoint_name())
+        raise RemoteCacheError(Finding("cache.fetch-failed-retries", object=self.store.where(key), part=name,
+                                       attempts=self.retries, **why)) from last
 
     def evict_lru(self, needed: int, keep: set[str] = frozenset()) -> bool:
         """Remove the hidden-state files of least recently used staged parts until `needed`
@@ -396,8 +400,9 @@ def _fetch_part_main(argv: list[str]) -> int:
     url, path, name, retries, threads = argv
     try:
         StagedCache(url, path, retries=int(retries), threads=int(threads))._fetch_part(name)
-    except CacheError as e:
-        print(f"{type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+    except (CacheError, CacheCorruptError) as e:  # (the last line: its kind and finding, raised again by the parent)
+        sent = {"code": e.code, "fields": e.fields} if e.code else {"text": " ".join(str(e).split())}
+        print(f"{type(e).__name__}: {json.dumps(sent, default=str)}", file=sys.stderr)
         return 1
     return 0
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import google_crc32c
 from dflash.runtime.errors import Interrupted
+from dflash.runtime.findings import Finding
 from dflash.runtime.signals import StopRequest
 from dflash.runtime.signals import stop_requested as stop_requested_here
 
@@ -60,7 +61,7 @@ class ForeignPrefixError(CacheError):
     """An upload's prefix holds another cache than the one uploaded (`url`; `found` and
     `uploading` are their identity digests, `found` None for objects of no known cache)."""
 
-    def __init__(self, message: str, *, url: str, found: str | None, uploading: str):
+    def __init__(self, message: str | Finding, *, url: str, found: str | None, uploading: str):
         super().__init__(message)
         self.url, self.found, self.uploading = url, found, uploading
 
@@ -101,30 +102,29 @@ _NETWORK = re.compile(r"error sending request|connect|timed? ?out|dns|resolve|co
 LOCAL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 
 
-def failure_reason(e: BaseException) -> str:
-    """Why a request failed, in the terms a user acts on: the endpoint cannot be reached (the
-    network, AWS_ENDPOINT_URL), the credentials were refused, or the error's own first line
-    (obstore's debug dump is left out)."""
+def failure_fields(e: BaseException) -> dict[str, str]:
+    """Why a request failed, as a finding's fields, in the terms a user acts on: `cause`
+    "credentials" (refused or missing), "network" (the `endpoint` cannot be reached) or "other";
+    `detail` is the error's own first line (obstore's debug dump is left out)."""
     text = " ".join(str(e).split("Debug source:", 1)[0].split())
     detail = _clip(text.rsplit(" - ", 1)[-1])  # obstore: "Error performing GET <url> in 2s - <the cause>"
     if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or _CREDENTIALS.search(text):
-        return (f"the credentials were refused or are missing ({detail}): set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key that may use this bucket")
+        return {"cause": "credentials", "detail": detail, "endpoint": endpoint_name()}
     if _NETWORK.search(text):
-        return (f"{endpoint_name()} cannot be reached ({detail}): check the network and AWS_ENDPOINT_URL "
-                "(AWS_ALLOW_HTTP=true for an http:// endpoint), then rerun")
-    return _clip(text, 300)
+        return {"cause": "network", "detail": detail, "endpoint": endpoint_name()}
+    return {"cause": "other", "detail": _clip(text, 300), "endpoint": endpoint_name()}
 
 
 def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit].rstrip() + "..."
 
 
-def local_disk_message(e: OSError, what: str) -> str:
-    """An OSError of the local disk (no space, read-only, permission) while `what`: its path and the fix."""
-    where = f" ({e.filename})" if e.filename else ""
-    return (f"{what} failed on the local disk: {e.strerror or e}{where}. Free space there or choose another "
-            "location (dflash-train --staging-dir), then rerun: what was already fetched is kept.")
+def local_disk_finding(e: OSError, object_url: str, *, part: str | None = None,
+                       staging_dir: str | None = None) -> Finding:
+    """An OSError of the local disk (no space, read-only, permission) while uploading
+    `object_url`, or staging it (`part`) into `staging_dir`: its path and the fix."""
+    return Finding("cache.local-disk-failed", object=object_url, part=part, staging_dir=staging_dir,
+                   error=str(e.strerror or e), file=e.filename and str(e.filename))
 
 
 @dataclass(frozen=True)
@@ -190,18 +190,15 @@ class RemoteStore:
 
     def __init__(self, url: str):
         if not is_remote(url):
-            raise CacheError(f"{url} is not a remote cache URL: write s3://bucket/prefix.")
+            raise CacheError(Finding("cache.remote-url-invalid", url=url))
         try:
             import obstore
             from obstore.store import S3Store
         except ImportError:
-            raise CacheError(
-                f"Reading {url} needs obstore: pip install 'dflash-pipeline[s3]' (or pip install obstore)."
-            ) from None
+            raise CacheError(Finding("cache.obstore-missing", url=url)) from None
         global _OBSTORE_PID
         if not obstore_usable():
-            raise RemoteCacheError(f"{url}: obstore was used before this process was forked and cannot be "
-                                   "used in it; fetch through a fresh process (StagedCache does).")
+            raise RemoteCacheError(Finding("cache.obstore-forked", url=url))
         _OBSTORE_PID = _OBSTORE_PID or os.getpid()
         self.url = url.rstrip("/")
         self._obs = obstore
@@ -210,32 +207,33 @@ class RemoteStore:
         try:
             self.store = S3Store.from_url(self.url, client_options=options, retry_config=RETRY_CONFIG)
         except Exception as e:  # noqa: BLE001 - obstore raises its own types for bad URLs and settings
-            raise RemoteCacheError(f"Cannot open {url}: {failure_reason(e)}. Check the URL and the AWS_* "
-                                   "settings.") from e
+            raise RemoteCacheError(Finding("cache.remote-open-failed", url=url, **failure_fields(e))) from e
 
     def where(self, key: str) -> str:
         return f"{self.url}/{key}"
 
-    def failed(self, action: str, key: str, e: BaseException) -> RemoteCacheError:
-        """The one paragraph of a failed request: what, which object, and why."""
-        return RemoteCacheError(f"{action} {self.where(key)} failed: {failure_reason(e)}.")
+    def failed(self, action: str, key: str | None, e: BaseException) -> RemoteCacheError:
+        """A failed request: `action` (fetch, look-up, upload, list, delete), which object (None:
+        the prefix), and why."""
+        return RemoteCacheError(Finding("cache.remote-request-failed", action=action,
+                                        url=self.url if key is None else self.where(key), **failure_fields(e)))
 
     def get(self, key: str) -> bytes:
         try:
             return bytes(self._obs.get(self.store, key).bytes())
         except FileNotFoundError:
-            raise CacheNotFoundError(f"{self.where(key)} does not exist.") from None
+            raise CacheNotFoundError(Finding("cache.remote-object-missing", url=self.where(key))) from None
         except Exception as e:  # noqa: BLE001
-            raise self.failed("Fetching", key, e) from e
+            raise self.failed("fetch", key, e) from e
 
     def stream(self, key: str) -> Iterator[bytes]:
         """The object's bytes in blocks; an error mid-stream is this package's too."""
         try:
             blocks = self._obs.get(self.store, key).stream(min_chunk_size=READ_BLOCK)
         except FileNotFoundError:
-            raise CacheNotFoundError(f"{self.where(key)} does not exist.") from None
+            raise CacheNotFoundError(Finding("cache.remote-object-missing", url=self.where(key))) from None
         except Exception as e:  # noqa: BLE001
-            raise self.failed("Fetching", key, e) from e
+            raise self.failed("fetch", key, e) from e
         return self._blocks(key, blocks)
 
     def _blocks(self, key: str, blocks: Iterable[Any]) -> Iterator[bytes]:
@@ -246,7 +244,7 @@ class RemoteStore:
             except StopIteration:
                 return
             except Exception as e:  # noqa: BLE001
-                raise self.failed("Fetching", key, e) from e
+                raise self.failed("fetch", key, e) from e
             yield block
 
     def info(self, key: str) -> ObjectInfo | None:
@@ -257,7 +255,7 @@ class RemoteStore:
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001
-            raise self.failed("Looking up", key, e) from e
+            raise self.failed("look-up", key, e) from e
         try:
             crc = int(attrs[META_CRC32C], 16)
         except (KeyError, ValueError):
@@ -274,7 +272,7 @@ class RemoteStore:
         try:
             return [meta["path"] for batch in self._obs.list(self.store) for meta in batch]
         except Exception as e:  # noqa: BLE001
-            raise RemoteCacheError(f"Listing {self.url} failed: {failure_reason(e)}.") from e
+            raise self.failed("list", None, e) from e
 
     def put(self, key: str, data: bytes | Path, *, crc32c: int | None = None, cache: str | None = None) -> None:
         """Write one object; with `crc32c` and `cache`, recorded as its metadata (upload's)."""
@@ -283,17 +281,17 @@ class RemoteStore:
             self._obs.put(self.store, key, data, attributes=attributes)
         except OSError as e:
             if e.errno in LOCAL_DISK_ERRNOS and e.filename:  # reading the local file, not the request
-                raise RemoteCacheError(local_disk_message(e, f"Uploading {self.where(key)}")) from e
-            raise self.failed("Uploading", key, e) from e
+                raise RemoteCacheError(local_disk_finding(e, self.where(key))) from e
+            raise self.failed("upload", key, e) from e
         except Exception as e:  # noqa: BLE001
-            raise self.failed("Uploading", key, e) from e
+            raise self.failed("upload", key, e) from e
 
     def delete(self, keys: list[str]) -> None:
         try:
             for start in range(0, len(keys), 1000):
                 self._obs.delete(self.store, keys[start:start + 1000])
         except Exception as e:  # noqa: BLE001
-            raise RemoteCacheError(f"Deleting objects under {self.url} failed: {failure_reason(e)}.") from e
+            raise self.failed("delete", None, e) from e
 
 
 # -- the file index ----------------------------------------------------------------------------
@@ -322,7 +320,7 @@ class FilesIndex:
                 rec = json.loads(line)
                 out.parts[rec["part"]] = [RemoteFile(p, int(s), int(c, 16)) for p, s, c in rec["files"]]
             except (ValueError, KeyError, TypeError) as e:
-                raise CacheCorruptError(f"{where}, line {n}: not a file index record ({e}).") from e
+                raise CacheCorruptError(Finding("cache.file-index-record", file=where, line=n, error=str(e))) from e
         return out
 
 
@@ -347,9 +345,5 @@ def staged_manifest(store: RemoteStore):
             except CacheNotFoundError:
                 if name == LOG_FILE:
                     continue
-                raise CacheNotFoundError(
-                    f"{store.url} is not a dflash cache: it has no {name}. Upload a cache with "
-                    f"`dflash-cache upload LOCAL {store.url}` (the header is written last: an "
-                    "interrupted upload has none yet)."
-                ) from None
+                raise CacheNotFoundError(Finding("cache.remote-not-a-cache", url=store.url, missing=name)) from None
         yield read_manifest(d), FilesIndex.from_bytes((d / FILES_INDEX).read_bytes(), store.where(FILES_INDEX))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
+from dflash.runtime.findings import Finding
 
 from .errors import CacheError
 from .eviction import refuse_evicted
@@ -62,10 +63,7 @@ def upload_cache(local: str | os.PathLike, url: str, *, threads: int = 8, replac
     m = read_manifest(local)
     refuse_evicted(local, "upload")
     if (left := unfinished_extraction(local, m.header, {p.name for p in m.parts})) is not None:
-        raise CacheError(
-            f"Cannot upload {local}: it is not a finished cache ({left.describe()}): its extraction was stopped "
-            "before its end, is still running, or lost a rank, and a trainer of the remote copy would take the "
-            "parts there for the whole data. Rerun the same dflash-extract command to finish it, then upload.")
+        raise CacheError(Finding("cache.upload-unfinished", cache=str(local), **left.fields()))
     store = RemoteStore(url)
     digest = cache_digest(m.header)
     names = [p.name for p in m.parts]
@@ -134,8 +132,6 @@ def _foreign(store: RemoteStore, found: dict[str, ObjectInfo], header: dict[str,
     With a header there, its identity decides; without one (an unfinished upload), the objects'
     metadata does: each must be of this cache."""
     digest = cache_digest(header)
-    advice = ("Upload to another prefix, or pass --replace to delete what is there and upload this cache in its "
-              "place (the remote copy of the other cache is lost).")
     if HEADER_FILE in found:
         try:
             theirs = json.loads(store.get(HEADER_FILE))
@@ -144,25 +140,20 @@ def _foreign(store: RemoteStore, found: dict[str, ObjectInfo], header: dict[str,
             theirs, their_digest = None, None
         if their_digest == digest:
             return None
-        if theirs is None:
-            what = f"a {HEADER_FILE} that is not a cache header"
-        else:
-            differs = identity_differences(header, theirs, Purpose.RESUME)
-            what = f"another cache ({describe_cache(theirs)}" + (
-                "; " + ", ".join(f"{k} {_brief(b)} there, {_brief(a)} here" for k, a, b in differs[:2])
-                if differs else "") + ")"
-        return ForeignPrefixError(
-            f"{store.url} holds {what}, not {local} ({describe_cache(header)}): uploading would mix the two "
-            f"caches' objects under one prefix. {advice}", url=store.url, found=their_digest, uploading=digest)
+        differs = [] if theirs is None else identity_differences(header, theirs, Purpose.RESUME)
+        return ForeignPrefixError(Finding(
+            "cache.upload-prefix-other-cache", url=store.url, local=str(local), uploading=describe_cache(header),
+            there=None if theirs is None else describe_cache(theirs), header=HEADER_FILE,
+            differences=[[k, _brief(b), _brief(a)] for k, a, b in differs[:2]]),
+            url=store.url, found=their_digest, uploading=digest)
     others = sorted(k for k, info in found.items() if info.cache != digest)
     if not others:
         return None
     caches = sorted({found[k].cache for k in others if found[k].cache})
-    whose = (f"of the unfinished upload of another cache (identity {', '.join(caches[:2])})" if caches
-             else "written by no dflash upload of this cache")
-    return ForeignPrefixError(
-        f"{store.url} holds {len(others)} object(s) ({others[0]} first) {whose}, not of {local} "
-        f"({describe_cache(header)}). {advice}", url=store.url, found=caches[0] if caches else None, uploading=digest)
+    return ForeignPrefixError(Finding(
+        "cache.upload-prefix-foreign-objects", url=store.url, objects=len(others), first=others[0],
+        caches=caches[:2], local=str(local), uploading=describe_cache(header)),
+        url=store.url, found=caches[0] if caches else None, uploading=digest)
 
 
 @dataclass

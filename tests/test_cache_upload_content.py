@@ -83,6 +83,8 @@ def test_an_upload_to_a_prefix_holding_another_cache_is_refused_and_replace_leav
     with pytest.raises(remote_store.ForeignPrefixError) as refused:
         remote_upload.upload_cache(tmp_path / "b", url)
     assert (refused.value.url, refused.value.found, refused.value.uploading) == (url, a_id, b_id)
+    assert refused.value.code == "cache.upload-prefix-other-cache" and refused.value.fields["url"] == url
+    assert a_id in refused.value.fields["there"] and b_id in refused.value.fields["uploading"]
 
     res = CliRunner().invoke(cache_main, ["upload", str(tmp_path / "b"), url, "--replace"])
     assert res.exit_code == 0, res.output
@@ -102,6 +104,8 @@ def test_the_unfinished_upload_of_another_cache_is_refused_by_its_objects(tmp_pa
     with pytest.raises(remote_store.ForeignPrefixError) as refused:
         remote_upload.upload_cache(tmp_path / "b", url)
     assert refused.value.found == remote_store.cache_digest(read_header(tmp_path / "a"))
+    assert refused.value.code == "cache.upload-prefix-foreign-objects"
+    assert refused.value.fields["caches"] == [refused.value.found]
     # The same cache resumes its own unfinished upload.
     assert remote_upload.upload_cache(tmp_path / "a", url)["files_uploaded"] == 0
 
@@ -186,8 +190,9 @@ def test_a_full_staging_disk_is_named_as_the_local_disk_not_the_connection(tmp_p
     monkeypatch.setattr(remote, "open", full, raising=False)
     with pytest.raises(remote_store.RemoteCacheError) as failed:
         stage.ensure("part-000000")
-    text = str(failed.value)
-    assert "local disk" in text and str(tmp_path / "stage") in text and "AWS_" not in text, text
+    assert failed.value.code == "cache.local-disk-failed", str(failed.value)
+    assert failed.value.fields["staging_dir"] == str(tmp_path / "stage") and failed.value.fields["part"] == "part-000000"
+    assert failed.value.fields["file"].startswith(str(tmp_path / "stage")) and "AWS_" not in str(failed.value)
     assert len(attempts) >= 1 and not stage.is_staged("part-000000")
 
 
