@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+from dflash.runtime.findings import Finding
 
 from .errors import CacheError
 
@@ -36,9 +37,16 @@ class ImportSourceError(CacheError):
 
 class BadSampleFile(ImportSourceError):
     """One sample file cannot be interpreted: `path` names it, `key` the entry (None: the file as a
-    whole), `problem` what is wrong with it."""
+    whole), `problem` what is wrong with it (a finding's code: its fields `file`, `key` and values).
 
-    def __init__(self, path: Path, key: str | None, problem: str, fix: str = ""):
+    Built from a `Finding` (`BadSampleFile(Finding("cache.sample-...", file=..., key=..., ...))`);
+    the old form `BadSampleFile(path, key, problem, fix)` reads as text."""
+
+    def __init__(self, path: Path | Finding, key: str | None = None, problem: str = "", fix: str = ""):
+        if isinstance(path, Finding):
+            self.path, self.key, self.problem = Path(path.fields["file"]), path.fields.get("key"), path.code
+            super().__init__(path)
+            return
         self.path, self.key, self.problem = Path(path), key, problem
         where = f"{path}" + (f", key {key!r}" if key else "")
         super().__init__(f"{where}: {problem}." + (f" {fix}" if fix else ""))
@@ -115,11 +123,10 @@ def register_source(cls: type[SampleSource]) -> type[SampleSource]:
 def source_for(name: str, src: str | Path) -> SampleSource:
     """The registered source `name` over the directory `src`."""
     if name not in SOURCES:
-        raise ImportSourceError(f"--format {name!r} is not a format dflash-cache import reads: use one of "
-                                f"{', '.join(sorted(SOURCES))}.")
+        raise ImportSourceError(Finding("cache.import-format-unknown", format=name, formats=sorted(SOURCES)))
     path = Path(src)
     if not path.is_dir():
-        raise ImportSourceError(f"{path} is not a directory: point dflash-cache import at the {name} output directory.")
+        raise ImportSourceError(Finding("cache.import-source-not-dir", src=str(path), format=name))
     return SOURCES[name](path)
 
 
@@ -141,13 +148,14 @@ def _token_vector(value: Any, path: Path, key: str) -> np.ndarray:
     """A [T] (or [1, T]) integer tensor as int64 numpy."""
     torch = _torch()
     if not isinstance(value, torch.Tensor):
-        raise BadSampleFile(path, key, f"is a {type(value).__name__}, not a tensor")
+        raise BadSampleFile(Finding("cache.sample-not-tensor", file=str(path), key=key, got=type(value).__name__))
     if value.dim() == 2 and value.shape[0] == 1:
         value = value[0]
     if value.dim() != 1:
-        raise BadSampleFile(path, key, f"has shape {list(value.shape)}, not [tokens] (or [1, tokens])")
+        raise BadSampleFile(Finding("cache.sample-token-shape", file=str(path), key=key, shape=list(value.shape)))
     if value.dtype.is_floating_point or value.dtype.is_complex:
-        raise BadSampleFile(path, key, f"holds {str(value.dtype).removeprefix('torch.')} values, not integers")
+        raise BadSampleFile(Finding("cache.sample-token-dtype", file=str(path), key=key,
+                                    dtype=str(value.dtype).removeprefix("torch.")))
     return value.to(torch.int64).numpy()
 
 
@@ -155,19 +163,19 @@ def _hidden_matrix(value: Any, path: Path, key: str) -> Any:
     """A [T, W] (or [1, T, W]) floating tensor."""
     torch = _torch()
     if not isinstance(value, torch.Tensor):
-        raise BadSampleFile(path, key, f"is a {type(value).__name__}, not a tensor")
+        raise BadSampleFile(Finding("cache.sample-not-tensor", file=str(path), key=key, got=type(value).__name__))
     if value.dim() == 3 and value.shape[0] == 1:
         value = value[0]
     if value.dim() != 2:
-        raise BadSampleFile(path, key, f"has shape {list(value.shape)}, not [tokens, width] (or [1, tokens, width])")
+        raise BadSampleFile(Finding("cache.sample-hidden-shape", file=str(path), key=key, shape=list(value.shape)))
     _check_float(str(value.dtype).removeprefix("torch."), path, key)
     return value
 
 
 def _check_float(dtype: str, path: Path, key: str) -> None:
     if dtype not in FLOAT_DTYPES:
-        raise BadSampleFile(path, key, f"holds {dtype} values; an import reads {', '.join(FLOAT_DTYPES)} hidden "
-                                       "states (a quantized format needs its scales, which this file does not name)")
+        raise BadSampleFile(Finding("cache.sample-hidden-dtype", file=str(path), key=key, dtype=dtype,
+                                    dtypes=list(FLOAT_DTYPES)))
 
 
 # -- SpecForge ----------------------------------------------------------------------------------
@@ -201,19 +209,15 @@ class SpecForgeSource(SampleSource):
                 continue
             index = int(match.group(1))
             if index in found:
-                raise ImportSourceError(
-                    f"{found[index]} and {path} both hold sample {index}: SpecForge writes one file per sample "
-                    "(a run with and one without --compress wrote the same directory?). Remove one of them.")
+                raise ImportSourceError(Finding("cache.specforge-duplicate-sample", file=str(path),
+                                                other=str(found[index]), sample=index))
             found[index] = path
         if not found:
-            raise ImportSourceError(
-                f"{self.src} holds no SpecForge feature files (data_<index>.ckpt or .ckpt.gz, below rows_* "
-                "directories): point at the --output-path of scripts/prepare_hidden_states.py.")
+            raise ImportSourceError(Finding("cache.specforge-no-files", src=str(self.src)))
         return [SampleFile(i, found[i]) for i in sorted(found)]
 
     def _load(self, path: Path, *, lazy: bool) -> dict[str, Any]:
         torch = _torch()
-        fix = "Regenerate it with prepare_hidden_states.py, or pass --skip-bad to leave it out."
         try:
             if path.name.endswith(".gz"):
                 with gzip.open(path, "rb") as fh:
@@ -227,13 +231,13 @@ class SpecForgeSource(SampleSource):
                         raise
                     obj = torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, EOFError, RuntimeError, ValueError) as e:
-            raise BadSampleFile(path, None, f"cannot be read as a torch.save file ({str(e).splitlines()[0]})",
-                                fix) from e
+            raise BadSampleFile(Finding("cache.sample-not-torch-save", file=str(path), key=None,
+                                        error=(str(e).splitlines() or [""])[0])) from e
         except pickle.UnpicklingError as e:  # weights_only refuses anything but tensors and plain containers
-            raise BadSampleFile(path, None, "holds objects other than tensors (torch.load(weights_only=True) "
-                                            f"refused it: {str(e).splitlines()[0]})", fix) from e
+            raise BadSampleFile(Finding("cache.sample-not-tensors", file=str(path), key=None,
+                                        error=(str(e).splitlines() or [""])[0])) from e
         if not isinstance(obj, dict):
-            raise BadSampleFile(path, None, f"holds a {type(obj).__name__}, not a dict of tensors", fix)
+            raise BadSampleFile(Finding("cache.sample-not-dict", file=str(path), key=None, got=type(obj).__name__))
         return obj
 
     def read(self, sample: SampleFile, *, shape_only: bool = False) -> RawSample:
@@ -242,10 +246,8 @@ class SpecForgeSource(SampleSource):
         keys = [k for k in self.HIDDEN_KEYS if k in obj]
         missing = [k for k in ("input_ids", "loss_mask") if k not in obj]
         if missing or len(keys) != 1:
-            what = (f"lacks {missing}" if missing else
-                    f"holds both {keys}" if keys else f"holds none of {list(self.HIDDEN_KEYS)}")
-            raise BadSampleFile(path, None, f"{what} (its keys: {sorted(map(str, obj))}): it is not a SpecForge "
-                                            "DFlash/DSpark/Domino or EAGLE3 feature file")
+            raise BadSampleFile(Finding("cache.specforge-keys", file=str(path), key=None, missing=missing,
+                                        hidden=keys, expected=list(self.HIDDEN_KEYS), keys=sorted(map(str, obj))))
         hidden = _hidden_matrix(obj[keys[0]], path, keys[0])
         out = RawSample(_token_vector(obj["input_ids"], path, "input_ids"),
                         _token_vector(obj["loss_mask"], path, "loss_mask"),
@@ -277,13 +279,14 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             header = json.loads(fh.read(size))
             total = fh.seek(0, 2)
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise BadSampleFile(path, None, f"is not a readable safetensors file ({e})") from e
+        raise BadSampleFile(Finding("cache.safetensors-unreadable", file=str(path), key=None, error=str(e))) from e
     if not isinstance(header, dict):
-        raise BadSampleFile(path, None, "is not a safetensors file (its header is not a JSON object)")
+        raise BadSampleFile(Finding("cache.safetensors-not-object", file=str(path), key=None))
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     end = max((int(v["data_offsets"][1]) for v in tensors.values() if isinstance(v, dict)), default=0)
     if 8 + size + end > total:
-        raise BadSampleFile(path, None, f"is truncated ({total:,} bytes, its header promises {8 + size + end:,})")
+        raise BadSampleFile(Finding("cache.safetensors-truncated", file=str(path), key=None, size=total,
+                                    promised=8 + size + end))
     return header
 
 
@@ -292,22 +295,17 @@ def _read_arrow_dataset(directory: Path) -> Any:
     try:
         import pyarrow as pa
     except ImportError:
-        raise ImportSourceError(
-            f"{directory} is a speculators dataset (Arrow files), and reading it needs pyarrow, which is not "
-            "installed. Install it with `pip install 'dflash-pipeline[parquet]'` (or `pip install pyarrow`).") from None
+        raise ImportSourceError(Finding("cache.pyarrow-missing", src=str(directory))) from None
     state_path = directory / "state.json"
     try:
         state = json.loads(state_path.read_text())
         files = [directory / entry["filename"] for entry in state["_data_files"]]
     except FileNotFoundError:
-        raise ImportSourceError(
-            f"{directory} holds no state.json: a speculators import reads the dataset written by prepare_data.py "
-            "(its --output, the directory whose hidden_states/ holds the hs_<index>.safetensors files).") from None
+        raise ImportSourceError(Finding("cache.speculators-no-state", src=str(directory))) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ImportSourceError(f"{state_path} does not list the dataset's Arrow files ({e}).") from e
+        raise ImportSourceError(Finding("cache.speculators-state-files", file=str(state_path), error=str(e))) from e
     if state.get("_indices_data_files"):
-        raise ImportSourceError(f"{state_path} maps its rows through an indices file, which the import does not "
-                                "read: save the dataset again with save_to_disk (it writes the rows in order).")
+        raise ImportSourceError(Finding("cache.speculators-indices", file=str(state_path)))
     tables = []
     for path in files:
         try:
@@ -317,12 +315,12 @@ def _read_arrow_dataset(directory: Path) -> Any:
             except pa.ArrowInvalid:
                 tables.append(pa.ipc.open_file(source).read_all())
         except (OSError, pa.ArrowException) as e:
-            raise ImportSourceError(f"{path}: cannot read the dataset's Arrow file ({e}).") from e
+            raise ImportSourceError(Finding("cache.arrow-unreadable", file=str(path), error=str(e))) from e
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else None
     missing = [] if table is None else [c for c in ("input_ids", "loss_mask") if c not in table.column_names]
     if table is None or missing:
-        raise ImportSourceError(f"{directory}: the dataset has no {missing or 'rows'} "
-                                f"(columns: {[] if table is None else table.column_names}).")
+        raise ImportSourceError(Finding("cache.speculators-columns", src=str(directory), missing=missing,
+                                        columns=[] if table is None else list(table.column_names)))
     return table
 
 
@@ -357,14 +355,11 @@ class SpeculatorsSource(SampleSource):
                 if match is not None and path.is_file():
                     found[int(match.group(1))] = path
         if not found:
-            raise ImportSourceError(
-                f"{self.hidden_dir} holds no hs_<row>.safetensors files: point at the dataset directory whose "
-                "hidden_states/ data_generation_offline.py filled (its default --output).")
+            raise ImportSourceError(Finding("cache.speculators-no-files", src=str(self.hidden_dir)))
         beyond = sorted(i for i in found if i >= rows)
         if beyond:
-            raise ImportSourceError(
-                f"{found[beyond[0]]} is the hidden states of row {beyond[0]}, but the dataset at {self.src} has "
-                f"{rows} rows ({len(beyond)} such file(s)): the files were generated from another dataset.")
+            raise ImportSourceError(Finding("cache.speculators-row-beyond", file=str(found[beyond[0]]), row=beyond[0],
+                                            src=str(self.src), rows=rows, files=len(beyond)))
         if len(found) < rows:
             self.notes.append(f"{rows - len(found):,} of the dataset's {rows:,} rows have no hidden-state file "
                               "(not generated: --max-samples, or requests that failed): they are not imported.")
@@ -373,23 +368,23 @@ class SpeculatorsSource(SampleSource):
     def _row(self, row: int, name: str, path: Path) -> np.ndarray:
         values = self._table.column(name)[row].values
         if values is None:
-            raise BadSampleFile(path, name, f"is missing from row {row} of the dataset at {self.src}")
+            raise BadSampleFile(Finding("cache.sample-row-missing", file=str(path), key=name, row=row, src=str(self.src)))
         return np.asarray(values.to_numpy(zero_copy_only=False)).astype(np.int64, copy=False)
 
     def read(self, sample: SampleFile, *, shape_only: bool = False) -> RawSample:
         path = sample.path
         if path.with_name(path.name + ".lock").exists():
-            raise BadSampleFile(path, None, "is still being written (its .lock file is there)",
-                                "Wait for data_generation_offline.py to finish, or pass --skip-bad to leave it out.")
+            raise BadSampleFile(Finding("cache.sample-being-written", file=str(path), key=None))
         header = safetensors_header(path)
         for key in ("hidden_states", "token_ids"):
             if not isinstance(header.get(key), dict):
-                raise BadSampleFile(path, None, f"lacks {key!r} (its keys: {sorted(k for k in header if k != '__metadata__')})")
+                raise BadSampleFile(Finding("cache.sample-lacks-key", file=str(path), key=None, lacks=key,
+                                            keys=sorted(k for k in header if k != "__metadata__")))
         shape = [int(x) for x in header["hidden_states"]["shape"]]
         _check_float(_SAFETENSORS_DTYPES.get(header["hidden_states"]["dtype"], header["hidden_states"]["dtype"]),
                      path, "hidden_states")
         if len(shape) != 3:
-            raise BadSampleFile(path, "hidden_states", f"has shape {shape}, not [tokens, layers, hidden]")
+            raise BadSampleFile(Finding("cache.sample-hidden-3d", file=str(path), key="hidden_states", shape=shape))
         from safetensors import safe_open
 
         try:
@@ -397,12 +392,11 @@ class SpeculatorsSource(SampleSource):
                 token_ids = _token_vector(fh.get_tensor("token_ids"), path, "token_ids")
                 hidden = None if shape_only else fh.get_tensor("hidden_states")
         except (OSError, RuntimeError, ValueError) as e:
-            raise BadSampleFile(path, None, f"cannot be read ({e})") from e
+            raise BadSampleFile(Finding("cache.sample-unreadable", file=str(path), key=None, error=str(e))) from e
         input_ids = self._row(sample.sample_id, "input_ids", path)
         if not np.array_equal(token_ids, input_ids):
-            raise BadSampleFile(path, "token_ids", f"holds {len(token_ids)} token ids that are not row "
-                                                   f"{sample.sample_id}'s input_ids ({len(input_ids)} ids) in the dataset",
-                                "The hidden states belong to another sample: regenerate the file.")
+            raise BadSampleFile(Finding("cache.sample-token-ids-mismatch", file=str(path), key="token_ids",
+                                        tokens=len(token_ids), row=sample.sample_id, row_tokens=len(input_ids)))
         out = RawSample(input_ids, self._row(sample.sample_id, "loss_mask", path), rows=shape[0], width=shape[1] * shape[2],
                         slot_width=shape[2])
         if hidden is not None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 from dflash.runtime.errors import InputError, SettingError
+from dflash.runtime.findings import Finding
 from dflash.runtime.locks import inside
 
 from .codecs import HiddenCodec
@@ -40,6 +41,7 @@ from .importers import BadSampleFile, RawSample, SampleFile, SampleSource, sourc
 from .layers import validate_target_layer_ids
 from .maintenance import progress_bar
 from .manifest import HEADER_FILE, check_identity, make_header, read_manifest
+from .messages import PLANNED_FIX
 from .plan import PlannedPart, read_plan, write_plan
 from .sample_scores import prompt_split_key
 from .summary import raw_bf16_bytes
@@ -67,16 +69,14 @@ def read_target(model_dir: str | os.PathLike) -> TargetShape:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise InputError(f"{path} does not exist: --target-model names the target's Hugging Face directory "
-                         "(its config.json gives the hidden size, layers and vocabulary).") from None
+        raise InputError(Finding("cache.import-target-config-missing", file=str(path))) from None
     except (OSError, ValueError) as e:
-        raise InputError(f"{path} cannot be read as JSON ({e}).") from e
+        raise InputError(Finding("cache.import-target-config-unreadable", file=str(path), error=str(e))) from e
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     try:
         hidden, layers, vocab = (int(text[k]) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
     except (KeyError, TypeError, ValueError) as e:
-        raise InputError(f"{path} lacks a usable {e} (hidden_size, num_hidden_layers and vocab_size are needed "
-                         "to check the imported hidden states).") from None
+        raise InputError(Finding("cache.import-target-config-lacks", file=str(path), lacks=str(e))) from None
     archs = config.get("architectures") or [None]
     identity = {"architecture": archs[0], "hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab,
                 "config_hash": config_file_hash(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
@@ -106,16 +106,14 @@ class ImportLayers:
 def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, first_file: Path, *,
                    target_layer_ids: list[int] | None, source_layer_ids: list[int] | None) -> ImportLayers:
     """Our layer ids and the files' slots, from one of the two flags and the first file's width."""
-    flag_help = (f"--target-layer-ids (ours: id l is the output of decoder layer l) or --source-layer-ids (the "
-                 f"{source.name} numbering: {source.layer_ids_help})")
     if (target_layer_ids is None) == (source_layer_ids is None):
-        raise SettingError(f"Pass one of {flag_help}: the {source.name} files do not record which layers they hold.")
+        raise SettingError(Finding("cache.import-layer-flags", source=source.name, numbering=source.layer_ids_help))
     if first.slot_width is not None and first.slot_width != target.hidden_size:
-        raise BadSampleFile(first_file, None, f"holds layers of width {first.slot_width}, the target's hidden size is "
-                                              f"{target.hidden_size}: it was written for another target")
+        raise BadSampleFile(Finding("cache.sample-slot-width", file=str(first_file), key=None, width=first.slot_width,
+                                    hidden_size=target.hidden_size))
     if first.width % target.hidden_size:
-        raise BadSampleFile(first_file, None, f"holds hidden states of width {first.width}, not a multiple of the "
-                                              f"target's hidden size {target.hidden_size}: it was written for another target")
+        raise BadSampleFile(Finding("cache.sample-width-not-multiple", file=str(first_file), key=None,
+                                    width=first.width, hidden_size=target.hidden_size))
     slots, n, offset = first.width // target.hidden_size, target.num_layers, source.layer_offset
     numbering = (f" ({source.name} numbers our layer id l as l + {offset})" if offset else "")
     if source_layer_ids is not None:
@@ -129,11 +127,12 @@ def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, 
         final = source.final_slot and slots == len(ours) + 1
         ids = [i + offset for i in ours] + ([n - 1 + offset] if final else [])
     if len(ids) != slots:
-        raise BadSampleFile(first_file, None, f"holds {slots} layers of width {target.hidden_size}, but the layer ids "
-                                              f"name {len(ids)} ({ids} in the {source.name} numbering)",
-                            f"Pass the ids of every layer the files hold: {flag_help}.")
+        raise BadSampleFile(Finding("cache.sample-layer-count", file=str(first_file), key=None, slots=slots,
+                                    hidden_size=target.hidden_size, ids=ids, source=source.name,
+                                    numbering=source.layer_ids_help))
     if first.layer_ids is not None and list(first.layer_ids) != ids:
-        raise BadSampleFile(first_file, None, f"records the layers {list(first.layer_ids)}, the flags name {ids}")
+        raise BadSampleFile(Finding("cache.sample-layers-recorded", file=str(first_file), key=None,
+                                    recorded=list(first.layer_ids), ids=ids))
     return ImportLayers(tuple(ids), tuple(ours), final)
 
 
@@ -142,26 +141,27 @@ def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, 
 
 def check_sample(raw: RawSample, path: Path, target: TargetShape, width: int) -> None:
     """Raise BadSampleFile where a sample's parts disagree or leave the target's ranges."""
-    tokens = raw.input_ids.shape[0]
+    tokens, file = raw.input_ids.shape[0], str(path)
     if tokens == 0:
-        raise BadSampleFile(path, "input_ids", "is empty: a cached sample needs at least one token")
+        raise BadSampleFile(Finding("cache.sample-empty", file=file, key="input_ids"))
     if raw.loss_mask.shape[0] != tokens:
-        raise BadSampleFile(path, "loss_mask", f"has {raw.loss_mask.shape[0]} entries for {tokens} input_ids")
+        raise BadSampleFile(Finding("cache.sample-mask-length", file=file, key="loss_mask",
+                                    entries=int(raw.loss_mask.shape[0]), tokens=tokens))
     if raw.rows != tokens:
-        raise BadSampleFile(path, "hidden states", f"has {raw.rows} rows for {tokens} input_ids: the hidden states "
-                                                   "are not the states of these tokens")
+        raise BadSampleFile(Finding("cache.sample-rows", file=file, key="hidden states", rows=raw.rows, tokens=tokens))
     if raw.width != width:
-        raise BadSampleFile(path, "hidden states", f"has width {raw.width}, the other files {width} (the layers or "
-                                                   "the target differ between files)")
+        raise BadSampleFile(Finding("cache.sample-width-differs", file=file, key="hidden states", width=raw.width,
+                                    others=width))
     if raw.slot_width is not None and raw.slot_width != target.hidden_size:
-        raise BadSampleFile(path, "hidden states", f"holds layers of width {raw.slot_width}, the target's hidden size "
-                                                   f"is {target.hidden_size}")
+        raise BadSampleFile(Finding("cache.sample-slot-width", file=file, key="hidden states", width=raw.slot_width,
+                                    hidden_size=target.hidden_size))
     outside = np.flatnonzero((raw.input_ids < 0) | (raw.input_ids >= target.vocab_size))
     if outside.size:
-        raise BadSampleFile(path, "input_ids", f"holds the id {int(raw.input_ids[outside[0]])} at position "
-                                               f"{int(outside[0])}, outside the target's {target.vocab_size} ids")
+        raise BadSampleFile(Finding("cache.sample-token-outside", file=file, key="input_ids",
+                                    token=int(raw.input_ids[outside[0]]), position=int(outside[0]),
+                                    vocab_size=target.vocab_size))
     if not np.isin(raw.loss_mask, (0, 1)).all():
-        raise BadSampleFile(path, "loss_mask", "holds values other than 0 and 1")
+        raise BadSampleFile(Finding("cache.sample-mask-values", file=file, key="loss_mask"))
 
 
 def _split_key(raw: RawSample) -> int:
@@ -217,19 +217,14 @@ class ImportOptions:
 
 _SOLE_WRITER = ("dflash-cache import writes the cache alone: wait for the other writer to finish or stop it, then "
                 "rerun (or choose another output directory).")
-_PLANNED_FIX = ("It was readable when the import was planned: restore it, or start the import anew with --force "
-                "(--skip-bad then leaves it out).")
-
-
 def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model: str | os.PathLike,
                  options: ImportOptions, force: bool = False, progress: bool | None = None) -> ImportReport:
     """Import the `options.format` directory `src` into the cache `dst` (resumable)."""
     src, dst = Path(src), Path(dst)
     if inside(dst, src) or inside(src, dst):
-        raise CacheError(f"The cache {dst} and the source {src} overlap: write the cache into a directory outside "
-                         "the source (and not around it).")
+        raise CacheError(Finding("cache.import-overlap", cache=str(dst), src=str(src)))
     if options.part_tokens <= 0:
-        raise SettingError(f"--part-tokens must be positive (got {options.part_tokens}).")
+        raise SettingError(Finding("cache.import-part-tokens", flag="--part-tokens", value=options.part_tokens))
     source = source_for(options.format, src)
     target = read_target(target_model)
     files = source.scan()
@@ -238,8 +233,8 @@ def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model
     layers = resolve_layers(source, target, first, first_file.path, target_layer_ids=options.target_layer_ids,
                             source_layer_ids=options.source_layer_ids)
     if options.store_last_hidden and not layers.final:
-        raise SettingError(f"--store-last-hidden: the {source.name} files hold no last-layer slot "
-                           f"({layers.describe(source, False)}); import without it.")
+        raise SettingError(Finding("cache.import-no-last-layer", flag="--store-last-hidden", source=source.name,
+                                   source_ids=list(layers.source_ids), target_layer_ids=list(layers.target_layer_ids)))
     report.layers = layers.describe(source, options.store_last_hidden)
     header = _header(source, files, layers, target, options, target_model)
     if (dst / HEADER_FILE).exists() and not force:  # refused before any file is read for the plan
@@ -277,8 +272,8 @@ def _first_readable(source: SampleSource, files: list[SampleFile],
             if not skip_bad:
                 raise
             bad.append((f, e))
-    raise ImportSourceEmpty(f"None of the {len(files)} sample files of {source.src} can be read "
-                            f"(the first: {bad[0][1]}).")
+    raise ImportSourceEmpty(Finding("cache.import-nothing-readable", files=len(files), src=str(source.src),
+                                    first=bad[0][1].finding or str(bad[0][1])))
 
 
 def _header(source: SampleSource, files: list[SampleFile], layers: ImportLayers, target: TargetShape,
@@ -302,6 +297,7 @@ def _plan(source: SampleSource, files: list[SampleFile], target: TargetShape, wi
     """Every readable sample's length and split key, cut into parts of at most --part-tokens."""
     bad_ids = {f.sample_id for f, _ in early_bad}
     report.bad += [(f.path, str(e)) for f, e in early_bad]
+    first_bad = [e.finding or str(e) for _f, e in early_bad[:1]]
     parts: list[PlannedPart] = []
     ids: list[int] = []
     lengths: list[int] = []
@@ -324,6 +320,7 @@ def _plan(source: SampleSource, files: list[SampleFile], target: TargetShape, wi
                 if not options.skip_bad:
                     raise
                 report.bad.append((f.path, str(e)))
+                first_bad = first_bad or [e.finding or str(e)]
                 continue
             n = raw.input_ids.shape[0]
             if ids and sum(lengths) + n > options.part_tokens:
@@ -331,8 +328,8 @@ def _plan(source: SampleSource, files: list[SampleFile], target: TargetShape, wi
             ids.append(f.sample_id), lengths.append(n), keys.append(_split_key(raw))
     close()
     if not parts:
-        raise ImportSourceEmpty(f"None of the {len(files)} sample files of {source.src} can be imported "
-                                f"(the first: {report.bad[0][1] if report.bad else 'none'}).")
+        raise ImportSourceEmpty(Finding("cache.import-nothing-importable", files=len(files), src=str(source.src),
+                                        first=first_bad[0] if first_bad else None))
     return parts
 
 
@@ -362,10 +359,8 @@ def _write_parts(source: SampleSource, writer: CacheWriter, planned: list[Planne
                     if skipped:
                         pw.stats["skipped_bad"] = skipped
             except OSError as e:  # a full disk: its OSError names no file (a write's)
-                raise CacheStorageError(
-                    f"Writing part {part.name} into {writer.cache_dir} failed: {e.strerror or e}"
-                    f"{f' ({e.filename})' if e.filename else ''}. Free space there (or fix the cause), then rerun "
-                    "the same command: the parts written so far are kept and skipped.") from e
+                raise CacheStorageError(Finding("cache.part-write-failed", part=part.name, cache=str(writer.cache_dir),
+                                                error=str(e.strerror or e), file=e.filename and str(e.filename))) from e
             (report.written if pw.committed else report.skipped).append(part.name)
             bar.update(part.tokens)
 
@@ -378,11 +373,14 @@ def _read_planned(source: SampleSource, f: SampleFile, target: TargetShape, widt
         raw = source.read(f)
         check_sample(raw, f.path, target, width)
         if raw.rows != length:
-            raise BadSampleFile(f.path, "input_ids", f"has {raw.rows} tokens, {length} when the import was planned")
+            raise BadSampleFile(Finding("cache.sample-tokens-changed", file=str(f.path), key="input_ids", tokens=raw.rows,
+                                        planned_tokens=length))
         if not _finite(raw.hidden, torch):
-            raise BadSampleFile(f.path, "hidden states", "holds NaN or infinite values")
+            raise BadSampleFile(Finding("cache.sample-not-finite", file=str(f.path), key="hidden states"))
     except BadSampleFile as e:
-        raise BadSampleFile(e.path, e.key, e.problem, _PLANNED_FIX) from e
+        if e.finding is None:  # (a registered source's own text)
+            raise BadSampleFile(e.path, e.key, e.problem, PLANNED_FIX) from e
+        raise BadSampleFile(Finding(e.code, **{**e.fields, "planned": True})) from e
     return raw
 
 

@@ -157,3 +157,327 @@ def _plan_not_json(file, error):
 def _plan_damaged(file, lacks):
     return (f"{file}: the extraction plan lacks {lacks}: it is damaged. Delete it and rerun dflash-extract on "
             "the cache to write it again.")
+
+
+# -- imports (cache_tools/importers.py, importing.py) ------------------------------------------
+
+
+PLANNED_FIX = ("It was readable when the import was planned: restore it, or start the import anew with --force "
+                "(--skip-bad then leaves it out).")
+_SPECFORGE_FIX = "Regenerate it with prepare_hidden_states.py, or pass --skip-bad to leave it out."
+
+
+def _sample(file, key, problem, fix=None, planned=False):
+    """A sample file's problem (BadSampleFile): where (the file, the key), what, and the fix (the
+    import's, once it was planned: the file changed since)."""
+    where = f"{file}" + (f", key {key!r}" if key else "")
+    fix = PLANNED_FIX if planned else fix
+    return f"{where}: {problem}." + (f" {fix}" if fix else "")
+
+
+_F = dict(file="features/rows_0-100/data_7.ckpt")
+
+
+@renders("cache.import-format-unknown", example=dict(format="eagle", formats=["specforge", "speculators"]))
+def _import_format_unknown(format, formats):
+    return f"--format {format!r} is not a format dflash-cache import reads: use one of {', '.join(formats)}."
+
+
+@renders("cache.import-source-not-dir", example=dict(src="features", format="specforge"))
+def _import_source_not_dir(src, format):
+    return f"{src} is not a directory: point dflash-cache import at the {format} output directory."
+
+
+@renders("cache.sample-not-tensor", example=dict(_F, key="input_ids", got="list"))
+def _sample_not_tensor(file, key, got, planned=False):
+    return _sample(file, key, f"is a {got}, not a tensor", planned=planned)
+
+
+@renders("cache.sample-token-shape", example=dict(_F, key="input_ids", shape=[2, 7]))
+def _sample_token_shape(file, key, shape, planned=False):
+    return _sample(file, key, f"has shape {shape}, not [tokens] (or [1, tokens])", planned=planned)
+
+
+@renders("cache.sample-token-dtype", example=dict(_F, key="input_ids", dtype="float32"))
+def _sample_token_dtype(file, key, dtype, planned=False):
+    return _sample(file, key, f"holds {dtype} values, not integers", planned=planned)
+
+
+@renders("cache.sample-hidden-shape", example=dict(_F, key="hidden_states", shape=[7]))
+def _sample_hidden_shape(file, key, shape, planned=False):
+    return _sample(file, key, f"has shape {shape}, not [tokens, width] (or [1, tokens, width])", planned=planned)
+
+
+@renders("cache.sample-hidden-dtype", example=dict(_F, key="hidden_states", dtype="int8",
+                                                  dtypes=["bfloat16", "float16", "float32"]))
+def _sample_hidden_dtype(file, key, dtype, dtypes, planned=False):
+    return _sample(file, key, f"holds {dtype} values; an import reads {', '.join(dtypes)} hidden states (a quantized "
+                   "format needs its scales, which this file does not name)", planned=planned)
+
+
+@renders("cache.specforge-duplicate-sample", example=dict(_F, other="features/rows_0-100/data_7.ckpt.gz", sample=7))
+def _specforge_duplicate_sample(file, other, sample):
+    return (f"{other} and {file} both hold sample {sample}: SpecForge writes one file per sample (a run with and "
+            "one without --compress wrote the same directory?). Remove one of them.")
+
+
+@renders("cache.specforge-no-files", example=dict(src="features"))
+def _specforge_no_files(src):
+    return (f"{src} holds no SpecForge feature files (data_<index>.ckpt or .ckpt.gz, below rows_* directories): "
+            "point at the --output-path of scripts/prepare_hidden_states.py.")
+
+
+@renders("cache.sample-not-torch-save", example=dict(_F, key=None, error="PytorchStreamReader failed"))
+def _sample_not_torch_save(file, key, error, planned=False):
+    return _sample(file, key, f"cannot be read as a torch.save file ({error})", _SPECFORGE_FIX, planned)
+
+
+@renders("cache.sample-not-tensors", example=dict(_F, key=None, error="Unsupported global: GLOBAL foo.Bar"))
+def _sample_not_tensors(file, key, error, planned=False):
+    return _sample(file, key, f"holds objects other than tensors (torch.load(weights_only=True) refused it: {error})",
+                   _SPECFORGE_FIX, planned)
+
+
+@renders("cache.sample-not-dict", example=dict(_F, key=None, got="list"))
+def _sample_not_dict(file, key, got, planned=False):
+    return _sample(file, key, f"holds a {got}, not a dict of tensors", _SPECFORGE_FIX, planned)
+
+
+@renders("cache.specforge-keys", example=dict(_F, key=None, missing=["loss_mask"], hidden=["hidden_states"],
+                                             expected=["hidden_states", "aux_hidden_state"],
+                                             keys=["hidden_states", "input_ids"]))
+def _specforge_keys(file, key, missing, hidden, expected, keys, planned=False):
+    what = f"lacks {missing}" if missing else f"holds both {hidden}" if hidden else f"holds none of {expected}"
+    return _sample(file, key, f"{what} (its keys: {keys}): it is not a SpecForge DFlash/DSpark/Domino or EAGLE3 "
+                   "feature file", planned=planned)
+
+
+_S = dict(file="data/hidden_states/hs_7.safetensors", key=None)
+
+
+@renders("cache.safetensors-unreadable", example=dict(_S, error="shorter than a safetensors header"))
+def _safetensors_unreadable(file, key, error, planned=False):
+    return _sample(file, key, f"is not a readable safetensors file ({error})", planned=planned)
+
+
+@renders("cache.safetensors-not-object", example=_S)
+def _safetensors_not_object(file, key, planned=False):
+    return _sample(file, key, "is not a safetensors file (its header is not a JSON object)", planned=planned)
+
+
+@renders("cache.safetensors-truncated", example=dict(_S, size=1000, promised=4096))
+def _safetensors_truncated(file, key, size, promised, planned=False):
+    return _sample(file, key, f"is truncated ({size:,} bytes, its header promises {promised:,})", planned=planned)
+
+
+@renders("cache.pyarrow-missing", example=dict(src="data"))
+def _pyarrow_missing(src):
+    return (f"{src} is a speculators dataset (Arrow files), and reading it needs pyarrow, which is not installed. "
+            "Install it with `pip install 'dflash-pipeline[parquet]'` (or `pip install pyarrow`).")
+
+
+@renders("cache.speculators-no-state", example=dict(src="data"))
+def _speculators_no_state(src):
+    return (f"{src} holds no state.json: a speculators import reads the dataset written by prepare_data.py (its "
+            "--output, the directory whose hidden_states/ holds the hs_<index>.safetensors files).")
+
+
+@renders("cache.speculators-state-files", example=dict(file="data/state.json", error="'_data_files'"))
+def _speculators_state_files(file, error):
+    return f"{file} does not list the dataset's Arrow files ({error})."
+
+
+@renders("cache.speculators-indices", example=dict(file="data/state.json"))
+def _speculators_indices(file):
+    return (f"{file} maps its rows through an indices file, which the import does not read: save the dataset "
+            "again with save_to_disk (it writes the rows in order).")
+
+
+@renders("cache.arrow-unreadable", example=dict(file="data/data-00000-of-00001.arrow", error="Invalid IPC stream"))
+def _arrow_unreadable(file, error):
+    return f"{file}: cannot read the dataset's Arrow file ({error})."
+
+
+@renders("cache.speculators-columns", example=dict(src="data", missing=["loss_mask"], columns=["input_ids"]))
+def _speculators_columns(src, missing, columns):
+    return f"{src}: the dataset has no {missing or 'rows'} (columns: {columns})."
+
+
+@renders("cache.speculators-no-files", example=dict(src="data/hidden_states"))
+def _speculators_no_files(src):
+    return (f"{src} holds no hs_<row>.safetensors files: point at the dataset directory whose hidden_states/ "
+            "data_generation_offline.py filled (its default --output).")
+
+
+@renders("cache.speculators-row-beyond", example=dict(file="data/hidden_states/hs_12.safetensors", row=12,
+                                                     src="data", rows=10, files=2))
+def _speculators_row_beyond(file, row, src, rows, files):
+    return (f"{file} is the hidden states of row {row}, but the dataset at {src} has {rows} rows ({files} such "
+            "file(s)): the files were generated from another dataset.")
+
+
+@renders("cache.sample-row-missing", example=dict(_S, key="loss_mask", row=7, src="data"))
+def _sample_row_missing(file, key, row, src, planned=False):
+    return _sample(file, key, f"is missing from row {row} of the dataset at {src}", planned=planned)
+
+
+@renders("cache.sample-being-written", example=_S)
+def _sample_being_written(file, key, planned=False):
+    return _sample(file, key, "is still being written (its .lock file is there)",
+                   "Wait for data_generation_offline.py to finish, or pass --skip-bad to leave it out.", planned)
+
+
+@renders("cache.sample-lacks-key", example=dict(_S, lacks="token_ids", keys=["hidden_states"]))
+def _sample_lacks_key(file, key, lacks, keys, planned=False):
+    return _sample(file, key, f"lacks {lacks!r} (its keys: {keys})", planned=planned)
+
+
+@renders("cache.sample-hidden-3d", example=dict(_S, key="hidden_states", shape=[7, 4096]))
+def _sample_hidden_3d(file, key, shape, planned=False):
+    return _sample(file, key, f"has shape {shape}, not [tokens, layers, hidden]", planned=planned)
+
+
+@renders("cache.sample-unreadable", example=dict(_S, error="Error while deserializing header"))
+def _sample_unreadable(file, key, error, planned=False):
+    return _sample(file, key, f"cannot be read ({error})", planned=planned)
+
+
+@renders("cache.sample-token-ids-mismatch", example=dict(_S, key="token_ids", tokens=7, row=7, row_tokens=9))
+def _sample_token_ids_mismatch(file, key, tokens, row, row_tokens, planned=False):
+    return _sample(file, key, f"holds {tokens} token ids that are not row {row}'s input_ids ({row_tokens} ids) in "
+                   "the dataset", "The hidden states belong to another sample: regenerate the file.", planned)
+
+
+_T = dict(file="models/qwen3/config.json")
+
+
+@renders("cache.import-target-config-missing", example=_T)
+def _import_target_config_missing(file):
+    return (f"{file} does not exist: --target-model names the target's Hugging Face directory (its config.json "
+            "gives the hidden size, layers and vocabulary).")
+
+
+@renders("cache.import-target-config-unreadable", example=dict(_T, error="Expecting value: line 1 column 1"))
+def _import_target_config_unreadable(file, error):
+    return f"{file} cannot be read as JSON ({error})."
+
+
+@renders("cache.import-target-config-lacks", example=dict(_T, lacks="'vocab_size'"))
+def _import_target_config_lacks(file, lacks):
+    return (f"{file} lacks a usable {lacks} (hidden_size, num_hidden_layers and vocab_size are needed to check the "
+            "imported hidden states).")
+
+
+def _layer_flags(source, numbering):
+    return (f"--target-layer-ids (ours: id l is the output of decoder layer l) or --source-layer-ids (the {source} "
+            f"numbering: {numbering})")
+
+
+_N = dict(source="speculators", numbering="the layer ids vLLM captured")
+
+
+@renders("cache.import-layer-flags", example=_N)
+def _import_layer_flags(source, numbering):
+    return f"Pass one of {_layer_flags(source, numbering)}: the {source} files do not record which layers they hold."
+
+
+@renders("cache.sample-slot-width", example=dict(_S, width=2048, hidden_size=4096))
+def _sample_slot_width(file, key, width, hidden_size, planned=False):
+    return _sample(file, key, f"holds layers of width {width}, the target's hidden size is {hidden_size}: it was "
+                   "written for another target", planned=planned)
+
+
+@renders("cache.sample-width-not-multiple", example=dict(_F, key=None, width=5000, hidden_size=4096))
+def _sample_width_not_multiple(file, key, width, hidden_size, planned=False):
+    return _sample(file, key, f"holds hidden states of width {width}, not a multiple of the target's hidden size "
+                   f"{hidden_size}: it was written for another target", planned=planned)
+
+
+@renders("cache.sample-layer-count", example=dict(_S, slots=4, hidden_size=4096, ids=[3, 19, 33], **_N))
+def _sample_layer_count(file, key, slots, hidden_size, ids, source, numbering, planned=False):
+    return _sample(file, key, f"holds {slots} layers of width {hidden_size}, but the layer ids name {len(ids)} "
+                   f"({ids} in the {source} numbering)",
+                   f"Pass the ids of every layer the files hold: {_layer_flags(source, numbering)}.", planned)
+
+
+@renders("cache.sample-layers-recorded", example=dict(_S, recorded=[2, 18, 33], ids=[3, 19, 33]))
+def _sample_layers_recorded(file, key, recorded, ids, planned=False):
+    return _sample(file, key, f"records the layers {recorded}, the flags name {ids}", planned=planned)
+
+
+@renders("cache.sample-empty", example=dict(_F, key="input_ids"))
+def _sample_empty(file, key, planned=False):
+    return _sample(file, key, "is empty: a cached sample needs at least one token", planned=planned)
+
+
+@renders("cache.sample-mask-length", example=dict(_F, key="loss_mask", entries=6, tokens=7))
+def _sample_mask_length(file, key, entries, tokens, planned=False):
+    return _sample(file, key, f"has {entries} entries for {tokens} input_ids", planned=planned)
+
+
+@renders("cache.sample-rows", example=dict(_F, key="hidden states", rows=6, tokens=7))
+def _sample_rows(file, key, rows, tokens, planned=False):
+    return _sample(file, key, f"has {rows} rows for {tokens} input_ids: the hidden states are not the states of "
+                   "these tokens", planned=planned)
+
+
+@renders("cache.sample-width-differs", example=dict(_F, key="hidden states", width=8192, others=12288))
+def _sample_width_differs(file, key, width, others, planned=False):
+    return _sample(file, key, f"has width {width}, the other files {others} (the layers or the target differ "
+                   "between files)", planned=planned)
+
+
+@renders("cache.sample-token-outside", example=dict(_F, key="input_ids", token=151936, position=3, vocab_size=151936))
+def _sample_token_outside(file, key, token, position, vocab_size, planned=False):
+    return _sample(file, key, f"holds the id {token} at position {position}, outside the target's {vocab_size} ids",
+                   planned=planned)
+
+
+@renders("cache.sample-mask-values", example=dict(_F, key="loss_mask"))
+def _sample_mask_values(file, key, planned=False):
+    return _sample(file, key, "holds values other than 0 and 1", planned=planned)
+
+
+@renders("cache.sample-tokens-changed", example=dict(_F, key="input_ids", tokens=9, planned_tokens=7))
+def _sample_tokens_changed(file, key, tokens, planned_tokens, planned=False):
+    return _sample(file, key, f"has {tokens} tokens, {planned_tokens} when the import was planned", planned=planned)
+
+
+@renders("cache.sample-not-finite", example=dict(_F, key="hidden states", planned=True))
+def _sample_not_finite(file, key, planned=False):
+    return _sample(file, key, "holds NaN or infinite values", planned=planned)
+
+
+@renders("cache.import-overlap", example=dict(cache="features/cache", src="features"))
+def _import_overlap(cache, src):
+    return (f"The cache {cache} and the source {src} overlap: write the cache into a directory outside the source "
+            "(and not around it).")
+
+
+@renders("cache.import-part-tokens", example=dict(flag="--part-tokens", value=0))
+def _import_part_tokens(flag, value):
+    return f"{flag} must be positive (got {value})."
+
+
+@renders("cache.import-no-last-layer", example=dict(flag="--store-last-hidden", source="specforge",
+                                                   source_ids=[1, 17, 32], target_layer_ids=[1, 17, 32]))
+def _import_no_last_layer(flag, source, source_ids, target_layer_ids):
+    return (f"{flag}: the {source} files hold no last-layer slot ({source} layers {source_ids} -> target_layer_ids "
+            f"{target_layer_ids}); import without it.")
+
+
+@renders("cache.import-nothing-readable", example=dict(files=3, src="features", first="features/data_0.ckpt: ..."))
+def _import_nothing_readable(files, src, first):
+    return f"None of the {files} sample files of {src} can be read (the first: {first})."
+
+
+@renders("cache.import-nothing-importable", example=dict(files=3, src="features", first=None))
+def _import_nothing_importable(files, src, first):
+    return f"None of the {files} sample files of {src} can be imported (the first: {first or 'none'})."
+
+
+@renders("cache.part-write-failed", example=dict(part="part-000003", cache="cache", error="No space left on device",
+                                                file=None))
+def _part_write_failed(part, cache, error, file):
+    return (f"Writing part {part} into {cache} failed: {error}{f' ({file})' if file else ''}. Free space there (or "
+            "fix the cause), then rerun the same command: the parts written so far are kept and skipped.")

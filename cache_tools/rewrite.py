@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding
 from dflash.runtime.locks import same_path
 
 from .cache_set import check_distinct_data
@@ -100,11 +101,9 @@ def _copy_parts(
                     with writer.part_writer(name) as pw:
                         _copy_part(reader, i, pw, writer.codec)
                 except OSError as e:  # a full disk: its OSError names no file (a write's)
-                    raise CacheStorageError(
-                        f"Writing part {name} into {writer.cache_dir} failed: {e.strerror or e}"
-                        f"{f' ({e.filename})' if e.filename else ''}. Free space there (or fix the cause), "
-                        "then rerun the same command: the parts written so far are kept and skipped."
-                    ) from e
+                    raise CacheStorageError(Finding("cache.part-write-failed", part=name, cache=str(writer.cache_dir),
+                                                    error=str(e.strerror or e),
+                                                    file=e.filename and str(e.filename))) from e
                 (report.written if pw.committed else report.skipped).append(name)
             reader.part_arrays(i).close()
             bar.update(reader.parts[i].tokens)

@@ -354,14 +354,14 @@ def test_a_truncated_sample_file_is_named_and_skipped_with_skip_bad(tiny_world, 
     assert sum(stats) == 1
 
 
-@pytest.mark.parametrize("damage,key", [
-    ("rows", "hidden states"),  # the hidden states are of another token count
-    ("mask", "loss_mask"),
-    ("vocab", "input_ids"),
-    ("keys", None),
-    ("nan", "hidden states"),
+@pytest.mark.parametrize("damage,key,code", [
+    ("rows", "hidden states", "cache.sample-rows"),  # the hidden states are of another token count
+    ("mask", "loss_mask", "cache.sample-mask-length"),
+    ("vocab", "input_ids", "cache.sample-token-outside"),
+    ("keys", None, "cache.specforge-keys"),
+    ("nan", "hidden states", "cache.sample-not-finite"),
 ])
-def test_a_sample_whose_parts_disagree_is_refused_naming_the_file_and_key(tiny_world, tmp_path, damage, key):
+def test_a_sample_whose_parts_disagree_is_refused_naming_the_file_and_key(tiny_world, tmp_path, damage, key, code):
     samples = make_samples(3)
     src = write_specforge(tmp_path / "sf", samples)
     path = src / "rows_0-2000" / "data_1.ckpt"
@@ -381,6 +381,8 @@ def test_a_sample_whose_parts_disagree_is_refused_naming_the_file_and_key(tiny_w
         import_cache(src, tmp_path / "cache", target_model=tiny_world["target"],
                      options=ImportOptions(format="specforge", target_layer_ids=LAYERS))
     assert caught.value.path == path and caught.value.key == key
+    assert caught.value.code == code and caught.value.fields["file"] == str(path)
+    assert caught.value.fields.get("planned", False) == (damage == "nan")  # found once the import was planned
 
 
 def test_speculators_token_ids_of_another_row_are_refused(tiny_world, tmp_path):
