@@ -197,12 +197,16 @@ def test_load_refuses_a_target_of_another_size(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     other = save_tiny_target(tmp_path / "other", vocab_size=VOCAB * 2)
     out = export_drafter(DFlashDrafter.from_target(target, drafter_type="dflash", num_hidden_layers=2, block_size=4), tmp_path / "export")
-    with pytest.raises(ValueError, match="load it with the target it was trained for"):
+    with pytest.raises(ValueError) as e:  # (ValueError and FileNotFoundError: what the loaders' callers catch)
         load_drafter(out, other)
-    with pytest.raises(ValueError, match="not a DFlash drafter config"):
+    assert e.value.code == "train.drafter-target-size" and e.value.fields["target"] == str(other)
+    assert e.value.fields["drafter_sizes"][1] != e.value.fields["target_sizes"][1]
+    with pytest.raises(ValueError) as e:
         load_drafter(tmp_path / "target", target)
-    with pytest.raises(FileNotFoundError, match="not a drafter export"):
+    assert e.value.code == "train.export-not-dflash" and e.value.fields["file"] == str(tmp_path / "target" / "config.json")
+    with pytest.raises(FileNotFoundError) as e:
         load_drafter(tmp_path / "nowhere", target)
+    assert e.value.code == "train.export-missing" and e.value.fields["dir"] == str(tmp_path / "nowhere")
 
 
 @pytest.mark.parametrize("layers,causal_key", [

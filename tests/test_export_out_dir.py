@@ -136,8 +136,10 @@ def test_files_put_into_the_out_dir_while_it_exports_are_kept_and_the_export_ref
 def test_a_run_whose_final_directory_holds_other_files_is_refused_before_it_trains(tiny_world, tmp_path):
     run = tmp_path / "run"
     user_notes(run / "final")
-    with pytest.raises(InputError, match="Move those files out of it, or choose another --output-dir") as refused:
+    with pytest.raises(InputError) as refused:
         train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=1))
-    assert f"The run's export directory {run / 'final'} already holds files" in str(refused.value)
+    assert refused.value.code == "train.export-out-holds-files"
+    assert refused.value.fields["path"] == str(run / "final") and refused.value.fields["files"] == ["notes/"]
+    assert "--output-dir" in str(refused.value)  # the flag that chooses another
     assert (run / "final" / "notes" / "todo.txt").read_text() == "keep me"
     assert not (run / "checkpoints").exists()  # refused before the first step

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import tiny_train_config
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import collected
 
 
 @pytest.fixture(scope="module")
@@ -55,20 +56,24 @@ def test_a_warm_started_run_trains_and_exports(tiny_world, tmp_path, exported):
 
 
 @pytest.mark.parametrize("overrides, said", [
-    ({"num_draft_layers": 2}, "--num-draft-layers 2 here, 1 there"),
-    ({"mask_token_id": 5}, "--mask-token-id 5 here"),  # the block size may differ (tests/test_warm_start_layouts.py)
-    ({"drafter_type": "dflash"}, "--drafter-type dflash here, dflash2 there"),  # the export is of the default type
+    ({"num_draft_layers": 2}, ("--num-draft-layers", 2, 1)),
+    ({"mask_token_id": 5}, ("--mask-token-id", 5)),  # the block size may differ (tests/test_warm_start_layouts.py)
+    ({"drafter_type": "dflash"}, ("--drafter-type", "dflash", "dflash2")),  # the export is of the default type
 ])
 def test_an_export_of_another_shape_is_refused_with_the_flag_to_change(tiny_world, tmp_path, exported, overrides, said):
-    with pytest.raises(InputError, match="does not fit") as e:
+    with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(exported), **overrides)
-    assert said in str(e.value) and str(exported) in str(e.value)
+    assert e.value.code == "train.init-drafter-misfit" and e.value.fields["init"] == str(exported)
+    assert [tuple(s)[:len(said)] for s in e.value.fields["settings"]] == [said]
 
 
 def test_a_directory_that_is_no_export_says_how_to_make_one(tiny_world, tmp_path):
     (tmp_path / "checkpoint").mkdir()
-    with pytest.raises(InputError, match="dflash-train export CHECKPOINT OUT_DIR"):
+    with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(tmp_path / "checkpoint"))
+    assert e.value.code == "train.init-drafter-missing" and e.value.fields["init"] == str(tmp_path / "checkpoint")
+    assert e.value.fields["cause"].code == "train.drafter-no-config"
+    assert "dflash-train export CHECKPOINT OUT_DIR" in str(e.value)  # how to make one
 
 
 def test_a_dflash2_run_starts_from_a_dflash2_export(tiny_world, tmp_path):
@@ -109,8 +114,9 @@ def test_a_dflash2_run_starts_from_a_dflash_drafter_with_exactly_its_predictions
     # the other way round keeps the refusal: a DFlash run cannot drop a DFlash2 drafter's parts
     dflash2_run = tmp_path / "dflash2"
     train(tiny_train_config(tiny_world["cache"], tiny_world["target"], dflash2_run, max_steps=2, eval_fraction=0.3))
-    with pytest.raises(InputError, match="--drafter-type dflash here, dflash2 there"):
+    with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(dflash2_run / "final"), drafter_type="dflash")
+    assert [tuple(s) for s in e.value.fields["settings"]] == [("--drafter-type", "dflash", "dflash2")]
 
 
 @pytest.mark.parametrize("other, differs", [
@@ -124,16 +130,19 @@ def test_an_export_of_another_target_still_loads_and_the_startup_names_both_targ
 
     target = make_tiny_target(tmp_path / "other-target", hidden=HIDDEN, layers=TARGET_LAYERS, vocab=WORLD_VOCAB,
                               heads=2, kv_heads=1, **other)
-    warm, notes = built(tiny_world, tmp_path, init_drafter=str(exported), target_model=str(target))
+    with collected() as found:
+        warm, notes = built(tiny_world, tmp_path, init_drafter=str(exported), target_model=str(target))
     own = warm.state_dict()
     assert all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in read_export_weights(exported).items())
-    said = [n for n in notes if "another target" in n]
-    assert len(said) == 1 and "\n" not in said[0], notes
-    assert said[0].startswith(f"Note: --init-drafter {exported} was trained against another target "
-                              f"({tiny_world['target'].resolve()}) than this run's ({target.resolve()}): {differs} ")
+    said = [f for f in found if f.code == "train.init-other-target"]
+    assert len(said) == 1 and len(found) == 1, found
+    assert said[0].fields["init"] == str(exported) and said[0].fields["trained"] == str(tiny_world["target"].resolve())
+    assert said[0].fields["here"] == str(target.resolve()) and [d[0] for d in said[0].fields["differences"]] == [differs]
+    assert [n for n in notes if n.startswith("Note: --init-drafter")] == [f"Note: {said[0]}"]  # in the run's log
     # a warm start from an export of this run's own target says nothing of the kind
-    _, same = built(tiny_world, tmp_path, init_drafter=str(exported))
-    assert not [n for n in same if "another target" in n or "not checked" in n], same
+    with collected() as same:
+        built(tiny_world, tmp_path, init_drafter=str(exported))
+    assert not same, same
 
 
 def test_an_export_that_records_no_target_loads_and_says_only_that_it_is_not_checked(tiny_world, tmp_path, exported):
@@ -144,7 +153,7 @@ def test_an_export_that_records_no_target_loads_and_says_only_that_it_is_not_che
     config = json.loads((plain / "config.json").read_text())
     del config["dflash_training"]
     (plain / "config.json").write_text(json.dumps(config))
-    _, notes = built(tiny_world, tmp_path, init_drafter=str(plain))
-    started = [n for n in notes if "warm start" in n]
-    assert len(started) == 1 and "records no target it was trained against" in started[0]
-    assert not [n for n in notes if "another target" in n], notes
+    with collected() as found:
+        _, notes = built(tiny_world, tmp_path, init_drafter=str(plain))
+    assert [(f.code, f.fields) for f in found] == [("train.init-drafter-target-unrecorded", {"init": str(plain)})]
+    assert len([n for n in notes if "warm start" in n]) == 1

@@ -233,43 +233,57 @@ def test_a_head_whose_tensors_are_the_blocks_starts_fresh_at_another_block(tiny_
     assert any("block 4 -> 8" in n and "XPress's" in n for n in notes), notes
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"hidden_size": 48}, "hidden_size 48 there"),
-    ({"vocab_size": 128, "draft_vocab_size": 128}, "vocab_size 128 there"),
-    ({"aux_hidden_state_layer_ids": [1, 4]}, "the cache's target layers [1, 2] here, [0, 3] there"),
-    ({"mask_token_id": 3}, "--mask-token-id"),
-    ({"aux_hidden_state_layer_ids": [0, 2]}, "aux_hidden_state_layer_ids"),  # the embedding output
-    ({"draft_vocab_size": 32}, "draft_vocab_size"),
-    ({"sample_from_anchor": True}, "sample_from_anchor"),
+def misfits(error) -> list[tuple]:
+    """What a `train.init-drafter-misfit` refusal names: (field, theirs, the target's) and (flag, here, there)."""
+    assert error.code == "train.init-drafter-misfit", error
+    return [tuple(entry) for entry in error.fields["target"] + error.fields["settings"]]
+
+
+MISFIT = "train.init-drafter-misfit"
+
+
+@pytest.mark.parametrize("change, code, found", [
+    ({"hidden_size": 48}, MISFIT, ("hidden_size", 48)),
+    ({"vocab_size": 128, "draft_vocab_size": 128}, MISFIT, ("vocab_size", 128)),
+    ({"aux_hidden_state_layer_ids": [1, 4]}, MISFIT, ("the cache's target layers", [1, 2], [0, 3])),
+    ({"mask_token_id": 3}, MISFIT, ("--mask-token-id",)),
+    ({"aux_hidden_state_layer_ids": [0, 2]}, "train.drafter-aux-embedding", {"aux": [0, 2]}),  # the embedding output
+    ({"draft_vocab_size": 32}, "train.drafter-draft-vocab", {"draft_vocab": 32}),
+    ({"sample_from_anchor": True}, "train.drafter-anchor-drafts", {"key": "sample_from_anchor"}),
 ])
 def test_a_speculators_drafter_of_another_target_or_reading_other_layers_is_refused_naming_the_field(
-        tiny_world, tmp_path, change, field):
+        tiny_world, tmp_path, change, code, found):
     theirs = source(tiny_world, "dflash", block_size=4)
     drafter_dir = write_speculators(tmp_path / "spec", theirs, tiny_world["target"], **change)
     with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(drafter_dir), drafter_type="dflash")
-    assert field in str(e.value) and str(drafter_dir) in str(e.value)
+    assert e.value.fields["init"] == str(drafter_dir)
+    if code == MISFIT:
+        assert any(entry[:len(found)] == found for entry in misfits(e.value)), e.value.fields
+    else:  # the reader's finding, as the cause of the refusal
+        cause = e.value.fields["cause"]
+        assert e.value.code == "train.init-drafter-unreadable" and cause.code == code
+        assert found.items() <= cause.fields.items(), cause
 
 
-@pytest.mark.parametrize("key, value, field", [
-    ("hidden_size", 64, "hidden_size 64 there"),
-    ("vocab_size", 128, "vocab_size 128 there"),
-    ("num_target_layers", 6, "num_target_layers 6 there"),
-])
-def test_a_zlab_drafter_of_another_target_is_refused_naming_the_field(tiny_world, tmp_path, key, value, field):
+@pytest.mark.parametrize("key, value", [("hidden_size", 64), ("vocab_size", 128), ("num_target_layers", 6)])
+def test_a_zlab_drafter_of_another_target_is_refused_naming_the_field(tiny_world, tmp_path, key, value):
     drafter_dir = write_zlab(tmp_path / "zlab", source(tiny_world, "dflash", block_size=4))
     config = json.loads((drafter_dir / "config.json").read_text())
     config[key] = value
     (drafter_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InputError, match="does not fit") as e:
+    with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(drafter_dir), drafter_type="dflash")
-    assert field in str(e.value) and "missing" not in str(e.value)  # the field, not the tensors it explains
+    assert [entry[:2] for entry in misfits(e.value)] == [(key, value)]
+    assert not e.value.fields["missing"] and not e.value.fields["shapes"]  # the field, not the tensors it explains
 
 
 def test_a_modelopt_dspark_export_is_refused_naming_its_anchor_alignment(tiny_world, tmp_path):
     drafter_dir = write_modelopt(tmp_path / "mo", source(tiny_world, "dflash", block_size=4), dspark=True)
-    with pytest.raises(InputError, match="shift_label"):
+    with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(drafter_dir), drafter_type="dspark", markov_rank=16)
+    cause = e.value.fields["cause"]
+    assert (cause.code, cause.fields) == ("train.drafter-anchor-drafts", {"key": "dflash_config.shift_label"})
 
 
 def test_another_trainers_layout_is_one_registration(tiny_world, tmp_path):
@@ -282,8 +296,10 @@ def test_another_trainers_layout_is_one_registration(tiny_world, tmp_path):
     config["other_trainer"] = {"layers": config.pop("dflash_config")}
     del config["architectures"]
     (drafter_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InputError, match="no DFlash-family drafter"):
+    with pytest.raises(InputError) as e:
         built(tiny_world, tmp_path, init_drafter=str(drafter_dir), drafter_type="dflash")
+    assert e.value.fields["cause"].code == "train.drafter-layout-unknown"
+    assert e.value.fields["cause"].fields["file"] == str(drafter_dir / "config.json")
 
     def read(path, cfg, target_config):
         hf = {**cfg, "dflash_config": cfg["other_trainer"]["layers"]}

@@ -5,6 +5,7 @@ printed "warm start: the drafter's N weight tensors from X", then loaded the che
 from __future__ import annotations
 
 from conftest import tiny_train_config
+from dflash.runtime.findings import collected
 
 
 def test_resuming_with_a_new_init_drafter_ignores_it_and_says_the_checkpoint_wins(tiny_world, tmp_path, capsys,
@@ -25,8 +26,10 @@ def test_resuming_with_a_new_init_drafter_ignores_it_and_says_the_checkpoint_win
         raise AssertionError(f"the --init-drafter export {path} was read for a run that resumes")
 
     monkeypatch.setattr(warm_start, "read_drafter", not_read)  # what reads a drafter, in any layout
-    resumed = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3, eval_fraction=0,
-                                      init_drafter=str(export)))
+    with collected() as found:
+        resumed = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3,
+                                          eval_fraction=0, init_drafter=str(export)))
     assert resumed.exit_status == 0 and resumed.step == 3
-    said = [line for line in capsys.readouterr().out.splitlines() if str(export) in line and "warm start" in line]
-    assert said and str(stopped.checkpoint) in said[0], said  # the checkpoint it resumes from is named
+    said = [f.fields for f in found if f.code == "train.init-drafter-on-resume"]
+    assert said == [{"init": str(export), "checkpoint": str(stopped.checkpoint)}], found  # the checkpoint is named
+    assert str(stopped.checkpoint) in capsys.readouterr().out  # in the run's log

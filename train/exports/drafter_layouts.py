@@ -42,13 +42,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.findings import Finding
 from dflash.train.exports.export import (
     CONFIG_NAME,
+    NoDrafterError,
+    UnreadableDrafterError,
     config_from_export,
     read_export_config,
     read_export_weights,
 )
-from dflash.train.heads import get_head, head_for_architecture
+from dflash.train.heads import get_head, head_for_architecture, head_names
 from dflash.train.model.drafter_config import DrafterConfig
 
 WRAPPER_PREFIXES = ("model.", "dflash_module.", "draft_model.")
@@ -113,18 +116,21 @@ def detect_layout(config: dict[str, Any]) -> DrafterLayout | None:
 
 def read_drafter(drafter_dir: str | Path, target_config: Any) -> ReadDrafter:
     """The drafter at `drafter_dir` in this trainer's terms, whichever registered layout wrote it.
-    FileNotFoundError where it is no drafter directory, ValueError naming what cannot be read."""
+    NoDrafterError (a FileNotFoundError) where it is no drafter directory, UnreadableDrafterError
+    (a ValueError) naming what cannot be read."""
     drafter_dir = Path(drafter_dir)
     config_path = drafter_dir / CONFIG_NAME
     if not config_path.is_file():
-        raise FileNotFoundError(f"{drafter_dir} is not a drafter export: it has no {CONFIG_NAME}.")
+        raise NoDrafterError(Finding("train.drafter-no-config", dir=str(drafter_dir)))
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{config_path} is not JSON ({e}).") from e
+        raise UnreadableDrafterError(Finding("train.drafter-config-not-json", file=str(config_path),
+                                             error=str(e))) from e
     if not isinstance(config, dict) or (layout := detect_layout(config)) is None:
-        raise ValueError(f"{config_path} is no DFlash-family drafter of a layout this trainer reads "
-                         f"({', '.join(layout_names())}): architectures {config.get('architectures')}.")
+        raise UnreadableDrafterError(Finding(
+            "train.drafter-layout-unknown", file=str(config_path), layouts=list(layout_names()),
+            architectures=config.get("architectures") if isinstance(config, dict) else None))
     drafter_config, state = layout.read(drafter_dir, config, target_config)
     state, dropped = drafter_tensors(state)
     return ReadDrafter(layout, drafter_config, state, dropped)
@@ -147,8 +153,7 @@ def drafter_tensors(tensors: dict[str, torch.Tensor], renames: dict[str, str] | 
                 ours = new + ours[len(old):]
                 break
         if ours in ("d2t", "t2d"):
-            raise ValueError(f"it drafts over a reduced vocabulary (its tensor {name}, draft_vocab_size below the "
-                             "target's): this trainer's drafters draft over the target's vocabulary with its lm_head.")
+            raise UnreadableDrafterError(Finding("train.drafter-draft-vocab-tensor", tensor=name))
         if ours in TARGET_TENSORS:
             dropped.append(name)
         elif "rotary_emb." not in ours:
@@ -161,10 +166,7 @@ def refuse_anchor_drafting(config: dict[str, Any], where: str) -> None:
     ModelOpt's `shift_label`) predicts at slot k what this trainer's predicts at slot k + 1."""
     for key in ("sample_from_anchor", "shift_label"):
         if config.get(key) is True:
-            raise ValueError(
-                f"{where}{key} is true: its anchor slot drafts too, so its slot k predicts the token this trainer's "
-                "drafters predict at slot k+1 (the anchor is the verified token here); its weights would start "
-                "every slot one token off.")
+            raise UnreadableDrafterError(Finding("train.drafter-anchor-drafts", key=f"{where}{key}"))
 
 
 # -- export: this trainer's exports, z-lab's releases, vLLM, SGLang ----------------------------------
@@ -209,7 +211,7 @@ def _full_layer_config(layer_config: dict[str, Any]) -> dict[str, Any]:
     try:
         full = AutoConfig.for_model(layer_config.get("model_type") or "qwen3", **given).to_dict()
     except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"its transformer_layer_config cannot be read ({e}).") from e
+        raise UnreadableDrafterError(Finding("train.drafter-layer-config", error=str(e))) from e
     return {**full, **given}
 
 
@@ -219,24 +221,23 @@ def _read_speculators(drafter_dir: Path, config: dict[str, Any], target_config: 
     try:  # speculators' model types dflash, dflash2, dspark are this trainer's head names
         head = get_head(str(kind))
     except ValueError as e:
-        raise ValueError(f"speculators_model_type {kind!r} is no drafter of this trainer: {e}") from e
+        raise UnreadableDrafterError(Finding("train.drafter-head-unknown", key="speculators_model_type", value=kind,
+                                             heads=list(head_names()))) from e
     layers = _full_layer_config(config.get("transformer_layer_config") or {})
     vocab = layers["vocab_size"]
     draft_vocab = config.get("draft_vocab_size", vocab)
     if draft_vocab != vocab:
-        raise ValueError(f"draft_vocab_size {draft_vocab} differs from its vocab_size {vocab}: it drafts over a "
-                         "reduced vocabulary with its own lm_head; this trainer's drafters draft over the target's.")
+        raise UnreadableDrafterError(Finding("train.drafter-draft-vocab", draft_vocab=draft_vocab, vocab=vocab))
     target_hidden = config.get("target_hidden_size")
     if target_hidden is not None and target_hidden != layers["hidden_size"]:
-        raise ValueError(f"target_hidden_size {target_hidden} differs from its hidden_size {layers['hidden_size']}: "
-                         "this trainer's drafters are as wide as the target.")
+        raise UnreadableDrafterError(Finding("train.drafter-target-hidden", target_hidden=target_hidden,
+                                             hidden=layers["hidden_size"]))
     refuse_anchor_drafting(config, "")
     aux = config.get("aux_hidden_state_layer_ids")
     if not aux:
-        raise ValueError("its config.json names no aux_hidden_state_layer_ids (the target layers it reads).")
+        raise UnreadableDrafterError(Finding("train.drafter-no-aux-layers"))
     if min(aux) < 1:
-        raise ValueError(f"aux_hidden_state_layer_ids {aux} include 0, the embedding output (speculators counts "
-                         "it as layer 0): this trainer's caches hold the outputs of the target's layers only.")
+        raise UnreadableDrafterError(Finding("train.drafter-aux-embedding", aux=list(aux)))
     head_keys = {k: v for k, v in config.items() if k not in _SPECULATORS_OWN and k not in _QWEN3_KEYS}
     dflash: dict[str, Any] = {**head_keys, "target_layer_ids": [i - 1 for i in aux],
                               "mask_token_id": config.get("mask_token_id"), "block_size": config.get("block_size", 8)}
@@ -263,7 +264,8 @@ def _method_head(config: dict[str, Any], dflash: dict[str, Any]) -> Any:
     try:
         return get_head(projector)
     except ValueError as e:
-        raise ValueError(f"dflash_config.projector_type {projector!r} names no drafter head of this trainer: {e}") from e
+        raise UnreadableDrafterError(Finding("train.drafter-head-unknown", key="dflash_config.projector_type",
+                                             value=projector, heads=list(head_names()))) from e
 
 
 def _is_specforge(config: dict[str, Any]) -> bool:
@@ -276,7 +278,7 @@ def _read_specforge(drafter_dir: Path, config: dict[str, Any], target_config: An
     dflash = dict(config.get("dflash_config") or {})
     mode = str(dflash.get("attention_mode", "gqa")).lower()
     if mode not in ("gqa", "mha"):
-        raise ValueError(f"dflash_config.attention_mode {mode!r}: this trainer's drafters attend as GQA/MHA.")
+        raise UnreadableDrafterError(Finding("train.drafter-attention-mode", mode=mode))
     refuse_anchor_drafting(dflash, "dflash_config.")
     head = _method_head(config, dflash)
     dflash.update(config.get("dspark_config") or {})

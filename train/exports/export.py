@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.runtime.errors import InputError
+from dflash.runtime.errors import InputError, SettingError
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import staged_dir
 from dflash.runtime.locks import inside
 from dflash.runtime.safetensors_files import check_safetensors
@@ -35,13 +36,26 @@ from dflash.train.model.drafter import DFlashDrafter
 from dflash.train.model.drafter_config import DrafterConfig
 from dflash.train.model.rope import rope_parameters_from_config
 from dflash.train.model.target_head import load_target_head
-from dflash.train.model.target_weights import load_target_config, load_target_weights
+from dflash.train.model.target_weights import (
+    TargetMismatchError,
+    load_target_config,
+    load_target_weights,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class NoDrafterError(InputError, FileNotFoundError):
+    """A directory given as a drafter holds none (a FileNotFoundError, as its readers' callers catch)."""
+
+
+class UnreadableDrafterError(InputError, ValueError):
+    """A drafter directory whose config.json or weights cannot be read as a drafter of this trainer
+    (a ValueError, as its readers' callers catch)."""
 
 
 def _uniform_causality(config: DrafterConfig) -> bool | None:
@@ -132,31 +146,38 @@ def trained_target(drafter_dir: str | Path) -> dict[str, Any] | None:
 def training_target_change(drafter_dir: str | Path, current: dict[str, Any]) -> tuple[str, str] | None:
     """Where the export at `drafter_dir` records that it was trained against another target than
     `current` (a target identity; cache_tools.identity, Purpose.DRAFTER: every field both record):
-    (where that target lay, as recorded, and the fields that differ); None where it records the
-    same target, or none to compare (`trained_target`)."""
+    (where that target lay, as recorded (None: not recorded), and the differing fields as
+    [(field, value when trained, value here)]); None where it records the same target, or none to
+    compare (`trained_target`)."""
     from dflash.cache_tools.identity import Purpose, target_differences
 
     trained = trained_target(drafter_dir)
     diffs = target_differences(trained["target"], current, Purpose.DRAFTER) if trained else []
     if not diffs:
         return None
-    shown = "; ".join(f"{key} {str(then)[:16]} when trained, {str(now)[:16]} here" for key, then, now in diffs)
-    return str(trained.get("target_path", "where it lay is not recorded")), shown
+    where = trained.get("target_path")
+    return (None if where is None else str(where)), [(key, str(then), str(now)) for key, then, now in diffs]
 
 
-def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> str | None:
-    """A sentence when the export records the target it was trained against (config.json's
-    dflash_training) and that is not this one (another config, tokenizer or weights), naming both:
-    dflash-eval and `dflash-train estimate` measure the drafter with the target they are given."""
+def training_target_finding(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> Finding | None:
+    """`train.drafter-other-target` when the export records the target it was trained against
+    (config.json's dflash_training) and that is not this one (another config, tokenizer or
+    weights), naming both: dflash-eval and `dflash-train estimate` measure the drafter with the
+    target they are given."""
     from dflash.cache_tools.identity import comparable, target_identity
 
     change = training_target_change(drafter_dir, comparable(target_identity(target_config, target_dir)))
     if change is None:
         return None
-    trained_at, shown = change
-    return (f"the drafter {drafter_dir} was trained against another target ({trained_at}) "
-            f"than {Path(target_dir).resolve()}: {shown}. Its acceptance here measures a drafter of other hidden "
-            "states; evaluate it with the target it was trained against, or train one for this target.")
+    trained_at, differences = change
+    return Finding("train.drafter-other-target", drafter=str(drafter_dir), trained=trained_at,
+                   here=str(Path(target_dir).resolve()), differences=differences)
+
+
+def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> str | None:
+    """`training_target_finding` as its paragraph (for callers that print it themselves)."""
+    finding = training_target_finding(drafter_dir, target_config, target_dir)
+    return None if finding is None else str(finding)
 
 
 EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, CARD_NAME})
@@ -184,36 +205,25 @@ def is_export_dir(path: str | Path) -> bool:
             and (card is None or card == card_text(config, TRAINING_KEY)))
 
 
-def _listing(path: Path, most: int = 5) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def export_out_dir(out_dir: str | Path, *, what: str = "The export directory",
-                   fix: str = "Choose a new or empty directory, or remove that one yourself if nothing in it is "
-                              "needed, and export again.") -> Path:
+def export_out_dir(out_dir: str | Path, *, what: str = "The export directory", fix: str | None = None) -> Path:
     """`out_dir` as an export may be written to it: absolute, so that `.` and `..` are the
     directories they name. An existing directory is replaced whole, so it must be empty or an
     earlier export (`is_export_dir`); anything else is refused with an InputError, and so are
     the current directory and its parents (replacing them would leave the shell in a deleted
     directory) and a path that is not a directory. `what` names the path in the message, `fix`
-    says what to do."""
+    says what to do (None: choose another directory or empty that one)."""
     given = Path(out_dir)
     out = Path(os.path.abspath(given))
-    named = f"{what} {given}" + (f" ({out})" if str(out) != str(given) else "")
+    where = dict(what=what, path=str(given), absolute=str(out) if str(out) != str(given) else None)
     if not out.name or inside(Path.cwd(), out):
-        raise InputError(
-            f"{named} is {'the file-system root' if not out.name else 'the current directory or holds it'}: "
-            "an export replaces its directory whole, which would delete what is there (or leave your shell in "
-            f"a deleted directory). Name a new directory for it instead (e.g. {given / 'drafter'}).")
+        raise InputError(Finding("train.export-out-holds-cwd", **where, root=not out.name,
+                                 instead=str(given / "drafter")))
     if out.exists() and not out.is_dir():
-        raise InputError(f"{named} is a file, not a directory: an export is a directory of {CONFIG_NAME} and "
-                         f"{WEIGHTS_NAME}. {fix}")
+        raise InputError(Finding("train.export-out-is-file", **where, fix=fix))
     if out.is_dir() and any(out.iterdir()) and not is_export_dir(out):
-        raise InputError(
-            f"{named} already holds files that are not a drafter export ({_listing(out)}): an export replaces "
-            f"its directory whole, so they would be deleted. It replaces only an empty directory or an earlier "
-            f"export (just {CONFIG_NAME} of a DFlash drafter, {WEIGHTS_NAME} and the {CARD_NAME} written with them). {fix}")
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+        raise InputError(Finding("train.export-out-holds-files", **where, files=names[:5], more=len(names[5:]),
+                                 fix=fix))
     return out
 
 
@@ -228,7 +238,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.
     (`export_out_dir`), before the weights are written and again right before the swap.
     """
     if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}.")
+        raise SettingError(Finding("train.export-dtype", dtype=str(dtype), choices=list(_DTYPE_NAMES.values())))
     with staged_dir(export_out_dir(out_dir), check_old=lambda _: export_out_dir(out_dir)) as stage:
         tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
         save_file(tensors, str(stage / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -266,7 +276,7 @@ def config_from_export(hf_config: dict[str, Any], target_config: Any | None = No
     if num_target_layers is None and target_config is not None:
         num_target_layers = target_config.num_hidden_layers
     if num_target_layers is None:
-        raise ValueError("the export's config.json lacks num_target_layers; pass the target directory.")
+        raise UnreadableDrafterError(Finding("train.export-no-num-target-layers"))
     heads = hf_config["num_attention_heads"]
     values: dict[str, Any] = dict(
         hidden_size=hf_config["hidden_size"],
@@ -315,7 +325,8 @@ def export_weight_files(drafter_dir: str | Path) -> list[Path]:
         try:
             weight_map = json.loads((drafter_dir / INDEX_NAME).read_text()).get("weight_map") or {}
         except (OSError, ValueError, AttributeError) as e:
-            raise ValueError(f"{drafter_dir / INDEX_NAME} is not a safetensors index ({e}).") from e
+            raise UnreadableDrafterError(Finding("train.export-index-unreadable", file=str(drafter_dir / INDEX_NAME),
+                                                 error=str(e))) from e
         return [drafter_dir / name for name in sorted(set(weight_map.values()))]
     found = sorted(p for p in drafter_dir.glob("*.safetensors") if p.is_file())
     return found if len(found) == 1 else []
@@ -328,16 +339,11 @@ def read_export_config(drafter_dir: str | Path) -> dict[str, Any]:
     drafter_dir = Path(drafter_dir)
     config_path = drafter_dir / CONFIG_NAME
     if not config_path.is_file() or not export_weight_files(drafter_dir):
-        raise FileNotFoundError(
-            f"{drafter_dir} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME} (or the "
-            f"shards {INDEX_NAME} names)."
-        )
+        raise NoDrafterError(Finding("train.export-missing", dir=str(drafter_dir)))
     hf_config = json.loads(config_path.read_text())
     if "dflash_config" not in hf_config and not set(architectures()) & set(hf_config.get("architectures") or []):
-        raise ValueError(
-            f"{config_path} is not a DFlash drafter config (no dflash_config, architectures "
-            f"{hf_config.get('architectures')}); pass the directory written by export_drafter."
-        )
+        raise UnreadableDrafterError(Finding("train.export-not-dflash", file=str(config_path),
+                                             architectures=hf_config.get("architectures")))
     return hf_config
 
 
@@ -347,16 +353,18 @@ def read_export_weights(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
     fix = "Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), or copy the directory again."
     files = export_weight_files(drafter_dir)
     if not files:
-        raise FileNotFoundError(f"{drafter_dir} holds no {WEIGHTS_NAME} (nor the shards of {INDEX_NAME}).")
+        raise NoDrafterError(Finding("train.export-no-weights", dir=str(drafter_dir)))
     tensors: dict[str, torch.Tensor] = {}
     for weights_path in files:
         if not weights_path.is_file():
-            raise FileNotFoundError(f"{weights_path} is missing: {Path(drafter_dir) / INDEX_NAME} names it. {fix}")
+            raise NoDrafterError(Finding("train.export-shard-missing", file=str(weights_path),
+                                         index=str(Path(drafter_dir) / INDEX_NAME)))
         check_safetensors(weights_path, fix=fix)
         with safe_open(str(weights_path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118
                 if name in tensors:
-                    raise ValueError(f"tensor {name} is in two shards of {drafter_dir} ({weights_path.name} is one).")
+                    raise UnreadableDrafterError(Finding("train.export-tensor-twice", tensor=name, dir=str(drafter_dir),
+                                                         shard=weights_path.name))
                 tensors[name] = f.get_tensor(name)
     return tensors
 
@@ -379,11 +387,10 @@ def load_drafter(
     target_config = load_target_config(target_dir)
     config = config_from_export(hf_config, target_config, **overrides)
     if (config.hidden_size, config.vocab_size) != (target_config.hidden_size, target_config.vocab_size):
-        raise ValueError(
-            f"drafter in {drafter_dir} has hidden_size {config.hidden_size} / vocab_size "
-            f"{config.vocab_size} but the target in {target_dir} has {target_config.hidden_size} / "
-            f"{target_config.vocab_size}; load it with the target it was trained for."
-        )
+        raise TargetMismatchError(Finding(
+            "train.drafter-target-size", drafter=str(drafter_dir), target=str(target_dir),
+            drafter_sizes=[config.hidden_size, config.vocab_size],
+            target_sizes=[target_config.hidden_size, target_config.vocab_size]))
     weights = load_target_weights(
         target_dir, tie_word_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
     )
@@ -397,8 +404,6 @@ def load_drafter(
     drafter.embed_weight, drafter.lm_head_weight = weights.embed_tokens, weights.lm_head
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(
-            f"weights in {weights_path} do not match the drafter: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}."
-        )
+        raise UnreadableDrafterError(Finding("train.export-weights-mismatch", file=str(weights_path),
+                                             missing=sorted(missing), unexpected=sorted(unexpected)))
     return drafter

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.identity import comparable, target_identity
-from dflash.runtime.errors import InputError
+from dflash.runtime.errors import DflashError, InputError
+from dflash.runtime.findings import Finding, emit
 from dflash.train.exports.drafter_layouts import read_drafter
 from dflash.train.exports.export import trained_target, training_target_change
 from dflash.train.heads import get_head
@@ -36,30 +37,26 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
     exactly that drafter's predictions. An export that records another target than this run's
     (its `dflash_training`) still loads, as a start from a related run, with a note naming both
     targets. A run that resumes (`resume_from`, its latest checkpoint) takes the checkpoint's
-    weights: the drafter is not loaded, and the startup line says so."""
+    weights: the drafter is not loaded, and a note says so. Notes are findings (`emit`), written
+    through `announce` (the run's log) when it is given."""
     if resume_from is not None:
         if announce is not None:
-            announce(f"warm start: none, the run resumes from {resume_from}, whose weights win: --init-drafter "
-                     f"{init_dir} is ignored on resume (a new --output-dir starts from it)")
+            _note(announce, Finding("train.init-drafter-on-resume", init=init_dir, checkpoint=str(resume_from)))
         return
-    fix = ("pass a drafter of this target with this run's shape (dflash-train export CHECKPOINT OUT_DIR makes one "
-           "of a checkpoint), set the flags above to the drafter's, or drop --init-drafter")
     target_config = load_target_config(target_model)
     try:
         read = read_drafter(init_dir, target_config)
     except FileNotFoundError as e:
-        raise InputError(f"--init-drafter {init_dir}: {e} To start from a checkpoint, export it first: "
-                         "dflash-train export CHECKPOINT OUT_DIR.") from e
+        raise InputError(Finding("train.init-drafter-missing", init=init_dir, cause=_cause(e))) from e
     except ValueError as e:
-        raise InputError(f"--init-drafter {init_dir} cannot start this run: {e} Pass another drafter, or drop "
-                         "--init-drafter.") from e
+        raise InputError(Finding("train.init-drafter-unreadable", init=init_dir, cause=_cause(e))) from e
     theirs, state = read.config, read.state
     head = drafter.head  # a head may start from another's drafter: its own tensors keep their fresh start
     upgrade = theirs.drafter_type != drafter.config.drafter_type and theirs.drafter_type in head.warm_starts_from
-    target = [f"{f} {getattr(theirs, f)} there, {getattr(target_config, t)} in the target {target_model}"
+    target = [(f, getattr(theirs, f), getattr(target_config, t))
               for f, t in _TARGET_FIELDS.items() if getattr(theirs, f) != getattr(target_config, t)]
-    differ = target + [
-        f"{flag} {_listed(getattr(drafter.config, f))} here, {_listed(getattr(theirs, f))} there"
+    settings = [
+        (flag, _listed(getattr(drafter.config, f)), _listed(getattr(theirs, f)))
         for f, flag in _WARM_START_FIELDS.items()
         if getattr(theirs, f) is not None and _listed(getattr(theirs, f)) != _listed(getattr(drafter.config, f))
         and not (upgrade and f == "drafter_type")]
@@ -73,15 +70,14 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
     trainable = {k for k, p in drafter.named_parameters() if p.requires_grad}
     wanted = {k for k in own if k not in state and k not in fresh} & trainable
     unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k} {tuple(state[k].shape)} there, {tuple(own[k].shape)} here" for k in sorted(set(state) & set(own))
+    shapes = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in sorted(set(state) & set(own))
               if state[k].shape != own[k].shape]
     if target:  # every tensor would differ too: the fields say why
         wanted, unexpected, shapes = set(), [], []
-    if differ or wanted or unexpected or shapes:
-        found = "; ".join(differ + shapes[:4] + ([f"missing {sorted(wanted)[:4]}"] if wanted else [])
-                          + ([f"not in this drafter {unexpected[:4]}"] if unexpected else []))
-        raise InputError(f"--init-drafter {init_dir} ({read.layout.title}) does not fit this run's drafter: {found}. "
-                         f"Fix: {fix}.")
+    if target or settings or wanted or unexpected or shapes:
+        raise InputError(Finding("train.init-drafter-misfit", init=init_dir, layout=read.layout.title,
+                                 target_model=target_model, target=target, settings=settings, shapes=shapes[:4],
+                                 missing=sorted(wanted)[:4], unexpected=unexpected[:4]))
     with torch.no_grad():
         drafter.load_state_dict(state, strict=False)
     if announce is not None:
@@ -97,25 +93,50 @@ def warm_start(drafter: DFlashDrafter, init_dir: str, target_model: str,
                                                           if upgrade else "as some are of the block's shape"))
         if read.dropped:
             said.append(f" (its copy of the target's {', '.join(read.dropped)} is not read)")
-        if not trained_target(init_dir):
-            said.append(" (its config.json records no target it was trained against, so whether that is this "
-                        "run's target is not checked)")
         announce("".join(said))
-        if note := other_target_note(init_dir, target_model):
-            announce(f"Note: {note}")
+        if not trained_target(init_dir):
+            _note(announce, Finding("train.init-drafter-target-unrecorded", init=init_dir))
+        if finding := other_target_finding(init_dir, target_model):
+            _note(announce, finding)
 
 
-def other_target_note(init_dir: str, target_model: str) -> str | None:
-    """A sentence when the --init-drafter export records that it was trained against another
-    target than this run's (its weights fit, so it loads: a warm start from a related run)."""
+def other_target_finding(init_dir: str, target_model: str) -> Finding | None:
+    """`train.init-other-target` when the --init-drafter export records that it was trained
+    against another target than this run's (its weights fit, so it loads: a warm start from a
+    related run)."""
     change = training_target_change(init_dir, comparable(target_identity(load_target_config(target_model),
                                                                          target_model)))
     if change is None:
         return None
-    trained_at, shown = change
-    return (f"--init-drafter {init_dir} was trained against another target ({trained_at}) than this run's "
-            f"({Path(target_model).resolve()}): {shown}; its weights fit this drafter and are loaded, so the run "
-            "starts from that target's drafter (pass an export of a run on this target if that is not what you meant).")
+    trained_at, differences = change
+    return Finding("train.init-other-target", init=init_dir, trained=trained_at,
+                   here=str(Path(target_model).resolve()), differences=differences)
+
+
+def _cause(e: Exception) -> Finding | str:
+    """What a reader found, as the finding it raised (else its text: a library's error)."""
+    return e.finding if isinstance(e, DflashError) and e.finding is not None else str(e)
+
+
+class _Lines:
+    """A text stream whose lines go to `announce` (the run's log: rank 0's console)."""
+
+    def __init__(self, announce: Callable[[str], None]):
+        self.announce, self.pending = announce, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            self.announce(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _note(announce: Callable[[str], None], finding: Finding) -> None:
+    emit(finding, stream=_Lines(announce))  # type: ignore[arg-type]
 
 
 def _listed(value: Any) -> Any:
