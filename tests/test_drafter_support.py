@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -121,23 +120,30 @@ def test_missing_weights_error_names_the_directory(tmp_path):
     target = save_tiny_target(tmp_path / "t", max_shard_size="40KB")
     index = json.loads((target / "model.safetensors.index.json").read_text())
     (target / index["weight_map"]["lm_head.weight"]).unlink()
-    with pytest.raises(FileNotFoundError, match=re.escape(str(target)) + ".* is missing"):
+    with pytest.raises(FileNotFoundError) as e:
         load_target_weights(target)
+    assert e.value.code == "train.target-shard-missing" and e.value.fields["index"].startswith(str(target))
+    assert e.value.fields["shard"] == index["weight_map"]["lm_head.weight"]
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=re.escape(str(empty)) + ".*safe_serialization"):
+    with pytest.raises(FileNotFoundError) as e:
         load_target_weights(empty, tie_word_embeddings=False)
+    assert (e.value.code, e.value.fields) == ("train.target-no-safetensors", {"dir": str(empty), "pickled": True})
+    assert "safe_serialization" in str(e.value)  # the fix
 
 
 def test_drafter_config_rejects_a_mask_token_outside_the_embedding():
-    with pytest.raises(ValueError, match="mask_token_id 128 is not a row"):
+    with pytest.raises(ValueError) as e:
         tiny_config(mask_token_id=VOCAB)
+    assert e.value.code == "train.drafter-mask-token" and e.value.fields["mask_token_id"] == VOCAB
     assert tiny_config().mask_token_id == VOCAB - 1  # documented default
-    with pytest.raises(ValueError, match="multiple of"):
+    with pytest.raises(ValueError) as e:
         tiny_config(num_key_value_heads=3)
-    with pytest.raises(ValueError, match="outside the target's layers"):
+    assert e.value.code == "train.drafter-kv-heads" and e.value.fields["kv_heads"] == 3
+    with pytest.raises(ValueError) as e:
         tiny_config(target_layer_ids=[1, 8])
+    assert e.value.code == "train.drafter-target-layers" and e.value.fields["outside"] == [8]
 
 
 def test_drafter_from_target_takes_its_dimensions_from_the_target(tmp_path):

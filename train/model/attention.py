@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.train.config import (
     ATTENTION_BACKENDS,  # beside --attention-backend (torch-free, for --help)
 )
@@ -93,7 +95,7 @@ class AttentionMask:
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
+        raise SettingError(Finding("train.attention-backend", backend=backend, choices=list(ATTENTION_BACKENDS)))
     if backend == "auto":
         # Flex attention is only fast when compiled, which is reliable on CUDA.
         return "flex" if device.type == "cuda" else "sdpa"
@@ -106,9 +108,7 @@ def refuse_backend_off_its_device(backend: str, device: torch.device) -> None:
     if backend == "flex" and device.type == "cpu":
         from dflash.train.config import TrainConfigError
 
-        raise TrainConfigError("--attention-backend flex trains on CUDA only: torch's FlexAttention has no "
-                               "backward pass on a CPU. Use --attention-backend sdpa (or auto, which picks it "
-                               "on a CPU).")
+        raise TrainConfigError(Finding("train.flex-on-cpu", flag="--attention-backend", device=device.type))
 
 
 def build_attention_mask(

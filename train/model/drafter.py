@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.train.config import COMPILE_MODES  # torch.compile's, beside --compile-mode
 from dflash.train.heads import get_head
 from dflash.train.model.attention import AttentionMask, inference_mask
@@ -29,6 +31,7 @@ from dflash.train.model.rope import (
 )
 from dflash.train.model.target_head import TargetHead, choose_mask_token, load_target_head
 from dflash.train.model.target_weights import (
+    TargetMismatchError,
     TargetWeights,
     load_target_config,
     load_target_weights,
@@ -49,11 +52,9 @@ class DFlashDrafter(nn.Module):
         c = self.config = config
         rows, width = target.embed_tokens.shape
         if width != c.hidden_size or rows != c.vocab_size or target.lm_head.shape != (rows, width):
-            raise ValueError(
-                f"target embedding {tuple(target.embed_tokens.shape)} / lm_head {tuple(target.lm_head.shape)} "
-                f"do not match vocab_size {c.vocab_size} x hidden_size {c.hidden_size}; the drafter's "
-                "dimensions must come from the same target."
-            )
+            raise TargetMismatchError(Finding(
+                "train.target-embedding-shape", embedding=list(target.embed_tokens.shape),
+                lm_head=list(target.lm_head.shape), vocab_size=c.vocab_size, hidden_size=c.hidden_size))
         self.fc = nn.Linear(c.num_context_layers * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
@@ -117,11 +118,9 @@ class DFlashDrafter(nn.Module):
         """[B, T, K*D] captured target states -> [B, T, D] fused context."""
         expected = self.config.num_context_layers * self.config.hidden_size
         if hidden.shape[-1] != expected:
-            raise ValueError(
-                f"hidden states have width {hidden.shape[-1]}, expected {expected} "
-                f"({self.config.num_context_layers} target layers x {self.config.hidden_size}); "
-                "the cache was extracted with other target layers or another model."
-            )
+            raise TargetMismatchError(Finding(
+                "train.hidden-width", width=int(hidden.shape[-1]), expected=expected,
+                layers=self.config.num_context_layers, hidden_size=self.config.hidden_size))
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -186,7 +185,7 @@ class DFlashDrafter(nn.Module):
         `dynamic`: every input size symbolic from the first compile (else torch's default: static
         first, then dynamic for each size seen to vary, one recompile each)."""
         if mode not in COMPILE_MODES:
-            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}.")
+            raise SettingError(Finding("train.compile-mode", mode=mode, choices=list(COMPILE_MODES)))
         shapes = True if dynamic else None
         if per_layer:
             for layer in self.layers:

@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.runtime.logits import post_head_steps
 from dflash.train.config import DrafterSettings
 from dflash.train.heads import get_head
@@ -68,52 +70,44 @@ class DrafterConfig(DrafterSettings):
     """The target's logit soft cap (Gemma 2/3), applied to the selector's candidate scores."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the heads' settings' ranges (DrafterSettings)
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}.")
+                raise SettingError(Finding("train.drafter-size", field=name, value=getattr(self, name)))
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}); fix one of them."
-            )
+            raise SettingError(Finding("train.drafter-kv-heads", heads=self.num_attention_heads,
+                                       kv_heads=self.num_key_value_heads))
         if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {self.block_size}.")
+            raise SettingError(Finding("train.drafter-block-size", block_size=self.block_size))
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer.")
+            raise SettingError(Finding("train.drafter-no-target-layers"))
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} are outside the target's layers 0..{self.num_target_layers - 1}."
-            )
+            raise SettingError(Finding("train.drafter-target-layers", outside=bad,
+                                       num_target_layers=self.num_target_layers))
         if self.mask_token_id is None:
             self.mask_token_id = self.vocab_size - 1
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
-                f"(vocab_size {self.vocab_size}); pick an unused or reserved token id below it."
-            )
+            raise SettingError(Finding("train.drafter-mask-token", mask_token_id=self.mask_token_id,
+                                       vocab_size=self.vocab_size))
         if "rope_theta" not in self.rope_parameters:
-            raise ValueError("rope_parameters must contain rope_theta (the target's RoPE base).")
+            raise SettingError(Finding("train.drafter-rope-theta"))
         self.rope_parameters = drafter_rope_parameters(self.rope_parameters)
         self.layer_types = parse_layer_types(self.layer_types, self.num_hidden_layers)
         if "sliding_attention" in self.layer_types:
             if self.sliding_window is None or int(self.sliding_window) < 1:
-                raise ValueError(
-                    f"sliding draft layers need sliding_window >= 1 (got {self.sliding_window}); "
-                    "pass --draft-sliding-window N."
-                )
+                raise SettingError(Finding("train.drafter-sliding-window", sliding_window=self.sliding_window))
             self.sliding_window = int(self.sliding_window)
         else:
             self.sliding_window = None
         get_head(self.drafter_type).check(self)  # an unknown name: a ValueError naming the heads
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
-            )
+            raise SettingError(Finding("train.attention-backend", backend=self.attention_backend,
+                                       choices=list(ATTENTION_BACKENDS)))
 
     def layer_attention(self, index: int) -> tuple[int | None, bool]:
         """(window or None, causal) of draft layer `index`, as the serving engines resolve it."""
@@ -148,7 +142,7 @@ class DrafterConfig(DrafterSettings):
         values.update(output_multiplier=head["scale"] or 1.0, final_logit_softcapping=head["softcap"])
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown DrafterConfig fields {sorted(unknown)}.")
+            raise SettingError(Finding("train.drafter-fields-unknown", fields=sorted(unknown)))
         values.update(overrides)
         return cls(**values)
 

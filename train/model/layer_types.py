@@ -3,6 +3,9 @@ training config checks the flag before anything heavy is imported)."""
 
 from __future__ import annotations
 
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
+
 _LAYER_TYPE_NAMES = {"full": "full_attention", "sliding": "sliding_attention",
                      "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
 
@@ -15,15 +18,9 @@ def parse_layer_types(spec: str | list[str] | None, num_layers: int) -> list[str
     items = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
     bad = [t for t in items if t not in _LAYER_TYPE_NAMES]
     if bad or not items:
-        raise ValueError(
-            f"draft layer types {spec!r}: {bad or 'empty'} not one of full, sliding (or a comma-separated "
-            "list of them, one per draft layer)."
-        )
+        raise SettingError(Finding("train.draft-layer-types", spec=spec, bad=bad))
     if len(items) == 1:
         items = items * num_layers
     if len(items) != num_layers:
-        raise ValueError(
-            f"draft layer types {spec!r} name {len(items)} layers but the drafter has {num_layers}; "
-            "give one type for all layers or one per layer."
-        )
+        raise SettingError(Finding("train.draft-layer-types-count", spec=spec, given=len(items), layers=num_layers))
     return [_LAYER_TYPE_NAMES[t] for t in items]

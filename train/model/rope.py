@@ -72,7 +72,10 @@ class RotaryEmbedding(nn.Module):
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ValueError(f"unsupported rope_type {rope_type!r} in the target's RoPE settings.")
+                from dflash.runtime.findings import Finding
+                from dflash.train.model.target_weights import TargetUnreadableError
+
+                raise TargetUnreadableError(Finding("train.rope-type", rope_type=rope_type))
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](c.to_hf_config(), None)
         self.inv_freq = inv_freq.float()
         self.attention_scaling = float(scaling)

@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.findings import Finding
 from dflash.runtime.logits import apply_post_head, post_head_steps
-from dflash.train.model.target_weights import load_target_config, tensor_locations
+from dflash.train.model.target_weights import (
+    TargetFilesError,
+    TargetUnreadableError,
+    load_target_config,
+    tensor_locations,
+)
 from safetensors import safe_open
 from torch import nn
 
@@ -71,17 +77,13 @@ def load_target_head(target_dir: str | Path) -> TargetHead:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, ImportError) as e:
-        raise ValueError(
-            f"cannot build the target's modules from {target_dir / 'config.json'} ({e}); soft labels "
-            "from last_hidden need a transformers that knows this model type, or use --store-topk."
-        ) from e
+        raise TargetUnreadableError(Finding("train.target-modules", file=str(target_dir / "config.json"),
+                                            error=str(e))) from e
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     norm = getattr(decoder, "norm", None)
     if not isinstance(norm, nn.Module):
-        raise ValueError(
-            f"the target in {target_dir} ({type(model).__name__}) has no final norm module "
-            "(model.norm); soft labels from last_hidden cannot be recomputed: use --store-topk."
-        )
+        raise TargetUnreadableError(Finding("train.target-no-norm-module", dir=str(target_dir),
+                                            model=type(model).__name__))
     prefix = next(name for name, module in model.named_modules() if module is norm)
     locations = tensor_locations(target_dir)
     names = list(locations)
@@ -90,10 +92,7 @@ def load_target_head(target_dir: str | Path) -> TargetHead:
     for key in norm.state_dict():
         name = _checkpoint_name(names, f"{prefix}.{key}")
         if name is None:
-            raise FileNotFoundError(
-                f"target checkpoint in {target_dir} has no tensor for its final norm's '{prefix}.{key}'; "
-                "soft labels from last_hidden need it (check that every shard is present)."
-            )
+            raise TargetFilesError(Finding("train.target-no-final-norm", dir=str(target_dir), tensor=f"{prefix}.{key}"))
         with safe_open(str(locations[name]), framework="pt") as f:
             state[key] = f.get_tensor(name).float()
     norm.load_state_dict(state)
@@ -160,7 +159,4 @@ def _load_tokenizer(target_dir: str | Path) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(
-            f"cannot read the tokenizer in {target_dir} to choose the mask token ({e}); fix the "
-            "tokenizer files or pass --mask-token-id."
-        ) from e
+        raise TargetUnreadableError(Finding("train.target-tokenizer", dir=str(target_dir), error=str(e))) from e

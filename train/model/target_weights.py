@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.layers import default_target_layer_ids
+from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.findings import Finding
 from dflash.runtime.safetensors_files import check_weight_dir, refuse_drafter_as_target
 from safetensors import safe_open
 
@@ -23,16 +25,26 @@ SAFETENSORS_SINGLE = "model.safetensors"
 __all__ = ["TargetWeights", "default_target_layer_ids", "load_target_config", "load_target_weights"]
 
 
+class TargetFilesError(InputError, FileNotFoundError):
+    """The target directory lacks a file or tensor the drafter reads (a FileNotFoundError, as the
+    callers that name the target catch)."""
+
+
+class TargetUnreadableError(InputError, ValueError):
+    """The target's config or tokenizer cannot be read for what the drafter needs of it."""
+
+
+class TargetMismatchError(MismatchError, ValueError):
+    """The drafter and the target (or the hidden states captured from it) do not have the same shape."""
+
+
 def load_target_config(target_dir: str | Path) -> Any:
     """The target's text config (a transformers PretrainedConfig), read from disk only."""
     from transformers import AutoConfig
 
     target_dir = Path(target_dir)
     if not (target_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no config.json in target directory {target_dir}; pass the folder of a Hugging "
-            "Face checkpoint (the one holding config.json and *.safetensors)."
-        )
+        raise TargetFilesError(Finding("train.target-no-config", dir=str(target_dir)))
     refuse_drafter_as_target(target_dir)
     config = AutoConfig.from_pretrained(str(target_dir), local_files_only=True)
     # Multimodal wrappers keep the decoder's dimensions in a text sub-config.
@@ -61,12 +73,8 @@ def tensor_locations(target_dir: Path) -> dict[str, Path]:
         sorted(target_dir.glob("*.safetensors"))
     )
     if not files:
-        hint = ""
-        if any(target_dir.glob("*.bin")) or any(target_dir.glob("*.pt")):
-            hint = " It has PyTorch .bin/.pt weights: re-save them with save_pretrained(..., safe_serialization=True)."
-        raise FileNotFoundError(
-            f"no safetensors weights in target directory {target_dir}.{hint}"
-        )
+        pickled = any(target_dir.glob("*.bin")) or any(target_dir.glob("*.pt"))
+        raise TargetFilesError(Finding("train.target-no-safetensors", dir=str(target_dir), pickled=pickled))
     locations: dict[str, Path] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -105,27 +113,17 @@ def load_target_weights(
     head_name = _pick(names, r"(^|\.)lm_head\.weight$")
     norm_name = _pick([n for n in names if ".layers." not in n], r"(^|\.)norm\.weight$")
     if embed_name is None:
-        raise FileNotFoundError(
-            f"target checkpoint in {target_dir} has no '*embed_tokens.weight' tensor; the drafter "
-            "needs the target's input embedding."
-        )
+        raise TargetFilesError(Finding("train.target-no-embedding", dir=str(target_dir)))
     if head_name is None and not tie_word_embeddings:
-        raise FileNotFoundError(
-            f"target checkpoint in {target_dir} has no 'lm_head.weight' and its config does not "
-            "set tie_word_embeddings; check that every shard listed in the index is present."
-        )
+        raise TargetFilesError(Finding("train.target-no-lm-head", dir=str(target_dir)))
     if with_final_norm and norm_name is None:
-        raise FileNotFoundError(
-            f"target checkpoint in {target_dir} has no final 'norm.weight' tensor, needed for "
-            "soft labels from last_hidden; use top-k soft labels or turn soft labels off."
-        )
+        raise TargetFilesError(Finding("train.target-no-final-norm", dir=str(target_dir), tensor="norm.weight"))
 
     def read(name: str) -> torch.Tensor:
         path = locations[name]
         if not path.is_file():
-            raise FileNotFoundError(
-                f"shard {path.name} listed in {target_dir / SAFETENSORS_INDEX} is missing."
-            )
+            raise TargetFilesError(Finding("train.target-shard-missing", shard=path.name,
+                                           index=str(target_dir / SAFETENSORS_INDEX)))
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(name)
 
