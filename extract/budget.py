@@ -22,8 +22,6 @@ just before it is needed: a budget below the cache would re-extract all of it ev
 
 from __future__ import annotations
 
-import math
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -38,7 +36,8 @@ from dflash.cache_tools.eviction import (
 )
 from dflash.cache_tools.manifest import PARTS_DIR, CommitLog
 from dflash.cache_tools.plan import read_plan
-from dflash.cache_tools.staging import disk_usage, format_size
+from dflash.cache_tools.staging import disk_usage
+from dflash.runtime.findings import Finding, emit
 
 from .batching import group_by_budget
 from .config import ExtractConfigError
@@ -52,7 +51,7 @@ class ExtractionBudget:
     """The disk budget of one extraction process (any number of them may share a cache)."""
 
     def __init__(self, cache_dir: str | Path, header: dict[str, Any], limit: int, *, follow_epochs: int = 1,
-                 schema: Any, announce: Callable[[str], None] | None = None):
+                 schema: Any, announce: Callable[[Finding], None] | None = None):
         self.cache_dir = Path(cache_dir)
         self.limit, self.follow_epochs = int(limit), int(follow_epochs)
         self.commits, self.evictions = CommitLog(self.cache_dir), EvictionLog(self.cache_dir)
@@ -63,7 +62,7 @@ class ExtractionBudget:
         # committed part -> the blocks it takes beyond its files' sizes (metadata files, folders)
         self.overheads: dict[str, int] = {}
         self.evicted_here = 0
-        self.announce = announce or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.announce = announce or (lambda finding: emit(finding, prefix=""))
 
     # -- what is held ------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -165,29 +164,21 @@ class ExtractionBudget:
                 self.announce(self._wait_notice(parts, used, need, start))
             time.sleep(POLL_SECONDS)
 
-    def _wait_notice(self, parts: list[tuple[str, int]], used: int, need: int, since: float) -> str:
+    def _wait_notice(self, parts: list[tuple[str, int]], used: int, need: int, since: float) -> Finding:
         """What the wait is for, since when, what holds the room, and what would end it."""
         reports = read_trained(self.cache_dir)
-        waiting = (f"--disk-budget: waiting {time.monotonic() - since:.0f} s (since "
-                   f"{time.strftime('%H:%M:%S', time.localtime(time.time() - (time.monotonic() - since)))}) "
-                   f"for room for {parts[0][0]}{f' and {len(parts) - 1} more' if len(parts) > 1 else ''} "
-                   f"({format_size(need)}): {format_size(used)} of {format_size(self.limit)} held")
+        waited = time.monotonic() - since
+        waiting = dict(waited=round(waited), since=time.strftime("%H:%M:%S", time.localtime(time.time() - waited)),
+                       part=parts[0][0], more=len(parts) - 1, need=need, used=used, limit=self.limit)
         opened = sum(self.reserved.values())
         if opened + need > self.limit - (used - self.parts_bytes()):
-            return (f"{waiting}, and this extraction's {len(self.reserved)} open part(s) of one forward batch "
-                    f"reserve {format_size(opened)}: a batch's parts are committed together, so no room comes. "
-                    "Stop it (Ctrl-C) and rerun with a lower --token-budget or a higher --disk-budget.")
+            return Finding("extract.budget-wait-own-batch", **waiting, open_parts=len(self.reserved), reserved=opened)
         untrained = [n for n in self.commits.records if self.present(n)
                      and not trained_by_all(reports, n, self.evictions.state(n).epoch)]
         kept = sum(1 for n in untrained if self.evictions.state(n).epoch > 0)
-        trainer = ("no training run has reported its consumption yet" if reports is None else
-                   "the training ranks are at epoch " + ", ".join(str(r.epoch) for r in reports)
-                   + f" with {min(len(r.parts) for r in reports)} of its parts trained")
-        return (f"{waiting} by {len(untrained)} committed part(s) no training rank has reported trained"
-                f"{f' ({kept} kept for a later epoch)' if kept else ''}; {trainer}. It ends when the next "
-                "report (dflash-train --follow writes manifest.trained-rank*.json after each checkpoint) lets a "
-                "part go; if the trainer waits too, the budget is below its --shuffle-parts group plus one "
-                "forward batch's parts: raise --disk-budget, or lower --shuffle-parts or --token-budget.")
+        return Finding("extract.budget-wait-untrained", **waiting, untrained=len(untrained), kept=kept,
+                       trainer_epochs=None if reports is None else [r.epoch for r in reports],
+                       trained=None if reports is None else min(len(r.parts) for r in reports))
 
     def parts_bytes(self) -> int:
         return disk_usage(self.cache_dir / PARTS_DIR, allocated=True)
@@ -214,10 +205,8 @@ class ExtractionBudget:
         record, state = best
         freed = evict_part(self.cache_dir, record, state.epoch, reextract=state.epoch + 1 < self.follow_epochs)
         self.evicted_here += 1
-        self.announce(f"--disk-budget: evicted {record.name} ({format_size(freed)}; trained on in epoch "
-                      f"{state.epoch} by every training rank"
-                      + (f", extracted again for epoch {state.epoch + 1})" if state.epoch + 1 < self.follow_epochs
-                         else ", not read again)"))
+        self.announce(Finding("extract.budget-evicted", part=record.name, freed=freed, epoch=state.epoch,
+                              again=state.epoch + 1 < self.follow_epochs))
         return True
 
     # -- later epochs ------------------------------------------------------------------------------
@@ -245,18 +234,5 @@ class BudgetTooSmallError(ExtractConfigError):
     def __init__(self, budget: int, smallest: int, parts: int, token_budget: int, fitting_token_budget: int):
         self.budget, self.smallest, self.parts = budget, smallest, parts
         self.token_budget, self.fitting_token_budget = token_budget, fitting_token_budget
-        way = (f"lower --token-budget to {fitting_token_budget} (a batch's parts then fit)" if fitting_token_budget
-               else "lower --part-tokens (a new cache: --force or another --output), since one part alone does not fit")
-        super().__init__(
-            f"--disk-budget {format_size(budget)} cannot hold the {parts} parts one forward batch of --token-budget "
-            f"{token_budget} spans (about {format_size(smallest)} with the cache's manifests): a batch's parts are "
-            "committed together, so the extraction would wait for room forever. Raise --disk-budget to at least "
-            f"{size_at_least(smallest)} plus the trainer's group of --shuffle-parts parts, or {way}.")
-
-
-def size_at_least(nbytes: int) -> str:
-    """A size --disk-budget reads as `nbytes` or a little more ("2.7MiB")."""
-    for unit, step in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= step:
-            return f"{math.ceil(nbytes * 10 / step) / 10:g}{unit}"
-    return str(int(nbytes))
+        super().__init__(Finding("extract.budget-too-small", budget=budget, smallest=smallest, parts=parts,
+                                 token_budget=token_budget, fitting_token_budget=fitting_token_budget))

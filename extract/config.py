@@ -13,6 +13,7 @@ from dflash.cache_tools.codecs import CODEC_NAMES
 from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.runtime.devices import DTYPE_ALIASES, DTYPE_NAMES, DtypeChoice
 from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.runtime.positions import TargetPositions
 from dflash.runtime.settings import IntList, identity_of, setting
 
@@ -115,42 +116,32 @@ class ExtractConfig:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> ExtractConfigError:
-            return ExtractConfigError(msg)
+        def flag(name: str) -> str:
+            return f"--{name.replace('_', '-')}"
 
         for name in ("target_model", "data", "output"):
             if not getattr(self, name):
-                raise bad(f"--{name.replace('_', '-')} is required.")
+                raise ExtractConfigError(Finding("extract.flag-required", flag=flag(name)))
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if self.dtype not in DTYPES:
-            raise bad(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}.")
-        if self.codec not in CODEC_NAMES:
-            raise bad(f"--codec {self.codec!r} is not one of {', '.join(CODEC_NAMES)}.")
-        if self.long_samples not in LONG_SAMPLE_POLICIES:
-            raise bad(f"--long-samples {self.long_samples!r} is not one of truncate, skip.")
+        for name, choices in (("dtype", DTYPES), ("codec", CODEC_NAMES), ("long_samples", LONG_SAMPLE_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ExtractConfigError(Finding("extract.flag-choice", flag=flag(name), value=getattr(self, name), choices=list(choices)))
         for name in ("max_seq_len", "part_tokens", "token_budget", "num_captured_layers",
-                     "chunk_rows", "shard_rows"):
+                     "chunk_rows", "shard_rows", "follow_epochs"):
             if int(getattr(self, name)) < 1:
-                raise bad(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
+                raise ExtractConfigError(Finding("extract.flag-below-minimum", flag=flag(name), value=getattr(self, name), minimum=1))
         if not 0.0 <= self.top1_share <= 1.0:
-            raise bad(f"--top1-share must be between 0 and 1 (got {self.top1_share}): the share of samples "
-                      "whose target top-1 is stored, 1 for all of them, 0 for none.")
-        if self.store_topk < 0:
-            raise bad(f"--store-topk must be 0 (off) or positive (got {self.store_topk}).")
-        if self.sort_window_tokens is not None and self.sort_window_tokens < 0:
-            raise bad(f"--sort-window-tokens must be 0 or more (got {self.sort_window_tokens}).")
+            raise ExtractConfigError(Finding("extract.top1-share-range", flag="--top1-share", value=self.top1_share))
+        for name in ("store_topk", "sort_window_tokens", "num_writers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ExtractConfigError(Finding("extract.flag-below-minimum", flag=flag(name), value=getattr(self, name), minimum=0))
         if self.disk_budget is not None:
             from dflash.cache_tools.staging import parse_size
 
             if parse_size(self.disk_budget) < 1:
-                raise bad(f"--disk-budget must be a positive size such as 500G (got {self.disk_budget!r}).")
-        if self.follow_epochs < 1:
-            raise bad(f"--follow-epochs must be at least 1 (got {self.follow_epochs}).")
+                raise ExtractConfigError(Finding("extract.disk-budget-not-positive", flag="--disk-budget", value=self.disk_budget))
         if self.follow_epochs > 1 and self.disk_budget is None:
-            raise bad("--follow-epochs extracts again what a --disk-budget evicted: give --disk-budget too "
-                      "(without a budget nothing is evicted and one extraction serves every epoch).")
-        if self.num_writers is not None and self.num_writers < 0:
-            raise bad(f"--num-writers must be 0 or more (got {self.num_writers}).")
+            raise ExtractConfigError(Finding("extract.follow-epochs-without-budget", flag="--follow-epochs", needs="--disk-budget"))
         if self.target_layer_ids is not None:
             # Order, repeats and signs now, before a target loads; the bound N-2 once it has.
             self.target_layer_ids = validate_target_layer_ids(self.target_layer_ids, None)
@@ -159,10 +150,7 @@ class ExtractConfig:
         if self.rank is None:
             self.rank = int(os.environ.get("RANK", "0"))
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise bad(
-                f"Rank {self.rank} of world size {self.world_size} is invalid: need "
-                "0 <= rank < world_size (set --rank/--world-size or RANK/WORLD_SIZE)."
-            )
+            raise ExtractConfigError(Finding("extract.rank-out-of-range", rank=self.rank, world_size=self.world_size))
 
     def stored_top1_share(self) -> float:
         """The share of samples whose top-1 the cache stores (0: none)."""

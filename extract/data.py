@@ -28,6 +28,7 @@ from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.cache_tools.manifest import HEADER_FILE, PARTS_DIR
 from dflash.cache_tools.sample_scores import group_split_key, prompt_split_key
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 from dflash.runtime.records import (
     SIDECAR_SUFFIXES,
     BadRecord,
@@ -62,10 +63,10 @@ def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = (),
     path = Path(data)
     if path.is_file():
         if what := json_document(path, records_only=not path.name.endswith(JSON_LINES_SUFFIXES)):
-            raise InputError(_not_json_lines(path, what, "Point --data to the data file (or its directory), or "))
+            raise InputError(Finding("extract.data-not-json-lines", file=str(path), what=what, in_scan=False))
         return [path]
     if not path.exists():
-        raise InputError(f"Input data {path} does not exist. Pass a JSONL file or a directory of them with --data.")
+        raise InputError(Finding("extract.data-missing", file=str(path)))
     excluded = {Path(p).resolve() for p in exclude}
     found: list[Path] = []
     walked: set[Path] = set()
@@ -93,62 +94,43 @@ def list_data_files(data: str | Path, *, exclude: tuple[str | Path, ...] = (),
         named_lines = file.name.endswith(JSON_LINES_SUFFIXES)
         if what := json_document(file, records_only=not named_lines):
             if named_lines:  # named as JSON Lines: data that cannot be read, not a file to pass over
-                raise InputError(_not_json_lines(file, what, "Move it out of --data, or "))
+                raise InputError(Finding("extract.data-not-json-lines", file=str(file), what=what, in_scan=True))
             left_out.append((file, what))
             continue
         files.append(file)
     if documents is not None:
         documents += left_out
     if not files:
-        raise InputError(
-            f"Input directory {path} holds no data files (*.jsonl or *.jsonl.gz, or *.json of one record a "
-            "line). Point --data to the directory with the tokenized completions."
-            + (f" Note: {note}" if (note := json_documents_note(path, left_out)) else "")
-        )
+        raise InputError(Finding("extract.data-no-files", dir=str(path), documents=_documents(path, left_out)))
     return files
 
 
-def _not_json_lines(path: Path, what: str, fix: str) -> str:
-    return (f"{path} is not JSON Lines of records: {what}. --data takes tokenized records, one JSON object a "
-            f"line (input_ids and a loss mask: docs/extract.md). {fix}convert it to JSON Lines (for an "
-            f"array of records: jq -c '.[]' {path}).")
+def _documents(data: str | Path, documents: list[tuple[Path, str]]) -> list[list[str]]:
+    """[name relative to `data`, what it holds] of the .json files a scan left out, sorted."""
+    return [[str(p.relative_to(data)), what] for p, what in sorted(documents)]
 
 
-def json_documents_note(data: str | Path, documents: list[tuple[Path, str]], shown: int = 8) -> str | None:
-    """One sentence naming the .json files a directory scan left out as not JSON Lines, or None."""
+def json_documents_note(data: str | Path, documents: list[tuple[Path, str]]) -> Finding | None:
+    """The finding naming the .json files a directory scan left out as not JSON Lines, or None."""
     if not documents:
         return None
-    listed = "; ".join(f"{p.relative_to(data)}, {what}" for p, what in sorted(documents)[:shown])
-    more = f"; and {len(documents) - shown} more" if len(documents) > shown else ""
-    return (f"the scan of {data} left out {len(documents)} .json file{'s' if len(documents) > 1 else ''} that "
-            f"{'are' if len(documents) > 1 else 'is'} not JSON Lines of records: {listed}{more}. A .json file "
-            "of one record a line (as Dataset.to_json writes) is read; convert one of these to JSON Lines if "
-            "it is data.")
+    return Finding("extract.data-json-documents-left-out", dir=str(data), documents=_documents(data, documents))
 
 
-def skipped_files_note(data: str | Path, skipped: list[Path], shown: int = 8) -> str | None:
-    """One sentence naming the files a directory scan left out, or None."""
+def skipped_files_note(data: str | Path, skipped: list[Path]) -> Finding | None:
+    """The finding naming the files a directory scan left out, or None."""
     if not skipped:
         return None
-    names = [str(p.relative_to(data)) for p in sorted(skipped)]
-    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-    cased = [n for n in names if n.lower().endswith(DATA_SUFFIXES)]
-    return (f"the scan of {data} reads only {', '.join('*' + s for s in DATA_SUFFIXES)} (lower case) and skipped "
-            f"{len(names)} other file{'s' if len(names) > 1 else ''}: {listed}."
-            + (f" Rename {cased[0]}{' and the like' if len(cased) > 1 else ''} with a lower-case suffix to read it."
-               if cased else "")
-            + " Decompress or convert the others to JSONL (or .jsonl.gz) if they are data.")
+    return Finding("extract.data-files-skipped", dir=str(data), files=[str(p.relative_to(data)) for p in sorted(skipped)],
+                   suffixes=list(DATA_SUFFIXES))
 
 
-def repeated_files_note(data: str | Path, repeated: list[Path], shown: int = 4) -> str | None:
-    """One sentence naming the paths a directory scan reached a second time through symbolic
+def repeated_files_note(data: str | Path, repeated: list[Path]) -> Finding | None:
+    """The finding naming the paths a directory scan reached a second time through symbolic
     links (and read once), or None."""
     if not repeated:
         return None
-    names = [str(p.relative_to(data)) for p in sorted(repeated)]
-    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-    return (f"the scan of {data} reached {len(names)} path{'s' if len(names) > 1 else ''} through symbolic links "
-            f"that lead to data it had already read ({listed}), and read that data once.")
+    return Finding("extract.data-paths-repeated", dir=str(data), paths=[str(p.relative_to(data)) for p in sorted(repeated)])
 
 
 def _is_cache_dir(path: Path) -> bool:
@@ -167,7 +149,7 @@ class DataSnapshot:
     entries: list[dict[str, Any]]  # per file: path (relative to --data), bytes, sha256[, rendering]
     records: int  # non-blank lines within those bytes (the progress bar's total)
     stats: dict[Path, tuple[int, int]]  # (size, mtime_ns) when the run started
-    notes: list[str] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
 
     @property
     def sha256(self) -> str:
@@ -186,8 +168,8 @@ class DataSnapshot:
         prefixes = {f: (e["bytes"], e["sha256"]) for f, e in zip(self.files, self.entries, strict=True)}
         return iter_lines(self.files, prefixes=prefixes)
 
-    def changes_since_start(self) -> list[str]:
-        """One sentence per file whose size or mtime is no longer the one at the start."""
+    def changes_since_start(self) -> list[Finding]:
+        """A finding per file whose size or mtime is no longer the one at the start."""
         out = []
         for f, entry in zip(self.files, self.entries, strict=True):
             try:
@@ -196,13 +178,8 @@ class DataSnapshot:
             except OSError:
                 now = None
             if now != self.stats[f]:
-                what = "is gone" if now is None else f"is now {now[0]:,} bytes"
-                out.append(
-                    f"{f} changed during the extraction (it {what}; {self.stats[f][0]:,} when the run "
-                    f"started): the cache holds its first {entry['bytes']:,} bytes, as read and as its "
-                    "manifest's fingerprint records; what changed later is not in it. Pass --force (or "
-                    "choose a new --output) to extract the file as it is now."
-                )
+                out.append(Finding("extract.data-changed-during-run", file=str(f), bytes_now=None if now is None else now[0],
+                                   bytes_at_start=self.stats[f][0], bytes_read=entry["bytes"]))
         return out
 
 
@@ -230,7 +207,7 @@ def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, An
                 records += sum(1 for line in reader.lines() if line.strip())
                 digest = reader.hexdigest()
         except (OSError, EOFError) as e:
-            raise InputError(f"{f}: cannot read the file ({e}). Check that it is complete and readable.") from e
+            raise InputError(Finding("extract.data-unreadable", file=str(f), error=str(e))) from e
         entry = {"path": name, "bytes": nbytes, "sha256": digest}
         rendering = read_rendering(f)
         if rendering:
@@ -239,31 +216,19 @@ def snapshot_data(files: list[Path], root: str | Path, *, recorded: dict[str, An
         if old:
             was = old.get(name)
             if was is None:
-                changed.append(f"{f} is not among the files the cache was extracted from")
+                changed.append({"file": str(f), "change": "added"})
             elif (was.get("bytes"), was.get("sha256")) != (nbytes, digest):
-                changed.append(f"{f} changed since the cache was extracted from it (its first "
-                               f"{nbytes:,} bytes differ from the ones fingerprinted then)")
+                changed.append({"file": str(f), "change": "edited", "bytes": nbytes})
             elif nbytes < st.st_size:
-                notes.append(
-                    f"{f} has grown by {st.st_size - nbytes:,} bytes since the cache was started: "
-                    f"this run reads its first {nbytes:,} bytes, as the cache's manifest fingerprints; "
-                    "the lines added since are not extracted (pass --force, or choose a new --output, "
-                    "to extract the file as it is now)."
-                )
+                notes.append(Finding("extract.data-grown", file=str(f), grown=st.st_size - nbytes, bytes_read=nbytes))
     if old:
         names = {e["path"] for e in entries}
         base = root if root.is_dir() else root.parent
         why = {str(p.relative_to(base)): what for p, what in left_out}
-        changed += [f"{base / n} was extracted into the cache, but the scan of --data leaves it out as not JSON "
-                    f"Lines of records ({why[n]})" if n in why else
-                    f"{base / n} was extracted into the cache but is no longer in --data"
-                    for n in old if n not in names]
+        changed += [{"file": str(base / n), "change": "left-out", "what": why[n]} if n in why else
+                    {"file": str(base / n), "change": "gone"} for n in old if n not in names]
     if changed:
-        raise ConfigMismatchError(
-            "The input data differs from the data the cache was extracted from: "
-            + "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
-            + ". Restore the data, pass --force to extract the cache anew, or choose a new --output."
-        )
+        raise ConfigMismatchError(Finding("extract.data-differs", changes=changed))
     return DataSnapshot(list(files), entries, records, stats, notes)
 
 
@@ -357,7 +322,8 @@ def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator
             ids, mask, group = parse_sample(line, rules.vocab_size)
         except BadRecord as e:
             if not rules.skip_bad:
-                raise BadRecordError(f"{where}: {e}. Fix the record or pass --skip-bad to skip it.") from None
+                raise BadRecordError(Finding("extract.bad-record", where=where,
+                                             problem=e.finding if e.finding is not None else str(e))) from None
             skips.stats["records"] += 1
             skips.record_skip(sample_id, where, str(e), "skipped_bad")
             continue
@@ -380,12 +346,8 @@ def plan_windows(files: list[Path] | DataSnapshot, rules: PartRules) -> Iterator
         window.append(Sample(sample_id, ids, mask, group))
         tokens += ids.size
     if not window:  # (a window always holds the sample that opened it: only an input without any ends empty)
-        raise InputError(
-            f"The input ({', '.join(str(f) for f in files[:3])}{', ...' if len(files) > 3 else ''}) "
-            "holds no usable sample"
-            + (f" ({skips.stats['records']} records, all skipped)." if skips.stats["records"] else ".")
-            + " Check --data."
-        )
+        raise InputError(Finding("extract.no-usable-sample", files=[str(f) for f in files[:3]], count=len(files),
+                                 skipped=skips.stats["records"]))
     yield _cut_window(window, skips, first_index, number, rules.part_tokens)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +26,7 @@ from dflash.cache_tools.schema import (
     TOP1_IDS,
     scale_of,
 )
+from dflash.runtime.findings import Finding, emit
 from torch import nn
 
 from .batching import Batch
@@ -54,10 +54,13 @@ def _compiled_quantizer(device: torch.device, widths: list[tuple[int, int]], qua
         with torch.inference_mode():
             _probe(compiled, device, widths, quantize, codec)
     except Exception as e:  # noqa: BLE001 - any compiler failure: stay correct, run eager
-        print(f"note: hidden-state quantization runs unfused ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
+        emit(Finding("extract.runs-unfused", part="quantization", error=_first_line(e)))
         return quantize
     return compiled
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _allocator_line(device: torch.device) -> str:
@@ -116,8 +119,7 @@ def _compiled_head(reduce, device: torch.device, vocab: int, dtype: torch.dtype)
                                                        else torch.allclose(g, w, rtol=1e-5, atol=1e-5)))):
                         raise RuntimeError("the compiled head reduction differs from the eager code")
     except Exception as e:  # noqa: BLE001 - any compiler failure: stay correct, run eager
-        print(f"note: the target's top-k log-probs are reduced unfused ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
+        emit(Finding("extract.runs-unfused", part="head", error=_first_line(e)))
         return reduce
     return compiled
 

@@ -27,6 +27,7 @@ from dflash.cache_tools.staging import parse_size
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import DflashError
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.locks import refuse_output_among_inputs
 from dflash.runtime.positions import TargetPositions, target_positions
 from dflash.runtime.safetensors_files import refuse_drafter_as_target
@@ -87,7 +88,7 @@ class ExtractSummary:
     setup_seconds: float = 0.0  # writers started, part segments page-locked (before the first batch)
     teardown_seconds: float = 0.0  # writers stopped, segments released (after the last commit)
     interrupted_by: int | None = None  # signal number when stopped by SIGINT/SIGTERM
-    notes: list[str] = field(default_factory=list)  # input files that changed (data.DataSnapshot)
+    notes: list[Finding | str] = field(default_factory=list)  # input files that changed (data.DataSnapshot), ...
     leftovers_removed: int = 0  # temporary or unrecorded parts of dead writers, removed at open
     skips: list[dict] = field(default_factory=list)
 
@@ -195,7 +196,7 @@ def run_extraction(config: ExtractConfig, *, model: nn.Module | None = None) -> 
     for note in (skipped_files_note(config.data, skipped), repeated_files_note(config.data, repeated),
                  json_documents_note(config.data, documents)):
         if config.rank == 0 and note:
-            print(f"Note: {note}", file=sys.stderr, flush=True)
+            emit(note)
     if model is None:
         check_layer_ids_before_loading(config)
     device = resolve_device(config.device)  # under torchrun each process of a host takes its own GPU
@@ -325,22 +326,16 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
 
 
 def long_samples_note(config: ExtractConfig, positions: TargetPositions | None,
-                      summary: ExtractSummary) -> str | None:
+                      summary: ExtractSummary) -> Finding | None:
     """What held the samples of this run to their length, when not --max-seq-len alone: the
     target's positions (fewer than --max-seq-len), or a config that gives none."""
     if positions is None:
-        return (f"the target's config gives no number of positions (max_position_embeddings): samples "
-                f"were held to --max-seq-len {config.max_seq_len} alone; if the target takes fewer, pass "
-                "that as --max-seq-len.")
+        return Finding("extract.target-positions-unknown", flag="--max-seq-len", value=config.max_seq_len)
     held = summary.truncated + summary.skipped_long
     if positions.limit >= config.max_seq_len or not held:
         return None
-    many = held > 1
-    done = (f"cut to {'their' if many else 'its'} first {positions.limit:,} tokens (--long-samples skip "
-            "leaves such samples out instead)" if config.long_samples == "truncate" else "skipped")
-    return (f"{held} sample{'s' if many else ''} longer than {positions.describe()} {'were' if many else 'was'} "
-            f"{done}: past them the target's hidden states are out of the range it was trained on "
-            f"(--max-seq-len {config.max_seq_len} is more than it takes).")
+    return Finding("extract.samples-past-positions", samples=held, positions=positions.describe(),
+                   limit=positions.limit, long_samples=config.long_samples, max_seq_len=config.max_seq_len)
 
 
 def refuse_a_cache_past_the_positions(old: dict, header: dict, output: str,
@@ -353,12 +348,8 @@ def refuse_a_cache_past_the_positions(old: dict, header: dict, output: str,
     same_target = (old.get("target") or {}).get("config_hash") == header["target"].get("config_hash")
     if positions is None or not same_target or not isinstance(recorded, int) or recorded <= positions.limit:
         return
-    raise ConfigMismatchError(
-        f"The cache at {output} was extracted with max_seq_len {recorded}, more than {positions.describe()}: "
-        f"its samples longer than {positions.limit:,} tokens may hold hidden states past the target's "
-        "positions, and an extraction holds samples to them (--long-samples), which cuts the remaining parts "
-        "otherwise. Pass --force to extract the cache anew, or choose a new --output."
-    )
+    raise ConfigMismatchError(Finding("extract.cache-past-positions", cache=str(output), max_seq_len=recorded,
+                                      positions=positions.describe(), limit=positions.limit))
 
 
 def _disk_budget(config: ExtractConfig, cache: CacheWriter) -> ExtractionBudget | None:

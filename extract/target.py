@@ -30,6 +30,7 @@ from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.schema import TOP1_IDS, TOPK_IDS, TOPK_LOGPROBS
 from dflash.runtime.devices import torch_dtype
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 from dflash.runtime.logits import apply_post_head, post_head_steps
 from dflash.runtime.safetensors_files import (
     check_weight_dir,
@@ -58,15 +59,9 @@ def load_target(
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        raise TargetError(
-            f"{path} is not a Hugging Face model directory (no config.json). Point "
-            "--target-model to a local directory holding config.json and the weights."
-        )
+        raise TargetError(Finding("extract.target-without-config", dir=str(path)))
     if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
-        raise TargetError(
-            f"{path} has a config.json but no weights (*.safetensors). Download or copy the "
-            "model's weight files into that directory."
-        )
+        raise TargetError(Finding("extract.target-without-weights", dir=str(path)))
     refuse_drafter_as_target(path)
     check_weight_dir(path, fix="Copy the target model's weight files again (a copy that stopped or a "
                            "full disk leaves them short), then rerun.")
@@ -78,7 +73,7 @@ def load_target(
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
     except (OSError, ValueError, ImportError, KeyError) as e:
-        raise TargetError(f"Cannot load the target model from {path}: {e}") from e
+        raise TargetError(Finding("extract.target-unloadable", dir=str(path), error=str(e))) from e
     refuse_incomplete_weights(path, loading)
     if not device_map:
         model = model.to(device)
@@ -103,11 +98,7 @@ def config_layer_count(model_dir: str | Path) -> int | None:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise TargetError(
-            f"The target ({type(model).__name__}) does not expose its decoder layers as "
-            "model.model.layers, which layer capture needs. Supported are HF decoder-only "
-            "causal LMs such as Llama, Qwen2/3 and Mistral."
-        )
+        raise TargetError(Finding("extract.target-without-layers", architecture=type(model).__name__))
     return layers
 
 
@@ -269,15 +260,14 @@ class LayerCapture:
         except _StopForward:
             pass
         else:
-            raise TargetError("The forward ended without reaching the last captured layer.")
+            raise TargetError(Finding("extract.forward-ended-early", architecture=type(self.model).__name__))
 
 
-def _final_norm_and_head(model: nn.Module, what: str, fix: str = "") -> tuple[nn.Module, nn.Module]:
+def _final_norm_and_head(model: nn.Module, flag: str) -> tuple[nn.Module, nn.Module]:
     norm = getattr(model.model, "norm", None)
     head = model.get_output_embeddings()
     if norm is None or head is None:
-        raise TargetError(f"{what} needs the target's final norm (model.model.norm) and lm_head; this "
-                          f"model ({type(model).__name__}) lacks one of them{fix}.")
+        raise TargetError(Finding("extract.target-without-head", flag=flag, architecture=type(model).__name__))
     return norm, head
 
 
@@ -330,8 +320,7 @@ def next_token_outputs(model: nn.Module, last_hidden: torch.Tensor, *, topk: int
     The head runs on `chunk_tokens` rows at a time (the logits of 32K tokens x 150K ids would
     not fit), each chunk reduced at once (`next_token_reducer`; `reduce`: the same for these
     `topk` and `top1`, compiled by the caller)."""
-    norm, head = (_final_norm_and_head(model, "--store-topk") if topk else
-                  _final_norm_and_head(model, "Storing the target's top-1", ": pass --no-store-top1"))
+    norm, head = _final_norm_and_head(model, "--store-topk" if topk else "--store-top1")
     reduce = reduce or head_reducer(model, topk=topk, top1=top1 is not None)
     ids_k, lp_k, ids_1 = [], [], []
     for start in range(0, last_hidden.shape[0], chunk_tokens):

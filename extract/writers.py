@@ -26,6 +26,7 @@ import numpy as np
 from dflash.cache_tools.schema import HIDDEN, ArraySpec
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.errors import DflashError, EnvironmentFault
+from dflash.runtime.findings import Finding
 
 from .buffers import PartBuffer, part_layout, part_views
 from .data import PartPlan
@@ -355,11 +356,7 @@ class WriterPool:
             kind, name, payload = self._results.get(timeout=1.0) if block else self._results.get_nowait()
         except queue.Empty:
             if block and not any(p.is_alive() for p in self._procs):
-                raise WriteError(
-                    "All writer processes died (out of memory?) with parts still to write. "
-                    "Rerun the same command to resume; lower --num-writers or --part-tokens if "
-                    "memory is short."
-                ) from None
+                raise WriteError(Finding("extract.writers-died", parts=len(self._buffers))) from None
             return False
         if kind == "ready":
             self._ready += 1
@@ -471,18 +468,10 @@ def _shm_capacity(part_bytes: int, open_parts: int, part_tokens: int) -> int:
         return 1 << 30
     fit = int(free * 0.9) // max(part_bytes, 1)
     if fit < open_parts + 1:
-        raise WriteError(
-            f"Shared memory ({SHM_DIR}) has {free / 1e9:.2f} GB free, but extraction needs "
-            f"{open_parts + 1} part buffers of {part_bytes / 1e9:.2f} GB there ({open_parts} filled "
-            f"at once by the batches in flight, one for a writer process; --part-tokens {part_tokens}). "
-            "Enlarge it (docker: --shm-size), lower --part-tokens or --token-budget, or write "
-            "from the main process with --num-writers 0."
-        )
+        raise WriteError(Finding("extract.shared-memory-short", dir=SHM_DIR, free=free, buffers=open_parts + 1,
+                                 part_bytes=part_bytes, part_tokens=part_tokens))
     return fit
 
 
 def _write_error(name: str | None, cache_dir: Path, exc: BaseException) -> WriteError:
-    return WriteError(
-        f"Writing part {name} into {cache_dir} failed: {exc}. Free space or fix the cause, "
-        "then rerun the same command: committed parts are kept and the rest is redone."
-    )
+    return WriteError(Finding("extract.part-write-failed", part=name, cache=str(cache_dir), error=str(exc)))

@@ -154,9 +154,9 @@ def test_too_little_shared_memory_is_one_clear_error_before_anything_starts(tmp_
     monkeypatch.setattr(writers, "shm_free_bytes", lambda: 2 * part)  # 90 % of it: one buffer
     with pytest.raises(writers.WriteError) as err:
         writers.WriterPool(cache, fields, 4, segment_tokens=1000, open_parts=2)
-    msg = str(err.value)
-    assert "Shared memory (/dev/shm) has" in msg and "needs 3 part buffers" in msg
-    assert "--shm-size" in msg and "--num-writers 0" in msg
+    assert err.value.code == "extract.shared-memory-short"
+    assert err.value.fields["dir"] == "/dev/shm" and err.value.fields["buffers"] == 3
+    assert "--shm-size" in str(err.value) and "--num-writers 0" in str(err.value)
 
 
 def test_short_shared_memory_bounds_buffers_and_pinned_segments(tmp_path, monkeypatch):

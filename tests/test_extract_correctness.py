@@ -200,13 +200,16 @@ def test_nf4_extraction_end_to_end_then_info_and_verify(qwen3_target, tmp_path):
     assert res.exit_code == 0, res.output
 
 
-def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
+def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch):
     from dflash.extract import engine
     from dflash.extract.codecs import quantize_fp8
+    from dflash.runtime.findings import collected
 
     def broken(*_a, **_k):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(torch, "compile", broken)
-    assert engine._compiled_quantizer(torch.device("cpu"), [(2, 8)]) is quantize_fp8
-    assert "unfused" in capsys.readouterr().err
+    with collected() as notes:
+        assert engine._compiled_quantizer(torch.device("cpu"), [(2, 8)]) is quantize_fp8
+    assert [(n.code, n.fields["part"]) for n in notes] == [("extract.runs-unfused", "quantization")]
+    assert "no compiler here" in notes[0].fields["error"]
