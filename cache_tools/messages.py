@@ -481,3 +481,94 @@ def _import_nothing_importable(files, src, first):
 def _part_write_failed(part, cache, error, file):
     return (f"Writing part {part} into {cache} failed: {error}{f' ({file})' if file else ''}. Free space there (or "
             "fix the cause), then rerun the same command: the parts written so far are kept and skipped.")
+
+
+# -- writing a cache (cache_tools/writer.py) ---------------------------------------------------
+
+
+@renders("cache.dir-not-a-cache", example=dict(cache="runs/out"))
+def _dir_not_a_cache(cache):
+    return (f"{cache} is not empty and holds no cache manifest: refusing to write a cache into it. Choose an empty "
+            "or new directory.")
+
+
+@renders("cache.dir-not-creatable", example=dict(cache="/data/cache", error="Read-only file system"))
+def _dir_not_creatable(cache, error):
+    return f"Cannot create the cache directory {cache}: {error}. Choose a writable location with free space."
+
+
+@renders("cache.dir-not-writable", example=dict(cache="cache", error="Permission denied", file="cache/manifest.json"))
+def _dir_not_writable(cache, error, file):
+    return (f"Cannot write to the cache at {cache}: {error}{f' ({file})' if file else ''}. Make the directory "
+            "writable (or free space), then rerun.")
+
+
+@renders("cache.part-name-invalid", example=dict(part="../p"))
+def _part_name_invalid(part):
+    return f"Invalid part name {part!r}: use a plain name such as part-000012."
+
+
+@renders("cache.write-sample-empty", example=dict(sample=7))
+def _write_sample_empty(sample):
+    return f"Sample {sample} is empty: a cached sample needs at least one token."
+
+
+@renders("cache.write-lengths", example=dict(part="part-000001", samples=4, lengths=3))
+def _write_lengths(part, samples, lengths):
+    return (f"Part {part}: {samples} sample ids for {lengths} lengths, or an empty sample; every sample needs at "
+            "least one token.")
+
+
+@renders("cache.write-split-keys-count", example=dict(part="part-000001", keys=3, samples=4))
+def _write_split_keys_count(part, keys, samples):
+    return f"Part {part}: {keys} split keys for {samples} samples."
+
+
+@renders("cache.write-grouped-outside", example=dict(part="part-000001", samples=4))
+def _write_grouped_outside(part, samples):
+    return f"Part {part}: grouped sample indices outside its {samples} samples."
+
+
+def _written(sample, part):
+    return f"Sample {sample}" if sample is not None else f"Part {part}"
+
+
+@renders("cache.write-arrays", example=dict(sample=None, part="part-000001", stored=["input_ids", "hidden"],
+                                           missing=["hidden"], unknown=["last_hidden"]))
+def _write_arrays(sample, part, stored, missing, unknown):
+    given = "; ".join(([f"missing {missing}"] if missing else []) + ([f"not stored {unknown}"] if unknown else []))
+    return (f"{_written(sample, part)}: the cache stores the arrays {stored}; {given}. Pass exactly the arrays the "
+            "cache was created with (store_last_hidden, store_topk, the scales of an fp8 codec).")
+
+
+@renders("cache.write-rows", example=dict(sample=7, part=None, array="hidden", rows=9, tokens=10))
+def _write_rows(sample, part, array, rows, tokens):
+    return f"{_written(sample, part)}: {array} has {rows} rows, input_ids {tokens}."
+
+
+@renders("cache.write-width", example=dict(sample=7, part=None, array="hidden", shape=[4096], width=8192, layers=2,
+                                          hidden_size=4096))
+def _write_width(sample, part, array, shape, width, layers, hidden_size):
+    got = " x ".join(map(str, shape)) or "none (1-D)"
+    expect = f"{layers} layers x {hidden_size} = {width}" if layers is not None else str(width or "none (1-D)")
+    return f"{_written(sample, part)}: {array} has width {got}, the cache expects {expect}."
+
+
+@renders("cache.write-dtype", example=dict(sample=7, part=None, array="input_ids", dtype="int32", got="int64"))
+def _write_dtype(sample, part, array, dtype, got):
+    return f"{_written(sample, part)}: {array} must be {dtype} rows, got {got}."
+
+
+@renders("cache.write-scales-missing", example=dict(codec="fp8", array="hidden_scale"))
+def _write_scales_missing(codec, array):
+    return f"{codec} rows given as stored need their {array} array too."
+
+
+@renders("cache.write-part-empty", example=dict(part="part-000001"))
+def _write_part_empty(part):
+    return f"Part {part} has no samples: nothing to commit."
+
+
+@renders("cache.write-split-keys-some", example=dict(part="part-000001", given=2, samples=4))
+def _write_split_keys_some(part, given, samples):
+    return f"Part {part}: {given} of its {samples} samples have a split key: give one for every sample or for none."

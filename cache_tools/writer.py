@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import (
     LOCK_SUFFIX,
     TEMP_PREFIX,
@@ -127,17 +128,12 @@ class CacheWriter:
         """One attempt to open the cache; False: wait for rank 0 of a forced run and try again."""
         # (A waiting rank may look while rank 0 wipes: rank 0 refuses a foreign directory.)
         if not waiting and self._holds_foreign_files():
-            raise CacheError(
-                f"{self.cache_dir} is not empty and holds no cache manifest: refusing to "
-                "write a cache into it. Choose an empty or new directory."
-            )
+            raise CacheError(Finding("cache.dir-not-a-cache", cache=str(self.cache_dir)))
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CacheStorageError(
-                f"Cannot create the cache directory {self.cache_dir}: {e.strerror}. Choose a "
-                "writable location with free space."
-            ) from e
+            raise CacheStorageError(Finding("cache.dir-not-creatable", cache=str(self.cache_dir),
+                                            error=str(e.strerror or e))) from e
         if waiting and not self._forced_for_this_run():
             return False  # rank 0 has not started the cache anew yet (nothing held meanwhile)
         try:
@@ -166,11 +162,8 @@ class CacheWriter:
                 self._writer_lock.share()  # after a wipe: the ranks and writers of this run join
         except OSError as e:
             self.close()
-            raise CacheStorageError(
-                f"Cannot write to the cache at {self.cache_dir}: {e.strerror or e}"
-                f"{f' ({e.filename})' if e.filename else ''}. Make the directory writable (or free "
-                "space), then rerun."
-            ) from e
+            raise CacheStorageError(Finding("cache.dir-not-writable", cache=str(self.cache_dir),
+                                            error=str(e.strerror or e), file=e.filename and str(e.filename))) from e
         except BaseException:
             self.close()
             raise
@@ -264,7 +257,7 @@ class CacheWriter:
     # -- writing ---------------------------------------------------------------------------
     def part_writer(self, name: str) -> PartWriter:
         if not name or "/" in name or name.startswith("."):
-            raise CacheError(f"Invalid part name {name!r}: use a plain name such as part-000012.")
+            raise CacheError(Finding("cache.part-name-invalid", part=name))
         return PartWriter(self, name)
 
     def commit(self, tmp_dir: Path, record: PartRecord) -> bool:
@@ -291,6 +284,11 @@ class CacheWriter:
             append_log_line(self.cache_dir, record)
             self._log.refresh()
         return True
+
+
+def _where(where: dict[str, Any]) -> dict[str, Any]:
+    """The sample or the part a write is about, as both fields (one of them None)."""
+    return {"sample": where.get("sample"), "part": where.get("part")}
 
 
 class PartWriter:
@@ -357,7 +355,7 @@ class PartWriter:
         when none has."""
         ids = _as_numpy(input_ids, np.int32)
         if ids.shape[0] == 0:
-            raise CacheError(f"Sample {sample_id} is empty: a cached sample needs at least one token.")
+            raise CacheError(Finding("cache.write-sample-empty", sample=int(sample_id)))
         cols = {INPUT_IDS: ids, LOSS_MASK: _as_numpy(loss_mask, np.uint8)}
         for name, x, scale in ((HIDDEN, hidden, hidden_scale), (LAST_HIDDEN, last_hidden, last_hidden_scale)):
             if x is not None:
@@ -370,7 +368,7 @@ class PartWriter:
         if top1_ids is not None:  # (a cache that does not store them refuses them in _add)
             dtype = self.cache.schema[TOP1_IDS].dtype if TOP1_IDS in self.cache.schema else np.int32
             cols[TOP1_IDS] = _as_numpy(top1_ids, dtype).reshape(-1, 1)
-        self._add(f"Sample {sample_id}", cols, [int(sample_id)], [ids.shape[0]], [split_key], [0] if grouped else [])
+        self._add({"sample": int(sample_id)}, cols, [int(sample_id)], [ids.shape[0]], [split_key], [0] if grouped else [])
 
     def add_samples(
         self,
@@ -394,21 +392,20 @@ class PartWriter:
         lengths = [int(n) for n in lengths]
         sample_ids = [int(i) for i in sample_ids]
         if len(lengths) != len(sample_ids) or any(n <= 0 for n in lengths):
-            raise CacheError(
-                f"Part {self.name}: {len(sample_ids)} sample ids for {len(lengths)} lengths, or "
-                "an empty sample; every sample needs at least one token."
-            )
+            raise CacheError(Finding("cache.write-lengths", part=self.name, samples=len(sample_ids),
+                                     lengths=len(lengths)))
         cols = {INPUT_IDS: _as_numpy(input_ids, np.int32), LOSS_MASK: _as_numpy(loss_mask, np.uint8),
                 HIDDEN: hidden, **extras}
         keys = [None] * len(sample_ids) if split_keys is None else [int(k) for k in split_keys]
         if len(keys) != len(sample_ids):
-            raise CacheError(f"Part {self.name}: {len(keys)} split keys for {len(sample_ids)} samples.")
+            raise CacheError(Finding("cache.write-split-keys-count", part=self.name, keys=len(keys),
+                                     samples=len(sample_ids)))
         grouped = [int(j) for j in grouped]
         if any(not 0 <= j < len(sample_ids) for j in grouped):
-            raise CacheError(f"Part {self.name}: grouped sample indices outside its {len(sample_ids)} samples.")
-        self._add(f"Part {self.name}", cols, sample_ids, lengths, keys, grouped)
+            raise CacheError(Finding("cache.write-grouped-outside", part=self.name, samples=len(sample_ids)))
+        self._add({"part": self.name}, cols, sample_ids, lengths, keys, grouped)
 
-    def _add(self, where: str, cols: dict[str, np.ndarray], sample_ids: list[int], lengths: list[int],
+    def _add(self, where: dict[str, Any], cols: dict[str, np.ndarray], sample_ids: list[int], lengths: list[int],
              split_keys: list[int | None], grouped: list[int]) -> None:
         """Check per-token rows against the part schema, then keep them for the commit."""
         schema, tokens = self.cache.schema, sum(lengths)
@@ -416,23 +413,21 @@ class PartWriter:
         missing = [spec.name for spec in wanted if spec.name not in cols]
         unknown = [name for name in cols if name not in schema or schema[name].per != "token"]
         if missing or unknown:
-            raise CacheError(
-                f"{where}: the cache stores the arrays {[spec.name for spec in wanted]}; "
-                f"{'missing ' + str(missing) if missing else ''}{'; ' if missing and unknown else ''}"
-                f"{'not stored ' + str(unknown) if unknown else ''}. Pass exactly the arrays the cache "
-                "was created with (store_last_hidden, store_topk, the scales of an fp8 codec)."
-            )
+            raise CacheError(Finding("cache.write-arrays", **_where(where), stored=[spec.name for spec in wanted],
+                                     missing=missing, unknown=unknown))
         for spec in wanted:
             arr = cols[spec.name]
             if arr.shape[0] != tokens:
-                raise CacheError(f"{where}: {spec.name} has {arr.shape[0]} rows, input_ids {tokens}.")
+                raise CacheError(Finding("cache.write-rows", **_where(where), array=spec.name, rows=int(arr.shape[0]),
+                                         tokens=tokens))
             if tuple(arr.shape[1:]) != spec.row_shape:
-                got = " x ".join(map(str, arr.shape[1:])) or "none (1-D)"
-                expect = (f"{schema.num_layers} layers x {schema.hidden_size} = {spec.width}" if spec.name == HIDDEN
-                          else str(spec.width or "none (1-D)"))
-                raise CacheError(f"{where}: {spec.name} has width {got}, the cache expects {expect}.")
+                raise CacheError(Finding("cache.write-width", **_where(where), array=spec.name,
+                                         shape=[int(x) for x in arr.shape[1:]], width=spec.width,
+                                         layers=schema.num_layers if spec.name == HIDDEN else None,
+                                         hidden_size=schema.hidden_size))
             if arr.dtype != spec.dtype:
-                raise CacheError(f"{where}: {spec.name} must be {spec.dtype} rows, got {arr.dtype}.")
+                raise CacheError(Finding("cache.write-dtype", **_where(where), array=spec.name, dtype=str(spec.dtype),
+                                         got=str(arr.dtype)))
         for key, arr in cols.items():
             self._cols.setdefault(key, []).append(arr)
         self._grouped += [len(self._sample_ids) + j for j in grouped]
@@ -445,7 +440,7 @@ class PartWriter:
         codec, schema = self.cache.codec, self.cache.schema
         if isinstance(x, np.ndarray) and x.dtype == codec.storage_dtype:
             if scale is None and scale_of(name) in schema:
-                raise CacheError(f"{codec.name} rows given as stored need their {scale_of(name)} array too.")
+                raise CacheError(Finding("cache.write-scales-missing", codec=codec.name, array=scale_of(name)))
             return np.ascontiguousarray(x), (None if scale is None else _as_numpy(scale, np.float32))
         return codec.encode(_host_values(x), schema.scale_width(name))
 
@@ -459,11 +454,11 @@ class PartWriter:
 
     def _finish(self) -> None:
         if not self._sample_ids:
-            raise CacheError(f"Part {self.name} has no samples: nothing to commit.")
+            raise CacheError(Finding("cache.write-part-empty", part=self.name))
         given = sum(k is not None for k in self._split_keys)
         if given not in (0, len(self._split_keys)):
-            raise CacheError(f"Part {self.name}: {given} of its {len(self._split_keys)} samples have a split "
-                             "key: give one for every sample or for none.")
+            raise CacheError(Finding("cache.write-split-keys-some", part=self.name, given=given,
+                                     samples=len(self._split_keys)))
         write_part_group(self._tmp, self.cache, self._cols, self._sample_ids, self._lengths, self.name)
         fsync_tree(self._tmp)
         nbytes = sum(f.stat().st_size for f in self._tmp.rglob("*") if f.is_file())

@@ -186,19 +186,23 @@ def test_reopening_with_other_settings_refuses(tmp_path):
 def test_writer_refuses_a_non_empty_foreign_directory(tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "notes.txt").write_text("mine")
-    with pytest.raises(CacheError, match="not empty and holds no cache manifest"):
+    with pytest.raises(CacheError) as err:
         CacheWriter(tmp_path / "c", tiny_header())
+    assert err.value.code == "cache.dir-not-a-cache" and err.value.fields["cache"] == str(tmp_path / "c")
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["notes.txt"]
 
 
 def test_sample_validation_errors_name_the_sample(tmp_path):
     writer = CacheWriter(tmp_path / "c", tiny_header())
-    with pytest.raises(CacheError, match="Sample 7: hidden has width 10"):
+    with pytest.raises(CacheError) as err:
         with writer.part_writer("part-000000") as pw:
             pw.add_sample(7, [1, 2], [1, 1], torch.zeros(2, 10))
-    with pytest.raises(CacheError, match="Sample 8 is empty"):
+    assert err.value.code == "cache.write-width"
+    assert (err.value.fields["sample"], err.value.fields["array"], err.value.fields["shape"]) == (7, "hidden", [10])
+    with pytest.raises(CacheError) as err:
         with writer.part_writer("part-000000") as pw:
             pw.add_sample(8, [], [], torch.zeros(0, 64))
+    assert err.value.code == "cache.write-sample-empty" and err.value.fields["sample"] == 8
     # Failed parts leave nothing behind.
     assert read_manifest(tmp_path / "c").parts == []
     assert [p.name for p in (tmp_path / "c" / "parts").iterdir()] == []
