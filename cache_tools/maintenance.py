@@ -170,7 +170,7 @@ def _check_structure(
             _, idx = pf.shard_index(name, s, meta)
         except CacheCorruptError as e:
             reason = _reason(e, pf)
-            if "checksum mismatch" in reason:
+            if e.code == "cache.chunk-checksum":
                 reason = "the shard index fails its checksum: the file is truncated or corrupt."
             bad(f"shard file {name}/{key}", reason)
             bad_shards.add(s)

@@ -572,3 +572,88 @@ def _write_part_empty(part):
 @renders("cache.write-split-keys-some", example=dict(part="part-000001", given=2, samples=4))
 def _write_split_keys_some(part, given, samples):
     return f"Part {part}: {given} of its {samples} samples have a split key: give one for every sample or for none."
+
+
+# -- reading a part's files (cache_tools/part_files.py, shard_format.py) -----------------------
+
+
+def _at(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    """Where in a cache part: "cache part 'p' (array hidden, chunk 3) at DIR" (or the caller's own words)."""
+    if where is not None:
+        return where
+    extra = f", chunk {chunk}" if chunk is not None else f", shard file {shard_file}, index" if shard_file else ""
+    return f"cache part {part!r} (array {array}{extra}) at {dir}"
+
+
+_AT = dict(part="part-000001", array="hidden", dir="cache/parts/part-000001", chunk=3, shard_file=None)
+_VERIFY_FIX = "Run `dflash-cache verify` to list every damaged chunk, then re-extract the part."
+
+
+@renders("cache.chunk-checksum", example=_AT)
+def _chunk_checksum(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return (f"{_at(part, array, dir, chunk, shard_file, where)}: checksum mismatch, the stored bytes are corrupt. "
+            f"{_VERIFY_FIX}")
+
+
+@renders("cache.chunk-truncated", example=_AT)
+def _chunk_truncated(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: chunk is shorter than its checksum (truncated)."
+
+
+@renders("cache.shard-truncated", example=dict(_AT, chunk=None, shard_file="c/0/0", size=12))
+def _shard_truncated(size, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: the shard file is truncated ({size} bytes)."
+
+
+@renders("cache.shard-offsets-past-end", example=dict(_AT, chunk=None, shard_file="c/0/0"))
+def _shard_offsets_past_end(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: chunk offsets point past the end of the file (truncated)."
+
+
+@renders("cache.array-meta-unknown", example=dict(_AT, chunk=None, error="unsupported codecs ('gzip',)"))
+def _array_meta_unknown(error, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: array metadata is not a layout this reader knows ({error})."
+
+
+@renders("cache.array-meta-not-json", example=dict(_AT, chunk=None, error="Expecting value: line 1 column 1"))
+def _array_meta_not_json(error, part=None, array=None, dir=None, chunk=None, shard_file=None):
+    return f"{_at(part, array, dir, chunk, shard_file)}: zarr.json is not valid JSON ({error})."
+
+
+@renders("cache.part-file-missing", example=dict(_AT, chunk=None, file="c/0/0"))
+def _part_file_missing(file, part=None, array=None, dir=None, chunk=None, shard_file=None):
+    return (f"{_at(part, array, dir, chunk, shard_file)}: file {file} is missing. The part is damaged: run "
+            "`dflash-cache verify` and re-extract it.")
+
+
+@renders("cache.part-file-empty", example=dict(_AT, chunk=None, file="c/0/0"))
+def _part_file_empty(file, part=None, array=None, dir=None, chunk=None, shard_file=None):
+    return f"{_at(part, array, dir, chunk, shard_file)}: file {file} is empty (truncated)."
+
+
+@renders("cache.array-meta-mismatch", example=dict(_AT, chunk=None, shape=[64, 8192], dtype="uint16",
+                                                  expected_shape=[64, 4096], expected_dtype="uint16",
+                                                  manifest="manifest.json"))
+def _array_meta_mismatch(shape, dtype, expected_shape, expected_dtype, manifest, part=None, array=None, dir=None,
+                         chunk=None, shard_file=None):
+    return (f"{_at(part, array, dir, chunk, shard_file)}: its metadata says shape {tuple(shape)} {dtype}, but the "
+            f"manifest expects {tuple(expected_shape)} {expected_dtype}: the part and {manifest} disagree (a part "
+            "written with other settings, or an edited manifest). Run `dflash-cache verify` and re-extract the "
+            "parts it names.")
+
+
+@renders("cache.chunk-decompress", example=dict(_AT, error="Error -10 while decompressing"))
+def _chunk_decompress(error, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: chunk does not decompress ({error}); the part is damaged."
+
+
+@renders("cache.chunk-size", example=dict(_AT, size=100, expected=128))
+def _chunk_size(size, expected, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: decoded chunk has {size} bytes, expected {expected}."
+
+
+@renders("cache.part-sample-ids", example=dict(_AT, chunk=None, array="sample_ids", log="manifest.parts.jsonl"))
+def _part_sample_ids(log, part=None, array=None, dir=None, chunk=None, shard_file=None):
+    return (f"{_at(part, array, dir, chunk, shard_file)}: the part holds other sample ids than its commit record in "
+            f"{log} lists (the part's files were replaced after it was committed). Run `dflash-cache verify` and "
+            "re-extract the part.")

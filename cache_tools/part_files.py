@@ -17,12 +17,13 @@ from typing import Any
 
 import numcodecs.blosc
 import numpy as np
+from dflash.runtime.findings import Finding
 from numcodecs.zstd import Zstd
 
 from .errors import CacheCorruptError
 from .manifest import HEADER_FILE, LOG_FILE, PartRecord
 from .schema import SAMPLE_IDS, PartSchema, shard_key
-from .shard_format import EMPTY, decode_index, unframe_chunk
+from .shard_format import EMPTY, decode_index, located, unframe_chunk
 
 # Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
 # DataLoader workers safe and makes throughput per core a meaningful figure.
@@ -47,7 +48,7 @@ class ArrayMeta:
         return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
     @classmethod
-    def parse(cls, meta: dict[str, Any], where: str) -> ArrayMeta:
+    def parse(cls, meta: dict[str, Any], where: object) -> ArrayMeta:
         try:
             shape = tuple(meta["shape"])
             dtype = np.dtype(meta["data_type"])
@@ -71,7 +72,7 @@ class ArrayMeta:
             if any(n not in ("blosc", "zstd", "crc32c") for n in names):
                 raise ValueError(f"unsupported codecs {names}")
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise CacheCorruptError(f"{where}: array metadata is not a layout this reader knows ({e}).") from e
+            raise CacheCorruptError(Finding("cache.array-meta-unknown", **located(where), error=str(e))) from e
         return cls(shape, dtype, int(inner[0]), shard_rows, names, index_checked)
 
 
@@ -95,8 +96,8 @@ class _Where:
     def __init__(self, part: PartFiles, array: str, chunk: int):
         self.part, self.array, self.chunk = part, array, chunk
 
-    def __str__(self) -> str:
-        return self.part.where(self.array, f", chunk {self.chunk}")
+    def fields(self) -> dict[str, Any]:
+        return self.part.location(self.array, chunk=self.chunk)
 
 
 class PartFiles:
@@ -121,8 +122,9 @@ class PartFiles:
                 m.close()
         self.maps.clear()
 
-    def where(self, array: str, extra: str = "") -> str:
-        return f"cache part {self.record.name!r} (array {array}{extra}) at {self.dir}"
+    def location(self, array: str, *, chunk: int | None = None, shard_file: str | None = None) -> dict[str, Any]:
+        """Where an array (a chunk of it, a shard file's index) of this part is, as a finding's fields."""
+        return dict(part=self.record.name, array=array, dir=str(self.dir), chunk=chunk, shard_file=shard_file)
 
     def array_meta(self, array: str) -> ArrayMeta:
         meta = self.meta.get(array)
@@ -131,13 +133,12 @@ class PartFiles:
             try:
                 raw = json.loads(path.read_bytes())
             except FileNotFoundError:
-                raise CacheCorruptError(
-                    f"{self.where(array)}: {path.name} is missing. The part is damaged: run "
-                    "`dflash-cache verify` and re-extract it."
-                ) from None
+                raise CacheCorruptError(Finding("cache.part-file-missing", **self.location(array),
+                                                file=path.name)) from None
             except json.JSONDecodeError as e:
-                raise CacheCorruptError(f"{self.where(array)}: zarr.json is not valid JSON ({e}).") from e
-            meta = ArrayMeta.parse(raw, self.where(array))
+                raise CacheCorruptError(Finding("cache.array-meta-not-json", **self.location(array),
+                                                error=str(e))) from e
+            meta = ArrayMeta.parse(raw, self.location(array))
             if self.schema is not None and array in self.schema:
                 self._check_meta(array, meta)
             self.meta[array] = meta
@@ -152,12 +153,9 @@ class PartFiles:
         spec, rec = self.schema[array], self.record
         want = (spec.rows(rec.tokens, rec.samples), *spec.row_shape)
         if tuple(meta.shape) != want or meta.dtype != spec.dtype:
-            raise CacheCorruptError(
-                f"{self.where(array)}: its metadata says shape {tuple(meta.shape)} {meta.dtype}, but the "
-                f"manifest expects {want} {spec.dtype}: the part and {HEADER_FILE} disagree (a part written "
-                "with other settings, or an edited manifest). Run `dflash-cache verify` and re-extract "
-                "the parts it names."
-            )
+            raise CacheCorruptError(Finding(
+                "cache.array-meta-mismatch", **self.location(array), shape=list(meta.shape), dtype=str(meta.dtype),
+                expected_shape=list(want), expected_dtype=str(spec.dtype), manifest=HEADER_FILE))
 
     def _map(self, array: str, key: str) -> mmap.mmap:
         """The mmap of one chunk or shard file, e.g. key 'c/0/0'."""
@@ -171,13 +169,10 @@ class PartFiles:
                 with open(path, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     if size == 0:
-                        raise CacheCorruptError(f"{self.where(array)}: file {key} is empty (truncated).")
+                        raise CacheCorruptError(Finding("cache.part-file-empty", **self.location(array), file=key))
                     m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except FileNotFoundError:
-                raise CacheCorruptError(
-                    f"{self.where(array)}: file {key} is missing. The part is damaged: run "
-                    "`dflash-cache verify` and re-extract it."
-                ) from None
+                raise CacheCorruptError(Finding("cache.part-file-missing", **self.location(array), file=key)) from None
             self.maps[name] = m
         return m
 
@@ -195,11 +190,10 @@ class PartFiles:
                 elif name == "zstd":
                     buf = _ZSTD.decode(buf)
         except (RuntimeError, ValueError) as e:
-            raise CacheCorruptError(f"{what}: chunk does not decompress ({e}); the part is damaged.") from e
+            raise CacheCorruptError(Finding("cache.chunk-decompress", **located(what), error=str(e))) from e
         if len(memoryview(buf).cast("B")) != nbytes:
-            raise CacheCorruptError(
-                f"{what}: decoded chunk has {len(memoryview(buf).cast('B'))} bytes, expected {nbytes}."
-            )
+            raise CacheCorruptError(Finding("cache.chunk-size", **located(what), size=len(memoryview(buf).cast("B")),
+                                            expected=nbytes))
         return buf
 
     def shard_index(self, array: str, shard: int, meta: ArrayMeta) -> tuple[mmap.mmap, np.ndarray]:
@@ -207,7 +201,7 @@ class PartFiles:
         m = self._map(array, key)
         idx = self.indexes.get(f"{array}/{key}")
         if idx is None:
-            what = self.where(array, f", shard file {key}, index")
+            what = self.location(array, shard_file=key)
             idx = decode_index(memoryview(m), meta.shard_rows // meta.chunk_rows, meta.index_checked,
                                self.verify, what)
             self.indexes[f"{array}/{key}"] = idx
@@ -260,9 +254,6 @@ class PartFiles:
             recorded = self.record.sample_ids
             if array == SAMPLE_IDS and self.schema is not None and recorded is not None and (
                     len(recorded) != len(arr) or not np.array_equal(arr, recorded)):
-                raise CacheCorruptError(
-                    f"{self.where(array)}: the part holds other sample ids than its commit record in "
-                    f"{LOG_FILE} lists (the part's files were replaced after it was committed). Run "
-                    "`dflash-cache verify` and re-extract the part.")
+                raise CacheCorruptError(Finding("cache.part-sample-ids", **self.location(array), log=LOG_FILE))
             self.small[array] = arr
         return arr

@@ -11,9 +11,11 @@ checks the bytes against zarr's own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding
 
 from .checksum import crc32c
 from .errors import CacheCorruptError
@@ -34,18 +36,23 @@ def frame_chunk(body: bytes) -> list[bytes]:
     return [body, checksum_bytes(body)]
 
 
+def located(what: object) -> dict[str, Any]:
+    """Where a chunk is, as a finding's fields: `what` is a location (a mapping, or an object
+    whose `fields()` gives one: part, array, dir, chunk, shard_file), or a text that names it."""
+    if hasattr(what, "fields"):
+        return what.fields()
+    return dict(what) if isinstance(what, Mapping) else {"where": str(what)}
+
+
 def checksum_mismatch(what: object) -> CacheCorruptError:
-    return CacheCorruptError(
-        f"{what}: checksum mismatch, the stored bytes are corrupt. Run `dflash-cache "
-        "verify` to list every damaged chunk, then re-extract the part."
-    )
+    return CacheCorruptError(Finding("cache.chunk-checksum", **located(what)))
 
 
 def unframe_chunk(buf: memoryview, what: object, verify: bool) -> memoryview:
     """The body of a stored chunk (a view, no copy); its crc32c is checked when `verify`.
-    `what` names the chunk in an error (formatted only then)."""
+    `what` names the chunk in an error (`located`: made into fields only then)."""
     if len(buf) < CRC_BYTES:
-        raise CacheCorruptError(f"{what}: chunk is shorter than its checksum (truncated).")
+        raise CacheCorruptError(Finding("cache.chunk-truncated", **located(what)))
     body = buf[:-CRC_BYTES]
     if verify and crc32c(body) != int.from_bytes(buf[-CRC_BYTES:], "little"):
         raise checksum_mismatch(what)
@@ -75,12 +82,12 @@ def decode_index(shard: memoryview, chunks_per_shard: int, checked: bool, verify
     every stored chunk inside the file's data."""
     size = index_nbytes(chunks_per_shard, checked)
     if len(shard) < size:
-        raise CacheCorruptError(f"{what}: the shard file is truncated ({len(shard)} bytes).")
+        raise CacheCorruptError(Finding("cache.shard-truncated", **located(what), size=len(shard)))
     raw = shard[len(shard) - size:]
     if checked:
         raw = unframe_chunk(raw, what, verify)
     idx = np.frombuffer(raw, dtype="<u8").reshape(chunks_per_shard, 2).copy()
     live = idx[:, 0] != EMPTY
     if np.any(idx[live, 0] + idx[live, 1] > len(shard) - size):
-        raise CacheCorruptError(f"{what}: chunk offsets point past the end of the file (truncated).")
+        raise CacheCorruptError(Finding("cache.shard-offsets-past-end", **located(what)))
     return idx

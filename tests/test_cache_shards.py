@@ -60,11 +60,16 @@ def test_the_index_decodes_to_what_was_encoded_and_damage_is_named():
         assert bytes(unframe_chunk(memoryview(shard)[off:off + nb], "chunk", True)) == bytes([i]) * (10 + i)
     flipped = bytearray(shard)
     flipped[-10] ^= 1
-    with pytest.raises(CacheCorruptError, match="shard 0: checksum mismatch"):
-        decode_index(memoryview(bytes(flipped)), 4, checked=True, verify=True, what="shard 0")
-    with pytest.raises(CacheCorruptError, match="shard 0: the shard file is truncated"):
-        decode_index(memoryview(shard[-20:]), 4, checked=True, verify=True, what="shard 0")
-    with pytest.raises(CacheCorruptError, match="past the end of the file"):
+    where = {"part": "p", "array": "hidden", "dir": "c/parts/p", "chunk": None, "shard_file": "c/0/0"}
+    with pytest.raises(CacheCorruptError) as err:
+        decode_index(memoryview(bytes(flipped)), 4, checked=True, verify=True, what=where)
+    assert err.value.code == "cache.chunk-checksum" and err.value.fields == where
+    with pytest.raises(CacheCorruptError) as err:
+        decode_index(memoryview(shard[-20:]), 4, checked=True, verify=True, what=where)
+    assert err.value.code == "cache.shard-truncated" and err.value.fields == {**where, "size": 20}
+    with pytest.raises(CacheCorruptError) as err:
         decode_index(memoryview(data[:-1] + shard[len(data):]), 4, checked=True, verify=True, what="shard 0")
-    with pytest.raises(CacheCorruptError, match="chunk: checksum mismatch"):
+    assert err.value.code == "cache.shard-offsets-past-end" and err.value.fields == {"where": "shard 0"}
+    with pytest.raises(CacheCorruptError) as err:
         unframe_chunk(memoryview(b"\x07" + shard[1:idx[0, 1]]), "chunk", True)
+    assert err.value.code == "cache.chunk-checksum" and str(err.value).startswith("chunk: ")
