@@ -25,10 +25,12 @@ def test_an_eval_cache_without_completion_tokens_is_refused_by_training_and_esti
 
     cache, empty = extract("cache", 8), extract("empty", 1)  # one loss token: no block to draft
     cfg = tiny_train_config(cache, target, tmp_path / "run", eval_cache=[empty], eval_interval=1, max_steps=2)
-    with pytest.raises(InputError, match="Nothing to evaluate") as e:
+    with pytest.raises(InputError) as e:
         train(cfg)
-    assert f"--eval-cache {empty}" in str(e.value) and "12 held-out samples" in str(e.value)
+    assert e.value.code == "train.nothing-to-evaluate"
+    assert e.value.fields == {"samples": 12, "eval_caches": [empty]}
     ok = train(tiny_train_config(cache, target, tmp_path / "ok", eval_fraction=0.3, eval_interval=1, max_steps=2))
-    with pytest.raises(InputError, match="Nothing to evaluate"):
+    with pytest.raises(InputError) as e:
         estimate_drafter(str(ok.final_dir), {"cache": [empty], "target_model": str(target), "num_workers": 0,
                                              "block_size": 4})
+    assert e.value.code == "train.nothing-to-evaluate" and e.value.fields["samples"] == 12

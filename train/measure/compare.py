@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.fsio import atomic_write_json
 from dflash.runtime.intervals import bootstrap_draw, percentile_interval, resampled_tau
 from dflash.runtime.settings import settings_of
@@ -66,11 +68,9 @@ class CompareConfig:
         self.heads = tuple(dict.fromkeys(self.heads or served_heads()))
         unknown = [h for h in self.heads if h not in head_names()]
         if unknown:
-            raise TrainConfigError(f"--heads {','.join(unknown)}: no such head; the heads are "
-                                   f"{', '.join(head_names())}.")
+            raise TrainConfigError(Finding("train.compare-heads-unknown", unknown=unknown, heads=list(head_names())))
         if not (math.isfinite(self.fraction) and 0 < self.fraction <= 1):
-            raise TrainConfigError(f"--fraction must be above 0 and at most 1 (got {self.fraction}): the share of "
-                                   "the training samples each candidate trains on, e.g. 0.25.")
+            raise TrainConfigError(Finding("train.compare-fraction", fraction=self.fraction))
 
 
 def parse_heads(text: str | None) -> tuple[str, ...]:
@@ -136,23 +136,15 @@ def _training_shape(cfg: TrainConfig) -> tuple[int, int, int]:
 def plan_compare(values: dict[str, Any], compare: CompareConfig) -> ComparePlan:
     """Check the run's settings and size the candidates' runs."""
     if "drafter_type" in values:
-        raise TrainConfigError(
-            f"dflash-compare chooses the head: drafter_type {values['drafter_type']!r} (--drafter-type, or a "
-            "key of --config) names one. Name the candidates with --heads and leave drafter_type out.")
+        raise TrainConfigError(Finding("train.compare-drafter-type", drafter_type=values["drafter_type"]))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise TrainConfigError(
-            "dflash-compare trains its candidates one after another in one process: start it without "
-            "torchrun. For several GPUs, run one compare per GPU (--heads HEAD --device cuda:N --no-train-best, "
-            "the same --output-dir), then the whole command once more: it reads their results.")
+        raise TrainConfigError(Finding("train.compare-torchrun", world_size=int(os.environ["WORLD_SIZE"])))
     full = TrainConfig.from_dict({**values, "drafter_type": compare.heads[0]})
     if full.data.follow:
-        raise TrainConfigError("dflash-compare needs a finished cache: leave out --follow (its candidates "
-                               "would each train on a different part of a growing cache).")
+        raise TrainConfigError(Finding("train.compare-follow", flag="--follow"))
     train_samples, full_steps, heldout = _training_shape(full)
     if not heldout:
-        raise TrainConfigError(
-            "dflash-compare measures each head on held-out samples, and this run holds none out: pass "
-            "--eval-fraction above 0 (e.g. 0.02) or an --eval-cache.")
+        raise TrainConfigError(Finding("train.compare-no-heldout"))
     samples = max(1, math.ceil(compare.fraction * train_samples))
     max_steps = math.ceil(compare.fraction * full.optimization.max_steps) if full.optimization.max_steps else 0
     sized = ComparePlan(compare.heads, train_samples, samples, full_steps, 0, max_steps)
@@ -187,8 +179,7 @@ def run_figures(run_dir: Path) -> dict[str, Any]:
             continue
     evals = [r for r in records if r.get("kind") == "eval" and r.get("tau") is not None]
     if not evals:
-        raise InputError(f"{path} holds no held-out evaluation of the candidate: rerun the same command to train "
-                         f"and evaluate it again (or delete {run_dir} to start it over).")
+        raise InputError(Finding("train.compare-no-evaluation", file=str(path), run_dir=str(run_dir)))
     last, seconds, before = evals[-1], 0.0, 0
     for r in records:
         if r.get("kind") == "train" and r.get("seconds_per_step") is not None and r["step"] > before:
@@ -457,7 +448,8 @@ def compare_heads(values: dict[str, Any], compare: CompareConfig, log: Callable[
     if spent:
         log(spent["text"])
     if any(r.decoded and not r.decoded["lossless"] for r in rows):
-        log("warning: a decoded output differs from the target's greedy output (docs/eval.md, 'The lossless check').")
+        emit(Finding("train.compare-not-lossless", heads=[r.head for r in rows if r.decoded and not r.decoded["lossless"]]),
+             prefix="warning: ", stream=sys.stdout)
     summary = {"plan": {"fraction": compare.fraction, "train_samples": plan.train_samples,
                         "candidate_samples": plan.candidate_samples, "full_steps": plan.full_steps,
                         "candidate_steps": plan.candidate_steps, "cost": plan.cost},

@@ -15,14 +15,15 @@ from typing import Any
 
 from dflash.cache_tools.errors import ConfigMismatchError
 from dflash.runtime.devices import resolve_device
-from dflash.runtime.errors import InputError
+from dflash.runtime.errors import DflashError, InputError
+from dflash.runtime.findings import Finding
 from dflash.train.config import TrainConfig, TrainConfigError
 from dflash.train.data.caches import check_cache_target, open_training_data
 from dflash.train.exports.export import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     load_drafter,
-    training_target_note,
+    training_target_finding,
 )
 from dflash.train.measure.evaluation import LossModel, evaluate
 from dflash.train.run.distributed import DistInfo
@@ -44,9 +45,7 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
     cfg = estimate_config(drafter_dir, settings)
     path = Path(drafter_dir)
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-        raise InputError(
-            f"{path} is not an exported drafter: it needs {CONFIG_NAME} and {WEIGHTS_NAME}. Pass a directory "
-            "written by `dflash-train export` or a run's RUN_DIR/final.")
+        raise InputError(Finding("train.estimate-not-export", dir=str(path)))
     target_config = load_target_config_or_fail(cfg.model.target_model)
     device = resolve_device(cfg.runtime.device)
     data = open_training_data(cfg, rank=0, world_size=1, pin_memory=device.type == "cuda", estimate=True)
@@ -59,24 +58,27 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
 def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path: Path) -> dict[str, Any]:
     manifest = data.caches.manifest
     # (the target's weights differ from the cache's, ...: said, as training and dflash-eval say it)
-    notes = check_cache_target(manifest, target_config, cfg.model.target_model)
-    if note := training_target_note(path, target_config, cfg.model.target_model):  # (as dflash-eval says it)
-        notes.append(note[0].upper() + note[1:])
+    notices = list(check_cache_target(manifest, target_config, cfg.model.target_model))
+    if finding := training_target_finding(path, target_config, cfg.model.target_model):  # (as dflash-eval says it)
+        notices.append(finding)
+    # the result is JSON: its notes are the notices' paragraphs
+    notes = [text[0].upper() + text[1:] for text in (str(n) for n in notices if n) if text]
     try:  # float32 weights: the trainer's master weights (--dtype bf16 is autocast over them, as in training)
         drafter = load_drafter(path, cfg.model.target_model, attention_backend=cfg.model.attention_backend)
     except (OSError, ValueError) as e:
-        raise InputError(f"Cannot load the drafter {path} for the target {cfg.model.target_model}: {e}") from e
+        cause = e.finding if isinstance(e, DflashError) and e.finding is not None else str(e)
+        raise InputError(Finding("train.estimate-load", drafter=str(path), target=cfg.model.target_model,
+                                 cause=cause)) from e
     if list(drafter.config.target_layer_ids) != list(manifest.target_layer_ids):
-        raise ConfigMismatchError(
-            f"The drafter {path} reads target layers {list(drafter.config.target_layer_ids)} but the cache "
-            f"{manifest.cache_dir} holds layers {list(manifest.target_layer_ids)}. Extract the cache with "
-            f"--target-layer-ids {','.join(map(str, drafter.config.target_layer_ids))}.")
+        raise ConfigMismatchError(Finding("train.estimate-layers", drafter=str(path),
+                                          layers=list(drafter.config.target_layer_ids), cache=str(manifest.cache_dir),
+                                          cache_layers=list(manifest.target_layer_ids)))
     drafter = drafter.to(device)
     info = DistInfo(device=device)
     result = evaluate(LossModel(drafter, drafter), data, cfg.objective, autocast_context(cfg.runtime.dtype, device),
                       cfg, info)
     if result is None:
-        raise TrainConfigError(f"The cache(s) {', '.join(cfg.data.cache)} hold no sample to evaluate.")
+        raise TrainConfigError(Finding("train.estimate-no-samples", caches=list(cfg.data.cache)))
     # A cache used whole needs the target's top-1 for every sample (--top1-share 1): the others are
     # checked against their own tokens, as without top-1 (format_estimate says how many).
     return {"drafter": str(path), "cache": list(cfg.data.cache), "block_size": drafter.config.block_size,

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 from dflash.runtime.lookup import sample_lookup_walk
 from dflash.train.config import TrainConfig
 from dflash.train.data.caches import TrainingData
@@ -122,13 +123,8 @@ def evaluate(loss_model: LossModel, data: TrainingData, objective: ObjectiveConf
     lookups, confidences = all_gather_rows(lookups, info), all_gather_rows(confidences, info)
     walked_counts = walk.walked(walked)
     if not walked_counts["walked_samples"]:
-        where = (f"--eval-cache {', '.join(data.config.eval_cache)}" if data.eval_caches is not None
-                 else "the held-out split of --cache")
-        raise InputError(
-            f"Nothing to evaluate: none of the {len(data.eval_indices)} held-out samples ({where}) has a "
-            "completion token a block could draft (a block starts at a loss-masked token and predicts the next: "
-            "a sample needs 2 of them). A tau would read 1.0 and the loss 0 for any drafter. Give held-out "
-            "samples with their full completions (check the data's loss_mask and --max-seq-len).")
+        raise InputError(Finding("train.nothing-to-evaluate", samples=len(data.eval_indices),
+                                 eval_caches=list(data.config.eval_cache) if data.eval_caches is not None else None))
     # an estimate read from sampled completions with censored blocks is a Kaplan-Meier figure, which
     # has no like for like in a walk along the sampled tokens (a greedy completion's rare near-tie
     # censored block is fine, and so is a walk along sampled tokens that nothing censored)

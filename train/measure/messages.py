@@ -1,0 +1,100 @@
+"""What dflash.train.measure tells its user: one renderer per finding code (`dflash.runtime.findings`).
+
+Each renderer takes a finding's fields and returns one paragraph: what was wrong, where (file,
+sample, part, flag) and what to do. Code states findings; the words live here.
+"""
+
+from __future__ import annotations
+
+from dflash.runtime.findings import Finding, renders
+
+# -- evaluation.py ----------------------------------------------------------------------------------
+
+
+@renders("train.nothing-to-evaluate", example=dict(samples=12, eval_caches=["heldout-cache"]))
+def _nothing_to_evaluate(samples, eval_caches):
+    where = f"--eval-cache {', '.join(eval_caches)}" if eval_caches is not None else "the held-out split of --cache"
+    return (f"Nothing to evaluate: none of the {samples} held-out samples ({where}) has a completion token a block "
+            "could draft (a block starts at a loss-masked token and predicts the next: a sample needs 2 of them). A "
+            "tau would read 1.0 and the loss 0 for any drafter. Give held-out samples with their full completions "
+            "(check the data's loss_mask and --max-seq-len).")
+
+
+# -- estimate.py: dflash-train estimate ---------------------------------------------------------------
+
+
+@renders("train.estimate-not-export", example=dict(dir="runs/x/checkpoints/step-10"))
+def _estimate_not_export(dir):
+    return (f"{dir} is not an exported drafter: it needs config.json and model.safetensors. Pass a directory "
+            "written by `dflash-train export` or a run's RUN_DIR/final.")
+
+
+@renders("train.estimate-load", example=dict(drafter="runs/x/final", target="/models/t",
+                                             cause=Finding("train.export-no-num-target-layers")))
+def _estimate_load(drafter, target, cause):
+    return f"Cannot load the drafter {drafter} for the target {target}: {cause}"
+
+
+@renders("train.estimate-layers", example=dict(drafter="runs/x/final", layers=[1, 2], cache="cache",
+                                               cache_layers=[0, 3]))
+def _estimate_layers(drafter, layers, cache, cache_layers):
+    return (f"The drafter {drafter} reads target layers {layers} but the cache {cache} holds layers {cache_layers}. "
+            f"Extract the cache with --target-layer-ids {','.join(map(str, layers))}.")
+
+
+@renders("train.estimate-no-samples", example=dict(caches=["cache"]))
+def _estimate_no_samples(caches):
+    return f"The cache(s) {', '.join(caches)} hold no sample to evaluate."
+
+
+# -- compare.py: dflash-compare -----------------------------------------------------------------------
+
+
+@renders("train.compare-heads-unknown", example=dict(unknown=["eagle"], heads=["dflash", "dflash2"]))
+def _compare_heads_unknown(unknown, heads):
+    return f"--heads {','.join(unknown)}: no such head; the heads are {', '.join(heads)}."
+
+
+@renders("train.compare-fraction", example=dict(fraction=1.5))
+def _compare_fraction(fraction):
+    return (f"--fraction must be above 0 and at most 1 (got {fraction}): the share of the training samples each "
+            "candidate trains on, e.g. 0.25.")
+
+
+@renders("train.compare-drafter-type", example=dict(drafter_type="dflash2"))
+def _compare_drafter_type(drafter_type):
+    return (f"dflash-compare chooses the head: drafter_type {drafter_type!r} (--drafter-type, or a key of --config) "
+            "names one. Name the candidates with --heads and leave drafter_type out.")
+
+
+@renders("train.compare-torchrun", example=dict(world_size=8))
+def _compare_torchrun(world_size):
+    return (f"dflash-compare trains its candidates one after another in one process (here WORLD_SIZE is "
+            f"{world_size}): start it without torchrun. For several GPUs, run one compare per GPU (--heads HEAD "
+            "--device cuda:N --no-train-best, the same --output-dir), then the whole command once more: it reads "
+            "their results.")
+
+
+@renders("train.compare-follow", example=dict(flag="--follow"))
+def _compare_follow(flag):
+    return (f"dflash-compare needs a finished cache: leave out {flag} (its candidates would each train on a "
+            "different part of a growing cache).")
+
+
+@renders("train.compare-no-heldout", example={})
+def _compare_no_heldout():
+    return ("dflash-compare measures each head on held-out samples, and this run holds none out: pass "
+            "--eval-fraction above 0 (e.g. 0.02) or an --eval-cache.")
+
+
+@renders("train.compare-no-evaluation", example=dict(file="out/compare/dflash2/metrics.jsonl",
+                                                     run_dir="out/compare/dflash2"))
+def _compare_no_evaluation(file, run_dir):
+    return (f"{file} holds no held-out evaluation of the candidate: rerun the same command to train and evaluate "
+            f"it again (or delete {run_dir} to start it over).")
+
+
+@renders("train.compare-not-lossless", example=dict(heads=["dspark"]))
+def _compare_not_lossless(heads):
+    return (f"A decoded output of {', '.join(heads)} differs from the target's greedy output (docs/eval.md, 'The "
+            "lossless check').")
