@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import click
 from dflash.runtime.cli import EXIT_FAILED, Command
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.settings import setting, settings_options
 
 from .config import EvalConfig
@@ -57,8 +58,10 @@ def main(settings: EvalCommandConfig) -> None:
     checks = [c for r in report["prompt_sets"] for c in (r["lossless"], r.get("prompt_lookup", {}).get("lossless")) if c]
     diverged = any(c["checked"] and not c["identical"] for c in checks)
     if diverged:
-        click.echo("dflash-eval: speculative output differs from the target's greedy output "
-                   "(see docs/eval.md, 'The lossless check').", err=True)
+        emit(Finding("eval.output-diverged", prompt_sets=[r["name"] for r in report["prompt_sets"]
+                                                          if any(c and c["checked"] and not c["identical"]
+                                                                 for c in (r["lossless"], r.get("prompt_lookup", {}).get("lossless")))]),
+             prefix="dflash-eval: ")
         if settings.strict:
             sys.exit(EXIT_FAILED)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 from dflash.runtime.cli import Command
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import atomic_write_json
 from dflash.runtime.settings import settings_options
 from dflash.train.cli import TrainGroup
@@ -46,9 +47,9 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         self.prompts = tuple(str(p) for p in self.prompts)
-        if self.max_new_tokens < 1 or (self.max_prompts is not None and self.max_prompts < 1):
-            raise EvalError(f"--max-new-tokens and --max-prompts must be at least 1 (got {self.max_new_tokens} "
-                            f"and {self.max_prompts}).")
+        for flag, value in (("--max-new-tokens", self.max_new_tokens), ("--max-prompts", self.max_prompts)):
+            if value is not None and value < 1:
+                raise EvalError(Finding("eval.flag-below-one", flag=flag, value=value))
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import click
 from dflash.runtime.devices import AUTO, DTYPE_NAMES, DtypeChoice
 from dflash.runtime.errors import UsageError
+from dflash.runtime.findings import Finding
 from dflash.runtime.settings import setting
 
 
@@ -62,7 +63,6 @@ class EvalConfig:
             self.prompts = [self.prompts]
         self.prompts, self.stop_token_ids = [str(p) for p in self.prompts], list(self.stop_token_ids)
         if self.batch_size < 1:
-            raise EvalError(f"--batch-size must be >= 1, got {self.batch_size}.")
+            raise EvalError(Finding("eval.flag-below-one", flag="--batch-size", value=self.batch_size))
         if self.lookup_ngram < 1:
-            raise EvalError(f"--lookup-ngram must be >= 1 (the longest suffix prompt lookup matches), got "
-                            f"{self.lookup_ngram}.")
+            raise EvalError(Finding("eval.flag-below-one", flag="--lookup-ngram", value=self.lookup_ngram))

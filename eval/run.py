@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
 from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.intervals import (
     INTERVAL_RESAMPLES,
     bootstrap_draw,
@@ -72,17 +73,14 @@ def prompt_from_record(record: dict[str, Any], where: str, tokenizer: Any = None
             ids = ids[:cut]
     elif "text" in record:
         if tokenizer is None:
-            raise InputError(
-                f"{where}: the record has only `text` and the target directory has no tokenizer; "
-                "give `input_ids` or `prompt_ids` instead."
-            )
+            raise InputError(Finding("eval.prompt-text-without-tokenizer", where=where))
         ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
     else:
-        raise InputError(f"{where}: the record has none of `prompt_ids`, `input_ids` or `text`.")
+        raise InputError(Finding("eval.prompt-missing", where=where))
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InputError(f"{where}: token ids must be a list of integers.")
+        raise InputError(Finding("eval.prompt-not-int-list", where=where))
     if not ids:
-        raise InputError(f"{where}: the prompt is empty (the target needs at least one token).")
+        raise InputError(Finding("eval.prompt-empty", where=where))
     return ids
 
 
@@ -95,7 +93,7 @@ def load_prompts(
     `block_size` past them) against the target's `positions`."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"prompt file {path} does not exist.")
+        raise InputError(Finding("eval.prompt-file-missing", file=str(path)))
     prompts: list[list[int]] = []
     for where, line in iter_lines([path]):
         if max_prompts is not None and len(prompts) >= max_prompts:
@@ -103,33 +101,21 @@ def load_prompts(
         try:
             record = read_json(line)
         except NotJson as e:
-            raise InputError(f"{where} is not valid JSON ({e.detail}); write one JSON object per line.") from None
+            raise InputError(Finding("eval.prompt-not-json", where=where, error=e.detail)) from None
         if not isinstance(record, dict):
-            raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+            raise InputError(Finding("eval.prompt-not-object", where=where, type=type(record).__name__))
         ids = prompt_from_record(record, where, tokenizer)
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise InputError(
-                f"{where}: token ids {bad[:5]} are outside the target's vocabulary (0..{vocab_size - 1}); "
-                "the prompts were tokenized for another model."
-            )
+            raise InputError(Finding("eval.prompt-out-of-vocab", where=where, tokens=bad[:5], vocab_size=vocab_size))
         if positions is not None and len(ids) + max_new_tokens + block_size > positions.limit:
-            raise InputError(_past_the_positions(where, len(ids), positions, max_new_tokens, block_size))
+            raise InputError(Finding("eval.prompt-past-positions", where=where, prompt_len=len(ids),
+                                     positions=positions.describe(), limit=positions.limit,
+                                     max_new_tokens=max_new_tokens, block_size=block_size))
         prompts.append(ids)
     if not prompts:
-        raise InputError(f"prompt file {path} holds no prompts.")
+        raise InputError(Finding("eval.prompt-file-empty", file=str(path)))
     return prompts
-
-
-def _past_the_positions(where: str, prompt_len: int, positions: TargetPositions, max_new_tokens: int,
-                        block_size: int) -> str:
-    room = positions.limit - prompt_len - block_size
-    fix = (f"Lower --max-new-tokens to {room} or less, or shorten or leave out the prompt" if room >= 1
-           else "Shorten or leave out the prompt")
-    return (f"{where}: the prompt's {prompt_len:,} tokens, up to --max-new-tokens {max_new_tokens} more and a "
-            f"verify block of {block_size} need up to {prompt_len + max_new_tokens + block_size:,} positions, more "
-            f"than {positions.describe()}: past them its outputs, and the measurement, are out of the range it "
-            f"was trained on. {fix}.")
 
 
 # -- the measurement --------------------------------------------------------------------------
@@ -316,16 +302,18 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
         model, loading = AutoModelForCausalLM.from_pretrained(target_dir, output_loading_info=True, **kwargs)
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise InputError(f"cannot load the target {target_dir} with the drafter {drafter_dir}: {e}") from e
+        raise InputError(Finding("eval.models-unloadable", target=str(target_dir), drafter=str(drafter_dir),
+                                 error=str(e))) from e
     refuse_incomplete_weights(target_dir, loading)
     if note := training_target_note(drafter_dir, model.config, target_dir):
-        print(f"warning: {note}", file=sys.stderr, flush=True)
+        if isinstance(note, Finding):
+            emit(note, prefix="warning: ")
+        else:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     n_layers = model.config.get_text_config().num_hidden_layers
     if max(drafter.config.target_layer_ids) >= n_layers:
-        raise MismatchError(
-            f"the drafter reads target layers {drafter.config.target_layer_ids} but the target has "
-            f"{n_layers}; it was trained for another model."
-        )
+        raise MismatchError(Finding("eval.drafter-layers-past-target", layers=list(drafter.config.target_layer_ids),
+                                    target_layers=n_layers))
     tokenizer = None
     if any((Path(target_dir) / name).is_file() for name in TOKENIZER_FILES):
         try:
@@ -434,7 +422,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     model, drafter, tokenizer = load_models(c.target_model, c.drafter, device, torch_dtype(dtype), c.attn_implementation)
     trained = drafter.config.block_size
     if c.block_size is not None and not 2 <= c.block_size <= trained:
-        raise EvalError(f"--block-size {c.block_size} must be between 2 and the drafter's trained block size {trained}.")
+        raise EvalError(Finding("eval.block-size-range", flag="--block-size", value=c.block_size, trained=trained))
     stops = () if c.ignore_eos else (tuple(c.stop_token_ids) or default_stop_tokens(model))
     try:
         decode = DecodeConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature, stop_token_ids=stops,
@@ -451,8 +439,9 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         try:
             result = evaluate_prompt_set(model, drafter, prompts, decode, EvalSettings(
                 batch_size=c.batch_size, device=device, baseline=c.baseline, lookup_ngram=c.lookup_ngram))
-        except NoConfidenceError as e:
-            raise EvalError(f"{c.drafter}: {e}") from None
+        except NoConfidenceError:
+            raise EvalError(Finding("eval.drafter-without-confidence", drafter=str(c.drafter),
+                                    flag="--confidence-threshold")) from None
         sets.append({"name": Path(path).stem, "path": str(path), **result})
     return {
         "settings": {"device": device, "dtype": dtype, "drafter_type": drafter.config.drafter_type,
