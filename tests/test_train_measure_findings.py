@@ -45,3 +45,14 @@ def test_an_estimate_of_a_directory_that_is_no_export_names_it(tmp_path):
     with pytest.raises(InputError) as e:
         estimate_drafter(str(tmp_path), {"cache": [str(tmp_path / "cache")], "target_model": str(tmp_path)})
     assert (e.value.code, e.value.fields) == ("train.estimate-not-export", {"dir": str(tmp_path)})
+
+
+def test_dflash_train_compare_is_a_usage_error_naming_dflash_compare():
+    from click.testing import CliRunner
+    from dflash.runtime.errors import UsageError
+    from dflash.train.cli import main
+
+    with pytest.raises(UsageError) as e:
+        main.main(["compare", "--heads", "dflash"], standalone_mode=False)
+    assert (e.value.code, e.value.fields) == ("train.compare-moved", {"command": "dflash-compare"})
+    assert CliRunner().invoke(main, ["compare"]).exit_code == 2

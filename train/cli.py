@@ -25,8 +25,11 @@ from typing import Any
 import click
 from dflash.runtime.cli import Group
 from dflash.runtime.devices import DTYPE_NAMES, DtypeChoice, torch_dtype
+from dflash.runtime.errors import UsageError
+from dflash.runtime.findings import Finding
 from dflash.runtime.settings import setting, settings_options
 from dflash.train.config import TrainConfig, TrainConfigError
+from dflash.train.exports import messages as _messages  # noqa: F401  (the renderers of this module's findings)
 
 
 class TrainGroup(Group):
@@ -46,8 +49,7 @@ class TrainGroup(Group):
         # `run` is the default command, its help too: `dflash-train --help` lists the training
         # options (the other commands are named at the top of that help).
         if args and args[0] == "compare":
-            raise click.UsageError("the head comparison is its own command now: dflash-compare, with the same "
-                                   "options (dflash-compare --help).", ctx)
+            raise UsageError(Finding("train.compare-moved", command="dflash-compare"))
         if not args or args[0] not in self.commands:
             args = ["run", *args]
         return super().parse_args(ctx, args)

@@ -192,6 +192,14 @@ def _drafter_attention_mode(mode):
     return f"Its dflash_config.attention_mode {mode!r} is not this trainer's: its drafters attend as GQA/MHA."
 
 
+# -- train/cli.py: dflash-train ------------------------------------------------------------------------
+
+
+@renders("train.compare-moved", example=dict(command="dflash-compare"))
+def _compare_moved(command):
+    return f"The head comparison is its own command now: {command}, with the same options ({command} --help)."
+
+
 # -- warm_start.py: --init-drafter ----------------------------------------------------------------
 
 
