@@ -34,6 +34,7 @@ from dflash.eval.config import EvalConfig
 from dflash.eval.run import format_report, run_eval
 from dflash.eval.speculative import DecodeConfig, target_generate
 from dflash.runtime.errors import EnvironmentFault, InputError, UsageError
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import TEMP_PREFIX
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -126,15 +127,10 @@ def claim_workdir(workdir: Path) -> None:
     if marker.is_file():
         return
     if workdir.exists() and not workdir.is_dir():
-        raise InputError(f"--workdir {workdir} is a file, not a directory. Pass an empty or new --workdir.")
+        raise InputError(Finding("demo.workdir-is-file", dir=str(workdir)))
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in workdir.iterdir()) if workdir.is_dir() else []
     if names and not _earlier_demo(workdir, [n.rstrip("/") for n in names]):
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise InputError(
-            f"--workdir {workdir} is not empty and is not a dflash-demo work directory (it holds {shown}, and "
-            f"no {WORKDIR_MARKER} file that a demo leaves there): the demo replaces its target/, cache/, run/ "
-            "and completions.jsonl in its work directory, so it would delete files that are not its own. Pass "
-            "an empty or new --workdir (the default is ./dflash-demo).")
+        raise InputError(Finding("demo.workdir-not-a-demo", dir=str(workdir), holds=names, marker=WORKDIR_MARKER))
     workdir.mkdir(parents=True, exist_ok=True)
     marker.write_text("dflash-demo's work directory: each run of the demo here replaces what it wrote "
                       "(docs/demo.md).\n")
@@ -153,7 +149,7 @@ def encode(text: str) -> list[int]:
     try:
         return [table[c] for c in text]
     except KeyError as e:
-        raise InputError(f"character {e.args[0]!r} is not in the demo's alphabet.") from None
+        raise InputError(Finding("demo.character-outside-alphabet", character=e.args[0])) from None
 
 
 def decode(ids: list[int]) -> str:
@@ -163,7 +159,7 @@ def decode(ids: list[int]) -> str:
 def load_documents(path: Path = CORPUS) -> list[str]:
     """The corpus: documents separated by blank lines."""
     if not path.is_file():
-        raise DemoError(f"the demo corpus {path} is missing; reinstall the package (it ships data/).")
+        raise DemoError(Finding("demo.corpus-missing", file=str(path)))
     return [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
 
 
@@ -174,7 +170,7 @@ def build_target(sizes: DemoSizes) -> Any:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if sizes.vocab_size and sizes.vocab_size < vocab_size():
-        raise UsageError(f"vocab_size {sizes.vocab_size} is below the alphabet's {vocab_size()} ids.")
+        raise UsageError(Finding("demo.vocab-below-alphabet", vocab_size=sizes.vocab_size, alphabet=vocab_size()))
 
     heads = max(2, sizes.hidden_size // 32)
     config = Qwen3Config(
@@ -294,8 +290,7 @@ def run_stage(name: str, module: str, args: list[str], log_path: Path) -> None:
     if done.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
         sys.stderr.write(f"--- the last lines of {log_path} ---\n{tail}\n")
-        raise DemoError(f"{name} failed with status {done.returncode}; the last lines of its log are "
-                        f"above, the whole log is {log_path}.")
+        raise DemoError(Finding("demo.stage-failed", stage=name, status=done.returncode, log=str(log_path)))
 
 
 def drafter_train_args(cache: Path, target_dir: Path, run_dir: Path, sizes: DemoSizes, seed: int) -> list[str]:

@@ -30,9 +30,10 @@ def test_a_stage_runs_its_command_in_a_child_process_and_a_failure_names_its_log
     demo.run_stage("dflash-extract", "dflash.extract.cli", ["--help"], tmp_path / "help.log")
     log = (tmp_path / "help.log").read_text()
     assert "Usage: dflash-extract" in log and "--target-model" in log
-    with pytest.raises(demo.DemoError, match="dflash-train failed with status 2") as failed:
+    with pytest.raises(demo.DemoError) as failed:
         demo.run_stage("dflash-train", "dflash.train.cli", ["--no-such-flag"], tmp_path / "bad.log")
-    assert str(tmp_path / "bad.log") in str(failed.value)
+    assert failed.value.code == "demo.stage-failed"
+    assert failed.value.fields == {"stage": "dflash-train", "status": 2, "log": str(tmp_path / "bad.log")}
     assert "--no-such-flag" in capsys.readouterr().err  # the log's last lines
 
 
@@ -96,9 +97,8 @@ def test_a_workdir_holding_files_the_demo_did_not_write_is_refused_and_nothing_i
     before = user_files(tmp_path / "mine")
     with pytest.raises(InputError) as refused:
         demo.run_demo(tmp_path / "mine", demo.SMALL, log=lambda *_: None)
-    said = str(refused.value)
-    assert f"--workdir {tmp_path / 'mine'} is not empty and is not a dflash-demo work directory" in said
-    assert "completions.jsonl, run/, target/" in said and "Pass an empty or new --workdir" in said
+    assert refused.value.code == "demo.workdir-not-a-demo" and refused.value.fields["dir"] == str(tmp_path / "mine")
+    assert {"completions.jsonl", "run/", "target/"} <= set(refused.value.fields["holds"])
     assert {p: p.read_bytes() for p in sorted((tmp_path / "mine").rglob("*")) if p.is_file()} == before
 
 
