@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.runtime.findings import Finding
+
 from .checksum import crc32c
 from .codecs import HiddenCodec, codec_identity
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError, ConfigMismatchError
@@ -99,22 +101,13 @@ def decode_log_line(line: bytes, where: str) -> PartRecord:
     except ValueError:
         ok = False
     if not ok:
-        raise CacheCorruptError(
-            f"{where}: the commit record is damaged (checksum mismatch: it was edited or torn). The part "
-            "it names cannot be trusted: `dflash-cache verify --quarantine CACHE` takes it out of the cache, "
-            "then rerun the dflash-extract command that wrote the cache to extract it again."
-        )
+        raise CacheCorruptError(Finding("cache.commit-record-checksum", where=where))
     record = PartRecord.from_json(json.loads(body))
     keys = record.split_keys
     if keys is not None and (len(keys) != record.samples or any(not -(1 << 63) <= k < 1 << 63 for k in keys)
                              or any(not 0 <= j < record.samples for j in record.grouped or ())):
-        raise CacheCorruptError(
-            f"{where}: the commit record of {record.name} lists {len(keys)} split keys for its "
-            f"{record.samples} samples, keys outside 64 bits, or grouped samples outside them (it was "
-            "edited). The part cannot be "
-            "trusted: `dflash-cache verify --quarantine CACHE` takes it out of the cache, then rerun the "
-            "dflash-extract command that wrote the cache to extract it again."
-        )
+        raise CacheCorruptError(Finding("cache.commit-record-split-keys", where=where, part=record.name,
+                                        keys=len(keys), samples=record.samples))
     return record
 
 
@@ -134,10 +127,7 @@ class CommitLog:
             with open(self.path, "rb") as f:
                 inode = os.fstat(f.fileno()).st_ino
                 if self._inode is not None and inode != self._inode:
-                    raise CacheError(
-                        f"{self.path} was replaced while this process read the cache (`dflash-cache verify "
-                        "--quarantine` took parts out of it, or --force started it anew): rerun the command "
-                        "to read the cache as it is now.")
+                    raise CacheError(Finding("cache.log-replaced", file=str(self.path)))
                 self._inode = inode
                 f.seek(self._offset)
                 data = f.read()
@@ -297,11 +287,9 @@ def make_header(
 ) -> dict[str, Any]:
     """Build a format-1 header; raises CacheError on inconsistent values."""
     if not target_layer_ids:
-        raise CacheError("target_layer_ids is empty: a cache must capture at least one layer.")
+        raise CacheError(Finding("cache.header-no-layers"))
     if chunk_rows <= 0 or shard_rows <= 0 or shard_rows % chunk_rows:
-        raise CacheError(
-            f"shard_rows ({shard_rows}) must be a positive multiple of chunk_rows ({chunk_rows})."
-        )
+        raise CacheError(Finding("cache.header-shard-rows", shard_rows=shard_rows, chunk_rows=chunk_rows))
     return {
         "format_version": FORMAT_VERSION,
         "target": dict(target),
@@ -330,41 +318,25 @@ def make_header(
 def read_header(cache_dir: Path) -> dict[str, Any]:
     path = cache_dir / HEADER_FILE
     if not cache_dir.is_dir():
-        raise CacheNotFoundError(
-            f"Cache directory {cache_dir} does not exist. Check the path, or create a cache "
-            "with `dflash-extract --output DIR`."
-        )
+        raise CacheNotFoundError(Finding("cache.dir-missing", cache=str(cache_dir)))
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise CacheNotFoundError(
-            f"{cache_dir} is not a dflash cache: it has no {HEADER_FILE}. Point to a directory "
-            "written by `dflash-extract`, or restore the manifest from a backup."
-        ) from None
+        raise CacheNotFoundError(Finding("cache.no-manifest", cache=str(cache_dir), manifest=HEADER_FILE)) from None
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CacheCorruptError(
-            f"{path} is not valid JSON ({e}). The manifest is damaged: restore it from a "
-            "backup, or re-extract into a new cache."
-        ) from e
+        raise CacheCorruptError(Finding("cache.manifest-not-json", file=str(path), error=str(e))) from e
     version = header.get("format_version") if isinstance(header, dict) else None
     if version != FORMAT_VERSION:
-        raise ConfigMismatchError(
-            f"{path} has format_version {version!r}; this version of dflash-pipeline reads "
-            f"format {FORMAT_VERSION}. Use a matching dflash-pipeline version or re-extract."
-        )
+        raise ConfigMismatchError(Finding("cache.format-version", file=str(path), version=version,
+                                          supported=FORMAT_VERSION))
     missing = [k for k in ("target", "target_layer_ids", "hidden", "extras") if k not in header]
     if missing:
-        raise CacheCorruptError(f"{path} lacks the keys {missing}: the manifest is damaged. Restore it from a "
-                                "backup, or re-extract into a new cache.")
+        raise CacheCorruptError(Finding("cache.manifest-lacks-keys", file=str(path), missing=missing))
     problem = header_problem(header)
     if problem:
-        raise CacheCorruptError(
-            f"{path} is not a valid cache manifest: {problem}. The manifest was edited or damaged (the parts "
-            "were written as the header first said): undo the edit or restore manifest.json from a backup, "
-            "or re-extract into a new cache. `dflash-cache verify` cannot check parts against it."
-        )
+        raise CacheCorruptError(Finding("cache.manifest-invalid", file=str(path), problem=problem))
     return header
 
 
@@ -470,14 +442,11 @@ def _leaf_differences(a: Any, b: Any, key: str) -> list[tuple[str, Any, Any]]:
 def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, what: str) -> None:
     """Raise ConfigMismatchError when `expected_header` would produce a different cache."""
     found_diffs = identity_differences(expected_header, manifest.header, Purpose.RESUME)
-    diffs = [f"{key}: cache has {_short(found)}, requested {_short(want)}" for key, want, found in found_diffs]
-    if diffs:
-        shown = "; ".join(diffs[:6]) + ("; ..." if len(diffs) > 6 else "")
+    if found_diffs:
+        paths = None
         if any(key.startswith("target.") for key, _, _ in found_diffs):
             paths = [h.get("provenance", {}).get("target_path", "?") for h in (manifest.header, expected_header)]
-            shown += f" (the cache's target was {paths[0]}, this {what}'s is {paths[1]})"
-        raise ConfigMismatchError(
-            f"The cache at {manifest.cache_dir} was written with other settings than this "
-            f"{what}: {shown}. Rerun with the cache's settings, choose a new output directory, "
-            "or pass --force to start the cache anew."
-        )
+        raise ConfigMismatchError(Finding(
+            "cache.settings-differ", cache=str(manifest.cache_dir), what=what,
+            differences=[[key, _short(found), _short(want)] for key, want, found in found_diffs[:6]],
+            more=len(found_diffs) > 6, target_paths=paths))

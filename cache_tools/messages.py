@@ -657,3 +657,88 @@ def _part_sample_ids(log, part=None, array=None, dir=None, chunk=None, shard_fil
     return (f"{_at(part, array, dir, chunk, shard_file)}: the part holds other sample ids than its commit record in "
             f"{log} lists (the part's files were replaced after it was committed). Run `dflash-cache verify` and "
             "re-extract the part.")
+
+
+# -- the manifest and the commit log (cache_tools/manifest.py) ---------------------------------
+
+
+_QUARANTINE_FIX = ("`dflash-cache verify --quarantine CACHE` takes it out of the cache, then rerun the dflash-extract "
+                   "command that wrote the cache to extract it again.")
+
+
+@renders("cache.commit-record-checksum", example=dict(where="cache/manifest.parts.jsonl, line 2"))
+def _commit_record_checksum(where):
+    return (f"{where}: the commit record is damaged (checksum mismatch: it was edited or torn). The part it names "
+            f"cannot be trusted: {_QUARANTINE_FIX}")
+
+
+@renders("cache.commit-record-split-keys", example=dict(where="cache/manifest.parts.jsonl, line 2",
+                                                       part="part-000001", keys=3, samples=4))
+def _commit_record_split_keys(where, part, keys, samples):
+    return (f"{where}: the commit record of {part} lists {keys} split keys for its {samples} samples, keys outside "
+            f"64 bits, or grouped samples outside them (it was edited). The part cannot be trusted: {_QUARANTINE_FIX}")
+
+
+@renders("cache.log-replaced", example=dict(file="cache/manifest.parts.jsonl"))
+def _log_replaced(file):
+    return (f"{file} was replaced while this process read the cache (`dflash-cache verify --quarantine` took parts "
+            "out of it, or --force started it anew): rerun the command to read the cache as it is now.")
+
+
+@renders("cache.header-no-layers", example={})
+def _header_no_layers():
+    return "target_layer_ids is empty: a cache must capture at least one layer."
+
+
+@renders("cache.header-shard-rows", example=dict(shard_rows=100, chunk_rows=64))
+def _header_shard_rows(shard_rows, chunk_rows):
+    return f"shard_rows ({shard_rows}) must be a positive multiple of chunk_rows ({chunk_rows})."
+
+
+@renders("cache.dir-missing", example=dict(cache="runs/cache"))
+def _dir_missing(cache):
+    return f"Cache directory {cache} does not exist. Check the path, or create a cache with `dflash-extract --output DIR`."
+
+
+@renders("cache.no-manifest", example=dict(cache="runs/cache", manifest="manifest.json"))
+def _no_manifest(cache, manifest):
+    return (f"{cache} is not a dflash cache: it has no {manifest}. Point to a directory written by `dflash-extract`, "
+            "or restore the manifest from a backup.")
+
+
+@renders("cache.manifest-not-json", example=dict(file="cache/manifest.json", error="Expecting value: line 1"))
+def _manifest_not_json(file, error):
+    return (f"{file} is not valid JSON ({error}). The manifest is damaged: restore it from a backup, or re-extract "
+            "into a new cache.")
+
+
+@renders("cache.format-version", example=dict(file="cache/manifest.json", version=2, supported=1))
+def _format_version(file, version, supported):
+    return (f"{file} has format_version {version!r}; this version of dflash-pipeline reads format {supported}. Use "
+            "a matching dflash-pipeline version or re-extract.")
+
+
+@renders("cache.manifest-lacks-keys", example=dict(file="cache/manifest.json", missing=["hidden"]))
+def _manifest_lacks_keys(file, missing):
+    return (f"{file} lacks the keys {missing}: the manifest is damaged. Restore it from a backup, or re-extract into "
+            "a new cache.")
+
+
+@renders("cache.manifest-invalid", example=dict(file="cache/manifest.json", problem="hidden.num_layers is 3, "
+                                                                                   "target_layer_ids names 2"))
+def _manifest_invalid(file, problem):
+    return (f"{file} is not a valid cache manifest: {problem}. The manifest was edited or damaged (the parts were "
+            "written as the header first said): undo the edit or restore manifest.json from a backup, or re-extract "
+            "into a new cache. `dflash-cache verify` cannot check parts against it.")
+
+
+@renders("cache.settings-differ", example=dict(cache="cache", what="extraction",
+                                              differences=[["target_layer_ids", "[1, 3]", "[2, 4]"]], more=False,
+                                              target_paths=None))
+def _settings_differ(cache, what, differences, more, target_paths):
+    shown = "; ".join(f"{key}: cache has {found}, requested {want}" for key, found, want in differences)
+    shown += "; ..." if more else ""
+    if target_paths:
+        shown += f" (the cache's target was {target_paths[0]}, this {what}'s is {target_paths[1]})"
+    return (f"The cache at {cache} was written with other settings than this {what}: {shown}. Rerun with the "
+            "cache's settings, choose a new output directory, or pass --force to start the cache anew.")

@@ -174,10 +174,13 @@ def test_zarr_reads_the_parts_we_write(tmp_path):
 
 def test_reopening_with_other_settings_refuses(tmp_path):
     write_cache(tmp_path / "c", "bf16", [10])
-    with pytest.raises(ConfigMismatchError, match=r"hidden\.codec\.name: cache has 'bf16', requested 'fp8'.*--force"):
+    with pytest.raises(ConfigMismatchError) as err:
         CacheWriter(tmp_path / "c", tiny_header("fp8"))
-    with pytest.raises(ConfigMismatchError, match="target_layer_ids"):
+    assert err.value.code == "cache.settings-differ" and "--force" in str(err.value)
+    assert ["hidden.codec.name", "'bf16'", "'fp8'"] in err.value.fields["differences"]
+    with pytest.raises(ConfigMismatchError) as err:
         CacheWriter(tmp_path / "c", tiny_header("bf16", layers=(0, 2)))
+    assert [d[0] for d in err.value.fields["differences"]] == ["target_layer_ids"]
     # --force starts anew: the old parts are gone.
     CacheWriter(tmp_path / "c", tiny_header("fp8"), force=True)
     assert read_manifest(tmp_path / "c").parts == []

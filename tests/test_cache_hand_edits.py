@@ -49,8 +49,9 @@ def test_a_hand_edited_header_is_named_as_the_damaged_file(tmp_path, edit):
         text = flat(res.output)
         assert f"Error: {cache / 'manifest.json'} is not a valid cache manifest: {problem}" in text, text
         assert "undo the edit or restore manifest.json from a backup" in text and "Traceback" not in text
-    with pytest.raises(CacheCorruptError, match="is not a valid cache manifest"):
+    with pytest.raises(CacheCorruptError) as err:
         CacheReader(cache)
+    assert err.value.code == "cache.manifest-invalid" and err.value.fields["file"] == str(cache / "manifest.json")
 
 
 def test_a_hand_edited_commit_record_names_the_log_line_and_the_command_that_repairs_it(tmp_path):

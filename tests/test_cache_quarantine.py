@@ -60,8 +60,9 @@ def test_quarantined_parts_are_extracted_again_bit_for_bit(tmp_path):
     follower.refresh()
     res = verify(cache, "--quarantine")
     assert res.exit_code == 1, res.output
-    with pytest.raises(CacheError, match="was replaced while this process read the cache"):
+    with pytest.raises(CacheError) as err:
         follower.refresh()  # told, instead of reading the new log from the old one's offset
+    assert err.value.code == "cache.log-replaced" and err.value.fields["file"] == str(cache / LOG_FILE)
     [aside] = list((cache / "quarantine").iterdir())
     for name in damaged:
         assert f"quarantined {name} -> {aside / 'parts' / name}" in res.output

@@ -104,11 +104,14 @@ def test_checksum_verification_can_be_turned_off_for_speed(tmp_path):
 
 
 def test_missing_or_foreign_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(CacheNotFoundError, match="does not exist"):
+    with pytest.raises(CacheNotFoundError) as err:
         CacheReader(tmp_path / "nope")
+    assert err.value.code == "cache.dir-missing" and err.value.fields["cache"] == str(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CacheNotFoundError, match="is not a dflash cache: it has no manifest.json"):
+    with pytest.raises(CacheNotFoundError) as err:
         CacheReader(tmp_path / "empty")
+    assert err.value.code == "cache.no-manifest" and err.value.fields == {"cache": str(tmp_path / "empty"),
+                                                                          "manifest": "manifest.json"}
 
 
 def test_reader_in_a_forked_worker_reopens_its_maps(tmp_path):

@@ -219,5 +219,7 @@ def test_a_writer_that_cannot_open_the_cache_fails_the_pool_at_once(tmp_path):
     cache.header = other
     from dflash.cache_tools.errors import ConfigMismatchError
 
-    with pytest.raises(ConfigMismatchError, match="target_layer_ids: cache has \\[0, 1\\], requested \\[0\\]"):
+    with pytest.raises(ConfigMismatchError) as err:
         writers.WriterPool(cache, fields, 2, segment_tokens=16)
+    assert err.value.code == "cache.settings-differ"
+    assert err.value.fields["differences"] == [["target_layer_ids", "[0, 1]", "[0]"]]
