@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import read_metrics, tiny_train_config
+from dflash.runtime.findings import codes, collected
 
 
 def _steps_per_epoch(cfg) -> list[int]:
@@ -31,12 +32,14 @@ def test_a_run_that_max_steps_ends_partway_through_its_epochs_says_where_and_its
     first, second, third = _steps_per_epoch(cfg)
     assert first < 20 < first + second  # the 20th step lies inside the second epoch
     capsys.readouterr()
-    result = train(cfg)
+    with collected() as found:
+        result = train(cfg)
     assert result.exit_status == 0 and result.step == 20
     out = capsys.readouterr().out
-    [note] = _lines(out, "Note: --max-steps")
-    assert note.startswith(f"Note: --max-steps 20 ends the run at step 20, partway through epoch 2 of 3 (step "
-                           f"{20 - first} of its {second}); all 3 epoch(s) take {first + second + third} steps")
+    [note] = [f for f in found if f.code == "train.max-steps-cut"]
+    assert note.fields == dict(max_steps=20, step=20, epoch=2, epochs=3, epoch_step=20 - first, epoch_steps=second,
+                               all_steps=first + second + third, first_epoch_share=None)
+    assert len(_lines(out, "Note: --max-steps 20")) == 1
     [schedule] = _lines(out, "schedule over those 20 steps:")
     assert "to 0.1 x --lr at step 20" in schedule and "held-out evaluations every 2 step(s)" in schedule
     # what it says is what the run does: the schedule reaches its floor at step 20, evaluated every 2 steps
@@ -56,10 +59,11 @@ def test_a_run_whose_epochs_end_first_says_nothing_of_max_steps(tiny_world, tmp_
     cfg = tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", epochs=1, max_steps=1000,
                             eval_fraction=0.3)
     capsys.readouterr()
-    result = train(cfg)
+    with collected() as found:
+        result = train(cfg)
     out = capsys.readouterr().out
     assert result.step == sum(_steps_per_epoch(cfg)) < 1000
-    assert not _lines(out, "Note: --max-steps") and "ended by --max-steps" not in out
+    assert "train.max-steps-cut" not in codes(found) and "ended by --max-steps" not in out
     assert _lines(out, f"done: {result.step} steps; ")
 
 
@@ -70,3 +74,12 @@ def test_where_a_cut_run_ends_is_named_by_epoch():
     assert RunLength.of([10, 10, 10], 10).where_it_ends() == "at the end of epoch 1 of 3"
     assert RunLength.of([10, 10, 10], 25).where_it_ends() == "partway through epoch 3 of 3 (step 5 of its 10)"
     assert RunLength.of([10, 10, 10], 25).total_steps == 25 and RunLength.of([10, 10], 99).total_steps == 20
+
+
+def test_a_run_cut_inside_its_first_epoch_says_what_share_of_it_trains():
+    from dflash.train.run.run_length import RunLength
+
+    found = RunLength.of([10, 10, 10], 4).cut_short()
+    assert found.code == "train.max-steps-cut" and found.fields["first_epoch_share"] == pytest.approx(0.4)
+    assert (found.fields["epoch"], found.fields["epoch_step"], found.fields["epoch_steps"]) == (1, 4, 10)
+    assert RunLength.of([10, 10, 10], 30).cut_short() is None

@@ -53,8 +53,10 @@ def test_a_copy_or_a_second_extraction_of_the_same_data_does_not_train_beside_it
 
 def test_a_copy_of_the_training_cache_is_no_eval_cache(caches, tmp_path):
     cfg = tiny_train_config(caches["a"], caches["target"], tmp_path / "run", eval_cache=[caches["copy"]])
-    with pytest.raises(TrainConfigError, match="holds the samples of --cache"):
+    with pytest.raises(TrainConfigError) as e:
         open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
+    assert e.value.code == "train.eval-cache-same-data"
+    assert (e.value.fields["eval_cache"], e.value.fields["cache"]) == (str(caches["copy"]), str(caches["a"]))
     cfg = tiny_train_config(caches["a"], caches["target"], tmp_path / "run", eval_cache=[caches["other"]])
     assert open_training_data(cfg, rank=0, world_size=1, pin_memory=False).heldout_count == 16
 

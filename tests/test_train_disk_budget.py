@@ -6,7 +6,6 @@ larger than the budget; on finished local caches, where they would do nothing, t
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 
@@ -97,9 +96,10 @@ def test_a_shuffle_parts_group_larger_than_the_budget_is_refused_naming_a_group_
 
     with pytest.raises(TrainConfigError) as refused:
         summary(4)
-    text = str(refused.value)
-    assert "--shuffle-parts 4" in text and "--disk-budget" in text and "measured on 8 committed part(s)" in text
-    fits = int(re.search(r"Lower --shuffle-parts to (\d+)", text).group(1))
+    found = refused.value.fields
+    assert refused.value.code == "train.disk-budget-group" and found["budget"] == budget
+    assert found["shuffle_parts"] == 4 and found["measured_parts"] == 8
+    fits = found["fits"]  # the group that fits
     assert 1 <= fits < 4
     summary(fits)  # the group it proposes fits the budget: no refusal
 
@@ -186,7 +186,8 @@ def test_a_run_without_disk_budget_following_a_budgeted_extraction_gets_the_budg
         with pytest.raises(TrainConfigError) as e:
             opened(**settings)
         text = str(e.value)
-        assert f"The extraction of {cache} runs under --disk-budget {3 * part}" in text and fragment in text, text
+        assert e.value.code == "train.follow-extraction-budget" and e.value.fields["budget"] == 3 * part
+        assert e.value.fields["cache"] == str(cache) and fragment in text, text
     opened(shuffle_parts=2, eval_fraction=0)  # what the budget needs: it trains
     record_budget(cache, None)  # an extraction without a budget removes the record
     opened(shuffle_parts=2)

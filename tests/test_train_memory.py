@@ -80,7 +80,8 @@ def test_the_head_goes_to_chunks_where_its_logits_at_once_do_not_fit(tmp_path):
     plan = plan_step_memory(cfg, QWEN3_8B, [32768], free)
     assert plan.config.objective.logits_chunk_mib < 8192
     assert plan.estimate.total <= free * memory.USABLE_FRACTION
-    assert "--logits-chunk-mib" in plan.note
+    assert plan.note.code == "train.logits-chunk-lowered"
+    assert plan.note.fields["logits_chunk_mib"] == plan.config.objective.logits_chunk_mib
     assert plan.config.data == cfg.data and plan.config.model == cfg.model
 
 
@@ -90,9 +91,8 @@ def test_a_run_that_cannot_fit_names_a_setting_whose_value_fits(tmp_path):
     lengths = [32768, 512, 512]
     with pytest.raises(MemoryBudgetError) as refused:
         plan_step_memory(cfg, QWEN3_8B, lengths, 80 * GIB)
-    message = str(refused.value)
-    assert "--max-batch-size" in message
-    size = int(message.split("--max-batch-size ")[2].split()[0].rstrip(","))  # the fix, after the setting
+    assert refused.value.code == "train.memory-over-budget"
+    size = refused.value.fields["fits"]["--max-batch-size"]  # the fix: a value that fits
     fixed = _config(tmp_path, token_budget=32768, max_seq_len=32768, max_batch_size=size, max_anchors=512)
     assert plan_step_memory(fixed, QWEN3_8B, lengths, 80 * GIB).estimate.total <= 80 * GIB
     with pytest.raises(MemoryBudgetError):
@@ -198,8 +198,9 @@ def test_the_startup_check_refuses_on_a_small_device_and_passes_on_a_large_one(t
                   drafter_type="dflash2", block_size=16, num_draft_layers=5)
     target, data = _qwen3_8b_data([32768, 32768])
     if free_gib == 20:
-        with pytest.raises(MemoryBudgetError, match="--gradient-checkpointing|--max-anchors"):
+        with pytest.raises(MemoryBudgetError) as refused:
             memory.fit_to_device(cfg, target, data, "cuda")
+        assert {"--gradient-checkpointing", "--max-anchors"} & set(refused.value.fields["fits"])
     else:
         assert memory.fit_to_device(cfg, target, data, "cuda") is cfg
     unchecked = _config(tmp_path, token_budget=32768, max_seq_len=32768, memory_check=False)

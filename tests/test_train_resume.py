@@ -17,6 +17,7 @@ import torch
 from click.testing import CliRunner
 from conftest import assert_same_weights, final_weights, read_metrics, tiny_train_config
 from dflash.runtime.cli import paragraph
+from dflash.runtime.findings import collected
 from dflash.train.cli import main
 from dflash.train.run.loop import train
 
@@ -193,15 +194,18 @@ def test_a_run_of_the_former_default_epochs_resumed_under_the_new_one_is_told_ho
         tiny_world, tmp_path, capsys):
     run = tmp_path / "run"
     train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=6, max_steps=2, save_interval=2))
-    capsys.readouterr()
-    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=10, max_steps=3, save_interval=3))
-    said = capsys.readouterr().out
-    assert "settings changed since that checkpoint: epochs 6 -> 10" in said
-    assert "the default changed since this run started" in said and "rerun with --epochs 6" in said
+    with collected() as found:
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=10, max_steps=3,
+                                save_interval=3))
+    [changed] = [f for f in found if f.code == "train.resume-settings-changed"]
+    assert ["epochs", 6, 10] in changed.fields["changes"] and changed.fields["former_defaults"] == [["epochs", 6]]
+    assert "rerun with --epochs 6" in str(changed)
     # a change that is no former default's gets no such hint
-    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=12, max_steps=4, save_interval=4))
-    said = capsys.readouterr().out
-    assert "epochs 10 -> 12" in said and "the default changed" not in said
+    with collected() as found:
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, epochs=12, max_steps=4,
+                                save_interval=4))
+    [changed] = [f for f in found if f.code == "train.resume-settings-changed"]
+    assert ["epochs", 10, 12] in changed.fields["changes"] and changed.fields["former_defaults"] == []
 
 
 def test_a_dflash_run_resumed_under_the_dflash2_default_is_refused_with_the_flag_that_finishes_it(tiny_world, tmp_path):
@@ -213,9 +217,8 @@ def test_a_dflash_run_resumed_under_the_dflash2_default_is_refused_with_the_flag
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     with pytest.raises(ResumeMismatchError) as e:  # the same command, after the default moved to dflash2
         train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=3, save_interval=3))
-    text = str(e.value)
-    assert "The checkpoint is a DFlash drafter and this run a DFlash2 one" in text
-    assert "pass --drafter-type dflash to finish it as it started" in text
+    assert e.value.code == "train.resume-other-run" and e.value.fields["default_head"] == ["dflash", "dflash2"]
+    assert "--drafter-type dflash to finish it" in str(e.value)  # the flag that finishes it
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == saved  # nothing written
     result = train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, drafter_type="dflash",
                                      max_steps=3, save_interval=3))

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import read_metrics, tiny_train_config
+from dflash.runtime.findings import collected
 from dflash.train.run.loop import lr_multiplier, train
 
 FIRST, THEN = 3, 6
@@ -77,11 +78,11 @@ def test_a_resume_drops_the_steps_logged_past_its_checkpoint_so_each_step_is_log
     before = read_metrics(run)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "kind": "tr')
-    capsys.readouterr()
-    result = train(config)
+    with collected() as found:
+        result = train(config)
     assert result.step == THEN
-    said = capsys.readouterr().out
-    assert f"dropped {THEN - FIRST + 1} record(s) of steps after {FIRST}" in said
+    [dropped] = [f.fields for f in found if f.code == "train.metrics-dropped"]
+    assert dropped == dict(file=str(run / "metrics.jsonl"), records=THEN - FIRST + 1, step=FIRST)
     assert train_steps(run / "metrics.jsonl") == list(range(1, THEN + 1))
     after = read_metrics(run)
     assert after[:len(before) - (THEN - FIRST)] == before[:len(before) - (THEN - FIRST)]  # steps to 3 kept as logged
@@ -92,10 +93,10 @@ def test_a_fresh_start_in_a_directory_whose_checkpoints_were_deleted_moves_the_o
     run = tmp_path / "run"
     train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=FIRST, **SETTINGS))
     shutil.rmtree(run / "checkpoints")
-    capsys.readouterr()
-    train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=2, **SETTINGS))
-    said = capsys.readouterr().out
-    assert "held the records of an earlier run in this directory" in said and "moved to metrics.jsonl.1" in said
+    with collected() as found:
+        train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=2, **SETTINGS))
+    [aside] = [f.fields for f in found if f.code == "train.metrics-set-aside"]
+    assert aside == dict(file=str(run / "metrics.jsonl"), aside="metrics.jsonl.1")
     assert train_steps(run / "metrics.jsonl") == [1, 2]
     assert train_steps(run / "metrics.jsonl.1") == list(range(1, FIRST + 1))
     shutil.rmtree(run / "checkpoints")

@@ -44,16 +44,20 @@ def test_the_same_cache_twice_or_as_its_own_eval_cache_is_refused(tiny_world, tm
     cache = tiny_world["cache"]
     link = tmp_path / "link"
     link.symlink_to(cache)
-    with pytest.raises(TrainConfigError, match="is given twice"):
+    with pytest.raises(TrainConfigError) as twice:
         refuse_repeated_caches([str(cache), str(link)], [])
-    with pytest.raises(TrainConfigError, match="is also a --cache"):
+    assert twice.value.code == "train.cache-given-twice"
+    assert twice.value.fields == dict(flag="--cache", cache=str(link), other=str(cache))
+    with pytest.raises(TrainConfigError) as both:
         refuse_repeated_caches([str(cache)], [str(cache)])
+    assert both.value.code == "train.eval-cache-is-cache" and both.value.fields["eval_cache"] == str(cache)
     refuse_repeated_caches([str(cache)], [str(tmp_path / "another")])  # distinct caches pass
     from dflash.train.run.loop import train
 
-    with pytest.raises(TrainConfigError, match="is also a --cache"):
+    with pytest.raises(TrainConfigError) as e:
         train(tiny_train_config(cache, tiny_world["target"], tmp_path / "run", max_steps=1,
                                 eval_cache=[str(cache)]))
+    assert e.value.code == "train.eval-cache-is-cache"
 
 
 def test_an_exported_model_is_readable_like_its_config(tiny_world, tmp_path):

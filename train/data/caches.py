@@ -27,6 +27,7 @@ from dflash.cache_tools.layers import validate_target_layer_ids
 from dflash.cache_tools.manifest import WRITER_LOCK_FILE, Manifest, chat_templates
 from dflash.cache_tools.sample_scores import heldout_scores, subset_scores
 from dflash.cache_tools.sources import SampleSource
+from dflash.runtime.findings import Finding
 from dflash.runtime.locks import is_held, same_path
 from dflash.runtime.lookup import sample_lookup_walk
 from dflash.runtime.positions import target_positions
@@ -48,11 +49,11 @@ TEXT_SAMPLES = 512  # training samples whose text prompt lookup walks, beside th
 
 
 def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, *,
-                       caches: SampleSource | None = None) -> list[str]:
+                       caches: SampleSource | None = None) -> list[Finding | str]:
     """Refuse a cache extracted from another model than the target given to the trainer (the
     identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use.
-    Returns notes: the target's weights differ from the cache's (same config), the cache is
-    still being written (unless `caches` follow it)."""
+    Returns notices for the run to emit: the target's weights differ from the cache's (same
+    config), the cache is still being written (unless `caches` follow it)."""
     current = target_identity(target_config, target_dir)
     diffs = [f"{k}: cache has {b!r}, target has {a!r}"
              for k, a, b in target_differences(current, manifest.header.get("target"), Purpose.TRAIN)]
@@ -62,10 +63,8 @@ def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, 
     if bad_layers:
         diffs.append(f"target_layer_ids {bad_layers} do not exist in a {target_config.num_hidden_layers}-layer target")
     if diffs:
-        raise ConfigMismatchError(
-            f"The cache at {manifest.cache_dir} was not extracted from the target model at {target_dir}: "
-            f"{'; '.join(dict.fromkeys(diffs))}. Pass the --target-model the cache was extracted with."
-        )
+        raise ConfigMismatchError(Finding("train.cache-other-target", cache=str(manifest.cache_dir),
+                                          target=str(target_dir), differences=list(dict.fromkeys(diffs))))
     validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers,
                               where=f"the cache at {manifest.cache_dir}",
                               fix="Re-extract the cache with --target-layer-ids such ids")
@@ -74,14 +73,12 @@ def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, 
              unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}"),
              long_samples_note(manifest, target_config)]
     if not (caches is not None and caches.follows) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
-        notes.append(f"The cache at {manifest.cache_dir} is being written by a live extraction: this run trains on "
-                     f"the {len(manifest.parts)} parts committed when it started. `dflash-train --follow` trains on "
-                     "a cache while it is written; a later resume of this run on the grown cache is refused.")
+        notes.append(Finding("train.cache-being-written", cache=str(manifest.cache_dir), parts=len(manifest.parts)))
     return [n for n in notes if n]
 
 
-def long_samples_note(manifest: Manifest, target_config: Any) -> str | None:
-    """A note for a cache holding samples longer than the target's positions, or None.
+def long_samples_note(manifest: Manifest, target_config: Any) -> Finding | None:
+    """A notice for a cache holding samples longer than the target's positions, or None.
 
     dflash-extract holds samples to them (runtime.positions); a cache extracted before it did may
     hold longer ones, whose hidden states past the last position are out of the target's range."""
@@ -91,10 +88,8 @@ def long_samples_note(manifest: Manifest, target_config: Any) -> str | None:
     longer = [n for part in manifest.parts for n in part.lengths if n > positions.limit]
     if not longer:
         return None
-    return (f"The cache at {manifest.cache_dir} holds {len(longer)} sample(s) longer than {positions.describe()}, "
-            f"the longest {max(longer):,} tokens: their hidden states past position {positions.limit:,} are out of "
-            "the target's range, and the drafter learns from them. Re-extract the cache to leave them out: "
-            "dflash-extract holds samples to the target's positions (--long-samples truncate or skip).")
+    return Finding("train.cache-long-samples", cache=str(manifest.cache_dir), samples=len(longer),
+                   longest=max(longer), limit=positions.limit, source=positions.source)
 
 
 def count_heldout_groups(caches: SampleSource, heldout: np.ndarray) -> tuple[int, int] | None:
@@ -318,14 +313,12 @@ def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool 
     unfinished = caches.unfinished()
     if unfinished and finished and not config.allow_incomplete:
         where, progress = unfinished[0]
-        more = f" (and {len(unfinished) - 1} more cache(s) like it)" if len(unfinished) > 1 else ""
         header = next(r.manifest.header for r in caches.readers if r.cache_dir == where)
         writer = "dflash-cache import" if (header.get("settings") or {}).get("imported_from") else "dflash-extract"
-        raise TrainConfigError(
-            f"{where} is not a finished cache: {progress.describe()}{more}. Its {writer} was stopped before "
-            f"its end, is still running, or lost one of its ranks. Rerun the same {writer} command to finish "
-            "it (it resumes from the committed parts), or train while it extracts with --follow; to train on the "
-            "committed parts alone, pass --allow-incomplete.")
+        raise TrainConfigError(Finding(
+            "train.cache-unfinished", cache=str(where), committed=progress.committed, planned=progress.planned,
+            committed_samples=progress.committed_samples, planned_samples=progress.planned_samples,
+            more=len(unfinished) - 1, writer=writer))
     return caches
 
 
@@ -335,11 +328,8 @@ def refuse_shared_eval_data(caches: SampleSource, eval_caches: CacheSet) -> None
     for reader in caches.readers:
         for held in eval_caches.readers:
             if (digest := shared_data(reader, held)) is not None:
-                raise TrainConfigError(
-                    f"--eval-cache {held.cache_dir} holds the samples of --cache {reader.cache_dir}: both were "
-                    f"extracted from the same data (sha256 {digest[:12]}), so the held-out evaluation would measure "
-                    "samples the drafter trains on. Give a cache extracted from other data as --eval-cache, or "
-                    "leave it out (a held-out split of --cache is used).")
+                raise TrainConfigError(Finding("train.eval-cache-same-data", eval_cache=str(held.cache_dir),
+                                               cache=str(reader.cache_dir), digest=digest))
 
 
 def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
@@ -352,12 +342,8 @@ def refuse_repeated_caches(caches: list[str], eval_caches: list[str]) -> None:
             if not (str(path).rstrip("/") == str(other).rstrip("/") if remote else same_path(path, other)):
                 continue
             if flag == other_flag:
-                raise TrainConfigError(f"{flag} {path} is given twice ({other}): each of its samples would "
-                                       "be trained on twice an epoch. Give each cache once.")
-            raise TrainConfigError(f"--eval-cache {path} is also a --cache ({other}): the held-out "
-                                   "evaluation would measure samples the drafter trains on. Give a cache "
-                                   "extracted from other data as --eval-cache, or leave it out (a "
-                                   "held-out split of --cache is used).")
+                raise TrainConfigError(Finding("train.cache-given-twice", flag=flag, cache=str(path), other=str(other)))
+            raise TrainConfigError(Finding("train.eval-cache-is-cache", eval_cache=str(path), cache=str(other)))
 
 
 def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memory: bool,
@@ -387,8 +373,8 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
         train_cap = config.max_train_samples
         train_indices = cap_by_score(train_indices, subset_scores(caches.split_keys()), config.max_train_samples)
     if len(train_indices) == 0:
-        raise TrainConfigError(f"No training samples: the caches {config.cache} hold {len(caches)} samples "
-                               f"and --eval-fraction {config.eval_fraction} holds out all of them.")
+        raise TrainConfigError(Finding("train.no-training-samples", caches=[str(c) for c in config.cache],
+                                       samples=len(caches), eval_fraction=config.eval_fraction))
     eval_indices = heldout
     if config.eval_max_samples and len(heldout) > config.eval_max_samples:
         eval_indices = cap_by_score(heldout, heldout_scores(scored.split_keys()), config.eval_max_samples)

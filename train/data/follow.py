@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from dflash.cache_tools.followed import FollowCacheSet, wait_for_plan  # noqa: F401 (wait_for_plan: also imported from here)
 from dflash.cache_tools.sources import SampleSource, part_number
+from dflash.runtime.findings import Finding
 
 if TYPE_CHECKING:
     from dflash.train.config import DataConfig
@@ -51,7 +52,7 @@ def part_groups(caches: SampleSource, shuffle_parts: int) -> np.ndarray:
     if shuffle_parts < 0:
         from dflash.train.config import TrainConfigError
 
-        raise TrainConfigError(f"--shuffle-parts must be 0 (shuffle the whole data) or more (got {shuffle_parts}).")
+        raise TrainConfigError(Finding("train.shuffle-parts-negative", value=shuffle_parts))
     numbers = caches.part_numbers()
     cache_of = np.searchsorted(caches.starts, np.arange(len(caches)), side="right") - 1
     groups = numbers // shuffle_parts
@@ -65,12 +66,9 @@ def open_follow(config: DataConfig, announce: Callable[[str], None] = print) -> 
     )
 
     if len(config.cache) != 1:
-        raise TrainConfigError(f"--follow follows one cache, but {len(config.cache)} were given with --cache: "
-                               "follow one, or train on finished caches without --follow.")
+        raise TrainConfigError(Finding("train.follow-several-caches", caches=len(config.cache)))
     if "://" in str(config.cache[0]):
-        raise TrainConfigError(f"--follow reads a local cache while dflash-extract writes it; {config.cache[0]} is "
-                               "a remote URL, which no extraction writes: train on it without --follow once it is "
-                               "uploaded, or follow the local cache the extraction writes.")
+        raise TrainConfigError(Finding("train.follow-remote", cache=str(config.cache[0])))
     caches = FollowCacheSet(config.cache[0], max_seq_len=config.max_seq_len,
                             verify_checksums=config.verify_checksums, announce=announce)
     check_extraction_budget(config, caches.cache_dir)
@@ -93,9 +91,8 @@ def check_extraction_budget(config: DataConfig, cache_dir: Path) -> None:
     try:
         dataclasses.replace(config, disk_budget=str(budget))
     except TrainConfigError as e:
-        raise TrainConfigError(
-            f"The extraction of {cache_dir} runs under --disk-budget {budget} ({BUDGET_FILE}), and this run follows "
-            f"it without one: what that budget needs holds here too. {e}") from None
+        raise TrainConfigError(Finding("train.follow-extraction-budget", cache=str(cache_dir), budget=budget,
+                                       file=BUDGET_FILE, refusal=e.finding or str(e))) from None
 
 
 def refuse_group_over_budget(caches: FollowCacheSet, shuffle_parts: int, budget: int) -> None:
@@ -107,17 +104,15 @@ def refuse_group_over_budget(caches: FollowCacheSet, shuffle_parts: int, budget:
     bytes are its tokens times the bytes per token of the parts committed so far or, before any,
     of the arrays' raw size (above the compressed size)."""
     from dflash.cache_tools.eviction import recorded_batch_bytes
-    from dflash.cache_tools.staging import format_size
     from dflash.train.config import TrainConfigError
 
     committed = caches.committed_records()
     tokens = sum(r.tokens for r in committed)
     if tokens:
-        per_token, how = sum(r.nbytes for r in committed) / tokens, f"measured on {len(committed)} committed part(s)"
-    else:
+        per_token = sum(r.nbytes for r in committed) / tokens  # measured on the committed parts
+    else:  # the arrays' raw size: no part is committed yet
         per_token = float(sum((spec.width or 1) * spec.dtype.itemsize for spec in caches.reader.schema
                               if spec.per == "token"))
-        how = "the arrays' raw size: no part is committed yet"
     group_tokens: dict[int, int] = {}
     group_parts: dict[int, int] = {}
     for k, part in enumerate(caches.plan.parts):
@@ -133,15 +128,11 @@ def refuse_group_over_budget(caches: FollowCacheSet, shuffle_parts: int, budget:
         return
     part_bytes = group_tokens[largest] * per_token / group_parts[largest]
     fits = int((budget - batch) // part_bytes) - 1  # a group plus the bound's one part
-    fix = f"raise --disk-budget to at least {format_size(need)} here and in dflash-extract"
-    fix = f"Lower --shuffle-parts to {fits}, or {fix}" if fits >= 1 else fix[0].upper() + fix[1:]
-    beside = f" and the {format_size(batch)} of parts one extraction batch spans" if batch else ""
-    raise TrainConfigError(
-        f"--disk-budget {format_size(budget)} cannot hold a group of --shuffle-parts {shuffle_parts} planned parts "
-        f"(about {format_size(need - batch)}: {group_parts[largest]} parts, {group_tokens[largest]:,} tokens at "
-        f"{per_token:,.0f} B/token, {how}){beside}: the run reads a group's parts in shuffled order and reports a "
-        "part trained only once the group is past it, so the extraction would wait for room while the trainer "
-        f"waits for the group's other parts, for ever. {fix} (docs/train.md, \"A disk budget\").")
+    raise TrainConfigError(Finding(
+        "train.disk-budget-group", budget=budget, shuffle_parts=shuffle_parts, group_bytes=need - batch,
+        parts=group_parts[largest], tokens=group_tokens[largest], bytes_per_token=per_token,
+        measured_parts=len(committed) if tokens else 0, batch_bytes=batch, needed=need,
+        fits=fits if fits >= 1 else None))
 
 
 def trained_parts(caches: SampleSource, loader: TrainLoader) -> int:

@@ -16,6 +16,7 @@ last epoch, so its workers read on across epoch boundaries.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +36,7 @@ from dflash.cache_tools.schema import (
 )
 from dflash.cache_tools.sources import SampleSource
 from dflash.runtime.errors import CorruptDataError, DflashError
+from dflash.runtime.findings import Finding
 from dflash.train.config import DataConfig, ResumeMismatchError, TrainConfigError
 from dflash.train.data.codecs import device_decoder
 from dflash.train.data.plans import check_budget, plan_epoch, plan_eval
@@ -153,12 +155,40 @@ class WorkerReadError(CorruptDataError):
     cache was opened and checked before), re-raised in the trainer.
 
     torch re-raises a worker's exception as `type(msg)` with the worker's whole traceback in
-    `msg`; this class keeps only the original sentence, so the CLI prints one clear paragraph.
+    `msg`; this class keeps only the original paragraph, so the CLI prints one clear paragraph,
+    and the original finding (its code and fields, sent after the paragraph as JSON: `sent`).
     """
 
-    def __init__(self, message: str):
-        marker = f"{type(self).__name__}: "
-        super().__init__(message.rsplit(marker, 1)[-1].strip() if marker in message else message)
+    _FINDING = "\x1ffinding:"
+
+    def __init__(self, message: str | Finding):
+        self._send = False
+        if isinstance(message, str):
+            marker = f"{type(self).__name__}: "
+            message = message.rsplit(marker, 1)[-1].strip() if marker in message else message
+            text, _, sent = message.partition(self._FINDING)
+            try:
+                code, fields = json.loads(sent)
+                message = Finding(code, **fields)
+            except (ValueError, TypeError):
+                message = text
+        super().__init__(message)
+
+    @classmethod
+    def sent(cls, error: DflashError) -> WorkerReadError:
+        """`error` as a worker raises it: its finding travels in its text, as JSON data."""
+        sent = cls(error.finding if error.finding is not None else str(error))
+        sent._send = error.finding is not None
+        return sent
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if getattr(self, "_send", False):
+            try:
+                return text + self._FINDING + json.dumps([self.code, self.fields])
+            except (TypeError, ValueError):  # (a field that is no JSON data: the paragraph alone)
+                pass
+        return text
 
 
 class RankBatches:
@@ -216,7 +246,7 @@ class _BatchList(torch.utils.data.Dataset):
         except DflashError as e:
             if torch.utils.data.get_worker_info() is None:
                 raise
-            raise WorkerReadError(str(e)) from None
+            raise WorkerReadError.sent(e) from None
 
 
 def data_loader(caches: SampleSource, batches: Sequence[np.ndarray], config: DataConfig,
@@ -256,11 +286,9 @@ class TrainLoader:
         self.steps_per_epoch = [len(self.epoch_batches(e)) // self.batches_per_step for e in range(epochs)]
         self._plans.clear()
         if min(self.steps_per_epoch) < 1:
-            raise TrainConfigError(
-                f"One optimizer step needs {self.batches_per_step} micro-batches (world size "
-                f"{world_size} x --grad-accum {grad_accum}) but an epoch has only "
-                f"{len(self.epoch_batches(0))}: lower --token-budget, --max-batch-size or --grad-accum."
-            )
+            raise TrainConfigError(Finding("train.step-over-epoch", micro_batches=self.batches_per_step,
+                                           world_size=world_size, grad_accum=grad_accum,
+                                           epoch_batches=len(self.epoch_batches(0))))
         self.epoch, self.consumed = 0, 0  # consumed: global batches of this epoch already used
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self._iter_last_epoch = -1  # the last epoch the iterator's batch list reaches
@@ -282,9 +310,11 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != LOADER_STATE_VERSION:
-            raise ResumeMismatchError(f"Loader state version {state.get('version')} is not {LOADER_STATE_VERSION}.")
+            raise ResumeMismatchError(Finding("train.loader-state-version", version=state.get("version"),
+                                              current=LOADER_STATE_VERSION))
         if state["batches_consumed"] % self.batches_per_step:
-            raise ResumeMismatchError("The checkpoint's data position is not at a step boundary of this run.")
+            raise ResumeMismatchError(Finding("train.resume-off-step-boundary", batches=state["batches_consumed"],
+                                              micro_batches=self.batches_per_step))
         self.epoch, self.consumed = int(state["epoch"]), int(state["batches_consumed"])
         self._iter = None
 

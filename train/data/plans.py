@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+from dflash.runtime.findings import Finding
 from dflash.train.config import TrainConfigError
 
 
@@ -66,11 +67,8 @@ def plan_eval(indices: np.ndarray, lengths: np.ndarray, config: PlanSettings) ->
 def check_budget(lengths: np.ndarray, indices: np.ndarray, config: PlanSettings) -> None:
     too_long = indices[lengths[indices] > config.token_budget]
     if len(too_long):
-        raise TrainConfigError(
-            f"{len(too_long)} sample(s) are longer than --token-budget {config.token_budget} "
-            f"(the longest has {int(lengths[too_long].max())} tokens after truncation to "
-            f"--max-seq-len {config.max_seq_len}). Raise --token-budget to at least the longest "
-            "sample, or lower --max-seq-len to truncate them."
-        )
+        raise TrainConfigError(Finding("train.samples-over-token-budget", samples=len(too_long),
+                                       token_budget=config.token_budget, longest=int(lengths[too_long].max()),
+                                       max_seq_len=config.max_seq_len))
 
 

@@ -31,6 +31,7 @@ import torch
 from dflash.cache_tools.identity import unrecorded_weights_note
 from dflash.cache_tools.manifest import diff_identity
 from dflash.runtime.errors import CorruptDataError, InputError
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
 from dflash.runtime.locks import OutputIsInputError, inside, output_lock, same_path
 from dflash.runtime.safetensors_files import check_safetensors
@@ -104,19 +105,15 @@ def compute_settings() -> dict[str, Any]:
     return settings
 
 
-def compute_changes(saved: dict[str, Any] | None) -> str | None:
-    """A sentence when this process computes otherwise than the one that wrote a checkpoint."""
+def compute_changes(saved: dict[str, Any] | None) -> Finding | None:
+    """A notice when this process computes otherwise than the one that wrote a checkpoint."""
     if not saved:
         return None
     now = compute_settings()
     if "cuda_device" in now:  # a GPU run: the CPU's threads and kernels do not decide its bits
         now = {k: v for k, v in now.items() if not k.startswith("cpu_")}
-    diffs = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
-    if not diffs:
-        return None
-    return ("compute settings changed since that checkpoint (" + ", ".join(diffs) + "): training continues "
-            "correctly, but not bit-identically to an uninterrupted run (kernels sum in another order). "
-            "For an exact continuation resume with the same torch, thread count (OMP_NUM_THREADS) and hardware.")
+    changes = [[k, saved.get(k), v] for k, v in now.items() if saved.get(k) != v]
+    return Finding("train.resume-compute-changed", changes=changes) if changes else None
 
 
 def capture_rng() -> dict[str, Any]:
@@ -172,8 +169,8 @@ class TrainState:
         """Continue from `state` (a `Checkpoint.state()`); the identity is checked before (`check_resume`)."""
         version = state.get("version", 1)
         if version not in (1, TRAIN_STATE_VERSION):
-            raise ResumeMismatchError(f"The checkpoint's trainer state has version {version}; this dflash-train "
-                                      f"reads versions 1 and {TRAIN_STATE_VERSION}.")
+            raise ResumeMismatchError(Finding("train.trainer-state-version", version=version,
+                                              current=TRAIN_STATE_VERSION))
         load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
@@ -192,7 +189,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, *, keep_checkpoints: int = 3):
         if keep_checkpoints < 1:
-            raise TrainConfigError("--keep-checkpoints must be at least 1.")
+            raise TrainConfigError(Finding("train.keep-checkpoints-too-low", value=keep_checkpoints))
         self.keep_checkpoints = keep_checkpoints
         """The most recent checkpoints kept (older ones are deleted, except the best one)."""
         self.dir = Path(run_dir) / CHECKPOINTS_DIR
@@ -243,9 +240,10 @@ class Checkpointer:
         barrier(info)
         return path
 
-    def restore(self, state: TrainState, path: Path, identity: dict[str, Any]) -> tuple[Checkpoint, list[str]]:
+    def restore(self, state: TrainState, path: Path, identity: dict[str, Any]
+                ) -> tuple[Checkpoint, list[Finding | str]]:
         """Load checkpoint `path` into `state` after checking it is this run's (`check_resume`:
-        refused otherwise); returns it and the notes of the check."""
+        refused otherwise); returns it and the notices of the check."""
         ckpt = self.load(path)
         notes = check_resume(ckpt.meta["identity"], identity, path)
         state.load_state_dict(ckpt.state())
@@ -263,16 +261,16 @@ class Checkpointer:
         try:
             meta = json.loads((path / META_FILE).read_text())
             if meta.get("version") != CHECKPOINT_VERSION:
-                raise ResumeMismatchError(f"Checkpoint {path} has version {meta.get('version')}; this "
-                                       f"dflash-train reads version {CHECKPOINT_VERSION}.")
+                raise ResumeMismatchError(Finding("train.checkpoint-version", checkpoint=str(path),
+                                                  version=meta.get("version"), current=CHECKPOINT_VERSION))
             check_safetensors(path / MODEL_FILE, fix="Delete that checkpoint to resume from the one before, "
                               "or start in a new --output-dir.")
             model = load_file(str(path / MODEL_FILE))
             optimizer = _load_plain(path / OPTIMIZER_FILE)
             trainer = _load_plain(path / TRAINER_FILE)
         except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as e:
-            raise CheckpointCorruptError(f"Checkpoint {path} cannot be read ({e}). Delete it to resume "
-                                   "from the one before, or start in a new --output-dir.") from e
+            raise CheckpointCorruptError(Finding("train.checkpoint-unreadable", checkpoint=str(path),
+                                                 error=str(e))) from e
         return Checkpoint(path=path, meta=meta, model=model, optimizer=optimizer, trainer=trainer)
 
 
@@ -315,19 +313,14 @@ def _load_plain(file: Path) -> Any:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        what = f"a pickled {found.group(1)}" if found else "pickled objects"
-        raise CheckpointCorruptError(
-            f"Checkpoint file {file} holds {what}, not plain data (tensors, numbers, strings, lists, "
-            "dicts), so it is not loaded: unpickling it could run code. dflash-train writes only plain "
-            "data there, so this file was written by another program or altered. Delete its directory "
-            f"{file.parent} to resume from the checkpoint before it, or start in a new --output-dir."
-        ) from None
+        raise CheckpointCorruptError(Finding("train.checkpoint-pickled", file=str(file), checkpoint=str(file.parent),
+                                             pickled=found.group(1) if found else None)) from None
 
 
-def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> list[str]:
+def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> list[Finding | str]:
     """Refuse to continue a checkpoint whose data, target or model shape differ from this run's,
-    in one paragraph naming the keys that differ; returns notes (a checkpoint written before
-    the target's weights were hashed resumes, unchecked)."""
+    naming the keys that differ; returns notices (a checkpoint written before the target's
+    weights were hashed resumes, unchecked)."""
     current = json.loads(json.dumps(identity, default=str))
     notes = []
     saved_target, target = saved_identity.get("target") or {}, current.get("target") or {}
@@ -336,27 +329,16 @@ def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path:
         current["target"] = {k: v for k, v in target.items() if k != "weights_hash"}
     diffs = diff_identity(current, saved_identity)
     if diffs:
-        shown = "; ".join(d.replace("cache has", "checkpoint has").replace("requested", "this run has")
-                          for d in diffs[:8]) + ("; ..." if len(diffs) > 8 else "")
+        shown = [d.replace("cache has", "checkpoint has").replace("requested", "this run has") for d in diffs]
         grown = any(d.startswith("caches[") and (".samples:" in d or ".tokens:" in d) for d in diffs)
         # (a run identity without drafter_type is a DFlash drafter's: heads.get_head(None))
         was = (saved_identity.get("model") or {}).get("drafter_type")
         now = (current.get("model") or {}).get("drafter_type")
         default_changed = (was != now and now == DrafterSettings.drafter_type  # the default became `now` since
                            and (was is None or was in head_names()))
-        was_head, now_head = (get_head(was), get_head(now)) if default_changed else (None, None)
-        raise ResumeMismatchError(
-            f"Cannot resume from {path}: it was trained with other data, target or batching/model "
-            f"settings: {shown}."
-            + (" A cache holds other samples than when the checkpoint was written (was it still being "
-               "extracted? `dflash-train --follow` trains on a cache while it is written)." if grown else "")
-            + (f" The checkpoint is a {was_head.title} drafter and this run a {now_head.title} one: the default "
-               f"--drafter-type became {now_head.name} after it started (docs/recipe.md); pass --drafter-type "
-               f"{was_head.name} to finish it as it started, or export it (dflash-train export CHECKPOINT OUT_DIR) and "
-               f"start a {now_head.title} run from it in a new --output-dir with --init-drafter OUT_DIR."
-               if default_changed else "")
-            + " Rerun with the checkpoint's settings, or start a new run with another --output-dir."
-        )
+        raise ResumeMismatchError(Finding(
+            "train.resume-other-run", checkpoint=str(path), differences=shown, grown=grown,
+            default_head=[get_head(was).name, get_head(now).name] if default_changed else None))
     return notes
 
 
@@ -425,15 +407,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     if not (path / META_FILE).is_file() and (path / CHECKPOINTS_DIR).is_dir():
         latest = Checkpointer(path).latest()
         if latest is None:
-            raise InputError(f"{path} holds no complete checkpoint to export.")
+            raise InputError(Finding("train.export-no-checkpoint", run_dir=str(path)))
         path = latest
     if not (path / META_FILE).is_file() or not (path / MODEL_FILE).is_file():
-        raise InputError(f"{path} is not a dflash-train checkpoint: it needs {META_FILE} and {MODEL_FILE} "
-                               "(pass RUN_DIR/checkpoints/step-N or the run directory).")
+        raise InputError(Finding("train.export-not-checkpoint", path=str(path), needs=[META_FILE, MODEL_FILE]))
     out = Path(out_dir)
     if inside(path, out):  # publishing the export would swap the checkpoint (or its run) out and delete it
-        raise OutputIsInputError(f"OUT_DIR {out} {'is' if same_path(path, out) else 'holds'} the checkpoint "
-                                 f"being exported ({path}): the export would replace it. Choose another OUT_DIR.")
+        raise OutputIsInputError(Finding("train.export-out-is-checkpoint", out=str(out), checkpoint=str(path),
+                                         same=same_path(path, out)))
     out = export_out_dir(out, what="OUT_DIR")  # only an empty directory or an earlier export is replaced
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**{"drafter_type": "dflash", **meta["drafter_config"]})  # older runs were DFlash

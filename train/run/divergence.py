@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from dflash.runtime.findings import Finding
 from dflash.train.config import DivergedError, OptimizationConfig, TrainConfig
 from dflash.train.measure.reporting import RunningMetrics
 from dflash.train.run.distributed import DistInfo, any_rank
@@ -39,7 +40,7 @@ class DivergenceGuard:
             if not bad and not any_rank(int(not weights_finite(self.model)), self.info):
                 return
         self.before_raise()
-        raise DivergedError(diverged_message(bad or step, self.cfg, last, self.latest_checkpoint(), self.final_dir))
+        raise DivergedError(diverged(bad or step, self.cfg, last, self.latest_checkpoint(), self.final_dir))
 
 
 @torch.no_grad()
@@ -50,21 +51,12 @@ def weights_finite(model: nn.Module) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
-def diverged_message(step: int, cfg: TrainConfig, last: dict[str, float] | None, checkpoint: Path | None,
-                     final_dir: Path) -> str:
-    """What a run whose loss went nan or inf says as it stops (DivergedError)."""
-    lr = cfg.optimization.lr
-    seen = f" (logged: loss={last['loss']:.4g}, grad_norm={last['grad_norm']:.4g})" if last else ""
-    kept = (f"the last checkpoint, {checkpoint}, is from before it and is kept" if checkpoint is not None
-            else "no checkpoint was written before it")
-    final = (f"{final_dir} is as it was" if (final_dir / "config.json").is_file()
-             else f"nothing was exported to {final_dir}")
-    return (f"The loss diverged at step {step}: the training loss or gradient norm became nan or inf{seen}, and "
-            "from there every weight of the drafter turns nan. The run stopped without checkpointing or exporting "
-            f"those weights: {kept}; {final}. Rerun with a lower --lr (this run's is {lr:g}; the default is "
-            f"{OptimizationConfig.lr:g}): in a new --output-dir to start over"
-            + (", or the same command with the lower --lr to resume from that checkpoint (one written shortly "
-               "before the divergence may hold weights already far off)" if checkpoint is not None else "")
-            + (". A --grad-clip (0 turns clipping off) and a longer --warmup-ratio also steady the first steps"
-               if cfg.optimization.grad_clip == 0 else ". A longer --warmup-ratio also steadies the first steps")
-            + ".")
+def diverged(step: int, cfg: TrainConfig, last: dict[str, float] | None, checkpoint: Path | None,
+             final_dir: Path) -> Finding:
+    """What a run whose loss went nan or inf is stopped with (DivergedError): the step, the logged
+    loss and gradient norm, what was kept (the last checkpoint, an earlier export) and the --lr."""
+    return Finding("train.loss-diverged", step=step, loss=last["loss"] if last else None,
+                   grad_norm=last["grad_norm"] if last else None, lr=cfg.optimization.lr,
+                   default_lr=OptimizationConfig.lr, checkpoint=str(checkpoint) if checkpoint is not None else None,
+                   final=str(final_dir), final_kept=(final_dir / "config.json").is_file(),
+                   grad_clip_off=cfg.optimization.grad_clip == 0)

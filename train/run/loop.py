@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 from dflash.runtime.locks import WriterLock
 from dflash.runtime.signals import StopRequest, StopWaiting
 from dflash.train.config import TrainConfig, TrainConfigError
@@ -63,6 +64,7 @@ from dflash.train.run.distributed import (
 )
 from dflash.train.run.divergence import DivergenceGuard
 from dflash.train.run.memory import fit_to_device
+from dflash.train.run.notices import tell
 from dflash.train.run.resume import resume, run_identity
 from dflash.train.run.run_length import RunLength
 from safetensors.torch import load_file
@@ -203,22 +205,24 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     cfg = cfg.with_soft_labels(bool(manifest.store_last_hidden or manifest.topk)).with_hard_label(
         stores_target_top1(manifest))
     target_config = load_target_config_or_fail(cfg.model.target_model)
-    for note in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
-                                   caches=data.caches):
-        log.info(f"Note: {note}")
+    for notice in check_cache_target(data.caches.manifest, target_config, cfg.model.target_model,
+                                     caches=data.caches):
+        tell(log, notice)
     log.info(data.summary())
     if labels := label_summary(cfg.objective, manifest):
         log.info(labels.removeprefix("; ").replace("; hard labels", "\nhard labels"))
     length = RunLength.of(data.loader.steps_per_epoch, cfg.optimization.max_steps)  # --epochs, or --max-steps
-    if note := length.startup_note(cfg, heldout=bool(data.heldout_count)):
-        log.info(f"Note: {note}")
-    if info.is_main and data.heldout_count and (note := data.unlike_heldout_note(cfg.model.block_size)):
-        log.info(f"Note: {note}")
+    tell(log, length.cut_short())
+    if schedule := length.schedule_line(cfg, heldout=bool(data.heldout_count)):
+        log.info(schedule)
+    if info.is_main and data.heldout_count:
+        tell(log, data.unlike_heldout_note(cfg.model.block_size) or None)
     refuse_nothing_to_learn(data, cfg.model.block_size)
     refuse_backend_off_its_device(cfg.model.attention_backend, info.device)
     # CUDA: the largest micro-batch must fit the device (the head's chunks shrink to fit, or a refusal
     # names a setting that fits), before the first step runs out of memory
-    cfg = fit_to_device(cfg, target_config, data, info.device, log.info, world_size=info.world_size)
+    cfg = fit_to_device(cfg, target_config, data, info.device, functools.partial(tell, log),
+                        world_size=info.world_size)
 
     # Model: the drafter's own weights plus the target's frozen embedding and lm_head (or, resumed,
     # the latest checkpoint's, loaded below: an --init-drafter is then not loaded).
@@ -369,19 +373,15 @@ def refuse_nothing_to_learn(data: TrainingData, block_size: int) -> None:
         return
     longest = int(np.max(data.caches.lengths[data.train_indices]))
     if longest < 2:
-        raise InputError(
-            f"Nothing to learn: every one of the {len(data.train_indices)} training samples is {longest} token "
-            f"long, and a block (--block-size {block_size}) starts at a token of the completion and predicts the "
-            "next, so a sample needs 2 tokens at least. Extract the full completions (check the data's "
-            "input_ids and --max-seq-len of dflash-extract) and train on that cache."
-        )
+        raise InputError(Finding("train.nothing-to-learn", samples=len(data.train_indices), longest=longest,
+                                 block_size=block_size))
 
 
 def load_target_config_or_fail(target_dir: str) -> Any:
     try:
         return load_target_config(target_dir)
     except (FileNotFoundError, OSError, ValueError) as e:
-        raise InputError(f"Cannot read the target model's config: {e}") from e
+        raise InputError(Finding("train.target-config-unreadable", target=str(target_dir), error=str(e))) from e
 
 
 def drafter_line(c: Any) -> str:
@@ -397,18 +397,15 @@ def build_drafter(cfg: TrainConfig, data: TrainingData, announce: Callable[[str]
     manifest = data.caches.manifest
     soft_weight = cfg.objective.soft_label_weight or 0.0
     if soft_weight > 0 and not (manifest.store_last_hidden or manifest.topk):
-        raise TrainConfigError(
-            f"--soft-label-weight {soft_weight} needs soft labels in the cache, but "
-            f"{manifest.cache_dir} stores neither last_hidden nor top-k log-probs. Extract with "
-            "--store-last-hidden or --store-topk, or set --soft-label-weight 0."
-        )
+        raise TrainConfigError(Finding("train.soft-labels-not-in-cache", weight=soft_weight,
+                                       cache=str(manifest.cache_dir)))
     torch.manual_seed(cfg.optimization.seed)
     try:
         drafter = DFlashDrafter.from_target(
             cfg.model.target_model, with_final_norm=soft_weight > 0 and not manifest.topk,
             target_layer_ids=manifest.target_layer_ids, announce=announce, **cfg.model.drafter_overrides())
     except (FileNotFoundError, ValueError) as e:
-        raise InputError(f"Cannot build the drafter from {cfg.model.target_model}: {e}") from e
+        raise InputError(Finding("train.drafter-unbuildable", target=str(cfg.model.target_model), error=str(e))) from e
     if announce is not None:
         announce(drafter_line(drafter.config))
     if cfg.model.init_drafter:
@@ -487,9 +484,7 @@ def refuse_foreign_final(final: Path, info: DistInfo) -> None:
         except InputError as e:
             refusal = e
     if any_rank(int(refusal is not None), info):
-        raise refusal or InputError(f"The run's export directory {final} holds files that are not a drafter "
-                                    "export (rank 0 says which): move them out of it, or choose another "
-                                    "--output-dir.")
+        raise refusal or InputError(Finding("train.final-dir-foreign", final=str(final)))
 
 
 def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DFlashDrafter, out_dir: Path,
@@ -498,8 +493,7 @@ def export_final(model: nn.Module, optimizer: torch.optim.Optimizer, drafter: DF
     """Export the drafter as it is now or, given `best`, the weights of that checkpoint (rank 0
     reads it; if it is gone, every rank falls back to the current weights, and the log says so)."""
     if best is not None and any_rank(int(info.is_main and not (best / MODEL_FILE).is_file()), info):
-        log.info(f"warning: the best held-out checkpoint {best} is gone; exporting the last step's "
-                 "weights instead.")
+        tell(log, Finding("train.best-checkpoint-gone", checkpoint=str(best)))
         best = None
     if best is not None:
         path = None

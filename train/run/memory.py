@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding
 from dflash.train.config import DrafterSettings, TrainConfig, TrainConfigError
 from dflash.train.heads import get_head
 from dflash.train.heads.base import HeadMemory
@@ -223,12 +224,12 @@ def worst_micro_batches(lengths: Iterable[int], *, token_budget: int, max_batch_
 @dataclass(frozen=True)
 class MemoryPlan:
     """What the check decided: the run's config (with --logits-chunk-mib lowered where needed),
-    the worst micro-batch, its estimate, and a note for the log (None: nothing changed)."""
+    the worst micro-batch, its estimate, and a notice for the log (None: nothing changed)."""
 
     config: TrainConfig
     batch: MicroBatch | None
     estimate: Estimate | None
-    note: str | None = None
+    note: Finding | None = None
 
 
 def _settings(cfg: TrainConfig, **changes: Any) -> dict[str, Any]:
@@ -270,11 +271,9 @@ def plan_step_memory(cfg: TrainConfig, dims: Dims, lengths: Sequence[int] | np.n
         lowered = _worst(dims, lengths, _settings(cfg, logits_chunk_mib=limit), **kw)
         if lowered is not None and lowered[1].total <= usable:
             adapted = dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, logits_chunk_mib=limit))
-            note = (f"GPU memory: the largest micro-batch ({lowered[0].describe()}) needs about "
-                    f"{estimate.total / GIB:.0f} GiB with the target head's logits at once (--logits-chunk-mib "
-                    f"{s['logits_chunk_mib']}), more than the {usable / GIB:.0f} GiB usable on {device_name}: "
-                    f"--logits-chunk-mib {limit} for this run ({lowered[1].total / GIB:.0f} GiB; "
-                    "docs/train.md, \"Long samples\")")
+            note = Finding("train.logits-chunk-lowered", batch=dataclasses.asdict(lowered[0]),
+                           needed_gib=estimate.total / GIB, was=s["logits_chunk_mib"], usable_gib=usable / GIB,
+                           device=device_name, logits_chunk_mib=limit, lowered_gib=lowered[1].total / GIB)
             return MemoryPlan(adapted, lowered[0], lowered[1], note)
     raise MemoryBudgetError(refusal(cfg, dims, lengths, batch, estimate, usable, kw, device_name))
 
@@ -295,36 +294,32 @@ def _largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int | 
 
 
 def refusal(cfg: TrainConfig, dims: Dims, lengths: np.ndarray, batch: MicroBatch, estimate: Estimate,
-            usable: int, kw: dict[str, Any], device_name: str) -> str:
-    """The one paragraph a run that does not fit says: the worst micro-batch, its estimate and
+            usable: int, kw: dict[str, Any], device_name: str) -> Finding:
+    """What a run that does not fit is refused with: the worst micro-batch, its estimate and
     largest term, and settings (each a value that fits) that bring it under the device's memory."""
     s = _settings(cfg, logits_chunk_mib=CHUNK_MIB)
-    fixes = []
+    fixes: dict[str, int | bool] = {}
     longest = int(np.minimum(lengths, s["max_seq_len"]).max())
     size = _largest_fitting(1, s["max_batch_size"] - 1, lambda n: _fits(dims, lengths, {**s, "max_batch_size": n},
                                                                           usable, kw))
     if size is not None:
-        fixes.append(f"--max-batch-size {size}")
+        fixes["--max-batch-size"] = size
     anchors = _largest_fitting(16, s["max_anchors"] - 1, lambda a: _fits(dims, lengths, {**s, "max_anchors": a},
                                                                          usable, kw))
     if anchors is not None:
-        fixes.append(f"--max-anchors {anchors}")
+        fixes["--max-anchors"] = anchors
     if not s["gradient_checkpointing"] and _fits(dims, lengths, {**s, "gradient_checkpointing": True}, usable, kw):
-        fixes.append("--gradient-checkpointing (each draft layer's forward runs twice)")
+        fixes["--gradient-checkpointing"] = True
     seq = _largest_fitting(512, longest - 1, lambda n: _fits(
         dims, lengths, {**s, "max_seq_len": n, "token_budget": min(s["token_budget"], max(n, s["token_budget"]))},
         usable, kw))
     if seq is not None:
-        fixes.append(f"--max-seq-len {seq} (truncating the longer samples)")
-    what = ("pass " + ", or ".join(fixes) if fixes else
-            "no single setting brings it under: combine --gradient-checkpointing with a lower --max-batch-size "
-            "and --max-seq-len, or train on a GPU with more memory")
-    return (f"The largest micro-batch of this run ({batch.describe()}: --token-budget {cfg.data.token_budget}, "
-            f"--max-batch-size {cfg.data.max_batch_size}, --max-anchors {cfg.objective.max_anchors}, --max-seq-len "
-            f"{cfg.data.max_seq_len}) needs about {estimate.total / GIB:.0f} GiB of GPU memory, more than the "
-            f"{usable / GIB:.0f} GiB usable on {device_name} (largest: {estimate.largest()}, "
-            f"{estimate.terms[estimate.largest()] / GIB:.0f} GiB). To fit, {what}. The estimate and its terms: "
-            "docs/train.md, \"Long samples\"; --no-memory-check skips it.")
+        fixes["--max-seq-len"] = seq
+    return Finding("train.memory-over-budget", batch=dataclasses.asdict(batch),
+                   settings={"--token-budget": cfg.data.token_budget, "--max-batch-size": cfg.data.max_batch_size,
+                             "--max-anchors": cfg.objective.max_anchors, "--max-seq-len": cfg.data.max_seq_len},
+                   needed_gib=estimate.total / GIB, usable_gib=usable / GIB, device=device_name,
+                   largest=estimate.largest(), largest_gib=estimate.terms[estimate.largest()] / GIB, fits=fixes)
 
 
 def training_lengths(cfg: TrainConfig, data: Any) -> np.ndarray | None:
@@ -338,9 +333,9 @@ def training_lengths(cfg: TrainConfig, data: Any) -> np.ndarray | None:
 
 
 def fit_to_device(cfg: TrainConfig, target_config: Any, data: Any, device: Any,
-                  announce: Callable[[str], None] | None = None, world_size: int = 1) -> TrainConfig:
+                  announce: Callable[[Finding], None] | None = None, world_size: int = 1) -> TrainConfig:
     """The trainer's startup check, before the drafter is built: `cfg` as its largest micro-batch
-    fits `device`'s free memory, --logits-chunk-mib lowered where needed (said through `announce`),
+    fits `device`'s free memory, --logits-chunk-mib lowered where needed (a notice to `announce`),
     or MemoryBudgetError. Nothing to check off CUDA or with --no-memory-check."""
     import torch
     from dflash.train.model.attention import resolve_backend

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from dflash.cache_tools.identity import comparable, target_identity
+from dflash.runtime.findings import Finding
 from dflash.runtime.settings import identity_of
 from dflash.train.config import TrainConfig, TrainConfigError
 from dflash.train.data.caches import TrainingData
@@ -15,6 +16,7 @@ from dflash.train.measure.reporting import RunLogger
 from dflash.train.model.drafter import DFlashDrafter
 from dflash.train.run.checkpoint import Checkpointer, TrainState, compute_changes
 from dflash.train.run.distributed import DistInfo
+from dflash.train.run.notices import tell
 
 
 def run_identity(cfg: TrainConfig, data: TrainingData, drafter: DFlashDrafter, target_config: Any,
@@ -44,32 +46,29 @@ def resume(cfg: TrainConfig, checkpoints: Checkpointer, state: TrainState, log: 
     latest = checkpoints.latest()
     if latest is None:
         if cfg.logging.resume:
-            raise TrainConfigError(f"--resume was given but {checkpoints.dir} holds no complete checkpoint.")
+            raise TrainConfigError(Finding("train.resume-no-checkpoint", checkpoints=str(checkpoints.dir)))
         if (aside := log.set_aside()) is not None:
-            log.info(f"{log.path} held the records of an earlier run in this directory, whose checkpoints are "
-                     f"gone: moved to {aside.name}, so that this run's steps do not mix with them.")
+            tell(log, Finding("train.metrics-set-aside", file=str(log.path), aside=aside.name))
         return 0
     optimizer, scheduler = state.optimizer, state.scheduler
     # this run's settings, as build_optimizer gave them to each group (the scheduler, built since,
     # moved its lr to the first step's and kept --lr as its initial_lr)
     built = [{"lr": group["initial_lr"], **{k: group[k] for k in OPTIMIZER_SETTINGS}} for group in optimizer.param_groups]
     ckpt, notes = checkpoints.restore(state, latest, state.identity)
-    for note in notes:
-        log.info(f"Note: {note}")
+    for notice in notes:
+        tell(log, notice)
     apply_optimizer_settings(optimizer, scheduler, built)
     data_epoch = state.loader.epoch
     if dropped := log.keep_until(ckpt.step):
-        log.info(f"{log.path}: dropped {dropped} record(s) of steps after {ckpt.step}, logged by the run that "
-                 "stopped before checkpointing them; this run logs those steps again.")
+        tell(log, Finding("train.metrics-dropped", file=str(log.path), records=dropped, step=ckpt.step))
     now = cfg.to_dict()
     changed = {k: (v, now[k]) for k, v in ckpt.meta.get("config", {}).items() if k in now and now[k] != v}
     log.info(f"Resuming from {latest} (step {ckpt.step}, epoch {data_epoch}). To start over, "
              "use a new --output-dir.")
     if changed:
-        log.info("settings changed since that checkpoint: " + ", ".join(
-            f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items()) + former_defaults_hint(changed))
-    if note := compute_changes(ckpt.meta.get("compute")):
-        log.info(note)
+        tell(log, Finding("train.resume-settings-changed", changes=[[k, old, new] for k, (old, new) in changed.items()],
+                          former_defaults=former_defaults(changed)))
+    tell(log, compute_changes(ckpt.meta.get("compute")))
     return ckpt.step
 
 
@@ -102,11 +101,7 @@ toward the target's top-1): a run started under them and resumed by the same com
 new ones unless told."""
 
 
-def former_defaults_hint(changed: dict[str, tuple[Any, Any]]) -> str:
-    """For the resume note: how to finish a run as it started when only a default changed under it."""
-    moved = [k for k, (old, _) in changed.items() if k in FORMER_DEFAULTS and old == FORMER_DEFAULTS[k]]
-    if not moved:
-        return ""
-    flags = " ".join(f"--{k.replace('_', '-')} {FORMER_DEFAULTS[k]}" for k in moved)
-    return (f" ({', '.join(moved)}: the default changed since this run started, docs/recipe.md; rerun with "
-            f"{flags} to finish it as it started)")
+def former_defaults(changed: dict[str, tuple[Any, Any]]) -> list[list[Any]]:
+    """For the resume's notice: the changed settings that were at a former default, [key, value]
+    each (how to finish a run as it started when only a default changed under it)."""
+    return [[k, old] for k, (old, _) in changed.items() if k in FORMER_DEFAULTS and old == FORMER_DEFAULTS[k]]

@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dflash.runtime.findings import Finding
 from dflash.train.config import TrainConfig
 
 
@@ -38,34 +39,46 @@ class RunLength:
         """Whether --max-steps ends the run before its last epoch ends."""
         return self.total_steps < self.epochs_steps
 
-    def where_it_ends(self, *said: str) -> str:
-        """"partway through epoch 2 of 3 (step 6 of its 14; ...)" for a cut run, `said` in the parentheses."""
+    def end(self) -> tuple[int, int, int]:
+        """(the epoch the run ends in, counted from 1; the steps of it the run takes; its steps)."""
         before, epoch = 0, 0
         while before + self.steps_per_epoch[epoch] < self.total_steps:
             before += self.steps_per_epoch[epoch]
             epoch += 1
-        done, steps, of = self.total_steps - before, self.steps_per_epoch[epoch], len(self.steps_per_epoch)
+        return epoch + 1, self.total_steps - before, self.steps_per_epoch[epoch]
+
+    def where_it_ends(self, *said: str) -> str:
+        """"partway through epoch 2 of 3 (step 6 of its 14; ...)" for a cut run, `said` in the parentheses."""
+        epoch, done, steps = self.end()
+        of = len(self.steps_per_epoch)
         if done < steps:
             said = (f"step {done} of its {steps}", *said)
         where = "at the end of" if done == steps else "partway through"
-        return f"{where} epoch {epoch + 1} of {of}" + (f" ({'; '.join(said)})" if said else "")
+        return f"{where} epoch {epoch} of {of}" + (f" ({'; '.join(said)})" if said else "")
 
-    def startup_note(self, cfg: TrainConfig, heldout: bool) -> str | None:
-        """What a run cut by --max-steps says before its first step, two lines (None: its epochs decide its length)."""
+    def cut_short(self) -> Finding | None:
+        """The notice of a run cut by --max-steps, before its first step (None: its epochs decide its length)."""
+        if not self.cut:
+            return None
+        n = self.total_steps
+        epoch, done, steps = self.end()
+        return Finding("train.max-steps-cut", max_steps=self.max_steps, step=n, epoch=epoch,
+                       epochs=len(self.steps_per_epoch), epoch_step=done, epoch_steps=steps,
+                       all_steps=self.epochs_steps,
+                       first_epoch_share=None if n >= self.steps_per_epoch[0] else n / self.steps_per_epoch[0])
+
+    def schedule_line(self, cfg: TrainConfig, heldout: bool) -> str | None:
+        """The startup line of a run cut by --max-steps (after its notice): its schedule over the steps it takes."""
         if not self.cut:
             return None
         o, n = cfg.optimization, self.total_steps
         floor = "0" if o.min_lr_ratio == 0 else f"{o.min_lr_ratio:g} x --lr"
-        unseen = "" if n >= self.steps_per_epoch[0] else (
-            f"; about {100 * n / self.steps_per_epoch[0]:.0f} % of the first epoch: some samples go untrained")
         evaluations = (f"; held-out evaluations every {cfg.logging.eval_every(n)} step(s), 10 a run"
                        if heldout and cfg.logging.eval_interval is None else "")
         decay = (f"--lr held, then a linear decay over the last {max(1, math.ceil(o.decay_ratio * n))} (wsd)"
                  if o.lr_schedule == "wsd" else "a cosine decay")
         warmup = f"warmup {math.ceil(o.warmup_ratio * n)}, then " if o.warmup_ratio else ""
-        return (f"--max-steps {o.max_steps} ends the run at step {n}, {self.where_it_ends()}; all "
-                f"{len(self.steps_per_epoch)} epoch(s) take {self.epochs_steps} steps{unseen}\n"
-                f"schedule over those {n} steps: {warmup}{decay} to {floor} at step {n}{evaluations}")
+        return f"schedule over those {n} steps: {warmup}{decay} to {floor} at step {n}{evaluations}"
 
     def done_text(self) -> str:
         """For the run's last line, after "done: N steps": where --max-steps ended it ("" when the epochs did)."""

@@ -1,0 +1,21 @@
+"""How a run tells its user a notice: once (rank 0, where its log is), on its console."""
+
+from __future__ import annotations
+
+import sys
+
+from dflash.runtime.findings import Finding, emit
+from dflash.train.measure.reporting import RunLogger
+from tqdm import tqdm
+
+
+def tell(log: RunLogger, notice: Finding | str | None) -> None:
+    """Emit `notice` on the run's console (a test collects a finding: `findings.collected`), past
+    the progress bar; a notice of another package still given as text is printed as before."""
+    if notice is None or not log.enabled:
+        return
+    if not isinstance(notice, Finding):
+        log.info(f"Note: {notice}")
+        return
+    with tqdm.external_write_mode(file=sys.stdout):
+        emit(notice, stream=sys.stdout)
