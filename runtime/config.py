@@ -14,9 +14,8 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import click
-
 from .errors import DflashError, SettingError
+from .findings import Finding, emit
 
 
 def config_key(name: str) -> str:
@@ -38,14 +37,11 @@ def _unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 
 
 def _parse(path: Path, text: str, error: type[DflashError]) -> Any:
-    repeated = ("{path} gives the key {key!r} twice: one of the two values would be dropped without a word. "
-                "Keep the one you mean.")
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
-            raise error(f"{path} is YAML but PyYAML is not installed: `pip install pyyaml`, or write "
-                        "the config as JSON.") from None
+            raise error(Finding("runtime.config-yaml-missing", file=str(path))) from None
 
         class UniqueKeyLoader(yaml.SafeLoader):
             def construct_mapping(self, node, deep=False):
@@ -56,15 +52,15 @@ def _parse(path: Path, text: str, error: type[DflashError]) -> Any:
         try:
             return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
         except _RepeatedKey as e:
-            raise error(repeated.format(path=path, key=e.args[0])) from None
+            raise error(Finding("runtime.config-repeated-key", file=str(path), key=e.args[0])) from None
         except yaml.YAMLError as e:
-            raise error(f"{path} is not valid YAML: {e}") from e
+            raise error(Finding("runtime.config-not-parsed", file=str(path), format="YAML", error=str(e))) from e
     try:
         return json.loads(text, object_pairs_hook=_unique_pairs)
     except _RepeatedKey as e:
-        raise error(repeated.format(path=path, key=e.args[0])) from None
+        raise error(Finding("runtime.config-repeated-key", file=str(path), key=e.args[0])) from None
     except json.JSONDecodeError as e:
-        raise error(f"{path} is not valid JSON: {e}") from e
+        raise error(Finding("runtime.config-not-parsed", file=str(path), format="JSON", error=str(e))) from e
 
 
 def yaml_source(path: str | os.PathLike, keys: Collection[str], index: int | None = None) -> tuple[str, int] | None:
@@ -136,24 +132,25 @@ def read_config_file(
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise error(f"Config file {path} does not exist.") from None
+        raise error(Finding("runtime.config-missing", file=str(path))) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise error(f"Cannot read config file {path}: {e}.") from e
+        raise error(Finding("runtime.config-unreadable", file=str(path), error=str(e))) from e
     raw = _parse(path, text, error)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise error(f"{path} must hold a mapping of setting names to values.")
+        raise error(Finding("runtime.config-not-mapping", file=str(path)))
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = config_key(key)
         if aliases and name in aliases:
-            click.echo(f"Warning: {path}: setting {name} is deprecated; it is {aliases[name]} now.", err=True)
+            emit(Finding("runtime.config-key-deprecated", file=str(path), key=name, now=aliases[name]),
+                 prefix="Warning: ")
             name = aliases[name]
         if name in out:
-            raise error(f"{path} sets {name} twice (as {key!r} and another spelling); keep one.")
+            raise error(Finding("runtime.config-key-twice", file=str(path), key=name, spelling=key))
         out[name] = value
     unknown = sorted(set(out) - set(known))
     if unknown:
-        raise error(f"{path}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(listed)}.")
+        raise error(Finding("runtime.config-unknown-keys", file=str(path), unknown=unknown, known=list(listed)))
     return out

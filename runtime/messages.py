@@ -115,3 +115,54 @@ def _sidecar_unreadable(file, error):
 def _sidecar_not_object(file):
     return (f"{file}: this data file's sidecar is not a JSON object. Restore it, or rerun dflash-prepare / "
             "dflash-generate to write it again.")
+
+
+# -- config files (runtime/config.py) ----------------------------------------------------------
+
+
+@renders("runtime.config-missing", example=dict(file="train.yaml"))
+def _config_missing(file):
+    return f"Config file {file} does not exist."
+
+
+@renders("runtime.config-unreadable", example=dict(file="train.yaml", error="[Errno 13] Permission denied"))
+def _config_unreadable(file, error):
+    return f"Cannot read config file {file}: {error}."
+
+
+@renders("runtime.config-yaml-missing", example=dict(file="train.yaml"))
+def _config_yaml_missing(file):
+    return f"{file} is YAML but PyYAML is not installed: `pip install pyyaml`, or write the config as JSON."
+
+
+@renders("runtime.config-not-parsed", example=dict(file="train.json", format="JSON",
+                                                  error="Expecting value: line 3 column 9 (char 40)"))
+def _config_not_parsed(file, format, error):
+    return f"{file} is not valid {format}: {error}"
+
+
+@renders("runtime.config-repeated-key", example=dict(file="train.yaml", key="lr"))
+def _config_repeated_key(file, key):
+    return (f"{file} gives the key {key!r} twice: one of the two values would be dropped without a word. Keep the "
+            "one you mean.")
+
+
+@renders("runtime.config-not-mapping", example=dict(file="train.yaml"))
+def _config_not_mapping(file):
+    return f"{file} must hold a mapping of setting names to values."
+
+
+@renders("runtime.config-key-deprecated", example=dict(file="train.yaml", key="lr", now="learning_rate"))
+def _config_key_deprecated(file, key, now):
+    return f"{file}: setting {key} is deprecated; it is {now} now."
+
+
+@renders("runtime.config-key-twice", example=dict(file="train.yaml", key="token_budget", spelling="token-budget"))
+def _config_key_twice(file, key, spelling):
+    return f"{file} sets {key} twice (as {spelling!r} and another spelling); keep one."
+
+
+@renders("runtime.config-unknown-keys", example=dict(file="train.yaml", unknown=["learning_rate"],
+                                                    known=["lr", "epochs"]))
+def _config_unknown_keys(file, unknown, known):
+    return f"{file}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(known)}."

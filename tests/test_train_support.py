@@ -123,8 +123,9 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
     assert config.optimization.lr == 1e-3 and config.optimization.adam_betas == (0.9, 0.95)
     assert config.runtime.compile is False and config.data.cache == ["c"]
     path.write_text(json.dumps({"cache": "c", "learning_rate": 1}))
-    with pytest.raises(TrainConfigError, match="unknown setting.*learning_rate"):
+    with pytest.raises(TrainConfigError) as err:
         load_config_file(path)
+    assert err.value.code == "runtime.config-unknown-keys" and err.value.fields["unknown"] == ["learning_rate"]
     path.write_text(json.dumps({"cache": "c", "target_model": "t", "output_dir": "o", "epochs": "many"}))
     with pytest.raises(TrainConfigError, match="epochs = 'many' is invalid"):
         make_config(load_config_file(path), {})
@@ -134,11 +135,13 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
     assert make_config(load_config_file(yaml_path), {}).data.cache == ["a", "b"]
     # a key given twice is refused, in YAML and JSON alike (the parsers would keep the last silently)
     yaml_path.write_text("cache: [a]\ntoken_budget: 4096\ntoken_budget: 8192\n")
-    with pytest.raises(TrainConfigError, match="gives the key 'token_budget' twice"):
+    with pytest.raises(TrainConfigError) as err:
         load_config_file(yaml_path)
+    assert err.value.code == "runtime.config-repeated-key" and err.value.fields["key"] == "token_budget"
     path.write_text('{"cache": "c", "lr": 1e-3, "lr": 2e-3}')
-    with pytest.raises(TrainConfigError, match="gives the key 'lr' twice"):
+    with pytest.raises(TrainConfigError) as err:
         load_config_file(path)
+    assert err.value.code == "runtime.config-repeated-key" and err.value.fields == {"file": str(path), "key": "lr"}
 
 
 def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():
