@@ -101,7 +101,8 @@ def test_every_source_keeps_the_protocol_and_reads_the_samples_of_the_finished_c
     assert bool(reported) == (kind == "followed")  # only a followed extraction is told what was trained
 
 
-TRAIN_READERS = ("data.py", "loader.py", "follow.py", "loop.py", "evaluation.py", "heldout.py")
+TRAIN_READERS = ("data/caches.py", "data/loader.py", "data/follow.py", "run/loop.py", "measure/evaluation.py",
+                 "data/heldout.py")
 
 
 def test_the_trainer_never_asks_which_kind_of_source_it_reads():
