@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import numcodecs.blosc
 import numpy as np
+from dflash.runtime.findings import Finding
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import CacheError
@@ -105,12 +106,12 @@ class HiddenCodec:
 
     def __post_init__(self) -> None:
         if _REGISTRY.get(self.name) is not type(self):
-            raise CacheError(f"The {type(self).__name__} codec is named {type(self).__dataclass_fields__['name'].default!r}, "
-                             f"not {self.name!r}.")
+            raise CacheError(Finding("cache.codec-name", codec_class=type(self).__name__,
+                                     named=type(self).__dataclass_fields__["name"].default, name=self.name))
         if not 0 <= self.clevel <= 22:
-            raise CacheError(f"Codec level {self.clevel} is out of range: zstd takes 0..22.")
+            raise CacheError(Finding("cache.codec-level", clevel=self.clevel))
         if not 0 <= self.blocksize < 2**31:
-            raise CacheError(f"Blosc block size {self.blocksize} must be 0 (automatic) or a positive byte count.")
+            raise CacheError(Finding("cache.codec-blocksize", blocksize=self.blocksize))
 
     # -- what is stored ------------------------------------------------------------------------
 
@@ -185,7 +186,7 @@ class HiddenCodec:
         codec = codec_class(data.get("name", "bf16"))
         unknown = set(data) - set(codec.__dataclass_fields__) - set(LEGACY_FIELDS)
         if unknown:
-            raise CacheError(f"Unknown codec parameters {sorted(unknown)} in the manifest.")
+            raise CacheError(Finding("cache.codec-parameters", unknown=sorted(unknown)))
         return codec(**{k: v for k, v in data.items() if k not in LEGACY_FIELDS})
 
 
@@ -193,8 +194,8 @@ def codec_class(name: str) -> type[HiddenCodec]:
     """The registered codec class of `name` (CacheError naming the choices for another)."""
     codec = _REGISTRY.get(name)
     if codec is None:
-        choices = "; ".join(f"{n} ({c.summary})" if c.summary else n for n, c in _REGISTRY.items())
-        raise CacheError(f"Unknown codec {name!r}: choose one of {choices}.")
+        raise CacheError(Finding("cache.codec-unknown", name=name,
+                                 choices=[[n, c.summary] for n, c in _REGISTRY.items()]))
     return codec
 
 
@@ -326,8 +327,7 @@ class Nf4Codec(HiddenCodec):
 
     def validate(self, width: int) -> None:
         if width % NF4_GROUP:
-            raise CacheError(f"The nf4 codec needs hidden widths that are multiples of {NF4_GROUP}; "
-                             f"this one has {width}. Use fp8 or bf16 for this target.")
+            raise CacheError(Finding("cache.codec-nf4-width", group=NF4_GROUP, width=width))
 
     def stored_width(self, width: int) -> int:
         self.validate(width)

@@ -742,3 +742,37 @@ def _settings_differ(cache, what, differences, more, target_paths):
         shown += f" (the cache's target was {target_paths[0]}, this {what}'s is {target_paths[1]})"
     return (f"The cache at {cache} was written with other settings than this {what}: {shown}. Rerun with the "
             "cache's settings, choose a new output directory, or pass --force to start the cache anew.")
+
+
+# -- codecs (cache_tools/codecs.py) ------------------------------------------------------------
+
+
+@renders("cache.codec-name", example=dict(codec_class="Fp8Codec", named="fp8", name="bf16"))
+def _codec_name(codec_class, named, name):
+    return f"The {codec_class} codec is named {named!r}, not {name!r}."
+
+
+@renders("cache.codec-level", example=dict(clevel=30))
+def _codec_level(clevel):
+    return f"Codec level {clevel} is out of range: zstd takes 0..22."
+
+
+@renders("cache.codec-blocksize", example=dict(blocksize=-1))
+def _codec_blocksize(blocksize):
+    return f"Blosc block size {blocksize} must be 0 (automatic) or a positive byte count."
+
+
+@renders("cache.codec-parameters", example=dict(unknown=["zstd_window"]))
+def _codec_parameters(unknown):
+    return f"Unknown codec parameters {unknown} in the manifest."
+
+
+@renders("cache.codec-unknown", example=dict(name="bf8", choices=[["bf16", "lossless"], ["raw", ""]]))
+def _codec_unknown(name, choices):
+    shown = "; ".join(f"{n} ({summary})" if summary else n for n, summary in choices)
+    return f"Unknown codec {name!r}: choose one of {shown}."
+
+
+@renders("cache.codec-nf4-width", example=dict(group=32, width=100))
+def _codec_nf4_width(group, width):
+    return f"The nf4 codec needs hidden widths that are multiples of {group}; this one has {width}. Use fp8 or bf16 for this target."
