@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .errors import SettingError
+from .findings import Finding
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,7 @@ def dtype_name(name: str, allowed: Sequence[str] = (AUTO, *DTYPE_NAMES), *, flag
     """The canonical name of `name` (an alias becomes its short name), or a SettingError."""
     short = DTYPE_ALIASES.get(str(name), str(name))
     if short not in allowed:
-        raise SettingError(f"{flag} {name!r} is not one of {', '.join(allowed)}.")
+        raise SettingError(Finding("runtime.dtype-unknown", flag=flag, value=str(name), allowed=list(allowed)))
     return short
 
 
@@ -75,11 +76,10 @@ def resolve_device(device: str | None = None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise SettingError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1): {e}") from None
+        raise SettingError(Finding("runtime.device-invalid", flag="--device", value=str(device), error=str(e))) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise SettingError(f"--device {device} was asked for but CUDA is not available; "
-                               "use --device cpu (or leave it out).")
+            raise SettingError(Finding("runtime.cuda-unavailable", flag="--device", value=str(device)))
         if dev.index is None:
             dev = torch.device("cuda", local_rank % torch.cuda.device_count())
     return dev

@@ -24,6 +24,7 @@ import weakref
 from pathlib import Path
 
 from .errors import EnvironmentFault, UsageError
+from .findings import Finding
 
 
 class LockedError(EnvironmentFault):
@@ -69,6 +70,12 @@ def _flock(fd: int, op: int) -> bool:
     return True
 
 
+def _locked(what: str, holder: str | None, lock_file: Path, fix: str) -> Finding:
+    """`what` (the thing written, "the cache at X") is held by `holder` ("pid N on HOST", None:
+    unknown); `fix` is the caller's advice (empty: wait or stop it)."""
+    return Finding("runtime.locked", what=what, holder=holder, lock_file=str(lock_file), fix=fix or None)
+
+
 _HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
 
 
@@ -99,11 +106,7 @@ class WriterLock:
         try:
             if not self._take_retrying():
                 held_by = holders(self.path)
-                raise LockedError(
-                    f"{what[:1].upper()}{what[1:]} is being written by another process "
-                    f"({held_by[-1] if held_by else 'holder unknown'}; lock file {self.path}). "
-                    f"{fix or 'Wait for it to finish or stop it, then rerun.'}"
-                )
+                raise LockedError(_locked(what, held_by[-1] if held_by else None, self.path, fix))
         except BaseException:
             os.close(self._fd)
             self._fd = None
@@ -141,11 +144,7 @@ class WriterLock:
             return
         if not _flock(self._fd, fcntl.LOCK_EX):
             others = [h for h in holders(self.path) if h != _me()]
-            raise LockedError(
-                f"{what[:1].upper()}{what[1:]} is being written by another process "
-                f"({others[-1] if others else 'holder unknown'}; lock file {self.path}). "
-                f"{fix or 'Wait for it to finish or stop it, then rerun.'}"
-            )
+            raise LockedError(_locked(what, others[-1] if others else None, self.path, fix))
         self.shared = False
 
     def share(self) -> None:
@@ -200,8 +199,6 @@ def refuse_output_among_inputs(output: str | os.PathLike, inputs, *, output_flag
     writing it would destroy the input while it is read."""
     for path in inputs:
         if same_path(output, path):
-            raise OutputIsInputError(
-                f"{output_flag} {output} is {'the input' if Path(path) == Path(output) else f'the input file {path}'} "
-                f"({input_flag}): writing it would overwrite the data being read. Choose another "
-                f"{output_flag}."
-            )
+            raise OutputIsInputError(Finding("runtime.output-is-input", flag=output_flag, output=str(output),
+                                             input=None if Path(path) == Path(output) else str(path),
+                                             input_flag=input_flag))

@@ -166,3 +166,108 @@ def _config_key_twice(file, key, spelling):
                                                     known=["lr", "epochs"]))
 def _config_unknown_keys(file, unknown, known):
     return f"{file}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(known)}."
+
+
+# -- devices and dtypes (runtime/devices.py) ---------------------------------------------------
+
+
+@renders("runtime.dtype-unknown", example=dict(flag="--dtype", value="int8", allowed=["auto", "bf16", "fp16", "fp32"]))
+def _dtype_unknown(flag, value, allowed):
+    return f"{flag} {value!r} is not one of {', '.join(allowed)}."
+
+
+@renders("runtime.device-invalid", example=dict(flag="--device", value="gpu", error="Expected one of cpu, cuda"))
+def _device_invalid(flag, value, error):
+    return f"{flag} {value!r} is not a torch device (e.g. cpu, cuda, cuda:1): {error}"
+
+
+@renders("runtime.cuda-unavailable", example=dict(flag="--device", value="cuda:1"))
+def _cuda_unavailable(flag, value):
+    return f"{flag} {value} was asked for but CUDA is not available; use {flag} cpu (or leave it out)."
+
+
+# -- writer locks (runtime/locks.py) -----------------------------------------------------------
+
+
+@renders("runtime.locked", example=dict(what="the cache at runs/cache", holder="pid 4242 on node-1",
+                                        lock_file="runs/cache/.writer.lock", fix=None))
+def _locked(what, holder, lock_file, fix):
+    return (f"{what[:1].upper()}{what[1:]} is being written by another process ({holder or 'holder unknown'}; "
+            f"lock file {lock_file}). {fix or 'Wait for it to finish or stop it, then rerun.'}")
+
+
+@renders("runtime.output-is-input", example=dict(flag="--output", output="data/a.jsonl", input=None,
+                                                 input_flag="--data"))
+def _output_is_input(flag, output, input, input_flag):
+    which = "the input" if input is None else f"the input file {input}"
+    return (f"{flag} {output} is {which} ({input_flag}): writing it would overwrite the data being read. "
+            f"Choose another {flag}.")
+
+
+# -- weight files (runtime/safetensors_files.py) -----------------------------------------------
+# A safetensors file's reasons (safetensors_problem): the reason only; runtime.weights-file-damaged
+# names the file and the fix.
+
+
+@renders("runtime.safetensors-short", example=dict(size=5))
+def _safetensors_short(size):
+    return f"{size} bytes, shorter than the 8-byte header length"
+
+
+@renders("runtime.safetensors-header-size", example=dict(header=4096, size=1000))
+def _safetensors_header_size(header, size):
+    return f"its header claims {header} bytes but the file has {size}"
+
+
+@renders("runtime.safetensors-unreadable", example=dict(error="Permission denied"))
+def _safetensors_unreadable(error):
+    return f"cannot be read ({error})"
+
+
+@renders("runtime.safetensors-header-not-json", example=dict(error="Expecting value: line 1 column 1 (char 0)"))
+def _safetensors_header_not_json(error):
+    return f"its header is not valid JSON ({error})"
+
+
+@renders("runtime.safetensors-header-not-object", example={})
+def _safetensors_header_not_object():
+    return "its header is not a JSON object"
+
+
+@renders("runtime.safetensors-offsets", example=dict(tensor="lm_head.weight", offsets=[10, 4]))
+def _safetensors_offsets(tensor, offsets):
+    if offsets is None:
+        return f"tensor {tensor!r} has no valid data_offsets"
+    return f"tensor {tensor!r} has data_offsets {offsets[0]}, {offsets[1]}"
+
+
+@renders("runtime.safetensors-data-size", example=dict(needed=4096, holds=2048))
+def _safetensors_data_size(needed, holds):
+    return f"its tensors need {needed} bytes of data but the file holds {holds}" + (
+        " (truncated)" if needed > holds else "")
+
+
+@renders("runtime.weights-file-damaged", example=dict(file="model/model.safetensors", problem="its header is not "
+                                                      "a JSON object", fix="Copy the model's weight files again."))
+def _weights_file_damaged(file, problem, fix):
+    return f"{file} is not a complete safetensors file: {problem}. {fix}"
+
+
+@renders("runtime.drafter-as-target", example=dict(dir="runs/a/final", architectures=["DFlash2DraftModel"],
+                                                   flag="--target-model"))
+def _drafter_as_target(dir, architectures, flag):
+    return (f"{dir} is a DFlash drafter export (config.json architectures {architectures}), not a target model: "
+            f"pass the target model the drafter drafts for as {flag} (a drafter goes to dflash-eval's --drafter).")
+
+
+@renders("runtime.weights-incomplete", example=dict(dir="models/qwen3", flag="--target-model",
+                                                    missing=["model.layers.1.mlp.up_proj.weight"], mismatched=[]))
+def _weights_incomplete(dir, flag, missing, mismatched):
+    bad = [*missing, *mismatched]
+    shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    what = " and ".join(x for x in (f"{len(missing)} missing" if missing else "",
+                                    f"{len(mismatched)} of another shape" if mismatched else "") if x)
+    return (f"The weights of {dir} ({flag}) do not hold every tensor its config.json needs: {what} ({shown}). The "
+            "loader would fill them with random values, and everything computed from the model would be a "
+            "half-random one's. Copy the model's complete weight files (every shard named in "
+            f"model.safetensors.index.json) into that directory, or point {flag} to the model they belong to.")

@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from .errors import CorruptDataError, InputError
+from .findings import Finding
 
 MAX_HEADER_BYTES = 100 << 20  # the format's own limit
 
@@ -22,25 +23,26 @@ class WeightsFileError(CorruptDataError):
     """A safetensors file is truncated or damaged."""
 
 
-def safetensors_problem(path: str | os.PathLike) -> str | None:
-    """Why `path` is not a complete safetensors file, or None when its header and size hold."""
+def safetensors_problem(path: str | os.PathLike) -> Finding | None:
+    """Why `path` is not a complete safetensors file (a `runtime.safetensors-*` reason), or None
+    when its header and size hold."""
     path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                return f"{size} bytes, shorter than the 8-byte header length"
+                return Finding("runtime.safetensors-short", size=size)
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                return f"its header claims {n} bytes but the file has {size}"
+                return Finding("runtime.safetensors-header-size", header=n, size=size)
             header = json.loads(f.read(n))
     except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
+        return Finding("runtime.safetensors-unreadable", error=str(e.strerror or e))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"its header is not valid JSON ({e})"
+        return Finding("runtime.safetensors-header-not-json", error=str(e))
     if not isinstance(header, dict):
-        return "its header is not a JSON object"
+        return Finding("runtime.safetensors-header-not-object")
     end = 0
     for name, entry in header.items():
         if name == "__metadata__":
@@ -48,14 +50,13 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
         try:
             begin, stop = (int(x) for x in entry["data_offsets"])
         except (TypeError, KeyError, ValueError):
-            return f"tensor {name!r} has no valid data_offsets"
+            return Finding("runtime.safetensors-offsets", tensor=name, offsets=None)
         if not 0 <= begin <= stop:
-            return f"tensor {name!r} has data_offsets {begin}, {stop}"
+            return Finding("runtime.safetensors-offsets", tensor=name, offsets=[begin, stop])
         end = max(end, stop)
     data = size - 8 - n
     if end != data:
-        return (f"its tensors need {end} bytes of data but the file holds {data}"
-                + (" (truncated)" if end > data else ""))
+        return Finding("runtime.safetensors-data-size", needed=end, holds=data)
     return None
 
 
@@ -63,7 +64,7 @@ def check_safetensors(path: str | os.PathLike, *, fix: str) -> None:
     """Raise WeightsFileError naming `path` and `fix` when it is not a complete safetensors file."""
     problem = safetensors_problem(path)
     if problem is not None:
-        raise WeightsFileError(f"{path} is not a complete safetensors file: {problem}. {fix}")
+        raise WeightsFileError(Finding("runtime.weights-file-damaged", file=str(path), problem=problem, fix=fix))
 
 
 def check_weight_dir(directory: str | os.PathLike, *, fix: str) -> None:
@@ -93,11 +94,8 @@ def refuse_drafter_as_target(directory: str | os.PathLike, *, flag: str = "--tar
     if not found and isinstance(config, dict) and isinstance(config.get("dflash_config"), dict):
         found = list(architectures or []) or ["none listed"]  # a drafter of a head registered elsewhere
     if found:
-        raise DrafterAsTargetError(
-            f"{directory} is a DFlash drafter export (config.json architectures {found}), not a target "
-            f"model: pass the target model the drafter drafts for as {flag} (a drafter goes to "
-            "dflash-eval's --drafter)."
-        )
+        raise DrafterAsTargetError(Finding("runtime.drafter-as-target", dir=str(directory), architectures=found,
+                                           flag=flag))
 
 
 class IncompleteWeightsError(WeightsFileError):
@@ -113,13 +111,6 @@ def refuse_incomplete_weights(directory: str | os.PathLike, loading_info: dict |
     info = loading_info or {}
     missing = list(info.get("missing_keys") or [])
     mismatched = [str(m[0]) if isinstance(m, (list, tuple)) else str(m) for m in info.get("mismatched_keys") or []]
-    bad = missing + mismatched
-    if bad:
-        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        what = " and ".join(x for x in (f"{len(missing)} missing" if missing else "",
-                                        f"{len(mismatched)} of another shape" if mismatched else "") if x)
-        raise IncompleteWeightsError(
-            f"The weights of {directory} ({flag}) do not hold every tensor its config.json needs: {what} "
-            f"({shown}). The loader would fill them with random values, and everything computed from the model "
-            "would be a half-random one's. Copy the model's complete weight files (every shard named in "
-            "model.safetensors.index.json) into that directory, or point " + flag + " to the model they belong to.")
+    if missing or mismatched:
+        raise IncompleteWeightsError(Finding("runtime.weights-incomplete", dir=str(directory), flag=flag,
+                                             missing=missing, mismatched=mismatched))

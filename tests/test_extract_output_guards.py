@@ -47,6 +47,7 @@ def test_an_output_that_is_the_data_is_refused(target, tmp_path, which):
     if which == "a link to the data":
         (tmp_path / "link").symlink_to(data)
         out = tmp_path / "link"
-    with pytest.raises(OutputIsInputError, match="would overwrite the data being read"):
+    with pytest.raises(OutputIsInputError) as e:
         extract(target, data if which != "the data directory" else data.parent, out)
+    assert e.value.code == "runtime.output-is-input" and e.value.fields["output"] == str(out)
     assert data.read_bytes() == before

@@ -30,10 +30,13 @@ def test_a_second_exclusive_writer_is_refused_with_the_holders_pid_and_kill9_fre
     path = tmp_path / ".lock"
     child = hold_in_child(path, "exclusive")
     try:
-        with pytest.raises(LockedError, match=rf"The thing is being written by another process \(pid {child.pid} on "):
+        with pytest.raises(LockedError) as e:
             WriterLock(path, what="the thing")
-        with pytest.raises(LockedError, match=f"pid {child.pid}"):
+        assert e.value.code == "runtime.locked" and e.value.fields["lock_file"] == str(path)
+        assert e.value.fields["what"] == "the thing" and e.value.fields["holder"].startswith(f"pid {child.pid} on ")
+        with pytest.raises(LockedError) as e:
             WriterLock(path, what="the thing", shared=True)
+        assert e.value.fields["holder"].startswith(f"pid {child.pid} ")
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
@@ -48,8 +51,9 @@ def test_shared_holders_coexist_but_keep_an_exclusive_writer_out(tmp_path):
         with WriterLock(path, what="the cache", shared=True) as mine:
             holders = path.read_text().splitlines()
             assert len(holders) == 2 and holders[0].startswith(f"pid {child.pid} ")
-            with pytest.raises(LockedError, match=f"pid {child.pid} "):
+            with pytest.raises(LockedError) as e:
                 mine.exclusive(what="the cache")
+            assert e.value.code == "runtime.locked" and e.value.fields["holder"].startswith(f"pid {child.pid} ")
         with pytest.raises(LockedError):
             WriterLock(path, what="the cache")
     finally:
