@@ -203,26 +203,24 @@ def test_the_quality_benchmark_names_each_prompts_file_as_its_group():
 
 
 def test_a_split_of_few_groups_is_warned_of_with_a_fraction_that_holds_out_more(grouped, tmp_path, monkeypatch):
-    import re
-
     from conftest import tiny_train_config
     from dflash.train.data import caches as data_module
 
-    def summary(fraction: float) -> tuple[str, int]:
+    def caveats(fraction: float) -> tuple[dict, int]:
         cfg = tiny_train_config(grouped["cache"], grouped["target"], tmp_path / f"run-{fraction}", eval_fraction=fraction)
         data = data_module.open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
         data.loader.close()
-        return data.summary(), data.heldout_groups[0]
+        return {f.code: f.fields for f in data.caveats()}, data.heldout_groups[0]
 
-    text, held = summary(0.2)
+    found, held = caveats(0.2)
     assert 0 < held < GROUPS
-    warned = re.search(rf"only {held} whole group\(s\) of the records are held out.*?raise --eval-fraction to about ([0-9.]+)", text)
-    assert warned, text
-    suggested = float(warned.group(1))
+    warned = found["train.few-heldout-groups"]
+    assert warned["held"] == held
+    suggested = warned["eval_fraction"]
     assert suggested > 0.2
-    assert summary(suggested)[1] > held  # the fraction it names holds out more groups
+    assert caveats(suggested)[1] > held  # the fraction it names holds out more groups
     monkeypatch.setattr(data_module, "FEW_HELDOUT_GROUPS", held)  # enough groups: no warning
-    assert "whole group(s) of the records are held out" not in summary(0.2)[0]
+    assert "train.few-heldout-groups" not in caveats(0.2)[0]
 
 
 def test_the_last_line_of_a_run_says_when_its_heldout_tau_rests_on_few_documents(grouped, tmp_path, capsys,

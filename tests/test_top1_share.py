@@ -250,26 +250,25 @@ def test_the_startup_summary_warns_when_the_heldout_split_is_larger_than_the_top
     target, _ = save_target(tmp_path / "target", FAMILIES["qwen3"][0]())
     cache = share_cache(tmp_path, target, 0.2)
 
-    def summary(**kw) -> tuple[str, int, int]:
+    def summary(**kw) -> tuple[dict, int, int]:
         cfg = tiny_train_config(cache, target, tmp_path / "run", eval_max_samples=0, **kw)
         data = open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
         data.loader.close()
-        return data.summary(), data.eval_without_top1, len(data.eval_indices)
+        return {f.code: f.fields for f in data.caveats()}, data.eval_without_top1, len(data.eval_indices)
 
-    text, missing, evaluated = summary(eval_fraction=0.15)
-    assert missing == 0 and "--top1-share" not in text  # every held-out sample has its top-1
-    text, missing, evaluated = summary(eval_fraction=0.6)
+    found, missing, evaluated = summary(eval_fraction=0.15)
+    assert missing == 0 and "train.heldout-some-top1" not in found  # every held-out sample has its top-1
+    found, missing, evaluated = summary(eval_fraction=0.6)
     ids = CacheReader(cache)
     scores = [heldout_scores(sample_key(ids.read_sample(i)))[0] for i in range(len(ids))]
     held = [s for s in scores if s < 0.6]
     expected = sum(1 for s in held if s >= 0.2)
     assert evaluated == len(held) and missing == expected > 0
-    assert f"{missing} of the {evaluated} evaluated held-out samples have no target top-1" in text
-    assert "--top1-share" in text
+    assert found["train.heldout-some-top1"] == dict(samples=missing, evaluated=evaluated, top1_share=[0.2])
     # dflash-extract's default top-8 log-probs hold every sample's top-1: nothing is missing
     cache = share_cache(tmp_path, target, 0.2, "--store-topk", "8")
-    text, missing, evaluated = summary(eval_fraction=0.6)
-    assert evaluated == len(held) and missing == 0 and "have no target top-1" not in text
+    found, missing, evaluated = summary(eval_fraction=0.6)
+    assert evaluated == len(held) and missing == 0 and "train.heldout-some-top1" not in found
 
 
 def test_cache_info_says_how_many_samples_hold_their_top1_and_verify_passes(tmp_path):

@@ -108,19 +108,22 @@ def test_heldout_split_is_on_by_default_and_eval_cache_replaces_it(tiny_world, t
     on = data(eval_fraction=0.25)
     assert on.heldout_count == len(on.eval_indices) > 0
     assert len(on.train_indices) + on.heldout_count == len(on.caches)
-    assert "held-out samples evaluated: a noisy tau" in on.summary()  # a dozen held-out samples: the summary says so
-    assert f"only {len(on.train_indices)} training samples" in on.summary()  # and a few dozen training ones
+    caveats = {f.code: f.fields for f in on.caveats()}
+    assert caveats["train.few-heldout"] == {"samples": len(on.eval_indices)}  # a dozen held-out samples: said so
+    assert caveats["train.few-training-samples"] == {"samples": len(on.train_indices)}  # and a few dozen training ones
     # its advice names dflash-generate's flag for more answers per prompt, which exists
     from dflash.prepare.driver import GenerateConfig
+    from dflash.runtime.findings import render
 
-    assert "--samples-per-prompt 3" in on.summary() and "samples_per_prompt" in GenerateConfig.__dataclass_fields__
+    few = next(f for f in on.caveats() if f.code == "train.few-training-samples")
+    assert "--samples-per-prompt 3" in render(few) and "samples_per_prompt" in GenerateConfig.__dataclass_fields__
     from dflash.train.data import caches as training_data
 
     monkeypatch.setattr(training_data, "FEW_TRAINING", len(on.train_indices))  # as many as the notice asks for
-    assert "training samples:" not in on.summary()
+    assert "train.few-training-samples" not in {f.code for f in on.caveats()}
     off = data(eval_fraction=0)
     assert off.heldout_count == 0 and len(off.train_indices) == len(off.caches)
-    assert "no held-out samples" in off.summary()
+    assert "train.no-heldout" in {f.code for f in off.caveats()}
     other = write_tiny_cache(tmp_path / "other", samples=8, parts=2, seed=9)
     separate = data(eval_fraction=0.25, eval_cache=[str(other)])
     assert len(separate.train_indices) == len(separate.caches) and separate.heldout_count == 8

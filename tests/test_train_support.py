@@ -145,14 +145,19 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
 
 
 def test_the_data_summary_names_the_chat_template_and_warns_when_caches_differ():
-    from dflash.train.data.caches import rendering_summary
+    from dflash.train.data.caches import chat_templates_differ, rendering_summary
 
     def header(sha, kwargs):
         return {"data": {"files": [{"path": "a.jsonl", "rendering": {"chat_template_sha256": sha,
                                                                      "chat_template_kwargs": kwargs}}]}}
 
-    assert rendering_summary([{"data": {"files": [{"path": "raw.jsonl"}]}}]) == ""  # tokenized data: nothing to say
-    one = rendering_summary([header("ab" * 32, {"enable_thinking": False})] * 2)
-    assert "chat template sha256 abababababab" in one and "WARNING" not in one
-    two = rendering_summary([header("ab" * 32, {"enable_thinking": False}), header("ab" * 32, {"enable_thinking": True})])
-    assert "WARNING" in two and "2 different chat templates or kwargs" in two
+    raw = [{"data": {"files": [{"path": "raw.jsonl"}]}}]
+    assert rendering_summary(raw) is None and chat_templates_differ(raw) is None  # tokenized data: nothing to say
+    one = [header("ab" * 32, {"enable_thinking": False})] * 2
+    assert "chat template sha256 abababababab" in rendering_summary(one) and chat_templates_differ(one) is None
+    two = [header("ab" * 32, {"enable_thinking": False}), header("ab" * 32, {"enable_thinking": True})]
+    assert rendering_summary(two) is None
+    warned = chat_templates_differ(two)
+    assert warned.code == "train.chat-templates-differ"
+    assert warned.fields["templates"] == [["abababababab", {"enable_thinking": False}],
+                                          ["abababababab", {"enable_thinking": True}]]

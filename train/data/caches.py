@@ -104,15 +104,12 @@ def count_heldout_groups(caches: SampleSource, heldout: np.ndarray) -> tuple[int
     return len(np.unique(keys[grouped & held])), len(np.unique(keys[grouped]))
 
 
-def few_groups_warning(held: int, total: int, fraction: float) -> str:
-    """The summary's warning for a split that holds out fewer than FEW_HELDOUT_GROUPS whole groups,
+def few_groups_warning(held: int, total: int, fraction: float) -> Finding:
+    """The startup's warning for a split that holds out fewer than FEW_HELDOUT_GROUPS whole groups,
     with the --eval-fraction that would hold out about that many."""
     wanted = min(FEW_HELDOUT_GROUPS, total)
     suggest = min(0.5, max(fraction, math.ceil(100 * wanted / total) / 100))
-    return (f"; warning: only {held} whole group(s) of the records are held out: a pooled tau over so few "
-            f"documents rests on which they are (docs/recipe.md, held-out split); raise --eval-fraction to about "
-            f"{suggest:g} (about {wanted} groups; without top-k log-probs, --top1-share at least that) or give "
-            "--eval-cache of greedy completions of other documents' prompts")
+    return Finding("train.few-heldout-groups", held=held, eval_fraction=suggest, groups=wanted)
 
 
 @dataclass
@@ -136,8 +133,8 @@ class TrainingData:
     """(held-out groups, all groups) when the records name groups (the split holds out whole groups)."""
     eval_without_top1: int = 0
     """Evaluated samples whose cache holds no target top-1 for them (outside its --top1-share)."""
-    warnings: list[str] = field(default_factory=list)
-    """What the summary warns of beyond the split (a --shuffle-parts group larger than --disk-budget)."""
+    warnings: list[Finding] = field(default_factory=list)
+    """What the startup warns of beyond the split and the data (`caveats`)."""
     estimate: bool = False
     """`dflash-train estimate`: its cache is the held-out set, and it trains on nothing."""
     _text_lookup: dict[int, tuple[float, int] | None] = field(default_factory=dict, repr=False)
@@ -220,7 +217,8 @@ class TrainingData:
                 "measure the drafter with dflash-eval on prompts of other documents")
 
     def summary(self) -> str:
-        """The startup summary of the data: one line of figures, then one short line per caveat."""
+        """The startup summary of the data: one line of figures (and the chat template its data was
+        rendered with); what it warns of are `caveats`."""
         c = self.caches
         where = "in --eval-cache" if self.eval_caches is not None else "held out"
         head = (f"data: {len(c.readers)} cache(s), {len(c)} samples, {int(c.full_lengths.sum())} tokens; "
@@ -234,36 +232,38 @@ class TrainingData:
             head += f" ({held} of {total} record groups held out whole)"
         head += f"; {self.loader.total_steps} optimizer steps over {len(self.loader.steps_per_epoch)} epoch(s)"
         lines = [head]
+        if (rendering := rendering_summary([r.manifest.header for r in c.readers])) is not None:
+            lines.append(rendering)
+        return "\n".join(lines)
+
+    def caveats(self) -> list[Finding]:
+        """What the startup warns of: the held-out estimate (none, few samples or groups, no target
+        top-1 for some), few training samples, truncated samples, chat templates that differ."""
+        c, found = self.caches, []
         if not self.heldout_count:
-            lines.append("no held-out samples: tau is measured on training batches (set --eval-fraction or --eval-cache)")
+            found.append(Finding("train.no-heldout"))
         elif len(self.eval_indices) < FEW_HELDOUT:
-            lines.append(f"only {len(self.eval_indices)} held-out samples evaluated: a noisy tau (raise --eval-fraction "
-                         "or give --eval-cache)")
+            found.append(Finding("train.few-heldout", samples=len(self.eval_indices)))
         if self.heldout_count and self.heldout_groups is not None:
             held, total = self.heldout_groups
             if held < FEW_HELDOUT_GROUPS and total > held:
-                lines.append(few_groups_warning(held, total, self.config.eval_fraction).removeprefix("; "))
-        held_manifest = (self.eval_caches if self.eval_caches is not None else c).manifest
-        if self.heldout_count and not held_manifest.top1 and not held_manifest.topk:
-            lines.append("warning: the held-out cache stores no target top-1 (--no-store-top1, or an older cache): "
-                         "its estimate checks drafts against the samples' own tokens and under-reads on sampled "
-                         "completions; extract without --no-store-top1, or give --eval-cache of greedy completions")
+                found.append(few_groups_warning(held, total, self.config.eval_fraction))
+        held_caches = self.eval_caches if self.eval_caches is not None else c
+        if self.heldout_count and not held_caches.manifest.top1 and not held_caches.manifest.topk:
+            found.append(Finding("train.heldout-no-top1", cache=str(held_caches.manifest.cache_dir)))
         elif self.eval_without_top1:
-            share = ", ".join(sorted({f"{r.top1_share:g}" for r in (self.eval_caches if self.eval_caches is not None else c).readers}))
-            lines.append(f"warning: {self.eval_without_top1} of the {len(self.eval_indices)} evaluated held-out samples "
-                         f"have no target top-1 (dflash-extract --top1-share {share}): their estimate under-reads on "
-                         "sampled completions; extract with --top1-share at least --eval-fraction (1 for an "
-                         "--eval-cache), or lower --eval-fraction or --eval-max-samples")
+            found.append(Finding("train.heldout-some-top1", samples=self.eval_without_top1,
+                                 evaluated=len(self.eval_indices),
+                                 top1_share=sorted({r.top1_share for r in held_caches.readers})))
         if len(self.train_indices) < FEW_TRAINING:
-            lines.append(f"only {len(self.train_indices)} training samples: more target completions help most "
-                         "(dflash-generate --samples-per-prompt 3; docs/recipe.md)")
-        lines += [w.removeprefix("; ") for w in self.warnings]
+            found.append(Finding("train.few-training-samples", samples=len(self.train_indices)))
+        found += self.warnings
         if c.truncated_samples:
-            lines.append(f"{c.truncated_samples} sample(s) longer than --max-seq-len {c.max_seq_len} are truncated "
-                         f"({c.truncated_tokens} tokens dropped)")
-        if rendering := rendering_summary([r.manifest.header for r in c.readers]):
-            lines.append(rendering.removeprefix("; "))
-        return "\n".join(lines)
+            found.append(Finding("train.samples-truncated", samples=c.truncated_samples, max_seq_len=c.max_seq_len,
+                                 tokens=c.truncated_tokens))
+        if (templates := chat_templates_differ([r.manifest.header for r in c.readers])) is not None:
+            found.append(templates)
+        return found
 
 
 def _walked_text(caches: CacheSet, indices: np.ndarray, block_size: int) -> tuple[float, int] | None:
@@ -286,21 +286,30 @@ def mean_top1_prob(caches: CacheSet, indices: np.ndarray) -> tuple[float, int] |
     return (total / count, len(indices)) if count else None
 
 
-def rendering_summary(headers: list[dict[str, Any]]) -> str:
-    """Which chat template (and kwargs) the caches' data was rendered with, as dflash-prepare /
-    dflash-generate recorded it; a warning when they differ (serving renders with one)."""
+def _renderings(headers: list[dict[str, Any]]) -> list[list[Any]]:
+    """The chat templates (sha256, kwargs) the caches' data was rendered with, as dflash-prepare /
+    dflash-generate recorded them, each once."""
     renderings: list[dict[str, Any]] = []
     for header in headers:
         renderings += [r for r in chat_templates(header) if r not in renderings]
-    if not renderings:
-        return ""
-    described = [f"sha256 {str(r.get('chat_template_sha256'))[:12]} kwargs {json.dumps(r.get('chat_template_kwargs', {}))}"
-                 for r in renderings]
-    if len(renderings) == 1:
-        return f"; chat template {described[0]} (serve with the same)"
-    return (f"; WARNING: the data was rendered with {len(renderings)} different chat templates or kwargs "
-            f"({'; '.join(described)}): a drafter learns the rendering it trains on, so serve with the one "
-            "that most of the data used, or prepare the data again with one")
+    return [[str(r.get("chat_template_sha256"))[:12], r.get("chat_template_kwargs", {})] for r in renderings]
+
+
+def rendering_summary(headers: list[dict[str, Any]]) -> str | None:
+    """The summary's line of the one chat template (and kwargs) the caches' data was rendered with;
+    None for none, or for several (`chat_templates_differ` warns of them)."""
+    renderings = _renderings(headers)
+    if len(renderings) != 1:
+        return None
+    sha, kwargs = renderings[0]
+    return f"chat template sha256 {sha} kwargs {json.dumps(kwargs)} (serve with the same)"
+
+
+def chat_templates_differ(headers: list[dict[str, Any]]) -> Finding | None:
+    """A warning when the caches' data was rendered with several chat templates or kwargs (serving
+    renders with one); None otherwise."""
+    renderings = _renderings(headers)
+    return Finding("train.chat-templates-differ", templates=renderings) if len(renderings) > 1 else None
 
 
 def open_cache_set(cache_dirs: list[str], config: DataConfig, *, finished: bool = True) -> CacheSet:
@@ -381,7 +390,7 @@ def open_training_data(run: TrainConfig, *, rank: int, world_size: int, pin_memo
     # Plans start from sample id order: batches never depend on the order parts were committed in.
     train_indices, eval_indices = canonical_order(caches, train_indices), canonical_order(scored, eval_indices)
     groups = part_groups(caches, config.shuffle_parts) if config.shuffle_parts else None
-    warnings: list[str] = []
+    warnings: list[Finding] = []
     if followed is not None and config.disk_budget is not None:  # (the config asks for groups)
         refuse_group_over_budget(followed, config.shuffle_parts, config.disk_budget_bytes())
     loader = TrainLoader(caches, train_indices, config, seed=optimization.seed, epochs=optimization.epochs,

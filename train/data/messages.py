@@ -135,3 +135,61 @@ def _samples_over_token_budget(samples, token_budget, longest, max_seq_len):
     return (f"{samples} sample(s) are longer than --token-budget {token_budget} (the longest has {longest} tokens "
             f"after truncation to --max-seq-len {max_seq_len}). Raise --token-budget to at least the longest sample, "
             "or lower --max-seq-len to truncate them.")
+
+
+# -- the startup's caveats (TrainingData.caveats): lines of its summary -------------------------
+
+
+@renders("train.no-heldout", example=dict())
+def _no_heldout():
+    return "no held-out samples: tau is measured on training batches (set --eval-fraction or --eval-cache)"
+
+
+@renders("train.few-heldout", example=dict(samples=12))
+def _few_heldout(samples):
+    return f"only {samples} held-out samples evaluated: a noisy tau (raise --eval-fraction or give --eval-cache)"
+
+
+@renders("train.few-heldout-groups", example=dict(held=16, eval_fraction=0.08, groups=64))
+def _few_heldout_groups(held, eval_fraction, groups):
+    return (f"warning: only {held} whole group(s) of the records are held out: a pooled tau over so few documents "
+            "rests on which they are (docs/recipe.md, held-out split); raise --eval-fraction to about "
+            f"{eval_fraction:g} (about {groups} groups; without top-k log-probs, --top1-share at least that) or give "
+            "--eval-cache of greedy completions of other documents' prompts")
+
+
+@renders("train.heldout-no-top1", example=dict(cache="cache"))
+def _heldout_no_top1(cache):
+    return ("warning: the held-out cache stores no target top-1 (--no-store-top1, or an older cache): its estimate "
+            "checks drafts against the samples' own tokens and under-reads on sampled completions; extract without "
+            "--no-store-top1, or give --eval-cache of greedy completions")
+
+
+@renders("train.heldout-some-top1", example=dict(samples=40, evaluated=100, top1_share=[0.02]))
+def _heldout_some_top1(samples, evaluated, top1_share):
+    share = ", ".join(f"{s:g}" for s in top1_share)
+    return (f"warning: {samples} of the {evaluated} evaluated held-out samples have no target top-1 (dflash-extract "
+            f"--top1-share {share}): their estimate under-reads on sampled completions; extract with --top1-share at "
+            "least --eval-fraction (1 for an --eval-cache), or lower --eval-fraction or --eval-max-samples")
+
+
+@renders("train.few-training-samples", example=dict(samples=48))
+def _few_training_samples(samples):
+    return (f"only {samples} training samples: more target completions help most (dflash-generate "
+            "--samples-per-prompt 3; docs/recipe.md)")
+
+
+@renders("train.samples-truncated", example=dict(samples=3, max_seq_len=4096, tokens=1200))
+def _samples_truncated(samples, max_seq_len, tokens):
+    return f"{samples} sample(s) longer than --max-seq-len {max_seq_len} are truncated ({tokens} tokens dropped)"
+
+
+@renders("train.chat-templates-differ", example=dict(templates=[["3f2a9c01b7d4", {"enable_thinking": False}],
+                                                                ["3f2a9c01b7d4", {"enable_thinking": True}]]))
+def _chat_templates_differ(templates):
+    import json
+
+    described = "; ".join(f"sha256 {sha} kwargs {json.dumps(kwargs)}" for sha, kwargs in templates)
+    return (f"WARNING: the data was rendered with {len(templates)} different chat templates or kwargs ({described}): "
+            "a drafter learns the rendering it trains on, so serve with the one that most of the data used, or "
+            "prepare the data again with one")

@@ -209,6 +209,8 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
                                      caches=data.caches):
         tell(log, notice)
     log.info(data.summary())
+    for caveat in data.caveats():
+        tell(log, caveat, prefix="")  # (lines of the summary)
     if labels := label_summary(cfg.objective, manifest):
         log.info(labels.removeprefix("; ").replace("; hard labels", "\nhard labels"))
     length = RunLength.of(data.loader.steps_per_epoch, cfg.optimization.max_steps)  # --epochs, or --max-steps
