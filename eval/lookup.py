@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.runtime.lookup import lookup_proposal
 
 from .speculative import DecodeConfig, Generation, Proposer, verify_generate
@@ -27,7 +29,7 @@ class LookupProposer(Proposer):
 
     def __init__(self, block_size: int, max_ngram: int = 4, min_ngram: int = 1, filler_id: int = 0) -> None:
         if block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {block_size}.")
+            raise SettingError(Finding("eval.flag-out-of-range", flag="--block-size", value=block_size, low=2, high=None))
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}.")
         self.block_size, self.max_ngram, self.min_ngram, self.filler_id = block_size, max_ngram, min_ngram, filler_id

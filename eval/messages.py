@@ -102,3 +102,25 @@ def _drafter_without_confidence(drafter, flag):
 def _output_diverged(prompt_sets):
     return ("speculative output differs from the target's greedy output"
             + (f" on {', '.join(prompt_sets)}" if prompt_sets else "") + " (see docs/eval.md, 'The lossless check').")
+
+
+@renders("eval.flag-out-of-range", example=dict(flag="--confidence-threshold", value=1.5, low=0, high=1))
+def _flag_out_of_range(flag, value, low, high=None):
+    bound = f"at least {low}" if high is None else f"between {low} and {high}"
+    return f"{flag} must be {bound} (got {value})."
+
+
+# -- target.py: what the target's cache allows -------------------------------------------------------
+
+
+@renders("eval.target-unbatchable", example=dict(layers="sliding-window", flag="--batch-size", value=4))
+def _target_unbatchable(layers, flag, value):
+    return (f"the target has {layers} layers, whose state counts cache columns: batched speculative decoding "
+            f"(rejected drafts leave holes) would change its output. Decode one prompt per batch ({flag} 1, "
+            f"not {value}).")
+
+
+@renders("eval.transformers-too-old", example=dict(version="4.57.1", needed="5"))
+def _transformers_too_old(version, needed):
+    return (f"the target has sliding-window layers and transformers {version} cannot roll their cache back after "
+            f"rejected drafts; speculative decoding of it needs transformers {needed} or later.")

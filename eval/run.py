@@ -10,7 +10,6 @@ line is `cli.py` (it loads this module, and torch, only when it runs).
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.runtime.devices import resolve_device, resolve_dtype_name, torch_dtype
-from dflash.runtime.errors import InputError, MismatchError
+from dflash.runtime.errors import InputError, MismatchError, SettingError
 from dflash.runtime.findings import Finding, emit
 from dflash.runtime.intervals import (
     INTERVAL_RESAMPLES,
@@ -289,7 +288,7 @@ def lossless_check(baseline: list[Generation], speculative: list[Generation], co
 def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dtype,
                 attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """The target (eval mode), the drafter on the same device and dtype, and the tokenizer if any."""
-    from dflash.train.exports.export import load_drafter, training_target_note
+    from dflash.train.exports.export import load_drafter, training_target_finding
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
@@ -305,11 +304,8 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
         raise InputError(Finding("eval.models-unloadable", target=str(target_dir), drafter=str(drafter_dir),
                                  error=str(e))) from e
     refuse_incomplete_weights(target_dir, loading)
-    if note := training_target_note(drafter_dir, model.config, target_dir):
-        if isinstance(note, Finding):
-            emit(note, prefix="warning: ")
-        else:
-            print(f"warning: {note}", file=sys.stderr, flush=True)
+    if finding := training_target_finding(drafter_dir, model.config, target_dir):
+        emit(finding, prefix="warning: ")
     n_layers = model.config.get_text_config().num_hidden_layers
     if max(drafter.config.target_layer_ids) >= n_layers:
         raise MismatchError(Finding("eval.drafter-layers-past-target", layers=list(drafter.config.target_layer_ids),
@@ -428,8 +424,8 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         decode = DecodeConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature, stop_token_ids=stops,
                               block_size=c.block_size or trained, seed=c.seed,
                               confidence_threshold=c.confidence_threshold)
-    except ValueError as e:
-        raise EvalError(str(e)) from None
+    except SettingError as e:  # a flag out of its range: said as the flag's refusal
+        raise EvalError(e.finding) from None
     vocab = model.config.get_text_config().vocab_size
     positions = target_positions(model.config)
     sets = []

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.train.model.drafter import DFlashDrafter
 
 from .target import (
@@ -76,14 +78,18 @@ class DecodeConfig:
     while their running product stays at or above this (at least one); None: the whole block."""
 
     def __post_init__(self) -> None:
+        # (the flags of dflash-eval that set these fields have their names)
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+            raise SettingError(Finding("eval.flag-below-one", flag="--max-new-tokens", value=self.max_new_tokens))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {self.block_size}.")
+            raise SettingError(Finding("eval.flag-out-of-range", flag="--temperature", value=self.temperature,
+                                       low=0, high=None))
+        if self.block_size is not None and self.block_size < 2:  # the anchor and a draft at least
+            raise SettingError(Finding("eval.flag-out-of-range", flag="--block-size", value=self.block_size,
+                                       low=2, high=None))
         if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ValueError(f"confidence_threshold must be a probability in [0, 1], got {self.confidence_threshold}.")
+            raise SettingError(Finding("eval.flag-out-of-range", flag="--confidence-threshold",
+                                       value=self.confidence_threshold, low=0, high=1))
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
 
@@ -296,7 +302,7 @@ class DrafterProposer(Proposer):
                  confidence_threshold: float | None = None) -> None:
         trained = drafter.config.block_size
         if not 2 <= block_size <= trained:
-            raise ValueError(f"block_size {block_size} must be between 2 and the drafter's trained block size {trained}.")
+            raise SettingError(Finding("eval.block-size-range", flag="--block-size", value=block_size, trained=trained))
         self.context = DraftContext(drafter)
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.block_size, self.trained_block_size = block_size, trained

@@ -10,6 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from dflash.runtime.errors import EnvironmentFault
+from dflash.runtime.findings import Finding
+
+from .config import EvalError
 
 
 def capture_hidden(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -59,6 +63,15 @@ def _has_sliding_layers(config: Any) -> bool:
     return types is None or "sliding_attention" in types
 
 
+class TargetUnbatchableError(EvalError, ValueError):
+    """The target's sliding-window or linear-attention layers count cache columns: speculative
+    decoding of it takes one prompt per batch (--batch-size 1)."""
+
+
+class RollbackUnsupportedError(EnvironmentFault, ValueError):
+    """This transformers cannot roll a sliding-window cache back after rejected drafts."""
+
+
 class TargetStateRollback:
     """Undoing a verify pass in target caches that cropping alone cannot undo.
 
@@ -75,17 +88,14 @@ class TargetStateRollback:
         sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
         if (sliding or self.recurrent or _has_sliding_layers(config)) and batch > 1:
             kind = "linear-attention" if self.recurrent else "sliding-window"
-            raise ValueError(
-                f"the target has {kind} layers, whose state counts cache columns: batched speculative "
-                "decoding (rejected drafts leave holes) would change its output. Decode one prompt per "
-                "batch (--batch-size 1)."
-            )
+            raise TargetUnbatchableError(Finding("eval.target-unbatchable", layers=kind, flag="--batch-size",
+                                                 value=batch))
         for layer in sliding:
             if not hasattr(layer, "activate_past_recording"):
-                raise ValueError(
-                    "the target has sliding-window layers and this transformers cannot roll their cache "
-                    "back after rejected drafts; speculative decoding of it needs transformers >= 5.x."
-                )
+                import transformers
+
+                raise RollbackUnsupportedError(Finding("eval.transformers-too-old", version=transformers.__version__,
+                                                       needed="5"))
             layer.activate_past_recording()
 
     def snapshot(self, cache: Any) -> dict[int, Any] | None:

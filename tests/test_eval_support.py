@@ -26,6 +26,7 @@ from dflash.eval.speculative import (
     target_generate,
 )
 from dflash.eval.target import capture_hidden
+from dflash.runtime.errors import SettingError
 from dflash.train.loss.objective import ObjectiveConfig
 from dflash.train.model.drafter import DFlashDrafter
 from dflash.train.model.drafter_config import DrafterConfig
@@ -206,8 +207,10 @@ def test_a_smaller_block_verifies_the_first_drafts_of_the_trained_block(monkeypa
     assert drafted_widths == [4] * 4  # drafted at the trained size, as in training
     assert gen.acceptance_lengths == [3] * 4  # 2 drafts verified + the bonus
     assert gen.tokens == [(6 + i) % 16 for i in range(13)]
-    with pytest.raises(ValueError, match="between 2 and the drafter's trained block size 4"):
+    with pytest.raises(SettingError) as refused:  # a ValueError too
         speculative_generate(CountingTarget(), scripted_drafter(), [[5]], DecodeConfig(block_size=5))
+    assert refused.value.code == "eval.block-size-range"
+    assert refused.value.fields == {"flag": "--block-size", "value": 5, "trained": 4}
 
 
 def test_summary_pools_cycles_of_all_sequences():

@@ -26,6 +26,7 @@ from dflash.eval.speculative import (
     target_generate,
     verify_generate,
 )
+from dflash.eval.target import TargetUnbatchableError
 from dflash.train.data.loader import sample_tensors
 from dflash.train.exports.export import load_drafter
 from dflash.train.model.drafter import DFlashDrafter
@@ -190,8 +191,11 @@ def test_partly_accepted_blocks_roll_the_target_state_back_exactly(tmp_path, fam
     got = verify_generate(model, OracleProposer(expected), [prompt], config)[0]
     assert got.tokens == expected
     assert got.acceptance_lengths[:-1] == [3] * (len(got.acceptance_lengths) - 1)  # 2 drafts + the bonus
-    with pytest.raises(ValueError, match="--batch-size 1"):
+    with pytest.raises(TargetUnbatchableError) as refused:  # a ValueError too
         verify_generate(model, OracleProposer(expected), [prompt, prompt], config)
+    kind = "linear-attention" if family == "qwen3.5" else "sliding-window"
+    assert refused.value.code == "eval.target-unbatchable"
+    assert refused.value.fields == {"layers": kind, "flag": "--batch-size", "value": 2}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "gemma-3", "cohere", "granite"])

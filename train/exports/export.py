@@ -174,12 +174,6 @@ def training_target_finding(drafter_dir: str | Path, target_config: Any, target_
                    here=str(Path(target_dir).resolve()), differences=differences)
 
 
-def training_target_note(drafter_dir: str | Path, target_config: Any, target_dir: str | Path) -> str | None:
-    """`training_target_finding` as its paragraph (for callers that print it themselves)."""
-    finding = training_target_finding(drafter_dir, target_config, target_dir)
-    return None if finding is None else str(finding)
-
-
 EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, CARD_NAME})
 """Everything `export_drafter` writes into its directory (its lock file and staging lie beside it);
 an export written before the model card has no README.md."""
