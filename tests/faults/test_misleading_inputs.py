@@ -12,6 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 from dflash.eval.cli import main as eval_main
 from dflash.extract.cli import main as extract_main
+from dflash.runtime.findings import codes, collected
 from dflash.train.cli import main as train_main
 from safetensors.torch import load_file, save_file
 
@@ -79,16 +80,21 @@ def test_eval_warns_when_the_drafter_was_trained_against_other_weights(world, tm
     drafter = world["run"] / "final"
     recorded = json.loads((drafter / "config.json").read_text())["dflash_training"]
     assert recorded["target"]["weights_hash"] and recorded["target_path"] == str(world["target"].resolve())
-    res = evaluate(world["target"], drafter, tmp_path)
-    assert res.exit_code == 0 and "trained against another target" not in res.output, res.output
+    with collected() as said:
+        res = evaluate(world["target"], drafter, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert "train.drafter-other-target" not in codes(said)
 
     other = Path(shutil.copytree(world["target"], tmp_path / "other-weights"))
     weights = load_file(str(other / "model.safetensors"))
     name = next(k for k in weights if "layers.0.mlp" in k)
     weights[name] = weights[name] + 0.01  # the same config.json, other weights
     save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
-    res = evaluate(other, drafter, tmp_path)
+    with collected() as said:
+        res = evaluate(other, drafter, tmp_path)
     assert res.exit_code == 0, res.output
-    text = flat(res.output)
-    assert (f"warning: the drafter {drafter} was trained against another target ({world['target'].resolve()}) "
-            f"than {other.resolve()}: weights_hash") in text, text
+    [warned] = [f for f in said if f.code == "train.drafter-other-target"]
+    assert warned.fields["drafter"] == str(drafter) and warned.fields["trained"] == str(world["target"].resolve())
+    assert warned.fields["here"] == str(other.resolve())
+    assert [key for key, _, _ in warned.fields["differences"]] == ["weights_hash"]  # the same config.json
+    assert f"warning: the drafter {drafter}" in flat(res.output)  # said on stderr, naming the drafter
