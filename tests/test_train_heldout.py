@@ -223,10 +223,10 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
     assert evals[-1]["train_tau"] > best["train_tau"] + 0.2, "training tau kept rising"
     after = [r for r in evals if r["step"] > best["step"]]
     assert "warning" not in after[0]  # one evaluation below the best may be noise
-    assert all("has not improved" in r.get("warning", "") for r in after[1:])  # two in a row are not
-    assert "overfitting" in after[-1]["warning"] and "More data" in after[-1]["warning"]
-    assert "--epochs" in after[-1]["warning"]
-    assert not any("warning" in r for r in evals if r["step"] == best["step"])
+    said = {"train.heldout-stalled", "train.heldout-overfitting"}
+    assert all(r.get("warning_code") in said and r["warning"] for r in after[1:])  # two in a row are not: its text and code
+    assert after[-1]["warning_code"] == "train.heldout-overfitting"  # training tau kept rising
+    assert not any("warning" in r or "warning_code" in r for r in evals if r["step"] == best["step"])
 
     # The best checkpoint outlived keep_checkpoints=1; the last one is there too; final/ is the best.
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -498,4 +498,27 @@ def test_no_verdict_on_the_trend_before_the_run_has_evaluated_a_few_times():
         records.append(tracker.observe(step, {"tau": tau}))
     assert PATIENCE < MIN_EVALS_FOR_VERDICT
     assert not any("warning" in r for r in records[:MIN_EVALS_FOR_VERDICT - 1])
-    assert all("overfitting" in r["warning"] for r in records[MIN_EVALS_FOR_VERDICT - 1:])
+    warned = [r["warning"] for r in records[MIN_EVALS_FOR_VERDICT - 1:]]
+    assert [w.code for w in warned] == ["train.heldout-overfitting"] * len(warned)
+    first = MIN_EVALS_FOR_VERDICT - 1  # the evaluation at step MIN_EVALS_FOR_VERDICT, tau 2.0 - 0.1 * first
+    assert warned[0].fields == {"tau": pytest.approx(2.0 - 0.1 * first), "best_tau": 2.0, "best_step": 1,
+                                "evaluations": first, "best_train_tau": 2.0,
+                                "train_tau": 2.0 + first, "flag": "--epochs"}  # the flag that stops it earlier
+
+
+def test_a_heldout_tau_that_stalls_while_training_tau_does_not_rise_is_told_apart_from_overfitting(tmp_path):
+    from dflash.train.measure.reporting import MIN_EVALS_FOR_VERDICT, HeldoutTracker, RunLogger
+
+    tracker = HeldoutTracker()
+    records = []
+    for step in range(1, MIN_EVALS_FOR_VERDICT + 1):
+        tracker.add_train({"tau": 3.0, "blocks": 10})  # training tau flat
+        records.append(tracker.observe(step, {"tau": 2.0 if step == 1 else 1.5}))
+    warning = records[-1]["warning"]
+    assert warning.code == "train.heldout-stalled"
+    assert warning.fields == {"tau": 1.5, "best_tau": 2.0, "best_step": 1, "evaluations": MIN_EVALS_FOR_VERDICT - 1}
+    # metrics.jsonl keeps the warning's text under `warning` and adds its code
+    log = RunLogger(tmp_path, enabled=True, progress=False, tensorboard=False)
+    log.log(MIN_EVALS_FOR_VERDICT, "eval", records[-1])
+    [written] = read_metrics(tmp_path)
+    assert written["warning"] == str(warning) and written["warning_code"] == "train.heldout-stalled"

@@ -20,6 +20,31 @@ def _nothing_to_evaluate(samples, eval_caches):
             "(check the data's loss_mask and --max-seq-len).")
 
 
+# -- reporting.py: the held-out tau over a run ---------------------------------------------------------
+
+
+def _not_improved(tau, best_tau, best_step, evaluations):
+    return f"held-out tau {tau:.3f} has not improved on {best_tau:.3f} (step {best_step}) for {evaluations} evaluations"
+
+
+def _keep(best_step):
+    return f"final/ will be the step-{best_step} checkpoint, the best held-out one."
+
+
+@renders("train.heldout-overfitting", example=dict(tau=2.1, best_tau=2.4, best_step=400, evaluations=2,
+                                                   best_train_tau=2.6, train_tau=3.3, flag="--epochs"))
+def _heldout_overfitting(tau, best_tau, best_step, evaluations, best_train_tau, train_tau, flag):
+    return (f"{_not_improved(tau, best_tau, best_step, evaluations)} while training tau rose {best_train_tau:.3f} -> "
+            f"{train_tau:.3f}: the drafter is fitting its training samples, not the target (overfitting). More data "
+            f"helps most; fewer {flag} stop it earlier. {_keep(best_step)}")
+
+
+@renders("train.heldout-stalled", example=dict(tau=2.1, best_tau=2.4, best_step=400, evaluations=2))
+def _heldout_stalled(tau, best_tau, best_step, evaluations):
+    return (f"{_not_improved(tau, best_tau, best_step, evaluations)}: it has stopped improving. More data or a larger "
+            f"drafter may help. {_keep(best_step)}")
+
+
 # -- estimate.py: dflash-train estimate ---------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import atomic_write_bytes
 from dflash.train.loss.objective import LossOutput
 from dflash.train.measure.metrics import BlockMetrics, leading_correct
@@ -223,7 +224,8 @@ class HeldoutTracker:
 
     def observe(self, step: int, heldout: dict[str, float]) -> dict[str, Any]:
         """Record one evaluation; returns its record (held-out tau, train tau and gap first,
-        then the best so far, a warning when it did not improve, then the held-out metrics)."""
+        then the best so far, a warning when it did not improve (a Finding, which `RunLogger.log`
+        writes as its text and code), then the held-out metrics)."""
         tau = heldout["tau"]
         train_tau = 1.0 + self.train_accepted / self.train_blocks if self.train_blocks else math.nan
         self.train_accepted, self.train_blocks = 0.0, 0.0
@@ -257,15 +259,12 @@ class HeldoutTracker:
             record["warning"] = warning
         return {**record, **heldout}
 
-    def _warning(self, tau: float, train_tau: float) -> str:
-        head = (f"held-out tau {tau:.3f} has not improved on {self.best_tau:.3f} (step {self.best_step}) "
-                f"for {self.evals_since_best} evaluations")
-        keep = f"final/ will be the step-{self.best_step} checkpoint, the best held-out one."
-        if train_tau > self.best_train_tau:
-            return (f"{head} while training tau rose {self.best_train_tau:.3f} -> {train_tau:.3f}: the drafter "
-                    "is fitting its training samples, not the target (overfitting). More data helps most; "
-                    f"fewer --epochs stop it earlier. {keep}")
-        return f"{head}: it has stopped improving. More data or a larger drafter may help. {keep}"
+    def _warning(self, tau: float, train_tau: float) -> Finding:
+        said = dict(tau=tau, best_tau=self.best_tau, best_step=self.best_step, evaluations=self.evals_since_best)
+        if train_tau > self.best_train_tau:  # training tau rose meanwhile: it fits its samples, not the target
+            return Finding("train.heldout-overfitting", **said, best_train_tau=self.best_train_tau,
+                           train_tau=train_tau, flag="--epochs")
+        return Finding("train.heldout-stalled", **said)
 
     def progress_fields(self) -> dict[str, float]:
         return {} if self.last_tau is None else {"heldout_tau": self.last_tau}
@@ -426,6 +425,8 @@ class RunLogger:
         if not self.enabled:
             return
         record = {"step": step, "kind": kind, "time": time.time(), **metrics}
+        if isinstance(warning := metrics.get("warning"), Finding):  # its text, and its code for readers
+            record |= {"warning": str(warning), "warning_code": warning.code}
         with open(self.path, "a") as f:
             f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self.writer is not None:
