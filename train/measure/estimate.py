@@ -18,7 +18,7 @@ from dflash.runtime.devices import resolve_device
 from dflash.runtime.errors import DflashError, InputError
 from dflash.runtime.findings import Finding
 from dflash.train.config import TrainConfig, TrainConfigError
-from dflash.train.data.caches import check_cache_target, open_training_data
+from dflash.train.data.caches import TrainingData, check_cache_target, open_training_data
 from dflash.train.exports.export import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -55,7 +55,7 @@ def estimate_drafter(drafter_dir: str, settings: dict[str, Any]) -> dict[str, An
         data.loader.close()
 
 
-def _evaluate(cfg: TrainConfig, data: Any, target_config: Any, device: Any, path: Path) -> dict[str, Any]:
+def _evaluate(cfg: TrainConfig, data: TrainingData, target_config: Any, device: Any, path: Path) -> dict[str, Any]:
     manifest = data.caches.manifest
     # (the target's weights differ from the cache's, ...: said, as training and dflash-eval say it)
     notices = list(check_cache_target(manifest, target_config, cfg.model.target_model))

@@ -36,13 +36,16 @@ import dataclasses
 import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dflash.runtime.findings import Finding
 from dflash.train.config import DrafterSettings, TrainConfig, TrainConfigError
 from dflash.train.heads import get_head
 from dflash.train.heads.base import HeadMemory
+
+if TYPE_CHECKING:
+    from dflash.train.data.caches import TrainingData
 
 GIB = 2**30
 MIB = 2**20
@@ -322,17 +325,14 @@ def refusal(cfg: TrainConfig, dims: Dims, lengths: np.ndarray, batch: MicroBatch
                    largest=estimate.largest(), largest_gib=estimate.terms[estimate.largest()] / GIB, fits=fixes)
 
 
-def training_lengths(cfg: TrainConfig, data: Any) -> np.ndarray | None:
-    """The training samples' lengths (`data`: train.data.TrainingData); under --follow those known
-    so far and one of --max-seq-len (parts still to come)."""
-    lengths = getattr(data.caches, "lengths", None)
-    if lengths is None:
-        return None
-    known = np.asarray(lengths)[np.asarray(data.train_indices, dtype=np.int64)]
+def training_lengths(cfg: TrainConfig, data: TrainingData) -> np.ndarray:
+    """The training samples' lengths; under --follow those known so far and one of --max-seq-len
+    (parts still to come)."""
+    known = np.asarray(data.caches.lengths)[np.asarray(data.train_indices, dtype=np.int64)]
     return np.append(known, cfg.data.max_seq_len) if cfg.data.follow else known
 
 
-def fit_to_device(cfg: TrainConfig, target_config: Any, data: Any, device: Any,
+def fit_to_device(cfg: TrainConfig, target_config: Any, data: TrainingData, device: Any,
                   announce: Callable[[Finding], None] | None = None, world_size: int = 1) -> TrainConfig:
     """The trainer's startup check, before the drafter is built: `cfg` as its largest micro-batch
     fits `device`'s free memory, --logits-chunk-mib lowered where needed (a notice to `announce`),
@@ -343,7 +343,7 @@ def fit_to_device(cfg: TrainConfig, target_config: Any, data: Any, device: Any,
 
     device = torch.device(device)
     lengths = training_lengths(cfg, data)
-    if device.type != "cuda" or not cfg.runtime.memory_check or lengths is None or not len(lengths):
+    if device.type != "cuda" or not cfg.runtime.memory_check or not len(lengths):
         return cfg
     overrides = {**cfg.model.drafter_overrides(), "target_layer_ids": list(data.caches.manifest.target_layer_ids)}
     dims = Dims.of(DrafterConfig.from_target_config(target_config, **overrides))
