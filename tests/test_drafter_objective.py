@@ -185,9 +185,10 @@ def test_the_loss_reads_the_anchors_the_loader_drew_and_draws_none_itself():
 
 
 def test_the_head_over_chunks_of_rows_gives_all_at_onces_log_probs_gradients_and_argmax():
-    # A micro-batch of many short samples scores N slots x V ids of logits at once (over 200
-    # GiB at 152K ids); slot_losses holds one chunk of rows at a time. Same log-probs of the
-    # labels, same gradients of the states, same argmax, whatever the chunk.
+    # A micro-batch of many short samples scores N slots x V ids of logits (over 200 GiB at 152K
+    # ids with their backward); slot_losses holds one chunk of rows at a time. Same log-probs of
+    # the labels, same gradients of the states, same argmax as autograd over all of them at once,
+    # whatever the chunk.
     from dflash.train.loss.head_loss import candidate_logits, chunk_rows, needs_chunks, slot_losses
 
     drafter = tiny_drafter(seed=3).train()
@@ -238,11 +239,12 @@ def soft_label_batch(kind: str) -> dict:
     ("acceptance", "dflash2", False, None), ("acceptance", "dflash2", True, None),
     ("acceptance", "dflash", False, "topk"), ("decay", "dflash", False, "hidden"),
     ("acceptance", "dflash2", False, "topk")])
-def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, soft, monkeypatch):
+def test_compute_loss_over_chunks_matches_one_chunk(weighting, kind, stop, soft, monkeypatch):
     # The objective's own switch: with a chunk smaller than the batch's slots, loss, gradients
-    # and predictions equal those of the plain path (DFlash2: the selector's top-K and
+    # and predictions equal those of one chunk of all of them (DFlash2: the selector's top-K and
     # candidates' logits too, with and without its stop-gradient; soft labels from the cached
-    # top-k or from the target's last hidden state: the KL too).
+    # top-k or from the target's last hidden state: the KL too). The one chunk against autograd
+    # over the whole logits: tests/test_head_loss_reference.py.
     import dflash.train.loss.objective as objective
 
     batch = hand_batch() if soft is None else soft_label_batch(soft)
@@ -257,17 +259,17 @@ def test_compute_loss_over_chunks_matches_the_plain_path(weighting, kind, stop, 
         out = loss_of(drafter, batch, cfg, generator=torch.Generator().manual_seed(5))
         out.loss.backward()
         runs.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
-    (plain, plain_grads), (chunked, chunked_grads) = runs
-    assert torch.allclose(plain.loss, chunked.loss, atol=1e-6)
-    assert torch.equal(plain.predicted, chunked.predicted) and torch.equal(plain.correct, chunked.correct)
+    (one, one_grads), (chunked, chunked_grads) = runs
+    assert torch.allclose(one.loss, chunked.loss, atol=1e-6)
+    assert torch.equal(one.predicted, chunked.predicted) and torch.equal(one.correct, chunked.correct)
     if soft is not None:
-        assert torch.allclose(plain.kl, chunked.kl, atol=1e-6) and torch.allclose(plain.ce, chunked.ce, atol=1e-6)
+        assert torch.allclose(one.kl, chunked.kl, atol=1e-6) and torch.allclose(one.ce, chunked.ce, atol=1e-6)
     if kind == "dflash2":
-        assert torch.allclose(plain.selector_loss, chunked.selector_loss, atol=1e-6)
-        assert torch.equal(plain.backbone_predicted, chunked.backbone_predicted)
-    assert plain_grads.keys() == chunked_grads.keys() and plain_grads
-    for name in plain_grads:
-        assert torch.allclose(plain_grads[name], chunked_grads[name], atol=1e-5, rtol=1e-4), name
+        assert torch.allclose(one.selector_loss, chunked.selector_loss, atol=1e-6)
+        assert torch.equal(one.backbone_predicted, chunked.backbone_predicted)
+    assert one_grads.keys() == chunked_grads.keys() and one_grads
+    for name in one_grads:
+        assert torch.allclose(one_grads[name], chunked_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
@@ -312,3 +314,4 @@ def test_the_target_label_trains_toward_the_targets_top1_and_is_the_sample_on_a_
         run(batch, "target")
     with pytest.raises(TrainConfigError, match="hard-label"):
         ObjectiveConfig(hard_label="argmax")
+

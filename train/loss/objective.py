@@ -25,12 +25,10 @@ import torch
 from dflash.runtime.errors import InputError
 from dflash.train.config import ObjectiveConfig
 from dflash.train.heads.base import HeadInputs
-from dflash.train.heads.dflash2.modules import exact_topk
 from dflash.train.loss.head_loss import (
     CHUNK_MIB,
     candidate_logits,
     chunk_rows,
-    log_softmax_with_candidates,
     needs_chunks,
     slot_losses,
 )
@@ -317,16 +315,6 @@ def _soft_labels(batch: dict, b: torch.Tensor, rows: torch.Tensor) -> dict[str, 
     raise ValueError(_NO_SOFT_LABELS)
 
 
-def _soft_label_kl(drafter: DFlashDrafter, soft: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-position KL(target || drafter) of the soft labels `soft` (`_soft_labels`) against the
-    drafter's log-probs [N, V]."""
-    if "soft_ids" in soft:
-        target = soft["soft_logprobs"]  # the renormalized top-k
-        return (target.exp() * (target - logprobs.gather(1, soft["soft_ids"]))).sum(-1)
-    target = torch.log_softmax(drafter.target_logits(soft["soft_hidden"]).float(), dim=-1)
-    return (target.exp() * (target - logprobs)).sum(-1)
-
-
 def compute_loss(
     drafter: DFlashDrafter,
     batch: dict,
@@ -369,29 +357,15 @@ def compute_loss(
         labels = greedy_labels(batch, labels, b, a, k, cache_rows)
     target = labels[b, a, k]
     head = drafter.head  # (through a DDP/FSDP wrapper too: LossModel forwards attributes to the drafter)
-    top_k = head.candidates(c)
     vocab = drafter.lm_head_weight.shape[0]
-    chunk = chunk_rows(vocab, min(CHUNK_MIB, config.logits_chunk_mib))
+    limit = config.logits_chunk_mib
+    # The head over chunks of rows (head_loss.py): one while the slots' float32 logits fit
+    # --logits-chunk-mib (0: no limit), else chunks of CHUNK_MIB.
+    chunk = chunk_rows(vocab, min(CHUNK_MIB, limit)) if needs_chunks(len(target), vocab, limit) else max(1, len(target))
     soft_weight = config.soft_label_weight or 0.0  # None (not yet decided by the cache, TrainConfig.with_soft_labels): off
     soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
-    if needs_chunks(scored.shape[0], vocab, config.logits_chunk_mib):
-        # More logits than --logits-chunk-mib at once: the head over chunks of rows (head_loss.py);
-        # what follows needs the slots' losses, the labels' log-probs, the argmax and the head's top-K.
-        row_loss, label_lp, per_position, top1, top_ids = slot_losses(
-            drafter, scored, target, chunk, top_k=top_k, soft_weight=soft_weight, **soft)
-        logits = logprobs = picked = None
-    else:
-        logits = drafter.logits(scored)
-        if not top_k:
-            logprobs, picked, top_ids = torch.log_softmax(logits.float(), dim=-1), None, None
-        else:  # the top-K and the label's logits for the head, gathered with the log-softmax
-            top_ids = exact_topk(logits.detach(), top_k)[1]
-            logprobs, picked = log_softmax_with_candidates(logits, torch.cat([top_ids, target[:, None]], dim=-1))
-        label_lp, top1 = logprobs.gather(1, target[:, None]).squeeze(1), None
-        row_loss = -label_lp
-        if soft_weight > 0:
-            per_position = _soft_label_kl(drafter, soft, logprobs)
-            row_loss = (1 - soft_weight) * row_loss + soft_weight * per_position
+    row_loss, label_lp, per_position, top1, top_ids = slot_losses(
+        drafter, scored, target, chunk, top_k=head.candidates(c), soft_weight=soft_weight, **soft)
     if config.loss_weighting == "acceptance":
         weights = acceptance_weights(label_lp, b, a, k, valid.shape)
     else:
@@ -403,11 +377,11 @@ def compute_loss(
     kl = (weights * per_position.detach()).sum() / total_weight if soft_weight > 0 else None
 
     predicted = torch.full_like(labels, -1)
-    predicted[b, a, k] = logprobs.argmax(-1) if top1 is None else top1
+    predicted[b, a, k] = top1
     correct = predicted == labels  # False where not scored (-1 is no token)
     own = head.objective(HeadInputs(
         drafter=drafter, states=scored, labels=target, weights=weights, input_ids=input_ids, rows=(b, cache_rows),
-        top_ids=top_ids, candidate_logits=picked, soft_labels=soft,
+        top_ids=top_ids, candidate_logits=None, soft_labels=soft,
         gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk),
         block_states=blocks, anchors=anchors, slots=(b, a, k), context=hidden,
         label_logprobs=label_lp.detach()), config)

@@ -229,8 +229,8 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
     choice (for the metrics) is the walk's, over the plain top-K. `stop_gradient`: the selector's
     loss does not reach the backbone (its states and logits enter detached). Without `logits`
     (the head in chunks, head_loss.py): `top_ids` [N, K] are the top-K and either
-    `candidate_logits` [N, K+1] the logits of the top-K and the label (the objective's plain
-    path, head_loss.log_softmax_with_candidates) or `gather_logits(states, candidates)` gives them.
+    `candidate_logits` [N, K+1] the logits of the top-K and the label or `gather_logits(states,
+    candidates)` gives them (head_loss.candidate_logits, as the objective hands them).
     """
     if stop_gradient:
         states, logits = states.detach(), None if logits is None else logits.detach()
