@@ -94,8 +94,9 @@ def _drafter_layers_past_target(layers, target_layers):
 
 @renders("eval.drafter-without-confidence", example=dict(drafter="run/final", flag="--confidence-threshold"))
 def _drafter_without_confidence(drafter, flag):
-    return (f"{drafter}: {flag} stops drafting where the drafter's confidence falls, but this drafter predicts "
-            "none (a DSpark drafter exported with its confidence head does): drop the flag.")
+    where = f"{drafter}: " if drafter else ""  # (None: the decoding loop, which knows no directory)
+    return (f"{where}{flag} stops drafting where the drafter's confidence falls, but this drafter predicts none (a "
+            "DSpark drafter exported with its confidence head does): drop the flag.")
 
 
 @renders("eval.output-diverged", example=dict(prompt_sets=["chat"]))

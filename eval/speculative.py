@@ -53,8 +53,9 @@ from .target import (
 )
 
 
-class NoConfidenceError(ValueError):
-    """A confidence threshold was given for a drafter that predicts no confidence of its drafts."""
+class NoConfidenceError(SettingError):
+    """A confidence threshold was given for a drafter that predicts no confidence of its drafts
+    (eval.drafter-without-confidence; dflash-eval names the drafter's directory)."""
 
 
 @dataclass(kw_only=True)
@@ -342,9 +343,8 @@ class DrafterProposer(Proposer):
         if self.confidence_threshold is None:
             return drafts, full
         if confidence is None:
-            raise NoConfidenceError("--confidence-threshold stops drafting where the drafter's confidence falls, but this "
-                             "drafter predicts none (a DSpark drafter exported with its confidence head does): "
-                             "drop the flag.")
+            raise NoConfidenceError(Finding("eval.drafter-without-confidence", drafter=None,
+                                            flag="--confidence-threshold"))
         sure = confidence.float().cumprod(dim=1) >= self.confidence_threshold
         lengths = sure.long().cumprod(dim=1).sum(dim=1).clamp(min=1)
         return drafts[:, : int(lengths.max())], lengths

@@ -83,3 +83,15 @@ def test_dflash_eval_refuses_a_decoding_setting_with_its_finding(monkeypatch, se
         eval_run.run_eval(config)
     assert refused.value.code is not None and refused.value.fields["flag"] == flag
     assert refused.value.fields["value"] == next(iter(setting.values()))
+
+
+def test_a_confidence_threshold_for_a_drafter_without_confidence_is_a_setting_finding():
+    import torch
+    from dflash.eval.speculative import DrafterProposer, NoConfidenceError
+
+    proposer = SimpleNamespace(confidence_threshold=0.5)
+    with pytest.raises(NoConfidenceError) as refused:  # a SettingError, and a ValueError as before
+        DrafterProposer._stop_where_unsure(proposer, torch.zeros((1, 3), dtype=torch.long), None)
+    assert isinstance(refused.value, SettingError) and isinstance(refused.value, ValueError)
+    assert refused.value.code == "eval.drafter-without-confidence"
+    assert refused.value.fields == {"drafter": None, "flag": "--confidence-threshold"}
