@@ -315,3 +315,18 @@ def test_the_target_label_trains_toward_the_targets_top1_and_is_the_sample_on_a_
     with pytest.raises(TrainConfigError, match="hard-label"):
         ObjectiveConfig(hard_label="argmax")
 
+
+def test_the_target_label_on_a_cache_without_the_targets_top1_is_refused_naming_the_cache_and_flag():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dflash.runtime.errors import InputError
+    from dflash.train.loss.objective import label_summary
+
+    bare = SimpleNamespace(cache_dir=Path("runs/cache-a"), topk=0, top1=False, top1_share=0.0, store_last_hidden=False)
+    with pytest.raises(InputError) as e:
+        label_summary(ObjectiveConfig(hard_label="target"), bare)
+    assert e.value.code == "train.hard-label-target-without-top1"
+    assert e.value.fields == {"cache": "runs/cache-a", "flag": "--hard-label"}
+    assert "runs/cache-a" in str(e.value) and "--hard-label sample" in str(e.value)
+    assert "hard labels" not in label_summary(ObjectiveConfig(hard_label="sample"), bare)

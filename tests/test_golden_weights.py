@@ -7,7 +7,7 @@ Another CPU may round differently in the last bit, so the check allows float32 r
 orders of magnitude more (a test below shows it). On the machine that recorded them the runs
 are bit-identical, which `golden_bits` reports.
 
-Re-recorded once on purpose, by the commit "The target head's loss has one path: ..." (the tiny
+Re-recorded once on purpose, by commit 0114ff9 "The target head's loss has one path: ..." (the tiny
 runs took the autograd log-softmax path before it; the gradient of the states is now formed by
 hand in train/loss/head_loss.py: the weights moved by float32 rounding, at most 1e-6 relative for
 DFlash and 2e-5 for DFlash2, whose candidates' logits come from their rows of W).

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding
 from dflash.train.config import ObjectiveConfig
 from dflash.train.heads.base import HeadInputs
 from dflash.train.loss.head_loss import (
@@ -261,9 +262,7 @@ def _hard_label_summary(config: ObjectiveConfig, manifest: Any) -> str:
         return ("; hard labels: the target's top-1 from the cache" + (
             "" if share >= 1 else f", for the share {share:g} of the samples that store it (dflash-extract "
             "--top1-share); the others train on their own tokens"))
-    raise InputError("--hard-label target trains toward the target's own top-1, and the cache stores neither "
-                     "its top-k nor its top-1 (extracted with --store-topk 0 --no-store-top1, or before they were "
-                     "stored by default). Extract again with the defaults (the top-8), or use --hard-label sample.")
+    raise InputError(Finding("train.hard-label-target-without-top1", cache=str(manifest.cache_dir), flag="--hard-label"))
 
 
 def target_top1(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
