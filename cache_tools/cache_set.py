@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding
 
 from .errors import ConfigMismatchError
 from .eviction import refuse_evicted
 from .identity import Purpose, target_differences
-from .manifest import diff_identity
+from .manifest import value_differences
 from .plan import ExtractionProgress, unfinished_extraction
 from .reader import CacheReader
 from .remote import open_reader
@@ -53,31 +54,25 @@ def shared_data(first: CacheReader, other: CacheReader) -> str | None:
     return min(common) if common else None
 
 
-def check_distinct_data(readers: list[CacheReader], what: str = "the caches") -> None:
-    """No two of `readers` were extracted from the same data: trained on together, each of its
-    samples would count twice an epoch (merged: twice in the cache)."""
+def check_distinct_data(readers: list[CacheReader], use: str = "train") -> None:
+    """No two of `readers` were extracted from the same data: trained on together (`use`
+    "train"), each of its samples would count twice an epoch (merged, "merge": twice in the cache)."""
     for i, reader in enumerate(readers):
         for earlier in readers[:i]:
             if (digest := shared_data(earlier, reader)) is not None:
-                raise ConfigMismatchError(
-                    f"{earlier.cache_dir} and {reader.cache_dir} hold the same samples: both were extracted from "
-                    f"the same data (sha256 {digest[:12]}), so {what} would hold each of them twice (one is a "
-                    "copy, a recompressed copy or a second extraction of the other). Give one of them.")
+                raise ConfigMismatchError(Finding("cache.same-data", first=str(earlier.cache_dir),
+                                                  second=str(reader.cache_dir), sha256=digest, use=use))
 
 
 def check_compatible(first: CacheReader, other: CacheReader) -> None:
     """Two caches can be trained on together: same target, layers, width and extras."""
     targets = target_differences(first.manifest.header.get("target"), other.manifest.header.get("target"),
                                  Purpose.TRAIN_TOGETHER)
-    diffs = [f"target.{k}: cache has {b!r}, requested {a!r}" for k, a, b in targets]
-    diffs += diff_identity(train_together_identity(first), train_together_identity(other))
+    diffs = [[f"target.{k}", repr(a), repr(b)] for k, a, b in targets]
+    diffs += value_differences(train_together_identity(first), train_together_identity(other))
     if diffs:
-        shown = "; ".join(d.replace("cache has", "second has").replace("requested", "first has") for d in diffs[:6])
-        raise ConfigMismatchError(
-            f"The caches {first.cache_dir} (first) and {other.cache_dir} (second) cannot be "
-            f"trained on together: {shown}. Train on caches extracted from the same target "
-            "model with the same layers."
-        )
+        raise ConfigMismatchError(Finding("cache.not-trainable-together", first=str(first.cache_dir),
+                                          second=str(other.cache_dir), differences=diffs[:6]))
 
 
 class CacheSet:
@@ -92,12 +87,11 @@ class CacheSet:
         self.readers = [open_reader(d, verify_checksums=verify_checksums, disk_budget=disk_budget,
                                     staging_dir=staging_dir) for d in cache_dirs]
         for reader in self.readers:  # (its evicted parts would read as damaged ones)
-            refuse_evicted(reader.cache_dir, "Training on it without --follow",
-                           also="the training run that followed the extraction resumes with --follow in its --output-dir")
+            refuse_evicted(reader.cache_dir, "train")
         first = self.readers[0]
         for other in self.readers[1:]:
             check_compatible(first, other)
-        check_distinct_data(self.readers, "training on them together")
+        check_distinct_data(self.readers, "train")
         self.manifest = first.manifest
         sizes = [len(r) for r in self.readers]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

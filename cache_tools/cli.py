@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from dflash.runtime.cli import EXIT_FAILED, Group
+from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 from dflash.runtime.settings import IntList, setting, settings_options
 
 from .codecs import CODEC_NAMES  # (no torch)
@@ -291,8 +293,7 @@ def verify(cache: str, settings: VerifySettings) -> None:
     fast = settings.fast
     if remote_store.is_remote(cache):
         if settings.quarantine:
-            raise click.BadParameter("a remote cache is repaired by uploading its parts again from a sound "
-                                     "local copy: quarantine works on local caches.", param_hint="--quarantine")
+            raise SettingError(Finding("cache.quarantine-remote", url=cache, flag="--quarantine"))
         _verify_remote(cache, fast)
         return
     report = maintenance.verify_cache(cache, fast=fast, progress=settings.progress)
@@ -508,7 +509,7 @@ def upload(cache: str, url: str, settings: UploadSettings) -> None:
     from . import remote_store, remote_upload
 
     if not remote_store.is_remote(url):
-        raise click.BadParameter(f"{url} is not a remote cache URL: write s3://bucket/prefix.", param_hint="URL")
+        raise SettingError(Finding("cache.remote-url-invalid", url=url))
     done = remote_upload.upload_cache(cache, url, threads=settings.threads, replace=settings.replace)
     click.echo(f"Uploaded {done['parts']} parts to {url}: {done['files_uploaded']} files written, "
                f"{done['files_kept']} already there with the same content"

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import TEMP_PREFIX, atomic_write_bytes, file_lock, fsync_dir, publish_dir
 
 from .checksum import crc32c
@@ -114,18 +115,14 @@ class EvictionLog:
         return {n: s for n, s in self.states.items() if s.evicted}
 
 
-def refuse_evicted(cache_dir: str | os.PathLike, command: str, also: str = "") -> None:
-    """`command` (recompress, merge, stats, upload, an offline training run) reads every part:
-    refused, naming the parts, where some are evicted under a disk budget (their files are gone,
-    which is no damage). `also`: another way out, appended to the advice."""
+def refuse_evicted(cache_dir: str | os.PathLike, command: str) -> None:
+    """`command` (recompress, merge, stats, upload, train: an offline training run) reads every
+    part: refused, naming the parts, where some are evicted under a disk budget (their files are
+    gone, which is no damage)."""
     gone = sorted(EvictionLog(cache_dir).refresh().evicted())
     if gone:
-        raise CacheError(
-            f"{len(gone)} part(s) of {cache_dir} are evicted under a disk budget ({gone[0]} first; "
-            f"{EVICTION_FILE}): their files were deleted once training had read them, and only an extraction's "
-            f"later --follow-epochs pass writes them again. {command} reads every part: rerun the dflash-extract "
-            "command on the cache without --disk-budget, with room for all of it: it restores them (checked "
-            "against the evicted copies)" + (f"; {also}" if also else "") + ".")
+        raise CacheError(Finding("cache.parts-evicted", cache=str(cache_dir), parts=len(gone), first=gone[0],
+                                 file=EVICTION_FILE, command=command))
 
 
 def encode_event(event: dict[str, Any]) -> bytes:
@@ -140,8 +137,7 @@ def decode_event(line: bytes, where: str) -> dict[str, Any]:
             return json.loads(body)
     except ValueError:
         pass
-    raise CacheCorruptError(f"{where}: the eviction record is damaged (checksum mismatch). Run `dflash-cache "
-                            "verify` on the cache; a part whose state is unknown must be re-extracted.")
+    raise CacheCorruptError(Finding("cache.eviction-record-damaged", where=where))
 
 
 def append_event(cache_dir: Path, event: dict[str, Any]) -> None:
@@ -207,13 +203,9 @@ def restore_part(cache_dir: Path, tmp_dir: Path, record: PartRecord, committed: 
     digest = files_digest(tmp_dir)
     if record.lengths != committed.lengths or digest != state.sha256:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise ReextractionMismatchError(
-            f"cache part {record.name!r} at {cache_dir}: its re-extraction gave other bytes than the copy "
-            f"evicted after epoch {state.epoch} (sha256 {digest[:12]}.. of {record.nbytes} bytes, evicted "
-            f"{state.sha256[:12]}.. of {state.nbytes}). A part's bytes follow from the data, the cache's "
-            "identity and the extraction's batching: rerun dflash-extract with the first run's --token-budget, "
-            "dtype, attention implementation and device kind (and the same torch), or start the cache anew "
-            "with --force.")
+        raise ReextractionMismatchError(Finding(
+            "cache.reextraction-differs", part=record.name, cache=str(cache_dir), epoch=state.epoch, sha256=digest,
+            nbytes=record.nbytes, evicted_sha256=state.sha256, evicted_nbytes=state.nbytes))
     publish_dir(tmp_dir, cache_dir / PARTS_DIR / record.name, synced=True)
     append_event(cache_dir, {"part": record.name, "event": RESTORED, "epoch": state.epoch + 1})
 
@@ -263,8 +255,8 @@ def _budget_field(cache_dir: str | os.PathLike, key: str, optional: bool = False
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CacheCorruptError(f"{Path(cache_dir) / BUDGET_FILE} is damaged ({e}): rerun the dflash-extract "
-                                "command on the cache to write it again.") from None
+        raise CacheCorruptError(Finding("cache.budget-file-damaged", file=str(Path(cache_dir) / BUDGET_FILE),
+                                        error=str(e))) from None
 
 
 # -- what the trainers consumed ----------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding
 from dflash.runtime.locks import is_held
 from dflash.runtime.signals import check_stop
 
@@ -75,21 +76,17 @@ def wait_for_plan(cache_dir: Path, announce: Callable[[str], None], *,
 def _plan_wait_state(cache_dir: Path, header: dict[str, Any] | None, waited: float, start_seconds: float) -> str:
     """What a wait for the plan of `cache_dir` waits on and what ends it; refuses (CacheError, exit 2)
     where the plan cannot come."""
-    follow = f"dflash-train --follow --cache {cache_dir}"
     if cache_dir.exists() and not cache_dir.is_dir():
-        raise CacheError(f"{follow}: {cache_dir} is a file, not a cache directory. Pass the directory that "
-                         "dflash-extract --output names.")
+        raise CacheError(Finding("cache.follow-not-a-directory", cache=str(cache_dir)))
     if header is None:
         present = sorted(p.name for p in cache_dir.iterdir()) if cache_dir.is_dir() else []
         foreign = [n for n in present if not n.startswith(".") and n not in (PARTS_DIR, PLAN_FILE, QUARANTINE_DIR)]
         if foreign:
-            raise CacheError(f"{follow}: {cache_dir} holds files ({', '.join(foreign[:3])}) but no cache "
-                             f"({HEADER_FILE}), and dflash-extract does not write a cache into such a directory. "
-                             "Check the path: pass the directory that dflash-extract --output names.")
+            raise CacheError(Finding("cache.follow-foreign-directory", cache=str(cache_dir), files=foreign[:3],
+                                     header=HEADER_FILE))
         if waited >= start_seconds:
-            raise CacheError(f"{follow}: no extraction has begun at {cache_dir} in {waited:.0f} s "
-                             f"({'no such directory' if not present else f'no {HEADER_FILE}'}). Check the path, "
-                             "or start dflash-extract --output on it first, then this run.")
+            raise CacheError(Finding("cache.follow-no-extraction", cache=str(cache_dir), seconds=round(waited),
+                                     missing=HEADER_FILE if present else None))
         return (f"no cache there yet ({'no such directory' if not present else f'no {HEADER_FILE}'}): "
                 f"dflash-extract creates it once its target is loaded. Refused if no extraction has begun "
                 f"there within {start_seconds:.0f} s (a mistyped path?)")
@@ -97,10 +94,8 @@ def _plan_wait_state(cache_dir: Path, header: dict[str, Any] | None, waited: flo
     log = CommitLog(cache_dir)
     log.refresh()
     if log.records and running is False:
-        raise CacheError(f"{follow}: the cache holds {len(log.records)} committed part(s) but no extraction plan "
-                         f"({PLAN_FILE}) and no extraction is writing it, so no plan will come: it was written by "
-                         "an earlier version, or its extraction stopped at a bad record (no plan is written for "
-                         "such input). Train on it without --follow.")
+        raise CacheError(Finding("cache.follow-no-plan", cache=str(cache_dir), parts=len(log.records),
+                                 plan=PLAN_FILE))
     if running is False:
         return ("no extraction is writing the cache now (it stopped before writing its plan): rerun the "
                 "dflash-extract command that started it; it writes the plan first")
@@ -209,10 +204,9 @@ class FollowCacheSet:
         result = self.reader.read_tokens(part_idx, start, stop, out=out, dequantize=dequantize)
         stored = int(self.reader.part_arrays(part_idx).small_array(SAMPLE_IDS)[local])
         if stored != self._ids[index]:
-            raise CacheCorruptError(
-                f"cache part {self.plan.parts[planned].name!r} at {self.cache_dir}: sample {local} has id {stored}, "
-                f"the extraction plan says {int(self._ids[index])}. The part does not match the plan: run "
-                "`dflash-cache verify` and re-extract it.")
+            raise CacheCorruptError(Finding("cache.follow-sample-id", part=self.plan.parts[planned].name,
+                                            cache=str(self.cache_dir), sample=local, stored=stored,
+                                            planned=int(self._ids[index])))
         result["sample_id"] = stored
         if "top1_ids" in result:  # (as CacheReader.read_sample: --top1-share leaves some without one)
             result["top1_known"] = self.reader.top1_known(part_idx, local, stored)
@@ -237,7 +231,12 @@ class FollowCacheSet:
             if record is not None and not state.evicted:
                 break
             if record is not None and self.reading_epoch is not None and state.epoch >= self.reading_epoch:
-                raise CacheError(self._evicted_for_another_run(want.name, state))
+                # A part evicted after epoch k is never read again before epoch k + 1 by the run whose
+                # consumption reports let it go: a reader of an earlier epoch is another run, which would
+                # wait for it forever (it comes back, if at all, for the epochs of the run that evicted it).
+                raise CacheError(Finding("cache.follow-evicted-for-another-run", part=want.name,
+                                         cache=str(self.cache_dir), epoch=state.epoch, reading=self.reading_epoch,
+                                         reports=TRAINED_GLOB))
             waited = time.monotonic() - start
             if waited - noticed >= NOTICE_SECONDS:
                 noticed = waited
@@ -251,10 +250,8 @@ class FollowCacheSet:
             return idx
         if record.lengths != want.lengths or record.sample_ids not in (None, want.sample_ids) or (
                 record.split_keys != want.split_keys and want.split_keys is not None):
-            raise CacheCorruptError(
-                f"cache part {want.name!r} at {self.cache_dir}: its commit record lists other samples than the "
-                "extraction plan (manifest.plan.json). The cache was written with another plan: start it anew "
-                "with dflash-extract --force, or train on it without --follow.")
+            raise CacheCorruptError(Finding("cache.follow-part-not-planned", part=want.name, cache=str(self.cache_dir),
+                                            plan=PLAN_FILE))
         self.reader.parts.append(record)
         idx = self._in_reader[planned] = len(self.reader.parts) - 1
         return idx
@@ -284,19 +281,6 @@ class FollowCacheSet:
         for planned, idx in self._in_reader.items():
             if which(planned):
                 self.reader.close_part(idx)
-
-    def _evicted_for_another_run(self, name: str, evicted: PartState) -> str:
-        """A part evicted after epoch k is never read again before epoch k + 1 by the run whose
-        consumption reports let it go (a resume starts at its last report or later): a reader of an
-        earlier epoch is another run, which would wait for it forever (it comes back, if at all, for
-        the epochs of the run that evicted it)."""
-        return (f"cache part {name!r} of {self.cache_dir} was evicted under the disk budget after epoch {evicted.epoch}, "
-                f"once every consumption report ({TRAINED_GLOB}) said it had been trained on then, but this run reads it "
-                f"for epoch {self.reading_epoch}: those reports are another training run's (a second run following the "
-                "cache, or an earlier one; or this run's later checkpoints were deleted). The extraction evicts by the "
-                "reports in the cache, one file per rank whichever run wrote it last, so only one training run can follow "
-                "a cache extracted under --disk-budget. Resume the run that trained on it (its --output-dir), or give "
-                "this run a cache of its own (dflash-extract --output NEW with the same settings).")
 
     def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> str:
         done = extraction_progress(self.plan, self._log)

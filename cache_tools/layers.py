@@ -20,17 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dflash.runtime.errors import SettingError
+from dflash.runtime.findings import Finding
 
 
 class LayerIdsError(SettingError):
     """Target layer ids that the serving engines cannot capture, or a rule that cannot pick them."""
-
-
-ENGINE_CONSTRAINT = (
-    "The serving engines (vLLM, SGLang) capture target layers in ascending order and cannot "
-    "capture the last one, so ids must be strictly increasing, unique and at most N-2 for an "
-    "N-layer target"
-)
 
 
 def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int | None, *, where: str = "",
@@ -47,28 +41,15 @@ def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int | None,
     try:
         out = [int(i) for i in ids]
     except (TypeError, ValueError):
-        raise LayerIdsError(f"target_layer_ids {list(ids)!r}{_of(where)} are not integers.") from None
-    problems = []
-    if not out:
-        problems.append("the list is empty")
-    if n is not None and n < 2:
-        problems.append(f"a {n}-layer target has no layer a drafter can read (N-2 < 0)")
-    dups = sorted({i for i in out if out.count(i) > 1})
-    if dups:
-        problems.append(f"{dups} appear more than once")
-    elif out != sorted(out):
-        problems.append("they are not in ascending order")
-    low = [i for i in out if i < 0]
-    if low:
-        problems.append(f"{low} are negative")
-    high = [i for i in out if n is not None and i > n - 2]
-    if high and n >= 2:
-        problems.append(f"{high} are above N-2 = {n - 2} for this {n}-layer target")
-    if problems:
-        raise LayerIdsError(
-            f"target_layer_ids {out}{_of(where)} cannot be used: {'; '.join(problems)}. "
-            f"{ENGINE_CONSTRAINT}. {fix} (e.g. {_example(n, len(out)) if n is not None else '1,9,17,25,33'})."
-        )
+        raise LayerIdsError(Finding("cache.layer-ids-not-integers", ids=repr(list(ids)), where=where or None)) from None
+    repeated = sorted({i for i in out if out.count(i) > 1})
+    problems = dict(
+        empty=not out, too_shallow=n is not None and n < 2, repeated=repeated,
+        unordered=not repeated and out != sorted(out), negative=[i for i in out if i < 0],
+        above=[i for i in out if n is not None and n >= 2 and i > n - 2])
+    if any(problems.values()):
+        raise LayerIdsError(Finding("cache.layer-ids-unusable", ids=out, layers=n, where=where or None, fix=fix,
+                                    **problems))
     return out
 
 
@@ -83,10 +64,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) 
     """
     n, k = int(num_target_layers), int(num_draft_layers)
     if k < 1 or n < 1:
-        raise LayerIdsError(
-            f"Cannot pick {k} target layers from a {n}-layer target: num_draft_layers (K) and the "
-            "target's layer count must both be at least 1."
-        )
+        raise LayerIdsError(Finding("cache.layer-count-invalid", count=k, layers=n))
     if k == 1:
         ids = [n // 2]
     elif n - 4 >= k - 1:
@@ -94,27 +72,5 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int = 5) 
     else:
         ids = []
     if not ids or ids[-1] > n - 2:
-        most = max(n - 3, 1 if n >= 3 else 0)
-        raise LayerIdsError(
-            f"The default layer rule cannot pick {k} distinct target layer(s) from a {n}-layer "
-            f"target: it needs at least {k + 3 if k > 1 else 3} layers, and repeating ids would give "
-            "a drafter the engines cannot serve. Pass target_layer_ids explicitly (--target-layer-ids: "
-            f"strictly increasing, at most N-2 = {n - 2}, e.g. {_example(n, k)})"
-            + (f", or ask for fewer layers (at most {most} with this rule)." if most >= 1 else ".")
-        )
+        raise LayerIdsError(Finding("cache.layer-rule-too-shallow", count=k, layers=n))
     return validate_target_layer_ids(ids, n)
-
-
-def _of(where: str) -> str:
-    return f" of {where}" if where else ""
-
-
-def _example(n: int, k: int) -> str:
-    """A valid id list for the message: up to k evenly spread ids in [0, N-2]."""
-    top = n - 2
-    if top < 0:
-        return "none: use a target with at least 2 layers"
-    k = max(1, min(k, top + 1))
-    if k == 1:
-        return str(top // 2)
-    return ",".join(str(round(i * top / (k - 1))) for i in range(k))

@@ -401,17 +401,20 @@ def diff_identity(expected: dict[str, Any], found: dict[str, Any], prefix: str =
     """Human-readable list of the keys where two identities differ (recursing into dicts, and
     into lists of dicts of one length by index), each value shortened: the keys that differ, never a
     dump of both identities."""
-    return _diff_values(expected, found, prefix.rstrip("."))
+    return [f"{key}: cache has {b}, requested {a}" for key, a, b in value_differences(expected, found, prefix)]
 
 
-def _diff_values(a: Any, b: Any, name: str) -> list[str]:
+def value_differences(a: Any, b: Any, prefix: str = "") -> list[list[str]]:
+    """[dotted key, a's value, b's value] (values shortened) wherever two identities differ
+    (recursing into dicts, and into lists of dicts of one length by index)."""
+    name = prefix.rstrip(".")
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in sorted(set(a) | set(b))
-                for d in _diff_values(a.get(k), b.get(k), f"{name}.{k}" if name else str(k))]
+                for d in value_differences(a.get(k), b.get(k), f"{name}.{k}" if name else str(k))]
     if (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
             and all(isinstance(x, dict) for x in a + b)):  # (a list of numbers reads best whole)
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff_values(x, y, f"{name}[{i}]")]
-    return [] if a == b else [f"{name}: cache has {_short(b)}, requested {_short(a)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in value_differences(x, y, f"{name}[{i}]")]
+    return [] if a == b else [[name, _short(a), _short(b)]]
 
 
 def _short(value: Any, limit: int = 80) -> str:

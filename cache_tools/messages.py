@@ -776,3 +776,237 @@ def _codec_unknown(name, choices):
 @renders("cache.codec-nf4-width", example=dict(group=32, width=100))
 def _codec_nf4_width(group, width):
     return f"The nf4 codec needs hidden widths that are multiples of {group}; this one has {width}. Use fp8 or bf16 for this target."
+
+
+# -- target layer ids (cache_tools/layers.py) --------------------------------------------------
+
+ENGINE_CONSTRAINT = ("The serving engines (vLLM, SGLang) capture target layers in ascending order and cannot "
+                     "capture the last one, so ids must be strictly increasing, unique and at most N-2 for an "
+                     "N-layer target")
+
+
+def layer_example(n, k):
+    """A valid id list for a message: up to k evenly spread ids in [0, N-2]."""
+    top = n - 2
+    if top < 0:
+        return "none: use a target with at least 2 layers"
+    k = max(1, min(k, top + 1))
+    if k == 1:
+        return str(top // 2)
+    return ",".join(str(round(i * top / (k - 1))) for i in range(k))
+
+
+def _of(where):
+    return f" of {where}" if where else ""
+
+
+@renders("cache.layer-ids-not-integers", example=dict(ids="['1', 'x']", where="--target-layer-ids"))
+def _layer_ids_not_integers(ids, where):
+    return f"target_layer_ids {ids}{_of(where)} are not integers."
+
+
+_LAYERS = dict(ids=[1, 5], layers=6, where="the cache at runs/cache", fix="Pass --target-layer-ids with such ids",
+               empty=False, too_shallow=False, repeated=[], unordered=False, negative=[], above=[5])
+
+
+@renders("cache.layer-ids-unusable", example=_LAYERS)
+def _layer_ids_unusable(ids, layers, where, fix, empty, too_shallow, repeated, unordered, negative, above):
+    n = layers
+    problems = (["the list is empty"] * bool(empty)
+                + [f"a {n}-layer target has no layer a drafter can read (N-2 < 0)"] * bool(too_shallow)
+                + [f"{repeated} appear more than once"] * bool(repeated)
+                + ["they are not in ascending order"] * bool(unordered)
+                + [f"{negative} are negative"] * bool(negative)
+                + [f"{above} are above N-2 = {n - 2 if n is not None else '?'} for this {n}-layer target"] * bool(above))
+    example = layer_example(n, len(ids)) if n is not None else "1,9,17,25,33"
+    return f"target_layer_ids {ids}{_of(where)} cannot be used: {'; '.join(problems)}. {ENGINE_CONSTRAINT}. {fix} (e.g. {example})."
+
+
+@renders("cache.layer-count-invalid", example=dict(count=0, layers=36))
+def _layer_count_invalid(count, layers):
+    return (f"Cannot pick {count} target layers from a {layers}-layer target: num_draft_layers (K) and the "
+            "target's layer count must both be at least 1.")
+
+
+@renders("cache.layer-rule-too-shallow", example=dict(count=5, layers=6))
+def _layer_rule_too_shallow(count, layers):
+    k, n = count, layers
+    most = max(n - 3, 1 if n >= 3 else 0)
+    return (f"The default layer rule cannot pick {k} distinct target layer(s) from a {n}-layer target: it needs at "
+            f"least {k + 3 if k > 1 else 3} layers, and repeating ids would give a drafter the engines cannot serve. "
+            f"Pass target_layer_ids explicitly (--target-layer-ids: strictly increasing, at most N-2 = {n - 2}, e.g. "
+            f"{layer_example(n, k)})" + (f", or ask for fewer layers (at most {most} with this rule)." if most >= 1 else "."))
+
+
+# -- caches used together (cache_tools/cache_set.py, rewrite.py) -------------------------------
+
+
+@renders("cache.same-data", example=dict(first="runs/a", second="runs/b", sha256="0123456789abcdef", use="train"))
+def _same_data(first, second, sha256, use):
+    what = "the merged cache" if use == "merge" else "training on them together"
+    return (f"{first} and {second} hold the same samples: both were extracted from the same data (sha256 "
+            f"{sha256[:12]}), so {what} would hold each of them twice (one is a copy, a recompressed copy or a "
+            "second extraction of the other). Give one of them.")
+
+
+@renders("cache.not-trainable-together", example=dict(first="runs/a", second="runs/b",
+                                                      differences=[["target_layer_ids", "[1, 2]", "[0, 2]"]]))
+def _not_trainable_together(first, second, differences):
+    shown = "; ".join(f"{key}: second has {b}, first has {a}" for key, a, b in differences)
+    return (f"The caches {first} (first) and {second} (second) cannot be trained on together: {shown}. Train on "
+            "caches extracted from the same target model with the same layers.")
+
+
+@renders("cache.destination-is-source", example=dict(dst="runs/c", src=None))
+def _destination_is_source(dst, src):
+    return f"The destination {dst} is also a source{f' ({src})' if src else ''}: write into a new directory."
+
+
+@renders("cache.source-twice", example=dict(src="runs/a", also="runs/link-to-a"))
+def _source_twice(src, also):
+    return (f"The source cache {src} is given twice{f' (as {also} too)' if also else ''}: merging it with itself "
+            "would hold every sample twice. Name each cache once.")
+
+
+@renders("cache.merge-no-source", example={})
+def _merge_no_source():
+    return "merge needs at least one source cache."
+
+
+@renders("cache.merge-source-missing", example=dict(missing="Cache directory runs/new does not exist.",
+                                                    dst="runs/merged"))
+def _merge_source_missing(missing, dst):
+    return (f"{missing} Note that merge takes the new cache first (`dflash-cache merge DST SRC...`), and the first "
+            f"argument, {dst}, is an existing cache: if it is meant as a source, name the new cache first.")
+
+
+@renders("cache.merge-unfinished", example=dict(cache="runs/a", **_PROGRESS))
+def _merge_unfinished(cache, committed, planned, committed_samples, planned_samples):
+    return (f"Cannot merge {cache}: it is not a finished cache "
+            f"({progress(committed, planned, committed_samples, planned_samples)}): its extraction was stopped "
+            "before its end, is still running, or lost a rank. Rerun the same dflash-extract command to finish it, "
+            "then merge.")
+
+
+@renders("cache.merge-settings-differ", example=dict(cache="runs/b", first="runs/a",
+                                                     differences=[["hidden.codec.name", "'bf16'", "'fp8'"]], more=False))
+def _merge_settings_differ(cache, first, differences, more):
+    shown = "; ".join(f"{key} ({a} in {first}, {b} in {cache})" for key, a, b in differences)
+    return (f"Cannot merge {cache} with {first}: they differ in {shown}{'; ...' if more else ''}. Only caches of "
+            "the same target model, target_layer_ids, codec and extraction settings can be merged; recompress one "
+            "of them (for a codec difference) or train from them separately.")
+
+
+# -- disk budgets and evictions (cache_tools/eviction.py, staging.py) --------------------------
+
+
+_EVICTED_COMMAND = {"train": "Training on it without --follow"}
+
+
+@renders("cache.parts-evicted", example=dict(cache="runs/cache", parts=3, first="part-000000",
+                                             file="manifest.evicted.jsonl", command="recompress"))
+def _parts_evicted(cache, parts, first, file, command):
+    also = ("; the training run that followed the extraction resumes with --follow in its --output-dir"
+            if command == "train" else "")
+    return (f"{parts} part(s) of {cache} are evicted under a disk budget ({first} first; {file}): their files were "
+            "deleted once training had read them, and only an extraction's later --follow-epochs pass writes them "
+            f"again. {_EVICTED_COMMAND.get(command, command)} reads every part: rerun the dflash-extract command on "
+            "the cache without --disk-budget, with room for all of it: it restores them (checked against the "
+            f"evicted copies){also}.")
+
+
+@renders("cache.eviction-record-damaged", example=dict(where="runs/cache/manifest.evicted.jsonl, line 3"))
+def _eviction_record_damaged(where):
+    return (f"{where}: the eviction record is damaged (checksum mismatch). Run `dflash-cache verify` on the cache; a "
+            "part whose state is unknown must be re-extracted.")
+
+
+@renders("cache.reextraction-differs", example=dict(part="part-000003", cache="runs/cache", epoch=1,
+                                                    sha256="0123456789abcdef", nbytes=1000,
+                                                    evicted_sha256="fedcba9876543210", evicted_nbytes=1000))
+def _reextraction_differs(part, cache, epoch, sha256, nbytes, evicted_sha256, evicted_nbytes):
+    return (f"cache part {part!r} at {cache}: its re-extraction gave other bytes than the copy evicted after epoch "
+            f"{epoch} (sha256 {sha256[:12]}.. of {nbytes} bytes, evicted {evicted_sha256[:12]}.. of "
+            f"{evicted_nbytes}). A part's bytes follow from the data, the cache's identity and the extraction's "
+            "batching: rerun dflash-extract with the first run's --token-budget, dtype, attention implementation and "
+            "device kind (and the same torch), or start the cache anew with --force.")
+
+
+@renders("cache.budget-file-damaged", example=dict(file="runs/cache/manifest.budget.json", error="'budget'"))
+def _budget_file_damaged(file, error):
+    return f"{file} is damaged ({error}): rerun the dflash-extract command on the cache to write it again."
+
+
+@renders("cache.size-invalid", example=dict(value="12Q"))
+def _size_invalid(value):
+    return (f"Disk size {value!r} is not a size: write a number with an optional unit, e.g. 500G, 1.5T, 800MB or "
+            "2TiB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000).")
+
+
+# -- a followed cache (cache_tools/followed.py) ------------------------------------------------
+
+
+def _follow(cache):
+    return f"dflash-train --follow --cache {cache}"
+
+
+@renders("cache.follow-not-a-directory", example=dict(cache="data/train.jsonl"))
+def _follow_not_a_directory(cache):
+    return (f"{_follow(cache)}: {cache} is a file, not a cache directory. Pass the directory that dflash-extract "
+            "--output names.")
+
+
+@renders("cache.follow-foreign-directory", example=dict(cache="data", files=["train.jsonl"], header="manifest.json"))
+def _follow_foreign_directory(cache, files, header):
+    return (f"{_follow(cache)}: {cache} holds files ({', '.join(files)}) but no cache ({header}), and dflash-extract "
+            "does not write a cache into such a directory. Check the path: pass the directory that dflash-extract "
+            "--output names.")
+
+
+@renders("cache.follow-no-extraction", example=dict(cache="runs/cahce", seconds=600, missing=None))
+def _follow_no_extraction(cache, seconds, missing):
+    return (f"{_follow(cache)}: no extraction has begun at {cache} in {seconds} s "
+            f"({f'no {missing}' if missing else 'no such directory'}). Check the path, or start dflash-extract "
+            "--output on it first, then this run.")
+
+
+@renders("cache.follow-no-plan", example=dict(cache="runs/cache", parts=5, plan="manifest.plan.json"))
+def _follow_no_plan(cache, parts, plan):
+    return (f"{_follow(cache)}: the cache holds {parts} committed part(s) but no extraction plan ({plan}) and no "
+            "extraction is writing it, so no plan will come: it was written by an earlier version, or its extraction "
+            "stopped at a bad record (no plan is written for such input). Train on it without --follow.")
+
+
+@renders("cache.follow-sample-id", example=dict(part="part-000002", cache="runs/cache", sample=3, stored=17,
+                                                planned=18))
+def _follow_sample_id(part, cache, sample, stored, planned):
+    return (f"cache part {part!r} at {cache}: sample {sample} has id {stored}, the extraction plan says {planned}. "
+            "The part does not match the plan: run `dflash-cache verify` and re-extract it.")
+
+
+@renders("cache.follow-part-not-planned", example=dict(part="part-000002", cache="runs/cache",
+                                                       plan="manifest.plan.json"))
+def _follow_part_not_planned(part, cache, plan):
+    return (f"cache part {part!r} at {cache}: its commit record lists other samples than the extraction plan "
+            f"({plan}). The cache was written with another plan: start it anew with dflash-extract --force, or "
+            "train on it without --follow.")
+
+
+@renders("cache.follow-evicted-for-another-run", example=dict(part="part-000000", cache="runs/cache", epoch=1,
+                                                              reading=0, reports="trained-*.json"))
+def _follow_evicted_for_another_run(part, cache, epoch, reading, reports):
+    return (f"cache part {part!r} of {cache} was evicted under the disk budget after epoch {epoch}, once every "
+            f"consumption report ({reports}) said it had been trained on then, but this run reads it for epoch "
+            f"{reading}: those reports are another training run's (a second run following the cache, or an earlier "
+            "one; or this run's later checkpoints were deleted). Only one training run can follow a cache extracted "
+            "under --disk-budget. Resume the run that trained on it (its --output-dir), or give this run a cache of "
+            "its own (dflash-extract --output NEW with the same settings).")
+
+
+# -- the dflash-cache command (cache_tools/cli.py) ---------------------------------------------
+
+
+@renders("cache.quarantine-remote", example=dict(url="s3://bucket/cache", flag="--quarantine"))
+def _quarantine_remote(url, flag):
+    return (f"{flag}: a remote cache ({url}) is repaired by uploading its parts again from a sound local copy: "
+            "quarantine works on local caches.")

@@ -115,13 +115,10 @@ def _check_distinct(dst: Path, srcs: list[Path]) -> None:
     """The destination is none of the sources, and no source is given twice (also through links)."""
     for i, s in enumerate(srcs):
         if same_path(dst, s):
-            raise CacheError(f"The destination {dst} is also a source{'' if dst == s else f' ({s})'}: "
-                             "write into a new directory.")
+            raise CacheError(Finding("cache.destination-is-source", dst=str(dst), src=None if dst == s else str(s)))
         for earlier in srcs[:i]:
             if same_path(earlier, s):
-                raise CacheError(
-                    f"The source cache {s} is given twice{'' if earlier == s else f' (as {earlier} too)'}: "
-                    "merging it with itself would hold every sample twice. Name each cache once.")
+                raise CacheError(Finding("cache.source-twice", src=str(s), also=None if earlier == s else str(earlier)))
 
 
 _SOLE_WRITER = ("{command} writes the destination cache alone: wait for the other writer to finish or "
@@ -169,7 +166,7 @@ def merge_caches(
     """
     dst, paths = Path(dst), [Path(s) for s in srcs]
     if not paths:
-        raise CacheError("merge needs at least one source cache.")
+        raise CacheError(Finding("cache.merge-no-source"))
     _check_distinct(dst, paths)
     readers = []
     for p in paths:
@@ -178,29 +175,21 @@ def merge_caches(
         except CacheNotFoundError as e:
             if not (dst / HEADER_FILE).exists():
                 raise
-            raise CacheNotFoundError(
-                f"{e} Note that merge takes the new cache first (`dflash-cache merge DST SRC...`), and "
-                f"the first argument, {dst}, is an existing cache: if it is meant as a source, name the "
-                "new cache first."
-            ) from None
+            raise CacheNotFoundError(Finding("cache.merge-source-missing", missing=e.finding or str(e),
+                                             dst=str(dst))) from None
     for p, r in zip(paths, readers):
         refuse_evicted(p, "merge")
         if (left := unfinished_extraction(p, r.manifest.header, {q.name for q in r.parts})) is not None:
-            raise CacheError(f"Cannot merge {p}: it is not a finished cache ({left.describe()}): its extraction "
-                             "was stopped before its end, is still running, or lost a rank. Rerun the same "
-                             "dflash-extract command to finish it, then merge.")
+            raise CacheError(Finding("cache.merge-unfinished", cache=str(p), **left.fields()))
     first = readers[0].manifest
     keys = tuple(k for k in IDENTITY_KEYS if k != "data")  # each source has its own data
     for p, r in zip(paths[1:], readers[1:]):
         diffs = identity_differences(first.header, r.manifest.header, Purpose.MERGE, keys=keys)
         if diffs:
-            shown = "; ".join(f"{key} ({a!r} in {paths[0]}, {b!r} in {p})" for key, a, b in diffs[:6])
-            raise ConfigMismatchError(
-                f"Cannot merge {p} with {paths[0]}: they differ in {shown}{'; ...' if len(diffs) > 6 else ''}. Only caches "
-                "of the same target model, target_layer_ids, codec and extraction settings can be merged; "
-                "recompress one of them (for a codec difference) or train from them separately."
-            )
-    check_distinct_data(readers, "the merged cache")  # (after the identity: other targets' say so first)
+            raise ConfigMismatchError(Finding("cache.merge-settings-differ", cache=str(p), first=str(paths[0]),
+                                              differences=[[key, repr(a), repr(b)] for key, a, b in diffs[:6]],
+                                              more=len(diffs) > 6))
+    check_distinct_data(readers, "merge")  # (after the identity: other targets' say so first)
     header = copy.deepcopy(first.header)
     header["provenance"] = {"merged_from": [r.manifest.header.get("provenance", {}) for r in readers]}
     header["data"] = {"merged_from": [

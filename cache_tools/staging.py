@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.runtime.findings import Finding
+
 from .errors import InputError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
@@ -34,10 +36,7 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).upper() if m else None
     if m is None or unit not in _UNITS:
-        raise InputError(
-            f"Disk size {text!r} is not a size: write a number with an optional unit, e.g. 500G, "
-            "1.5T, 800MB or 2TiB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000)."
-        )
+        raise InputError(Finding("cache.size-invalid", value=str(text)))
     return int(float(m.group(1)) * _UNITS[unit])
 
 

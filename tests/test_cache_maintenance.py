@@ -238,15 +238,19 @@ def test_merge_holds_every_sample_of_both_sources(tmp_path):
 def test_merge_refuses_caches_with_different_target_layer_ids(tmp_path):
     make_cache(tmp_path / "a", parts=1, layer_ids=(1, 5))
     make_cache(tmp_path / "b", parts=1, layer_ids=(2, 6))
-    with pytest.raises(ConfigMismatchError, match=r"target_layer_ids \(\[1, 5\] in .*/a, \[2, 6\] in .*/b\)"):
+    with pytest.raises(ConfigMismatchError) as e:
         merge_caches(tmp_path / "m", [tmp_path / "a", tmp_path / "b"], progress=False)
+    assert e.value.code == "cache.merge-settings-differ"
+    assert (e.value.fields["first"], e.value.fields["cache"]) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    assert ["target_layer_ids", "[1, 5]", "[2, 6]"] in e.value.fields["differences"]
     assert not (tmp_path / "m").exists()
 
 
 def test_merge_refuses_to_write_into_a_source(tmp_path):
     make_cache(tmp_path / "a", parts=1)
-    with pytest.raises(CacheError, match="also a source"):
+    with pytest.raises(CacheError) as e:
         merge_caches(tmp_path / "a", [tmp_path / "a"], progress=False)
+    assert e.value.code == "cache.destination-is-source" and e.value.fields == {"dst": str(tmp_path / "a"), "src": None}
 
 
 def test_prune_removes_stale_temp_and_unrecorded_parts_and_keeps_the_rest(tmp_path):

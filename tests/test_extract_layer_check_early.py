@@ -81,5 +81,6 @@ def test_the_check_reads_the_text_config_of_a_multimodal_wrapper(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], "text_config": {"num_hidden_layers": 6}}))
     settings = dict(target_model=str(tmp_path), data="d.jsonl", output="out")
     check_layer_ids_before_loading(ExtractConfig(**settings, target_layer_ids=[1, 4]))
-    with pytest.raises(LayerIdsError, match="6-layer target"):
+    with pytest.raises(LayerIdsError) as e:
         check_layer_ids_before_loading(ExtractConfig(**settings, target_layer_ids=[1, 5]))
+    assert e.value.code == "cache.layer-ids-unusable" and (e.value.fields["layers"], e.value.fields["above"]) == (6, [5])

@@ -27,6 +27,7 @@ def test_the_rule_never_returns_ids_the_check_refuses():
             try:
                 ids = default_target_layer_ids(n, k)
             except LayerIdsError as e:
+                assert e.code == "cache.layer-rule-too-shallow" and e.fields == {"count": k, "layers": n}
                 assert "--target-layer-ids" in str(e)
                 assert n < k + 3 or (k == 1 and n < 3), (n, k)  # only targets too shallow for it
                 continue
@@ -38,18 +39,23 @@ def test_the_rule_never_returns_ids_the_check_refuses():
 @pytest.mark.parametrize("n, k", [(6, 5), (4, 5), (2, 1)])
 def test_the_rule_refuses_targets_too_shallow_to_repeat_no_id(n, k):
     """Before, a 6-layer target gave [1, 2, 2, 2, 3] and a 2-layer one [1] (its last layer)."""
-    with pytest.raises(LayerIdsError, match="cannot pick"):
+    with pytest.raises(LayerIdsError) as err:
         default_target_layer_ids(n, k)
+    assert err.value.code == "cache.layer-rule-too-shallow" and err.value.fields == {"count": k, "layers": n}
 
 
-@pytest.mark.parametrize("ids, problem", [
-    ([2, 1], "not in ascending order"), ([1, 1, 2], "more than once"), ([1, 5], "above N-2 = 4"),
-    ([-1, 2], "negative"), ([], "empty"),
+@pytest.mark.parametrize("ids, problem, value", [
+    ([2, 1], "unordered", True), ([1, 1, 2], "repeated", [1]), ([1, 5], "above", [5]),
+    ([-1, 2], "negative", [-1]), ([], "empty", True),
 ])
-def test_the_check_names_the_problem_and_the_engine_constraint(ids, problem):
+def test_the_check_names_the_problem_and_the_engine_constraint(ids, problem, value):
     with pytest.raises(LayerIdsError) as err:
         validate_target_layer_ids(ids, 6)
-    assert problem in str(err.value) and CONSTRAINT in str(err.value)
+    assert err.value.code == "cache.layer-ids-unusable"
+    assert err.value.fields["ids"] == ids and err.value.fields["layers"] == 6
+    assert {k for k in ("empty", "repeated", "unordered", "negative", "above") if err.value.fields[k]} == {problem}
+    assert err.value.fields[problem] == value
+    assert CONSTRAINT in str(err.value)  # the renderer says why
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +81,15 @@ def test_extraction_refuses_the_default_rule_on_a_shallow_target(target, tmp_pat
     assert res.exit_code == 2 and "--target-layer-ids" in res.output and "cannot pick 5" in res.output
 
 
-@pytest.mark.parametrize("layers, problem", [((2, 1), "ascending"), ((1, 1), "more than once"),
-                                             ((1, 3), "above N-2 = 2")])
+@pytest.mark.parametrize("layers, problem", [((2, 1), "unordered"), ((1, 1), "repeated"), ((1, 3), "above")])
 def test_training_refuses_a_cache_with_such_ids(tiny_world, tmp_path, layers, problem):
     """Caches written before the check (e.g. the old rule's repeated ids) are refused by the trainer."""
     model = tiny_world["target"]  # 4 layers, like the cache's header
     cache = write_tiny_cache(tmp_path / "cache", samples=4, parts=1, layers=layers)
     with pytest.raises(LayerIdsError) as err:
         train(tiny_train_config(cache, model, tmp_path / "run", max_steps=1))
-    assert problem in str(err.value) and CONSTRAINT in str(err.value) and "Re-extract" in str(err.value)
+    assert err.value.code == "cache.layer-ids-unusable" and err.value.fields[problem]
+    assert err.value.fields["where"] == f"the cache at {cache}" and "Re-extract" in err.value.fields["fix"]
 
 
 def test_extraction_refuses_unsorted_or_repeated_ids_before_loading_a_target(tmp_path):
@@ -91,7 +97,8 @@ def test_extraction_refuses_unsorted_or_repeated_ids_before_loading_a_target(tmp
     target takes minutes to load), the bound N-2 once the target is known."""
     from dflash.extract.config import ExtractConfig
 
-    for ids, problem in (([9, 1], "ascending"), ([1, 1], "more than once")):
-        with pytest.raises(LayerIdsError, match=problem):
+    for ids, problem in (([9, 1], "unordered"), ([1, 1], "repeated")):
+        with pytest.raises(LayerIdsError) as err:
             ExtractConfig(target_model=str(tmp_path / "no-such-model"), data="d.jsonl", output="out",
                           target_layer_ids=ids)
+        assert err.value.fields[problem] and err.value.fields["layers"] is None

@@ -160,9 +160,9 @@ def test_a_part_evicted_for_another_training_run_is_refused_at_once_instead_of_w
         signal.signal(signal.SIGALRM, previous)
         data.loader.close()
     assert time.monotonic() - start < 10
-    text = str(e.value)
-    assert "'part-000000'" in text and "evicted under the disk budget after epoch 1" in text, text
-    assert "reads it for epoch 0" in text and "only one training run can follow a cache" in text, text
+    assert e.value.code == "cache.follow-evicted-for-another-run", e.value
+    assert {k: e.value.fields[k] for k in ("part", "epoch", "reading")} == {"part": "part-000000", "epoch": 1,
+                                                                             "reading": 0}
 
 
 def test_a_run_without_disk_budget_following_a_budgeted_extraction_gets_the_budgets_refusals(tiny_world, tmp_path):

@@ -262,7 +262,8 @@ def test_a_path_where_no_extraction_begins_is_refused_once_the_start_wait_is_ove
     typo = tmp_path / "cahce"
     with pytest.raises(CacheError) as e:
         wait_for_plan(typo, notes.append, start_seconds=0.6)
-    assert str(typo) in str(e.value) and "no such directory" in str(e.value)
+    assert e.value.code == "cache.follow-no-extraction"
+    assert e.value.fields["cache"] == str(typo) and e.value.fields["missing"] is None  # no such directory
     assert notes and str(typo) in notes[0]  # said at once what it waits for, and until when
 
 
