@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from dflash.runtime.cli import EXIT_FAILED, Group
 from dflash.runtime.errors import SettingError
-from dflash.runtime.findings import Finding
+from dflash.runtime.findings import Finding, render
 from dflash.runtime.settings import IntList, setting, settings_options
 
 from .codecs import CODEC_NAMES  # (no torch)
@@ -298,7 +298,7 @@ def verify(cache: str, settings: VerifySettings) -> None:
         return
     report = maintenance.verify_cache(cache, fast=fast, progress=settings.progress)
     for note in report.notes:
-        click.echo(f"note: {note}")
+        click.echo(f"note: {render(note)}")
     mode = "structure" if fast else f"{report.chunks} chunks"
     if report.ok:
         planned = f" (of {report.planned} planned: unfinished)" if report.planned else ""

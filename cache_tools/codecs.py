@@ -133,6 +133,18 @@ class HiddenCodec:
         """What of the codec enters the cache identity (two caches whose parts may mix)."""
         return codec_identity(self.to_dict())
 
+    @property
+    def stored_form(self) -> str:
+        """What a stored row means: two codecs of one stored form store the same rows (and
+        scales) for the same values, so a recompress between them copies the rows as they are.
+        A codec's own name unless it declares that it shares another's."""
+        return self.name
+
+    def count_nonfinite(self, stored: np.ndarray) -> int:
+        """How many of the stored rows' values decode to NaN or infinity (verify's check of a
+        chunk whose checksum holds); 0 for a codec that stores no such value."""
+        return 0
+
     # -- host encode and decode (numpy) --------------------------------------------------------
 
     def encode(self, values: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -236,6 +248,13 @@ class Bf16Codec(HiddenCodec):
     name: str = "bf16"
     summary: ClassVar[str] = "lossless"
 
+    @property
+    def stored_form(self) -> str:
+        return "bf16"  # the bits (raw stores the same ones, uncompressed)
+
+    def count_nonfinite(self, stored: np.ndarray) -> int:
+        return int(np.count_nonzero((stored & 0x7F80) == 0x7F80))  # exponent all ones
+
     def encode(self, values: np.ndarray, num_layers: int) -> tuple[np.ndarray, None]:
         return bf16_bits(np.array(values, dtype=np.float32, order="C")), None
 
@@ -258,6 +277,9 @@ class Fp8Codec(HiddenCodec):
     name: str = "fp8"
     storage_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
     has_scale: ClassVar[bool] = True
+
+    def count_nonfinite(self, stored: np.ndarray) -> int:
+        return int(np.count_nonzero((stored & 0x7F) == 0x7F))  # e4m3's NaN (it has no infinity)
     lossless: ClassVar[bool] = False
     summary: ClassVar[str] = "half of bf16 again at ~2-3 % error"
 
@@ -332,6 +354,11 @@ class Nf4Codec(HiddenCodec):
     def stored_width(self, width: int) -> int:
         self.validate(width)
         return width // 2 + 2 * (width // NF4_GROUP)
+
+    def count_nonfinite(self, stored: np.ndarray) -> int:
+        """Every code is a value; a group's bf16 scale must be finite and not negative."""
+        scales = nf4_scale_bits(stored)
+        return int(np.count_nonzero(((scales & 0x7F80) == 0x7F80) | (scales >= 0x8000)))
 
     def encode(self, values: np.ndarray, num_layers: int) -> tuple[np.ndarray, None]:
         """The extraction quantizer's algorithm (dflash.extract.codecs.quantize_nf4) on the host:

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.runtime.findings import Finding, render
 from dflash.runtime.fsio import file_lock
 from tqdm import tqdm
 
-from .codecs import bf16_values, nf4_scale_bits
+from .codecs import bf16_values
 from .errors import CacheCorruptError
-from .eviction import EvictionLog, refuse_evicted
+from .eviction import EVICTION_FILE, EvictionLog, refuse_evicted
 from .manifest import (
     LOCK_FILE,
     LOG_FILE,
@@ -60,16 +61,23 @@ def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> tqd
 # -- verify -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Problem:
-    """One thing verify found wrong, with where it is."""
+    """One thing verify found wrong: the part and array, and a `cache.verify-*` finding whose
+    fields say what and where inside them (chunk, rows, file, line)."""
 
     part: str | None  # None: the cache as a whole (manifest, commit log)
     array: str | None
-    where: str  # e.g. "chunk 3 (rows 384-511) in shard file hidden/c/0/0"
-    message: str
+    finding: Finding
+
+    @property
+    def where(self) -> str:
+        """Where inside the part, e.g. "chunk 3 (rows 384-511) in shard file hidden/c/0/0"."""
+        from .messages import verify_location
+
+        return verify_location(**{k: self.finding.fields.get(k) for k in ("chunk", "rows", "shard_file", "file", "line")})
 
     def __str__(self) -> str:
         loc = " ".join(x for x in (self.part or "cache", self.array, self.where) if x)
-        return f"{loc}: {self.message}"
+        return f"{loc}: {render(self.finding)}"
 
 
 @dataclass
@@ -79,7 +87,8 @@ class VerifyReport:
     parts: int = 0
     chunks: int = 0
     problems: list[Problem] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
+    """What verify tells beside the problems (`cache.verify-*` notices), rendered where printed."""
     planned: int | None = None
     """Parts the extraction's plan promises when more than are committed (an unfinished cache)."""
     evicted: list[str] = field(default_factory=list)
@@ -108,14 +117,9 @@ def expected_arrays(m: Manifest, rec: PartRecord) -> dict[str, _Expected]:
             for spec in PartSchema.from_header(m.header)}
 
 
-def _reason(e: Exception, pf: PartFiles) -> str:
-    """The reader's message without its location prefix and its 'run verify' advice."""
-    s = str(e)
-    marker = f" at {pf.dir}: "
-    if marker in s:
-        s = s.split(marker, 1)[1]
-    sentences = s.replace(" The part is damaged: run", ". Run").split(". ")
-    return ". ".join(x for x in sentences if "dflash-cache verify" not in x).rstrip(".") + "."
+def _unreadable(e: CacheCorruptError, **where: Any) -> Finding:
+    """A part file the reader refused (its finding, which verify renders as the reason only)."""
+    return Finding("cache.verify-unreadable", error=e.finding if e.finding is not None else str(e), **where)
 
 
 def _read_log_tolerant(cache_dir: Path, report: VerifyReport) -> list[PartRecord]:
@@ -127,12 +131,14 @@ def _read_log_tolerant(cache_dir: Path, report: VerifyReport) -> list[PartRecord
     records: dict[str, PartRecord] = {}
     end = data.rfind(b"\n") + 1
     if end != len(data):
-        report.notes.append(f"{LOG_FILE} ends with a torn line (a writer died mid-commit); it is not a commit.")
+        report.notes.append(Finding("cache.verify-log-torn", file=LOG_FILE))
     for i, line in enumerate(data[:end].splitlines(keepends=True), 1):
         try:
             rec = decode_log_line(line, f"{LOG_FILE}, line {i}")
         except (CacheCorruptError, ValueError, KeyError, TypeError) as e:
-            report.problems.append(Problem(None, None, f"{LOG_FILE} line {i}", str(e).split(": ", 1)[-1]))
+            error = e.finding if isinstance(e, CacheCorruptError) and e.finding is not None else str(e)
+            report.problems.append(Problem(None, None, Finding("cache.verify-commit-line", file=LOG_FILE, line=i,
+                                                               error=error)))
             continue
         records[rec.name] = rec
     return list(records.values())
@@ -143,25 +149,26 @@ def _check_structure(
 ) -> tuple[Any, set[int]]:
     """Metadata, files and shard indexes of one array; returns (meta or None, bad shards)."""
     rec = pf.record
-    bad = lambda where, msg: report.problems.append(Problem(rec.name, name, where, msg))  # noqa: E731
+    bad = lambda finding: report.problems.append(Problem(rec.name, name, finding))  # noqa: E731
     try:
         meta = pf.array_meta(name)
     except CacheCorruptError as e:
-        bad("zarr.json", _reason(e, pf))
+        bad(_unreadable(e, file="zarr.json"))
         return None, set()
     shape = (exp.rows, *exp.width)
     if tuple(meta.shape) != shape or meta.dtype != exp.dtype:
-        bad("metadata", f"shape {tuple(meta.shape)} {meta.dtype}, expected {shape} {exp.dtype} from the manifest")
+        bad(Finding("cache.verify-metadata-shape", shape=list(meta.shape), dtype=str(meta.dtype),
+                    expected_shape=list(shape), expected_dtype=str(exp.dtype)))
         return None, set()
     if not exp.chunked:
         path = pf.dir / name / shard_key(0, len(shape))
         if not path.is_file() or path.stat().st_size == 0:
-            bad(f"file {name}/{shard_key(0, len(shape))}", "missing or empty")
+            bad(Finding("cache.verify-file-missing", file=f"{name}/{shard_key(0, len(shape))}"))
             return None, set()
         return meta, set()
     if meta.chunk_rows != m.chunk_rows or meta.shard_rows != m.shard_rows:
-        bad("metadata", f"chunks of {meta.chunk_rows} rows in shards of {meta.shard_rows}, "
-                        f"the manifest says {m.chunk_rows} and {m.shard_rows}")
+        bad(Finding("cache.verify-metadata-chunks", chunk_rows=meta.chunk_rows, shard_rows=meta.shard_rows,
+                    expected_chunk_rows=m.chunk_rows, expected_shard_rows=m.shard_rows))
         return None, set()
     bad_shards = set()
     for s in range(math.ceil(exp.rows / m.shard_rows)):
@@ -169,17 +176,18 @@ def _check_structure(
         try:
             _, idx = pf.shard_index(name, s, meta)
         except CacheCorruptError as e:
-            reason = _reason(e, pf)
-            if e.code == "cache.chunk-checksum":
-                reason = "the shard index fails its checksum: the file is truncated or corrupt."
-            bad(f"shard file {name}/{key}", reason)
+            if e.code == "cache.chunk-checksum":  # the index's own checksum
+                bad(Finding("cache.verify-shard-index", shard_file=f"{name}/{key}"))
+            else:
+                bad(_unreadable(e, shard_file=f"{name}/{key}"))
             bad_shards.add(s)
             continue
         rows_here = min(m.shard_rows, exp.rows - s * m.shard_rows)
         missing = [i for i in range(math.ceil(rows_here / m.chunk_rows)) if idx[i, 0] == EMPTY]
         if missing:
             first = s * m.shard_rows // m.chunk_rows
-            bad(f"shard file {name}/{key}", f"chunks {[first + i for i in missing]} are missing from the shard index")
+            bad(Finding("cache.verify-chunks-not-indexed", shard_file=f"{name}/{key}",
+                        chunks=[first + i for i in missing]))
             bad_shards.add(s)
     return meta, bad_shards
 
@@ -197,24 +205,17 @@ def _check_chunks(
         bar.update(1)
         if shard in bad_shards:
             continue
-        where = f"chunk {c} (rows {lo}-{hi - 1}) in shard file {name}/{shard_key(shard, len(meta.shape))}"
+        where = dict(chunk=c, rows=[lo, hi - 1], shard_file=f"{name}/{shard_key(shard, len(meta.shape))}")
         try:
             pf.read_rows(name, lo, hi, scratch[: hi - lo])
         except CacheCorruptError as e:
-            report.problems.append(Problem(pf.record.name, name, where, _reason(e, pf)))
+            report.problems.append(Problem(pf.record.name, name, _unreadable(e, **where)))
             continue
         report.chunks += 1
-        if name in HIDDEN_ARRAYS:
-            block = scratch[: hi - lo]
-            if m.codec.packed:  # nf4: every code is a value; its bf16 group scales must be finite, >= 0
-                scales = nf4_scale_bits(block)
-                nonfinite = int(np.count_nonzero(((scales & 0x7F80) == 0x7F80) | (scales >= 0x8000)))
-            elif block.dtype == np.uint8:
-                nonfinite = int(np.count_nonzero((block & 0x7F) == 0x7F))
-            else:
-                nonfinite = int(np.count_nonzero((block & 0x7F80) == 0x7F80))
-            if nonfinite:
-                report.problems.append(Problem(pf.record.name, name, where, f"{nonfinite} values are NaN or infinite"))
+        if name in HIDDEN_ARRAYS:  # (the codec knows which stored values decode to NaN or infinity)
+            if nonfinite := m.codec.count_nonfinite(scratch[: hi - lo]):
+                report.problems.append(Problem(pf.record.name, name, Finding("cache.verify-values-not-finite",
+                                                                             values=nonfinite, **where)))
 
 
 def _check_contents(pf: PartFiles, m: Manifest, arrays: dict[str, _Expected], ok: set[str], report: VerifyReport) -> None:
@@ -225,38 +226,37 @@ def _check_contents(pf: PartFiles, m: Manifest, arrays: dict[str, _Expected], ok
         try:
             small[name] = pf.small_array(name)
         except CacheCorruptError as e:
-            report.problems.append(Problem(rec.name, name, f"file {name}/{shard_key(0, 1)}", _reason(e, pf)))
+            report.problems.append(Problem(rec.name, name, _unreadable(e, file=f"{name}/{shard_key(0, 1)}")))
 
-    def bad(array: str, msg: str) -> None:
-        report.problems.append(Problem(rec.name, array, "", msg))
+    def bad(array: str, finding: Finding) -> None:
+        report.problems.append(Problem(rec.name, array, finding))
 
     if OFFSETS in small and not np.array_equal(small[OFFSETS], sample_offsets(rec.lengths)):
-        bad(OFFSETS, "sample offsets disagree with the sample lengths in the commit log")
+        bad(OFFSETS, Finding("cache.verify-offsets", log=LOG_FILE))
     if SAMPLE_IDS in small:
         ids, counts = np.unique(small[SAMPLE_IDS], return_counts=True)
         if np.any(counts > 1):
-            bad(SAMPLE_IDS, f"sample ids {ids[counts > 1][:10].tolist()} appear more than once")
+            bad(SAMPLE_IDS, Finding("cache.verify-sample-ids-repeated", ids=ids[counts > 1][:10].tolist()))
     vocab = m.header["target"].get("vocab_size")
     for name in (INPUT_IDS,):
         if name in small and vocab is not None:
             x = small[name]
             wrong = np.flatnonzero((x < 0) | (x >= int(vocab)))
             if wrong.size:
-                bad(name, f"{wrong.size} token ids are outside the vocabulary [0, {vocab}) "
-                          f"(first at token row {int(wrong[0])}: {int(x[wrong[0]])})")
+                bad(name, Finding("cache.verify-token-ids", count=int(wrong.size), vocab_size=int(vocab),
+                                  row=int(wrong[0]), token=int(x[wrong[0]])))
     if LOSS_MASK in small and np.any(small[LOSS_MASK] > 1):
-        bad(LOSS_MASK, "loss_mask holds values other than 0 and 1")
+        bad(LOSS_MASK, Finding("cache.verify-loss-mask"))
     if rec.split_keys is not None and INPUT_IDS in small and LOSS_MASK in small:
         off = sample_offsets(rec.lengths)
         keys = [prompt_split_key(small[INPUT_IDS][a:b], small[LOSS_MASK][a:b]) for a, b in zip(off[:-1], off[1:])]
         grouped = set(rec.grouped or ())  # keyed by their record's group, which the part does not hold
         wrong = [j for j, (k, want) in enumerate(zip(keys, rec.split_keys)) if k != want and j not in grouped]
         if wrong:
-            bad(SPLIT_KEYS, f"the commit record's split keys of {len(wrong)} samples (first: sample {wrong[0]}) "
-                            "are not the hashes of their prompts as the part stores them (edited)")
+            bad(SPLIT_KEYS, Finding("cache.verify-split-keys", samples=len(wrong), first=wrong[0]))
     for name in map(scale_of, HIDDEN_ARRAYS):
         if name in small and not np.all(np.isfinite(small[name]) & (small[name] >= 0)):
-            bad(name, "fp8 scales are negative, NaN or infinite")
+            bad(name, Finding("cache.verify-scales"))
 
 
 def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: bool | None = None) -> VerifyReport:
@@ -284,15 +284,14 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
                 report.evicted.append(rec.name)
                 continue
             if not pf.dir.is_dir():
-                report.problems.append(Problem(rec.name, None, "", f"the part directory {pf.dir} is missing"))
+                report.problems.append(Problem(rec.name, None, Finding("cache.verify-part-missing", dir=str(pf.dir))))
                 continue
             if rec.samples != len(rec.lengths) or rec.tokens != sum(rec.lengths):
-                report.problems.append(Problem(rec.name, None, "commit record",
-                                               "sample and token counts disagree with the sample lengths"))
+                report.problems.append(Problem(rec.name, None, Finding("cache.verify-record-counts")))
             size = sum(f.stat().st_size for f in pf.dir.rglob("*") if f.is_file())
             if size != rec.nbytes:
-                report.problems.append(Problem(rec.name, None, "", f"{size} bytes on disk, the commit record says "
-                                                                   f"{rec.nbytes} (a file was truncated, extended or replaced)"))
+                report.problems.append(Problem(rec.name, None, Finding("cache.verify-part-size", size=size,
+                                                                       nbytes=rec.nbytes)))
             arrays = expected_arrays(m, rec)
             ok: set[str] = set()
             for name, exp in arrays.items():
@@ -311,23 +310,16 @@ def verify_cache(cache_dir: str | os.PathLike, *, fast: bool = False, progress: 
             pf.close()
     if (left := unfinished_extraction(cache_dir, header, {r.name for r in records})) is not None:
         report.planned = left.planned
-        report.notes.append(f"the extraction has not finished: {left.describe()} (stopped before its end, still "
-                            "running, or a rank lost). Rerun its dflash-extract command to finish it; dflash-train "
-                            "refuses the cache until then (or with --allow-incomplete trains on what is there).")
+        report.notes.append(Finding("cache.verify-unfinished", **left.fields()))
     if gone := report.evicted:
         states = evicted.evicted()
-        names = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
-        report.notes.append(f"{len(gone)} parts ({names}; {sum(states[n].nbytes for n in gone if n in states)} bytes) "
-                            "are evicted under a disk budget (manifest.evicted.jsonl): their files were deleted once "
-                            "training had read them, so they are not checked. An extraction's later --follow-epochs "
-                            "pass writes them again; until then a training run without --follow and the maintenance "
-                            "verbs refuse the cache.")
+        report.notes.append(Finding("cache.verify-parts-evicted", parts=gone, file=EVICTION_FILE,
+                                    nbytes=sum(states[n].nbytes for n in gone if n in states)))
     if (cache_dir / PARTS_DIR).is_dir():
         names = {r.name for r in records}
         extra = [p.name for p in (cache_dir / PARTS_DIR).iterdir() if p.name not in names]
         if extra:
-            report.notes.append(f"{len(extra)} entries in {PARTS_DIR}/ are not committed (readers ignore "
-                                "them; `dflash-cache prune` removes those no live writer owns).")
+            report.notes.append(Finding("cache.verify-uncommitted", entries=len(extra), dir=PARTS_DIR))
     return report
 
 

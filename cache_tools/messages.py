@@ -588,47 +588,71 @@ def _at(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None
 _AT = dict(part="part-000001", array="hidden", dir="cache/parts/part-000001", chunk=3, shard_file=None)
 _VERIFY_FIX = "Run `dflash-cache verify` to list every damaged chunk, then re-extract the part."
 
+# What is wrong with a part's file, without where (the reader's findings say where, and what to
+# do; verify lists them under its own location).
+_PART_FILE_REASONS = {
+    "cache.chunk-checksum": lambda f: "checksum mismatch, the stored bytes are corrupt",
+    "cache.chunk-truncated": lambda f: "chunk is shorter than its checksum (truncated)",
+    "cache.shard-truncated": lambda f: f"the shard file is truncated ({f['size']} bytes)",
+    "cache.shard-offsets-past-end": lambda f: "chunk offsets point past the end of the file (truncated)",
+    "cache.array-meta-unknown": lambda f: f"array metadata is not a layout this reader knows ({f['error']})",
+    "cache.array-meta-not-json": lambda f: f"zarr.json is not valid JSON ({f['error']})",
+    "cache.part-file-missing": lambda f: f"file {f['file']} is missing",
+    "cache.part-file-empty": lambda f: f"file {f['file']} is empty (truncated)",
+    "cache.chunk-decompress": lambda f: f"chunk does not decompress ({f['error']})",
+    "cache.chunk-size": lambda f: f"decoded chunk has {f['size']} bytes, expected {f['expected']}",
+    "cache.commit-record-checksum": lambda f: "the commit record is damaged (checksum mismatch: it was edited or torn)",
+    "cache.commit-record-split-keys": lambda f: (f"the commit record of {f['part']} lists {f['keys']} split keys for "
+                                                 f"its {f['samples']} samples, keys outside 64 bits, or grouped "
+                                                 "samples outside them (it was edited)"),
+}
+
+
+def part_file_reason(finding):
+    """The reason of a reader's finding (or an error's text) without its location and advice."""
+    reason = _PART_FILE_REASONS.get(getattr(finding, "code", None))
+    return reason(finding.fields) if reason is not None else str(finding).rstrip(".")
+
 
 @renders("cache.chunk-checksum", example=_AT)
 def _chunk_checksum(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return (f"{_at(part, array, dir, chunk, shard_file, where)}: checksum mismatch, the stored bytes are corrupt. "
-            f"{_VERIFY_FIX}")
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: {_PART_FILE_REASONS['cache.chunk-checksum']({})}. {_VERIFY_FIX}"
 
 
 @renders("cache.chunk-truncated", example=_AT)
 def _chunk_truncated(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return f"{_at(part, array, dir, chunk, shard_file, where)}: chunk is shorter than its checksum (truncated)."
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: {_PART_FILE_REASONS['cache.chunk-truncated']({})}."
 
 
 @renders("cache.shard-truncated", example=dict(_AT, chunk=None, shard_file="c/0/0", size=12))
 def _shard_truncated(size, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return f"{_at(part, array, dir, chunk, shard_file, where)}: the shard file is truncated ({size} bytes)."
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: {_PART_FILE_REASONS['cache.shard-truncated'](dict(size=size))}."
 
 
 @renders("cache.shard-offsets-past-end", example=dict(_AT, chunk=None, shard_file="c/0/0"))
 def _shard_offsets_past_end(part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return f"{_at(part, array, dir, chunk, shard_file, where)}: chunk offsets point past the end of the file (truncated)."
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: {_PART_FILE_REASONS['cache.shard-offsets-past-end']({})}."
 
 
 @renders("cache.array-meta-unknown", example=dict(_AT, chunk=None, error="unsupported codecs ('gzip',)"))
 def _array_meta_unknown(error, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return f"{_at(part, array, dir, chunk, shard_file, where)}: array metadata is not a layout this reader knows ({error})."
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: {_PART_FILE_REASONS['cache.array-meta-unknown'](dict(error=error))}."
 
 
 @renders("cache.array-meta-not-json", example=dict(_AT, chunk=None, error="Expecting value: line 1 column 1"))
 def _array_meta_not_json(error, part=None, array=None, dir=None, chunk=None, shard_file=None):
-    return f"{_at(part, array, dir, chunk, shard_file)}: zarr.json is not valid JSON ({error})."
+    return f"{_at(part, array, dir, chunk, shard_file)}: {_PART_FILE_REASONS['cache.array-meta-not-json'](dict(error=error))}."
 
 
 @renders("cache.part-file-missing", example=dict(_AT, chunk=None, file="c/0/0"))
 def _part_file_missing(file, part=None, array=None, dir=None, chunk=None, shard_file=None):
-    return (f"{_at(part, array, dir, chunk, shard_file)}: file {file} is missing. The part is damaged: run "
-            "`dflash-cache verify` and re-extract it.")
+    return (f"{_at(part, array, dir, chunk, shard_file)}: {_PART_FILE_REASONS['cache.part-file-missing'](dict(file=file))}. "
+            "The part is damaged: run `dflash-cache verify` and re-extract it.")
 
 
 @renders("cache.part-file-empty", example=dict(_AT, chunk=None, file="c/0/0"))
 def _part_file_empty(file, part=None, array=None, dir=None, chunk=None, shard_file=None):
-    return f"{_at(part, array, dir, chunk, shard_file)}: file {file} is empty (truncated)."
+    return f"{_at(part, array, dir, chunk, shard_file)}: {_PART_FILE_REASONS['cache.part-file-empty'](dict(file=file))}."
 
 
 @renders("cache.array-meta-mismatch", example=dict(_AT, chunk=None, shape=[64, 8192], dtype="uint16",
@@ -644,12 +668,13 @@ def _array_meta_mismatch(shape, dtype, expected_shape, expected_dtype, manifest,
 
 @renders("cache.chunk-decompress", example=dict(_AT, error="Error -10 while decompressing"))
 def _chunk_decompress(error, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return f"{_at(part, array, dir, chunk, shard_file, where)}: chunk does not decompress ({error}); the part is damaged."
+    return (f"{_at(part, array, dir, chunk, shard_file, where)}: "
+            f"{_PART_FILE_REASONS['cache.chunk-decompress'](dict(error=error))}; the part is damaged.")
 
 
 @renders("cache.chunk-size", example=dict(_AT, size=100, expected=128))
 def _chunk_size(size, expected, part=None, array=None, dir=None, chunk=None, shard_file=None, where=None):
-    return f"{_at(part, array, dir, chunk, shard_file, where)}: decoded chunk has {size} bytes, expected {expected}."
+    return f"{_at(part, array, dir, chunk, shard_file, where)}: {_PART_FILE_REASONS['cache.chunk-size'](dict(size=size, expected=expected))}."
 
 
 @renders("cache.part-sample-ids", example=dict(_AT, chunk=None, array="sample_ids", log="manifest.parts.jsonl"))
@@ -668,15 +693,15 @@ _QUARANTINE_FIX = ("`dflash-cache verify --quarantine CACHE` takes it out of the
 
 @renders("cache.commit-record-checksum", example=dict(where="cache/manifest.parts.jsonl, line 2"))
 def _commit_record_checksum(where):
-    return (f"{where}: the commit record is damaged (checksum mismatch: it was edited or torn). The part it names "
-            f"cannot be trusted: {_QUARANTINE_FIX}")
+    return (f"{where}: {_PART_FILE_REASONS['cache.commit-record-checksum']({})}. The part it names cannot be "
+            f"trusted: {_QUARANTINE_FIX}")
 
 
 @renders("cache.commit-record-split-keys", example=dict(where="cache/manifest.parts.jsonl, line 2",
                                                        part="part-000001", keys=3, samples=4))
 def _commit_record_split_keys(where, part, keys, samples):
-    return (f"{where}: the commit record of {part} lists {keys} split keys for its {samples} samples, keys outside "
-            f"64 bits, or grouped samples outside them (it was edited). The part cannot be trusted: {_QUARANTINE_FIX}")
+    reason = _PART_FILE_REASONS["cache.commit-record-split-keys"](dict(part=part, keys=keys, samples=samples))
+    return f"{where}: {reason}. The part cannot be trusted: {_QUARANTINE_FIX}"
 
 
 @renders("cache.log-replaced", example=dict(file="cache/manifest.parts.jsonl"))
@@ -1010,3 +1035,151 @@ def _follow_evicted_for_another_run(part, cache, epoch, reading, reports):
 def _quarantine_remote(url, flag):
     return (f"{flag}: a remote cache ({url}) is repaired by uploading its parts again from a sound local copy: "
             "quarantine works on local caches.")
+
+
+# -- dflash-cache verify (cache_tools/maintenance.py, quarantine.py) ---------------------------
+# A problem's finding renders its reason; the line verify prints puts the part, the array and
+# `verify_location` (the finding's chunk, rows, shard_file, file or line) before it.
+
+
+def verify_location(chunk=None, rows=None, shard_file=None, file=None, line=None):
+    """Where inside a part: "chunk 3 (rows 384-511) in shard file hidden/c/0/0", "file X", ..."""
+    if line is not None:
+        return f"{file} line {line}"
+    if chunk is not None:
+        return f"chunk {chunk} (rows {rows[0]}-{rows[1]}) in shard file {shard_file}"
+    if shard_file is not None:
+        return f"shard file {shard_file}"
+    return f"file {file}" if file is not None else ""
+
+
+_CHUNK = dict(chunk=3, rows=[384, 511], shard_file="hidden/c/0/0")
+
+
+@renders("cache.verify-unreadable", example=dict(_CHUNK, error="checksum mismatch"))
+def _verify_unreadable(error, chunk=None, rows=None, shard_file=None, file=None):
+    return part_file_reason(error) + "."
+
+
+@renders("cache.verify-commit-line", example=dict(file="manifest.parts.jsonl", line=3, error="'name'"))
+def _verify_commit_line(file, line, error):
+    return part_file_reason(error) + "."
+
+
+@renders("cache.verify-metadata-shape", example=dict(shape=[64, 128], dtype="uint16", expected_shape=[64, 64],
+                                                     expected_dtype="uint16"))
+def _verify_metadata_shape(shape, dtype, expected_shape, expected_dtype):
+    return f"its metadata says shape {tuple(shape)} {dtype}, expected {tuple(expected_shape)} {expected_dtype} from the manifest."
+
+
+@renders("cache.verify-metadata-chunks", example=dict(chunk_rows=64, shard_rows=1024, expected_chunk_rows=128,
+                                                      expected_shard_rows=8192))
+def _verify_metadata_chunks(chunk_rows, shard_rows, expected_chunk_rows, expected_shard_rows):
+    return (f"its metadata has chunks of {chunk_rows} rows in shards of {shard_rows}, the manifest says "
+            f"{expected_chunk_rows} and {expected_shard_rows}.")
+
+
+@renders("cache.verify-file-missing", example=dict(file="sample_ids/c/0"))
+def _verify_file_missing(file):
+    return "missing or empty."
+
+
+@renders("cache.verify-shard-index", example=dict(shard_file="hidden/c/0/0"))
+def _verify_shard_index(shard_file):
+    return "the shard index fails its checksum: the file is truncated or corrupt."
+
+
+@renders("cache.verify-chunks-not-indexed", example=dict(shard_file="hidden/c/0/0", chunks=[5, 6]))
+def _verify_chunks_not_indexed(shard_file, chunks):
+    return f"chunks {chunks} are missing from the shard index."
+
+
+@renders("cache.verify-values-not-finite", example=dict(_CHUNK, values=12))
+def _verify_values_not_finite(values, chunk, rows, shard_file):
+    return f"{values} values are NaN or infinite."
+
+
+@renders("cache.verify-offsets", example=dict(log="manifest.parts.jsonl"))
+def _verify_offsets(log):
+    return f"sample offsets disagree with the sample lengths in the commit log ({log})."
+
+
+@renders("cache.verify-sample-ids-repeated", example=dict(ids=[17, 18]))
+def _verify_sample_ids_repeated(ids):
+    return f"sample ids {ids} appear more than once."
+
+
+@renders("cache.verify-token-ids", example=dict(count=2, vocab_size=151936, row=40, token=151940))
+def _verify_token_ids(count, vocab_size, row, token):
+    return f"{count} token ids are outside the vocabulary [0, {vocab_size}) (first at token row {row}: {token})."
+
+
+@renders("cache.verify-loss-mask", example={})
+def _verify_loss_mask():
+    return "loss_mask holds values other than 0 and 1."
+
+
+@renders("cache.verify-split-keys", example=dict(samples=2, first=5))
+def _verify_split_keys(samples, first):
+    return (f"the commit record's split keys of {samples} samples (first: sample {first}) are not the hashes of "
+            "their prompts as the part stores them (edited).")
+
+
+@renders("cache.verify-scales", example={})
+def _verify_scales():
+    return "scales are negative, NaN or infinite."
+
+
+@renders("cache.verify-part-missing", example=dict(dir="cache/parts/part-000001"))
+def _verify_part_missing(dir):
+    return f"the part directory {dir} is missing."
+
+
+@renders("cache.verify-record-counts", example={})
+def _verify_record_counts():
+    return "the commit record's sample and token counts disagree with its sample lengths."
+
+
+@renders("cache.verify-part-size", example=dict(size=1000, nbytes=1200))
+def _verify_part_size(size, nbytes):
+    return f"{size} bytes on disk, the commit record says {nbytes} (a file was truncated, extended or replaced)."
+
+
+@renders("cache.verify-log-torn", example=dict(file="manifest.parts.jsonl"))
+def _verify_log_torn(file):
+    return f"{file} ends with a torn line (a writer died mid-commit); it is not a commit."
+
+
+@renders("cache.verify-unfinished", example=_PROGRESS)
+def _verify_unfinished(committed, planned, committed_samples, planned_samples):
+    return (f"the extraction has not finished: {progress(committed, planned, committed_samples, planned_samples)} "
+            "(stopped before its end, still running, or a rank lost). Rerun its dflash-extract command to finish it; "
+            "dflash-train refuses the cache until then (or with --allow-incomplete trains on what is there).")
+
+
+@renders("cache.verify-parts-evicted", example=dict(parts=["part-000000", "part-000001"], nbytes=4096,
+                                                    file="manifest.evicted.jsonl"))
+def _verify_parts_evicted(parts, nbytes, file):
+    names = ", ".join(parts[:3]) + (", ..." if len(parts) > 3 else "")
+    return (f"{len(parts)} parts ({names}; {nbytes} bytes) are evicted under a disk budget ({file}): their files were "
+            "deleted once training had read them, so they are not checked. An extraction's later --follow-epochs pass "
+            "writes them again; until then a training run without --follow and the maintenance verbs refuse the cache.")
+
+
+@renders("cache.verify-uncommitted", example=dict(entries=2, dir="parts"))
+def _verify_uncommitted(entries, dir):
+    return (f"{entries} entries in {dir}/ are not committed (readers ignore them; `dflash-cache prune` removes those "
+            "no live writer owns).")
+
+
+@renders("cache.quarantine-every-part", example=dict(cache="runs/cache", parts=3, part="part-000000", array="hidden",
+                                                   problem="checksum mismatch"))
+def _quarantine_every_part(cache, parts, part, array, problem):
+    fields = getattr(problem, "fields", {})
+    where = verify_location(**{k: fields.get(k) for k in ("chunk", "rows", "shard_file", "file", "line")})
+    first = " ".join(x for x in (part, array, where) if x) + f": {str(problem).rstrip('.')}"
+    return (f"Every one of the {parts} parts of {cache} is reported damaged (the first: {first}). That is more likely "
+            "a manifest.json that no longer matches its parts (edited by hand, or another cache's) than that many "
+            "damaged parts, and quarantining them all would empty the cache: nothing was moved. Compare manifest.json "
+            "with the parts' own metadata (zarr.json) and put it back; if every part really is damaged, extract the "
+            "cache anew (dflash-extract --force).")

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import atomic_write_bytes, file_lock, fsync_dir
 from dflash.runtime.locks import WriterLock
 
@@ -62,12 +63,8 @@ def quarantine_damaged(cache_dir: str | os.PathLike, report: VerifyReport) -> Qu
     bad = set(report.bad_parts)
     if report.parts >= 2 and len(bad) >= report.parts:
         first = next(p for p in report.problems if p.part)
-        raise CacheCorruptError(
-            f"Every one of the {report.parts} parts of {cache_dir} is reported damaged (the first: {first}). "
-            "That is more likely a manifest.json that no longer matches its parts (edited by hand, or another "
-            "cache's) than that many damaged parts, and quarantining them all would empty the cache: nothing was "
-            "moved. Compare manifest.json with the parts' own metadata (zarr.json) and put it back; if every part "
-            "really is damaged, extract the cache anew (dflash-extract --force).")
+        raise CacheCorruptError(Finding("cache.quarantine-every-part", cache=str(cache_dir), parts=report.parts,
+                                        part=first.part, array=first.array, problem=first.finding))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = QuarantineReport(cache_dir / QUARANTINE_DIR / f"{stamp}-{os.getpid()}")
     with WriterLock(cache_dir / WRITER_LOCK_FILE, what=f"the cache at {cache_dir}",

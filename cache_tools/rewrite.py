@@ -33,22 +33,16 @@ from .summary import raw_bf16_bytes
 from .writer import CacheWriter, PartWriter
 
 
-def _same_storage(a: HiddenCodec, b: HiddenCodec) -> bool:
-    """Whether stored hidden arrays can be passed through unchanged (only re-compressed): bf16
-    and raw store the same bits; fp8 and nf4 only their own."""
-    return (a.storage_dtype, a.has_scale, a.packed) == (b.storage_dtype, b.has_scale, b.packed)
-
-
 def _iter_part_samples(reader: CacheReader, part_idx: int, dst_codec: HiddenCodec) -> Iterator[tuple[int, dict[str, Any]]]:
     """(sample_id, add_sample keyword arguments) for every sample of one part, in order.
 
-    When both codecs store the same thing (bf16 bits, or fp8 bytes with their scales) the
-    stored arrays pass through untouched, so a copy is exact; otherwise samples are decoded
+    When both codecs store the same thing (`HiddenCodec.stored_form`: bf16 bits, or fp8 bytes
+    with their scales) the stored arrays pass through untouched, so a copy is exact; otherwise samples are decoded
     to bf16 and re-encoded by the writer.
     """
     pf = reader.part_arrays(part_idx)
     rec = reader.parts[part_idx]
-    passthrough = _same_storage(reader.manifest.codec, dst_codec)
+    passthrough = reader.manifest.codec.stored_form == dst_codec.stored_form  # (bf16 and raw: the same bits)
     per_token = [spec for spec in reader.schema if spec.per == "token"]
     offsets = sample_offsets(rec.lengths)
     for j, sid in enumerate(pf.small_array(SAMPLE_IDS).tolist()):

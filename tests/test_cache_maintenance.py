@@ -96,9 +96,11 @@ def test_verify_collects_a_corrupt_chunk_and_a_truncated_shard_in_different_part
     truncate_shard(cache, "part-000002")
     report = verify_cache(cache, progress=False)
     assert report.bad_parts == ["part-000000", "part-000002"]
-    texts = [str(p) for p in report.problems]
-    assert any("part-000000 hidden chunk 1 " in t and "checksum mismatch" in t for t in texts), texts
-    assert any("part-000002 hidden shard file hidden/c/0/0" in t for t in texts), texts
+    found = {(p.part, p.array, p.finding.code, p.finding.fields.get("chunk"), p.finding.fields.get("shard_file"))
+             for p in report.problems}
+    assert ("part-000000", "hidden", "cache.verify-unreadable", 1, "hidden/c/0/0") in found, found
+    assert [p.finding.fields["error"].code for p in report.problems if p.part == "part-000000"] == ["cache.chunk-checksum"]
+    assert any(part == "part-000002" and shard == "hidden/c/0/0" for part, _, _, _, shard in found), found
     # the rest of the truncated part was still checked: its later shards decode fine
     assert report.chunks > 0
 
@@ -123,9 +125,9 @@ def test_verify_reports_token_ids_outside_the_vocabulary(tmp_path):
         ids[3] = VOCAB + 7
         pw.add_sample(99, ids, torch.ones(10, dtype=torch.uint8), torch.randn(10, 64).bfloat16())
     report = verify_cache(cache, progress=False)
-    assert [p.part for p in report.problems] == ["part-000001"]
-    assert "outside the vocabulary" in report.problems[0].message
-    assert str(VOCAB + 7) in report.problems[0].message
+    assert [(p.part, p.array, p.finding.code) for p in report.problems] == [
+        ("part-000001", "input_ids", "cache.verify-token-ids")]
+    assert report.problems[0].finding.fields == {"count": 1, "vocab_size": VOCAB, "row": 3, "token": VOCAB + 7}
 
 
 def test_verify_reports_a_missing_part_and_a_damaged_commit_line_and_goes_on(tmp_path):
@@ -137,9 +139,10 @@ def test_verify_reports_a_missing_part_and_a_damaged_commit_line_and_goes_on(tmp
     lines[2] = lines[2].replace(b'"samples":4', b'"samples":5')
     log.write_bytes(b"".join(lines))
     report = verify_cache(cache, progress=False)
-    texts = [str(p) for p in report.problems]
-    assert any("part-000001" in t and "missing" in t for t in texts), texts
-    assert any("manifest.parts.jsonl line 3" in t for t in texts), texts
+    found = [(p.part, p.finding.code, p.finding.fields.get("line")) for p in report.problems]
+    assert ("part-000001", "cache.verify-part-missing", None) in found, found
+    assert (None, "cache.verify-commit-line", 3) in found, found
+    assert "manifest.parts.jsonl line 3" in str(next(p for p in report.problems if p.part is None))
     assert report.parts == 2  # the two readable records were still checked
 
 

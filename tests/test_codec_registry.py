@@ -135,3 +135,47 @@ def test_the_host_encoder_stores_what_the_extraction_engines_encoder_stores(name
 def test_identity_leaves_out_the_packing_fields():
     assert HiddenCodec(name="fp8", clevel=5, blocksize=0).identity() == {"name": "fp8"}
     assert HiddenCodec.from_dict({"name": "bf16", "zstd_hash_log": 20}).identity() == {"name": "bf16"}
+
+
+def test_verify_checks_a_registered_codecs_stored_values_by_the_codec(tmp_path):
+    """verify read every one-byte stored value as e4m3: the toy codec's largest code (+127,
+    stored 255) was reported as "NaN or infinite" in a sound cache."""
+    from dflash.cache_tools.maintenance import verify_cache
+
+    cache, _ = write(tmp_path / "c", "toy-int8")
+    report = verify_cache(cache, progress=False)
+    assert report.ok and report.chunks > 0, [str(p) for p in report.problems]
+
+
+def test_recompress_passes_stored_rows_through_only_between_codecs_of_one_stored_form(tmp_path):
+    """recompress compared (storage dtype, scale, packed): toy-int8 rows (uint8 and a scale, as
+    fp8's) were copied as they are into an fp8 cache, which read them as e4m3 bytes."""
+    from dflash.cache_tools.rewrite import recompress_cache
+
+    cache, samples = write(tmp_path / "c", "toy-int8")
+    recompress_cache(cache, tmp_path / "fp8", codec="fp8", progress=False)
+    reader = CacheReader(tmp_path / "fp8")
+    for i, (hidden, _last) in enumerate(samples):
+        x, y = hidden.float().numpy(), bf16_values(reader.read_sample(i)["hidden"])
+        assert np.abs(x - y).max() <= np.abs(x).max() / 127 + np.abs(x).max() / 16  # int8 then e4m3 steps
+    assert HiddenCodec(name="bf16").stored_form == HiddenCodec(name="raw").stored_form  # the same bits
+    assert HiddenCodec(name="fp8").stored_form != HiddenCodec(name="toy-int8").stored_form
+
+
+def test_verify_reports_an_nf4_chunk_whose_group_scale_is_not_finite_or_negative(tmp_path):
+    from dflash.cache_tools.maintenance import verify_cache
+
+    nf4 = HiddenCodec(name="nf4")
+    writer = CacheWriter(tmp_path / "c", tiny_header("nf4", hidden_size=32))
+    gen = torch.Generator().manual_seed(0)
+    with writer.part_writer("part-000000") as pw:
+        for s, bad in enumerate((None, 0xFFC0, 0x8000 | 0x3F80)):  # sound; a NaN scale; a scale of -1
+            ids, mask, hidden = random_sample(gen, 20, 64)
+            rows, _ = nf4.encode(hidden.float().numpy(), 2)
+            if bad is not None:  # (the group scales are a row's last bytes)
+                rows[5, -2:] = np.array([bad], dtype="<u2").view(np.uint8)
+            pw.add_sample(s, ids, mask, rows)
+    report = verify_cache(tmp_path / "c", progress=False)
+    assert [(p.part, p.array) for p in report.problems] == [("part-000000", "hidden")] * 2
+    assert all(p.finding.code == "cache.verify-values-not-finite" and p.finding.fields["values"] == 1
+               for p in report.problems)
