@@ -464,12 +464,12 @@ def import_(src: str, out: str, settings: ImportSettings) -> None:
     click.echo(f"{report.dst}: {report.samples} samples, {report.tokens} tokens, {_human_bytes(report.dst_bytes)} "
                f"({ratio:.3f}x vs raw bf16).")
     for path, problem in report.bad[:5]:
-        click.echo(f"skipped {path}: {problem}")
+        click.echo(f"skipped {path}: {render(problem) if isinstance(problem, Finding) else problem}")
     if report.bad or report.bad_before:
         click.echo(f"Skipped {len(report.bad) or report.bad_before} bad sample file(s) (--skip-bad)"
                    + (f", {len(report.bad) - 5} more not listed" if len(report.bad) > 5 else "") + ".")
     for note in report.notes:
-        click.echo(f"Note: {note}")
+        click.echo(f"Note: {render(note)}")
 
 
 def _verify_remote(url: str, fast: bool) -> None:

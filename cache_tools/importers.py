@@ -93,7 +93,7 @@ class SampleSource:
     layer_ids_help: ClassVar[str] = ""
 
     src: Path
-    notes: list[str] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
 
     def scan(self) -> list[SampleFile]:
         """The sample files in sample-id order; raises ImportSourceError when there are none."""
@@ -361,8 +361,8 @@ class SpeculatorsSource(SampleSource):
             raise ImportSourceError(Finding("cache.speculators-row-beyond", file=str(found[beyond[0]]), row=beyond[0],
                                             src=str(self.src), rows=rows, files=len(beyond)))
         if len(found) < rows:
-            self.notes.append(f"{rows - len(found):,} of the dataset's {rows:,} rows have no hidden-state file "
-                              "(not generated: --max-samples, or requests that failed): they are not imported.")
+            self.notes.append(Finding("cache.import-rows-without-file", missing=rows - len(found), rows=rows,
+                                      src=str(self.hidden_dir)))
         return [SampleFile(i, found[i]) for i in sorted(found)]
 
     def _row(self, row: int, name: str, path: Path) -> np.ndarray:

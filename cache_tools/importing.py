@@ -193,9 +193,9 @@ class ImportReport:
     skipped: list[str] = field(default_factory=list)
     samples: int = 0
     tokens: int = 0
-    bad: list[tuple[Path, str]] = field(default_factory=list)  # left out by --skip-bad (found now)
+    bad: list[tuple[Path, Finding | str]] = field(default_factory=list)  # left out by --skip-bad (found now): why
     bad_before: int = 0  # left out by --skip-bad when the import was planned (a rerun)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
     dst_bytes: int = 0
     raw_bf16_bytes: int = 0
 
@@ -296,7 +296,7 @@ def _plan(source: SampleSource, files: list[SampleFile], target: TargetShape, wi
           report: ImportReport, early_bad: list, progress: bool | None) -> list[PlannedPart]:
     """Every readable sample's length and split key, cut into parts of at most --part-tokens."""
     bad_ids = {f.sample_id for f, _ in early_bad}
-    report.bad += [(f.path, str(e)) for f, e in early_bad]
+    report.bad += [(f.path, e.finding or str(e)) for f, e in early_bad]
     first_bad = [e.finding or str(e) for _f, e in early_bad[:1]]
     parts: list[PlannedPart] = []
     ids: list[int] = []
@@ -319,7 +319,7 @@ def _plan(source: SampleSource, files: list[SampleFile], target: TargetShape, wi
             except BadSampleFile as e:
                 if not options.skip_bad:
                     raise
-                report.bad.append((f.path, str(e)))
+                report.bad.append((f.path, e.finding or str(e)))
                 first_bad = first_bad or [e.finding or str(e)]
                 continue
             n = raw.input_ids.shape[0]

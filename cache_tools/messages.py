@@ -1183,3 +1183,12 @@ def _quarantine_every_part(cache, parts, part, array, problem):
             "damaged parts, and quarantining them all would empty the cache: nothing was moved. Compare manifest.json "
             "with the parts' own metadata (zarr.json) and put it back; if every part really is damaged, extract the "
             "cache anew (dflash-extract --force).")
+
+
+# -- imports' notes (cache_tools/importers.py) -------------------------------------------------
+
+
+@renders("cache.import-rows-without-file", example=dict(missing=1, rows=10, src="spec/hidden_states"))
+def _import_rows_without_file(missing, rows, src):
+    return (f"{missing:,} of the dataset's {rows:,} rows have no hidden-state file in {src} (not generated: "
+            "--max-samples, or requests that failed): they are not imported.")

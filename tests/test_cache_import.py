@@ -174,6 +174,10 @@ def test_a_speculators_directory_counts_layers_from_the_embedding_and_keeps_its_
     result = run(*import_args("speculators", src, out, tiny_world["target"], "--store-last-hidden"))
     assert result.exit_code == 0, result.output
     assert "1 of the dataset's 10 rows have no hidden-state file" in result.output
+    report = import_cache(src, tmp_path / "again", target_model=tiny_world["target"],
+                          options=ImportOptions(format="speculators", source_layer_ids=[2, 3, 4]))
+    assert [(n.code, n.fields["missing"], n.fields["rows"]) for n in report.notes] == [
+        ("cache.import-rows-without-file", 1, 10)]
     assert_same_as({i: s for i, s in enumerate(samples) if i != 3}, out, last=True)
     header = read_manifest(out).header
     assert header["target_layer_ids"] == LAYERS and header["settings"]["source_layer_ids"] == [2, 3, 4]
@@ -352,6 +356,10 @@ def test_a_truncated_sample_file_is_named_and_skipped_with_skip_bad(tiny_world, 
     assert_same_as({i: s for i, s in enumerate(samples) if i != 4}, tmp_path / "cache")
     stats = [p.stats.get("skipped_bad", 0) for p in read_manifest(tmp_path / "cache").parts]
     assert sum(stats) == 1
+    report = import_cache(src, tmp_path / "again", target_model=tiny_world["target"],
+                          options=ImportOptions(format="specforge", target_layer_ids=LAYERS, skip_bad=True))
+    assert [(path, problem.fields["file"]) for path, problem in report.bad] == [(bad, str(bad))]
+    assert report.bad[0][1].code.startswith("cache.")  # the file's finding, kept as data
 
 
 @pytest.mark.parametrize("damage,key,code", [
