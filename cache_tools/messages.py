@@ -1192,3 +1192,32 @@ def _quarantine_every_part(cache, parts, part, array, problem):
 def _import_rows_without_file(missing, rows, src):
     return (f"{missing:,} of the dataset's {rows:,} rows have no hidden-state file in {src} (not generated: "
             "--max-samples, or requests that failed): they are not imported.")
+
+
+# -- dflash-cache verify of a remote cache (cache_tools/remote_upload.py) ----------------------
+
+
+@renders("cache.verify-remote-not-indexed", example=dict(part="part-000003", index="files.jsonl"))
+def _verify_remote_not_indexed(part, index):
+    return f"part {part}: not in {index} (an incomplete upload: upload again)"
+
+
+@renders("cache.verify-remote-missing", example=dict(part="part-000003", object="parts/part-000003/hidden/c/0/0"))
+def _verify_remote_missing(part, object):
+    return f"part {part}: {object} is missing"
+
+
+@renders("cache.verify-remote-size", example=dict(part="part-000003", object="parts/part-000003/hidden/c/0/0",
+                                                  size=100, indexed_size=128))
+def _verify_remote_size(part, object, size, indexed_size):
+    return f"part {part}: {object} has {size} bytes, the index says {indexed_size}"
+
+
+@renders("cache.verify-remote-crc", example=dict(part="part-000003", object="parts/part-000003/hidden/c/0/0"))
+def _verify_remote_crc(part, object):
+    return f"part {part}: {object} does not match its crc32c (the object is corrupt)"
+
+
+@renders("cache.verify-remote-part-size", example=dict(part="part-000003", indexed=1000, nbytes=1200))
+def _verify_remote_part_size(part, indexed, nbytes):
+    return f"part {part}: its files hold {indexed} bytes, the commit log says {nbytes}"

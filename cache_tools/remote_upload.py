@@ -161,7 +161,7 @@ class RemoteVerifyReport:
     url: str
     parts: int = 0
     files: int = 0
-    problems: list[str] = field(default_factory=list)
+    problems: list[Finding] = field(default_factory=list)  # cache.verify-remote-*, with the part and object
 
     @property
     def ok(self) -> bool:
@@ -175,23 +175,23 @@ def verify_remote(url: str, *, fast: bool = False, threads: int = 8) -> RemoteVe
     report = RemoteVerifyReport(url)
     with staged_manifest(store) as (m, index):
         missing = [p.name for p in m.parts if p.name not in index.parts]
-        report.problems += [f"part {n}: not in {FILES_INDEX} (an incomplete upload: upload again)" for n in missing]
+        report.problems += [Finding("cache.verify-remote-not-indexed", part=n, index=FILES_INDEX) for n in missing]
 
-        def check(job: tuple[str, RemoteFile], stop: threading.Event) -> str | None:
+        def check(job: tuple[str, RemoteFile], stop: threading.Event) -> Finding | None:
             check_stop(stop)
             name, f = job
             key = f"{PARTS_DIR}/{name}/{f.path}"
             size = store.size(key)
             if size is None:
-                return f"part {name}: {key} is missing"
+                return Finding("cache.verify-remote-missing", part=name, object=key)
             if size != f.size:
-                return f"part {name}: {key} has {size} bytes, the index says {f.size}"
+                return Finding("cache.verify-remote-size", part=name, object=key, size=size, indexed_size=f.size)
             if not fast:
                 crc = 0
                 for block in store.stream(key):
                     crc = google_crc32c.extend(crc, block)
                 if crc != f.crc32c:
-                    return f"part {name}: {key} does not match its crc32c (the object is corrupt)"
+                    return Finding("cache.verify-remote-crc", part=name, object=key)
             return None
 
         jobs = [(p.name, f) for p in m.parts if p.name in index.parts for f in index.parts[p.name]]
@@ -200,5 +200,6 @@ def verify_remote(url: str, *, fast: bool = False, threads: int = 8) -> RemoteVe
         for p in m.parts:
             indexed = sum(f.size for f in index.parts.get(p.name, []))
             if p.name in index.parts and indexed != p.nbytes:
-                report.problems.append(f"part {p.name}: its files hold {indexed} bytes, the commit log says {p.nbytes}")
+                report.problems.append(Finding("cache.verify-remote-part-size", part=p.name, indexed=indexed,
+                                               nbytes=p.nbytes))
     return report

@@ -61,6 +61,8 @@ def test_a_rerun_of_upload_rewrites_an_object_whose_bytes_differ_and_verify_then
     assert CliRunner().invoke(cache_main, ["upload", str(tmp_path / "c"), url]).exit_code == 0
     flip_a_byte(s3, url, CHUNK)
     assert CliRunner().invoke(cache_main, ["verify", url]).exit_code == 1
+    assert [(p.code, p.fields["object"]) for p in remote_upload.verify_remote(url).problems] == [
+        ("cache.verify-remote-crc", CHUNK)]
     again = remote_upload.upload_cache(tmp_path / "c", url)
     assert again["files_uploaded"] == 1, again
     res = CliRunner().invoke(cache_main, ["verify", url])
