@@ -13,7 +13,9 @@ A command's settings are one `kw_only` dataclass; each field is one setting:
   run or cache must match (`identity_of` builds it from the marks); one not marked may change
   between a run and its resume;
 - a field whose type is a dataclass decorated with `@section` is a group of settings: its fields
-  are flags and keys of their own, flat (`lr`, not `optimization.lr`).
+  are flags and keys of their own, flat (`lr`, not `optimization.lr`);
+- `compose(...)` makes one settings class of the dataclasses several components declare beside
+  their code (each drafter head's settings, train/heads/), their fields in the parts' order.
 
 `settings_options(cls)` decorates a click command function with one option per setting and
 `--config FILE`; the function receives the built settings (`settings=`). Where a value comes
@@ -152,6 +154,30 @@ class JsonObject(click.ParamType):
 
 
 # -- the settings of a class ------------------------------------------------------------------
+
+
+def compose(name: str, parts: Sequence[type], *, module: str, doc: str,
+            error: type[Exception] = SettingError) -> type:
+    """One kw_only settings dataclass named `name` (of `module`) whose fields are those of the
+    dataclasses `parts`, in their order: a command's settings made of components that each declare
+    theirs beside their code (the drafter heads', train/heads/). Its `__post_init__` runs, part by
+    part, the part's own `__post_init__` and its limits, `refusal(self) -> Finding | None` (the
+    first setting of the part out of its range), raised as the class's `settings_error` (`error`;
+    a subclass may set another). A subclass that has a `__post_init__` calls `super().__post_init__()`."""
+    hooks = [(part.__dict__.get("__post_init__"), part.__dict__.get("refusal")) for part in parts]
+
+    def __post_init__(self: Any) -> None:
+        for own, refusal in hooks:
+            if own is not None:
+                own(self)
+            found = refusal(self) if refusal is not None else None
+            if found is not None:
+                raise type(self).settings_error(found)
+
+    namespace = {"__module__": module, "__qualname__": name, "__doc__": doc, "__annotations__": {},
+                 "__post_init__": __post_init__, "settings_error": error}
+    # the dataclass takes its bases' fields from the last base to the first: the parts reversed
+    return dataclass(kw_only=True)(type(name, tuple(reversed(parts)), namespace))
 
 
 @dataclass

@@ -299,8 +299,10 @@ def test_a_hidden_size_the_default_group_does_not_divide_is_refused_with_the_gro
     from dflash.train.model.drafter_config import DrafterConfig
     from test_drafter_support import tiny_config
 
-    with pytest.raises(ValueError, match=r"conv_group_size 16 must divide the hidden size 40: pass --conv-group-size 10 "):
+    with pytest.raises(ValueError) as refused:
         tiny_config(drafter_type="dflash2", hidden_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=20)
+    assert refused.value.code == "train.conv-group-size"
+    assert refused.value.fields == {"value": 16, "hidden_size": 40, "fits": 10}
     fitted = tiny_config(drafter_type="dflash2", hidden_size=40, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=20, conv_group_size=10)
     assert isinstance(fitted, DrafterConfig) and fitted.conv_group_size == 10
@@ -309,6 +311,7 @@ def test_a_hidden_size_the_default_group_does_not_divide_is_refused_with_the_gro
 def test_a_vocabulary_smaller_than_the_default_top_k_is_refused_with_the_k_that_fits():
     from test_drafter_support import tiny_config
 
-    with pytest.raises(ValueError, match=r"selector_top_k \(16\) in 1..8, the target's vocabulary: pass --selector-top-k 8 "):
+    with pytest.raises(ValueError) as refused:
         tiny_config(drafter_type="dflash2", vocab_size=8)
+    assert refused.value.code == "train.selector-top-k" and refused.value.fields == {"value": 16, "vocab_size": 8}
     assert tiny_config(drafter_type="dflash2", vocab_size=8, selector_top_k=8).selector_top_k == 8

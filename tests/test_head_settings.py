@@ -81,6 +81,118 @@ def test_each_built_in_heads_export_keys_and_identity_are_as_recorded(head):
     assert got["identity"] == want["identity"]  # (checkpoints compare identities key by key)
 
 
+# -- the heads declare, the run composes ----------------------------------------------------------
+
+
+def test_the_run_settings_are_composed_from_each_heads_declarations():
+    from dflash.train.config import DrafterSettings, ObjectiveConfig
+    from dflash.train.heads import get_head, head_names
+    from dflash.train.model.drafter_config import DrafterConfig
+
+    drafter, objective = settings_of(DrafterSettings), settings_of(ObjectiveConfig)
+    for name in head_names():
+        head = get_head(name)
+        for part, composed in ((head.settings, DrafterSettings), (head.objective_settings, ObjectiveConfig)):
+            if part is None:
+                continue
+            assert issubclass(composed, part) and issubclass(DrafterConfig, DrafterSettings)
+            declared = [f.name for f in dataclasses.fields(part)]
+            assert declared and set(declared) <= set(drafter if composed is DrafterSettings else objective)
+            assert declared == [n for n in part.__dataclass_fields__]  # (in the head's order)
+        assert head.setting_names == tuple(f.name for f in dataclasses.fields(head.settings or object)) \
+            if head.settings else head.setting_names == ()
+    # the help text is the docstring beside the head's field
+    assert drafter["markov_rank"].option.help.startswith("dspark: rank r of the Markov head")
+
+
+def test_a_heads_setting_out_of_range_is_refused_by_the_head_wherever_the_settings_are_built():
+    from dflash.train.config import ModelConfig, ObjectiveConfig, TrainConfigError
+    from dflash.train.heads.base import HeadSettingError
+    from dflash.train.model.drafter_config import DrafterConfig
+
+    with pytest.raises(TrainConfigError) as refused:  # the run's settings: a usage error of the run
+        ModelConfig(target_model="t", drafter_type="dspark", markov_rank=0)
+    assert refused.value.code == "train.markov-rank" and refused.value.fields == {"value": 0}
+    with pytest.raises(HeadSettingError) as refused:  # a drafter's config (an export's): a ValueError too
+        DrafterConfig(**TINY, drafter_type="dflash2", selector_top_k=8, conv_kernel_size=0)
+    assert isinstance(refused.value, ValueError) and refused.value.fields["flag"] == "--conv-kernel-size"
+    with pytest.raises(TrainConfigError) as refused:
+        ObjectiveConfig(lilicorr_loss_weight=float("nan"))
+    assert refused.value.code == "train.setting-not-finite" and refused.value.fields["flag"] == "--lilicorr-loss-weight"
+    ObjectiveConfig(lilicorr_loss_weight=0.0)  # (in range)
+
+
+def test_a_head_registered_later_is_a_choice_of_the_cli_flag_and_the_config_key():
+    from dflash.runtime.settings import convert_file_value
+    from dflash.train import heads
+    from dflash.train.cli import run
+    from dflash.train.config import TrainConfig, TrainConfigError
+    from toy_head import HEAD
+
+    drafter_type = settings_of(TrainConfig)["drafter_type"]
+    args = ["--cache", "c", "--target-model", "t", "--output-dir", "o", "--drafter-type", "toy"]
+    with pytest.raises(click.BadParameter):
+        run.make_context("run", list(args))
+    heads.register_head(HEAD)
+    try:
+        assert run.make_context("run", list(args)).params["drafter_type"] == "toy"
+        assert convert_file_value(drafter_type, "toy", "run.yaml", TrainConfigError) == "toy"
+        assert "toy" in drafter_type.option.type.choices
+    finally:
+        heads.unregister_head(HEAD.name)
+    with pytest.raises(TrainConfigError):
+        convert_file_value(drafter_type, "toy", "run.yaml", TrainConfigError)
+
+
+def test_a_heads_setting_is_a_flag_from_its_declaration_alone(tmp_path):
+    """A head registered before the run's settings are composed adds its settings (flag, key, help,
+    default, limits) by declaring them; one registered after that may declare none."""
+    import subprocess
+    import textwrap
+
+    program = textwrap.dedent('''
+        from dataclasses import dataclass
+        from dflash.runtime.findings import Finding
+        from dflash.train import heads
+        from dflash.train.heads.base import DraftHead
+
+        @dataclass(kw_only=True)
+        class WideSettings:
+            wide_width: int = 3
+            """wide: the width of the wide head."""
+
+            def refusal(self):
+                return Finding("train.setting-range", flag="--wide-width", value=self.wide_width,
+                               allowed="at least 1") if self.wide_width < 1 else None
+
+        class WideHead(DraftHead):
+            name, title, architecture, settings = "wide", "Wide", "WideDraftModel", WideSettings
+
+        heads.register_head(WideHead())
+        from dflash.runtime.settings import settings_of
+        from dflash.train.config import ModelConfig, TrainConfig, TrainConfigError
+        s = settings_of(TrainConfig)["wide_width"]
+        assert (s.flag, s.default(), s.section) == ("--wide-width", 3, "model"), s
+        assert s.option.help.startswith("wide: the width"), s.option.help
+        try:
+            ModelConfig(target_model="t", wide_width=0)
+        except TrainConfigError as e:
+            assert e.fields["flag"] == "--wide-width"
+        else:
+            raise SystemExit("not refused")
+
+        class LateHead(DraftHead):
+            name, title, architecture, settings = "late", "Late", "LateDraftModel", WideSettings
+        try:
+            heads.register_head(LateHead())
+        except ValueError:
+            print("composed")
+    ''')
+    (tmp_path / "wide.py").write_text(program)  # (a file: the help texts are read from the source)
+    done = subprocess.run([sys.executable, str(tmp_path / "wide.py")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "composed", done.stderr
+
+
 if __name__ == "__main__":
     RECORD.write_text(json.dumps(current(), indent=1) + "\n")
     sys.exit(0)

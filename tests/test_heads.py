@@ -85,8 +85,10 @@ def test_the_registry_names_the_heads_and_refuses_an_unknown_one():
     assert heads.head_names()[:2] == ("dflash", "dflash2")
     assert heads.head_for_architecture(["DFlash2DraftModel"]) is heads.get_head("dflash2")
     assert heads.get_head(None) is heads.get_head("dflash")  # a drafter recorded before heads had names
-    with pytest.raises(ValueError, match="dflash, dflash2"):
+    with pytest.raises(ValueError) as refused:
         heads.get_head("nope")
+    assert refused.value.code == "train.unknown-head" and refused.value.fields["name"] == "nope"
+    assert refused.value.fields["heads"][:2] == ["dflash", "dflash2"]
     with pytest.raises(ValueError, match="registered already"):
         heads.register_head(heads.get_head("dflash2"))
 

@@ -120,34 +120,38 @@ def test_a_checkpoint_in_the_engines_layout_loads(tmp_path):
     assert torch.equal(reloaded.confidence_head.proj.weight, drafter.confidence_head.proj.weight)
 
 
-@pytest.mark.parametrize("edit,named", [
-    ({"sample_from_anchor": True}, "sample_from_anchor"),
-    ({"markov_head_type": "gated"}, "markov_head_type"),
-    ({"draft_vocab_size": VOCAB // 2}, "draft_vocab_size"),
+@pytest.mark.parametrize("edit,code", [
+    ({"sample_from_anchor": True}, "train.sample-from-anchor"),
+    ({"markov_head_type": "gated"}, "train.markov-head-type"),
+    ({"draft_vocab_size": VOCAB // 2}, "train.draft-vocab-size"),
 ])
-def test_a_layout_this_trainer_cannot_decode_is_refused_by_its_key(tmp_path, edit, named):
+def test_a_layout_this_trainer_cannot_decode_is_refused_by_its_key(tmp_path, edit, code):
     target, _, out = dspark_export(tmp_path)
     config = json.loads((out / "config.json").read_text())
     config.update(edit)
     config["dflash_config"].update(edit)
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError) as refused:
         load_drafter(out, target)
+    assert refused.value.code == code and refused.value.fields["value"] == next(iter(edit.values()))
 
 
-@pytest.mark.parametrize("bad,flag", [({"draft_vocab_size": VOCAB // 2}, "draft-vocab-size"),
-                                      ({"markov_rank": 0}, "markov-rank")])
-def test_a_drafter_dspark_cannot_build_is_refused_by_its_flag(bad, flag):
-    with pytest.raises(ValueError, match=flag):
+@pytest.mark.parametrize("bad,code", [({"draft_vocab_size": VOCAB // 2}, "train.draft-vocab-size"),
+                                      ({"markov_rank": 0}, "train.markov-rank")])
+def test_a_drafter_dspark_cannot_build_is_refused_by_its_flag(bad, code):
+    with pytest.raises(ValueError) as refused:
         tiny_config(drafter_type="dspark", **bad)
+    assert refused.value.code == code and refused.value.fields["value"] == next(iter(bad.values()))
 
 
 def test_a_negative_loss_weight_is_refused_by_its_flag(tiny_world, tmp_path):
     from dflash.train.config import TrainConfigError
 
-    with pytest.raises(TrainConfigError, match="confidence-loss-weight"):
+    with pytest.raises(TrainConfigError) as refused:
         tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", drafter_type="dspark",
                           confidence_loss_weight=-1.0)
+    assert refused.value.code == "train.setting-range"
+    assert (refused.value.fields["flag"], refused.value.fields["value"]) == ("--confidence-loss-weight", -1.0)
 
 
 # -- the loss ------------------------------------------------------------------------------------

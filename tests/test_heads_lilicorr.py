@@ -140,16 +140,19 @@ def test_a_checkpoint_in_the_engines_layout_is_read_back(tmp_path):
     # ... and a config without a key SGLang requires is refused by name
     bad = dict(config, dflash_config={k: v for k, v in config["dflash_config"].items() if k != "lilicorr_factor_dim"})
     (engine_dir / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="lilicorr_factor_dim"):
+    with pytest.raises(ValueError) as refused:
         load_drafter(engine_dir, target, attention_backend="sdpa")
+    assert refused.value.code == "train.export-lacks-keys" and refused.value.fields["keys"] == ["lilicorr_factor_dim"]
 
 
 def test_the_registry_finds_lilicorr_by_its_architecture_and_refuses_a_topk_the_engines_refuse(tmp_path):
     assert head_for_architecture([ARCHITECTURE]) is get_head("lilicorr")
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError) as refused:
         tiny_lilicorr(tmp_path, lilicorr_candidate_topk=6)
-    with pytest.raises(ValueError, match="lilicorr_num_heads"):
+    assert refused.value.code == "train.lilicorr-topk" and refused.value.fields["value"] == 6
+    with pytest.raises(ValueError) as refused:
         tiny_lilicorr(tmp_path, lilicorr_num_heads=5)
+    assert refused.value.code == "train.lilicorr-num-heads" and refused.value.fields["value"] == 5
 
 
 # -- the lattice's arithmetic ----------------------------------------------------------------------

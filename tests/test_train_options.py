@@ -200,8 +200,9 @@ def test_acceptance_loss_weighting_and_wsd_schedule_train_and_change_the_run(tin
                                 eval_fraction=0.0, **options))
         records[name] = [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
     # --gamma belongs to the decay weighting: with the default (acceptance) it is refused, not ignored.
-    with pytest.raises(TrainConfigError, match="--loss-weighting decay"):
+    with pytest.raises(TrainConfigError) as refused:
         tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "g", gamma=3.0)
+    assert refused.value.code == "train.gamma-without-decay" and refused.value.fields["gamma"] == 3.0
     assert tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "g", gamma=3.0,
                              loss_weighting="decay").objective.gamma == 3.0
     # Same init, same batches: the weighting changes the first step's loss, the schedule its lr.

@@ -15,21 +15,26 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import click
 from dflash.runtime.devices import DTYPE_ALIASES, DtypeChoice
 from dflash.runtime.errors import DflashError, MismatchError, UsageError
+from dflash.runtime.findings import Finding
 from dflash.runtime.settings import (
     Identity,
     build_settings,
+    compose,
     flat_values,
     read_settings_file,
     section,
     setting,
     settings_of,
 )
-from dflash.train.heads import get_head, head_names
+from dflash.train.heads import get_head, head_names, settings_parts
+from dflash.train.heads.base import HeadSettingError
+from dflash.train.heads.limits import below, flag, not_finite, out_of_range
 from dflash.train.model.layer_types import parse_layer_types
 
 DTYPES = ("auto", "bf16", "fp32")  # the runtime's dtype names (dflash.runtime.devices) training supports
@@ -40,7 +45,24 @@ LOSS_WEIGHTINGS = ("decay", "acceptance")
 HARD_LABELS = ("sample", "target")
 LR_SCHEDULES = ("cosine", "wsd")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile's (model.py checks them)
-DRAFTER_TYPES = head_names()  # the built-in heads (train/heads/); one registered later is checked at build
+DRAFTER_TYPES = head_names()  # the heads registered when this module was imported (train/heads/)
+
+
+class HeadChoice(click.Choice):
+    """--drafter-type's choices: the heads registered when it is read (`heads.head_names()`), so that a
+    head registered after this module was imported (tests/toy_head.py) is a choice of the flag and the
+    config key too."""
+
+    def __init__(self) -> None:
+        super().__init__(head_names())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return head_names()
+
+    @choices.setter
+    def choices(self, value: Any) -> None:  # (click.Choice sets them once: they are the registry's)
+        pass
 
 
 class TrainConfigError(UsageError):
@@ -57,34 +79,27 @@ class ResumeMismatchError(MismatchError):
     a version of dflash-train that wrote another layout."""
 
 
-def flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
 def _check_choices(obj: Any, choices: dict[str, tuple[str, ...]]) -> None:
     for name, allowed in choices.items():
         if getattr(obj, name) not in allowed:
-            raise TrainConfigError(f"--{flag(name)} {getattr(obj, name)!r} is not one of {', '.join(allowed)}.")
+            raise TrainConfigError(Finding("train.setting-choice", flag=flag(name), value=getattr(obj, name),
+                                           choices=list(allowed)))
 
 
 def _check_at_least(obj: Any, names: tuple[str, ...], low: int) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value < low:
-            bound = "at least 1" if low == 1 else "0 or more"
-            raise TrainConfigError(f"--{flag(name)} must be {bound} (got {value}).")
+    if (found := below(obj, names, low)) is not None:
+        raise TrainConfigError(found)
 
 
 def _check_finite(obj: Any, names: tuple[str, ...]) -> None:
     """Refuse nan and inf, which the range checks let through (any comparison with nan is false)."""
-    defaults = {f.name: f.default for f in fields(obj)}
-    for name in names:
-        value = getattr(obj, name)
-        if any(v is not None and not math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
-            default = defaults.get(name)
-            hint = "leave it out for the default" if default is None else f"the default is {default}"
-            raise TrainConfigError(f"--{flag(name)} must be a finite number (got {value}): nan or inf would turn "
-                                   f"the drafter's weights to nan in its first steps. Pass a finite value ({hint}).")
+    if (found := not_finite(obj, names)) is not None:
+        raise TrainConfigError(found)
+
+
+def _check_range(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise TrainConfigError(out_of_range(name, value, allowed))
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -150,7 +165,7 @@ class DataConfig:
             self.eval_cache = [self.eval_cache]
         self.cache, self.eval_cache = [str(c) for c in self.cache], [str(c) for c in self.eval_cache]
         if not self.cache:
-            raise TrainConfigError("--cache is required: the directory of a hidden-state cache.")
+            raise TrainConfigError(Finding("train.setting-required", flag="--cache"))
         _check_at_least(self, ("token_budget", "max_batch_size", "max_seq_len", "shuffle_window",
                                "prefetch_factor"), 1)
         if self.num_workers is None:
@@ -158,8 +173,7 @@ class DataConfig:
         _check_at_least(self, ("num_workers", "eval_max_samples", "eval_max_batches", "max_train_samples",
                                "shuffle_parts"), 0)
         _check_finite(self, ("eval_fraction",))
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise TrainConfigError(f"--eval-fraction must be in [0, 1) (got {self.eval_fraction}).")
+        _check_range("eval_fraction", self.eval_fraction, 0.0 <= self.eval_fraction < 1.0, "in [0, 1)")
         self._check_disk_settings()
 
     @property
@@ -176,48 +190,33 @@ class DataConfig:
     def _check_disk_settings(self) -> None:
         remote = any(c.startswith("s3://") for c in (*self.cache, *self.eval_cache))
         if self.staging_dir is not None and not remote:
-            raise TrainConfigError(f"--staging-dir {self.staging_dir} is where an s3:// cache is staged, but no "
-                                   "--cache or --eval-cache is one (a local cache is read in place): drop it.")
+            raise TrainConfigError(Finding("train.staging-dir-unused", value=self.staging_dir))
         if self.disk_budget is None:
             return
         self.disk_budget = str(self.disk_budget)
         try:
             budget = self.disk_budget_bytes()
-        except DflashError as e:
-            raise TrainConfigError(f"--disk-budget: {e}") from None
+        except DflashError:
+            budget = None
         if budget is None or budget < 1:
-            raise TrainConfigError(f"--disk-budget must be a positive size such as 500G (got {self.disk_budget!r}).")
+            raise TrainConfigError(Finding("train.disk-budget-size", value=self.disk_budget))
         if not (remote or self.follow):
-            raise TrainConfigError(
-                f"--disk-budget {self.disk_budget} bounds the local disk a run fills with parts: an s3:// cache's "
-                "staging directory, or, with --follow, a cache an extraction fills under its own --disk-budget. "
-                "These caches are local and finished, read in place: drop --disk-budget, or add --follow to "
-                "train while dflash-extract --disk-budget fills the cache.")
+            raise TrainConfigError(Finding("train.disk-budget-local", value=self.disk_budget))
         if not self.follow:
             return
         if self.shuffle_parts == 0:
-            raise TrainConfigError(
-                f"--follow with --disk-budget {self.disk_budget} needs --shuffle-parts N: without it an epoch is "
-                "planned over the whole cache, so its first batches read samples of every part and the extraction "
-                "can evict nothing until the epoch ends (it waits for room that never comes once the cache "
-                "outgrows the budget). Pass --shuffle-parts 8 (or the largest group of parts that fits the "
-                "budget; docs/train.md, \"A disk budget\").")
+            raise TrainConfigError(Finding("train.follow-budget-shuffle-parts", value=self.disk_budget))
         if not self.eval_cache and self.eval_fraction > 0:
-            raise TrainConfigError(
-                f"--follow with --disk-budget {self.disk_budget} and a held-out split of the followed cache "
-                f"(--eval-fraction {self.eval_fraction}): the split's samples are spread over every part, so each "
-                "evaluation would read every part again, more than the budget holds (the extraction would "
-                "re-extract the whole cache for it, or wait). Hold out a separate cache with --eval-cache, or "
-                "pass --eval-fraction 0.")
+            raise TrainConfigError(Finding("train.follow-budget-held-out", value=self.disk_budget,
+                                           eval_fraction=self.eval_fraction))
 
 
 # -- model ------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
-class DrafterSettings:
-    """The drafter's settings a run chooses and a drafter records (`DrafterConfig` is a
-    `DrafterSettings` too, with the target's dimensions and the resolved layer attention)."""
+class BackboneSettings:
+    """The settings of the drafter's backbone a run chooses and a drafter records (every head's)."""
 
     block_size: int = setting(16, identity="model")
     """Tokens per drafted block: the anchor plus block_size-1 predictions."""
@@ -226,70 +225,28 @@ class DrafterSettings:
     unused or reserved row; the choice is kept in checkpoints and the export)."""
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
     """sdpa (dense mask), flex (block-sparse, compiled on CUDA) or auto."""
-    drafter_type: str = setting("dflash2", choices=DRAFTER_TYPES)
+    drafter_type: str = setting("dflash2", type=HeadChoice())
     """dflash2 (the default): DFlash plus an in-block convolution around every sublayer and a
     candidate selector over the target head's top-K, served by vLLM and SGLang as DFlash2DraftModel;
     or dflash, the plain DFlash drafter (DFlashDraftModel), which trains about 1.2x faster
     (docs/drafter.md, docs/recipe.md: on the BPE benchmark DFlash2 gains 4 % on code at 4,096
     completions and 17 % at 32,768, and is level on prose)."""
-    selector_top_k: int = 16
-    """dflash2: candidates per slot, the target head's top-K."""
-    selector_rank: int = 256
-    """dflash2: rank of the selector's codebooks and hidden projection."""
-    # vLLM requires conv_kernel_size in the checkpoint (no default of its own); the shipped DFlash2
-    # checkpoints and the peers' trainers use two taps.
-    conv_kernel_size: int = 2
-    """dflash2: taps of the in-block convolutions."""
-    conv_group_size: int = 16
-    """dflash2: channels sharing one dynamic tap offset (must divide the target's hidden size)."""
-    # -- dspark (train/heads/dspark.py): defaults as speculators' DSparkSpeculatorConfig
-    markov_rank: int = 256
-    """dspark: rank r of the Markov head (markov_w1 embeds the previous token to r, markov_w2 maps r
-    to a bias on the draft logits)."""
-    enable_confidence_head: bool = True
-    """dspark: also train the confidence head, each draft's predicted acceptance probability
-    (dflash-eval --confidence-threshold stops a block where it falls; SGLang 0.5.23 loads a DSpark
-    drafter only with one)."""
-    confidence_head_with_markov: bool = True
-    """dspark: the confidence head reads the previous token's Markov embedding beside the state."""
-    draft_vocab_size: int | None = None
-    """dspark: a draft vocabulary smaller than the target's is not supported yet: leave it out (the
-    target's vocabulary, what the export records)."""
-    # -- xpress (train/heads/xpress.py): defaults as vLLM 0.34's XPressRefinerHead and speculators 0.9
-    xpress_rank: int = 256
-    """xpress: low rank r of the refiner (its token embedding, hidden projections, mix and MLP)."""
-    xpress_mlp_hidden: int = 512
-    """xpress: width of the refiner's SwiGLU MLP (speculators: r x xpress_mlp_ratio 2)."""
-    xpress_passes: int = 6
-    """xpress: Jacobi passes over the block when decoding (speculators' num_jacobi_passes; block - 1
-    passes give the sequential decode exactly)."""
-    xpress_topc: int = 512
-    """xpress: each pass scores the backbone's top-C tokens per slot, as vLLM serves it (its
-    xpress_topc); 0: the whole vocabulary."""
-    # -- lilicorr (train/heads/lilicorr/): the engines have no defaults (SGLang requires every key)
-    lilicorr_candidate_topk: int = 8
-    """lilicorr: candidates per slot, the top-K of the full vocabulary's log-softmax (a power of two
-    up to 16, as vLLM and SGLang require)."""
-    lilicorr_hidden_size: int = 0
-    """lilicorr: width of the correlator (0: the drafter's; narrower adds token_proj and costs less)."""
-    lilicorr_num_layers: int = 2
-    """lilicorr: attention+MLP layers over the block's candidate lattice."""
-    lilicorr_num_heads: int = 8
-    """lilicorr: attention heads of those layers (must divide the correlator's width)."""
-    lilicorr_mlp_ratio: float = 2.0
-    """lilicorr: MLP width of those layers over the correlator's width."""
-    lilicorr_factor_dim: int = 64
-    """lilicorr: width of the unit vectors whose dot products score candidate -> candidate."""
-    lilicorr_vector_eps: float = 1e-6
-    """lilicorr: epsilon of those vectors' normalization."""
-    lilicorr_logit_scale: float = 16.0
-    """lilicorr: factor on the dot products (in [-1, 1]) that makes them the walk's logits."""
+
+
+DrafterSettings = compose(
+    "DrafterSettings", (BackboneSettings, *settings_parts("settings")), module=__name__, error=HeadSettingError,
+    doc="""The drafter's settings a run chooses and a drafter records: the backbone's, then each
+    registered head's (`DraftHead.settings`, declared in the head's module; their ranges are checked
+    wherever these settings are built). `DrafterConfig` is a `DrafterSettings` too, with the
+    target's dimensions and the resolved layer attention.""")
 
 
 @section
 @dataclass(kw_only=True)
 class ModelConfig(DrafterSettings):
     """The target and the drafter's shape (the rest of the drafter's dimensions are the target's)."""
+
+    settings_error = TrainConfigError  # (a head's setting out of range: a usage error of the run)
 
     target_model: str = ""
     """Target model directory: only its config.json, embedding and lm_head are read."""
@@ -311,19 +268,17 @@ class ModelConfig(DrafterSettings):
 
     def __post_init__(self) -> None:
         if not self.target_model:
-            raise TrainConfigError("--target-model is required.")
-        _check_at_least(self, ("num_draft_layers", "selector_top_k", "selector_rank", "conv_kernel_size",
-                               "conv_group_size"), 1)
-        if self.block_size < 2:
-            raise TrainConfigError(f"--block-size must be at least 2 (got {self.block_size}).")
+            raise TrainConfigError(Finding("train.setting-required", flag="--target-model"))
+        super().__post_init__()  # the heads' settings' ranges
+        _check_at_least(self, ("num_draft_layers",), 1)
+        _check_range("block_size", self.block_size, self.block_size >= 2, "at least 2")
         _check_choices(self, {"attention_backend": ATTENTION_BACKENDS, "drafter_type": head_names()})
         try:
             types = parse_layer_types(self.draft_layer_types, self.num_draft_layers)
         except ValueError as e:
-            raise TrainConfigError(f"--draft-layer-types: {e}") from e
+            raise TrainConfigError(getattr(e, "finding", None) or f"--draft-layer-types: {e}") from e
         if "sliding_attention" in types and (self.draft_sliding_window or 0) < 1:
-            raise TrainConfigError(f"--draft-layer-types {self.draft_layer_types} has sliding layers: pass "
-                                   "--draft-sliding-window N (N >= 1 tokens).")
+            raise TrainConfigError(Finding("train.sliding-needs-window", value=self.draft_layer_types))
 
     def drafter_overrides(self) -> dict[str, Any]:
         """DrafterConfig fields set by this run (the rest come from the target's config)."""
@@ -341,10 +296,9 @@ class ModelConfig(DrafterSettings):
 # -- objective --------------------------------------------------------------------------------
 
 
-@section
 @dataclass(kw_only=True)
-class ObjectiveConfig:
-    """How blocks are drawn and scored (what `objective.compute_loss` reads)."""
+class BackboneObjective:
+    """How blocks are drawn and the backbone's slots scored (every head's)."""
 
     max_anchors: int = 512
     """Most anchors (blocks) drawn per sequence, redrawn every epoch."""
@@ -383,73 +337,37 @@ class ObjectiveConfig:
     150K slots: at 152K ids, 90 GiB of logits, over 200 GiB with the backward). All at once is
     faster where it fits (one 3,072-token sample at the 8B shape, 4.4 GiB: 4.6 % a step, for 9.7
     GiB more memory). 0: no limit."""
-    selector_loss_weight: float = 1.0
-    """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
-    selector_stop_gradient: bool = False
-    """dflash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
-    # -- dspark (train/heads/dspark.py)
-    markov_loss_weight: float = 1.0
-    """dspark: weight of the loss of the Markov-biased logits, (1 - w) CE + w KL to the target's
-    top-k as the backbone's (w: --soft-label-weight)."""
-    markov_tv_weight: float = 0.0
-    """dspark: weight of the total-variation distance of the biased logits to the target's top-k
-    (speculators' tv loss; 0: off)."""
-    confidence_loss_weight: float = 1.0
-    """dspark: weight of the confidence head's binary cross-entropy toward each slot's acceptance
-    probability (speculators' confidence_head_alpha)."""
-    # -- xpress (train/heads/xpress.py): defaults as speculators 0.9's XPress recipe
-    xpress_consistency_weight: float = 0.3
-    """xpress: weight of the free-running Jacobi rounds' loss (each round fed the previous one's
-    argmax, the inputs the refiner meets when decoding; 0: off)."""
-    xpress_consistency_passes: int = 3
-    """xpress: free-running rounds of the consistency loss (their losses averaged)."""
-    xpress_base_anchor_weight: float = 0.6
-    """xpress: the backbone's own loss against the refined logits' 1 (speculators' base_anchor_weight:
-    it keeps the backbone's argmax, the passes' start, good on its own)."""
-    # -- lilicorr (train/heads/lilicorr/)
-    lilicorr_loss_weight: float = 1.0
-    """lilicorr: weight of the correlator's loss, the walk's cross-entropy along the true path (ours:
-    no released trainer trains LiLiCorr; docs/drafter.md, "LiLiCorr")."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight", "selector_loss_weight",
-                             "markov_loss_weight", "markov_tv_weight", "confidence_loss_weight"))
+        _check_finite(self, ("gamma", "noise_start", "noise_end", "soft_label_weight"))
         _check_at_least(self, ("max_anchors",), 1)
         _check_at_least(self, ("logits_chunk_mib",), 0)
         _check_choices(self, {"loss_weighting": LOSS_WEIGHTINGS, "noise_type": NOISE_TYPES})
         if self.hard_label is not None:  # None: decided by the drafter type and the cache (TrainConfig.with_hard_label)
             _check_choices(self, {"hard_label": HARD_LABELS})
-        if self.gamma is not None and self.gamma <= 0:
-            raise TrainConfigError(f"--gamma must be > 0 (got {self.gamma}); leave it out for the default.")
+        if self.gamma is not None:
+            _check_range("gamma", self.gamma, self.gamma > 0, "more than 0")
         if self.gamma is not None and self.loss_weighting != "decay":
-            raise TrainConfigError(f"--gamma {self.gamma} sets the exp-decay loss weights, but --loss-weighting is "
-                                   f"{self.loss_weighting} (the default since tau 5.01 vs 4.56 on the quality "
-                                   "benchmark, docs/recipe.md), which does not use it: add --loss-weighting decay "
-                                   "to train with the decay, or drop --gamma.")
-        if self.noise_start < 0 or (self.noise_end is not None and self.noise_end < 0):
-            raise TrainConfigError(f"--noise-start and --noise-end are amplitudes and must be 0 or more "
-                                   f"(got {self.noise_start} and {self.noise_end}).")
-        if self.soft_label_weight is not None and not 0.0 <= self.soft_label_weight <= 1.0:
-            raise TrainConfigError(f"--soft-label-weight must be in [0, 1] (got {self.soft_label_weight}).")
-        if self.selector_loss_weight < 0:
-            raise TrainConfigError(f"--selector-loss-weight must be 0 or more (got {self.selector_loss_weight}).")
-        for name in ("markov_loss_weight", "markov_tv_weight", "confidence_loss_weight"):  # dspark
-            if getattr(self, name) < 0:
-                raise TrainConfigError(f"--{flag(name)} must be 0 or more (got {getattr(self, name)}).")
-        _check_finite(self, ("xpress_consistency_weight", "xpress_base_anchor_weight"))  # xpress
-        _check_at_least(self, ("xpress_consistency_passes",), 0)
-        if self.xpress_consistency_weight < 0 or self.xpress_base_anchor_weight <= 0:
-            raise TrainConfigError(f"--xpress-consistency-weight must be 0 or more and --xpress-base-anchor-weight more "
-                                   f"than 0 (got {self.xpress_consistency_weight} and {self.xpress_base_anchor_weight}).")
-        _check_finite(self, ("lilicorr_loss_weight",))  # lilicorr
-        if self.lilicorr_loss_weight < 0:
-            raise TrainConfigError(f"--lilicorr-loss-weight must be 0 or more (got {self.lilicorr_loss_weight}).")
+            raise TrainConfigError(Finding("train.gamma-without-decay", gamma=self.gamma,
+                                           loss_weighting=self.loss_weighting))
+        _check_range("noise_start", self.noise_start, self.noise_start >= 0, "0 or more")
+        if self.noise_end is not None:
+            _check_range("noise_end", self.noise_end, self.noise_end >= 0, "0 or more")
+        if self.soft_label_weight is not None:
+            _check_range("soft_label_weight", self.soft_label_weight, 0.0 <= self.soft_label_weight <= 1.0,
+                         "in [0, 1]")
 
     def noise_amplitude(self, progress: float) -> float:
         """Amplitude at training progress in [0, 1] (clamped), linear from start to end."""
         end = self.noise_start if self.noise_end is None else self.noise_end
         t = min(max(float(progress), 0.0), 1.0)
         return self.noise_start + (end - self.noise_start) * t
+
+
+ObjectiveConfig = section(compose(
+    "ObjectiveConfig", (BackboneObjective, *settings_parts("objective_settings")), module=__name__,
+    error=TrainConfigError, doc="""How blocks are drawn and scored (what `objective.compute_loss` reads): the
+    backbone's settings, then each registered head's loss settings (`DraftHead.objective_settings`)."""))
 
 
 # -- optimization -----------------------------------------------------------------------------
@@ -502,14 +420,14 @@ class OptimizationConfig:
         _check_at_least(self, ("grad_accum", "epochs"), 1)
         _check_at_least(self, ("max_steps", "weight_decay", "grad_clip", "seed"), 0)
         _check_choices(self, {"lr_schedule": LR_SCHEDULES})
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise TrainConfigError("--warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1].")
+        _check_range("warmup_ratio", self.warmup_ratio, 0.0 <= self.warmup_ratio < 1.0, "in [0, 1)")
+        _check_range("min_lr_ratio", self.min_lr_ratio, 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]")
         if not 0.0 <= self.decay_ratio <= 1.0 or self.warmup_ratio + self.decay_ratio > 1.0:
-            raise TrainConfigError(f"--decay-ratio must be in [0, 1] and, with --warmup-ratio, at most 1 "
-                                   f"(got {self.decay_ratio} and {self.warmup_ratio}).")
-        if self.lr <= 0 or len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise TrainConfigError(f"--lr must be > 0 and --adam-betas two numbers in [0, 1) "
-                                   f"(got {self.lr}, {self.adam_betas}).")
+            raise TrainConfigError(Finding("train.decay-ratio", decay_ratio=self.decay_ratio,
+                                           warmup_ratio=self.warmup_ratio))
+        _check_range("lr", self.lr, self.lr > 0, "more than 0")
+        _check_range("adam_betas", self.adam_betas,
+                     len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "two numbers in [0, 1)")
 
 
 # -- runtime ----------------------------------------------------------------------------------
@@ -575,14 +493,15 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         if not self.output_dir:
-            raise TrainConfigError("--output-dir is required.")
+            raise TrainConfigError(Finding("train.setting-required", flag="--output-dir"))
         _check_at_least(self, ("log_interval", "keep_checkpoints"), 1)
         _check_at_least(self, ("eval_interval", "save_interval", "profile_interval"), 0)
         if self.profile_interval == 0 and os.environ.get("DFLASH_PROFILE_INTERVAL"):
             try:
                 self.profile_interval = int(os.environ["DFLASH_PROFILE_INTERVAL"])
             except ValueError:
-                raise TrainConfigError("DFLASH_PROFILE_INTERVAL must be an integer.") from None
+                raise TrainConfigError(Finding("train.profile-interval-env",
+                                               value=os.environ["DFLASH_PROFILE_INTERVAL"])) from None
 
     def eval_every(self, total_steps: int) -> int:
         """Steps between evaluations: --eval-interval, or 10 evaluations per run by default."""
@@ -633,8 +552,7 @@ class TrainConfig:
         """A TrainConfig from flat {setting: value} (`to_dict`'s shape); unknown names refused."""
         unknown = sorted(set(values) - set(settings_of(cls)))
         if unknown:
-            raise TrainConfigError(f"Unknown training setting(s) {', '.join(unknown)}; the settings are "
-                                   f"{', '.join(CONFIG_KEYS)}.")
+            raise TrainConfigError(Finding("train.unknown-settings", unknown=unknown, known=list(CONFIG_KEYS)))
         return build_settings(cls, values, error=TrainConfigError)
 
 

@@ -2,8 +2,9 @@
 
 The backbone (train/model/drafter.py: the fused context, the draft layers, the masks, the anchors) is
 one; a head (`base.DraftHead`) declares in one module everything the rest of the code asks of
-its kind of drafter: the settings it reads, its parameters and their start, its loss term, its
-decode step, its export contract and its part of the run identity. `--drafter-type` names one.
+its kind of drafter: its settings (flags, config keys, defaults, limits: train/config.py composes
+the run's settings from the heads'), its parameters and their start, its loss term, its decode
+step, its export contract and its part of the run identity. `--drafter-type` names one.
 
 Importing this package (and the built-in heads' modules) imports no torch: `dflash-train --help`
 builds its choices from `head_names()`. A head outside the package registers itself with
@@ -15,6 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from dflash.runtime.findings import Finding
+
+from . import messages  # noqa: F401  (registers the heads' finding renderers)
+
 if TYPE_CHECKING:
     from dflash.train.heads.base import DraftHead
 
@@ -23,6 +28,8 @@ _BUILTIN = {"dflash": "dflash.train.heads.dflash", "dflash2": "dflash.train.head
             "lilicorr": "dflash.train.heads.lilicorr"}
 """The heads that ship with the trainer: name -> the module whose `HEAD` it is (imported on first use)."""
 _LOADED: dict[str, DraftHead] = {}
+_COMPOSED: list[str] = []
+"""The heads whose settings the run's settings classes were composed from (`settings_parts`)."""
 
 
 def register_head(head: DraftHead) -> DraftHead:
@@ -35,6 +42,10 @@ def register_head(head: DraftHead) -> DraftHead:
     clash = [h.name for h in map(get_head, head_names()) if h.architecture == head.architecture and h is not head]
     if clash:
         raise ValueError(f"head {head.name!r}: architecture {head.architecture} is head {clash[0]!r}'s already.")
+    if _COMPOSED and (head.settings is not None or head.objective_settings is not None):
+        raise ValueError(f"head {head.name!r} declares settings, but the trainer's settings (flags, config keys) "
+                         "were composed already: register it before dflash.train.config is imported, or add "
+                         "it to heads._BUILTIN.")
     _LOADED[head.name] = head
     return head
 
@@ -56,13 +67,24 @@ def _module_head(name: str) -> DraftHead:
 
 def get_head(name: str | None) -> DraftHead:
     """The head named `name` (None: a drafter recorded before heads had names, a DFlash one);
-    an unknown name is a ValueError naming the choices."""
+    an unknown name is a HeadSettingError (a ValueError) naming the choices."""
     name = "dflash" if name is None else name
     if name not in _LOADED:
         if name not in _BUILTIN:
-            raise ValueError(f"drafter_type must be one of {', '.join(head_names())}, got {name!r}.")
+            from dflash.train.heads.base import HeadSettingError
+
+            raise HeadSettingError(Finding("train.unknown-head", name=name, heads=list(head_names())))
         _LOADED[name] = _module_head(name)
     return _LOADED[name]
+
+
+def settings_parts(kind: str = "settings") -> tuple[type, ...]:
+    """The settings dataclasses the registered heads declare, in the heads' order: `kind` "settings"
+    (their drafter settings) or "objective_settings" (their loss's). train/config.py composes the
+    run's settings classes from them when it is imported; a head registered after that may declare
+    none (it could add no flag)."""
+    _COMPOSED[:] = head_names()
+    return tuple(part for part in (getattr(get_head(n), kind) for n in head_names()) if part is not None)
 
 
 def architectures() -> tuple[str, ...]:

@@ -9,8 +9,10 @@ default that adds nothing, which is the plain DFlash drafter (heads/dflash.py); 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from dflash.runtime.errors import InputError, SettingError
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +23,15 @@ if TYPE_CHECKING:
 DFlashDrafter = Any
 DrafterConfig = Any
 ObjectiveConfig = Any
+
+
+class HeadSettingError(SettingError):
+    """A head's setting it cannot build a drafter with (out of range, or not fitting the target's
+    dimensions): a usage error naming the flag, and a ValueError, as DrafterConfig's own refusals."""
+
+
+class HeadExportError(InputError, ValueError):
+    """An export's config.json declares a layout of the head this trainer cannot read or decode."""
 
 
 @dataclass
@@ -113,9 +124,16 @@ class DraftHead:
     """How messages and reports name the drafter (DFlash2)."""
     architecture: str = ""
     """The export's `architectures` entry, by which vLLM and SGLang pick the model class."""
-    setting_names: tuple[str, ...] = ()
-    """The DrafterSettings fields this head reads (the rest of the code ignores them for other
-    heads): they reach its DrafterConfig, its run identity and its export."""
+    settings: ClassVar[type | None] = None
+    """A kw_only dataclass of the head's drafter settings, declared in the head's module: each field
+    a flag and config key of dflash-train (its docstring the --help text; train/config.py composes
+    DrafterSettings from the registered heads' with runtime/settings.py `compose`), recorded in the
+    drafter's DrafterConfig, its run identity and its export; the other heads' code ignores them.
+    Its `refusal(self) -> Finding | None` returns the first setting out of its range (heads/limits.py),
+    checked wherever the settings are built; what depends on the target's dimensions is `check`'s."""
+    objective_settings: ClassVar[type | None] = None
+    """A kw_only dataclass of the settings of the head's loss (its weights), composed into the
+    objective's section (ObjectiveConfig) as `settings` into DrafterSettings; not in the run identity."""
     module_name: str | None = None
     """The attribute of the drafter that holds `build()`'s module: the prefix of its tensor names
     in checkpoints and exports (part of the export contract)."""
@@ -141,10 +159,16 @@ class DraftHead:
     `method` it detects the speculator from the draft checkpoint's architectures) and SGLang 0.5.23:
     name, vllm_method (None: detected), sglang_algorithm, tags."""
 
+    @property
+    def setting_names(self) -> tuple[str, ...]:
+        """The names of the head's drafter settings (`settings`' fields, in their order)."""
+        return tuple(f.name for f in fields(self.settings)) if self.settings is not None else ()
+
     # -- the model --------------------------------------------------------------------------
 
     def check(self, config: DrafterConfig) -> None:
-        """Refuse settings this head cannot build (ValueError naming the flag and the fix)."""
+        """Refuse settings this head cannot build with the target's dimensions (HeadSettingError, a
+        ValueError, naming the flag and the fix); their ranges are `settings`' own `refusal`."""
 
     def wrap_sublayer(self, config: DrafterConfig, sublayer: str) -> nn.Module:
         """The wrapper of `sublayer` (a key of `wrapper_names`) in one draft layer: a module with
@@ -208,8 +232,8 @@ class DraftHead:
         return {}
 
     def settings_from_export(self, dflash_config: dict[str, Any]) -> dict[str, Any]:
-        """DrafterConfig values read back from an export's `dflash_config` (ValueError for what the
-        head cannot serve)."""
+        """DrafterConfig values read back from an export's `dflash_config` (HeadExportError, a
+        ValueError, for what the head cannot serve)."""
         return {}
 
     def identity(self, config: Any) -> dict[str, Any]:

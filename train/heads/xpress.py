@@ -26,17 +26,21 @@ as speculators' base anchor (`xpress_base_anchor_weight`: backbone x 0.6 + refin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash.runtime.findings import Finding
 from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
+    HeadExportError,
     HeadInputs,
     HeadMemory,
     HeadOutput,
     ObjectiveConfig,
 )
+from dflash.train.heads.limits import below, first, not_finite, out_of_range
 
 if TYPE_CHECKING:
     import torch
@@ -147,11 +151,55 @@ def previous_tokens(before: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     return torch.cat([before[:, None], block[:, :-1]], dim=1)
 
 
+@dataclass(kw_only=True)
+class XPressSettings:
+    """XPress's drafter settings; defaults as vLLM 0.34's XPressRefinerHead and speculators 0.9."""
+
+    xpress_rank: int = 256
+    """xpress: low rank r of the refiner (its token embedding, hidden projections, mix and MLP)."""
+    xpress_mlp_hidden: int = 512
+    """xpress: width of the refiner's SwiGLU MLP (speculators: r x xpress_mlp_ratio 2)."""
+    xpress_passes: int = 6
+    """xpress: Jacobi passes over the block when decoding (speculators' num_jacobi_passes; block - 1
+    passes give the sequential decode exactly)."""
+    xpress_topc: int = 512
+    """xpress: each pass scores the backbone's top-C tokens per slot, as vLLM serves it (its
+    xpress_topc); 0: the whole vocabulary."""
+
+    def refusal(self) -> Finding | None:  # (the defaults are vLLM's)
+        return first(below(self, ("xpress_rank", "xpress_mlp_hidden", "xpress_passes"), 1, name_default=True),
+                     below(self, ("xpress_topc",), 0, name_default=True))
+
+
+@dataclass(kw_only=True)
+class XPressObjective:
+    """The settings of XPress's loss; defaults as speculators 0.9's XPress recipe."""
+
+    xpress_consistency_weight: float = 0.3
+    """xpress: weight of the free-running Jacobi rounds' loss (each round fed the previous one's
+    argmax, the inputs the refiner meets when decoding; 0: off)."""
+    xpress_consistency_passes: int = 3
+    """xpress: free-running rounds of the consistency loss (their losses averaged)."""
+    xpress_base_anchor_weight: float = 0.6
+    """xpress: the backbone's own loss against the refined logits' 1 (speculators' base_anchor_weight:
+    it keeps the backbone's argmax, the passes' start, good on its own)."""
+
+    def refusal(self) -> Finding | None:
+        return first(
+            not_finite(self, ("xpress_consistency_weight", "xpress_base_anchor_weight")),
+            below(self, ("xpress_consistency_passes",), 0),
+            out_of_range("xpress_consistency_weight", self.xpress_consistency_weight, "0 or more")
+            if self.xpress_consistency_weight < 0 else None,
+            out_of_range("xpress_base_anchor_weight", self.xpress_base_anchor_weight, "more than 0")
+            if self.xpress_base_anchor_weight <= 0 else None)
+
+
 class XPressHead(DraftHead):
     name = "xpress"
     title = "XPress"
     architecture = "Qwen3XPressModel"
-    setting_names = ("xpress_rank", "xpress_mlp_hidden", "xpress_passes", "xpress_topc")
+    settings = XPressSettings
+    objective_settings = XPressObjective
     module_name = "xpress_head"
     picks_drafts = True
     reads_whole_block = True
@@ -160,15 +208,6 @@ class XPressHead(DraftHead):
     # vLLM 0.34 detects the speculator from the architecture (Qwen3XPressForCausalLM); SGLang 0.5.23
     # has no XPress model (none of its srt/models declares one)
     serving = {"name": "XPress", "vllm_method": None, "sglang_algorithm": None, "tags": ["dflash", "xpress"]}
-
-    def check(self, config: DrafterConfig) -> None:
-        c = config
-        low = [f"--{n.replace('_', '-')} {getattr(c, n)}" for n in ("xpress_rank", "xpress_mlp_hidden", "xpress_passes")
-               if getattr(c, n) < 1]
-        if low or c.xpress_topc < 0:
-            raise ValueError(f"XPress needs --xpress-rank, --xpress-mlp-hidden and --xpress-passes of at least 1 and "
-                             f"--xpress-topc of 0 or more (got {', '.join(low) or f'--xpress-topc {c.xpress_topc}'}); "
-                             "leave them out for vLLM's defaults (256, 512, 6, 512).")
 
     def build(self, config: DrafterConfig) -> nn.Module:
         c = config
@@ -270,8 +309,7 @@ class XPressHead(DraftHead):
         d = dflash_config  # with the top-level keys of TOP_LEVEL_KEYS (config_key_names)
         vocab = d.get("draft_vocab_size")
         if vocab is not None and d.get("vocab_size") is not None and int(vocab) != int(d["vocab_size"]):
-            raise ValueError(f"draft_vocab_size {vocab} is not the target's vocabulary ({d['vocab_size']}): XPress "
-                             "drafts over the whole vocabulary (vLLM refuses a smaller one too).")
+            raise HeadExportError(Finding("train.xpress-draft-vocab", value=int(vocab), vocab_size=int(d["vocab_size"])))
         out = dict(xpress_rank=int(d.get("xpress_rank", 256)), xpress_mlp_hidden=int(d.get("xpress_mlp_hidden", 512)),
                    xpress_topc=int(d.get("xpress_topc", 512)), xpress_passes=int(d.get("num_jacobi_passes", 6)))
         if d.get("xpress_block_size") is not None:

@@ -104,7 +104,7 @@ class DrafterConfig(DrafterSettings):
             self.sliding_window = int(self.sliding_window)
         else:
             self.sliding_window = None
-        get_head(self.drafter_type).check(self)  # an unknown name: a ValueError naming the heads
+        get_head(self.drafter_type).check(self)  # an unknown name: a HeadSettingError (a ValueError) naming the heads
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise SettingError(Finding("train.attention-backend", backend=self.attention_backend,
                                        choices=list(ATTENTION_BACKENDS)))

@@ -3,29 +3,69 @@ head's top-K (`DFlash2DraftModel`; the modules and their arithmetic: train/heads
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash.runtime.findings import Finding
 from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
+    HeadExportError,
     HeadInputs,
     HeadMemory,
     HeadOutput,
+    HeadSettingError,
     ObjectiveConfig,
 )
+from dflash.train.heads.limits import below, first, not_finite, out_of_range
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 
+@dataclass(kw_only=True)
+class DFlash2Settings:
+    """DFlash2's drafter settings (flags and config keys of dflash-train, recorded in the drafter's
+    DrafterConfig, its run identity and its export)."""
+
+    selector_top_k: int = 16
+    """dflash2: candidates per slot, the target head's top-K."""
+    selector_rank: int = 256
+    """dflash2: rank of the selector's codebooks and hidden projection."""
+    # vLLM requires conv_kernel_size in the checkpoint (no default of its own); the shipped DFlash2
+    # checkpoints and the peers' trainers use two taps.
+    conv_kernel_size: int = 2
+    """dflash2: taps of the in-block convolutions."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic tap offset (must divide the target's hidden size)."""
+
+    def refusal(self) -> Finding | None:
+        return below(self, ("selector_top_k", "selector_rank", "conv_kernel_size", "conv_group_size"), 1)
+
+
+@dataclass(kw_only=True)
+class DFlash2Objective:
+    """The settings of DFlash2's selector loss (flags and config keys of dflash-train)."""
+
+    selector_loss_weight: float = 1.0
+    """dflash2: weight (alpha) of the candidate selector's K-way cross-entropy in the loss."""
+    selector_stop_gradient: bool = False
+    """dflash2: the selector's loss does not reach the backbone (its states and logits enter detached)."""
+
+    def refusal(self) -> Finding | None:
+        return first(not_finite(self, ("selector_loss_weight",)),
+                     out_of_range("selector_loss_weight", self.selector_loss_weight, "0 or more")
+                     if self.selector_loss_weight < 0 else None)
+
+
 class DFlash2Head(DraftHead):
     name = "dflash2"
     title = "DFlash2"
     architecture = "DFlash2DraftModel"
-    # the order of the run identity's keys, as checkpoints recorded them
-    setting_names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    settings = DFlash2Settings
+    objective_settings = DFlash2Objective
     module_name = "candidate_selector"
     wrapper_names = {"attention": "attention_conv", "mlp": "mlp_conv"}
     picks_drafts = True
@@ -35,21 +75,13 @@ class DFlash2Head(DraftHead):
     serving = {"name": "DFlash2", "vllm_method": None, "sglang_algorithm": "DFLASH", "tags": ["dflash", "dflash2"]}
 
     def check(self, config: DrafterConfig) -> None:
-        c = config
-        if c.conv_kernel_size < 1:
-            raise ValueError(f"conv_kernel_size ({c.conv_kernel_size}) must be at least 1.")
-        if c.conv_group_size < 1 or c.hidden_size % c.conv_group_size:
-            fits = max(d for d in range(1, max(1, c.conv_group_size) + 1) if c.hidden_size % d == 0)
-            raise ValueError(
-                f"conv_group_size {c.conv_group_size} must divide the hidden size {c.hidden_size}: pass "
-                f"--conv-group-size {fits} (the largest divisor of {c.hidden_size} up to it), or "
-                "--drafter-type dflash for a plain DFlash drafter, which has no convolutions.")
-        if c.selector_rank < 1 or not 1 <= c.selector_top_k <= c.vocab_size:
-            raise ValueError(f"selector_rank ({c.selector_rank}) must be >= 1 and selector_top_k "
-                             f"({c.selector_top_k}) in 1..{c.vocab_size}, the target's vocabulary: pass "
-                             f"--selector-top-k {min(max(1, c.selector_top_k), c.vocab_size)} and "
-                             "--selector-rank at least 1, or --drafter-type dflash for a plain DFlash drafter, "
-                             "which has no selector.")
+        c = config  # (each setting at least 1: DFlash2Settings)
+        if c.hidden_size % c.conv_group_size:
+            fits = max(d for d in range(1, c.conv_group_size + 1) if c.hidden_size % d == 0)
+            raise HeadSettingError(Finding("train.conv-group-size", value=c.conv_group_size, hidden_size=c.hidden_size,
+                                           fits=fits))
+        if c.selector_top_k > c.vocab_size:
+            raise HeadSettingError(Finding("train.selector-top-k", value=c.selector_top_k, vocab_size=c.vocab_size))
 
     def wrap_sublayer(self, config: DrafterConfig, sublayer: str) -> nn.Module:
         from dflash.train.heads.dflash2.modules import GroupedDynamicConv
@@ -104,8 +136,7 @@ class DFlash2Head(DraftHead):
         d = dflash_config
         embedding_scale = float(d.get("input_embedding_scale", 1.0))
         if embedding_scale != 1.0:
-            raise ValueError(f"input_embedding_scale {embedding_scale} is not supported: this trainer's drafters "
-                             "embed with the target's embedding as it is (1.0).")
+            raise HeadExportError(Finding("train.input-embedding-scale", value=embedding_scale))
         return dict(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
                     selector_rank=int(d["selector_rank"]), selector_top_k=int(d["selector_top_k"]),
                     output_multiplier=float(d.get("output_multiplier", 1.0)),

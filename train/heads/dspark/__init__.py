@@ -8,28 +8,76 @@ Importing this module imports no torch (the registry's heads are read by `dflash
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash.runtime.findings import Finding
 from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
+    HeadExportError,
     HeadInputs,
     HeadMemory,
     HeadOutput,
+    HeadSettingError,
     ObjectiveConfig,
 )
+from dflash.train.heads.limits import first, not_finite, out_of_range
 
 if TYPE_CHECKING:
     from dflash.train.heads.dspark.modules import MarkovWalk
     from torch import nn
 
 
+@dataclass(kw_only=True)
+class DSparkSettings:
+    """DSpark's drafter settings; defaults as speculators' DSparkSpeculatorConfig."""
+
+    markov_rank: int = 256
+    """dspark: rank r of the Markov head (markov_w1 embeds the previous token to r, markov_w2 maps r
+    to a bias on the draft logits)."""
+    enable_confidence_head: bool = True
+    """dspark: also train the confidence head, each draft's predicted acceptance probability
+    (dflash-eval --confidence-threshold stops a block where it falls; SGLang 0.5.23 loads a DSpark
+    drafter only with one)."""
+    confidence_head_with_markov: bool = True
+    """dspark: the confidence head reads the previous token's Markov embedding beside the state."""
+    draft_vocab_size: int | None = None
+    """dspark: a draft vocabulary smaller than the target's is not supported yet: leave it out (the
+    target's vocabulary, what the export records)."""
+
+    def refusal(self) -> Finding | None:
+        # the Markov head is what DSpark adds: vLLM and SGLang refuse a DSpark drafter without one
+        return Finding("train.markov-rank", value=self.markov_rank) if self.markov_rank < 1 else None
+
+
+@dataclass(kw_only=True)
+class DSparkObjective:
+    """The settings of DSpark's loss terms."""
+
+    markov_loss_weight: float = 1.0
+    """dspark: weight of the loss of the Markov-biased logits, (1 - w) CE + w KL to the target's
+    top-k as the backbone's (w: --soft-label-weight)."""
+    markov_tv_weight: float = 0.0
+    """dspark: weight of the total-variation distance of the biased logits to the target's top-k
+    (speculators' tv loss; 0: off)."""
+    confidence_loss_weight: float = 1.0
+    """dspark: weight of the confidence head's binary cross-entropy toward each slot's acceptance
+    probability (speculators' confidence_head_alpha)."""
+
+    def refusal(self) -> Finding | None:
+        names = ("markov_loss_weight", "markov_tv_weight", "confidence_loss_weight")
+        return first(not_finite(self, names), *(out_of_range(n, getattr(self, n), "0 or more")
+                                                for n in names if getattr(self, n) < 0))
+
+
 class DSparkHead(DraftHead):
     name = "dspark"
     title = "DSpark"
     architecture = "Qwen3DSparkModel"  # vLLM 0.34.0 registry.py and SGLang 0.5.23 dspark.py's EntryClass
-    setting_names = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size")
+    settings = DSparkSettings
+    objective_settings = DSparkObjective
     module_name = "markov_head"  # and confidence_head beside it: the engines' tensor prefixes
     # vLLM's and SGLang's DSpark loaders read these from the config's top level (getattr(config, ...))
     config_key_names = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
@@ -41,15 +89,9 @@ class DSparkHead(DraftHead):
 
     def check(self, config: DrafterConfig) -> None:
         c = config
-        if c.markov_rank < 1:
-            raise ValueError(f"markov_rank ({c.markov_rank}) must be at least 1: the Markov head is what DSpark "
-                             "adds (vLLM and SGLang refuse a DSpark drafter without one); pass --markov-rank 256, "
-                             "or --drafter-type dflash for a drafter without it.")
         if c.draft_vocab_size is not None and c.draft_vocab_size != c.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size {c.draft_vocab_size}: a DSpark draft vocabulary smaller than the target's "
-                f"({c.vocab_size}) is not supported by this trainer (it needs a pruned lm_head and a token map); "
-                "leave --draft-vocab-size out to draft over the target's vocabulary.")
+            # it would need a pruned lm_head and a token map
+            raise HeadSettingError(Finding("train.draft-vocab-size", value=c.draft_vocab_size, vocab_size=c.vocab_size))
 
     def build(self, config: DrafterConfig) -> dict[str, nn.Module | None]:
         from dflash.train.heads.dspark.modules import ConfidenceHead, MarkovHead
@@ -111,14 +153,12 @@ class DSparkHead(DraftHead):
         d = dflash_config
         kind = str(d.get("markov_head_type", "vanilla")).lower()
         if kind != "vanilla":
-            raise ValueError(f"markov_head_type {kind!r}: only the vanilla Markov head (markov_w1, markov_w2) is "
-                             "supported; this drafter's gated or recurrent head is not.")
+            raise HeadExportError(Finding("train.markov-head-type", value=kind))
         if d.get("sample_from_anchor", True) is not False:
-            raise ValueError("sample_from_anchor is true or absent (speculators' default): the anchor slot drafts "
-                             "too, block_size drafts a block; this trainer's DSpark drafters draft block_size - 1 "
-                             "from a verified anchor (sample_from_anchor false) and decode no other layout.")
+            raise HeadExportError(Finding("train.sample-from-anchor", value=d.get("sample_from_anchor")))
         if "markov_rank" not in d:
-            raise ValueError("a DSpark drafter's config.json names its markov_rank; this one does not.")
+            raise HeadExportError(Finding("train.export-lacks-keys", architecture=self.architecture,
+                                          keys=["markov_rank"]))
         out: dict[str, Any] = dict(
             markov_rank=int(d["markov_rank"]),
             # absent: vLLM 0.34 builds no confidence head, and none reading the Markov embedding

@@ -9,42 +9,89 @@ cross-entropy along the true path, lattice.path_loss). Importing this module imp
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from dflash.runtime.findings import Finding
 from dflash.train.heads.base import (
     DFlashDrafter,
     DrafterConfig,
     DraftHead,
+    HeadExportError,
     HeadInputs,
     HeadMemory,
     HeadOutput,
+    HeadSettingError,
     ObjectiveConfig,
 )
+from dflash.train.heads.limits import below, first, not_finite, out_of_range
 
 if TYPE_CHECKING:
     import torch
     from dflash.train.heads.lilicorr.lattice import LiLiCorrHead
     from torch import nn
 
-# dflash_config keys -> DrafterSettings fields (SGLang's parse_lilicorr_draft_config requires every one)
-KEYS = {
-    "lilicorr_candidate_topk": "lilicorr_candidate_topk",
-    "lilicorr_hidden_size": "lilicorr_hidden_size",
-    "lilicorr_num_layers": "lilicorr_num_layers",
-    "lilicorr_num_heads": "lilicorr_num_heads",
-    "lilicorr_mlp_ratio": "lilicorr_mlp_ratio",
-    "lilicorr_factor_dim": "lilicorr_factor_dim",
-    "lilicorr_vector_eps": "lilicorr_vector_eps",
-    "lilicorr_logit_scale": "lilicorr_logit_scale",
-}
 MAX_TOPK = 16  # SGLang's MAX_FUSED_CANDIDATE_TOPK and vLLM's LiLiCorrHead check: a power of two up to 16
+
+
+@dataclass(kw_only=True)
+class LiLiCorrSettings:
+    """LiLiCorr's drafter settings, each a dflash_config key of its export of the same name (SGLang's
+    parse_lilicorr_draft_config requires every one: the engines have no defaults)."""
+
+    lilicorr_candidate_topk: int = 8
+    """lilicorr: candidates per slot, the top-K of the full vocabulary's log-softmax (a power of two
+    up to 16, as vLLM and SGLang require)."""
+    lilicorr_hidden_size: int = 0
+    """lilicorr: width of the correlator (0: the drafter's; narrower adds token_proj and costs less)."""
+    lilicorr_num_layers: int = 2
+    """lilicorr: attention+MLP layers over the block's candidate lattice."""
+    lilicorr_num_heads: int = 8
+    """lilicorr: attention heads of those layers (must divide the correlator's width)."""
+    lilicorr_mlp_ratio: float = 2.0
+    """lilicorr: MLP width of those layers over the correlator's width."""
+    lilicorr_factor_dim: int = 64
+    """lilicorr: width of the unit vectors whose dot products score candidate -> candidate."""
+    lilicorr_vector_eps: float = 1e-6
+    """lilicorr: epsilon of those vectors' normalization."""
+    lilicorr_logit_scale: float = 16.0
+    """lilicorr: factor on the dot products (in [-1, 1]) that makes them the walk's logits."""
+
+    def refusal(self) -> Finding | None:
+        k = self.lilicorr_candidate_topk
+        return first(
+            Finding("train.lilicorr-topk", value=k, most=MAX_TOPK) if not 1 <= k <= MAX_TOPK or k & (k - 1) else None,
+            not_finite(self, ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale")),
+            below(self, ("lilicorr_hidden_size",), 0), below(self, ("lilicorr_num_heads", "lilicorr_num_layers",
+                                                                    "lilicorr_factor_dim"), 1),
+            *(out_of_range(n, getattr(self, n), "more than 0") for n in
+              ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale") if not getattr(self, n) > 0))
+
+
+@dataclass(kw_only=True)
+class LiLiCorrObjective:
+    """The settings of LiLiCorr's loss."""
+
+    lilicorr_loss_weight: float = 1.0
+    """lilicorr: weight of the correlator's loss, the walk's cross-entropy along the true path (ours:
+    no released trainer trains LiLiCorr; docs/drafter.md, "LiLiCorr")."""
+
+    def refusal(self) -> Finding | None:
+        return first(not_finite(self, ("lilicorr_loss_weight",)),
+                     out_of_range("lilicorr_loss_weight", self.lilicorr_loss_weight, "0 or more")
+                     if self.lilicorr_loss_weight < 0 else None)
+
+
+KEYS = tuple(f.name for f in fields(LiLiCorrSettings))
+"""The export's dflash_config keys of the correlator: its settings, by their names."""
 
 
 class LiLiCorrDraftHead(DraftHead):
     name = "lilicorr"
     title = "LiLiCorr"
     architecture = "LiLiCorrDraftModel"  # vLLM 0.34.0 registry.py; SGLang 0.5.23 srt/models/lilicorr.py EntryClass
-    setting_names = tuple(KEYS.values())
+    settings = LiLiCorrSettings
+    objective_settings = LiLiCorrObjective
     module_name = "lilicorr"  # the engines' tensor prefix
     picks_drafts = True
     warm_starts_from = ("dflash",)
@@ -53,21 +100,15 @@ class LiLiCorrDraftHead(DraftHead):
     serving = {"name": "LiLiCorr", "vllm_method": None, "sglang_algorithm": "DFLASH", "tags": ["dflash", "lilicorr"]}
 
     def check(self, config: DrafterConfig) -> None:
-        c = config
-        k = c.lilicorr_candidate_topk
-        if not 1 <= k <= min(MAX_TOPK, c.vocab_size) or k & (k - 1):
-            raise ValueError(f"lilicorr_candidate_topk ({k}) must be a power of two up to {MAX_TOPK} (vLLM and "
-                             "SGLang refuse others): pass --lilicorr-candidate-topk 8.")
+        c = config  # (the ranges: LiLiCorrSettings)
+        if c.lilicorr_candidate_topk > c.vocab_size:
+            raise HeadSettingError(Finding("train.lilicorr-topk", value=c.lilicorr_candidate_topk, most=c.vocab_size))
         width = c.lilicorr_hidden_size or c.hidden_size
-        if c.lilicorr_hidden_size < 0 or c.lilicorr_num_heads < 1 or width % c.lilicorr_num_heads:
-            raise ValueError(f"lilicorr_num_heads ({c.lilicorr_num_heads}) must divide the correlator's width {width} "
-                             "(--lilicorr-hidden-size, 0: the drafter's): pass --lilicorr-num-heads with a divisor.")
-        if c.lilicorr_num_layers < 1 or c.lilicorr_factor_dim < 1 or int(width * c.lilicorr_mlp_ratio) < 1:
-            raise ValueError("--lilicorr-num-layers, --lilicorr-factor-dim and --lilicorr-mlp-ratio must be positive "
-                             f"(got {c.lilicorr_num_layers}, {c.lilicorr_factor_dim}, {c.lilicorr_mlp_ratio}).")
-        if not (c.lilicorr_vector_eps > 0 and c.lilicorr_logit_scale > 0):
-            raise ValueError(f"--lilicorr-vector-eps ({c.lilicorr_vector_eps}) and --lilicorr-logit-scale "
-                             f"({c.lilicorr_logit_scale}) must be positive.")
+        if width % c.lilicorr_num_heads:
+            raise HeadSettingError(Finding("train.lilicorr-num-heads", value=c.lilicorr_num_heads, width=width))
+        if int(width * c.lilicorr_mlp_ratio) < 1:
+            raise HeadSettingError(Finding("train.setting-range", flag="--lilicorr-mlp-ratio", value=c.lilicorr_mlp_ratio,
+                                           allowed=f"at least 1/{width}, the correlator's width", default=None))
 
     def build(self, config: DrafterConfig) -> nn.Module:
         from dflash.train.heads.lilicorr.lattice import LiLiCorrHead
@@ -110,22 +151,19 @@ class LiLiCorrDraftHead(DraftHead):
     def export_keys(self, config: DrafterConfig) -> dict[str, Any]:
         # lilicorr_enabled: both engines skip the head where it is false; no convolutions (vLLM and SGLang
         # build them only where conv_kernel_size and conv_group_size are both set)
-        return {"lilicorr_enabled": True, **{key: getattr(config, name) for key, name in KEYS.items()}}
+        return {"lilicorr_enabled": True, **{key: getattr(config, key) for key in KEYS}}
 
     def settings_from_export(self, dflash_config: dict[str, Any]) -> dict[str, Any]:
         d = dflash_config
         if d.get("lilicorr_enabled") is False:
-            raise ValueError("this LiLiCorrDraftModel export has lilicorr_enabled false: vLLM refuses it and SGLang "
-                             "builds no correlator; export it again with lilicorr_enabled true.")
+            raise HeadExportError(Finding("train.lilicorr-disabled"))
         missing = [key for key in KEYS if key not in d]
         if missing:
-            raise ValueError(f"a LiLiCorrDraftModel export's dflash_config lacks {', '.join(missing)}: SGLang refuses "
-                             "it (no defaults); export it again with dflash-train export.")
+            raise HeadExportError(Finding("train.export-lacks-keys", architecture=self.architecture, keys=missing))
         if d.get("conv_kernel_size") or d.get("conv_group_size"):
-            raise ValueError("a LiLiCorr export with convolutions (conv_kernel_size) is not supported by this trainer: "
-                             "its backbone is the plain DFlash one.")
+            raise HeadExportError(Finding("train.lilicorr-convolutions"))
         cast = {"lilicorr_mlp_ratio": float, "lilicorr_vector_eps": float, "lilicorr_logit_scale": float}
-        return {name: cast.get(key, int)(d[key]) for key, name in KEYS.items()}
+        return {key: cast.get(key, int)(d[key]) for key in KEYS}
 
     def describe(self, config: DrafterConfig, shape: str) -> str:
         c = config
