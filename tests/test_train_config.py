@@ -50,10 +50,10 @@ def _config_classes() -> list[type]:
     import dflash.train
 
     found: dict[str, type] = {}
-    for module in pkgutil.iter_modules(dflash.train.__path__):
-        if module.name == "cli":
+    for module in pkgutil.walk_packages(dflash.train.__path__, "dflash.train."):
+        if module.name == "dflash.train.cli":
             continue
-        mod = importlib.import_module(f"dflash.train.{module.name}")
+        mod = importlib.import_module(module.name)
         for value in vars(mod).values():
             if (isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == mod.__name__
                     and value.__name__.endswith(("Config", "Settings"))):
