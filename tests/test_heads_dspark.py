@@ -175,7 +175,7 @@ def test_the_loss_trains_the_biased_logits_toward_the_cache_soft_labels(tmp_path
     rows = (torch.zeros(n, dtype=torch.long), torch.arange(n))
     weights = torch.ones(n)
     inputs = HeadInputs(drafter=drafter, states=states, labels=labels, weights=weights, input_ids=input_ids, rows=rows,
-                        top_ids=None, candidate_logits=None, gather_logits=None,
+                        top_ids=None, gather_logits=None,
                         soft_labels={"soft_ids": soft_ids, "soft_logprobs": soft_lp})
     loss, logged, choice = dspark_objective(inputs, markov_weight=1.0, tv_weight=0.0, confidence_weight=1.0,
                                             soft_weight=w)

@@ -51,8 +51,6 @@ class HeadInputs:
     """(batch row [N], cache row [N]) of each slot: slot k+1 of the block at anchor p is row p+k."""
     top_ids: torch.Tensor | None
     """[N, K] the backbone's top-K ids (K = the head's `candidates`), None where it asks for none."""
-    candidate_logits: torch.Tensor | None
-    """[N, K+1] the backbone logits of the top-K and the label, where the head was run at once."""
     gather_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(states [N, D], ids [N, C]) -> their logits [N, C], chunked like the backbone's loss."""
     block_states: torch.Tensor | None = None
@@ -65,8 +63,8 @@ class HeadInputs:
     """[B, T, K*D] the captured target states the drafter read (noise included); LiLiCorr fuses the
     anchor's (the last verified token's) from them."""
     label_logprobs: torch.Tensor | None = None
-    """[N] the backbone's log-probability of each label, detached (with `candidate_logits`, the
-    candidates' full-vocabulary log-probs)."""
+    """[N] the backbone's log-probability of each label, detached (with the candidates' logits from
+    `gather_logits`, their full-vocabulary log-probs)."""
     soft_labels: dict[str, torch.Tensor] = field(default_factory=dict)
     """The slots' soft labels where the run uses them (--soft-label-weight > 0), else empty: the
     target's top-k (soft_ids, soft_logprobs renormalized, [N, k]) or its last states (soft_hidden)."""

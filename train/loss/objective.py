@@ -380,7 +380,7 @@ def compute_loss(
     correct = predicted == labels  # False where not scored (-1 is no token)
     own = head.objective(HeadInputs(
         drafter=drafter, states=scored, labels=target, weights=weights, input_ids=input_ids, rows=(b, cache_rows),
-        top_ids=top_ids, candidate_logits=None, soft_labels=soft,
+        top_ids=top_ids, soft_labels=soft,
         gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk),
         block_states=blocks, anchors=anchors, slots=(b, a, k), context=hidden,
         label_logprobs=label_lp.detach()), config)

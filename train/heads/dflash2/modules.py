@@ -219,8 +219,7 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
                        predecessor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,
                        output_multiplier: float = 1.0, softcap: float | None = None,
                        stop_gradient: bool = False, top_ids: torch.Tensor | None = None,
-                       gather_logits=None, candidate_logits: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       gather_logits=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted K-way cross-entropy, the selector's choice [N]) over N scored slots.
 
     `states` [N, D] and `logits` [N, V] of the slots, `predecessor_ids` [N] the true token before
@@ -228,22 +227,17 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
     weights. When the top-K misses the label it takes the K-th candidate's place in the loss; the
     choice (for the metrics) is the walk's, over the plain top-K. `stop_gradient`: the selector's
     loss does not reach the backbone (its states and logits enter detached). Without `logits`
-    (the head in chunks, head_loss.py): `top_ids` [N, K] are the top-K and either
-    `candidate_logits` [N, K+1] the logits of the top-K and the label or `gather_logits(states,
-    candidates)` gives them (head_loss.candidate_logits, as the objective hands them).
+    (the objective's path, head_loss.py): `top_ids` [N, K] are the top-K and `gather_logits(states,
+    candidates)` gives the logits of the top-K and the label (head_loss.candidate_logits).
     """
     if stop_gradient:
         states, logits = states.detach(), None if logits is None else logits.detach()
-        candidate_logits = None if candidate_logits is None else candidate_logits.detach()
     ids = exact_topk(logits.detach(), selector.top_k)[1] if logits is not None else top_ids
     k = ids.shape[-1]
     candidates = torch.cat([ids, labels[:, None]], dim=-1)
-    # One gather of the K + 1 scores: its backward is the one dense [N, V] the selector adds
-    # (none where the objective gathered them with its log-softmax).
-    if candidate_logits is not None:
-        picked = candidate_logits
-    else:
-        picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
+    # The K + 1 scores: from the candidates' rows of the head (the objective), or gathered from
+    # given logits (whose backward is one dense [N, V]).
+    picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
     scores_in = transform_logits(picked, output_multiplier, softcap)
     scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
     found = ids == labels[:, None]

@@ -41,10 +41,7 @@ def lattice_objective(inputs: HeadInputs) -> tuple[torch.Tensor, torch.Tensor]:
     # label's logit and log-prob give (features, no gradient: the engines feed them as numbers).
     with torch.no_grad():
         ids = torch.cat([top_ids, labels[:, None]], dim=-1)
-        logits = inputs.candidate_logits
-        if logits is None:
-            logits = inputs.gather_logits(states.detach(), ids)
-        logits = logits.float()
+        logits = inputs.gather_logits(states.detach(), ids).float()
         log_probs = logits[:, :k] - (logits[:, k] - inputs.label_logprobs.float())[:, None]
 
     def grid(values: torch.Tensor, fill: float | int) -> torch.Tensor:
