@@ -215,8 +215,6 @@ class ImportOptions:
     shard_rows: int = 8192
 
 
-_SOLE_WRITER = ("dflash-cache import writes the cache alone: wait for the other writer to finish or stop it, then "
-                "rerun (or choose another output directory).")
 def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model: str | os.PathLike,
                  options: ImportOptions, force: bool = False, progress: bool | None = None) -> ImportReport:
     """Import the `options.format` directory `src` into the cache `dst` (resumable)."""
@@ -243,7 +241,7 @@ def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model
     planned = None if plan is None else list(plan.parts)
     if planned is None:
         planned = _plan(source, files, target, first.width, options, report, early_bad, progress)
-    writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER)
+    writer = CacheWriter(dst, header, force=force, sole_writer="import")
     try:
         if read_plan(dst, header) is None:
             write_plan(dst, header, planned)

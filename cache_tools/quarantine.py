@@ -67,9 +67,7 @@ def quarantine_damaged(cache_dir: str | os.PathLike, report: VerifyReport) -> Qu
                                         part=first.part, array=first.array, problem=first.finding))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = QuarantineReport(cache_dir / QUARANTINE_DIR / f"{stamp}-{os.getpid()}")
-    with WriterLock(cache_dir / WRITER_LOCK_FILE, what=f"the cache at {cache_dir}",
-                    fix="Quarantine rewrites its commit log: wait for that process to finish or stop it, "
-                        "then rerun `dflash-cache verify --quarantine`."), \
+    with WriterLock(cache_dir / WRITER_LOCK_FILE, purpose="quarantine", output=cache_dir), \
             file_lock(cache_dir / LOCK_FILE):
         try:
             data = (cache_dir / LOG_FILE).read_bytes()

@@ -115,10 +115,6 @@ def _check_distinct(dst: Path, srcs: list[Path]) -> None:
                 raise CacheError(Finding("cache.source-twice", src=str(s), also=None if earlier == s else str(earlier)))
 
 
-_SOLE_WRITER = ("{command} writes the destination cache alone: wait for the other writer to finish or "
-                "stop it, then rerun (or choose another destination).")
-
-
 def recompress_cache(
     src: str | os.PathLike, dst: str | os.PathLike, *, codec: str, clevel: int = 1, force: bool = False,
     progress: bool | None = None,
@@ -143,7 +139,7 @@ def recompress_cache(
         [earlier["recompressed_from"]["name"]] if isinstance(earlier.get("recompressed_from"), dict) else [])
     header["producer"] = {**earlier, "recompressed_from": reader.manifest.codec.to_dict(),
                           "codec_history": [*history, reader.manifest.codec.name]}
-    writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER.format(command="recompress"))
+    writer = CacheWriter(dst, header, force=force, sole_writer="recompress")
     report = CopyReport(dst=dst, src_bytes=reader.manifest.nbytes)
     jobs = [(reader, i, p.name) for i, p in enumerate(reader.parts)]
     _copy_parts(jobs, writer, report, "recompress", progress)
@@ -191,7 +187,7 @@ def merge_caches(
          "parts": len(r.parts), "samples": r.manifest.num_samples, "tokens": r.manifest.num_tokens}
         for i, (p, r) in enumerate(zip(paths, readers))
     ]}
-    writer = CacheWriter(dst, header, force=force, sole_writer=_SOLE_WRITER.format(command="merge"))
+    writer = CacheWriter(dst, header, force=force, sole_writer="merge")
     report = CopyReport(dst=dst, src_bytes=sum(r.manifest.nbytes for r in readers))
     jobs = [(r, j, f"s{i}-{rec.name}") for i, r in enumerate(readers) for j, rec in enumerate(r.parts)]
     _copy_parts(jobs, writer, report, "merge", progress)

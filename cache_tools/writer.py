@@ -93,7 +93,7 @@ class CacheWriter:
         """`force` starts the cache anew; the other ranks of a forced run wait up to `wait_for_force`
         s for rank 0's new header (`_forced_for_this_run`) instead of refusing or joining the old.
         `sole_writer`: this process writes the cache alone (recompress, merge: the writer lock is
-        held exclusively), the sentence telling a refused user what to do."""
+        held exclusively), the command's lock purpose ("import", "recompress", "merge": runtime.locks)."""
         self.cache_dir = Path(cache_dir)
         self.sole_writer = sole_writer
         self.header = header
@@ -172,16 +172,14 @@ class CacheWriter:
     def _take_writer_lock(self, *, exclusive: bool) -> WriterLock:
         """Shared with the other writers of this cache (ranks, writer processes: each commits
         its own parts); exclusive for --force, which must not wipe a cache someone writes."""
-        what, path = f"the cache at {self.cache_dir}", self.cache_dir / WRITER_LOCK_FILE
+        path = self.cache_dir / WRITER_LOCK_FILE
         if not exclusive:
-            return WriterLock(path, what=what, shared=True,
-                              fix="It is being started anew (--force); rerun once that run has begun.")
-        fix = self.sole_writer or ("--force deletes the cache, which another extraction is writing: wait "
-                                   "for it to finish or stop it, then rerun (or choose another --output).")
+            return WriterLock(path, purpose="extract", output=self.cache_dir, shared=True)
+        purpose = self.sole_writer or "extract-force"
         deadline = time.monotonic() + 2.0  # a waiting rank of this run may hold it for a moment
         while True:
             try:
-                return WriterLock(path, what=what, fix=fix)
+                return WriterLock(path, purpose=purpose, output=self.cache_dir)
             except LockedError:
                 if time.monotonic() > deadline:
                     raise

@@ -35,7 +35,7 @@ from dflash.cache_tools.identity import (
 from dflash.runtime.errors import InputError
 from dflash.runtime.findings import Finding, emit
 from dflash.runtime.fsio import file_lock
-from dflash.runtime.locks import WriterLock, refuse_output_among_inputs
+from dflash.runtime.locks import output_lock, refuse_output_among_inputs
 from dflash.runtime.records import read_sidecar, write_sidecar
 from dflash.runtime.settings import setting
 from dflash.runtime.signals import StopRequest
@@ -233,8 +233,7 @@ def run_generate(config: GenerateConfig, tokenizer=None) -> GenerateSummary:
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     # The ranks of one run append to one output (each line under flock); another run may not.
-    lock = WriterLock(output.with_name(f".{output.name}.lock"), what=f"the output {output}", shared=world > 1,
-                      fix="Wait for that dflash-generate to finish or stop it, or choose another --output.")
+    lock = output_lock(output, purpose="generate", shared=world > 1)
     try:
         return _run_generate(config, renderer, files, meta, rank, world)
     finally:

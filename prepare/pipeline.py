@@ -188,8 +188,7 @@ def run_prepare(config: PrepareConfig, tokenizer=None) -> PrepareSummary:
     summary = PrepareSummary()
     t0 = time.perf_counter()
     tmp = temp_name(out)
-    lock = output_lock(out, what=f"the output {out}", fix="Wait for that dflash-prepare to finish or "
-                       "stop it, or choose another --output.")
+    lock = output_lock(out, purpose="prepare")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             _prepare_into(fh, files, config, renderer, summary)

@@ -2,7 +2,7 @@
 
 Every command that writes a cache, a run directory or an output file holds a `WriterLock`
 for as long as it writes. The lock is an flock on a small file that holds the holder's pid
-and host, so a second writer is refused with a sentence that names who holds it, and the
+and host, so a second writer is refused with a finding that names who holds it, and the
 lock dies with its process: kill -9 leaves nothing stale to clean up.
 
 Two kinds: `exclusive` (a training run, an output file, a cache being wiped by --force) and
@@ -70,10 +70,16 @@ def _flock(fd: int, op: int) -> bool:
     return True
 
 
-def _locked(what: str, holder: str | None, lock_file: Path, fix: str) -> Finding:
-    """`what` (the thing written, "the cache at X") is held by `holder` ("pid N on HOST", None:
-    unknown); `fix` is the caller's advice (empty: wait or stop it)."""
-    return Finding("runtime.locked", what=what, holder=holder, lock_file=str(lock_file), fix=fix or None)
+# What a lock guards, which names the thing written and what the refused user can do
+# (the words: runtime/messages.py, runtime.locked).
+PURPOSES = ("run", "export", "prepare", "generate", "quarantine", "extract", "extract-force", "import",
+            "recompress", "merge")
+
+
+def _locked(purpose: str, output: Path, holder: str | None, lock_file: Path) -> Finding:
+    """The `purpose`'s `output` (a cache, a run directory, an output file) is held by `holder`
+    ("pid N on HOST", None: unknown)."""
+    return Finding("runtime.locked", purpose=purpose, output=str(output), holder=holder, lock_file=str(lock_file))
 
 
 _HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
@@ -97,16 +103,20 @@ class WriterLock:
     """A held lock on `path` (released by `release()`, by the context's end, or by the
     process's death; forked children do not hold it)."""
 
-    def __init__(self, path: str | os.PathLike, *, what: str, shared: bool = False, fix: str = ""):
-        """`what` names the thing written ("the cache at X"), `fix` what the refused user can do."""
+    def __init__(self, path: str | os.PathLike, *, purpose: str, output: str | os.PathLike, shared: bool = False):
+        """`output` is the thing written (a cache, a run directory, a file), `purpose` (one of
+        PURPOSES) what writes it: a refusal names both and what to do."""
+        self._fd: int | None = None  # (set first: __del__ runs even when the checks or the open below fail)
+        if purpose not in PURPOSES:
+            raise ValueError(f"lock purpose {purpose!r} is not one of {PURPOSES}")
         self.path = Path(path)
+        self.purpose, self.output = purpose, Path(output)
         self.shared = shared
-        self._fd: int | None = None  # (set first: __del__ runs even when the open below fails)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not self._take_retrying():
                 held_by = holders(self.path)
-                raise LockedError(_locked(what, held_by[-1] if held_by else None, self.path, fix))
+                raise LockedError(_locked(purpose, self.output, held_by[-1] if held_by else None, self.path))
         except BaseException:
             os.close(self._fd)
             self._fd = None
@@ -138,13 +148,14 @@ class WriterLock:
             return True
         return False
 
-    def exclusive(self, *, what: str, fix: str = "") -> None:
-        """Make a shared hold exclusive (for --force's wipe), refusing while another holds it."""
+    def exclusive(self, *, purpose: str | None = None) -> None:
+        """Make a shared hold exclusive (for --force's wipe), refusing while another holds it
+        (the refusal says `purpose`'s words; None: the lock's own)."""
         if not self.shared:
             return
         if not _flock(self._fd, fcntl.LOCK_EX):
             others = [h for h in holders(self.path) if h != _me()]
-            raise LockedError(_locked(what, others[-1] if others else None, self.path, fix))
+            raise LockedError(_locked(purpose or self.purpose, self.output, others[-1] if others else None, self.path))
         self.shared = False
 
     def share(self) -> None:
@@ -169,11 +180,11 @@ class WriterLock:
         self.release()
 
 
-def output_lock(path: str | os.PathLike, *, what: str, fix: str = "") -> WriterLock:
-    """An exclusive lock for one output file: `.<name>.lock` beside it."""
+def output_lock(path: str | os.PathLike, *, purpose: str, shared: bool = False) -> WriterLock:
+    """A lock for one output file (or directory) `path`: `.<name>.lock` beside it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return WriterLock(path.with_name(f".{path.name}.lock"), what=what, fix=fix)
+    return WriterLock(path.with_name(f".{path.name}.lock"), purpose=purpose, output=path, shared=shared)
 
 
 def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:

@@ -189,11 +189,34 @@ def _cuda_unavailable(flag, value):
 # -- writer locks (runtime/locks.py) -----------------------------------------------------------
 
 
-@renders("runtime.locked", example=dict(what="the cache at runs/cache", holder="pid 4242 on node-1",
-                                        lock_file="runs/cache/.writer.lock", fix=None))
-def _locked(what, holder, lock_file, fix):
-    return (f"{what[:1].upper()}{what[1:]} is being written by another process ({holder or 'holder unknown'}; "
-            f"lock file {lock_file}). {fix or 'Wait for it to finish or stop it, then rerun.'}")
+# (what, fix) of each lock purpose (runtime.locks.PURPOSES); {output} is the thing written.
+_CACHE, _WAIT_OTHER = "The cache at {output}", "wait for the other writer to finish or stop it, then rerun"
+LOCK_WORDS = {
+    "run": ("The run directory {output}", "Two runs cannot share an --output-dir: wait for that run to finish or "
+            "stop it, or choose another --output-dir."),
+    "export": ("The export directory {output}", "Wait for that dflash-train export to finish or stop it, then rerun."),
+    "prepare": ("The output {output}", "Wait for that dflash-prepare to finish or stop it, or choose another --output."),
+    "generate": ("The output {output}", "Wait for that dflash-generate to finish or stop it, or choose another "
+                 "--output."),
+    "quarantine": (_CACHE, "Quarantine rewrites its commit log: wait for that process to finish or stop it, then "
+                   "rerun `dflash-cache verify --quarantine`."),
+    "extract": (_CACHE, "It is being started anew (--force); rerun once that run has begun."),
+    "extract-force": (_CACHE, "--force deletes the cache, which another extraction is writing: wait for it to finish "
+                      "or stop it, then rerun (or choose another --output)."),
+    "import": (_CACHE, f"dflash-cache import writes the cache alone: {_WAIT_OTHER} (or choose another output "
+               "directory)."),
+    "recompress": (_CACHE, f"recompress writes the destination cache alone: {_WAIT_OTHER} (or choose another "
+                   "destination)."),
+    "merge": (_CACHE, f"merge writes the destination cache alone: {_WAIT_OTHER} (or choose another destination)."),
+}
+
+
+@renders("runtime.locked", example=dict(purpose="extract-force", output="runs/cache", holder="pid 4242 on node-1",
+                                        lock_file="runs/cache/.writer.lock"))
+def _locked(purpose, output, holder, lock_file):
+    what, fix = LOCK_WORDS[purpose]
+    return (f"{what.format(output=output)} is being written by another process ({holder or 'holder unknown'}; "
+            f"lock file {lock_file}). {fix}")
 
 
 @renders("runtime.output-is-input", example=dict(flag="--output", output="data/a.jsonl", input=None,

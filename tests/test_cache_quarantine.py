@@ -105,7 +105,7 @@ def test_quarantine_is_refused_while_an_extraction_writes_the_cache(tmp_path):
     extract(target, data, cache)
     flip_chunk_bytes(cache, part_idx=0, chunk=0)
     before = (cache / LOG_FILE).read_bytes()
-    with WriterLock(cache / WRITER_LOCK_FILE, what="the cache", shared=True):  # an extraction's writers
+    with WriterLock(cache / WRITER_LOCK_FILE, purpose="extract", output=cache, shared=True):  # an extraction's writers
         res = verify(cache, "--quarantine")
     assert res.exit_code == 2, res.output
     assert f"is being written by another process (pid {os.getpid()} on " in flat(res.output)

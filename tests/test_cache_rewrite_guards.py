@@ -50,7 +50,7 @@ def test_a_destination_another_process_writes_is_refused_naming_it(tmp_path, com
     argv = ["recompress", tmp_path / "src", dst, "--codec", "fp8"] if command == "recompress" else \
         ["merge", dst, tmp_path / "src"]
     assert run(*argv, "--no-progress").exit_code == 0  # the destination exists and is complete
-    with WriterLock(dst / WRITER_LOCK_FILE, what="the cache", shared=holder == "shared"):
+    with WriterLock(dst / WRITER_LOCK_FILE, purpose="extract", output=dst, shared=holder == "shared"):
         res = run(*argv, "--no-progress")
     assert res.exit_code == 2, res.output
     text = flat(res.output)

@@ -65,7 +65,7 @@ def test_generate_onto_a_jsonl_it_did_not_write_is_refused_instead_of_counting_i
 def test_a_second_writer_of_one_output_is_refused_with_the_holders_pid(tok, tmp_path, command):
     data = write_jsonl(tmp_path / "chat.jsonl", CHATS)
     out = tmp_path / "out.jsonl"
-    with WriterLock(tmp_path / ".out.jsonl.lock", what="the output"):  # a live writer of `out`
+    with WriterLock(tmp_path / ".out.jsonl.lock", purpose="prepare", output=out):  # a live writer of `out`
         result = command(tok, data, out)
     assert result.exit_code == 2, result.output
     assert f"being written by another process (pid {os.getpid()} on " in result.output

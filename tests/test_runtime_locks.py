@@ -9,12 +9,14 @@ import sys
 import textwrap
 
 import pytest
-from dflash.runtime.locks import LockedError, WriterLock, inside, same_path
+from dflash.runtime.findings import Finding, render
+from dflash.runtime.locks import PURPOSES, LockedError, WriterLock, inside, same_path
+from dflash.runtime.messages import LOCK_WORDS
 
 HOLDER = textwrap.dedent("""
     import sys, time
     from dflash.runtime.locks import WriterLock
-    lock = WriterLock(sys.argv[1], what="the thing", shared=sys.argv[2] == "shared")
+    lock = WriterLock(sys.argv[1], purpose="run", output="runs/a", shared=sys.argv[2] == "shared")
     print("held", flush=True)
     time.sleep(60)
 """)
@@ -31,16 +33,17 @@ def test_a_second_exclusive_writer_is_refused_with_the_holders_pid_and_kill9_fre
     child = hold_in_child(path, "exclusive")
     try:
         with pytest.raises(LockedError) as e:
-            WriterLock(path, what="the thing")
+            WriterLock(path, purpose="run", output=tmp_path)
         assert e.value.code == "runtime.locked" and e.value.fields["lock_file"] == str(path)
-        assert e.value.fields["what"] == "the thing" and e.value.fields["holder"].startswith(f"pid {child.pid} on ")
+        assert (e.value.fields["purpose"], e.value.fields["output"]) == ("run", str(tmp_path))
+        assert e.value.fields["holder"].startswith(f"pid {child.pid} on ")
         with pytest.raises(LockedError) as e:
-            WriterLock(path, what="the thing", shared=True)
+            WriterLock(path, purpose="run", output=tmp_path, shared=True)
         assert e.value.fields["holder"].startswith(f"pid {child.pid} ")
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    with WriterLock(path, what="the thing"):  # nothing stale after kill -9
+    with WriterLock(path, purpose="run", output=tmp_path):  # nothing stale after kill -9
         assert f"pid {os.getpid()} " in path.read_text()
 
 
@@ -48,18 +51,19 @@ def test_shared_holders_coexist_but_keep_an_exclusive_writer_out(tmp_path):
     path = tmp_path / ".lock"
     child = hold_in_child(path, "shared")
     try:
-        with WriterLock(path, what="the cache", shared=True) as mine:
+        with WriterLock(path, purpose="extract", output=tmp_path, shared=True) as mine:
             holders = path.read_text().splitlines()
             assert len(holders) == 2 and holders[0].startswith(f"pid {child.pid} ")
             with pytest.raises(LockedError) as e:
-                mine.exclusive(what="the cache")
+                mine.exclusive(purpose="extract-force")
             assert e.value.code == "runtime.locked" and e.value.fields["holder"].startswith(f"pid {child.pid} ")
+            assert (e.value.fields["purpose"], e.value.fields["output"]) == ("extract-force", str(tmp_path))
         with pytest.raises(LockedError):
-            WriterLock(path, what="the cache")
+            WriterLock(path, purpose="extract-force", output=tmp_path)
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    WriterLock(path, what="the cache").release()
+    WriterLock(path, purpose="extract-force", output=tmp_path).release()
 
 
 def test_paths_through_links_are_the_same(tmp_path):
@@ -89,7 +93,7 @@ def test_a_shared_taker_is_not_refused_by_another_taker_of_the_run_converting_to
     child = subprocess.Popen([sys.executable, "-c", CONVERTER, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "alone"
-        with WriterLock(path, what="the cache", shared=True) as lock:  # waits out the instant
+        with WriterLock(path, purpose="extract", output=tmp_path, shared=True) as lock:  # waits out the instant
             assert lock.shared
     finally:
         os.kill(child.pid, signal.SIGKILL)
@@ -99,7 +103,7 @@ def test_a_shared_taker_is_not_refused_by_another_taker_of_the_run_converting_to
 FORKING_HOLDER = textwrap.dedent("""
     import os, sys, time
     from dflash.runtime.locks import WriterLock
-    lock = WriterLock(sys.argv[1], what="the run directory")
+    lock = WriterLock(sys.argv[1], purpose="run", output="runs/a")
     worker = os.fork()
     if worker == 0:  # a worker process (a DataLoader's), alive after its parent dies
         os.write(1, b"worker\\n")  # running: past the fork and its handlers
@@ -121,7 +125,25 @@ def test_a_killed_holders_forked_workers_do_not_keep_its_lock(tmp_path):
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     try:
-        with WriterLock(path, what="the run directory"):  # the orphaned worker holds nothing
+        with WriterLock(path, purpose="run", output=tmp_path):  # the orphaned worker holds nothing
             pass
     finally:
         os.kill(int(worker), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("purpose", PURPOSES)
+def test_each_lock_purpose_renders_the_thing_written_the_holder_and_a_fix(purpose):
+    # The caller states what writes (a purpose), the renderer says what the refused user can do.
+    text = render(Finding("runtime.locked", purpose=purpose, output="runs/x", holder="pid 7 on h",
+                          lock_file="runs/x/.writer.lock"))
+    assert "runs/x is being written by another process (pid 7 on h; lock file runs/x/.writer.lock)" in text
+    assert text.split("). ", 1)[1].strip()  # a fix follows
+
+
+def test_a_lock_of_no_known_purpose_is_a_bug(tmp_path):
+    with pytest.raises(ValueError):
+        WriterLock(tmp_path / ".lock", purpose="the thing", output=tmp_path)
+
+
+def test_every_lock_purpose_has_its_words():
+    assert set(LOCK_WORDS) == set(PURPOSES)

@@ -93,7 +93,7 @@ def test_an_out_dir_that_is_or_holds_the_checkpoint_is_refused(world, tmp_path, 
 
 def test_a_second_export_to_one_out_dir_is_refused_with_the_holders_pid(world, tmp_path):
     out = tmp_path / "export"
-    with output_lock(out, what=f"the export directory {out}"):
+    with output_lock(out, purpose="export"):
         res = export(latest_checkpoint(world["run"]), out)
     assert res.exit_code == 2, res.output
     assert f"is being written by another process (pid {os.getpid()} on " in flat(res.output)

@@ -419,7 +419,6 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**{"drafter_type": "dflash", **meta["drafter_config"]})  # older runs were DFlash
     check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")
-    with output_lock(out, what=f"the export directory {out}",
-                     fix="Wait for that dflash-train export to finish or stop it, then rerun."):
+    with output_lock(out, purpose="export"):
         return export_from_state(config, load_file(str(path / MODEL_FILE)), out, dtype,
                                  training_target=training_target(meta))

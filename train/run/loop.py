@@ -189,10 +189,7 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # One run per directory: a second would delete the first's checkpoints and mix its logs.
-        cleanup.enter_context(WriterLock(
-            run_dir / RUN_LOCK_FILE, what=f"the run directory {run_dir}",
-            fix="Two runs cannot share an --output-dir: wait for that run to finish or stop it, or "
-                "choose another --output-dir."))
+        cleanup.enter_context(WriterLock(run_dir / RUN_LOCK_FILE, purpose="run", output=run_dir))
     refuse_foreign_final(run_dir / FINAL_DIR, info)
     log = RunLogger(run_dir, enabled=info.is_main, progress=cfg.logging.progress, tensorboard=cfg.logging.tensorboard)
     seed_everything(cfg.optimization.seed)
