@@ -295,8 +295,7 @@ def load_models(target_dir: str, drafter_dir: str, device: str, dtype: torch.dty
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     refuse_drafter_as_target(target_dir)
-    check_weight_dir(target_dir, fix="Copy the target model's weight files again (a copy that stopped or a "
-                     "full disk leaves them short), then rerun.")
+    check_weight_dir(target_dir, purpose="target")
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(target_dir, output_loading_info=True, **kwargs)
         drafter = load_drafter(drafter_dir, target_dir, dtype=dtype)

@@ -63,8 +63,7 @@ def load_target(
     if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
         raise TargetError(Finding("extract.target-without-weights", dir=str(path)))
     refuse_drafter_as_target(path)
-    check_weight_dir(path, fix="Copy the target model's weight files again (a copy that stopped or a "
-                           "full disk leaves them short), then rerun.")
+    check_weight_dir(path, purpose="target")
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "local_files_only": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -270,10 +270,20 @@ def _safetensors_data_size(needed, holds):
         " (truncated)" if needed > holds else "")
 
 
+# What to do about a damaged file, by what it holds (runtime.safetensors_files.WEIGHT_PURPOSES).
+WEIGHTS_FIX = {
+    "target": "Copy the target model's weight files again (a copy that stopped or a full disk leaves them short), "
+              "then rerun.",
+    "drafter": "Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), or copy the directory again.",
+    "resume": "Delete that checkpoint to resume from the one before, or start in a new --output-dir.",
+    "export": "Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).",
+}
+
+
 @renders("runtime.weights-file-damaged", example=dict(file="model/model.safetensors", problem="its header is not "
-                                                      "a JSON object", fix="Copy the model's weight files again."))
-def _weights_file_damaged(file, problem, fix):
-    return f"{file} is not a complete safetensors file: {problem}. {fix}"
+                                                      "a JSON object", purpose="target"))
+def _weights_file_damaged(file, problem, purpose):
+    return f"{file} is not a complete safetensors file: {problem}. {WEIGHTS_FIX[purpose]}"
 
 
 @renders("runtime.drafter-as-target", example=dict(dir="runs/a/final", architectures=["DFlash2DraftModel"],

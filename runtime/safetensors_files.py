@@ -60,17 +60,27 @@ def safetensors_problem(path: str | os.PathLike) -> Finding | None:
     return None
 
 
-def check_safetensors(path: str | os.PathLike, *, fix: str) -> None:
-    """Raise WeightsFileError naming `path` and `fix` when it is not a complete safetensors file."""
+# What a checked file holds, which decides what to do about it (the words: runtime/messages.py,
+# runtime.weights-file-damaged): a target's weights, a drafter export's, a checkpoint resumed
+# from or exported.
+WEIGHT_PURPOSES = ("target", "drafter", "resume", "export")
+
+
+def check_safetensors(path: str | os.PathLike, *, purpose: str) -> None:
+    """Raise WeightsFileError naming `path` and what to do for `purpose` (one of WEIGHT_PURPOSES)
+    when it is not a complete safetensors file."""
+    if purpose not in WEIGHT_PURPOSES:
+        raise ValueError(f"weights purpose {purpose!r} is not one of {WEIGHT_PURPOSES}")
     problem = safetensors_problem(path)
     if problem is not None:
-        raise WeightsFileError(Finding("runtime.weights-file-damaged", file=str(path), problem=problem, fix=fix))
+        raise WeightsFileError(Finding("runtime.weights-file-damaged", file=str(path), problem=problem,
+                                       purpose=purpose))
 
 
-def check_weight_dir(directory: str | os.PathLike, *, fix: str) -> None:
+def check_weight_dir(directory: str | os.PathLike, *, purpose: str) -> None:
     """Check every *.safetensors file of a model directory (a target, a drafter)."""
     for path in sorted(Path(directory).glob("*.safetensors")):
-        check_safetensors(path, fix=fix)
+        check_safetensors(path, purpose=purpose)
 
 
 # The architectures of the built-in heads' exports (train/heads/; runtime imports no train module);

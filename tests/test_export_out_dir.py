@@ -15,9 +15,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import tiny_train_config
 from dflash.runtime.errors import InputError
+from dflash.runtime.findings import Finding, render
 from dflash.runtime.fsio import TEMP_PREFIX
 from dflash.train.cli import main as train_main
-from dflash.train.exports.export import export_drafter
+from dflash.train.exports.export import OUT_DIR_PURPOSES, export_drafter, export_out_dir
+from dflash.train.exports.messages import OUT_DIR_WORDS
 from dflash.train.model.drafter import DFlashDrafter
 from dflash.train.run.loop import train
 from safetensors.torch import save_file
@@ -140,6 +142,18 @@ def test_a_run_whose_final_directory_holds_other_files_is_refused_before_it_trai
         train(tiny_train_config(tiny_world["cache"], tiny_world["target"], run, max_steps=1))
     assert refused.value.code == "train.export-out-holds-files"
     assert refused.value.fields["path"] == str(run / "final") and refused.value.fields["files"] == ["notes/"]
+    assert refused.value.fields["purpose"] == "run-final"
     assert "--output-dir" in str(refused.value)  # the flag that chooses another
     assert (run / "final" / "notes" / "todo.txt").read_text() == "keep me"
     assert not (run / "checkpoints").exists()  # refused before the first step
+
+
+def test_each_out_dir_purpose_names_the_directory_its_way_and_says_what_to_do(tmp_path):
+    assert set(OUT_DIR_WORDS) == set(OUT_DIR_PURPOSES)
+    for purpose in OUT_DIR_PURPOSES:
+        text = render(Finding("train.export-out-holds-files", purpose=purpose, path="out", absolute=None,
+                              files=["a.txt"], more=0))
+        assert "out already holds files that are not a drafter export (a.txt)" in text
+    assert text.startswith("The run's export directory out") and "--output-dir" in text  # (run-final: last)
+    with pytest.raises(ValueError):  # a purpose with no words is a bug
+        export_out_dir(tmp_path / "out", purpose="The export directory")

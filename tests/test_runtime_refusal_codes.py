@@ -10,7 +10,9 @@ import pytest
 import torch
 from dflash.runtime.devices import dtype_name, resolve_device
 from dflash.runtime.errors import CorruptDataError, InputError, SettingError
+from dflash.runtime.findings import Finding, render
 from dflash.runtime.safetensors_files import (
+    WEIGHT_PURPOSES,
     WeightsFileError,
     check_safetensors,
     refuse_drafter_as_target,
@@ -60,10 +62,18 @@ def test_each_way_a_safetensors_file_is_damaged_is_its_own_reason(tmp_path):
     assert safetensors_problem(tmp_path / "runtime.safetensors-data-size.safetensors").fields == {
         "needed": 16 * 16 * 4, "holds": 16 * 16 * 4 - 100}
     with pytest.raises(WeightsFileError) as e:
-        check_safetensors(tmp_path / "runtime.safetensors-short.safetensors", fix="Copy it again.")
+        check_safetensors(tmp_path / "runtime.safetensors-short.safetensors", purpose="resume")
     assert isinstance(e.value, CorruptDataError) and e.value.code == "runtime.weights-file-damaged"
     assert e.value.fields["file"] == str(tmp_path / "runtime.safetensors-short.safetensors")
-    assert e.value.fields["problem"].code == "runtime.safetensors-short"
+    assert e.value.fields["problem"].code == "runtime.safetensors-short" and e.value.fields["purpose"] == "resume"
+    with pytest.raises(ValueError):  # a purpose with no words is a bug
+        check_safetensors(tmp_path / "good.safetensors", purpose="Copy it again.")
+
+
+def test_each_weights_purpose_renders_its_own_fix():
+    texts = {render(Finding("runtime.weights-file-damaged", file="m.safetensors", problem="truncated",
+                            purpose=purpose)) for purpose in WEIGHT_PURPOSES}
+    assert len(texts) == len(WEIGHT_PURPOSES) and all(t.startswith("m.safetensors is not a complete") for t in texts)
 
 
 def test_a_drafter_export_given_as_the_target_names_its_architectures_and_flag(tmp_path):

@@ -199,25 +199,30 @@ def is_export_dir(path: str | Path) -> bool:
             and (card is None or card == card_text(config, TRAINING_KEY)))
 
 
-def export_out_dir(out_dir: str | Path, *, what: str = "The export directory", fix: str | None = None) -> Path:
+OUT_DIR_PURPOSES = ("export", "command", "run-final")
+
+
+def export_out_dir(out_dir: str | Path, *, purpose: str = "export") -> Path:
     """`out_dir` as an export may be written to it: absolute, so that `.` and `..` are the
     directories they name. An existing directory is replaced whole, so it must be empty or an
     earlier export (`is_export_dir`); anything else is refused with an InputError, and so are
     the current directory and its parents (replacing them would leave the shell in a deleted
-    directory) and a path that is not a directory. `what` names the path in the message, `fix`
-    says what to do (None: choose another directory or empty that one)."""
+    directory) and a path that is not a directory. `purpose` ("export": an export's directory,
+    "command": dflash-train export's OUT_DIR, "run-final": a run's RUN_DIR/final) decides how the
+    refusal names the path and what it says to do (train/exports/messages.py)."""
+    if purpose not in OUT_DIR_PURPOSES:
+        raise ValueError(f"export directory purpose {purpose!r} is not one of {OUT_DIR_PURPOSES}")
     given = Path(out_dir)
     out = Path(os.path.abspath(given))
-    where = dict(what=what, path=str(given), absolute=str(out) if str(out) != str(given) else None)
+    where = dict(purpose=purpose, path=str(given), absolute=str(out) if str(out) != str(given) else None)
     if not out.name or inside(Path.cwd(), out):
         raise InputError(Finding("train.export-out-holds-cwd", **where, root=not out.name,
                                  instead=str(given / "drafter")))
     if out.exists() and not out.is_dir():
-        raise InputError(Finding("train.export-out-is-file", **where, fix=fix))
+        raise InputError(Finding("train.export-out-is-file", **where))
     if out.is_dir() and any(out.iterdir()) and not is_export_dir(out):
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
-        raise InputError(Finding("train.export-out-holds-files", **where, files=names[:5], more=len(names[5:]),
-                                 fix=fix))
+        raise InputError(Finding("train.export-out-holds-files", **where, files=names[:5], more=len(names[5:])))
     return out
 
 
@@ -344,7 +349,6 @@ def read_export_config(drafter_dir: str | Path) -> dict[str, Any]:
 def read_export_weights(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a drafter export's model.safetensors, or of every shard its index names
     (each checked to be a whole file; a tensor in two shards is refused)."""
-    fix = "Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), or copy the directory again."
     files = export_weight_files(drafter_dir)
     if not files:
         raise NoDrafterError(Finding("train.export-no-weights", dir=str(drafter_dir)))
@@ -353,7 +357,7 @@ def read_export_weights(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
         if not weights_path.is_file():
             raise NoDrafterError(Finding("train.export-shard-missing", file=str(weights_path),
                                          index=str(Path(drafter_dir) / INDEX_NAME)))
-        check_safetensors(weights_path, fix=fix)
+        check_safetensors(weights_path, purpose="drafter")
         with safe_open(str(weights_path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118
                 if name in tensors:

@@ -15,8 +15,21 @@ _FIX_OUT = ("Choose a new or empty directory, or remove that one yourself if not
 _FIX_WEIGHTS = "Export the drafter again (dflash-train export CHECKPOINT OUT_DIR), or copy the directory again."
 
 
-def _named(what: str, path: str, absolute: str | None) -> str:
-    return f"{what} {path}" + (f" ({absolute})" if absolute else "")
+# How each purpose of an export directory (export.export_out_dir) is named, and what to do with one
+# that holds other files (None: _FIX_OUT).
+OUT_DIR_WORDS: dict[str, tuple[str, str | None]] = {
+    "export": ("The export directory", None),
+    "command": ("OUT_DIR", None),
+    "run-final": ("The run's export directory", "Move those files out of it, or choose another --output-dir."),
+}
+
+
+def _named(purpose: str, path: str, absolute: str | None) -> str:
+    return f"{OUT_DIR_WORDS[purpose][0]} {path}" + (f" ({absolute})" if absolute else "")
+
+
+def _out_fix(purpose: str) -> str:
+    return OUT_DIR_WORDS[purpose][1] or _FIX_OUT
 
 
 def _then_now(differences: list) -> str:
@@ -26,28 +39,28 @@ def _then_now(differences: list) -> str:
 # -- export.py: writing an export --------------------------------------------------------------
 
 
-@renders("train.export-out-holds-cwd", example=dict(what="OUT_DIR", path=".", absolute="/home/me", root=False,
+@renders("train.export-out-holds-cwd", example=dict(purpose="command", path=".", absolute="/home/me", root=False,
                                                     instead="drafter"))
-def _out_holds_cwd(what, path, absolute, root, instead):
-    return (f"{_named(what, path, absolute)} is {'the file-system root' if root else 'the current directory or holds it'}: "
+def _out_holds_cwd(purpose, path, absolute, root, instead):
+    return (f"{_named(purpose, path, absolute)} is {'the file-system root' if root else 'the current directory or holds it'}: "
             "an export replaces its directory whole, which would delete what is there (or leave your shell in a "
             f"deleted directory). Name a new directory for it instead (e.g. {instead}).")
 
 
-@renders("train.export-out-is-file", example=dict(what="OUT_DIR", path="out", absolute=None, fix=None))
-def _out_is_file(what, path, absolute, fix):
-    return (f"{_named(what, path, absolute)} is a file, not a directory: an export is a directory of {_EXPORT}. "
-            f"{fix or _FIX_OUT}")
+@renders("train.export-out-is-file", example=dict(purpose="command", path="out", absolute=None))
+def _out_is_file(purpose, path, absolute):
+    return (f"{_named(purpose, path, absolute)} is a file, not a directory: an export is a directory of {_EXPORT}. "
+            f"{_out_fix(purpose)}")
 
 
-@renders("train.export-out-holds-files", example=dict(what="OUT_DIR", path="out", absolute=None,
-                                                      files=["notes/", "todo.txt"], more=0, fix=None))
-def _out_holds_files(what, path, absolute, files, more, fix):
+@renders("train.export-out-holds-files", example=dict(purpose="run-final", path="out", absolute=None,
+                                                      files=["notes/", "todo.txt"], more=0))
+def _out_holds_files(purpose, path, absolute, files, more):
     listing = ", ".join(files) + (f" and {more} more" if more else "")
-    return (f"{_named(what, path, absolute)} already holds files that are not a drafter export ({listing}): an "
+    return (f"{_named(purpose, path, absolute)} already holds files that are not a drafter export ({listing}): an "
             "export replaces its directory whole, so they would be deleted. It replaces only an empty directory "
             f"or an earlier export (just config.json of a DFlash drafter, model.safetensors and the README.md "
-            f"written with them). {fix or _FIX_OUT}")
+            f"written with them). {_out_fix(purpose)}")
 
 
 @renders("train.export-dtype", example=dict(dtype="torch.int8", choices=["float32", "bfloat16", "float16"]))

@@ -90,10 +90,6 @@ def _pick(names: list[str], pattern: str) -> str | None:
     return hits[0] if hits else None
 
 
-TARGET_WEIGHTS_FIX = ("Copy the target model's weight files again (a copy that stopped or a full disk "
-                      "leaves them short), then rerun.")
-
-
 def load_target_weights(
     target_dir: str | Path, *, tie_word_embeddings: bool | None = None, with_final_norm: bool = False
 ) -> TargetWeights:
@@ -104,7 +100,7 @@ def load_target_weights(
     missing `lm_head.weight` falls back to the embedding when the target ties them.
     """
     target_dir = Path(target_dir)
-    check_weight_dir(target_dir, fix=TARGET_WEIGHTS_FIX)
+    check_weight_dir(target_dir, purpose="target")
     if tie_word_embeddings is None:
         tie_word_embeddings = bool(getattr(load_target_config(target_dir), "tie_word_embeddings", False))
     locations = tensor_locations(target_dir)

@@ -263,8 +263,7 @@ class Checkpointer:
             if meta.get("version") != CHECKPOINT_VERSION:
                 raise ResumeMismatchError(Finding("train.checkpoint-version", checkpoint=str(path),
                                                   version=meta.get("version"), current=CHECKPOINT_VERSION))
-            check_safetensors(path / MODEL_FILE, fix="Delete that checkpoint to resume from the one before, "
-                              "or start in a new --output-dir.")
+            check_safetensors(path / MODEL_FILE, purpose="resume")
             model = load_file(str(path / MODEL_FILE))
             optimizer = _load_plain(path / OPTIMIZER_FILE)
             trainer = _load_plain(path / TRAINER_FILE)
@@ -415,10 +414,10 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     if inside(path, out):  # publishing the export would swap the checkpoint (or its run) out and delete it
         raise OutputIsInputError(Finding("train.export-out-is-checkpoint", out=str(out), checkpoint=str(path),
                                          same=same_path(path, out)))
-    out = export_out_dir(out, what="OUT_DIR")  # only an empty directory or an earlier export is replaced
+    out = export_out_dir(out, purpose="command")  # only an empty directory or an earlier export is replaced
     meta = json.loads((path / META_FILE).read_text())
     config = DrafterConfig(**{"drafter_type": "dflash", **meta["drafter_config"]})  # older runs were DFlash
-    check_safetensors(path / MODEL_FILE, fix="Export an earlier checkpoint of the run (RUN_DIR/checkpoints/step-N).")
+    check_safetensors(path / MODEL_FILE, purpose="export")
     with output_lock(out, purpose="export"):
         return export_from_state(config, load_file(str(path / MODEL_FILE)), out, dtype,
                                  training_target=training_target(meta))

@@ -478,8 +478,7 @@ def refuse_foreign_final(final: Path, info: DistInfo) -> None:
     refusal = None
     if info.is_main:
         try:
-            export_out_dir(final, what="The run's export directory",
-                           fix="Move those files out of it, or choose another --output-dir.")
+            export_out_dir(final, purpose="run-final")
         except InputError as e:
             refusal = e
     if any_rank(int(refusal is not None), info):
