@@ -115,15 +115,14 @@ def resolve_layers(source: SampleSource, target: TargetShape, first: RawSample, 
         raise BadSampleFile(Finding("cache.sample-width-not-multiple", file=str(first_file), key=None,
                                     width=first.width, hidden_size=target.hidden_size))
     slots, n, offset = first.width // target.hidden_size, target.num_layers, source.layer_offset
-    numbering = (f" ({source.name} numbers our layer id l as l + {offset})" if offset else "")
     if source_layer_ids is not None:
         ids = [int(i) for i in source_layer_ids]
         final = source.final_slot and bool(ids) and ids[-1] - offset == n - 1
         ours = [i - offset for i in (ids[:-1] if final else ids)]
-        fix = f"Pass --source-layer-ids with the ids {source.name} captured{numbering}"
-        ours = validate_target_layer_ids(ours, n, where=f"--source-layer-ids {ids}{numbering}", fix=fix)
+        ours = validate_target_layer_ids(ours, n, purpose="source-flag", source=source.name, source_ids=ids,
+                                         offset=offset)
     else:
-        ours = validate_target_layer_ids(target_layer_ids or [], n, where="--target-layer-ids")
+        ours = validate_target_layer_ids(target_layer_ids or [], n, purpose="flag")
         final = source.final_slot and slots == len(ours) + 1
         ids = [i + offset for i in ours] + ([n - 1 + offset] if final else [])
     if len(ids) != slots:

@@ -18,6 +18,7 @@ refuses too (naming what to pass instead) rather than repeat or shift ids.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from dflash.runtime.errors import SettingError
 from dflash.runtime.findings import Finding
@@ -27,28 +28,38 @@ class LayerIdsError(SettingError):
     """Target layer ids that the serving engines cannot capture, or a rule that cannot pick them."""
 
 
-def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int | None, *, where: str = "",
-                              fix: str = "Pass --target-layer-ids with such ids") -> list[int]:
+# Whose ids a refusal is about, which decides how it names them and what it says to do (the words:
+# cache_tools/messages.py): this extraction's, --target-layer-ids, a cache's (fixed: it is
+# re-extracted), --source-layer-ids of an import (in the source's numbering).
+PURPOSES = ("extract", "flag", "cache", "source-flag")
+
+
+def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int | None, *, purpose: str | None = None,
+                              **of: Any) -> list[int]:
     """`ids` as a list of ints, or a LayerIdsError naming what is wrong and the constraint.
 
     `num_target_layers` None checks what needs no target (order, repeats, signs): extraction
     does so when it reads its settings, so that a bad list is refused before a large target
-    loads, and checks the bound once the target is there. `where` says whose ids these are in
-    the message (e.g. "the cache at X"), `fix` what to do (a cache's ids are fixed: it is
-    re-extracted).
+    loads, and checks the bound once the target is there. `purpose` (one of PURPOSES, None: the
+    ids alone) says whose ids these are, with its data in `of`: `cache` (the cache's directory)
+    for "cache"; `source`, `source_ids` and `offset` (the source's name, its ids, how it numbers
+    ours) for "source-flag".
     """
+    if purpose is not None and purpose not in PURPOSES:
+        raise ValueError(f"layer ids purpose {purpose!r} is not one of {PURPOSES}")
     n = None if num_target_layers is None else int(num_target_layers)
     try:
         out = [int(i) for i in ids]
     except (TypeError, ValueError):
-        raise LayerIdsError(Finding("cache.layer-ids-not-integers", ids=repr(list(ids)), where=where or None)) from None
+        raise LayerIdsError(Finding("cache.layer-ids-not-integers", ids=repr(list(ids)), purpose=purpose,
+                                    **of)) from None
     repeated = sorted({i for i in out if out.count(i) > 1})
     problems = dict(
         empty=not out, too_shallow=n is not None and n < 2, repeated=repeated,
         unordered=not repeated and out != sorted(out), negative=[i for i in out if i < 0],
         above=[i for i in out if n is not None and n >= 2 and i > n - 2])
     if any(problems.values()):
-        raise LayerIdsError(Finding("cache.layer-ids-unusable", ids=out, layers=n, where=where or None, fix=fix,
+        raise LayerIdsError(Finding("cache.layer-ids-unusable", ids=out, layers=n, purpose=purpose, **of,
                                     **problems))
     return out
 

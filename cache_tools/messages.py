@@ -821,21 +821,37 @@ def layer_example(n, k):
     return ",".join(str(round(i * top / (k - 1))) for i in range(k))
 
 
-def _of(where):
-    return f" of {where}" if where else ""
+def _numbering(source, offset):
+    return f" ({source} numbers our layer id l as l + {offset})" if offset else ""
 
 
-@renders("cache.layer-ids-not-integers", example=dict(ids="['1', 'x']", where="--target-layer-ids"))
-def _layer_ids_not_integers(ids, where):
-    return f"target_layer_ids {ids}{_of(where)} are not integers."
+def _of(purpose, cache=None, source=None, source_ids=None, offset=0):
+    """Whose ids (cache_tools.layers.PURPOSES)."""
+    return {None: "", "extract": " of this extraction", "flag": " of --target-layer-ids",
+            "cache": f" of the cache at {cache}",
+            "source-flag": f" of --source-layer-ids {source_ids}{_numbering(source, offset)}"}[purpose]
 
 
-_LAYERS = dict(ids=[1, 5], layers=6, where="the cache at runs/cache", fix="Pass --target-layer-ids with such ids",
+def _layer_ids_fix(purpose, source, offset):
+    if purpose == "cache":
+        return "Re-extract the cache with --target-layer-ids such ids"
+    if purpose == "source-flag":
+        return f"Pass --source-layer-ids with the ids {source} captured{_numbering(source, offset)}"
+    return "Pass --target-layer-ids with such ids"
+
+
+@renders("cache.layer-ids-not-integers", example=dict(ids="['1', 'x']", purpose="flag"))
+def _layer_ids_not_integers(ids, purpose, cache=None, source=None, source_ids=None, offset=0):
+    return f"target_layer_ids {ids}{_of(purpose, cache, source, source_ids, offset)} are not integers."
+
+
+_LAYERS = dict(ids=[1, 5], layers=6, purpose="cache", cache="runs/cache",
                empty=False, too_shallow=False, repeated=[], unordered=False, negative=[], above=[5])
 
 
 @renders("cache.layer-ids-unusable", example=_LAYERS)
-def _layer_ids_unusable(ids, layers, where, fix, empty, too_shallow, repeated, unordered, negative, above):
+def _layer_ids_unusable(ids, layers, purpose, empty, too_shallow, repeated, unordered, negative, above, cache=None,
+                        source=None, source_ids=None, offset=0):
     n = layers
     problems = (["the list is empty"] * bool(empty)
                 + [f"a {n}-layer target has no layer a drafter can read (N-2 < 0)"] * bool(too_shallow)
@@ -844,7 +860,8 @@ def _layer_ids_unusable(ids, layers, where, fix, empty, too_shallow, repeated, u
                 + [f"{negative} are negative"] * bool(negative)
                 + [f"{above} are above N-2 = {n - 2 if n is not None else '?'} for this {n}-layer target"] * bool(above))
     example = layer_example(n, len(ids)) if n is not None else "1,9,17,25,33"
-    return f"target_layer_ids {ids}{_of(where)} cannot be used: {'; '.join(problems)}. {ENGINE_CONSTRAINT}. {fix} (e.g. {example})."
+    return (f"target_layer_ids {ids}{_of(purpose, cache, source, source_ids, offset)} cannot be used: "
+            f"{'; '.join(problems)}. {ENGINE_CONSTRAINT}. {_layer_ids_fix(purpose, source, offset)} (e.g. {example}).")
 
 
 @renders("cache.layer-count-invalid", example=dict(count=0, layers=36))

@@ -218,7 +218,7 @@ def check_layer_ids_before_loading(config: ExtractConfig) -> None:
     if count is None:
         return
     ids = config.target_layer_ids or default_target_layer_ids(count, config.num_captured_layers)
-    validate_target_layer_ids(ids, count, where="this extraction")
+    validate_target_layer_ids(ids, count, purpose="extract")
 
 
 def _run_extraction(config: ExtractConfig, files, device: torch.device, model: nn.Module | None, *,

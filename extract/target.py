@@ -179,7 +179,7 @@ class LayerCapture:
         self.model = model
         layers = decoder_layers(model)
         n = len(layers)
-        self.target_layer_ids = validate_target_layer_ids(target_layer_ids, n, where="this extraction")
+        self.target_layer_ids = validate_target_layer_ids(target_layer_ids, n, purpose="extract")
         self.last_layer = n - 1
         wanted = set(target_layer_ids) | ({n - 1} if need_last else set())
         self.stop_after = max(wanted)

@@ -89,7 +89,8 @@ def test_training_refuses_a_cache_with_such_ids(tiny_world, tmp_path, layers, pr
     with pytest.raises(LayerIdsError) as err:
         train(tiny_train_config(cache, model, tmp_path / "run", max_steps=1))
     assert err.value.code == "cache.layer-ids-unusable" and err.value.fields[problem]
-    assert err.value.fields["where"] == f"the cache at {cache}" and "Re-extract" in err.value.fields["fix"]
+    assert (err.value.fields["purpose"], err.value.fields["cache"]) == ("cache", str(cache))
+    assert "Re-extract the cache" in str(err.value)  # a cache's ids are fixed: the renderer says so
 
 
 def test_extraction_refuses_unsorted_or_repeated_ids_before_loading_a_target(tmp_path):
@@ -102,3 +103,24 @@ def test_extraction_refuses_unsorted_or_repeated_ids_before_loading_a_target(tmp
             ExtractConfig(target_model=str(tmp_path / "no-such-model"), data="d.jsonl", output="out",
                           target_layer_ids=ids)
         assert err.value.fields[problem] and err.value.fields["layers"] is None
+
+
+@pytest.mark.parametrize("purpose, of, named, fix", [
+    (None, {}, "target_layer_ids [1, 5] cannot", "Pass --target-layer-ids"),
+    ("extract", {}, "of this extraction", "Pass --target-layer-ids"),
+    ("flag", {}, "of --target-layer-ids", "Pass --target-layer-ids"),
+    ("cache", {"cache": "runs/c"}, "of the cache at runs/c", "Re-extract the cache with --target-layer-ids"),
+    ("source-flag", {"source": "specforge", "source_ids": [2, 6], "offset": 1},
+     "of --source-layer-ids [2, 6] (specforge numbers our layer id l as l + 1)", "Pass --source-layer-ids with the ids "
+     "specforge captured (specforge numbers"),
+])
+def test_whose_ids_are_refused_is_data_and_the_renderer_names_them_and_the_fix(purpose, of, named, fix):
+    with pytest.raises(LayerIdsError) as err:
+        validate_target_layer_ids([1, 5], 6, purpose=purpose, **of)
+    assert err.value.fields["purpose"] == purpose and {k: err.value.fields[k] for k in of} == of
+    assert named in str(err.value) and fix in str(err.value)
+
+
+def test_a_layer_ids_purpose_with_no_words_is_a_bug():
+    with pytest.raises(ValueError):
+        validate_target_layer_ids([1, 2], 6, purpose="the cache at x")

@@ -65,9 +65,8 @@ def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, 
     if diffs:
         raise ConfigMismatchError(Finding("train.cache-other-target", cache=str(manifest.cache_dir),
                                           target=str(target_dir), differences=list(dict.fromkeys(diffs))))
-    validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers,
-                              where=f"the cache at {manifest.cache_dir}",
-                              fix="Re-extract the cache with --target-layer-ids such ids")
+    validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers, purpose="cache",
+                              cache=str(manifest.cache_dir))
     notes = [weights_note(manifest.header.get("target"), current, expected_what=f"The cache at {manifest.cache_dir}",
                           found_what=f"the target model at {target_dir}"),
              unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}"),
