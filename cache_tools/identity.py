@@ -40,6 +40,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from dflash.runtime.findings import Finding
+
 IDENTITY_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size", "config_hash", "tokenizer_hash",
                    "weights_hash")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -210,22 +212,27 @@ def target_differences(expected: dict[str, Any] | None, found: dict[str, Any] | 
     return [(k, first[k], second[k]) for k in fields if first[k] != second[k]]
 
 
-def weights_note(expected: dict[str, Any] | None, found: dict[str, Any] | None, *, expected_what: str,
-                 found_what: str) -> str | None:
-    """A sentence when both sides record weight hashes and they differ (the same config, other
-    weights), naming both sides; None otherwise."""
-    a, b = (expected or {}).get("weights_hash"), (found or {}).get("weights_hash")
+def weights_note(cached: dict[str, Any] | None, current: dict[str, Any] | None, *, cache: str,
+                 target: str) -> Finding | None:
+    """cache.target-weights-differ when the cache at `cache` and the target model at `target`
+    both record weight hashes and they differ (the same config, other weights); None otherwise."""
+    a, b = (cached or {}).get("weights_hash"), (current or {}).get("weights_hash")
     if a is None or b is None or a == b:
         return None
-    return (f"{expected_what} has other weights (sha256 {a[:12]}) than {found_what} (sha256 {b[:12]}), "
-            "with the same config: the hidden states and the model they are used with come from "
-            "different checkpoints of it.")
+    return Finding("cache.target-weights-differ", cache=cache, target=target, cache_hash=a[:12], target_hash=b[:12])
 
 
-def unrecorded_weights_note(recorded: dict[str, Any] | None, current: dict[str, Any] | None, *, what: str) -> str | None:
-    """A sentence when `recorded` (an older cache's or checkpoint's target) has no weights hash
-    while `current` does: accepted, but the weights could not be checked."""
+# What may record its target without a hash of the weights (cache.target-weights-unrecorded).
+UNRECORDED_PURPOSES = ("cache", "checkpoint")
+
+
+def unrecorded_weights_note(recorded: dict[str, Any] | None, current: dict[str, Any] | None, *, purpose: str,
+                            path: str) -> Finding | None:
+    """cache.target-weights-unrecorded when `recorded` (the target of the older cache or
+    checkpoint at `path`, by `purpose`) has no weights hash while `current` does: accepted, but
+    the weights could not be checked."""
+    if purpose not in UNRECORDED_PURPOSES:
+        raise ValueError(f"purpose {purpose!r} is not one of {UNRECORDED_PURPOSES}")
     if (recorded or {}).get("weights_hash") is None and (current or {}).get("weights_hash") is not None:
-        return (f"{what} records no hash of its target's weights (older or imported): not checked "
-                "against this target.")
+        return Finding("cache.target-weights-unrecorded", purpose=purpose, path=path)
     return None

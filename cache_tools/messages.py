@@ -769,6 +769,26 @@ def _settings_differ(cache, what, differences, more, target_paths):
             "cache's settings, choose a new output directory, or pass --force to start the cache anew.")
 
 
+# -- the target's weights (cache_tools/identity.py) --------------------------------------------
+
+
+@renders("cache.target-weights-differ", example=dict(cache="runs/cache", target="models/qwen3",
+                                                     cache_hash="0123456789ab", target_hash="ba9876543210"))
+def _target_weights_differ(cache, target, cache_hash, target_hash):
+    return (f"The cache at {cache} has other weights (sha256 {cache_hash}) than the target model at {target} (sha256 "
+            f"{target_hash}), with the same config: the hidden states and the model they are used with come from "
+            "different checkpoints of it.")
+
+
+_RECORDED_BY = {"cache": "The cache at {path}", "checkpoint": "The checkpoint {path}"}
+
+
+@renders("cache.target-weights-unrecorded", example=dict(purpose="checkpoint", path="runs/a/checkpoints/step-100"))
+def _target_weights_unrecorded(purpose, path):
+    return (f"{_RECORDED_BY[purpose].format(path=path)} records no hash of its target's weights (older or imported): "
+            "not checked against this target.")
+
+
 # -- codecs (cache_tools/codecs.py) ------------------------------------------------------------
 
 

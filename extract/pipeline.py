@@ -88,7 +88,7 @@ class ExtractSummary:
     setup_seconds: float = 0.0  # writers started, part segments page-locked (before the first batch)
     teardown_seconds: float = 0.0  # writers stopped, segments released (after the last commit)
     interrupted_by: int | None = None  # signal number when stopped by SIGINT/SIGTERM
-    notes: list[Finding | str] = field(default_factory=list)  # input files that changed (data.DataSnapshot), ...
+    notes: list[Finding] = field(default_factory=list)  # input files that changed (data.DataSnapshot), ...
     leftovers_removed: int = 0  # temporary or unrecorded parts of dead writers, removed at open
     skips: list[dict] = field(default_factory=list)
 
@@ -244,8 +244,8 @@ def _run_extraction(config: ExtractConfig, files, device: torch.device, model: n
     data = snapshot_data(files, config.data, recorded=old.get("data"), left_out=left_out)
     header = build_header(config, model, model_dir, layer_ids, data, positions)
     refuse_a_cache_past_the_positions(old, header, config.output, positions)
-    if old and (note := unrecorded_weights_note(old.get("target"), header["target"],
-                                                what=f"The cache at {config.output}")):
+    if old and (note := unrecorded_weights_note(old.get("target"), header["target"], purpose="cache",
+                                                path=str(config.output))):
         data.notes.append(note)
     if config.force and (run := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
         header["provenance"]["forced_run"] = run  # what the other ranks wait for (CacheWriter)

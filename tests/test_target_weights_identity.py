@@ -21,6 +21,7 @@ from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.identity import weights_hash, weights_hashes_path
 from dflash.cache_tools.manifest import HEADER_FILE
 from dflash.runtime.errors import MismatchError
+from dflash.runtime.findings import collected
 from dflash.train.run.checkpoint import export_checkpoint
 from dflash.train.run.loop import train
 from extract_utils import extract, make_target
@@ -67,16 +68,18 @@ def test_resuming_an_extraction_or_merging_with_other_weights_is_refused_naming_
     assert res.exit_code == 2 and "target.weights_hash" in res.output
 
 
-def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_them(two_models, tmp_path, capsys):
+def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_them(two_models, tmp_path):
     cache, run = two_models["root"] / "cache", tmp_path / "run"
     settings = dict(epochs=1, save_interval=1, eval_fraction=0.0)
-    assert train(tiny_train_config(cache, two_models["second"], run, max_steps=1, **settings)).step == 1
-    out = capsys.readouterr().out
-    assert f"The cache at {cache} has other weights" in out and str(two_models["second"]) in out
+    with collected() as said:
+        assert train(tiny_train_config(cache, two_models["second"], run, max_steps=1, **settings)).step == 1
+    differ = [f.fields for f in said if f.code == "cache.target-weights-differ"]
+    assert len(differ) == 1 and (differ[0]["cache"], differ[0]["target"]) == (str(cache), str(two_models["second"]))
     with pytest.raises(MismatchError, match="target.weights_hash"):
         train(tiny_train_config(cache, two_models["first"], run, max_steps=2, resume=True, **settings))
-    assert train(tiny_train_config(cache, two_models["first"], tmp_path / "run2", max_steps=1, **settings)).step == 1
-    assert "has other weights" not in capsys.readouterr().out
+    with collected() as said:
+        assert train(tiny_train_config(cache, two_models["first"], tmp_path / "run2", max_steps=1, **settings)).step == 1
+    assert "cache.target-weights-differ" not in [f.code for f in said]
     # dflash-train estimate says it too, in its line and its JSON
     from dflash.train.measure.estimate import estimate_drafter, format_estimate
 
@@ -101,20 +104,22 @@ def test_estimate_with_another_target_than_the_drafter_was_trained_against_says_
     said = f"Note: The drafter {run / 'final'} was trained against another target ({two_models['first'].resolve()}) "
     assert said + f"than {two_models['second'].resolve()}: weights_hash " in format_estimate(other)
 
-def test_a_cache_and_a_checkpoint_older_than_the_weights_hash_are_accepted_with_a_note(two_models, tmp_path, capsys):
+def test_a_cache_and_a_checkpoint_older_than_the_weights_hash_are_accepted_with_a_note(two_models, tmp_path):
     cache = shutil.copytree(two_models["root"] / "cache", tmp_path / "old-cache")
     header = json.loads((cache / HEADER_FILE).read_text())
     del header["target"]["weights_hash"]
     (cache / HEADER_FILE).write_text(json.dumps(header))
     summary = extract(two_models["first"], two_models["data"], cache)
     assert summary.parts_written == 0
-    assert any("records no hash of its target's weights" in n for n in summary.notes)
+    assert [(n.code, n.fields) for n in summary.notes if n.code == "cache.target-weights-unrecorded"] == [
+        ("cache.target-weights-unrecorded", {"purpose": "cache", "path": str(cache)})]
     run, settings = tmp_path / "run", dict(epochs=1, save_interval=1, eval_fraction=0.0)
     train(tiny_train_config(cache, two_models["first"], run, max_steps=1, **settings))
     meta_path = next((run / "checkpoints").glob("step-*")) / "meta.json"
     meta = json.loads(meta_path.read_text())
     del meta["identity"]["target"]["weights_hash"]
     meta_path.write_text(json.dumps(meta))
-    capsys.readouterr()
-    assert train(tiny_train_config(cache, two_models["first"], run, max_steps=2, resume=True, **settings)).step == 2
-    assert "records no hash of its target's weights" in capsys.readouterr().out
+    with collected() as said:
+        assert train(tiny_train_config(cache, two_models["first"], run, max_steps=2, resume=True, **settings)).step == 2
+    assert {(f.fields["purpose"], f.fields["path"]) for f in said if f.code == "cache.target-weights-unrecorded"} == {
+        ("cache", str(cache)), ("checkpoint", str(meta_path.parent))}

@@ -49,7 +49,7 @@ TEXT_SAMPLES = 512  # training samples whose text prompt lookup walks, beside th
 
 
 def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, *,
-                       caches: SampleSource | None = None) -> list[Finding | str]:
+                       caches: SampleSource | None = None) -> list[Finding]:
     """Refuse a cache extracted from another model than the target given to the trainer (the
     identity fields both record: cache_tools.identity), or with layer ids a drafter cannot use.
     Returns notices for the run to emit: the target's weights differ from the cache's (same
@@ -67,9 +67,9 @@ def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, 
                                           target=str(target_dir), differences=list(dict.fromkeys(diffs))))
     validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers, purpose="cache",
                               cache=str(manifest.cache_dir))
-    notes = [weights_note(manifest.header.get("target"), current, expected_what=f"The cache at {manifest.cache_dir}",
-                          found_what=f"the target model at {target_dir}"),
-             unrecorded_weights_note(manifest.header.get("target"), current, what=f"The cache at {manifest.cache_dir}"),
+    notes = [weights_note(manifest.header.get("target"), current, cache=str(manifest.cache_dir), target=str(target_dir)),
+             unrecorded_weights_note(manifest.header.get("target"), current, purpose="cache",
+                                     path=str(manifest.cache_dir)),
              long_samples_note(manifest, target_config)]
     if not (caches is not None and caches.follows) and is_held(os.path.join(manifest.cache_dir, WRITER_LOCK_FILE)):
         notes.append(Finding("train.cache-being-written", cache=str(manifest.cache_dir), parts=len(manifest.parts)))

@@ -241,7 +241,7 @@ class Checkpointer:
         return path
 
     def restore(self, state: TrainState, path: Path, identity: dict[str, Any]
-                ) -> tuple[Checkpoint, list[Finding | str]]:
+                ) -> tuple[Checkpoint, list[Finding]]:
         """Load checkpoint `path` into `state` after checking it is this run's (`check_resume`:
         refused otherwise); returns it and the notices of the check."""
         ckpt = self.load(path)
@@ -316,14 +316,14 @@ def _load_plain(file: Path) -> Any:
                                              pickled=found.group(1) if found else None)) from None
 
 
-def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> list[Finding | str]:
+def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path: Path) -> list[Finding]:
     """Refuse to continue a checkpoint whose data, target or model shape differ from this run's,
     naming the keys that differ; returns notices (a checkpoint written before the target's
     weights were hashed resumes, unchecked)."""
     current = json.loads(json.dumps(identity, default=str))
     notes = []
     saved_target, target = saved_identity.get("target") or {}, current.get("target") or {}
-    if (note := unrecorded_weights_note(saved_target, target, what=f"The checkpoint {path}")) is not None:
+    if (note := unrecorded_weights_note(saved_target, target, purpose="checkpoint", path=str(path))) is not None:
         notes.append(note)
         current["target"] = {k: v for k, v in target.items() if k != "weights_hash"}
     diffs = diff_identity(current, saved_identity)
