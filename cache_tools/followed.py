@@ -10,13 +10,14 @@ list grows as parts are committed, so it imports no torch, like the rest of cach
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dflash.runtime.findings import Finding
+from dflash.runtime.findings import Finding, emit
 from dflash.runtime.locks import is_held
 from dflash.runtime.signals import check_stop
 
@@ -44,7 +45,12 @@ TRAINED_GLOB = f"{TRAINED_PREFIX}*.json"
 NOTICE_SECONDS = 30.0  # a waiting trainer says what it waits for this often
 
 
-def wait_for_plan(cache_dir: Path, announce: Callable[[str], None], *,
+def announce_wait(finding: Finding) -> None:
+    """Say a wait notice on stdout, where the trainer's lines go (the default `announce`)."""
+    emit(finding, prefix="", stream=sys.stdout)
+
+
+def wait_for_plan(cache_dir: Path, announce: Callable[[Finding], None], *,
                   start_seconds: float = START_SECONDS) -> tuple[dict[str, Any], ExtractionPlan]:
     """The header and extraction plan of a cache, waiting until dflash-extract has written them.
 
@@ -67,15 +73,16 @@ def wait_for_plan(cache_dir: Path, announce: Callable[[str], None], *,
         state = _plan_wait_state(cache_dir, header, waited, start_seconds)
         if waited - noticed >= NOTICE_SECONDS:
             noticed = waited
-            announce(f"--follow: waiting for the extraction plan of {cache_dir} ({PLAN_FILE}) since {since} "
-                     f"({waited:.0f} s): {state}")
+            announce(Finding("cache.follow-waiting-for-plan", cache=str(cache_dir), plan=PLAN_FILE, since=since,
+                             waited=round(waited), state=state, header=HEADER_FILE, limit=round(start_seconds)))
         check_stop(f"the extraction plan of {cache_dir}")
         time.sleep(MAX_POLL_SECONDS)
 
 
 def _plan_wait_state(cache_dir: Path, header: dict[str, Any] | None, waited: float, start_seconds: float) -> str:
-    """What a wait for the plan of `cache_dir` waits on and what ends it; refuses (CacheError, exit 2)
-    where the plan cannot come."""
+    """What a wait for the plan of `cache_dir` waits on (which ends it: cache.follow-waiting-for-plan's
+    state): "no-directory" or "no-header" (no cache there yet), "stopped" (no extraction writes it),
+    "starting"; refuses (CacheError, exit 2) where the plan cannot come."""
     if cache_dir.exists() and not cache_dir.is_dir():
         raise CacheError(Finding("cache.follow-not-a-directory", cache=str(cache_dir)))
     if header is None:
@@ -87,19 +94,14 @@ def _plan_wait_state(cache_dir: Path, header: dict[str, Any] | None, waited: flo
         if waited >= start_seconds:
             raise CacheError(Finding("cache.follow-no-extraction", cache=str(cache_dir), seconds=round(waited),
                                      missing=HEADER_FILE if present else None))
-        return (f"no cache there yet ({'no such directory' if not present else f'no {HEADER_FILE}'}): "
-                f"dflash-extract creates it once its target is loaded. Refused if no extraction has begun "
-                f"there within {start_seconds:.0f} s (a mistyped path?)")
+        return "no-header" if present else "no-directory"
     running = extraction_running(cache_dir)
     log = CommitLog(cache_dir)
     log.refresh()
     if log.records and running is False:
         raise CacheError(Finding("cache.follow-no-plan", cache=str(cache_dir), parts=len(log.records),
                                  plan=PLAN_FILE))
-    if running is False:
-        return ("no extraction is writing the cache now (it stopped before writing its plan): rerun the "
-                "dflash-extract command that started it; it writes the plan first")
-    return "dflash-extract is starting the cache and writes the plan before any part"
+    return "stopped" if running is False else "starting"
 
 
 def extraction_running(cache_dir: Path) -> bool | None:
@@ -116,7 +118,7 @@ class FollowCacheSet:
     follows = True
 
     def __init__(self, cache_dir: str, *, max_seq_len: int, verify_checksums: bool = True,
-                 announce: Callable[[str], None] = print):
+                 announce: Callable[[Finding], None] = announce_wait):
         self.cache_dir = Path(cache_dir)
         header, self.plan = wait_for_plan(self.cache_dir, announce)
         # One reader whose part list grows as parts are committed (each process its own copy).
@@ -282,14 +284,10 @@ class FollowCacheSet:
             if which(planned):
                 self.reader.close_part(idx)
 
-    def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> str:
-        done = extraction_progress(self.plan, self._log)
-        where = f"--follow: waiting {waited:.0f} s for part {name} of {self.cache_dir}"
+    def _wait_notice(self, name: str, waited: float, evicted: PartState | None) -> Finding:
+        where = dict(part=name, cache=str(self.cache_dir), waited=round(waited))
         if evicted is None:
-            ends = ("dflash-extract commits it" if extraction_running(self.cache_dir) is not False else
-                    "no extraction on this host writes the cache now: rerun dflash-extract to resume it")
-            return f"{where} ({done.committed} of {done.planned} planned parts committed so far; {ends})"
-        again = ("dflash-extract extracts it again for this epoch" if evicted.reextract else
-                 "the extraction that evicted it does not extract it again: rerun dflash-extract on the cache "
-                 "with --disk-budget and --follow-epochs of at least this run's --epochs")
-        return f"{where}: it was evicted under the disk budget after epoch {evicted.epoch}; {again}"
+            done = extraction_progress(self.plan, self._log)
+            return Finding("cache.follow-waiting-for-part", **where, committed=done.committed, planned=done.planned,
+                           running=extraction_running(self.cache_dir) is not False)
+        return Finding("cache.follow-waiting-for-evicted", **where, epoch=evicted.epoch, reextract=evicted.reextract)

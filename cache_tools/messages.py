@@ -1039,6 +1039,43 @@ def _follow_no_plan(cache, parts, plan):
             "stopped at a bad record (no plan is written for such input). Train on it without --follow.")
 
 
+_PLAN_WAIT = {
+    "no-directory": "no cache there yet (no such directory): dflash-extract creates it once its target is loaded. "
+                    "Refused if no extraction has begun there within {limit} s (a mistyped path?)",
+    "no-header": "no cache there yet (no {header}): dflash-extract creates it once its target is loaded. Refused if "
+                 "no extraction has begun there within {limit} s (a mistyped path?)",
+    "stopped": "no extraction is writing the cache now (it stopped before writing its plan): rerun the dflash-extract "
+               "command that started it; it writes the plan first",
+    "starting": "dflash-extract is starting the cache and writes the plan before any part",
+}
+
+
+@renders("cache.follow-waiting-for-plan", example=dict(cache="runs/cache", plan="manifest.plan.json", since="12:00:00",
+                                                       waited=30, state="no-header", header="manifest.json", limit=600))
+def _follow_waiting_for_plan(cache, plan, since, waited, state, header, limit):
+    return (f"--follow: waiting for the extraction plan of {cache} ({plan}) since {since} ({waited} s): "
+            + _PLAN_WAIT[state].format(header=header, limit=limit))
+
+
+@renders("cache.follow-waiting-for-part", example=dict(part="part-000002", cache="runs/cache", waited=30, committed=1,
+                                                       planned=8, running=True))
+def _follow_waiting_for_part(part, cache, waited, committed, planned, running):
+    ends = ("dflash-extract commits it" if running else
+            "no extraction on this host writes the cache now: rerun dflash-extract to resume it")
+    return (f"--follow: waiting {waited} s for part {part} of {cache} ({committed} of {planned} planned parts "
+            f"committed so far; {ends})")
+
+
+@renders("cache.follow-waiting-for-evicted", example=dict(part="part-000002", cache="runs/cache", waited=30, epoch=1,
+                                                          reextract=False))
+def _follow_waiting_for_evicted(part, cache, waited, epoch, reextract):
+    again = ("dflash-extract extracts it again for this epoch" if reextract else
+             "the extraction that evicted it does not extract it again: rerun dflash-extract on the cache "
+             "with --disk-budget and --follow-epochs of at least this run's --epochs")
+    return (f"--follow: waiting {waited} s for part {part} of {cache}: it was evicted under the disk budget after "
+            f"epoch {epoch}; {again}")
+
+
 @renders("cache.follow-sample-id", example=dict(part="part-000002", cache="runs/cache", sample=3, stored=17,
                                                 planned=18))
 def _follow_sample_id(part, cache, sample, stored, planned):

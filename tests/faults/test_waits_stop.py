@@ -258,13 +258,14 @@ def test_a_path_where_no_extraction_begins_is_refused_once_the_start_wait_is_ove
     from dflash.cache_tools.errors import CacheError
     from dflash.train.data.follow import wait_for_plan
 
-    notes: list[str] = []
+    notes: list = []
     typo = tmp_path / "cahce"
     with pytest.raises(CacheError) as e:
         wait_for_plan(typo, notes.append, start_seconds=0.6)
     assert e.value.code == "cache.follow-no-extraction"
     assert e.value.fields["cache"] == str(typo) and e.value.fields["missing"] is None  # no such directory
-    assert notes and str(typo) in notes[0]  # said at once what it waits for, and until when
+    # said at once what it waits for, and until when
+    assert notes and notes[0].code == "cache.follow-waiting-for-plan" and notes[0].fields["cache"] == str(typo)
 
 
 def test_a_wait_sees_the_stop_of_the_process_that_forked_it(tmp_path):

@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from dflash.cache_tools.followed import FollowCacheSet, wait_for_plan  # noqa: F401 (wait_for_plan: also imported from here)
+from dflash.cache_tools.followed import (  # noqa: F401 (wait_for_plan: also imported from here)
+    FollowCacheSet,
+    announce_wait,
+    wait_for_plan,
+)
 from dflash.cache_tools.sources import SampleSource, part_number
 from dflash.runtime.findings import Finding
 
@@ -59,7 +63,7 @@ def part_groups(caches: SampleSource, shuffle_parts: int) -> np.ndarray:
     return cache_of * (int(groups.max(initial=0)) + 1) + groups
 
 
-def open_follow(config: DataConfig, announce: Callable[[str], None] = print) -> FollowCacheSet:
+def open_follow(config: DataConfig, announce: Callable[[Finding], None] = announce_wait) -> FollowCacheSet:
     """The --follow cache of a run (exactly one --cache)."""
     from dflash.train.config import (
         TrainConfigError,  # (no torch; the config module is what every run has)
