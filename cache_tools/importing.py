@@ -235,7 +235,7 @@ def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model
     report.layers = layers.describe(source, options.store_last_hidden)
     header = _header(source, files, layers, target, options, target_model)
     if (dst / HEADER_FILE).exists() and not force:  # refused before any file is read for the plan
-        check_identity(read_manifest(dst), header, what="import")
+        check_identity(read_manifest(dst), header, purpose="import")
     plan = read_plan(dst, header) if (dst / HEADER_FILE).exists() else None
     planned = None if plan is None else list(plan.parts)
     if planned is None:

@@ -442,14 +442,20 @@ def _leaf_differences(a: Any, b: Any, key: str) -> list[tuple[str, Any, Any]]:
     return [] if a == b else [(key, a, b)]
 
 
-def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, what: str) -> None:
-    """Raise ConfigMismatchError when `expected_header` would produce a different cache."""
+IDENTITY_CHECK_PURPOSES = ("extraction", "import")  # what writes a cache and checks its identity
+
+
+def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, purpose: str) -> None:
+    """Raise ConfigMismatchError when `expected_header` would produce a different cache than the
+    one `purpose` (one of IDENTITY_CHECK_PURPOSES) goes on writing."""
+    if purpose not in IDENTITY_CHECK_PURPOSES:
+        raise ValueError(f"purpose {purpose!r} is not one of {IDENTITY_CHECK_PURPOSES}")
     found_diffs = identity_differences(expected_header, manifest.header, Purpose.RESUME)
     if found_diffs:
         paths = None
         if any(key.startswith("target.") for key, _, _ in found_diffs):
             paths = [h.get("provenance", {}).get("target_path", "?") for h in (manifest.header, expected_header)]
         raise ConfigMismatchError(Finding(
-            "cache.settings-differ", cache=str(manifest.cache_dir), what=what,
+            "cache.settings-differ", cache=str(manifest.cache_dir), purpose=purpose,
             differences=[[key, _short(found), _short(want)] for key, want, found in found_diffs[:6]],
             more=len(found_diffs) > 6, target_paths=paths))

@@ -757,15 +757,19 @@ def _manifest_invalid(file, problem):
             "into a new cache. `dflash-cache verify` cannot check parts against it.")
 
 
-@renders("cache.settings-differ", example=dict(cache="cache", what="extraction",
+_WRITER = {"extraction": "this extraction", "import": "this import"}  # (manifest.IDENTITY_CHECK_PURPOSES)
+
+
+@renders("cache.settings-differ", example=dict(cache="cache", purpose="extraction",
                                               differences=[["target_layer_ids", "[1, 3]", "[2, 4]"]], more=False,
                                               target_paths=None))
-def _settings_differ(cache, what, differences, more, target_paths):
+def _settings_differ(cache, purpose, differences, more, target_paths):
+    what = _WRITER[purpose]
     shown = "; ".join(f"{key}: cache has {found}, requested {want}" for key, found, want in differences)
     shown += "; ..." if more else ""
     if target_paths:
-        shown += f" (the cache's target was {target_paths[0]}, this {what}'s is {target_paths[1]})"
-    return (f"The cache at {cache} was written with other settings than this {what}: {shown}. Rerun with the "
+        shown += f" (the cache's target was {target_paths[0]}, {what}'s is {target_paths[1]})"
+    return (f"The cache at {cache} was written with other settings than {what}: {shown}. Rerun with the "
             "cache's settings, choose a new output directory, or pass --force to start the cache anew.")
 
 

@@ -154,7 +154,7 @@ class CacheWriter:
                         atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                     else:
                         manifest = read_manifest(self.cache_dir)
-                        check_identity(manifest, self.header, what="extraction")
+                        check_identity(manifest, self.header, purpose="extraction")
                 if not (self.cache_dir / HEADER_FILE).exists():
                     atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                 self.removed_orphans = self._remove_orphans_locked()

@@ -12,7 +12,7 @@ import zarr
 from cache_utils import bits, random_sample, tiny_header
 from dflash.cache_tools.codecs import HiddenCodec
 from dflash.cache_tools.errors import CacheError, ConfigMismatchError
-from dflash.cache_tools.manifest import read_manifest
+from dflash.cache_tools.manifest import check_identity, read_manifest
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.writer import CacheWriter
 from dflash.train.data.loader import sample_tensors
@@ -178,6 +178,7 @@ def test_reopening_with_other_settings_refuses(tmp_path):
         CacheWriter(tmp_path / "c", tiny_header("fp8"))
     assert err.value.code == "cache.settings-differ" and "--force" in str(err.value)
     assert ["hidden.codec.name", "'bf16'", "'fp8'"] in err.value.fields["differences"]
+    assert err.value.fields["purpose"] == "extraction"  # (the writer of an extraction; an import says "import")
     with pytest.raises(ConfigMismatchError) as err:
         CacheWriter(tmp_path / "c", tiny_header("bf16", layers=(0, 2)))
     assert [d[0] for d in err.value.fields["differences"]] == ["target_layer_ids"]
@@ -297,3 +298,12 @@ def test_caches_of_other_zstd_levels_and_block_sizes_merge(tmp_path):
     assert len(reader) == 2
     for i, hidden in enumerate(written):
         np.testing.assert_array_equal(bits(reader.read_sample(i)["hidden"]), bits(hidden))
+
+
+def test_whose_settings_differ_is_a_purpose_the_renderer_words(tmp_path):
+    write_cache(tmp_path / "c", "bf16", [10])
+    with pytest.raises(ConfigMismatchError) as err:
+        check_identity(read_manifest(tmp_path / "c"), tiny_header("fp8"), purpose="import")
+    assert err.value.fields["purpose"] == "import" and "other settings than this import" in str(err.value)
+    with pytest.raises(ValueError):  # a purpose with no words is a bug
+        check_identity(read_manifest(tmp_path / "c"), tiny_header("fp8"), purpose="this import")
