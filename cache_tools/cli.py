@@ -159,7 +159,7 @@ CACHE_ARG = click.argument("cache", type=click.Path(file_okay=False, path_type=s
 
 
 @click.group(cls=Group, name="dflash-cache", context_settings={"help_option_names": ["-h", "--help"]},
-             stop_note="; committed parts are kept (recompress, merge and import resume when rerun).")
+             stop_note="cache.stopped")
 def main() -> None:
     """Inspect, check and maintain dflash hidden-state caches.
 

@@ -1115,6 +1115,11 @@ def _quarantine_remote(url, flag):
             "quarantine works on local caches.")
 
 
+@renders("cache.stopped", example=dict(command="dflash-cache", signal="SIGINT"))
+def _stopped(command, signal):
+    return f"{command} stopped by {signal}; committed parts are kept (recompress, merge and import resume when rerun)."
+
+
 # -- dflash-cache verify (cache_tools/maintenance.py, quarantine.py) ---------------------------
 # A problem's finding renders its reason; the line verify prints puts the part, the array and
 # `verify_location` (the finding's chunk, rows, shard_file, file or line) before it.

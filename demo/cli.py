@@ -29,7 +29,7 @@ class DemoCommandConfig:
 
 
 @click.command(cls=Command, name="dflash-demo", context_settings={"help_option_names": ["-h", "--help"]},
-               stop_note="; rerun it to start the demo again (each stage rewrites its outputs).")
+               stop_note="demo.stopped")
 @settings_options(DemoCommandConfig)
 def main(settings: DemoCommandConfig) -> None:
     """Take the shipped small target (or train one on the shipped corpus), then extract, train and evaluate a DFlash drafter.

@@ -41,3 +41,11 @@ def _vocab_below_alphabet(vocab_size, alphabet):
 @renders("demo.stage-failed", example=dict(stage="dflash-extract", status=2, log="dflash-demo/extract.log"))
 def _stage_failed(stage, status, log):
     return f"{stage} failed with status {status}; the last lines of its log are above, the whole log is {log}."
+
+
+# -- dflash-demo's contract (demo/cli.py: runtime.cli's stop finding) ---------------------------
+
+
+@renders("demo.stopped", example=dict(command="dflash-demo", signal="SIGINT"))
+def _stopped(command, signal):
+    return f"{command} stopped by {signal}; rerun it to start the demo again (each stage rewrites its outputs)."

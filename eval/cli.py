@@ -36,8 +36,7 @@ class EvalCommandConfig(EvalConfig):
 
 
 @click.command(cls=Command, name="dflash-eval", context_settings={"help_option_names": ["-h", "--help"]},
-               oom_advice="Lower --batch-size (the prompts decoded at once) or --max-new-tokens, or free the "
-                          "device of other processes, then rerun.")
+               oom_advice="eval.out-of-memory")
 @settings_options(EvalCommandConfig, config_help="JSON or YAML file of settings, keys as the flags (target_model, "
                   "drafter, prompts (a file or a list), max_new_tokens, ...); flags override it.")
 def main(settings: EvalCommandConfig) -> None:

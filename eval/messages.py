@@ -125,3 +125,12 @@ def _target_unbatchable(layers, flag, value):
 def _transformers_too_old(version, needed):
     return (f"the target has sliding-window layers and transformers {version} cannot roll their cache back after "
             f"rejected drafts; speculative decoding of it needs transformers {needed} or later.")
+
+
+# -- dflash-eval's contract (eval/cli.py: runtime.cli's out-of-memory finding) ------------------
+
+
+@renders("eval.out-of-memory", example=dict(command="dflash-eval", error="CUDA out of memory"))
+def _out_of_memory(command, error):
+    return (f"{command} ran out of device memory ({error}). Lower --batch-size (the prompts decoded at once) or "
+            "--max-new-tokens, or free the device of other processes, then rerun.")

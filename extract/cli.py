@@ -19,12 +19,7 @@ from .config import DEPRECATED_KEYS, ExtractConfig
 
 
 @click.command(cls=Command, name="dflash-extract", context_settings={"help_option_names": ["-h", "--help"]},
-               stop_note=(" outside the extraction loop; committed parts are kept. Rerun the same "
-                          "command to resume."),
-               oom_advice=("One forward runs --token-budget padded tokens through the target (and its head for "
-                           "the samples of --top1-share, or every token with --store-topk / --store-last-hidden): "
-                           "lower --token-budget, or free the device of other processes. Committed parts are "
-                           "kept: rerun with the smaller budget to resume."))
+               stop_note="extract.stopped", oom_advice="extract.out-of-memory")
 @settings_options(ExtractConfig, deprecated=DEPRECATED_KEYS,
                   config_help="JSON or YAML file with any of these settings (same names); flags override it.")
 def main(settings: ExtractConfig) -> None:

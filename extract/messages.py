@@ -319,3 +319,20 @@ def _budget_evicted(part, freed, epoch, again):
     return (f"--disk-budget: evicted {part} ({format_size(freed)}; trained on in epoch {epoch} by every training rank"
             + (f", extracted again for epoch {epoch + 1})" if again else ", not read again)"))
 
+
+
+# -- dflash-extract's contract (extract/cli.py: runtime.cli's stop and out-of-memory findings) --
+
+
+@renders("extract.stopped", example=dict(command="dflash-extract", signal="SIGINT"))
+def _stopped(command, signal):
+    return (f"{command} stopped by {signal} outside the extraction loop; committed parts are kept. Rerun the same "
+            "command to resume.")
+
+
+@renders("extract.out-of-memory", example=dict(command="dflash-extract", error="CUDA out of memory"))
+def _out_of_memory(command, error):
+    return (f"{command} ran out of device memory ({error}). One forward runs --token-budget padded tokens through the "
+            "target (and its head for the samples of --top1-share, or every token with --store-topk / "
+            "--store-last-hidden): lower --token-budget, or free the device of other processes. Committed parts are "
+            "kept: rerun with the smaller budget to resume.")

@@ -16,7 +16,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 @click.command(cls=Command, name="dflash-prepare", context_settings=CONTEXT,
-               stop_note="; nothing was written (the output appears only when complete).")
+               stop_note="prepare.stopped")
 @settings_options(PrepareConfig, error=PrepareConfigError)
 def main(settings: PrepareConfig) -> None:
     """Render a chat dataset with the target's chat template into dflash-extract's input format.

@@ -19,7 +19,7 @@ EXIT_INCOMPLETE = 1
 
 
 @click.command(cls=Command, name="dflash-generate", context_settings=CONTEXT,
-               stop_note="; every finished record is kept. Rerun the same command to go on.")
+               stop_note="prepare.generate-stopped")
 @settings_options(GenerateConfig, error=PrepareConfigError)
 def main(settings: GenerateConfig) -> int:
     """Regenerate the assistant turns of a chat dataset with the target, in dflash-extract's format.

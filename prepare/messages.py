@@ -356,3 +356,16 @@ def _batch_out_of_memory(prompts, tokens, new_tokens, device):
     return (f"A batch of {prompts} prompts of up to {tokens} tokens plus {new_tokens} new ones does not fit in the "
             f"memory of {device}. Lower --batch-size (or --max-tokens); the records written so far are kept and a "
             "rerun goes on from them.")
+
+
+# -- the commands' contract (prepare/cli.py, generate_cli.py: runtime.cli's stop finding) -------
+
+
+@renders("prepare.stopped", example=dict(command="dflash-prepare", signal="SIGINT"))
+def _stopped(command, signal):
+    return f"{command} stopped by {signal}; nothing was written (the output appears only when complete)."
+
+
+@renders("prepare.generate-stopped", example=dict(command="dflash-generate", signal="SIGTERM"))
+def _generate_stopped(command, signal):
+    return f"{command} stopped by {signal}; every finished record is kept. Rerun the same command to go on."

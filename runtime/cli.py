@@ -41,6 +41,7 @@ from .errors import (
     UsageError,
     kind_of,
 )
+from .findings import Finding, emit
 from .signals import StopWaiting, exit_status, signal_name, stop_at_once, stop_requested
 
 EXIT_OK = 0
@@ -53,9 +54,6 @@ EXIT_STATUS: dict[type[DflashError], int] = {
     MismatchError: EXIT_USAGE, EnvironmentFault: EXIT_USAGE,
 }
 
-OS_ERROR_ADVICE = "Check the path, its permissions and the free disk space, then rerun the command."
-
-
 def paragraph(text: str) -> str:
     """`text` as one paragraph: every run of whitespace (newlines included) becomes one space."""
     return " ".join(str(text).split())
@@ -66,10 +64,10 @@ def echo_error(text: str) -> None:
     click.echo(paragraph(f"Error: {text}"), err=True)
 
 
-def os_error_message(e: OSError, advice: str = OS_ERROR_ADVICE) -> str:
-    """An OSError (disk full, permission denied, missing file) as one sentence with its path."""
-    where = f" ({e.filename})" if e.filename else ""
-    return f"{e.strerror or e}{where}. {advice}"
+def os_error_finding(e: OSError, code: str = "runtime.os-error") -> Finding:
+    """An OSError (disk full, permission denied, missing file): its reason and its path, for the
+    command's renderer `code`."""
+    return Finding(code, error=str(e.strerror or e), file=str(e.filename) if e.filename else None)
 
 
 def device_out_of_memory(e: BaseException) -> bool:
@@ -78,28 +76,25 @@ def device_out_of_memory(e: BaseException) -> bool:
     return any(c.__name__ == "OutOfMemoryError" and c.__module__.startswith("torch") for c in type(e).__mro__)
 
 
-def out_of_memory_message(name: str, e: BaseException, advice: str) -> str:
-    """torch's out-of-memory error as one paragraph: what ran out (its first sentence, with the
-    sizes), and what to lower."""
-    first = str(e).split(". ", 1)[0].strip().rstrip(".")
-    return f"{name} ran out of device memory ({first}). {advice}"
-
-
-OOM_ADVICE = ("Give the command less to hold at once (a smaller batch or token budget), or free the device "
-              "of other processes (nvidia-smi lists them), then rerun it.")
+def out_of_memory_finding(name: str, e: BaseException, code: str = "runtime.out-of-memory") -> Finding:
+    """torch's out-of-memory error of command `name`: what ran out (its first sentence, with the
+    sizes), for the command's renderer `code` (which says what to lower)."""
+    return Finding(code, command=name, error=str(e).split(". ", 1)[0].strip().rstrip("."))
 
 
 class _Contract:
     """Runs a click command under the exit-status table (mixed into Command and Group).
 
-    `stop_note` completes "<command> stopped by SIGINT" (say what was kept and how to go
-    on); `os_error_advice` follows an OSError's message, `oom_advice` an out-of-memory error of
-    the device (an environment fault: no traceback).
+    Three finding codes, each rendered by the command's package (its messages module), say what
+    is the command's own: `stop_note` the stop ("<command> stopped by SIGINT" and what was kept
+    and how to go on; fields `command`, `signal`), `os_error_advice` an OSError (`error`, `file`:
+    `os_error_finding`), `oom_advice` an out-of-memory error of the device (`command`, `error`:
+    `out_of_memory_finding`; an environment fault: no traceback).
     """
 
-    stop_note = "."
-    os_error_advice = OS_ERROR_ADVICE
-    oom_advice = OOM_ADVICE
+    stop_note = "runtime.stopped"
+    os_error_advice = "runtime.os-error"
+    oom_advice = "runtime.out-of-memory"
 
     def __init__(self, *args: Any, stop_note: str | None = None, os_error_advice: str | None = None,
                  oom_advice: str | None = None, **kwargs: Any) -> None:
@@ -143,14 +138,14 @@ class _Contract:
             # (StopWaiting: a wait given up for a stop that no loop of this command turned into its own)
             signum = (e.signum if isinstance(e, Interrupted) else
                       stop_requested() or signal.SIGTERM if isinstance(e, StopWaiting) else signal.SIGINT)  # Ctrl-C
-            click.echo(paragraph(f"{name} stopped by {signal_name(signum)}{self.stop_note}"), err=True)
+            emit(Finding(self.stop_note, command=name, signal=signal_name(signum)), prefix="")
             return exit_status(signum)
         except OSError as e:  # disk full, permission denied, a file that vanished, ...
-            echo_error(os_error_message(e, self.os_error_advice))
+            emit(os_error_finding(e, self.os_error_advice), prefix="Error: ")
             return EXIT_STATUS[EnvironmentFault]
         except Exception as e:  # a bug: keep the traceback, it is what a report needs
             if device_out_of_memory(e):  # not a bug: the batch does not fit beside what else is there
-                echo_error(out_of_memory_message(name, e, self.oom_advice))
+                emit(out_of_memory_finding(name, e, self.oom_advice), prefix="Error: ")
                 return EXIT_STATUS[EnvironmentFault]
             traceback.print_exc()
             echo_error(f"unexpected {type(e).__name__} in {name}: {e}. This is a bug, not a problem "

@@ -304,3 +304,23 @@ def _weights_incomplete(dir, flag, missing, mismatched):
             "loader would fill them with random values, and everything computed from the model would be a "
             "half-random one's. Copy the model's complete weight files (every shard named in "
             f"model.safetensors.index.json) into that directory, or point {flag} to the model they belong to.")
+
+
+# -- every command's contract (runtime/cli.py): a command's package may render its own ---------
+
+
+@renders("runtime.stopped", example=dict(command="dflash-cache", signal="SIGINT"))
+def _stopped(command, signal):
+    return f"{command} stopped by {signal}."
+
+
+@renders("runtime.os-error", example=dict(error="No space left on device", file="runs/cache/parts/p-00001"))
+def _os_error(error, file):
+    where = f" ({file})" if file else ""
+    return f"{error}{where}. Check the path, its permissions and the free disk space, then rerun the command."
+
+
+@renders("runtime.out-of-memory", example=dict(command="dflash-x", error="CUDA out of memory"))
+def _out_of_memory(command, error):
+    return (f"{command} ran out of device memory ({error}). Give the command less to hold at once (a smaller batch or "
+            "token budget), or free the device of other processes (nvidia-smi lists them), then rerun it.")

@@ -18,6 +18,7 @@ from dflash.eval.cli import main as eval_main
 from dflash.extract.cli import main as extract_main
 from dflash.runtime.cli import EXIT_STATUS, Command
 from dflash.runtime.errors import EnvironmentFault, InputError, Interrupted
+from dflash.runtime.findings import Finding, collected, render, renders
 from dflash.train.cli import main as train_main
 
 
@@ -297,8 +298,18 @@ def test_help_of_every_command_imports_neither_torch_nor_transformers():
 # -- the exit-status table itself -------------------------------------------------------------
 
 
+@renders("test.stopped", example=dict(command="dflash-x", signal="SIGINT"))
+def _stopped(command, signal):
+    return f"{command} stopped by {signal}; nothing was lost."
+
+
+@renders("test.out-of-memory", example=dict(command="dflash-x", error="CUDA out of memory"))
+def _out_of_memory(command, error):
+    return f"{command} ran out of device memory ({error}). Lower --token-budget."
+
+
 def _command_raising(error: BaseException) -> click.Command:
-    @click.command(cls=Command, name="dflash-x", stop_note="; nothing was lost.")
+    @click.command(cls=Command, name="dflash-x", stop_note="test.stopped")
     def main() -> None:
         raise error
 
@@ -313,11 +324,14 @@ def test_the_devices_out_of_memory_error_is_an_environment_fault_with_the_comman
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.45 GiB. GPU 0 has a total "
                                    "capacity of 139.80 GiB of which 1.98 GiB is free. Process 12545 has 70.46 GiB")
 
-    @click.command(cls=Command, name="dflash-x", oom_advice="Lower --token-budget.")
+    @click.command(cls=Command, name="dflash-x", oom_advice="test.out-of-memory")
     def main() -> None:
         raise error
 
-    result = invoke(main)
+    with collected() as said:
+        result = invoke(main)
+    assert [(f.code, f.fields) for f in said] == [("test.out-of-memory", {"command": "dflash-x",
+                                                                          "error": "CUDA out of memory"})]
     assert result.exit_code == EXIT_STATUS[EnvironmentFault] != 1, result.output
     assert "Traceback" not in result.stderr and "bug" not in result.stderr
     assert "dflash-x ran out of device memory (CUDA out of memory)" in result.stderr
@@ -326,7 +340,8 @@ def test_the_devices_out_of_memory_error_is_an_environment_fault_with_the_comman
     # The trainer's advice names what a rerun may change and what starts a new run.
     from dflash.train.cli import TrainGroup
 
-    assert all(f in TrainGroup.oom_advice for f in ("--logits-chunk-mib", "--gradient-checkpointing", "--token-budget"))
+    advice = render(Finding(TrainGroup.oom_advice, command="dflash-train", error="CUDA out of memory"))
+    assert all(f in advice for f in ("--logits-chunk-mib", "--gradient-checkpointing", "--token-budget"))
 
 
 @pytest.mark.parametrize("error,status,fragment", [
@@ -341,3 +356,41 @@ def test_every_error_class_maps_to_its_exit_status(error, status, fragment):
     assert result.exit_code == status, result.output
     assert fragment in result.stderr
     assert ("Traceback" in result.stderr) == (status == 1)  # only a bug shows its traceback
+
+
+# -- each command's own words for the contract's findings --------------------------------------
+
+
+def test_a_stop_and_an_os_error_are_findings_with_the_command_signal_and_file():
+    with collected() as said:
+        stopped = invoke(_command_raising(Interrupted(signal.SIGTERM)))
+        failed = invoke(_command_raising(PermissionError(13, "Permission denied", "/x/y")))
+    assert (stopped.exit_code, failed.exit_code) == (143, EXIT_STATUS[EnvironmentFault])
+    assert [(f.code, f.fields) for f in said] == [
+        ("test.stopped", {"command": "dflash-x", "signal": "SIGTERM"}),
+        ("runtime.os-error", {"error": "Permission denied", "file": "/x/y"})]
+
+
+def _contract_codes() -> dict[str, click.Command]:
+    from dflash.demo.cli import main as demo_main
+    from dflash.eval.compare import main as compare_main
+    from dflash.prepare.cli import main as prepare_main
+    from dflash.prepare.generate_cli import main as generate_main
+
+    return {c.name: c for c in (extract_main, cache_main, train_main, eval_main, compare_main, prepare_main,
+                                generate_main, demo_main)}
+
+
+@pytest.mark.parametrize("name, kept", [
+    ("dflash-extract", "committed parts are kept"), ("dflash-cache", "committed parts are kept"),
+    ("dflash-train", "complete checkpoints are kept"), ("dflash-compare", "complete checkpoints are kept"),
+    ("dflash-prepare", "nothing was written"), ("dflash-generate", "every finished record is kept"),
+    ("dflash-demo", "rerun it"), ("dflash-eval", "stopped by SIGINT."),
+])
+def test_each_commands_stop_says_what_was_kept(name, kept):
+    command = _contract_codes()[name]
+    text = render(Finding(command.stop_note, command=name, signal="SIGINT"))
+    assert text.startswith(f"{name} stopped by SIGINT") and kept in text
+    for code, fields in ((command.oom_advice, dict(command=name, error="CUDA out of memory")),
+                         (command.os_error_advice, dict(error="No space left on device", file="f"))):
+        assert not render(Finding(code, **fields)).startswith(f"{code}:")  # a registered renderer

@@ -27,15 +27,32 @@ def _all_registered() -> dict:
     return {code: r for code, r in registered().items() if not code.startswith("test.")}
 
 
+# The codes a command gives runtime.cli's contract (its stop, OSError and out-of-memory findings),
+# as `stop_note="x.stopped"` or a class attribute `stop_note = "x.stopped"`.
+CONTRACT_CODES = ("stop_note", "os_error_advice", "oom_advice")
+
+
+def _code_given(node: ast.AST) -> ast.Constant | None:
+    """The code constant that `node` states: `Finding("code", ...)`, or a contract code."""
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Finding"
+            and node.args and isinstance(node.args[0], ast.Constant)):
+        return node.args[0]
+    if isinstance(node, ast.keyword) and node.arg in CONTRACT_CODES and isinstance(node.value, ast.Constant):
+        return node.value
+    if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) in CONTRACT_CODES for t in node.targets)
+            and isinstance(node.value, ast.Constant)):
+        return node.value
+    return None
+
+
 def _codes_in_source() -> dict[str, list[str]]:
-    """{code: [file:line, ...]} of every `Finding("code", ...)` in the product source."""
+    """{code: [file:line, ...]} of every `Finding("code", ...)` (or contract code) in the product source."""
     found: dict[str, list[str]] = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Finding"
-                        and node.args and isinstance(node.args[0], ast.Constant)):
-                    found.setdefault(node.args[0].value, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                if (code := _code_given(node)) is not None:
+                    found.setdefault(code.value, []).append(f"{path.relative_to(ROOT)}:{code.lineno}")
     return found
 
 

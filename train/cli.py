@@ -35,15 +35,9 @@ from dflash.train.exports import messages as _messages  # noqa: F401  (the rende
 class TrainGroup(Group):
     """Runs `run` when the first argument is not a subcommand."""
 
-    stop_note = (" outside a training step; complete checkpoints are kept. Rerun the same command "
-                 "to resume.")
-    os_error_advice = ("Check the path, its permissions and the free disk space, then rerun the same "
-                       "command to resume.")
-    oom_advice = ("A micro-batch holds --token-budget padded tokens and up to --max-anchors blocks of --block-size "
-                  "per sample. Hold less at once: pass --gradient-checkpointing or a lower --logits-chunk-mib (the "
-                  "head's logits held at once), which a rerun may change and "
-                  "still resume from the complete checkpoints; or lower --max-anchors, or --token-budget or "
-                  "--max-batch-size, which change the batches and so start a new run (another --output-dir).")
+    stop_note = "train.stopped"  # (the words: train/exports/messages.py)
+    os_error_advice = "train.os-error"
+    oom_advice = "train.out-of-memory"
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `run` is the default command, its help too: `dflash-train --help` lists the training

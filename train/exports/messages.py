@@ -213,6 +213,31 @@ def _compare_moved(command):
     return f"The head comparison is its own command now: {command}, with the same options ({command} --help)."
 
 
+# dflash-train's (and dflash-compare's) contract: runtime.cli's stop, OSError and out-of-memory findings.
+
+
+@renders("train.stopped", example=dict(command="dflash-train", signal="SIGTERM"))
+def _stopped(command, signal):
+    return (f"{command} stopped by {signal} outside a training step; complete checkpoints are kept. Rerun the same "
+            "command to resume.")
+
+
+@renders("train.os-error", example=dict(error="No space left on device", file="runs/a/checkpoints/step-100"))
+def _os_error(error, file):
+    where = f" ({file})" if file else ""
+    return (f"{error}{where}. Check the path, its permissions and the free disk space, then rerun the same command to "
+            "resume.")
+
+
+@renders("train.out-of-memory", example=dict(command="dflash-train", error="CUDA out of memory"))
+def _out_of_memory(command, error):
+    return (f"{command} ran out of device memory ({error}). A micro-batch holds --token-budget padded tokens and up to "
+            "--max-anchors blocks of --block-size per sample. Hold less at once: pass --gradient-checkpointing or a "
+            "lower --logits-chunk-mib (the head's logits held at once), which a rerun may change and still resume "
+            "from the complete checkpoints; or lower --max-anchors, or --token-budget or --max-batch-size, which "
+            "change the batches and so start a new run (another --output-dir).")
+
+
 # -- warm_start.py: --init-drafter ----------------------------------------------------------------
 
 
