@@ -63,7 +63,7 @@ def test_follow_under_a_budget_with_a_heldout_split_of_the_followed_cache_is_ref
     (("--staging-dir", "/somewhere"), ("--staging-dir /somewhere is where an s3:// cache is staged",
                                        "a local cache is read in place")),
     (("--follow", "--shuffle-parts", "2", "--eval-fraction", "0", "--disk-budget", "lots"),
-     ("--disk-budget: Disk size 'lots' is not a size", "500G")),
+     ("--disk-budget", "'lots'", "500G")),
     (("--follow", "--shuffle-parts", "2", "--eval-fraction", "0", "--disk-budget", "0"),
      ("--disk-budget must be a positive size",)),
 ])

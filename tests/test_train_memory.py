@@ -200,7 +200,10 @@ def test_the_startup_check_refuses_on_a_small_device_and_passes_on_a_large_one(t
     if free_gib == 20:
         with pytest.raises(MemoryBudgetError) as refused:
             memory.fit_to_device(cfg, target, data, "cuda")
-        assert {"--gradient-checkpointing", "--max-anchors"} & set(refused.value.fields["fits"])
+        f = refused.value.fields
+        assert refused.value.code == "train.memory-over-budget" and f["needed_gib"] > f["usable_gib"]
+        assert f["settings"]["--max-anchors"] == 512 and f["settings"]["--max-seq-len"] == 32768
+        assert f["fits"] == {}  # at 18 GiB usable no single setting fits: the renderer says to combine them
     else:
         assert memory.fit_to_device(cfg, target, data, "cuda") is cfg
     unchecked = _config(tmp_path, token_budget=32768, max_seq_len=32768, memory_check=False)
