@@ -19,7 +19,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -150,17 +150,26 @@ def is_remote(path: str | os.PathLike) -> bool:
     return str(path).startswith(REMOTE_SCHEMES)
 
 
+WAIT_SLICE_S = 0.05
+
+
 def run_parallel(fn: Callable[[T, threading.Event], R], items: list[T], threads: int) -> list[R]:
     """`fn(item, stop)` over `items` in threads, results in order. The first error (or a signal's
     `Interrupted` in the waiting main thread) cancels what has not started and sets `stop`,
     which a running `fn` checks between objects (`check_stop`): no transfer starts behind an error or
     a stop."""
     stop = threading.Event()
+    futures = []
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        futures = [pool.submit(fn, item, stop) for item in items]
-        try:
-            for f in as_completed(futures):
-                f.result()  # the first failure, as it happens
+        try:  # (a signal may land while the items are being submitted, too)
+            futures += [pool.submit(fn, item, stop) for item in items]
+            pending = set(futures)
+            while pending:
+                # In slices: the kernel may deliver a signal to a worker thread, and the main
+                # thread runs its handler only between two slices, not inside one long wait.
+                done, pending = wait(pending, timeout=WAIT_SLICE_S, return_when=FIRST_COMPLETED)
+                for f in done:
+                    f.result()  # the first failure, as it happens
             return [f.result() for f in futures]
         except BaseException:
             stop.set()

@@ -137,7 +137,10 @@ def _shared_stop_signal() -> Any:
 
 def stop_requested() -> int:
     """The stop signal asked for (this process's `StopRequest`, or the one of the trainer that
-    forked this worker), or 0."""
+    forked this worker; under `stop_at_once`, the signal whose `Interrupted` the main thread may
+    not have raised yet: a worker thread's wait ends on it too), or 0."""
+    if _undelivered:
+        return _undelivered[0]
     return int(_stop_signal.value) if _stop_signal is not None else 0
 
 

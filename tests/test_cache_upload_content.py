@@ -219,6 +219,35 @@ def test_a_stop_request_ends_the_retries_of_a_failing_download(tmp_path, s3, mon
     assert not list(stage.path.rglob(f"*{remote.PARTIAL}*"))
 
 
+def test_a_signal_delivered_to_an_upload_thread_still_stops_the_upload(tmp_path, s3):
+    """The kernel may deliver SIGTERM to any thread: delivered to the upload thread, the main
+    thread, blocked waiting for the part's future, ran the handler only once the whole part was
+    uploaded (13 objects, seen under load)."""
+    make_cache(tmp_path / "c", parts=3)
+    url = fresh_url()
+    script = textwrap.dedent(f"""
+        import signal, threading, time
+        from dflash.cache_tools import remote_store
+        from dflash.cache_tools.cli import main
+        real = remote_store.RemoteStore.put
+        sent = []
+        def slow(self, key, data, **kw):
+            print("put", key, flush=True)
+            if not sent:
+                sent.append(1)
+                signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # to this (upload) thread
+            time.sleep(0.3)
+            return real(self, key, data, **kw)
+        remote_store.RemoteStore.put = slow
+        main(["upload", {str(tmp_path / "c")!r}, {url!r}, "--threads", "1"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env=os.environ.copy())
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stdout.count("put ") <= 2, proc.stdout  # the object in flight, at most one more
+    assert "manifest.json" not in remote_objects(s3, url)
+
+
 def test_a_signal_stops_an_upload_without_starting_another_object(tmp_path, s3):
     """SIGTERM reached the main thread, but the thread pool then ran every queued object to the
     end before the command could exit."""
