@@ -121,8 +121,10 @@ def test_the_workdir_of_a_demo_from_before_the_marker_is_still_the_demos(tmp_pat
     assert (earlier / demo.WORKDIR_MARKER).is_file()
     (earlier / "demo_report.json").unlink()  # without its report, the same names are anybody's
     (earlier / demo.WORKDIR_MARKER).unlink()
-    with pytest.raises(InputError, match="is not a dflash-demo work directory"):
+    with pytest.raises(InputError) as refused:
         demo.claim_workdir(earlier)
+    assert refused.value.code == "demo.workdir-not-a-demo" and refused.value.fields["dir"] == str(earlier)
+    assert refused.value.fields["holds"] == ["cache/", "run/", "target/"]
 
 
 def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(tmp_path, monkeypatch):
@@ -134,8 +136,10 @@ def test_shipped_target_is_the_default_sizes_model_and_is_used_without_training(
     padded = demo.DemoSizes(vocab_size=1024)  # a padded vocabulary is never the shipped target's
     assert not demo.shipped_target_fits(padded, seed=0)
     assert demo.build_target(padded).get_output_embeddings().weight.shape[0] == 1024
-    with pytest.raises(UsageError, match="below"):
+    with pytest.raises(UsageError) as below:
         demo.build_target(demo.DemoSizes(vocab_size=demo.vocab_size() - 1))
+    assert below.value.code == "demo.vocab-below-alphabet"
+    assert below.value.fields == {"vocab_size": demo.vocab_size() - 1, "alphabet": demo.vocab_size()}
     built = demo.build_target(sizes).config
     shipped = json.loads((demo.SHIPPED_TARGET / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

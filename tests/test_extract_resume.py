@@ -94,8 +94,11 @@ def test_resume_with_other_settings_refuses_unless_forced(setup, tmp_path, chang
     target, data, _clean = setup
     out = tmp_path / "c"
     run_extraction(config(target, data, out, part_tokens=100000))
-    with pytest.raises(ConfigMismatchError, match="--force"):
+    with pytest.raises(ConfigMismatchError) as e:
         run_extraction(config(target, data, out, part_tokens=100000, **change))
+    assert e.value.code == "cache.settings-differ" and e.value.fields["cache"] == str(out)  # renders --force
+    assert e.value.fields["purpose"] == "extraction"
+    assert any(next(iter(change)) in key for key, _found, _want in e.value.fields["differences"]), e.value.fields
     run_extraction(config(target, data, out, part_tokens=100000, force=True, **change))
 
 
@@ -149,8 +152,11 @@ def test_resume_with_other_data_refuses(setup, tmp_path):
     out = tmp_path / "c"
     run_extraction(config(target, data, out, part_tokens=100000))
     other = write_jsonl(tmp_path / "other.jsonl", random_records(24, seed=6))
-    with pytest.raises(ConfigMismatchError, match="data"):
+    with pytest.raises(ConfigMismatchError) as e:
         run_extraction(config(target, other, out, part_tokens=100000))
+    assert e.value.code == "extract.data-differs"
+    assert {c["file"]: c["change"] for c in e.value.fields["changes"]} == {str(other): "added",
+                                                                      str(tmp_path / data.name): "gone"}
 
 
 def test_sigterm_stops_with_status_143_and_keeps_committed_parts(setup, zygote, tmp_path):

@@ -159,8 +159,11 @@ def test_a_hand_edited_key_is_named_by_verify_and_a_wrong_count_as_a_damaged_rec
     assert verify.exit_code == 1 and f"{name} split_keys" in verify.output, verify.output
     assert "sample 0" in verify.output and "not the hashes of their prompts" in verify.output
     rewrite_record(cache, 1, lambda r: {"split_keys": r.split_keys[1:]})
-    with pytest.raises(CacheCorruptError, match=f"line 2: the commit record of {name} lists"):
+    with pytest.raises(CacheCorruptError) as damaged:
         CacheReader(cache)
+    assert damaged.value.code == "cache.commit-record-split-keys" and damaged.value.fields["part"] == name
+    assert damaged.value.fields["where"] == f"{cache / LOG_FILE}, line 2"
+    assert damaged.value.fields["keys"] == damaged.value.fields["samples"] - 1
     verify = CliRunner().invoke(cache_main, ["verify", str(cache), "--no-progress"])
     assert verify.exit_code == 1 and "split keys for its" in verify.output and "Traceback" not in verify.output
 

@@ -63,15 +63,18 @@ def test_training_refuses_it_unless_allowed_and_then_trains_on_the_committed_sam
         cfg = tiny_train_config(cache, stopped["target"], tmp_path / "run", **kw)
         return open_training_data(cfg, rank=0, world_size=1, pin_memory=False)
 
-    with pytest.raises(TrainConfigError, match="not a finished cache") as e:
+    parts = stopped["parts"]
+    with pytest.raises(TrainConfigError) as e:
         data(stopped["cache"])
-    assert "--allow-incomplete" in str(e.value) and "--follow" in str(e.value)
-    assert str(stopped["cache"]) in str(e.value)
+    assert e.value.code == "train.cache-unfinished" and e.value.fields["cache"] == str(stopped["cache"])
+    assert (e.value.fields["committed"], e.value.fields["planned"]) == (parts - 2, parts)
+    assert e.value.fields["writer"] == "dflash-extract"  # the command that finishes it
     allowed = data(stopped["cache"], allow_incomplete=True)
     assert len(allowed.caches) == read_manifest(stopped["cache"]).num_samples < len(data(stopped["whole"]).caches)
     # as the held-out cache too
-    with pytest.raises(TrainConfigError, match="not a finished cache"):
+    with pytest.raises(TrainConfigError) as e:
         data(stopped["whole"], eval_cache=[str(stopped["cache"])])
+    assert e.value.code == "train.cache-unfinished" and e.value.fields["cache"] == str(stopped["cache"])
 
 
 def test_merge_refuses_an_unfinished_source(stopped, tmp_path):
