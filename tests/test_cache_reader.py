@@ -63,8 +63,11 @@ def test_truncated_shard_is_named(tmp_path):
     path = shard_file(cache, "part-000000", shard=1)  # rows 64..127 of the part
     os.truncate(path, path.stat().st_size // 2)
     reader = CacheReader(cache)
-    with pytest.raises(CacheCorruptError, match=r"part 'part-000000' \(array hidden, shard file c/1/0, index\)"):
+    with pytest.raises(CacheCorruptError) as err:
         reader.read_sample(0)  # sample 0 spans rows 0..99: crosses into shard 1
+    assert err.value.code == "cache.chunk-checksum"  # the shard's index
+    assert {k: err.value.fields[k] for k in ("part", "array", "chunk", "shard_file")} == {
+        "part": "part-000000", "array": "hidden", "chunk": None, "shard_file": "c/1/0"}
 
 
 @pytest.mark.parametrize("codec", ["raw", "bf16"])
@@ -84,16 +87,22 @@ def test_index_entry_with_a_wrong_chunk_size_is_named(tmp_path, codec):
     data[start:-4] = index.tobytes()
     data[-4:] = crc32c(bytes(data[start:-4])).to_bytes(4, "little")
     path.write_bytes(bytes(data))
-    with pytest.raises(CacheCorruptError, match=r"part 'part-000000' \(array hidden, chunk 1\)"):
+    with pytest.raises(CacheCorruptError) as err:
         CacheReader(cache).read_sample(0)
+    assert err.value.code == "cache.chunk-checksum"
+    assert {k: err.value.fields[k] for k in ("part", "array", "chunk")} == {"part": "part-000000", "array": "hidden",
+                                                                           "chunk": 1}
 
 
 def test_missing_shard_file_is_named(tmp_path):
     cache = tmp_path / "c"
     make_cache(cache)
     shard_file(cache, "part-000001").unlink()
-    with pytest.raises(CacheCorruptError, match=r"part 'part-000001'.*c/0/0 is missing"):
+    with pytest.raises(CacheCorruptError) as err:
         CacheReader(cache).read_sample(2)
+    assert err.value.code == "cache.part-file-missing"
+    assert {k: err.value.fields[k] for k in ("part", "array", "file")} == {"part": "part-000001", "array": "hidden",
+                                                                          "file": "c/0/0"}
 
 
 def test_checksum_verification_can_be_turned_off_for_speed(tmp_path):
@@ -190,8 +199,11 @@ def test_the_commit_log_lists_each_parts_sample_ids_and_a_part_holding_others_is
     (cache / LOG_FILE).write_bytes(lines[0] + encode_log_line(swapped))
     reader = CacheReader(cache)
     reader.read_sample(0)  # the other part is unaffected
-    with pytest.raises(CacheCorruptError, match=r"part 'part-000001' \(array sample_ids\).*other sample ids"):
+    with pytest.raises(CacheCorruptError) as err:
         reader.read_sample(2)
+    assert err.value.code == "cache.part-sample-ids"
+    assert {k: err.value.fields[k] for k in ("part", "array", "log")} == {"part": "part-000001", "array": "sample_ids",
+                                                                         "log": LOG_FILE}
 
 
 @pytest.mark.parametrize("codec", ["bf16", "raw", "fp8", "nf4"])

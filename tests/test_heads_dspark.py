@@ -301,8 +301,10 @@ def test_greedy_dspark_decoding_is_the_target_output_with_or_without_a_confidenc
 
 def test_a_confidence_threshold_for_a_drafter_without_confidence_is_refused(target, prompts):
     dflash = tiny_drafter(target, steps=0)
-    with pytest.raises(NoConfidenceError, match="confidence-threshold"):
+    with pytest.raises(NoConfidenceError) as refused:
         speculative_generate(target, dflash, prompts[:1], DecodeConfig(max_new_tokens=4, confidence_threshold=0.5))
+    assert refused.value.code == "eval.drafter-without-confidence"
+    assert refused.value.fields["flag"] == "--confidence-threshold"
 
 
 def test_sampled_dspark_decoding_follows_the_target_distribution(target, drafter, prompts):

@@ -35,6 +35,7 @@ from dflash.cache_tools.manifest import (
     read_manifest,
 )
 from dflash.cache_tools.writer import CacheWriter
+from dflash.runtime.findings import collected
 from dflash.train.config import TrainConfig, TrainConfigError
 from dflash.train.data.caches import open_training_data
 from dflash.train.data.heldout import eval_split
@@ -155,8 +156,10 @@ def test_max_train_samples_draws_a_nested_subset_of_the_training_side_only(tiny_
     assert half.loader.total_steps < full.loader.total_steps
     _, all_train, _ = data(max_train_samples=10 * n)  # a cap above the data is no cap
     assert all_train == full_train
-    with pytest.raises(TrainConfigError, match="max-train-samples"):
+    with pytest.raises(TrainConfigError) as refused:
         tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "unused", max_train_samples=-1)
+    assert refused.value.code == "train.setting-range"
+    assert (refused.value.fields["flag"], refused.value.fields["value"]) == ("--max-train-samples", -1)
 
 
 @pytest.mark.parametrize("ids_in_log", [True, False], ids=["ids-in-the-commit-log", "older-commit-log"])
@@ -207,7 +210,7 @@ sys.addaudithook(_record_opens)
 # -- the run ------------------------------------------------------------------------------------
 
 
-def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_world, tmp_path, capsys):
+def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_world, tmp_path):
     # 8 training samples of random tokens, 24 epochs: the drafter can only memorize them, so
     # training tau climbs while held-out tau stays at the floor.
     cache = write_tiny_cache(tmp_path / "cache", samples=12, parts=1)
@@ -256,10 +259,12 @@ def test_an_overfitting_run_warns_and_exports_the_best_heldout_checkpoint(tiny_w
     # weights, and says so.
     shutil.rmtree(resumed / "checkpoints" / ckpts[0])
     shutil.rmtree(resumed / "final")
-    train(tiny_train_config(cache, tiny_world["target"], resumed, **settings))
+    with collected() as said:
+        train(tiny_train_config(cache, tiny_world["target"], resumed, **settings))
     exported = load_file(str(resumed / "final" / "model.safetensors"))
     assert all(torch.equal(exported[k], last_w[k].to(torch.bfloat16)) for k in exported)
-    assert "is gone" in capsys.readouterr().out
+    gone = [f for f in said if f.code == "train.best-checkpoint-gone"]
+    assert [f.fields["checkpoint"] for f in gone] == [str(resumed / "checkpoints" / ckpts[0])]
 
 
 def test_metrics_jsonl_carries_heldout_tau_train_tau_and_the_gap(tiny_world, tmp_path):
