@@ -107,8 +107,10 @@ def test_a_corrupted_object_is_named_by_verify_and_by_the_reader(tmp_path, s3):
     reader = remote.open_reader(url, staging_dir=tmp_path / "stage", prefetch=False)
     reader.stage.retries = 2
     reader.read_sample(0)  # part 0 is sound
-    with pytest.raises(CacheCorruptError, match=r"part-000001/hidden/c/0/0 \(part 'part-000001'\).*after 2 attempts"):
+    with pytest.raises(CacheCorruptError) as err:
         reader.read_sample(2)
+    assert err.value.code == "cache.download-corrupt" and err.value.fields["object"] == f"{url}/parts/part-000001/hidden/c/0/0"
+    assert err.value.fields["part"] == "part-000001" and err.value.fields["attempts"] == 2
     assert not reader.stage.is_staged("part-000001")
 
 

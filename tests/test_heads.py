@@ -153,8 +153,11 @@ def test_a_head_registered_from_outside_trains_resumes_exports_and_decodes_lossl
 def test_an_unregistered_head_is_refused_by_the_settings(tiny_world, tmp_path):
     from dflash.train.config import TrainConfigError
 
-    with pytest.raises(TrainConfigError, match="drafter-type"):
+    with pytest.raises(TrainConfigError) as refused:
         tiny_train_config(tiny_world["cache"], tiny_world["target"], tmp_path / "run", drafter_type="toy")
+    assert refused.value.code == "train.setting-choice"
+    assert (refused.value.fields["flag"], refused.value.fields["value"]) == ("--drafter-type", "toy")
+    assert "toy" not in refused.value.fields["choices"] and "dflash" in refused.value.fields["choices"]
 
 
 def test_an_export_of_a_head_the_runtime_does_not_list_is_refused_as_a_target(tmp_path):

@@ -79,8 +79,10 @@ def test_a_damaged_sidecar_names_the_file_and_the_fix(tmp_path, content):
 def test_a_prompt_line_that_is_not_utf8_is_a_clear_error(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"input_ids": [1]}\n{"input_ids": [1], "id": "\xff"}\n')
-    with pytest.raises(InputError, match=r"p.jsonl, line 2 is not valid JSON \(not UTF-8"):
+    with pytest.raises(InputError) as err:
         load_prompts(path, 32)
+    assert err.value.code == "eval.prompt-not-json" and err.value.fields["where"] == f"{path}, line 2"
+    assert err.value.fields["error"].startswith("not UTF-8")  # the reason, with the offending byte's offset
 
 
 JSON_FILES = [  # (content, what it holds as one JSON document, what as records: None for JSON Lines)
