@@ -82,13 +82,19 @@ def test_a_different_model_is_still_refused(two_copies, tmp_path):
     config = json.loads((other / "config.json").read_text())
     config["rms_norm_eps"] = 1e-5  # same shapes, another model
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigMismatchError, match="target.config_hash"):
+    with pytest.raises(ConfigMismatchError) as e:
         extract(other, two_copies["data"], two_copies["root"] / "cache-a")
+    assert e.value.code == "cache.settings-differ" and e.value.fields["cache"] == str(two_copies["root"] / "cache-a")
+    assert [key for key, _cache, _requested in e.value.fields["differences"]] == ["target.config_hash"]
+    assert e.value.fields["target_paths"][1] == str(other)  # the cache's target and this one, named
     res = CliRunner().invoke(cache_main, ["merge", str(tmp_path / "merged"), str(two_copies["root"] / "cache-a"),
                                           str(_cache_of(other, two_copies, tmp_path)), "--no-progress"])
     assert res.exit_code != 0 and "target.config_hash" in res.output
-    with pytest.raises(ConfigMismatchError, match="config_hash"):
+    with pytest.raises(ConfigMismatchError) as e:
         train(tiny_train_config([two_copies["root"] / "cache-a"], other, tmp_path / "run", max_steps=1))
+    assert e.value.code == "train.cache-other-target" and e.value.fields["target"] == str(other)
+    assert e.value.fields["cache"] == str(two_copies["root"] / "cache-a")
+    assert [d.split(":")[0] for d in e.value.fields["differences"]] == ["config_hash"]
 
 
 def _cache_of(model, two_copies, tmp_path):

@@ -58,10 +58,11 @@ def test_a_weight_file_is_hashed_once_and_reused_while_its_size_and_mtime_hold(t
 
 
 def test_resuming_an_extraction_or_merging_with_other_weights_is_refused_naming_both(two_models, tmp_path):
-    with pytest.raises(MismatchError, match="target.weights_hash") as err:
+    with pytest.raises(MismatchError) as err:
         extract(two_models["second"], two_models["data"], two_models["root"] / "cache")
-    assert str(two_models["first"].resolve()) in str(err.value)
-    assert str(two_models["second"].resolve()) in str(err.value)
+    assert err.value.code == "cache.settings-differ" and err.value.fields["cache"] == str(two_models["root"] / "cache")
+    assert [key for key, _cache, _requested in err.value.fields["differences"]] == ["target.weights_hash"]
+    assert err.value.fields["target_paths"] == [str(two_models["first"].resolve()), str(two_models["second"].resolve())]
     extract(two_models["second"], two_models["data"], tmp_path / "other")
     res = CliRunner().invoke(cache_main, ["merge", str(tmp_path / "merged"), str(two_models["root"] / "cache"),
                                           str(tmp_path / "other"), "--no-progress"])
@@ -75,8 +76,11 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
         assert train(tiny_train_config(cache, two_models["second"], run, max_steps=1, **settings)).step == 1
     differ = [f.fields for f in said if f.code == "cache.target-weights-differ"]
     assert len(differ) == 1 and (differ[0]["cache"], differ[0]["target"]) == (str(cache), str(two_models["second"]))
-    with pytest.raises(MismatchError, match="target.weights_hash"):
+    with pytest.raises(MismatchError) as err:
         train(tiny_train_config(cache, two_models["first"], run, max_steps=2, resume=True, **settings))
+    assert err.value.code == "train.resume-other-run"
+    assert err.value.fields["checkpoint"] == str(run / "checkpoints" / "step-000001")
+    assert [d.split(":")[0] for d in err.value.fields["differences"]] == ["target.weights_hash"]
     with collected() as said:
         assert train(tiny_train_config(cache, two_models["first"], tmp_path / "run2", max_steps=1, **settings)).step == 1
     assert "cache.target-weights-differ" not in [f.code for f in said]

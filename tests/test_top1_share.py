@@ -344,5 +344,7 @@ def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tm
     header = json.loads((a / "manifest.json").read_text())
     header["extras"]["top1_share"] = 1.5
     (a / "manifest.json").write_text(json.dumps(header))
-    with pytest.raises(CacheCorruptError, match="extras.top1_share is 1.5"):
+    with pytest.raises(CacheCorruptError) as err:
         read_manifest(a)
+    assert err.value.code == "cache.manifest-invalid" and err.value.fields["file"] == str(a / "manifest.json")
+    assert err.value.fields["problem"].startswith("extras.top1_share is 1.5")  # the key and its value (prose)
