@@ -142,7 +142,9 @@ def test_verify_reports_a_missing_part_and_a_damaged_commit_line_and_goes_on(tmp
     found = [(p.part, p.finding.code, p.finding.fields.get("line")) for p in report.problems]
     assert ("part-000001", "cache.verify-part-missing", None) in found, found
     assert (None, "cache.verify-commit-line", 3) in found, found
-    assert "manifest.parts.jsonl line 3" in str(next(p for p in report.problems if p.part is None))
+    damaged = next(p for p in report.problems if p.part is None).finding
+    assert (damaged.fields["file"], damaged.fields["line"]) == ("manifest.parts.jsonl", 3)
+    assert damaged.fields["error"].code == "cache.commit-record-checksum"  # what is wrong with the line
     assert report.parts == 2  # the two readable records were still checked
 
 
@@ -215,8 +217,10 @@ def test_recompress_between_bf16_and_raw_is_exact_and_resumes(tmp_path):
 def test_recompress_refuses_a_destination_written_with_another_codec(tmp_path):
     make_cache(tmp_path / "src", parts=1)
     recompress_cache(tmp_path / "src", tmp_path / "dst", codec="fp8", progress=False)
-    with pytest.raises(ConfigMismatchError, match="codec"):
+    with pytest.raises(ConfigMismatchError) as err:
         recompress_cache(tmp_path / "src", tmp_path / "dst", codec="raw", progress=False)
+    assert err.value.code == "cache.settings-differ" and err.value.fields["cache"] == str(tmp_path / "dst")
+    assert ["hidden.codec.name", "'fp8'", "'raw'"] in err.value.fields["differences"]
 
 
 def test_merge_holds_every_sample_of_both_sources(tmp_path):

@@ -118,8 +118,10 @@ def test_noise_follows_its_schedule_and_generator():
     gauss = add_hidden_noise(hidden, ObjectiveConfig(noise_type="gaussian", noise_start=0.5), 0.3)
     assert gauss.std().item() == pytest.approx(0.5, rel=0.1)
     assert add_hidden_noise(hidden, ObjectiveConfig(), 0.5) is hidden
-    with pytest.raises(TrainConfigError, match="noise-type"):
+    with pytest.raises(TrainConfigError) as refused:
         ObjectiveConfig(noise_type="laplace")
+    assert refused.value.code == "train.setting-choice"
+    assert (refused.value.fields["flag"], refused.value.fields["value"]) == ("--noise-type", "laplace")
 
 
 def test_soft_labels_shift_and_both_sources_agree():
@@ -312,8 +314,10 @@ def test_the_target_label_trains_toward_the_targets_top1_and_is_the_sample_on_a_
         assert toward_top1.selector_loss.item() != pytest.approx(sample.selector_loss.item(), rel=1e-3)
     with pytest.raises(ValueError, match="hard_label"):
         run(batch, "target")
-    with pytest.raises(TrainConfigError, match="hard-label"):
+    with pytest.raises(TrainConfigError) as refused:
         ObjectiveConfig(hard_label="argmax")
+    assert refused.value.code == "train.setting-choice"
+    assert (refused.value.fields["flag"], refused.value.fields["value"]) == ("--hard-label", "argmax")
 
 
 def test_the_target_label_on_a_cache_without_the_targets_top1_is_refused_naming_the_cache_and_flag():
@@ -328,5 +332,4 @@ def test_the_target_label_on_a_cache_without_the_targets_top1_is_refused_naming_
         label_summary(ObjectiveConfig(hard_label="target"), bare)
     assert e.value.code == "train.hard-label-target-without-top1"
     assert e.value.fields == {"cache": "runs/cache-a", "flag": "--hard-label"}
-    assert "runs/cache-a" in str(e.value) and "--hard-label sample" in str(e.value)
     assert "hard labels" not in label_summary(ObjectiveConfig(hard_label="sample"), bare)

@@ -19,6 +19,7 @@ from conftest import (
 )
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.manifest import read_manifest
+from dflash.runtime.findings import collected
 from dflash.train.cli import main as train_main
 from dflash.train.config import TrainConfigError
 from dflash.train.exports.export import load_drafter
@@ -239,9 +240,10 @@ def test_the_target_label_trains_from_a_default_extraction_and_is_refused_withou
                             eval_fraction=0.25))
     evals = [m for m in read_metrics(evaluated) if m["kind"] == "eval"]
     assert len(evals) == 2 and all(m["heldout_tau"] >= 1.0 and m["estimator"] for m in evals)
-    with pytest.raises(InputError, match="--hard-label target") as e:
+    with pytest.raises(InputError) as e:
         train(tiny_train_config(bare, target, tmp_path / "bare-run", max_steps=2, hard_label="target"))
-    assert "--hard-label sample" in str(e.value) and "Extract again" in str(e.value)
+    assert e.value.code == "train.hard-label-target-without-top1"  # renders the fixes: --hard-label sample, extract
+    assert e.value.fields == {"cache": str(bare), "flag": "--hard-label"}
     assert not (tmp_path / "bare-run" / "checkpoints").exists()
 
 
@@ -277,10 +279,12 @@ def test_a_dflash2_run_trains_toward_the_targets_top1_by_default_where_the_cache
     assert_same_weights(final_weights(tmp_path / "explicit"), final_weights(tmp_path / "dflash2"))
     assert any(not torch.equal(a, b) for a, b in zip(final_weights(tmp_path / "dflash2").values(),
                                                      final_weights(tmp_path / "dflash2-sample").values()))
-    train(tiny_train_config(default, target, tmp_path / "dflash2-sample", max_steps=3, save_interval=3,
-                            **DFLASH2_TINY))
-    resumed = capsys.readouterr().out
-    assert "hard_label 'sample' -> 'target'" in resumed and "rerun with --hard-label sample" in resumed
+    with collected() as resumed:
+        train(tiny_train_config(default, target, tmp_path / "dflash2-sample", max_steps=3, save_interval=3,
+                                **DFLASH2_TINY))
+    changed = [f.fields for f in resumed if f.code == "train.resume-settings-changed"]
+    assert len(changed) == 1 and ["hard_label", "sample", "target"] in changed[0]["changes"]
+    assert ["hard_label", "sample"] in changed[0]["former_defaults"]  # rendered: rerun with --hard-label sample
 
 
 def test_a_run_says_which_drafter_it_trains_and_how_the_engines_load_it(tiny_world, tmp_path, capsys):
