@@ -255,7 +255,8 @@ def test_an_import_stopped_mid_part_resumes_to_the_cache_an_unstopped_import_wri
     with pytest.raises(TrainConfigError) as refused:  # the trainer names the command that finishes it
         open_training_data(tiny_train_config(tmp_path / "stopped", tiny_world["target"], tmp_path / "run"),
                            rank=0, world_size=1, pin_memory=False)
-    assert "dflash-cache import" in str(refused.value)
+    assert refused.value.code == "train.cache-unfinished" and refused.value.fields["cache"] == str(tmp_path / "stopped")
+    assert refused.value.fields["writer"] == "dflash-cache import"
     monkeypatch.setattr(importers.SpecForgeSource, "read", real_read)
     resumed = import_cache(src, tmp_path / "stopped", target_model=tiny_world["target"], options=options)
     assert resumed.skipped == [p.name for p in stopped.parts] and len(resumed.written) + len(resumed.skipped) == len(whole.written)
