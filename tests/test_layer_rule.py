@@ -28,7 +28,6 @@ def test_the_rule_never_returns_ids_the_check_refuses():
                 ids = default_target_layer_ids(n, k)
             except LayerIdsError as e:
                 assert e.code == "cache.layer-rule-too-shallow" and e.fields == {"count": k, "layers": n}
-                assert "--target-layer-ids" in str(e)
                 assert n < k + 3 or (k == 1 and n < 3), (n, k)  # only targets too shallow for it
                 continue
             assert len(ids) == k
@@ -54,8 +53,7 @@ def test_the_check_names_the_problem_and_the_engine_constraint(ids, problem, val
     assert err.value.code == "cache.layer-ids-unusable"
     assert err.value.fields["ids"] == ids and err.value.fields["layers"] == 6
     assert {k for k in ("empty", "repeated", "unordered", "negative", "above") if err.value.fields[k]} == {problem}
-    assert err.value.fields[problem] == value
-    assert CONSTRAINT in str(err.value)  # the renderer says why
+    assert err.value.fields[problem] == value  # (rendered with the engines' constraint, CONSTRAINT)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +87,8 @@ def test_training_refuses_a_cache_with_such_ids(tiny_world, tmp_path, layers, pr
     with pytest.raises(LayerIdsError) as err:
         train(tiny_train_config(cache, model, tmp_path / "run", max_steps=1))
     assert err.value.code == "cache.layer-ids-unusable" and err.value.fields[problem]
+    # purpose cache: the renderer says a cache's ids are fixed (re-extract it)
     assert (err.value.fields["purpose"], err.value.fields["cache"]) == ("cache", str(cache))
-    assert "Re-extract the cache" in str(err.value)  # a cache's ids are fixed: the renderer says so
 
 
 def test_extraction_refuses_unsorted_or_repeated_ids_before_loading_a_target(tmp_path):

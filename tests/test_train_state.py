@@ -67,4 +67,5 @@ def test_a_trainer_state_of_a_later_version_is_refused(tiny_world, reference, tm
     out = _resume_from_step_2(reference, tmp_path, later_version)
     with pytest.raises(ResumeMismatchError) as e:
         train(tiny_train_config(tiny_world["cache"], tiny_world["target"], out, **SETTINGS))
-    assert str(TRAIN_STATE_VERSION + 1) in str(e.value)
+    assert e.value.code == "train.trainer-state-version"
+    assert e.value.fields == {"version": TRAIN_STATE_VERSION + 1, "current": TRAIN_STATE_VERSION}
