@@ -16,6 +16,7 @@ from dflash.cache_tools.manifest import read_manifest
 from dflash.cache_tools.plan import PlannedPart, write_plan
 from dflash.cache_tools.reader import CacheReader
 from dflash.cache_tools.schema import SAMPLE_IDS
+from dflash.runtime.findings import Finding
 from dflash.train.cli import main
 from dflash.train.config import TrainConfigError
 from dflash.train.data.caches import open_training_data
@@ -181,13 +182,13 @@ def test_a_run_without_disk_budget_following_a_budgeted_extraction_gets_the_budg
         data.loader.close()
         return data
 
-    for settings, fragment in ((dict(shuffle_parts=2), "a held-out split of the followed cache (--eval-fraction 0.02)"),
-                               (dict(eval_fraction=0), "needs --shuffle-parts N")):
+    for settings, refusal in ((dict(shuffle_parts=2), Finding("train.follow-budget-held-out", value=str(3 * part),
+                                                              eval_fraction=0.02)),
+                              (dict(eval_fraction=0), Finding("train.follow-budget-shuffle-parts", value=str(3 * part)))):
         with pytest.raises(TrainConfigError) as e:
             opened(**settings)
-        text = str(e.value)
         assert e.value.code == "train.follow-extraction-budget" and e.value.fields["budget"] == 3 * part
-        assert e.value.fields["cache"] == str(cache) and fragment in text, text
+        assert e.value.fields["cache"] == str(cache) and e.value.fields["refusal"] == refusal, e.value.fields
     opened(shuffle_parts=2, eval_fraction=0)  # what the budget needs: it trains
     record_budget(cache, None)  # an extraction without a budget removes the record
     opened(shuffle_parts=2)
