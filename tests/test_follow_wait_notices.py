@@ -42,4 +42,4 @@ def test_the_default_announce_emits_the_wait_as_a_finding(tmp_path, capsys):
     with collected() as got, pytest.raises(CacheError):
         wait_for_plan(tmp_path / "none", announce_wait, start_seconds=0.2)
     assert [f.code for f in got][:1] == ["cache.follow-waiting-for-plan"]
-    assert capsys.readouterr().out.startswith("--follow: waiting for the extraction plan")  # stdout, as before
+    assert capsys.readouterr().out.startswith(str(got[0]) + "\n")  # its paragraph, alone on stdout, as before
