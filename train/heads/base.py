@@ -99,9 +99,6 @@ class HeadMemory:
     """Activations saved per block token and draft layer (its wrappers of the sublayers)."""
     slot_bytes: int = 0
     """Activations saved per scored slot by its loss (besides full-vocabulary logits)."""
-    logit_bytes: int = 0
-    """Bytes per logit (scored slot x vocabulary) beyond the backbone's 12 while the target head's
-    logits are computed all at once (under --logits-chunk-mib)."""
     own_logit_rows: int = 0
     """Full-vocabulary logit rows per scored slot that the head's loss computes itself."""
     own_logit_bytes: int = 0

@@ -148,16 +148,19 @@ class Estimate:
 
 
 def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int) -> int:
-    """The target head's loss at its peak: all at once, or past `logits_chunk_mib` in chunks
-    (objective.compute_loss, head_loss.slot_losses)."""
+    """The target head's loss at its peak (head_loss.slot_losses, the one path): one chunk's logits
+    at a time, all the slots while their float32 logits fit `logits_chunk_mib` (0: no limit), else
+    chunks of CHUNK_MIB; a chunk holds its bf16 logits, one float32 copy changed in place and the
+    bf16 gradient (about 10 bytes a logit), and the slots' gradient of the states."""
     v, d, head = dims.vocab, dims.hidden, dims.head
     own_rows, limit = slots * head.own_logit_rows, head.own_chunk_mib or logits_chunk_mib
     if limit > 0 and own_rows * v * 4 > limit * MIB:  # the head's own logits in chunks
         own_rows = min(own_rows, max(1, (CHUNK_MIB * MIB) // (4 * v)))
     own = own_rows * v * head.own_logit_bytes + slots * head.slot_bytes
     if logits_chunk_mib <= 0 or slots * v * 4 <= logits_chunk_mib * MIB:
-        return slots * v * (12 + head.logit_bytes) + own
-    rows = max(1, (min(CHUNK_MIB, logits_chunk_mib) * MIB) // (4 * v))
+        rows = slots
+    else:
+        rows = max(1, (min(CHUNK_MIB, logits_chunk_mib) * MIB) // (4 * v))
     return min(rows, slots) * v * 10 + slots * d * 8 + own
 
 
