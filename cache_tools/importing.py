@@ -240,7 +240,7 @@ def import_cache(src: str | os.PathLike, dst: str | os.PathLike, *, target_model
     planned = None if plan is None else list(plan.parts)
     if planned is None:
         planned = _plan(source, files, target, first.width, options, report, early_bad, progress)
-    writer = CacheWriter(dst, header, force=force, sole_writer="import")
+    writer = CacheWriter(dst, header, force=force, sole_writer="import", purpose="import")
     try:
         if read_plan(dst, header) is None:
             write_plan(dst, header, planned)

@@ -442,7 +442,7 @@ def _leaf_differences(a: Any, b: Any, key: str) -> list[tuple[str, Any, Any]]:
     return [] if a == b else [(key, a, b)]
 
 
-IDENTITY_CHECK_PURPOSES = ("extraction", "import")  # what writes a cache and checks its identity
+IDENTITY_CHECK_PURPOSES = ("extraction", "import", "recompress", "merge")  # what writes a cache and checks its identity
 
 
 def check_identity(manifest: Manifest, expected_header: dict[str, Any], *, purpose: str) -> None:

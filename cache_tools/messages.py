@@ -757,7 +757,8 @@ def _manifest_invalid(file, problem):
             "into a new cache. `dflash-cache verify` cannot check parts against it.")
 
 
-_WRITER = {"extraction": "this extraction", "import": "this import"}  # (manifest.IDENTITY_CHECK_PURPOSES)
+_WRITER = {"extraction": "this extraction", "import": "this import", "recompress": "this recompression",
+           "merge": "this merge"}  # (manifest.IDENTITY_CHECK_PURPOSES)
 
 
 @renders("cache.settings-differ", example=dict(cache="cache", purpose="extraction",

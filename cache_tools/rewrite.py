@@ -139,7 +139,7 @@ def recompress_cache(
         [earlier["recompressed_from"]["name"]] if isinstance(earlier.get("recompressed_from"), dict) else [])
     header["producer"] = {**earlier, "recompressed_from": reader.manifest.codec.to_dict(),
                           "codec_history": [*history, reader.manifest.codec.name]}
-    writer = CacheWriter(dst, header, force=force, sole_writer="recompress")
+    writer = CacheWriter(dst, header, force=force, sole_writer="recompress", purpose="recompress")
     report = CopyReport(dst=dst, src_bytes=reader.manifest.nbytes)
     jobs = [(reader, i, p.name) for i, p in enumerate(reader.parts)]
     _copy_parts(jobs, writer, report, "recompress", progress)
@@ -187,7 +187,7 @@ def merge_caches(
          "parts": len(r.parts), "samples": r.manifest.num_samples, "tokens": r.manifest.num_tokens}
         for i, (p, r) in enumerate(zip(paths, readers))
     ]}
-    writer = CacheWriter(dst, header, force=force, sole_writer="merge")
+    writer = CacheWriter(dst, header, force=force, sole_writer="merge", purpose="merge")
     report = CopyReport(dst=dst, src_bytes=sum(r.manifest.nbytes for r in readers))
     jobs = [(r, j, f"s{i}-{rec.name}") for i, r in enumerate(readers) for j, rec in enumerate(r.parts)]
     _copy_parts(jobs, writer, report, "merge", progress)

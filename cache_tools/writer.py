@@ -89,12 +89,15 @@ class CacheWriter:
     """Create a cache, or reopen one whose identity matches `header`, for committing parts."""
 
     def __init__(self, cache_dir: str | os.PathLike, header: dict[str, Any], *, force: bool = False,
-                 wait_for_force: float = 0.0, sole_writer: str = ""):
+                 wait_for_force: float = 0.0, sole_writer: str = "", purpose: str = "extraction"):
         """`force` starts the cache anew; the other ranks of a forced run wait up to `wait_for_force`
         s for rank 0's new header (`_forced_for_this_run`) instead of refusing or joining the old.
         `sole_writer`: this process writes the cache alone (recompress, merge: the writer lock is
-        held exclusively), the command's lock purpose ("import", "recompress", "merge": runtime.locks)."""
+        held exclusively), the command's lock purpose ("import", "recompress", "merge": runtime.locks).
+        `purpose`: what writes the cache, named when an existing one has other settings
+        (manifest.IDENTITY_CHECK_PURPOSES)."""
         self.cache_dir = Path(cache_dir)
+        self.purpose = purpose
         self.sole_writer = sole_writer
         self.header = header
         self.codec = HiddenCodec.from_dict(header["hidden"]["codec"])
@@ -154,7 +157,7 @@ class CacheWriter:
                         atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                     else:
                         manifest = read_manifest(self.cache_dir)
-                        check_identity(manifest, self.header, purpose="extraction")
+                        check_identity(manifest, self.header, purpose=self.purpose)
                 if not (self.cache_dir / HEADER_FILE).exists():
                     atomic_write_json(self.cache_dir / HEADER_FILE, self.header)
                 self.removed_orphans = self._remove_orphans_locked()
