@@ -168,6 +168,65 @@ def _config_unknown_keys(file, unknown, known):
     return f"{file}: unknown setting(s) {', '.join(unknown)}. Known settings: {', '.join(known)}."
 
 
+# -- settings: flags and config-file values (runtime/settings.py) -------------------------------
+
+
+@renders("runtime.setting-invalid", example=dict(file="train.json", key="epochs", flag="--epochs", value="many",
+                                                 reason="'many' is not a valid integer"))
+def _setting_invalid(file, key, flag, value, reason):
+    return (f"{file}: setting {key} = {value!r} is invalid: {reason}. Write a value that the flag {flag} takes "
+            "(see --help), or leave the key out.")
+
+
+def _typed(value):
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    return f"the {type(value).__name__} {value}"
+
+
+@renders("runtime.setting-not-text", example=dict(file="extract.yaml", line=3, key="output", flag="--output",
+                                                  value=493, item=None, written="0755", choices=None))
+def _setting_not_text(file, line, key, flag, value, item, written, choices):
+    """`written`: the value as the YAML file has it (None for JSON, where the file's own type shows)."""
+    takes = f"one of {', '.join(choices)}" if choices else "a path or a name"
+    if written is not None:
+        why = (" (yes/no/on/off are booleans to YAML 1.1)" if isinstance(value, bool)
+               else " (a leading 0 makes an octal number to YAML 1.1)" if written.lstrip("+-").startswith("0") else "")
+        how, text = f"YAML reads the unquoted {written} as {_typed(value)}{why}", written
+    else:
+        how, text = f"the file gives {_typed(value)}", None if isinstance(value, bool) else str(value)
+    spelled = "" if item is not None else f'"{key}": ' if str(file).endswith(".json") else f"{key}: "
+    fix = f'Quote it: {spelled}"{text}"' if text is not None else "Write the text you mean, in quotes"
+    where = f"{file}, line {line}" if line is not None else file
+    shown = repr(value) if isinstance(value, (int, float)) else str(value)
+    of_list = "" if item is None else f" (item {item} of its list)"
+    return f"{where}: setting {key} = {shown}{of_list} is invalid: {key} takes text ({takes}), and {how}. {fix}."
+
+
+@renders("runtime.setting-missing", example=dict(flags=["--cache", "--output-dir"]))
+def _setting_missing(flags):
+    return f"Missing {', '.join(flags)}: give it on the command line or in the --config file."
+
+
+@renders("runtime.flag-deprecated", example=dict(flag="--num-draft-layers", now="--num-captured-layers"))
+def _flag_deprecated(flag, now):
+    return f"{flag} is deprecated: it is {now}."
+
+
+@renders("runtime.flag-deprecated-and-new", example=dict(flag="--num-draft-layers", now="--num-captured-layers"))
+def _flag_deprecated_and_new(flag, now):
+    return f"{flag} is the deprecated name of {now}: give only {now}."
+
+
+@renders("runtime.settings-invalid", example=dict(error="__init__() got an unexpected keyword argument 'x'"))
+def _settings_invalid(error):
+    return f"Invalid settings: {error}."
+
+
 # -- devices and dtypes (runtime/devices.py) ---------------------------------------------------
 
 

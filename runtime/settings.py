@@ -53,8 +53,9 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .config import config_key, how_the_file_gives, read_config_file
+from .config import config_key, read_config_file, yaml_source
 from .errors import DflashError, SettingError
+from .findings import Finding, emit
 
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 _SECTION = "__dflash_section__"
@@ -349,23 +350,18 @@ def config_keys(settings: Mapping[str, Setting]) -> dict[str, str]:
 
 
 def _fail(where: str, s: Setting, value: Any, why: str, error: type[DflashError]) -> DflashError:
-    why = why.rstrip(".")
-    return error(f"{where}: setting {s.name} = {value!r} is invalid: {why}. Write a value that the "
-                        f"flag {s.flag} takes (see --help), or leave the key out.")
+    return error(Finding("runtime.setting-invalid", file=where, key=s.name, flag=s.flag, value=value,
+                         reason=why.rstrip(".")))
 
 
 def _not_text(where: str, s: Setting, value: Any, index: int | None, error: type[DflashError]) -> DflashError:
     """A value of another type for a setting of text: refused with its fix, never turned into text
     (YAML's unquoted 0755 would become the path "493")."""
     choices = getattr(s.option.type, "choices", None)
-    takes = f"one of {', '.join(choices)}" if choices else "a path or a name"
-    where, how, text = how_the_file_gives(where, {s.name, config_key(s.flag)}, value, index)
-    key = "" if index is not None else f'"{s.name}": ' if where.endswith(".json") else f"{s.name}: "
-    fix = f'Quote it: {key}"{text}"' if text is not None else "Write the text you mean, in quotes"
-    item = "" if index is None else f" (item {index + 1} of its list)"
-    shown = repr(value) if isinstance(value, (int, float)) else str(value)
-    return error(f"{where}: setting {s.name} = {shown}{item} is invalid: {s.name} takes text ({takes}), "
-                 f"and {how}. {fix}.")
+    written = yaml_source(where, {s.name, config_key(s.flag)}, index)
+    return error(Finding("runtime.setting-not-text", file=where, line=written[1] if written else None,
+                         key=s.name, flag=s.flag, value=value, item=None if index is None else index + 1,
+                         written=written[0] if written else None, choices=list(choices) if choices else None))
 
 
 def _convert_one(s: Setting, value: Any, where: str, error: type[DflashError], index: int | None = None) -> Any:
@@ -428,11 +424,13 @@ def read_settings_file(
     keys = config_keys(settings)
     raw = read_config_file(path, keys, error, aliases=deprecated, listed=list(settings))
     values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in raw.items():
         name = keys[key]
-        if name in values:
-            raise error(f"{path} sets {name} twice (as {key} and {name}); keep one.")
-        values[name] = convert_file_value(settings[name], value, str(path), error)
+        if name in values:  # the spelling that is not the setting's own name
+            raise error(Finding("runtime.config-key-twice", file=str(path), key=name,
+                                spelling=spelled[name] if key == name else key))
+        values[name], spelled[name] = convert_file_value(settings[name], value, str(path), error), key
     return values
 
 
@@ -451,7 +449,7 @@ def build_settings(cls: type, values: Mapping[str, Any], *, error: type[DflashEr
     settings = settings_of(cls)
     missing = [s.flag for n, s in settings.items() if s.default() is MISSING and values.get(n) in (None, "", [])]
     if missing:
-        raise error(f"Missing {', '.join(missing)}: give it on the command line or in the --config file.")
+        raise error(Finding("runtime.setting-missing", flags=missing))
     top: dict[str, Any] = {}
     sections: dict[str, dict[str, Any]] = {}
     for name, value in values.items():
@@ -546,17 +544,17 @@ def settings_options(
             for old, new in deprecated.items():
                 if ctx.get_parameter_source(old) in GIVEN:
                     if ctx.get_parameter_source(new) in GIVEN:
-                        raise error(f"--{old.replace('_', '-')} is the deprecated name of "
-                                           f"{chosen[new].flag}: give only {chosen[new].flag}.")
-                    click.echo(f"Warning: --{old.replace('_', '-')} is deprecated: it is {chosen[new].flag}.",
-                               err=True)
+                        raise error(Finding("runtime.flag-deprecated-and-new", flag=f"--{old.replace('_', '-')}",
+                                            now=chosen[new].flag))
+                    emit(Finding("runtime.flag-deprecated", flag=f"--{old.replace('_', '-')}", now=chosen[new].flag),
+                         prefix="Warning: ")
                     values[new] = flags[old]
             values.update(given_flags(ctx, flags, cls))
             if build:
                 try:
                     kwargs["settings"] = build_settings(cls, values, error=error)
                 except TypeError as e:
-                    raise error(f"Invalid settings: {e}.") from e
+                    raise error(Finding("runtime.settings-invalid", error=str(e))) from e
             else:
                 kwargs["settings"] = values
             return f(**kwargs)

@@ -253,7 +253,9 @@ def test_every_text_setting_of_every_command_refuses_a_yaml_number(tmp_path):
             path.write_text(f"{name}: 0755\n")
             with pytest.raises(SettingError) as refused:
                 read_settings_file(settings_of(cls), path)
-            assert f"line 1: setting {name} = 493" in str(refused.value) and '"0755"' in str(refused.value)
+            assert refused.value.code == "runtime.setting-not-text"
+            assert {k: refused.value.fields[k] for k in ("file", "line", "key", "value", "written")} == dict(
+                file=str(path), line=1, key=name, value=493, written="0755")
             checked.add(name)
     assert {"output", "output_dir", "cache", "target_model", "init_drafter", "workdir", "data"} <= checked
     assert "disk_budget" not in checked  # a size: a number of bytes means what it says
@@ -294,3 +296,39 @@ def test_sections_are_flat_flags_and_keys_and_come_back_nested(tmp_path):
     assert "--depth INTEGER" in help_text and "How deep.  [default: 2]" in help_text and "[a|b]" in help_text
     missing = CliRunner().invoke(main, [])
     assert missing.exit_code == 2 and "Missing --name" in missing.stderr
+
+
+@dataclass(kw_only=True)
+class _Spelled:
+    name: str
+    """A name."""
+    prompt_files: list[str] = setting(default_factory=list, flag="--prompts")
+    """Files."""
+
+
+def test_the_settings_layers_refusals_and_notice_are_findings_naming_file_key_and_flag(tmp_path):
+    from dflash.runtime.errors import SettingError
+    from dflash.runtime.findings import collected
+    from dflash.runtime.settings import build_settings, read_settings_file
+
+    with pytest.raises(SettingError) as missing:
+        build_settings(_Settings, {})
+    assert (missing.value.code, missing.value.fields) == ("runtime.setting-missing", {"flags": ["--name"]})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"prompts": ["a"], "prompt_files": ["b"]}))
+    with pytest.raises(SettingError) as twice:
+        read_settings_file(settings_of(_Spelled), path)
+    assert twice.value.code == "runtime.config-key-twice"
+    assert twice.value.fields == {"file": str(path), "key": "prompt_files", "spelling": "prompts"}
+
+    @click.command()
+    @settings_options(_Settings, deprecated={"title": "name"})
+    def main(settings: _Settings) -> None:
+        pass
+
+    both = CliRunner().invoke(main, ["--title", "x", "--name", "y"])
+    assert isinstance(both.exception, SettingError) and both.exception.code == "runtime.flag-deprecated-and-new"
+    assert both.exception.fields == {"flag": "--title", "now": "--name"}
+    with collected(echo=False) as found:
+        assert CliRunner().invoke(main, ["--title", "x"]).exit_code == 0
+    assert [(f.code, f.fields) for f in found] == [("runtime.flag-deprecated", {"flag": "--title", "now": "--name"})]

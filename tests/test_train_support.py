@@ -127,8 +127,11 @@ def test_config_file_values_are_overridden_by_flags_and_unknown_keys_are_errors(
         load_config_file(path)
     assert err.value.code == "runtime.config-unknown-keys" and err.value.fields["unknown"] == ["learning_rate"]
     path.write_text(json.dumps({"cache": "c", "target_model": "t", "output_dir": "o", "epochs": "many"}))
-    with pytest.raises(TrainConfigError, match="epochs = 'many' is invalid"):
+    with pytest.raises(TrainConfigError) as err:
         make_config(load_config_file(path), {})
+    assert err.value.code == "runtime.setting-invalid"
+    assert {k: err.value.fields[k] for k in ("file", "key", "flag", "value")} == dict(
+        file=str(path), key="epochs", flag="--epochs", value="many")
     yaml_path = tmp_path / "train.yaml"
     yaml_path.write_text("cache: [a, b]\ntarget-model: t\noutput_dir: o\nmax_steps: 5\n")
     pytest.importorskip("yaml")
