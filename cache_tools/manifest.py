@@ -397,13 +397,6 @@ def read_manifest(cache_dir: str | os.PathLike) -> Manifest:
     return Manifest(cache_dir=cache_dir, header=header, parts=log.parts())
 
 
-def diff_identity(expected: dict[str, Any], found: dict[str, Any], prefix: str = "") -> list[str]:
-    """Human-readable list of the keys where two identities differ (recursing into dicts, and
-    into lists of dicts of one length by index), each value shortened: the keys that differ, never a
-    dump of both identities."""
-    return [f"{key}: cache has {b}, requested {a}" for key, a, b in value_differences(expected, found, prefix)]
-
-
 def value_differences(a: Any, b: Any, prefix: str = "") -> list[list[str]]:
     """[dotted key, a's value, b's value] (values shortened) wherever two identities differ
     (recursing into dicts, and into lists of dicts of one length by index)."""

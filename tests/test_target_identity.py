@@ -94,7 +94,10 @@ def test_a_different_model_is_still_refused(two_copies, tmp_path):
         train(tiny_train_config([two_copies["root"] / "cache-a"], other, tmp_path / "run", max_steps=1))
     assert e.value.code == "train.cache-other-target" and e.value.fields["target"] == str(other)
     assert e.value.fields["cache"] == str(two_copies["root"] / "cache-a")
-    assert [d.split(":")[0] for d in e.value.fields["differences"]] == ["config_hash"]
+    [[key, in_cache, in_target]] = e.value.fields["differences"]  # [key, the cache's, the target's]
+    assert key == "config_hash" and in_cache != in_target
+    assert in_cache == repr(read_manifest(two_copies["root"] / "cache-a").header["target"]["config_hash"])
+    assert e.value.fields["missing_layers"] is None
 
 
 def _cache_of(model, two_copies, tmp_path):

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from conftest import random_records, tiny_train_config, write_jsonl
 from dflash.cache_tools.cli import main as cache_main
 from dflash.cache_tools.identity import weights_hash, weights_hashes_path
-from dflash.cache_tools.manifest import HEADER_FILE
+from dflash.cache_tools.manifest import HEADER_FILE, read_manifest
 from dflash.runtime.errors import MismatchError
 from dflash.runtime.findings import collected
 from dflash.train.run.checkpoint import export_checkpoint
@@ -80,7 +80,9 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
         train(tiny_train_config(cache, two_models["first"], run, max_steps=2, resume=True, **settings))
     assert err.value.code == "train.resume-other-run"
     assert err.value.fields["checkpoint"] == str(run / "checkpoints" / "step-000001")
-    assert [d.split(":")[0] for d in err.value.fields["differences"]] == ["target.weights_hash"]
+    [[key, in_checkpoint, in_this_run]] = err.value.fields["differences"]  # [key, the checkpoint's, this run's]
+    assert key == "target.weights_hash" and in_checkpoint != in_this_run
+    assert in_this_run == repr(read_manifest(cache).header["target"]["weights_hash"])  # the first's, as the cache
     with collected() as said:
         assert train(tiny_train_config(cache, two_models["first"], tmp_path / "run2", max_steps=1, **settings)).step == 1
     assert "cache.target-weights-differ" not in [f.code for f in said]

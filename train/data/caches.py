@@ -55,16 +55,16 @@ def check_cache_target(manifest: Manifest, target_config: Any, target_dir: str, 
     Returns notices for the run to emit: the target's weights differ from the cache's (same
     config), the cache is still being written (unless `caches` follow it)."""
     current = target_identity(target_config, target_dir)
-    diffs = [f"{k}: cache has {b!r}, target has {a!r}"
+    diffs = [(k, repr(b), repr(a))  # [key, the cache's, the target's]
              for k, a, b in target_differences(current, manifest.header.get("target"), Purpose.TRAIN)]
     if manifest.hidden_size != target_config.hidden_size:
-        diffs.append(f"hidden.hidden_size: cache has {manifest.hidden_size}, target has {target_config.hidden_size}")
+        diffs.append(("hidden.hidden_size", repr(manifest.hidden_size), repr(target_config.hidden_size)))
     bad_layers = [i for i in manifest.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
-    if bad_layers:
-        diffs.append(f"target_layer_ids {bad_layers} do not exist in a {target_config.num_hidden_layers}-layer target")
-    if diffs:
-        raise ConfigMismatchError(Finding("train.cache-other-target", cache=str(manifest.cache_dir),
-                                          target=str(target_dir), differences=list(dict.fromkeys(diffs))))
+    if diffs or bad_layers:
+        raise ConfigMismatchError(Finding(
+            "train.cache-other-target", cache=str(manifest.cache_dir), target=str(target_dir),
+            differences=[list(d) for d in dict.fromkeys(diffs)], missing_layers=bad_layers or None,
+            num_layers=target_config.num_hidden_layers))
     validate_target_layer_ids(manifest.target_layer_ids, target_config.num_hidden_layers, purpose="cache",
                               cache=str(manifest.cache_dir))
     notes = [weights_note(manifest.header.get("target"), current, cache=str(manifest.cache_dir), target=str(target_dir)),

@@ -8,10 +8,14 @@ from dflash.runtime.findings import renders
 _ELSEWHERE = "Give a cache extracted from other data as --eval-cache, or leave it out (a held-out split of --cache is used)."
 
 
-@renders("train.cache-other-target", example=dict(cache="cache", target="models/Qwen3-8B",
-                                                  differences=["architecture: cache has 'LlamaForCausalLM', target has 'Qwen3ForCausalLM'"]))
-def _cache_other_target(cache, target, differences):
-    return (f"The cache at {cache} was not extracted from the target model at {target}: {'; '.join(differences)}. "
+@renders("train.cache-other-target", example=dict(
+    cache="cache", target="models/Qwen3-8B", differences=[["architecture", "'LlamaForCausalLM'", "'Qwen3ForCausalLM'"]],
+    missing_layers=[40], num_layers=36))
+def _cache_other_target(cache, target, differences, missing_layers, num_layers):
+    shown = [f"{key}: cache has {found}, target has {want}" for key, found, want in differences]
+    if missing_layers:
+        shown.append(f"target_layer_ids {missing_layers} do not exist in a {num_layers}-layer target")
+    return (f"The cache at {cache} was not extracted from the target model at {target}: {'; '.join(shown)}. "
             "Pass the --target-model the cache was extracted with.")
 
 

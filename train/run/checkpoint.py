@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from dflash.cache_tools.identity import unrecorded_weights_note
-from dflash.cache_tools.manifest import diff_identity
+from dflash.cache_tools.manifest import value_differences
 from dflash.runtime.errors import CorruptDataError, InputError
 from dflash.runtime.findings import Finding
 from dflash.runtime.fsio import remove_dir, staged_dir, sweep_stale_temps
@@ -326,17 +326,16 @@ def check_resume(saved_identity: dict[str, Any], identity: dict[str, Any], path:
     if (note := unrecorded_weights_note(saved_target, target, purpose="checkpoint", path=str(path))) is not None:
         notes.append(note)
         current["target"] = {k: v for k, v in target.items() if k != "weights_hash"}
-    diffs = diff_identity(current, saved_identity)
+    diffs = value_differences(saved_identity, current)  # [key, the checkpoint's, this run's]
     if diffs:
-        shown = [d.replace("cache has", "checkpoint has").replace("requested", "this run has") for d in diffs]
-        grown = any(d.startswith("caches[") and (".samples:" in d or ".tokens:" in d) for d in diffs)
+        grown = any(key.startswith("caches[") and key.endswith((".samples", ".tokens")) for key, _, _ in diffs)
         # (a run identity without drafter_type is a DFlash drafter's: heads.get_head(None))
         was = (saved_identity.get("model") or {}).get("drafter_type")
         now = (current.get("model") or {}).get("drafter_type")
         default_changed = (was != now and now == DrafterSettings.drafter_type  # the default became `now` since
                            and (was is None or was in head_names()))
         raise ResumeMismatchError(Finding(
-            "train.resume-other-run", checkpoint=str(path), differences=shown, grown=grown,
+            "train.resume-other-run", checkpoint=str(path), differences=diffs, grown=grown,
             default_head=[get_head(was).name, get_head(now).name] if default_changed else None))
     return notes
 

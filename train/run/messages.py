@@ -95,10 +95,11 @@ def _checkpoint_pickled(file, checkpoint, pickled):
 
 
 @renders("train.resume-other-run", example=dict(
-    checkpoint="run/checkpoints/step-000400", differences=["batching.token_budget: checkpoint has 128, this run has 96"],
+    checkpoint="run/checkpoints/step-000400", differences=[["batching.token_budget", "128", "96"]],
     grown=False, default_head=["dflash", "dflash2"]))
 def _resume_other_run(checkpoint, differences, grown, default_head):
-    shown = "; ".join(differences[:8]) + ("; ..." if len(differences) > 8 else "")
+    shown = "; ".join(f"{key}: checkpoint has {saved}, this run has {now}" for key, saved, now in differences[:8])
+    shown += "; ..." if len(differences) > 8 else ""
     text = (f"Cannot resume from {checkpoint}: it was trained with other data, target or batching/model settings: "
             f"{shown}.")
     if grown:
