@@ -93,7 +93,8 @@ def test_training_warns_on_a_cache_of_other_weights_and_refuses_to_resume_with_t
     export_checkpoint(next((run / "checkpoints").glob("step-*")), export)
     estimated = estimate_drafter(str(export), {"cache": [str(cache)], "target_model": str(two_models["second"]),
                                                "num_workers": 0, "block_size": 4, "eval_fraction": 0.0})
-    assert any("has other weights" in note for note in estimated["notes"])
+    assert "cache.target-weights-differ" in estimated["note_codes"]
+    assert len(estimated["note_codes"]) == len(estimated["notes"])
     assert f"Note: The cache at {cache} has other weights" in format_estimate(estimated)
 
 
@@ -105,8 +106,9 @@ def test_estimate_with_another_target_than_the_drafter_was_trained_against_says_
     train(tiny_train_config(cache, two_models["first"], run, max_steps=1, epochs=1, eval_fraction=0.0))
     settings = {"cache": [str(cache)], "num_workers": 0, "block_size": 4, "eval_fraction": 0.0}
     mine = estimate_drafter(str(run / "final"), {**settings, "target_model": str(two_models["first"])})
-    assert not any("another target" in note for note in mine.get("notes", []))
+    assert "train.drafter-other-target" not in mine.get("note_codes", [])
     other = estimate_drafter(str(run / "final"), {**settings, "target_model": str(two_models["second"])})
+    assert "train.drafter-other-target" in other["note_codes"]
     said = f"Note: The drafter {run / 'final'} was trained against another target ({two_models['first'].resolve()}) "
     assert said + f"than {two_models['second'].resolve()}: weights_hash " in format_estimate(other)
 

@@ -61,8 +61,9 @@ def _evaluate(cfg: TrainConfig, data: TrainingData, target_config: Any, device: 
     notices = list(check_cache_target(manifest, target_config, cfg.model.target_model))
     if finding := training_target_finding(path, target_config, cfg.model.target_model):  # (as dflash-eval says it)
         notices.append(finding)
-    # the result is JSON: its notes are the notices' paragraphs
-    notes = [text[0].upper() + text[1:] for text in (str(n) for n in notices if n) if text]
+    # the result is JSON: its notes are the notices' paragraphs, and note_codes their codes, in order
+    said = [(n.code, str(n)) for n in notices if n and str(n)]
+    notes = [text[0].upper() + text[1:] for _, text in said]
     try:  # float32 weights: the trainer's master weights (--dtype bf16 is autocast over them, as in training)
         drafter = load_drafter(path, cfg.model.target_model, attention_backend=cfg.model.attention_backend)
     except (OSError, ValueError) as e:
@@ -83,7 +84,7 @@ def _evaluate(cfg: TrainConfig, data: TrainingData, target_config: Any, device: 
     # checked against their own tokens, as without top-1 (format_estimate says how many).
     return {"drafter": str(path), "cache": list(cfg.data.cache), "block_size": drafter.config.block_size,
             "samples": len(data.eval_indices), "without_top1": data.eval_without_top1, **result,
-            **({"notes": notes} if notes else {})}
+            **({"notes": notes, "note_codes": [code for code, _ in said]} if notes else {})}
 
 
 def format_estimate(result: dict[str, Any]) -> str:
