@@ -336,7 +336,7 @@ def read_header(cache_dir: Path) -> dict[str, Any]:
         raise CacheCorruptError(Finding("cache.manifest-lacks-keys", file=str(path), missing=missing))
     problem = header_problem(header)
     if problem:
-        raise CacheCorruptError(Finding("cache.manifest-invalid", file=str(path), problem=problem))
+        raise CacheCorruptError(Finding("cache.manifest-invalid", file=str(path), **problem))
     return header
 
 
@@ -344,47 +344,52 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def header_problem(header: dict[str, Any]) -> str | None:
+def header_problem(header: dict[str, Any]) -> dict[str, Any] | None:
     """What in a header's own format is wrong (a hand edit: a wrong type, a field that
-    disagrees with another), or None; the parts are checked against a sound header elsewhere."""
+    disagrees with another), or None; the parts are checked against a sound header elsewhere.
+    As the fields of cache.manifest-invalid: the key, the problem's code (messages._HEADER_PROBLEMS),
+    the value found (shortened) and what was expected there."""
     from .schema import TOP1_DTYPES
+
+    def found(key: str, problem: str, value: Any, expected: Any = None) -> dict[str, Any]:
+        return {"key": key, "problem": problem, "value": _short(value), "expected": expected}
 
     ids, hidden, extras = header["target_layer_ids"], header["hidden"], header["extras"]
     for key in ("target", "hidden", "extras", "data", "settings", "producer", "provenance"):
         if key in header and not isinstance(header[key], dict):
-            return f"{key} is {_short(header[key])}, not an object"
+            return found(key, "not-an-object", header[key])
     if not isinstance(ids, list) or not ids or not all(_is_int(x) and x >= 0 for x in ids):
-        return f"target_layer_ids is {_short(ids)}, not a list of layer numbers"
+        return found("target_layer_ids", "not-layer-ids", ids)
     # Repeated or unsorted ids are not a hand edit: caches of the old layer rule hold them, and the
     # layer rule (layers.validate_target_layer_ids) refuses them where they are used, saying why.
     if not isinstance(hidden.get("codec"), dict):
-        return f"hidden.codec is {_short(hidden.get('codec'))}, not an object"
+        return found("hidden.codec", "not-an-object", hidden.get("codec"))
     try:
         codec = HiddenCodec.from_dict(hidden["codec"])
-    except (CacheError, TypeError, ValueError) as e:
-        return f"hidden.codec: {e}".rstrip(".")
+    except (CacheError, TypeError, ValueError) as e:  # the codec's own refusal, as its finding
+        return found("hidden.codec", "codec-refused", hidden["codec"], getattr(e, "finding", None) or str(e))
     for key in ("hidden_size", "chunk_rows", "shard_rows"):
         if not _is_int(hidden.get(key)) or hidden[key] <= 0:
-            return f"hidden.{key} is {_short(hidden.get(key))}, not a positive integer"
+            return found(f"hidden.{key}", "not-positive", hidden.get(key))
     if hidden["shard_rows"] % hidden["chunk_rows"]:
-        return f"hidden.shard_rows {hidden['shard_rows']} is not a multiple of hidden.chunk_rows {hidden['chunk_rows']}"
+        return found("hidden.shard_rows", "not-a-multiple", hidden["shard_rows"], hidden["chunk_rows"])
     if "num_layers" in hidden and hidden["num_layers"] != len(ids):
-        return f"hidden.num_layers is {_short(hidden['num_layers'])}, but target_layer_ids names {len(ids)} layers"
+        return found("hidden.num_layers", "layer-count", hidden["num_layers"], len(ids))
     if "storage_dtype" in hidden and hidden["storage_dtype"] != codec.storage_dtype.name:
-        return (f"hidden.storage_dtype is {_short(hidden['storage_dtype'])}, but the codec {codec.name} stores "
-                f"{codec.storage_dtype.name}")
+        return found("hidden.storage_dtype", "storage-dtype", hidden["storage_dtype"],
+                     [codec.name, codec.storage_dtype.name])
     if not isinstance(extras.get("last_hidden", False), bool):
-        return f"extras.last_hidden is {_short(extras['last_hidden'])}, not true or false"
+        return found("extras.last_hidden", "not-bool", extras["last_hidden"])
     if not _is_int(extras.get("topk", 0)) or extras.get("topk", 0) < 0:
-        return f"extras.topk is {_short(extras['topk'])}, not a count"
+        return found("extras.topk", "not-a-count", extras["topk"])
     if extras.get("top1") and extras["top1"] not in TOP1_DTYPES:
-        return f"extras.top1 is {_short(extras['top1'])}, not one of {', '.join(TOP1_DTYPES)}"
+        return found("extras.top1", "not-top1-dtype", extras["top1"], list(TOP1_DTYPES))
     if "top1_share" in extras:
         share = extras["top1_share"]
         if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share < 1:
-            return f"extras.top1_share is {_short(share)}, not a share between 0 and 1"
+            return found("extras.top1_share", "not-a-share", share)
         if not extras.get("top1"):
-            return "extras.top1_share is set, but extras.top1 says the cache stores no top-1"
+            return found("extras.top1_share", "share-without-top1", share)
     return None
 
 

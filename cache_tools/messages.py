@@ -749,12 +749,30 @@ def _manifest_lacks_keys(file, missing):
             "a new cache.")
 
 
-@renders("cache.manifest-invalid", example=dict(file="cache/manifest.json", problem="hidden.num_layers is 3, "
-                                                                                   "target_layer_ids names 2"))
-def _manifest_invalid(file, problem):
-    return (f"{file} is not a valid cache manifest: {problem}. The manifest was edited or damaged (the parts were "
-            "written as the header first said): undo the edit or restore manifest.json from a backup, or re-extract "
-            "into a new cache. `dflash-cache verify` cannot check parts against it.")
+_HEADER_PROBLEMS = {  # manifest.header_problem's codes
+    "not-an-object": "{key} is {value}, not an object",
+    "not-layer-ids": "{key} is {value}, not a list of layer numbers",
+    "codec-refused": "{key}: {expected}",
+    "not-positive": "{key} is {value}, not a positive integer",
+    "not-a-multiple": "{key} {value} is not a multiple of hidden.chunk_rows {expected}",
+    "layer-count": "{key} is {value}, but target_layer_ids names {expected} layers",
+    "storage-dtype": "{key} is {value}, but the codec {expected[0]} stores {expected[1]}",
+    "not-bool": "{key} is {value}, not true or false",
+    "not-a-count": "{key} is {value}, not a count",
+    "not-top1-dtype": "{key} is {value}, not one of {top1}",
+    "not-a-share": "{key} is {value}, not a share between 0 and 1",
+    "share-without-top1": "{key} is set, but extras.top1 says the cache stores no top-1",
+}
+
+
+@renders("cache.manifest-invalid", example=dict(file="cache/manifest.json", key="hidden.num_layers",
+                                                problem="layer-count", value="3", expected=2))
+def _manifest_invalid(file, key, problem, value, expected):
+    top1 = ", ".join(expected) if problem == "not-top1-dtype" else None
+    what = _HEADER_PROBLEMS[problem].format(key=key, value=value, expected=expected, top1=top1)
+    return (f"{file} is not a valid cache manifest: {str(what).rstrip('.')}. The manifest was edited or damaged (the "
+            "parts were written as the header first said): undo the edit or restore manifest.json from a backup, or "
+            "re-extract into a new cache. `dflash-cache verify` cannot check parts against it.")
 
 
 _WRITER = {"extraction": "this extraction", "import": "this import", "recompress": "this recompression",

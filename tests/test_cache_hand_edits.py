@@ -15,19 +15,25 @@ from dflash.cache_tools.manifest import LOG_FILE
 from dflash.cache_tools.reader import CacheReader
 from test_cache_cli import make_cache
 
-EDITS = {
+EDITS = {  # the edit, the paragraph's words, and the finding's key and problem code
     "hidden_size is a string": (lambda h: h["hidden"].update(hidden_size="32x"),
-                                "hidden.hidden_size is '32x', not a positive integer"),
-    "chunk_rows removed": (lambda h: h["hidden"].pop("chunk_rows"), "hidden.chunk_rows is None"),
-    "extras null": (lambda h: h.update(extras=None), "extras is None, not an object"),
+                                "hidden.hidden_size is '32x', not a positive integer", "hidden.hidden_size",
+                                "not-positive"),
+    "chunk_rows removed": (lambda h: h["hidden"].pop("chunk_rows"), "hidden.chunk_rows is None", "hidden.chunk_rows",
+                           "not-positive"),
+    "extras null": (lambda h: h.update(extras=None), "extras is None, not an object", "extras", "not-an-object"),
     "layers as text": (lambda h: h.update(target_layer_ids="1,5"),
-                       "target_layer_ids is '1,5', not a list of layer numbers"),
+                       "target_layer_ids is '1,5', not a list of layer numbers", "target_layer_ids", "not-layer-ids"),
     "a layer dropped alone": (lambda h: h.update(target_layer_ids=[1]),
-                              "hidden.num_layers is 2, but target_layer_ids names 1 layers"),
+                              "hidden.num_layers is 2, but target_layer_ids names 1 layers", "hidden.num_layers",
+                              "layer-count"),
     "codec renamed alone": (lambda h: h["hidden"]["codec"].update(name="fp8"),
-                            "hidden.storage_dtype is 'uint16', but the codec fp8 stores uint8"),
-    "codec unknown": (lambda h: h["hidden"]["codec"].update(name="zzz"), "hidden.codec: Unknown codec 'zzz'"),
-    "topk a string": (lambda h: h["extras"].update(topk="x"), "extras.topk is 'x', not a count"),
+                            "hidden.storage_dtype is 'uint16', but the codec fp8 stores uint8", "hidden.storage_dtype",
+                            "storage-dtype"),
+    "codec unknown": (lambda h: h["hidden"]["codec"].update(name="zzz"), "hidden.codec: Unknown codec 'zzz'",
+                      "hidden.codec", "codec-refused"),
+    "topk a string": (lambda h: h["extras"].update(topk="x"), "extras.topk is 'x', not a count", "extras.topk",
+                      "not-a-count"),
 }
 
 
@@ -39,7 +45,7 @@ def flat(text: str) -> str:
 def test_a_hand_edited_header_is_named_as_the_damaged_file(tmp_path, edit):
     cache = tmp_path / "c"
     make_cache(cache)
-    change, problem = EDITS[edit]
+    change, problem, key, code = EDITS[edit]
     header = json.loads((cache / "manifest.json").read_text())
     change(header)
     (cache / "manifest.json").write_text(json.dumps(header))
@@ -52,6 +58,7 @@ def test_a_hand_edited_header_is_named_as_the_damaged_file(tmp_path, edit):
     with pytest.raises(CacheCorruptError) as err:
         CacheReader(cache)
     assert err.value.code == "cache.manifest-invalid" and err.value.fields["file"] == str(cache / "manifest.json")
+    assert (err.value.fields["key"], err.value.fields["problem"]) == (key, code)
 
 
 def test_a_hand_edited_commit_record_names_the_log_line_and_the_command_that_repairs_it(tmp_path):

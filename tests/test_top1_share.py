@@ -347,4 +347,5 @@ def test_caches_of_two_shares_train_together_and_a_hand_edited_share_is_named(tm
     with pytest.raises(CacheCorruptError) as err:
         read_manifest(a)
     assert err.value.code == "cache.manifest-invalid" and err.value.fields["file"] == str(a / "manifest.json")
-    assert err.value.fields["problem"].startswith("extras.top1_share is 1.5")  # the key and its value (prose)
+    assert (err.value.fields["key"], err.value.fields["problem"], err.value.fields["value"]) == \
+        ("extras.top1_share", "not-a-share", "1.5")  # the key, what is wrong with it and its value
