@@ -13,6 +13,7 @@ import torch
 from conftest import tiny_train_config
 from dflash.cache_tools.cache_set import CacheSet
 from dflash.cache_tools.sample_scores import heldout_scores
+from dflash.runtime.findings import collected
 from dflash.runtime.lookup import lookup_walk
 from dflash.train.data.loader import sample_tensors
 from dflash.train.run.loop import train
@@ -52,14 +53,17 @@ def walk(record: dict) -> tuple[int, int]:
 
 
 def run(tmp_path, name: str, repetitive: set[int], capsys, *extract_args: str
-        ) -> tuple[dict, str, list[dict], list[str]]:
+        ) -> tuple[dict, str, list[dict], list]:
+    """(the last evaluation's record, the run's last line, the records in cache order, the
+    startup's findings that the held-out samples are unlike the rest)."""
     data = extract_records(tmp_path / name, records(repetitive), *extract_args)
-    train(tiny_train_config(data["cache"], data["target"], tmp_path / name / "run", block_size=BLOCK,
-                            eval_fraction=FRACTION, eval_interval=2, max_steps=2, save_interval=2))
+    with collected() as found:
+        train(tiny_train_config(data["cache"], data["target"], tmp_path / name / "run", block_size=BLOCK,
+                                eval_fraction=FRACTION, eval_interval=2, max_steps=2, save_interval=2))
     evals = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
     lines = capsys.readouterr().out.splitlines()
     last = [line for line in lines if line.startswith("done: ")][-1]
-    notes = [line for line in lines if line.startswith(("Note: The held-out text", "Note: The target is"))]
+    notes = [f for f in found if f.code.startswith("train.heldout-unlike-")]
     ids = CacheSet([str(data["cache"])], max_seq_len=64).sample_ids()  # cache order -> record index
     return [r for r in evals if r.get("kind") == "eval"][-1], last, [data["records"][i] for i in ids], notes
 
@@ -87,8 +91,9 @@ def test_a_split_that_drew_repetitive_documents_is_said_to_be_unlike_the_rest(tm
     assert "can read high or low" in last and "likely reads" not in last
     # The startup says so before any step, with the same figures, while the flags can still change.
     [note] = notes
-    assert f"walks {record['lookup_text_heldout']:.3f} along the held-out samples" in note
-    assert "may read high or low" in note and "--eval-fraction" in note
+    assert note.code == "train.heldout-unlike-text" and note.fields["ahead"] is True
+    assert f"{note.fields['held']:.3f}" == f"{record['lookup_text_heldout']:.3f}"
+    assert note.fields["said_to_measure"] is False  # so its paragraph gives the fix (--eval-fraction)
 
 
 def test_a_split_the_target_is_surer_of_is_said_to_read_high_with_the_corrected_figure(tmp_path, capsys,
@@ -109,11 +114,21 @@ def test_a_split_the_target_is_surer_of_is_said_to_read_high_with_the_corrected_
     # the text figure is not the note's when the confidence is there (it pointed the wrong way on code)
     assert "repeats itself" not in last
     [note] = notes
-    assert figures in note and ("will likely read high" if high else "will likely read low") in note
+    assert note.code == "train.heldout-unlike-confidence" and note.fields["ahead"] is True
+    shown = {k: f"{note.fields[k]:.3f}" for k in ("held", "training")}
+    assert shown == {"held": f"{record['confidence_heldout']:.3f}", "training": f"{record['confidence_training']:.3f}"}
+    assert note.fields["samples"] == record["confidence_training_samples"]
 
 
 def test_the_note_on_unlike_samples_says_the_confidence_s_direction_and_the_text_s_none():
-    from dflash.train.measure.reporting import unlike_heldout
+    from dflash.train.measure.reporting import unlike_heldout, unlike_heldout_finding
+
+    found = unlike_heldout_finding([1.7, 2.0, 512], [0.850, 0.804, 512], 7.22)
+    assert (found.code, found.fields) == ("train.heldout-unlike-confidence", dict(
+        held=0.850, training=0.804, samples=512, adjusted=7.22, ahead=False, said_to_measure=False))
+    assert unlike_heldout_finding([1.2, 2.0, 512], None).code == "train.heldout-unlike-text"
+    assert unlike_heldout_finding([1.2, 2.0, 512], [0.81, 0.804, 512]) is None
+    # the renderers' words: the confidence's direction, the text's none
 
     surer = unlike_heldout([1.7, 2.0, 512], [0.850, 0.804, 512], 7.22)
     assert "surer" in surer and "likely reads high" in surer and "reads 7.220" in surer and "+5.7 %" in surer

@@ -40,7 +40,7 @@ from dflash.train.data.follow import (
 )
 from dflash.train.data.heldout import cap_by_score, eval_split, without_top1
 from dflash.train.data.loader import TrainLoader, eval_batches
-from dflash.train.measure.reporting import unlike_heldout
+from dflash.train.measure.reporting import unlike_heldout_finding
 
 FEW_HELDOUT = 100  # fewer evaluated samples than this: the summary says the held-out tau is noisy
 FEW_HELDOUT_GROUPS = 64  # fewer held-out groups than this: the summary says the estimate rests on too few documents
@@ -172,10 +172,10 @@ class TrainingData:
             self._text_lookup[block_size] = None if chosen is None else _walked_text(self.caches, chosen, block_size)
         return self._text_lookup[block_size]
 
-    def unlike_heldout_note(self, block_size: int) -> str:
+    def unlike_heldout_note(self, block_size: int) -> Finding | None:
         """The startup's note when the held-out samples are unlike the training ones: the target
         surer or less sure of them, or (without top-k log-probs) their text repeating itself more
-        or less (reporting.unlike_heldout; "" otherwise)."""
+        or less (reporting.unlike_heldout_finding; None otherwise)."""
         text = confidence = None
         training = self.training_confidence
         held = None if training is None else mean_top1_prob(self.caches, self.eval_indices)
@@ -185,7 +185,7 @@ class TrainingData:
             held_text, training_text = self.heldout_text_lookup(block_size), self.text_lookup(block_size)
             if held_text is not None and training_text is not None:
                 text = [held_text[0], *training_text]
-        return unlike_heldout(text, confidence, ahead=True)
+        return unlike_heldout_finding(text, confidence, ahead=True)
 
     def heldout_text_lookup(self, block_size: int) -> tuple[float, int] | None:
         """Prompt lookup's tau along the evaluated held-out samples' text, as text_lookup walks the

@@ -20,6 +20,40 @@ def _nothing_to_evaluate(samples, eval_caches):
             "(check the data's loss_mask and --max-seq-len).")
 
 
+# -- reporting.py: held-out samples unlike the training ones (unlike_heldout_finding) ------------------
+
+
+def _measure(said_to_measure):
+    return ("" if said_to_measure else ": measure the drafter with dflash-eval on prompts of other documents, or "
+            "hold out more of them (a larger --eval-fraction)")
+
+
+@renders("train.heldout-unlike-confidence", example=dict(held=0.850, training=0.804, samples=512, adjusted=7.22,
+                                                         ahead=False, said_to_measure=False))
+def _heldout_unlike_confidence(held, training, samples, adjusted, ahead, said_to_measure):
+    high = held > training
+    reads = ("will likely read " if ahead else "likely reads ") + ("high" if high else "low")
+    corrected = (f"; corrected for that by the held-out samples' own tau against their confidence "
+                 f"(tau_confidence_adjusted) it reads {adjusted:.3f}" if adjusted else "")
+    return (f"The target is {'surer' if high else 'less sure'} of the held-out text than of the training text: its "
+            f"mean top-1 probability is {held:.3f} over the held-out samples and {training:.3f} over {samples} "
+            f"training samples ({100 * (held / training - 1):+.1f} %), so the held-out documents are likely "
+            f"{'easier' if high else 'harder'} for the drafter too and its held-out tau {reads}{corrected} (on the "
+            f"project's BPE code benchmark a split 5.7 % surer read 1.25x the decoded tau, and 1.02x so corrected)"
+            f"{_measure(said_to_measure)}")
+
+
+@renders("train.heldout-unlike-text", example=dict(held=2.31, training=2.0, samples=512, ahead=True,
+                                                   said_to_measure=False))
+def _heldout_unlike_text(held, training, samples, ahead, said_to_measure):
+    ratio = held / training
+    return (f"The held-out text repeats itself {'more' if ratio > 1 else 'less'} than the training text: prompt "
+            f"lookup walks {held:.3f} along the held-out samples and {training:.3f} along {samples} training "
+            f"samples ({100 * (ratio - 1):+.0f} %), so the held-out documents are unlike the rest and the held-out "
+            f"tau {'may' if ahead else 'can'} read high or low (on the project's BPE code benchmark a split whose text "
+            f"repeated itself 14 % less read 1.25x the decoded tau){_measure(said_to_measure)}")
+
+
 # -- reporting.py: the held-out tau over a run ---------------------------------------------------------
 
 

@@ -134,45 +134,38 @@ so for the drafter (unlike_heldout). On the BPE benchmark's code a split 5.7 % s
 the decoded tau, 1.017x once corrected for it; by that slope 2.5 % is about 10 % of tau."""
 
 
-def unlike_heldout(text: list[float] | None, confidence: list[float] | None, adjusted: float | None = None,
-                   *, said_to_measure: bool = False, ahead: bool = False) -> str:
-    """What the trainer says when the held-out samples are unlike the training ones ("" when
+def unlike_heldout_finding(text: list[float] | None, confidence: list[float] | None, adjusted: float | None = None,
+                           *, said_to_measure: bool = False, ahead: bool = False) -> Finding | None:
+    """What the trainer says when the held-out samples are unlike the training ones (None when
     they are alike). `confidence`: the target's mean top-1 probability over the held-out
     samples, over the training samples, and how many of those (over UNLIKE_CONFIDENCE apart, a
     split of few documents drew ones the target finds easier or harder, and its held-out tau
-    reads high or low with them; `adjusted`, the estimate corrected for it, goes beside).
-    `text`: prompt lookup's walk along each, the same way (UNLIKE_TEXT); said only without the
-    confidence figure, and with no direction: on the BPE benchmark's code a split whose text
-    repeated itself 14 % less than the rest's read 1.245x high. `said_to_measure`: the line
-    already says to measure with dflash-eval. `ahead`: said at the start, before any evaluation."""
-    measure = ("" if said_to_measure else ": measure the drafter with dflash-eval on prompts of other documents, "
-               "or hold out more of them (a larger --eval-fraction)")
+    reads high or low with them; `adjusted`, the estimate corrected for it, goes beside):
+    `train.heldout-unlike-confidence`. `text`: prompt lookup's walk along each, the same way
+    (UNLIKE_TEXT; `train.heldout-unlike-text`); said only without the confidence figure, and with
+    no direction: on the BPE benchmark's code a split whose text repeated itself 14 % less than
+    the rest's read 1.245x high. `said_to_measure`: the line already says to measure with
+    dflash-eval. `ahead`: said at the start, before any evaluation."""
     if confidence and confidence[0] and confidence[1]:
         held, training, samples = confidence
-        ratio = held / training
-        if 1 / (1 + UNLIKE_CONFIDENCE) <= ratio <= 1 + UNLIKE_CONFIDENCE:
-            return ""
-        high = ratio > 1
-        reads = ("will likely read " if ahead else "likely reads ") + ("high" if high else "low")
-        corrected = (f"; corrected for that by the held-out samples' own tau against their confidence "
-                     f"(tau_confidence_adjusted) it reads {adjusted:.3f}" if adjusted else "")
-        return (f"The target is {'surer' if high else 'less sure'} of the held-out text than of the training text: its "
-                f"mean top-1 probability is {held:.3f} over the held-out samples and {training:.3f} over "
-                f"{int(samples)} training samples ({100 * (ratio - 1):+.1f} %), so the held-out documents are likely "
-                f"{'easier' if high else 'harder'} for the drafter too and its held-out tau {reads}{corrected} (on the "
-                "project's BPE code benchmark a split 5.7 % surer read 1.25x the decoded tau, and 1.02x so "
-                f"corrected){measure}")
+        if 1 / (1 + UNLIKE_CONFIDENCE) <= held / training <= 1 + UNLIKE_CONFIDENCE:
+            return None
+        return Finding("train.heldout-unlike-confidence", held=held, training=training, samples=int(samples),
+                       adjusted=adjusted or None, ahead=ahead, said_to_measure=said_to_measure)
     if confidence or not text or not text[0] or not text[1]:
-        return ""
+        return None
     held, training, samples = text
-    ratio = held / training
-    if 1 / (1 + UNLIKE_TEXT) <= ratio <= 1 + UNLIKE_TEXT:
-        return ""
-    return (f"The held-out text repeats itself {'more' if ratio > 1 else 'less'} than the training text: prompt "
-            f"lookup walks {held:.3f} along the held-out samples and {training:.3f} along {int(samples)} training "
-            f"samples ({100 * (ratio - 1):+.0f} %), so the held-out documents are unlike the rest and the held-out "
-            f"tau {'may' if ahead else 'can'} read high or low (on the project's BPE code benchmark a split whose text "
-            f"repeated itself 14 % less read 1.25x the decoded tau){measure}")
+    if 1 / (1 + UNLIKE_TEXT) <= held / training <= 1 + UNLIKE_TEXT:
+        return None
+    return Finding("train.heldout-unlike-text", held=held, training=training, samples=int(samples), ahead=ahead,
+                   said_to_measure=said_to_measure)
+
+
+def unlike_heldout(text: list[float] | None, confidence: list[float] | None, adjusted: float | None = None,
+                   *, said_to_measure: bool = False, ahead: bool = False) -> str:
+    """unlike_heldout_finding's paragraph, "" when the held-out samples are alike (a run's last line)."""
+    found = unlike_heldout_finding(text, confidence, adjusted, said_to_measure=said_to_measure, ahead=ahead)
+    return str(found) if found is not None else ""
 
 
 @dataclass
