@@ -92,31 +92,6 @@ def yaml_source(path: str | os.PathLike, keys: Collection[str], index: int | Non
     return None
 
 
-def how_the_file_gives(path: str | os.PathLike, keys: Collection[str], value: Any,
-                       index: int | None = None) -> tuple[str, str, str | None]:
-    """(where, how, text) of a value a config file gives of another type than its setting's:
-    `where` the file (with its line, for YAML), `how` a phrase saying how the file's parser typed
-    it ("YAML reads the unquoted 0755 as the integer 493 (...)"), `text` the value as written to
-    quote (None where that cannot be told: a JSON boolean)."""
-    written = yaml_source(path, keys, index)
-    if written is None:
-        return str(path), f"the file gives {_typed(value)}", None if isinstance(value, bool) else str(value)
-    text, line = written
-    why = (" (yes/no/on/off are booleans to YAML 1.1)" if isinstance(value, bool)
-           else " (a leading 0 makes an octal number to YAML 1.1)" if text.lstrip("+-").startswith("0") else "")
-    return f"{path}, line {line}", f"YAML reads the unquoted {text} as {_typed(value)}{why}", text
-
-
-def _typed(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, int):
-        return f"the integer {value}"
-    if isinstance(value, float):
-        return f"the number {value!r}"
-    return f"the {type(value).__name__} {value}"
-
-
 def read_config_file(
     path: str | os.PathLike, known_keys: Iterable[str], error: type[DflashError] = SettingError, *,
     aliases: Mapping[str, str] | None = None, listed: Iterable[str] | None = None,
