@@ -41,7 +41,7 @@ from .errors import (
     UsageError,
     kind_of,
 )
-from .findings import Finding, emit
+from .findings import Finding, emit, paragraph
 from .signals import StopWaiting, exit_status, signal_name, stop_at_once, stop_requested
 
 EXIT_OK = 0
@@ -53,11 +53,6 @@ EXIT_STATUS: dict[type[DflashError], int] = {
     UsageError: EXIT_USAGE, InputError: EXIT_USAGE, CorruptDataError: EXIT_USAGE,
     MismatchError: EXIT_USAGE, EnvironmentFault: EXIT_USAGE,
 }
-
-def paragraph(text: str) -> str:
-    """`text` as one paragraph: every run of whitespace (newlines included) becomes one space."""
-    return " ".join(str(text).split())
-
 
 def echo_error(text: str) -> None:
     """The one error shape: "Error: ..." as one paragraph on stderr."""

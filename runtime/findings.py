@@ -73,8 +73,9 @@ def renders(code: str, *, example: Mapping[str, Any]) -> Callable[[Renderer], Re
         raise ValueError(f"finding code {code!r} is not <package>.<name>")
 
     def register(fn: Renderer) -> Renderer:
-        if code in _REGISTRY and _REGISTRY[code].render.__qualname__ != fn.__qualname__:
-            raise ValueError(f"finding code {code!r} has a renderer already ({_REGISTRY[code].render.__module__})")
+        old = _REGISTRY.get(code)
+        if old is not None and (old.render.__module__, old.render.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"finding code {code!r} has a renderer already ({old.render.__module__})")
         _REGISTRY[code] = Registered(code, fn, dict(example))
         return fn
 

@@ -215,7 +215,7 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     if schedule := length.schedule_line(cfg, heldout=bool(data.heldout_count)):
         log.info(schedule)
     if info.is_main and data.heldout_count:
-        tell(log, data.unlike_heldout_note(cfg.model.block_size) or None)
+        tell(log, data.unlike_heldout_note(cfg.model.block_size))
     refuse_nothing_to_learn(data, cfg.model.block_size)
     refuse_backend_off_its_device(cfg.model.attention_backend, info.device)
     # CUDA: the largest micro-batch must fit the device (the head's chunks shrink to fit, or a refusal

@@ -9,13 +9,10 @@ from dflash.train.measure.reporting import RunLogger
 from tqdm import tqdm
 
 
-def tell(log: RunLogger, notice: Finding | str | None, *, prefix: str = "Note: ") -> None:
-    """Emit `notice` on the run's console (a test collects a finding: `findings.collected`), past
-    the progress bar; a notice of another package still given as text is printed as before."""
+def tell(log: RunLogger, notice: Finding | None, *, prefix: str = "Note: ") -> None:
+    """Emit `notice` on the run's console (a test collects it: `findings.collected`), past the
+    progress bar."""
     if notice is None or not log.enabled:
-        return
-    if not isinstance(notice, Finding):
-        log.info(f"{prefix}{notice}")
         return
     with tqdm.external_write_mode(file=sys.stdout):
         emit(notice, prefix=prefix, stream=sys.stdout)
