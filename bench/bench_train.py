@@ -61,6 +61,9 @@ import torch
 from profiling import device_busy_seconds
 
 PEAK_FLOPS = 790e12  # measured bf16 dense peak of one H200
+TOPK = 8
+"""The synthetic cache holds the target's top-8 log-probs of every token, as dflash-extract's default
+does, so each run trains with the default soft labels."""
 
 
 @dataclass
@@ -193,7 +196,7 @@ def _header(s: Shape) -> dict:
         target={"path": "synthetic", "architecture": "Qwen3ForCausalLM", "hidden_size": s.hidden,
                 "num_hidden_layers": s.target_layers, "vocab_size": s.vocab},
         target_layer_ids=LAYER_IDS[s.target_layers], hidden_size=s.hidden, codec=HiddenCodec(name="bf16"),
-        data={"name": "synthetic"},
+        data={"name": "synthetic"}, topk=TOPK,
     )
 
 
@@ -211,7 +214,10 @@ def _write_part(args: tuple[str, Shape, int, int, float]) -> int:
             ids = torch.randint(0, s.vocab - 1, (s.seq_len,), generator=g)
             mask = torch.ones(s.seq_len, dtype=torch.uint8)
             mask[: int(s.seq_len * prompt)] = 0  # a prompt, then the completion
-            pw.add_sample(part * samples + i, ids, mask, base[i:i + s.seq_len])
+            # the target's top-8 log-probs of each token, as the default extraction stores them (soft labels)
+            top_ids = torch.randint(0, s.vocab - 1, (s.seq_len, TOPK), generator=g, dtype=torch.int32)
+            top_lp = torch.log_softmax(torch.randn(s.seq_len, TOPK, generator=g), -1).sort(-1, descending=True).values
+            pw.add_sample(part * samples + i, ids, mask, base[i:i + s.seq_len], topk_ids=top_ids, topk_logprobs=top_lp)
     return samples
 
 
@@ -377,10 +383,10 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
     """The runs' step time, fraction of peak, context tokens/s and peak memory in one table, each
     drafter's tokens/s against the first's."""
     first = results[0]
-    lines = [f"{'drafter':<8} {'window':>6} {'ms/step':>9} {'TFLOP/s':>8} {'of peak':>8} {'ctx tok/s':>10} "
+    lines = [f"{'drafter':<8} {'window':>6} {'kernels':>8} {'ms/step':>9} {'TFLOP/s':>8} {'of peak':>8} {'ctx tok/s':>10} "
              f"{'vs ' + first['drafter_type']:>10} {'GiB':>6} {'est GiB':>8}"]
     for r in results:
-        lines.append(f"{r['drafter_type']:<8} {r.get('draft_sliding_window') or 'full':>6} "
+        lines.append(f"{r['drafter_type']:<8} {r.get('draft_sliding_window') or 'full':>6} {r.get('head_kernels', ''):>8} "
                      f"{r['seconds_per_step'] * 1e3:9.1f} {r['model_tflops']:8.0f} "
                      f"{r['fraction_of_peak']:8.1%} {r['context_tokens_per_second']:10.0f} "
                      f"{r['context_tokens_per_second'] / first['context_tokens_per_second']:9.3f}x "
@@ -425,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "--draft-layer-types sliding --draft-sliding-window W; sliding layers are causal, as the "
                              "engines serve them); 0: full layers; several, comma-separated: each drafter trained with "
                              "each in turn, side by side (e.g. 0,2048)")
+    parser.add_argument("--head-kernels", default="compiled", metavar="{compiled,eager}[,...]",
+                        help="the head's loss in a compiled run: compiled (the trainer's: each chunk's softmax, loss "
+                             "and gradient fused, and DFlash2's selector as gather-reductions) or eager (the path "
+                             "before them); both, comma-separated: each drafter run with each, side by side")
     parser.add_argument("--layer-types", default="sliding",
                         help="--draft-layer-types of the runs with a --sliding-window (default: every layer sliding; "
                              "e.g. sliding,sliding,sliding,sliding,full)")
@@ -491,12 +501,18 @@ def main() -> None:
     kinds = [k.strip() for k in a.drafter_type.split(",") if k.strip()]
     if not kinds or set(kinds) - {"dflash", "dflash2"}:
         parser.error(f"--drafter-type {a.drafter_type!r}: dflash, dflash2, or both comma-separated.")
-    variants = [(kind, window) for kind in kinds for window in windows]
+    kernels = [k.strip() for k in a.head_kernels.split(",") if k.strip()]
+    if not kernels or set(kernels) - {"compiled", "eager"}:
+        parser.error(f"--head-kernels {a.head_kernels!r}: compiled, eager, or both comma-separated.")
+    variants = [(kind, window, kernel) for kind in kinds for window in windows for kernel in kernels]
     if a.resume_run and len(variants) > 1:
         parser.error("--resume-run continues one run: give one --drafter-type and one --sliding-window.")
     results = []
-    for kind, window in variants:
-        runs = run if len(variants) == 1 else work / f"run-{kind}-{window or 'full'}"
+    for kind, window, kernel in variants:
+        from dflash.train.loss import head_loss
+
+        head_loss.COMPILED_CHUNKS = kernel == "compiled"
+        runs = run if len(variants) == 1 else work / f"run-{kind}-{window or 'full'}-{kernel}"
         config = train_config(a, parser, shape, batch, cache=cache, target=target, run=runs, workers=workers,
                               steps=steps, warmup=warmup, resumed_from=resumed_from, kind=kind, window=window)
         if torch.cuda.is_available():
@@ -509,7 +525,8 @@ def main() -> None:
         trained = time.perf_counter() - train_start
         if rank == 0:
             result = summarize(runs, config, shape, a.shape, warmup=resumed_from + warmup, steps=steps, world=world)
-            result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained)
+            result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained,
+                          head_kernels=kernel)
             if a.resume_run:
                 result["resumed_from_step"] = resumed_from
                 print(f"resumed from step {resumed_from} on {world} process(es)", flush=True)

@@ -229,6 +229,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward, as the trainer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--head-kernels", choices=("compiled", "eager"), default="compiled",
+                        help="under --compile, the head's loss as the trainer runs it (compiled: fused chunks and "
+                             "the selector's gather-reductions) or the eager path before them")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators per variant")
     parser.add_argument("--json", help="also write the figures to this file")
     a = parser.parse_args()
@@ -237,6 +240,9 @@ def main() -> None:
     if not variants or set(variants) - set(VARIANTS):
         parser.error(f"--variants {a.variants!r}: choose among {', '.join(VARIANTS)}.")
     results = {}
+    from dflash.train.loss import head_loss
+
+    head_loss.COMPILED_CHUNKS = a.head_kernels == "compiled"
     for variant in variants:
         results[variant] = run_variant(a, variant)
         print(f"{variant}: {results[variant]['step_s'] * 1e3:.1f} ms/step", flush=True)

@@ -81,3 +81,53 @@ def test_a_dflash2_run_with_the_two_stage_top_k_trains_the_weights_of_one_with_t
     assert all(torch.equal(fast_weights[n], plain_weights[n]) for n in fast_weights)
     moved = tiny_drafter(seed=4, **DFLASH2).state_dict()
     assert any(not torch.equal(moved[n], fast_weights[n]) for n in fast_weights)  # the steps trained something
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_chunk_arithmetic_is_the_eager_chunks(weight, dtype):
+    # head_loss.fused_chunk_terms (what runs compiled on CUDA) against the eager chunk: the loss,
+    # log q(label), the KL, the argmax and d loss / d logits.
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 9, 3000
+    logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    label = torch.randint(0, vocab, (rows,), generator=g)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:8] for _ in range(rows)])
+    ids[0, 0] = label[0]  # a soft id that is the label
+    p_log = torch.log_softmax(torch.randn(rows, 8, generator=g), dim=-1)
+    soft = (ids, p_log) if weight else (None, None)
+    want = head_loss._chunk_terms(logits.clone(), label, weight, *soft, True, None, None)
+    got = head_loss.fused_chunk_terms(logits, label, weight, *soft, True)
+    for a, b in zip(got[:3], want[:3]):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[3], want[3])
+    assert got[4].dtype == dtype
+    torch.testing.assert_close(got[4].float(), want[4].float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-6)
+    assert want[4].float().abs().max() > 0.1  # the label's -1 (or the soft ids') is there
+
+
+def test_gather_dot_is_the_gathered_rows_dot_products_and_their_gradients():
+    from dflash.train.heads.dflash2.kernels import gather_dot
+
+    g = torch.Generator().manual_seed(8)
+    x0, table0 = torch.randn(6, 5, generator=g), torch.randn(40, 5, generator=g)
+    ids = torch.randint(0, 40, (6, 4), generator=g)
+    ids[1] = ids[0]  # repeated rows: their table gradients add up
+    ids[2, 1] = ids[2, 0]
+    upstream = torch.randn(6, 4, generator=g)
+    runs = []
+    for fn in ("reference", "eager", "compiled"):
+        x, table = x0.clone().requires_grad_(), table0.clone().requires_grad_()
+        out = ((table[ids] * x[:, None]).sum(-1) if fn == "reference"
+               else gather_dot(x, table, ids, compiled=fn == "compiled"))
+        (out * upstream).sum().backward()
+        runs.append((out.detach(), x.grad, table.grad))
+    want, *got = runs
+    for run in got:
+        for a, b in zip(run, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+

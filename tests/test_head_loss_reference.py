@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from anchor_utils import loss_of
-from dflash.train.loss import objective
+from dflash.train.loss import head_loss, objective
 from dflash.train.loss.head_loss import candidate_logits, slot_losses
 from dflash.train.loss.objective import ObjectiveConfig
 from test_drafter_objective import DFLASH2, hand_batch, soft_label_batch
@@ -36,8 +36,8 @@ class Head:
 
 
 def reference_slot_losses(head, h, label, rows_per_chunk, *, top_k=0, soft_weight=0.0, soft_ids=None,
-                          soft_logprobs=None, soft_hidden=None):
-    """`slot_losses` by autograd over the whole logits (`rows_per_chunk` unused)."""
+                          soft_logprobs=None, soft_hidden=None, fused=False):
+    """`slot_losses` by autograd over the whole logits (`rows_per_chunk` and `fused` unused)."""
     logits = head.logits(h)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     label_lp = logprobs.gather(1, label[:, None]).squeeze(1)
@@ -142,12 +142,15 @@ def test_under_bf16_autocast_the_logits_keep_their_dtype_and_the_references_valu
 def test_a_step_of_the_objective_is_the_autograd_references(kind, weighting, stop, soft, monkeypatch):
     # The whole objective (the drafter, the loss weights, DFlash2's selector over its top-K and the
     # candidates' logits) with the head's loss from head_loss.py, in one chunk and in chunks of 3
-    # slots, and with the reference's autograd in its place: the same loss, KL, predictions, and
-    # gradients of every trained weight.
+    # slots, the compiled kernels of a compiled drafter on CUDA (forced here on the CPU), and with the
+    # reference's autograd in its place: the same loss, KL, predictions, and gradients of every
+    # trained weight.
     batch = hand_batch() if soft is None else soft_label_batch(soft)
     runs = []
-    for mode in ("reference", "one chunk", "chunks"):
+    for mode in ("reference", "one chunk", "chunks", "compiled"):
         with monkeypatch.context() as m:
+            if mode == "compiled":
+                m.setattr(head_loss, "use_compiled", lambda drafter, h: True)
             if mode == "reference":
                 m.setattr(objective, "slot_losses", reference_slot_losses)
                 m.setattr(objective, "candidate_logits", reference_candidate_logits)

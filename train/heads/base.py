@@ -68,6 +68,8 @@ class HeadInputs:
     soft_labels: dict[str, torch.Tensor] = field(default_factory=dict)
     """The slots' soft labels where the run uses them (--soft-label-weight > 0), else empty: the
     target's top-k (soft_ids, soft_logprobs renormalized, [N, k]) or its last states (soft_hidden)."""
+    compiled: bool = False
+    """The drafter is compiled and on CUDA: a head may run its parts as compiled kernels."""
 
     @property
     def predecessors(self) -> torch.Tensor:

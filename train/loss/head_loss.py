@@ -46,6 +46,98 @@ def logits_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
+def _chunk_terms(logits, t, w, ids, p_log, want_grad, head, soft_hidden):
+    """One chunk's (loss, log q(label), KL or None, argmax, d loss / d logits in the logits' dtype
+    or None), eagerly: one float32 copy of the logits, turned in place into the shifted logits,
+    their exponentials, the softmax and the gradient."""
+    dtype = logits.dtype
+    peak, argmax = logits.max(-1)  # the first of the largest, as argmax
+    x = logits.float()  # the chunk's one float32 copy (the logits themselves without autocast)
+    del logits
+    x.sub_(peak.to(x.dtype)[:, None])  # shifted: the largest at 0
+    at_label = x.gather(1, t[:, None]).squeeze(1)
+    kl = p = None
+    if w and soft_hidden is None:  # p over the cached top-k ids (renormalized)
+        p, at_ids = p_log.exp(), x.gather(1, ids)
+    elif w:  # p over the whole vocabulary, from the target's own head: sum p (log p - x) now
+        p_log = torch.log_softmax(head.target_logits(soft_hidden).float(), dim=-1)
+        p = p_log.exp()
+        p_gap = (p * p_log.sub_(x)).sum(-1)
+        del p_log
+    e = x.exp_()  # exp of the shifted logits, in place
+    total = e.sum(-1)
+    lse = total.log()  # log q = x - lse
+    logprob = at_label - lse
+    loss = -logprob
+    if w:  # KL(p || q) = sum p (log p - x) + lse sum p
+        if soft_hidden is None:
+            kl = (p * (p_log - at_ids + lse[:, None])).sum(-1)
+        else:
+            kl = p_gap + lse * p.sum(-1)
+        loss = (1 - w) * loss + w * kl
+    grad = None
+    if want_grad:
+        # d loss / d logits in e's place: (1 - w)(q - onehot(t)) + w (q sum(p) - p), q = e / total
+        scale = 1.0 / total if not w or soft_hidden is not None else (1 - w + w * p.sum(-1)) / total
+        q = e.mul_(scale[:, None])
+        if w and soft_hidden is not None:
+            q.sub_(p, alpha=w)  # sum(p) = 1
+        elif w:
+            q.scatter_add_(1, ids, -w * p)
+        if w < 1:
+            q.scatter_add_(1, t[:, None], torch.full_like(q[:, :1], w - 1))
+        grad = q.to(dtype)
+    return loss, logprob, kl, argmax, grad
+
+
+def fused_chunk_terms(logits, t, w, ids, p_log, want_grad):
+    """`_chunk_terms` without the float32 copy, for torch.compile to fuse into a few passes over
+    the logits in their own dtype (soft labels from the cached top-k only): the row's max and
+    argmax, its sum of exponentials, and one pass that writes the gradient. Eagerly it allocates
+    float32 temporaries of the chunk; it is meant to run compiled (`compiled_chunk_terms`)."""
+    peak, argmax = logits.max(-1)
+    x = logits.float() - peak.float()[:, None]
+    lse = x.exp().sum(-1).log()
+    logprob = x.gather(1, t[:, None]).squeeze(1) - lse
+    loss, kl = -logprob, None
+    if w:
+        p = p_log.exp()
+        kl = (p * (p_log - x.gather(1, ids) + lse[:, None])).sum(-1)
+        loss = (1 - w) * loss + w * kl
+    if not want_grad:
+        return loss, logprob, kl, argmax, None
+    q = (x - lse[:, None]).exp()
+    vocab = torch.arange(x.shape[1], device=x.device)[None, :]
+    if w:  # (1 - w)(q - onehot(t)) + w (q sum(p) - p): the k soft ids' terms as compares, no scatter
+        q = q * (1 - w + w * p.sum(-1))[:, None]
+        for j in range(ids.shape[1]):
+            q = q - torch.where(vocab == ids[:, j:j + 1], w * p[:, j:j + 1], 0.0)
+    if w < 1:
+        q = q + torch.where(vocab == t[:, None], w - 1.0, 0.0)
+    return loss, logprob, kl, argmax, q.to(logits.dtype)
+
+
+_COMPILED_TERMS = None
+COMPILED_CHUNKS = True
+"""Whether a compiled drafter on CUDA runs each chunk's softmax, loss and gradient through
+`compiled_chunk_terms` (bench/bench_train.py --head-chunks sets it to time both side by side)."""
+
+
+def use_compiled(drafter, h: torch.Tensor) -> bool:
+    """Whether this step's head loss runs compiled kernels: a compiled drafter on CUDA (on the CPU
+    inductor's kernels are no faster than the eager path)."""
+    return COMPILED_CHUNKS and drafter.compiled_loss and h.is_cuda
+
+
+def compiled_chunk_terms():
+    """`fused_chunk_terms` under torch.compile (made once; each new chunk size recompiles once,
+    then the row count is symbolic)."""
+    global _COMPILED_TERMS
+    if _COMPILED_TERMS is None:
+        _COMPILED_TERMS = torch.compile(fused_chunk_terms)
+    return _COMPILED_TERMS
+
+
 class _SlotLosses(torch.autograd.Function):
     """Per scored slot, chunk by chunk: the loss (1 - w) * -log q(label) + w * KL(p || q)
     [N] (differentiable in h; w = `soft_weight`, p the soft labels), and, detached, log q(label)
@@ -53,7 +145,7 @@ class _SlotLosses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, label, head, rows_per_chunk, top_k, soft_weight, soft_ids, soft_logprobs,
-                soft_hidden):  # noqa: D102 - see the class
+                soft_hidden, fused):  # noqa: D102 - see the class
         n, device, w = h.shape[0], h.device, soft_weight
         loss = torch.empty(n, dtype=torch.float32, device=device)
         logprob = torch.empty(n, dtype=torch.float32, device=device)
@@ -62,53 +154,26 @@ class _SlotLosses(torch.autograd.Function):
         top = torch.empty((n, top_k), dtype=torch.long, device=device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         weight = head.lm_head_weight
+        fused = fused and soft_hidden is None
         for start in range(0, n, rows_per_chunk):
             rows = slice(start, min(n, start + rows_per_chunk))
             logits = head.logits(h[rows])  # bf16 under autocast
-            dtype = logits.dtype
             if top_k:  # over the head's own dtype: its float32 copy orders the same, at twice the bytes
                 top[rows] = exact_topk(logits, top_k)[1]
-            peak, argmax[rows] = logits.max(-1)  # the first of the largest, as argmax
-            x = logits.float()  # the chunk's one float32 copy (the logits themselves without autocast)
-            del logits
-            x.sub_(peak.to(x.dtype)[:, None])  # shifted: the largest at 0
-            t = label[rows]
-            at_label = x.gather(1, t[:, None]).squeeze(1)
-            if w and soft_hidden is None:  # p over the cached top-k ids (renormalized)
-                ids, p_log = soft_ids[rows], soft_logprobs[rows]
-                p, at_ids = p_log.exp(), x.gather(1, ids)
-            elif w:  # p over the whole vocabulary, from the target's own head: sum p (log p - x) now
-                p_log = torch.log_softmax(head.target_logits(soft_hidden[rows]).float(), dim=-1)
-                p = p_log.exp()
-                p_gap = (p * p_log.sub_(x)).sum(-1)
-                del p_log
-            e = x.exp_()  # exp of the shifted logits, in place
-            total = e.sum(-1)
-            lse = total.log()  # log q = x - lse
-            logprob[rows] = at_label - lse
-            row_loss = -logprob[rows]
-            if w:  # KL(p || q) = sum p (log p - x) + lse sum p
-                if soft_hidden is None:
-                    kl[rows] = (p * (p_log - at_ids + lse[:, None])).sum(-1)
-                else:
-                    kl[rows] = p_gap + lse * p.sum(-1)
-                row_loss = (1 - w) * row_loss + w * kl[rows]
-            loss[rows] = row_loss
-            if grad is not None:
-                # d loss / d logits in e's place: (1 - w)(q - onehot(t)) + w (q sum(p) - p), q = e / total
-                scale = 1.0 / total if not w or soft_hidden is not None else (1 - w + w * p.sum(-1)) / total
-                q = e.mul_(scale[:, None])
-                if w and soft_hidden is not None:
-                    q.sub_(p, alpha=w)  # sum(p) = 1
-                elif w:
-                    q.scatter_add_(1, ids, -w * p)
-                if w < 1:
-                    q.scatter_add_(1, t[:, None], torch.full_like(q[:, :1], w - 1))
-                grad[rows] = (q.to(dtype) @ weight.to(dtype)).to(grad.dtype)
-                del q
-            del x, e  # before the next chunk's logits
+            ids = soft_ids[rows] if w and soft_hidden is None else None
+            p_log = soft_logprobs[rows] if w and soft_hidden is None else None
+            if fused:
+                terms = compiled_chunk_terms()(logits, label[rows], w, ids, p_log, grad is not None)
+            else:
+                terms = _chunk_terms(logits, label[rows], w, ids, p_log, grad is not None, head,
+                                     None if soft_hidden is None else soft_hidden[rows])
+            del logits  # before the next chunk's
+            loss[rows], logprob[rows], row_kl, argmax[rows], g = terms
             if w:
-                del p
+                kl[rows] = row_kl
+            if g is not None:
+                grad[rows] = (g @ weight.to(g.dtype)).to(grad.dtype)
+            del terms, g
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(logprob, kl, argmax, top)
         return loss, logprob, kl, argmax, top
@@ -116,7 +181,7 @@ class _SlotLosses(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        none = (None,) * 8
+        none = (None,) * 9
         if grad is None:
             return (None, *none)
         return (grad * grad_loss[:, None].to(grad.dtype), *none)
@@ -160,18 +225,21 @@ def _frozen(head) -> None:
 
 def slot_losses(head, h: torch.Tensor, label: torch.Tensor, rows_per_chunk: int, *, top_k: int = 0,
                 soft_weight: float = 0.0, soft_ids: torch.Tensor | None = None,
-                soft_logprobs: torch.Tensor | None = None, soft_hidden: torch.Tensor | None = None):
+                soft_logprobs: torch.Tensor | None = None, soft_hidden: torch.Tensor | None = None,
+                fused: bool = False):
     """(loss [N], log q(label) [N], KL [N], argmax [N], top-k ids [N, k]) of the head's softmax q
     over h_i, holding at most `rows_per_chunk` rows of logits at a time: the loss (1 - w) *
     -log q(label) + w * KL(p || q) is differentiable in h, the rest detached. Soft labels p (with
     w > 0): `soft_ids` / `soft_logprobs` [N, k] (the target's top-k, renormalized), or
     `soft_hidden` [N, D] (the target's last hidden state, through `head.target_logits`). `head`
-    has `logits(h)` and the frozen `lm_head_weight` (the drafter)."""
+    has `logits(h)` and the frozen `lm_head_weight` (the drafter). `fused`: each chunk's softmax,
+    loss and gradient through `compiled_chunk_terms` (a compiled drafter on CUDA; soft labels from
+    the cached top-k or none)."""
     _frozen(head)
     if soft_weight and soft_hidden is None and (soft_ids is None or soft_logprobs is None):
         raise ValueError("soft labels need soft_hidden or soft_ids with soft_logprobs")
     return _SlotLosses.apply(h, label, head, rows_per_chunk, top_k, float(soft_weight), soft_ids,
-                             soft_logprobs, soft_hidden)
+                             soft_logprobs, soft_hidden, bool(fused))
 
 
 def candidate_logits(head, h: torch.Tensor, ids: torch.Tensor, rows_per_chunk: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from dflash.runtime.errors import InputError
 from dflash.runtime.findings import Finding
 from dflash.train.config import ObjectiveConfig
 from dflash.train.heads.base import HeadInputs
+from dflash.train.loss import head_loss
 from dflash.train.loss.head_loss import (
     CHUNK_MIB,
     candidate_logits,
@@ -363,8 +364,9 @@ def compute_loss(
     chunk = chunk_rows(vocab, min(CHUNK_MIB, limit)) if needs_chunks(len(target), vocab, limit) else max(1, len(target))
     soft_weight = config.soft_label_weight or 0.0  # None (not yet decided by the cache, TrainConfig.with_soft_labels): off
     soft = _soft_labels(batch, b, cache_rows) if soft_weight > 0 else {}
+    compiled = head_loss.use_compiled(drafter, scored)
     row_loss, label_lp, per_position, top1, top_ids = slot_losses(
-        drafter, scored, target, chunk, top_k=head.candidates(c), soft_weight=soft_weight, **soft)
+        drafter, scored, target, chunk, top_k=head.candidates(c), soft_weight=soft_weight, fused=compiled, **soft)
     if config.loss_weighting == "acceptance":
         weights = acceptance_weights(label_lp, b, a, k, valid.shape)
     else:
@@ -383,7 +385,7 @@ def compute_loss(
         top_ids=top_ids, soft_labels=soft,
         gather_logits=lambda h, ids: candidate_logits(drafter, h, ids, chunk),
         block_states=blocks, anchors=anchors, slots=(b, a, k), context=hidden,
-        label_logprobs=label_lp.detach()), config)
+        label_logprobs=label_lp.detach(), compiled=compiled), config)
     if own is None:
         return LossOutput(
             loss=loss, ce=ce.detach(), kl=kl, correct=correct, valid=valid,

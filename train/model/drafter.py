@@ -73,6 +73,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(c)
         self._compiled_forward: Callable[..., torch.Tensor] | None = None  # compile_training()
         self._cuda_graphs = False
+        self.compiled_loss = False  # compile_training(): the head's loss compiled too (train/loss/head_loss.py)
         self.reset_parameters()
 
     @classmethod
@@ -187,6 +188,7 @@ class DFlashDrafter(nn.Module):
         if mode not in COMPILE_MODES:
             raise SettingError(Finding("train.compile-mode", mode=mode, choices=list(COMPILE_MODES)))
         shapes = True if dynamic else None
+        self.compiled_loss = True
         if per_layer:
             for layer in self.layers:
                 layer.compile(mode=mode, dynamic=shapes)

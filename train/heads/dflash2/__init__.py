@@ -111,7 +111,8 @@ class DFlash2Head(DraftHead):
             inputs.drafter.candidate_selector, inputs.states, None, inputs.predecessors, inputs.labels,
             inputs.weights.detach(), output_multiplier=c.output_multiplier, softcap=c.final_logit_softcapping,
             stop_gradient=objective.selector_stop_gradient, top_ids=inputs.top_ids,
-            gather_logits=inputs.gather_logits)
+            gather_logits=inputs.gather_logits,
+            head_weight=inputs.drafter.lm_head_weight if inputs.compiled else None)
         return HeadOutput(loss=objective.selector_loss_weight * loss, logged=loss.detach(), choice=choice)
 
     def memory(self, config: DrafterConfig) -> HeadMemory:

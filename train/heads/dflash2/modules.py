@@ -215,11 +215,25 @@ def walk_sampled(candidate_ids: torch.Tensor, scores: torch.Tensor, temperature:
     return torch.stack(tokens, dim=1), torch.stack(qs, dim=1)
 
 
+def _fused_scores(selector: CandidateSelector, states: torch.Tensor, head_weight: torch.Tensor,
+                  candidates: torch.Tensor, predecessor_ids: torch.Tensor, output_multiplier: float,
+                  softcap: float | None) -> torch.Tensor:
+    """`selector(states, candidates, transformed logits, predecessors)` [N, C] for one predecessor a
+    slot, through kernels.gather_dot: the candidates' logits from their rows of the head, and the
+    edges <A[p] * proj(h), B[c]> from the successor codebook's rows."""
+    from dflash.train.heads.dflash2.kernels import gather_dot
+
+    h = selector.hidden_projection(states)
+    left = F.embedding(predecessor_ids, selector.predecessor_codebook.to(h.dtype)) * h  # [N, r]
+    unary = transform_logits(gather_dot(states, head_weight, candidates), output_multiplier, softcap)
+    return unary + gather_dot(left, selector.successor_codebook, candidates)
+
+
 def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits: torch.Tensor | None,
                        predecessor_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,
                        output_multiplier: float = 1.0, softcap: float | None = None,
                        stop_gradient: bool = False, top_ids: torch.Tensor | None = None,
-                       gather_logits=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gather_logits=None, head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted K-way cross-entropy, the selector's choice [N]) over N scored slots.
 
     `states` [N, D] and `logits` [N, V] of the slots, `predecessor_ids` [N] the true token before
@@ -229,6 +243,9 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
     loss does not reach the backbone (its states and logits enter detached). Without `logits`
     (the objective's path, head_loss.py): `top_ids` [N, K] are the top-K and `gather_logits(states,
     candidates)` gives the logits of the top-K and the label (head_loss.candidate_logits).
+    With `head_weight` (the head's [V, D] rows; the objective's path of a compiled drafter on CUDA)
+    the candidates' logits and the edges are compiled gather-reductions (kernels.gather_dot) that
+    never hold the [N, K+1, D] and [N, K+1, rank] gathered rows.
     """
     if stop_gradient:
         states, logits = states.detach(), None if logits is None else logits.detach()
@@ -237,9 +254,12 @@ def selector_objective(selector: CandidateSelector, states: torch.Tensor, logits
     candidates = torch.cat([ids, labels[:, None]], dim=-1)
     # The K + 1 scores: from the candidates' rows of the head (the objective), or gathered from
     # given logits (whose backward is one dense [N, V]).
-    picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
-    scores_in = transform_logits(picked, output_multiplier, softcap)
-    scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
+    if head_weight is not None and logits is None:
+        scores = _fused_scores(selector, states, head_weight, candidates, predecessor_ids, output_multiplier, softcap)
+    else:
+        picked = logits.gather(-1, candidates) if logits is not None else gather_logits(states, candidates)
+        scores_in = transform_logits(picked, output_multiplier, softcap)
+        scores = selector(states, candidates, scores_in, predecessor_ids[:, None]).squeeze(-2)  # [N, K+1]
     found = ids == labels[:, None]
     present = found.any(-1)
     # The loss's K candidates: the top-K when it holds the label (the appended copy is left out),
