@@ -47,7 +47,7 @@ def test_the_segment_width_is_the_measured_one_and_short_rows_take_torch_topk():
     assert torch.equal(exact_topk(row, 3)[1], torch.topk(row, 3).indices)
 
 
-def _torch_topk(scores, k, segment=None):
+def _torch_topk(scores, k, segment=None, maxima=None):
     return torch.topk(scores, k, dim=-1)
 
 
@@ -87,7 +87,7 @@ def test_a_dflash2_run_with_the_two_stage_top_k_trains_the_weights_of_one_with_t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_chunk_arithmetic_is_the_eager_chunks(weight, dtype):
     # head_loss.fused_chunk_terms (what runs compiled on CUDA) against the eager chunk: the loss,
-    # log q(label), the KL, the argmax and d loss / d logits.
+    # log q(label), the KL, the argmax and d loss / d logits, and the top-k's segment maxima.
     g = torch.Generator().manual_seed(7)
     rows, vocab = 9, 3000
     logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
@@ -97,7 +97,11 @@ def test_the_fused_chunk_arithmetic_is_the_eager_chunks(weight, dtype):
     p_log = torch.log_softmax(torch.randn(rows, 8, generator=g), dim=-1)
     soft = (ids, p_log) if weight else (None, None)
     want = head_loss._chunk_terms(logits.clone(), label, weight, *soft, True, None, None)
-    got = head_loss.fused_chunk_terms(logits, label, weight, *soft, True)
+    *got, maxima = head_loss.fused_chunk_terms(logits, label, weight, *soft, True, 128)
+    # the top-k's segment maxima come with it: 23 whole segments of 128 ids (the last 56 ids are the tail)
+    assert torch.equal(maxima, logits[:, :2944].view(rows, 23, 128).amax(-1))
+    assert head_loss.fused_chunk_terms(logits, label, weight, *soft, True)[-1] is None
+    assert all(torch.equal(a, b) for a, b in zip(exact_topk(logits, 4, 128, maxima), exact_topk(logits, 4, 128)))
     for a, b in zip(got[:3], want[:3]):
         if b is None:
             assert a is None

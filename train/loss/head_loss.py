@@ -22,7 +22,7 @@ its K + 1 candidates, which `candidate_logits` computes from the candidates' row
 from __future__ import annotations
 
 import torch
-from dflash.train.heads.dflash2.modules import exact_topk
+from dflash.train.heads.dflash2.modules import exact_topk, segment_maxima, topk_segment
 
 _F32 = 4  # bytes of one float32 logit
 CHUNK_MIB = 1024
@@ -90,11 +90,13 @@ def _chunk_terms(logits, t, w, ids, p_log, want_grad, head, soft_hidden):
     return loss, logprob, kl, argmax, grad
 
 
-def fused_chunk_terms(logits, t, w, ids, p_log, want_grad):
+def fused_chunk_terms(logits, t, w, ids, p_log, want_grad, segment=0):
     """`_chunk_terms` without the float32 copy, for torch.compile to fuse into a few passes over
     the logits in their own dtype (soft labels from the cached top-k only): the row's max and
     argmax, its sum of exponentials, and one pass that writes the gradient. Eagerly it allocates
-    float32 temporaries of the chunk; it is meant to run compiled (`compiled_chunk_terms`)."""
+    float32 temporaries of the chunk; it is meant to run compiled (`compiled_chunk_terms`). With a
+    `segment` width it returns the rows' segment maxima last (for `exact_topk`), else None."""
+    maxima = segment_maxima(logits, segment) if segment else None
     peak, argmax = logits.max(-1)
     x = logits.float() - peak.float()[:, None]
     lse = x.exp().sum(-1).log()
@@ -105,7 +107,7 @@ def fused_chunk_terms(logits, t, w, ids, p_log, want_grad):
         kl = (p * (p_log - x.gather(1, ids) + lse[:, None])).sum(-1)
         loss = (1 - w) * loss + w * kl
     if not want_grad:
-        return loss, logprob, kl, argmax, None
+        return loss, logprob, kl, argmax, None, maxima
     q = (x - lse[:, None]).exp()
     vocab = torch.arange(x.shape[1], device=x.device)[None, :]
     if w:  # (1 - w)(q - onehot(t)) + w (q sum(p) - p): the k soft ids' terms as compares, no scatter
@@ -114,7 +116,7 @@ def fused_chunk_terms(logits, t, w, ids, p_log, want_grad):
             q = q - torch.where(vocab == ids[:, j:j + 1], w * p[:, j:j + 1], 0.0)
     if w < 1:
         q = q + torch.where(vocab == t[:, None], w - 1.0, 0.0)
-    return loss, logprob, kl, argmax, q.to(logits.dtype)
+    return loss, logprob, kl, argmax, q.to(logits.dtype), maxima
 
 
 _COMPILED_TERMS = None
@@ -155,19 +157,22 @@ class _SlotLosses(torch.autograd.Function):
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         weight = head.lm_head_weight
         fused = fused and soft_hidden is None
+        segment = topk_segment(weight.shape[0], top_k) if top_k else 0
         for start in range(0, n, rows_per_chunk):
             rows = slice(start, min(n, start + rows_per_chunk))
             logits = head.logits(h[rows])  # bf16 under autocast
-            if top_k:  # over the head's own dtype: its float32 copy orders the same, at twice the bytes
-                top[rows] = exact_topk(logits, top_k)[1]
             ids = soft_ids[rows] if w and soft_hidden is None else None
             p_log = soft_logprobs[rows] if w and soft_hidden is None else None
-            if fused:
-                terms = compiled_chunk_terms()(logits, label[rows], w, ids, p_log, grad is not None)
+            if fused:  # the top-k's segment maxima from the same compiled function
+                *terms, maxima = compiled_chunk_terms()(logits, label[rows], w, ids, p_log, grad is not None, segment)
             else:
+                maxima = None
+            if top_k:  # over the head's own dtype: its float32 copy orders the same, at twice the bytes
+                top[rows] = exact_topk(logits, top_k, segment, maxima)[1]
+            if not fused:
                 terms = _chunk_terms(logits, label[rows], w, ids, p_log, grad is not None, head,
                                      None if soft_hidden is None else soft_hidden[rows])
-            del logits  # before the next chunk's
+            del logits, maxima  # before the next chunk's
             loss[rows], logprob[rows], row_kl, argmax[rows], g = terms
             if w:
                 kl[rows] = row_kl

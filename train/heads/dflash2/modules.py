@@ -139,7 +139,14 @@ def topk_segment(vocab: int, k: int) -> int:
     return width if vocab // width >= 4 * k else 0
 
 
-def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_maxima(scores: torch.Tensor, segment: int) -> torch.Tensor:
+    """[R, S]: the maximum of each whole segment of `segment` ids of the rows of `scores` [R, V]."""
+    whole = scores.shape[-1] // segment * segment
+    return scores[:, :whole].unflatten(-1, (-1, segment)).amax(-1)
+
+
+def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None,
+               maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) [..., k] of the k largest of `scores` [..., V], best first: torch.topk's values
     exactly, in two stages where a row is long (a 151,936-id head's logits). The row is cut into
     segments of `segment` ids (default `topk_segment`; 0: torch.topk alone); the k largest lie in
@@ -147,7 +154,9 @@ def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None) -> tupl
     segments at or above it) and the few ids past the last whole segment, so one max-reduction over
     the row and a top-k over those k * segment candidates replace torch.topk's passes over the whole
     row. Ids are torch.topk's where the values hold no tie at the k-th; among tied values another
-    of the tied ids may be returned (torch.topk leaves that order unspecified too)."""
+    of the tied ids may be returned (torch.topk leaves that order unspecified too). `maxima`: the
+    rows' `segment_maxima`, where the caller computed them with another pass over the row (2-D
+    `scores` only)."""
     vocab = scores.shape[-1]
     segment = topk_segment(vocab, k) if segment is None else segment
     if not segment or vocab // segment <= k:
@@ -155,7 +164,8 @@ def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None) -> tupl
     lead, rows = scores.shape[:-1], scores.reshape(-1, vocab)
     whole = vocab // segment * segment
     segments = rows[:, :whole].unflatten(-1, (-1, segment))  # [R, S, segment], a view
-    best = torch.topk(segments.amax(-1), k, dim=-1).indices.sort(-1).values  # [R, k], in id order
+    maxima = segments.amax(-1) if maxima is None else maxima
+    best = torch.topk(maxima, k, dim=-1).indices.sort(-1).values  # [R, k], in id order
     picked = segments.gather(1, best[..., None].expand(-1, -1, segment)).flatten(1)  # [R, k * segment]
     if whole < vocab:  # the tail past the last whole segment: always a candidate
         picked = torch.cat([picked, rows[:, whole:]], dim=1)
