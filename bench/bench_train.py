@@ -200,10 +200,10 @@ def _header(s: Shape) -> dict:
     )
 
 
-def _write_part(args: tuple[str, Shape, int, int, float]) -> int:
+def _write_part(args: tuple[str, Shape, int, int, float, int]) -> int:
     from dflash.cache_tools.writer import CacheWriter
 
-    cache, s, part, samples, prompt = args
+    cache, s, part, samples, prompt, per_part = args
     torch.set_num_threads(1)
     writer = CacheWriter(cache, _header(s))
     g = torch.Generator().manual_seed(part)
@@ -217,7 +217,7 @@ def _write_part(args: tuple[str, Shape, int, int, float]) -> int:
             # the target's top-8 log-probs of each token, as the default extraction stores them (soft labels)
             top_ids = torch.randint(0, s.vocab - 1, (s.seq_len, TOPK), generator=g, dtype=torch.int32)
             top_lp = torch.log_softmax(torch.randn(s.seq_len, TOPK, generator=g), -1).sort(-1, descending=True).values
-            pw.add_sample(part * samples + i, ids, mask, base[i:i + s.seq_len], topk_ids=top_ids, topk_logprobs=top_lp)
+            pw.add_sample(part * per_part + i, ids, mask, base[i:i + s.seq_len], topk_ids=top_ids, topk_logprobs=top_lp)
     return samples
 
 
@@ -225,7 +225,9 @@ def write_cache(path: Path, s: Shape, samples: int, per_part: int, writers: int,
     from dflash.cache_tools.writer import CacheWriter
 
     CacheWriter(path, _header(s))  # create it once, before the writers open it
-    jobs = [(str(path), s, p, per_part, prompt) for p in range(samples // per_part)]
+    # parts of `per_part` samples, the last one holding the rest (--samples 4 of a long shape: one part of 4)
+    jobs = [(str(path), s, p, min(per_part, samples - p * per_part), prompt, per_part)
+            for p in range(-(-samples // per_part))]
     with multiprocessing.get_context("fork").Pool(writers) as pool:
         pool.map(_write_part, jobs)
 
@@ -488,10 +490,15 @@ def main() -> None:
     if rank == 0:
         if not (target / "model.safetensors").exists():
             write_target(target, shape)
-        if not (cache / "manifest.json").exists():
+        # a cache is reused only when a run of this shape and size finished writing it (a run stopped
+        # while writing, or one of another --samples, leaves one that is written again)
+        written = cache / f"written-{a.shape}-{samples}"
+        if not written.exists():
+            shutil.rmtree(cache, ignore_errors=True)
             write_cache(cache, shape, samples, per_part=8 if not a.small else 4,
                         writers=min(a.writers, max(1, samples // 8)) if long else a.writers,
                         prompt=PROMPT[a.shape])
+            written.touch()
         ready.touch()
     while not ready.exists():
         time.sleep(0.5)
