@@ -137,3 +137,21 @@ def test_evaluation_runs_the_eager_forward_of_a_compiled_drafter(tiny_world, tmp
                             eval_interval=2, compile=True))
     assert len([r for r in read_metrics(out) if r["kind"] == "eval"]) >= 2
     assert len(calls) == 4 and all(calls)  # one compiled call per training step, none from evaluation
+
+
+def test_a_compiled_drafter_compiles_its_head_loss_on_cuda_only_and_not_under_eager(monkeypatch):
+    # compile_training() asks for the compiled head loss (head_loss.use_compiled): on CUDA, not while
+    # evaluation's eager() block runs, and never on a drafter that was not compiled.
+    from dflash.train.loss import head_loss
+
+    drafter = tiny_drafter()
+    cpu, cuda = torch.zeros(1), type("CudaLike", (), {"is_cuda": True})()
+    assert not head_loss.use_compiled(drafter, cuda)
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, dynamic=None: fn)
+    drafter.compile_training()
+    assert head_loss.use_compiled(drafter, cuda) and not head_loss.use_compiled(drafter, cpu)
+    with drafter.eager():
+        assert not head_loss.use_compiled(drafter, cuda)
+    assert head_loss.use_compiled(drafter, cuda)
+    monkeypatch.setattr(head_loss, "COMPILED_CHUNKS", False)  # bench_train --head-kernels eager
+    assert not head_loss.use_compiled(drafter, cuda)

@@ -201,10 +201,11 @@ class DFlashDrafter(nn.Module):
         """The uncompiled forward while the block runs (evaluation: a no-grad graph for its
         shapes would cost compiles that a few short passes never pay back)."""
         compiled, self._compiled_forward = self._compiled_forward, None
+        loss, self.compiled_loss = self.compiled_loss, False  # the head's loss too (its no-grad graphs)
         try:
             yield
         finally:
-            self._compiled_forward = compiled
+            self._compiled_forward, self.compiled_loss = compiled, loss
 
     def forward(
         self,
