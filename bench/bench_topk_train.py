@@ -5,6 +5,9 @@ At the 8B shape a step scores 512 anchors x 15 slots = 7,680 rows of 151,936 log
 autocast, float32 on the chunked head path); the quality benchmark's small drafter about 150K rows of
 8,192. Each variant's values are checked against torch.topk's before it is timed; the row-wise max
 (`amax`, one read of the logits) is timed beside them as the floor of any top-K that reads every logit.
+Each width is also timed with its segment maxima given ("maxima given"): what is left of the top-K
+where a compiled drafter's chunk function computes them (train/loss/head_loss.py), the figure that
+chooses the width for that path.
 
     python bench/bench_topk_train.py                           # one GPU: 7,680 x 151,936 and 153,600 x 8,192
     python bench/bench_topk_train.py --rows 64 --vocab 151936  # a CPU smoke run
@@ -46,7 +49,7 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 def measure(rows: int, vocab: int, k: int, dtype: torch.dtype, device: torch.device, segments: list[int],
             repeats: int) -> list[dict]:
-    from dflash.train.heads.dflash2.modules import exact_topk, topk_segment
+    from dflash.train.heads.dflash2.modules import exact_topk, segment_maxima, topk_segment
 
     g = torch.Generator(device=device).manual_seed(0)
     logits = (3 * torch.randn(rows, vocab, generator=g, device=device)).to(dtype)
@@ -63,6 +66,12 @@ def measure(rows: int, vocab: int, k: int, dtype: torch.dtype, device: torch.dev
         ms = timed(lambda s=segment: exact_topk(logits, k, s), device, repeats)
         name = f"two-stage, segments of {segment}" + (" (the default)" if segment == default else "")
         out.append({**shape, "variant": name, "segment": segment, "ms": ms, "vs_torch_topk": ms / base})
+        maxima = segment_maxima(logits, segment)
+        if not torch.equal(exact_topk(logits, k, segment, maxima)[0], want):
+            raise SystemExit(f"exact_topk with segments of {segment} ids and their maxima given differs: a bug.")
+        ms = timed(lambda s=segment, m=maxima: exact_topk(logits, k, s, m), device, repeats)
+        out.append({**shape, "variant": "  the same, maxima given", "segment": segment, "ms": ms,
+                    "vs_torch_topk": ms / base, "maxima_given": True})
     ms = timed(lambda: logits.amax(-1), device, repeats)
     out.append({**shape, "variant": "amax (one read of the logits)", "ms": ms, "vs_torch_topk": ms / base})
     return out
