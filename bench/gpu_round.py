@@ -46,6 +46,11 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 (bench/profile_step.py), extraction and training at once (bench/bench_colocate.py);
                 TIMINGS="extract-8b ..." only these of them; with QUALITY=1 then the leaderboard's
                 quality jobs.
+  speed         alone on the GPU, the default path's speed figures, most wanted first: bench_train's
+                compiled head loss against eager (8B, quality-bpe), DFlash2's parts (profile_step),
+                the top-K widths (bench_topk_train), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
+                the extraction of 32K-token samples and the 8B extraction with both references;
+                TIMINGS="train-8b ..." only these of them.
 """
 
 from __future__ import annotations
@@ -172,6 +177,18 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
     return jobs
 
 
+def only_timings(jobs: list[Job], plan: str) -> list[Job]:
+    """The jobs TIMINGS names (all of them without it); a name the plan has not is refused."""
+    if not os.environ.get("TIMINGS"):
+        return jobs
+    wanted = os.environ["TIMINGS"].split()
+    unknown = set(wanted) - {j.name for j in jobs}
+    if unknown:
+        raise SystemExit(f"TIMINGS names {', '.join(sorted(unknown))}: {plan}'s timings are "
+                         + ", ".join(j.name for j in jobs))
+    return [j for j in jobs if j.name in wanted]
+
+
 def followup() -> list[Job]:
     """The figures the leaderboard round left open, each alone on the GPU first: the 8B extraction
     (bf16 and nf4, the top-1 share as extracted by default), the DFlash2 step's parts at the 8B
@@ -194,13 +211,7 @@ def followup() -> list[Job]:
         Job("colocate", f"python3 bench/bench_colocate.py --workdir {root}/colocate --json {res}/colocate.json{tiny}"
             f"; rc=$?; rm -rf {root}/colocate; exit $rc", [], 3, alone=True),
     ]
-    if os.environ.get("TIMINGS"):
-        wanted = os.environ["TIMINGS"].split()
-        unknown = set(wanted) - {j.name for j in jobs}
-        if unknown:
-            raise SystemExit(f"TIMINGS names {', '.join(sorted(unknown))}: followup's timings are "
-                             + ", ".join(j.name for j in jobs))
-        jobs = [j for j in jobs if j.name in wanted]
+    jobs = only_timings(jobs, "followup")
     if os.environ.get("QUALITY"):
         timings = [j.name for j in jobs]
         for j in leaderboard(extract=False):  # the extraction timing is this plan's own, first
@@ -231,7 +242,52 @@ def recipe() -> list[Job]:
     return leaderboard(extract=False, variants=wanted, sweep=";".join(f"{k}={v}" for k, v in RECIPE_ROWS.items()))
 
 
-PLANS = {"leaderboard": leaderboard, "followup": followup, "recipe": recipe}
+def speed() -> list[Job]:
+    """The default path's speed figures (docs/BENCHMARKS.md, Training and Extraction), each alone on
+    the GPU, most wanted first: the head loss compiled against eager at the 8B and the small drafter's
+    shapes, DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima given, the long
+    samples (8K and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token
+    samples, and the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
+    small = bool(os.environ.get("ROUND_SMALL"))
+    root = round_dir()
+    res = root / "results"
+
+    def train(name: str, shape: str, args: str, priority: int) -> Job:
+        shape = "small-long" if small and "-" in shape and shape[-1] == "k" else "small" if small else shape
+        steps = " --steps 2 --warmup-steps 1" if small else ""
+        return Job(f"train-{name}", f"python3 bench/bench_train.py --workdir {root}/{name} --shape {shape} {args}"
+                   f"{steps} --json {res}/train-{name}.json; rc=$?; rm -rf {root}/{name}; exit $rc", [], priority,
+                   alone=True)
+
+    both = "--drafter-type dflash,dflash2 --head-kernels eager,compiled"
+    long = "--drafter-type dflash2,dflash --sliding-window 0,2048"
+    extract = "--shape 8b --small --tokens 16384" if small else "--shape 8b"
+    jobs = [
+        train("8b", "8b", f"{both} --samples 16" + ("" if small else " --steps 12 --warmup-steps 8"), 1),
+        train("quality-bpe", "quality-bpe", both + ("" if small else " --steps 20 --warmup-steps 12"), 2),
+        Job("profile-8b", "python3 bench/profile_step.py " + ("--shape small --steps 1 --device cpu" if small else
+            "--shape 8b --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 3")
+            + f" --json {res}/profile-8b.json", [], 3, alone=True),
+        Job("topk", "python3 bench/bench_topk_train.py" + (" --rows 64 --repeats 2 --device cpu" if small else "")
+            + f" --json {res}/topk.json", [], 4, alone=True),
+        train("8b-8k", "8b-8k", f"{long} --samples 8" + ("" if small else " --steps 4 --warmup-steps 3"), 5),
+        train("8b-32k", "8b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 6),
+        train("27b", "27b", "--drafter-type dflash2,dflash --samples 8" + ("" if small else " --steps 8 --warmup-steps 6"), 7),
+        train("27b-32k", "27b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 8),
+        Job("extract-long", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
+            + ("--seq-len 1024" if small else "--seq-len 32768 --tokens 524288")
+            + f" --json {res}/extract-long.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True),
+        Job("extract-8b", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8,bf16"
+            + ("" if small else " --forward-tokens 131072")
+            + f" --json {res}/extract-8b.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 10, alone=True,
+            env={"DFLASH_PROFILE_EXTRACT": "1"}),
+    ]
+    jobs = only_timings(jobs, "speed")
+    res.mkdir(parents=True, exist_ok=True)
+    return jobs
+
+
+PLANS = {"leaderboard": leaderboard, "followup": followup, "recipe": recipe, "speed": speed}
 
 
 # -- the runner -------------------------------------------------------------------------------------

@@ -305,3 +305,19 @@ def test_a_domains_own_quality_settings_reach_only_that_domain(round_dir, monkey
     assert jobs["prose-prep"].env["QUALITY_SETS"].endswith("--set train_top1_share=0.12 --set prompt_percent=40")
     assert jobs["code-prep"].env["QUALITY_SETS"].endswith("--set train_top1_share=0.12")
     assert jobs["prose-dflash2"].env["QUALITY_SETS"] == jobs["prose-prep"].env["QUALITY_SETS"]
+
+
+def test_the_speed_plan_runs_each_timing_alone_most_wanted_first_and_keeps_the_named_ones(round_dir, monkeypatch):
+    monkeypatch.delenv("TIMINGS", raising=False)
+    jobs = gpu_round.speed()
+    assert all(j.alone for j in jobs)
+    assert [j.name for j in sorted(jobs, key=lambda j: j.priority)][:2] == ["train-8b", "train-quality-bpe"]
+    assert "--head-kernels eager,compiled" in jobs[0].command and "--shape 8b " in jobs[0].command
+    monkeypatch.setenv("ROUND_SMALL", "1")  # the CPU smoke sizes
+    small = {j.name: j for j in gpu_round.speed()}
+    assert "--shape small-long" in small["train-8b-32k"].command and "--shape small " in small["train-8b"].command
+    monkeypatch.setenv("TIMINGS", "topk extract-long")
+    assert [j.name for j in gpu_round.speed()] == ["topk", "extract-long"]
+    monkeypatch.setenv("TIMINGS", "topk trian-8b")
+    with pytest.raises(SystemExit, match="trian-8b"):
+        gpu_round.speed()
