@@ -135,3 +135,22 @@ def test_gather_dot_is_the_gathered_rows_dot_products_and_their_gradients():
         for a, b in zip(run, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+
+
+def test_the_compiled_head_kernels_compile_once_for_steps_of_any_slot_count():
+    # A step's scored slots vary from batch to batch: the chunk function and the selector's three
+    # gather-reductions each compile one graph, the slot count symbolic from the first call.
+    from dflash.train.heads.dflash2.kernels import gather_dot
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    table = torch.randn(50, 8, requires_grad=True)
+    for n in (5, 7, 12):
+        g = torch.Generator().manual_seed(n)
+        x, ids = torch.randn(n, 8, generator=g, requires_grad=True), torch.randint(0, 50, (n, 4), generator=g)
+        gather_dot(x, table, ids).sum().backward()
+        logits, label = torch.randn(n, 300, generator=g), torch.randint(0, 300, (n,), generator=g)
+        soft_ids = torch.randint(0, 300, (n, 8), generator=g)
+        head_loss.compiled_chunk_terms()(logits, label, 0.5, soft_ids, torch.log_softmax(torch.randn(n, 8), -1), True, 16)
+    assert counters["stats"]["unique_graphs"] == 4

@@ -132,11 +132,18 @@ def use_compiled(drafter, h: torch.Tensor) -> bool:
 
 
 def compiled_chunk_terms():
-    """`fused_chunk_terms` under torch.compile (made once; each new chunk size recompiles once,
-    then the row count is symbolic)."""
+    """`fused_chunk_terms` under torch.compile, made once: the chunk's row count symbolic from the
+    first call (the slots of a step vary), the vocabulary static."""
     global _COMPILED_TERMS
     if _COMPILED_TERMS is None:
-        _COMPILED_TERMS = torch.compile(fused_chunk_terms)
+        compiled = torch.compile(fused_chunk_terms)
+
+        def call(logits, t, *rest):
+            for arg in (logits, t, *rest):
+                if isinstance(arg, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+            return compiled(logits, t, *rest)
+        _COMPILED_TERMS = call
     return _COMPILED_TERMS
 
 

@@ -12,28 +12,38 @@ from __future__ import annotations
 
 import torch
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict = {}  # each function's compiled form
 
 
-def _dot(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _dot(table: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (table[ids].float() * x.float()[:, None, :]).sum(-1)
 
 
-def _rows_sum(grad: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _rows_sum(table: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (grad.float()[:, :, None] * table[ids].float()).sum(1)
 
 
-def _table_grad(grad: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """d/d table: row ids[n, c] gathers grad[n, c] * x[n], summed over repeats (a scatter-add)."""
-    out = torch.zeros((rows, x.shape[-1]), dtype=torch.float32, device=x.device)
+def _table_grad(table: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """d/d table (float32, the table's shape): row ids[n, c] gathers grad[n, c] * x[n], summed over
+    repeats (a scatter-add)."""
+    out = torch.zeros(table.shape, dtype=torch.float32, device=x.device)
     update = grad.float()[:, :, None] * x.float()[:, None, :]
     return out.index_put_((ids.reshape(-1),), update.reshape(-1, x.shape[-1]), accumulate=True)
 
 
-def _compiled(name: str, fn):
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    return _COMPILED[name]
+def _compiled(fn):
+    """`fn(table, *per_slot)` compiled once, the slot count N (dim 0 of each per-slot tensor)
+    symbolic and the rest static: inductor then knows the reductions' lengths (a row of 384 or
+    4,096 values, the K + 1 candidates), where symbolic lengths make every reduction a loop."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    compiled = _COMPILED[fn]
+
+    def call(table, *per_slot):
+        for arg in per_slot:
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(table, *per_slot)
+    return call
 
 
 class _GatherDot(torch.autograd.Function):
@@ -41,16 +51,15 @@ class _GatherDot(torch.autograd.Function):
     def forward(ctx, x, table, ids, compiled):  # noqa: D102 - see gather_dot
         ctx.save_for_backward(x, table, ids)
         ctx.compiled = compiled
-        run = _compiled("dot", _dot) if compiled else _dot
-        return run(x, table, ids)
+        return (_compiled(_dot) if compiled else _dot)(table, x, ids)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         x, table, ids = ctx.saved_tensors
-        rows_sum = _compiled("rows_sum", _rows_sum) if ctx.compiled else _rows_sum
-        table_grad = _compiled("table_grad", _table_grad) if ctx.compiled else _table_grad
-        grad_x = rows_sum(grad, table, ids).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_table = table_grad(grad, x, ids, table.shape[0]).to(table.dtype) if ctx.needs_input_grad[1] else None
+        rows_sum = _compiled(_rows_sum) if ctx.compiled else _rows_sum
+        table_grad = _compiled(_table_grad) if ctx.compiled else _table_grad
+        grad_x = rows_sum(table, grad, ids).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_table = table_grad(table, grad, x, ids).to(table.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_table, None, None
 
 
