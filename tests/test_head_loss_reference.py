@@ -194,3 +194,28 @@ def test_no_limit_and_a_limit_the_slots_fit_run_the_head_in_one_chunk(monkeypatc
         loss_of(drafter, hand_batch(), ObjectiveConfig(max_anchors=64, logits_chunk_mib=mib),
                 generator=torch.Generator().manual_seed(5))
     assert len(seen) == 3 and all(rows == n > 1 for n, rows in seen)
+
+
+def test_the_eager_chunk_frees_its_bf16_logits_once_their_float32_copy_exists(monkeypatch):
+    # The eager chunk holds one float32 copy of its logits: the bf16 logits the head returned are
+    # gone before the copy is turned into exponentials (else a chunk holds 2 bytes a logit more).
+    import weakref
+
+    made, freed = [], []
+
+    class Bf16Head(Head):
+        def logits(self, h):
+            out = super().logits(h).bfloat16()
+            made.append(weakref.ref(out))
+            return out
+
+    exp_ = torch.Tensor.exp_
+
+    def watched(self):
+        freed.append(all(ref() is None for ref in made))
+        return exp_(self)
+
+    monkeypatch.setattr(torch.Tensor, "exp_", watched)
+    h = torch.randn(N, HIDDEN, requires_grad=True)
+    slot_losses(Bf16Head(), h, torch.randint(0, VOCAB, (N,)), 4, top_k=4)
+    assert freed == [True, True, True]  # 11 slots in chunks of 4

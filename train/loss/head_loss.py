@@ -121,8 +121,9 @@ def fused_chunk_terms(logits, t, w, ids, p_log, want_grad, segment=0):
 
 _COMPILED_TERMS = None
 COMPILED_CHUNKS = True
-"""Whether a compiled drafter on CUDA runs each chunk's softmax, loss and gradient through
-`compiled_chunk_terms` (bench/bench_train.py --head-chunks sets it to time both side by side)."""
+"""Whether a compiled drafter on CUDA runs the head's loss through compiled kernels (each chunk
+through `compiled_chunk_terms`, DFlash2's candidates through its gather-reductions); bench_train.py
+and profile_step.py `--head-kernels eager` turn it off to time both side by side."""
 
 
 def use_compiled(drafter, h: torch.Tensor) -> bool:
@@ -167,19 +168,18 @@ class _SlotLosses(torch.autograd.Function):
         segment = topk_segment(weight.shape[0], top_k) if top_k else 0
         for start in range(0, n, rows_per_chunk):
             rows = slice(start, min(n, start + rows_per_chunk))
-            logits = head.logits(h[rows])  # bf16 under autocast
+            chunk = [head.logits(h[rows])]  # bf16 under autocast; held here only until _chunk_terms takes it
             ids = soft_ids[rows] if w and soft_hidden is None else None
             p_log = soft_logprobs[rows] if w and soft_hidden is None else None
+            maxima = None
             if fused:  # the top-k's segment maxima from the same compiled function
-                *terms, maxima = compiled_chunk_terms()(logits, label[rows], w, ids, p_log, grad is not None, segment)
-            else:
-                maxima = None
+                *terms, maxima = compiled_chunk_terms()(chunk[0], label[rows], w, ids, p_log, grad is not None, segment)
             if top_k:  # over the head's own dtype: its float32 copy orders the same, at twice the bytes
-                top[rows] = exact_topk(logits, top_k, segment, maxima)[1]
-            if not fused:
-                terms = _chunk_terms(logits, label[rows], w, ids, p_log, grad is not None, head,
+                top[rows] = exact_topk(chunk[0], top_k, segment, maxima)[1]
+            if not fused:  # the logits handed over: freed once their float32 copy exists
+                terms = _chunk_terms(chunk.pop(), label[rows], w, ids, p_log, grad is not None, head,
                                      None if soft_hidden is None else soft_hidden[rows])
-            del logits, maxima  # before the next chunk's
+            del chunk, maxima  # before the next chunk's
             loss[rows], logprob[rows], row_kl, argmax[rows], g = terms
             if w:
                 kl[rows] = row_kl
