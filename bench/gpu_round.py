@@ -49,7 +49,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
   speed         alone on the GPU, the default path's speed figures, most wanted first: bench_train's
                 compiled head loss against eager (8B, quality-bpe), DFlash2's parts (profile_step),
                 the top-K widths (bench_topk_train), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
-                the extraction of 32K-token samples and the 8B extraction with both references;
+                the extraction of 32K-token samples and the 8B extraction with both references, the 27B
+                hybrid extraction with today's defaults and the GPU-hours from it and train-27b;
                 TIMINGS="train-8b ..." only these of them.
 """
 
@@ -272,11 +273,19 @@ def speed() -> list[Job]:
             + f" --json {res}/topk.json", [], 4, alone=True),
         train("8b-8k", "8b-8k", f"{long} --samples 8" + ("" if small else " --steps 4 --warmup-steps 3"), 5),
         train("8b-32k", "8b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 6),
-        train("27b", "27b", "--drafter-type dflash2,dflash --samples 8" + ("" if small else " --steps 8 --warmup-steps 6"), 7),
+        # DFlash2 last: gpu_hours reads the last figure of the file (today's default drafter)
+        train("27b", "27b", "--drafter-type dflash,dflash2 --samples 8" + ("" if small else " --steps 8 --warmup-steps 6"), 7),
         train("27b-32k", "27b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 8),
         Job("extract-long", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
             + ("--seq-len 1024" if small else "--seq-len 32768 --tokens 524288")
             + f" --json {res}/extract-long.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True),
+        # the 27B hybrid target with today's extraction defaults (top-8, fp8 for the seed's disk), then the
+        # offline/online GPU-hours of today's defaults from it and train-27b
+        Job("extract-27b", f"python3 bench/bench_extract.py --output {root}/extract-scratch --shape 27b-hybrid "
+            + ("--small --tokens 16384" if small else "") + " --codecs fp8@8,bf16@8"
+            + f" --json {res}/extract-27b.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 11, alone=True),
+        Job("gpu-hours-27b", f"python3 bench/gpu_hours.py {res}/extract-27b.json {res}/train-27b.json", ["extract-27b",
+            "train-27b"], 12),
         Job("extract-8b", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8,bf16"
             + ("" if small else " --forward-tokens 131072")
             + f" --json {res}/extract-8b.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 10, alone=True,
