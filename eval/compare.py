@@ -102,7 +102,7 @@ COMPARE_HELP = {"drafter_type": "Not taken here: --heads names the candidates, a
 @click.command(cls=Command, name="dflash-compare",
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
                stop_note=TrainGroup.stop_note, os_error_advice=TrainGroup.os_error_advice,
-               oom_advice=TrainGroup.oom_advice)
+               oom_advice=TrainGroup.oom_advice, compile_advice=TrainGroup.compile_advice)
 @click.option("--heads", default=None, metavar="NAMES",
               help="Comma-separated candidate heads, e.g. dflash2,dspark  [default: every registered head an "
                    "engine serves]")

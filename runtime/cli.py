@@ -77,22 +77,39 @@ def out_of_memory_finding(name: str, e: BaseException, code: str = "runtime.out-
     return Finding(code, command=name, error=str(e).split(". ", 1)[0].strip().rstrip("."))
 
 
+def compile_failed(e: BaseException) -> bool:
+    """Whether `e` is torch.compile's failure to build kernels (dynamo or inductor, told by the
+    class, so that a command that never imported torch does not import it here)."""
+    return any(c.__name__ in ("TorchDynamoException", "InductorError") and c.__module__.startswith("torch")
+               for c in type(e).__mro__)
+
+
+def compile_failed_finding(name: str, e: BaseException, code: str = "runtime.compile-failed") -> Finding:
+    """torch.compile's failure in command `name`: its first line, for the command's renderer `code`
+    (which says how to run without compiling)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return Finding(code, command=name, error=first[:300])
+
+
 class _Contract:
     """Runs a click command under the exit-status table (mixed into Command and Group).
 
-    Three finding codes, each rendered by the command's package (its messages module), say what
+    Four finding codes, each rendered by the command's package (its messages module), say what
     is the command's own: `stop_note` the stop ("<command> stopped by SIGINT" and what was kept
     and how to go on; fields `command`, `signal`), `os_error_advice` an OSError (`error`, `file`:
     `os_error_finding`), `oom_advice` an out-of-memory error of the device (`command`, `error`:
-    `out_of_memory_finding`; an environment fault: no traceback).
+    `out_of_memory_finding`; an environment fault: no traceback), `compile_advice` torch.compile's
+    failure to build kernels (`command`, `error`: `compile_failed_finding`; after its traceback,
+    which a report of it needs, how to run without compiling).
     """
 
     stop_note = "runtime.stopped"
     os_error_advice = "runtime.os-error"
     oom_advice = "runtime.out-of-memory"
+    compile_advice = "runtime.compile-failed"
 
     def __init__(self, *args: Any, stop_note: str | None = None, os_error_advice: str | None = None,
-                 oom_advice: str | None = None, **kwargs: Any) -> None:
+                 oom_advice: str | None = None, compile_advice: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if stop_note is not None:
             self.stop_note = stop_note
@@ -100,6 +117,8 @@ class _Contract:
             self.os_error_advice = os_error_advice
         if oom_advice is not None:
             self.oom_advice = oom_advice
+        if compile_advice is not None:
+            self.compile_advice = compile_advice
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -143,6 +162,9 @@ class _Contract:
                 emit(out_of_memory_finding(name, e, self.oom_advice), prefix="Error: ")
                 return EXIT_STATUS[EnvironmentFault]
             traceback.print_exc()
+            if compile_failed(e):  # torch's compiler or its toolchain: say how to go on without it
+                emit(compile_failed_finding(name, e, self.compile_advice), prefix="Error: ")
+                return EXIT_FAILED
             echo_error(f"unexpected {type(e).__name__} in {name}: {e}. This is a bug, not a problem "
                        "with your input: please report it with the traceback above.")
             return EXIT_FAILED

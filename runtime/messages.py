@@ -379,6 +379,13 @@ def _os_error(error, file):
     return f"{error}{where}. Check the path, its permissions and the free disk space, then rerun the command."
 
 
+@renders("runtime.compile-failed", example=dict(command="dflash-x", error="CompilationError: at 12:4: ..."))
+def _compile_failed(command, error):
+    return (f"{command}: torch.compile failed to build its kernels ({error}). This is torch's compiler or its "
+            "toolchain (a C++ compiler, Triton) on this machine, not your data: report the traceback above, and run "
+            "without compiling meanwhile if the command has a flag for it.")
+
+
 @renders("runtime.out-of-memory", example=dict(command="dflash-x", error="CUDA out of memory"))
 def _out_of_memory(command, error):
     return (f"{command} ran out of device memory ({error}). Give the command less to hold at once (a smaller batch or "

@@ -394,3 +394,32 @@ def test_each_commands_stop_says_what_was_kept(name, kept):
     for code, fields in ((command.oom_advice, dict(command=name, error="CUDA out of memory")),
                          (command.os_error_advice, dict(error="No space left on device", file="f"))):
         assert not render(Finding(code, **fields)).startswith(f"{code}:")  # a registered renderer
+
+
+@renders("test.compile-failed", example=dict(command="dflash-x", error="CompilationError: at 1:0"))
+def _compile_failed(command, error):
+    return f"{command}: torch.compile failed ({error}). Rerun it with --no-compile."
+
+
+def test_a_compile_failure_keeps_its_traceback_and_says_how_to_run_without_compiling():
+    # torch.compile's failure (dynamo's or inductor's) is reported as what it is: the traceback a
+    # report needs, then the command's own finding with the error's first line and the way around it.
+    import torch._inductor.exc
+
+    error = torch._inductor.exc.InductorError(RuntimeError("CompilationError: at 12:4:\n    tl.store(...)"), None)
+
+    @click.command(cls=Command, name="dflash-x", compile_advice="test.compile-failed")
+    def main() -> None:
+        raise error
+
+    with collected() as said:
+        result = invoke(main)
+    assert [f.code for f in said] == ["test.compile-failed"]
+    assert said[0].fields["command"] == "dflash-x" and "CompilationError: at 12:4:" in said[0].fields["error"]
+    assert result.exit_code == 1 and "Traceback" in result.stderr
+    assert "This is a bug" not in result.stderr and result.stderr.rstrip().endswith("Rerun it with --no-compile.")
+    # dflash-train and dflash-compare name their flag
+    from dflash.train.cli import TrainGroup
+
+    assert "--no-compile" in render(Finding(TrainGroup.compile_advice, command="dflash-train", error="x"))
+    assert _contract_codes()["dflash-compare"].compile_advice == TrainGroup.compile_advice

@@ -27,9 +27,9 @@ def _all_registered() -> dict:
     return {code: r for code, r in registered().items() if not code.startswith("test.")}
 
 
-# The codes a command gives runtime.cli's contract (its stop, OSError and out-of-memory findings),
+# The codes a command gives runtime.cli's contract (its stop, OSError, out-of-memory and compile findings),
 # as `stop_note="x.stopped"` or a class attribute `stop_note = "x.stopped"`.
-CONTRACT_CODES = ("stop_note", "os_error_advice", "oom_advice")
+CONTRACT_CODES = ("stop_note", "os_error_advice", "oom_advice", "compile_advice")
 
 
 def _code_given(node: ast.AST) -> ast.Constant | None:

@@ -38,6 +38,7 @@ class TrainGroup(Group):
     stop_note = "train.stopped"  # (the words: train/exports/messages.py)
     os_error_advice = "train.os-error"
     oom_advice = "train.out-of-memory"
+    compile_advice = "train.compile-failed"
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `run` is the default command, its help too: `dflash-train --help` lists the training

@@ -229,6 +229,14 @@ def _os_error(error, file):
             "resume.")
 
 
+@renders("train.compile-failed", example=dict(command="dflash-train", error="CompilationError: at 12:4: ..."))
+def _compile_failed(command, error):
+    return (f"{command}: torch.compile failed to build the training step's kernels ({error}). This is torch's "
+            "compiler or its toolchain (Triton, a C++ compiler) on this machine, not your data or settings: rerun the "
+            "same command with --no-compile, which trains the same arithmetic eagerly, slower, and resumes from the "
+            "complete checkpoints; and report the traceback above.")
+
+
 @renders("train.out-of-memory", example=dict(command="dflash-train", error="CUDA out of memory"))
 def _out_of_memory(command, error):
     return (f"{command} ran out of device memory ({error}). A micro-batch holds --token-budget padded tokens and up to "
