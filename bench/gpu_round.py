@@ -48,7 +48,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 quality jobs.
   speed         alone on the GPU, the default path's speed figures, most wanted first: bench_train's
                 compiled head loss against eager (8B, quality-bpe), DFlash2's parts (profile_step),
-                the top-K widths (bench_topk_train), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
+                the top-K widths (bench_topk_train), DFlash2 under torch.compile's other modes beside
+                the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
                 the extraction of 32K-token samples and the 8B extraction with both references, the 27B
                 hybrid extraction with today's defaults and the GPU-hours from it and train-27b;
                 TIMINGS="train-8b ..." only these of them.
@@ -271,6 +272,15 @@ def speed() -> list[Job]:
             + f" --json {res}/profile-8b.json", [], 3, alone=True),
         Job("topk", "python3 bench/bench_topk_train.py" + (" --rows 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/topk.json", [], 4, alone=True),
+        # torch.compile's other modes for DFlash2's step, each beside the default in the same job: autotuned
+        # kernels at the 8B shape, CUDA graphs (no launch overhead) for the small drafter's many small kernels
+        *[Job(f"train-{shape}-{mode}", " && ".join(
+            f"python3 bench/bench_train.py --workdir {root}/{shape}-{mode} --shape {'small' if small else shape} "
+            f"--drafter-type dflash2{' --samples 16' if shape == '8b' else ''} --keep --json {res}/train-{shape}-{mode}-{m}.json"
+            + (" --steps 2 --warmup-steps 1" if small else " --steps 12 --warmup-steps 10")
+            + ("" if m == "default" else f" --train-arg compile_mode={m}") for m in ("default", mode))
+            + f"; rc=$?; rm -rf {root}/{shape}-{mode}; exit $rc", [], 5,
+            alone=True) for shape, mode in (("8b", "max-autotune-no-cudagraphs"), ("quality-bpe", "reduce-overhead"))],
         train("8b-8k", "8b-8k", f"{long} --samples 8" + ("" if small else " --steps 4 --warmup-steps 3"), 5),
         train("8b-32k", "8b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 6),
         # DFlash2 last: gpu_hours reads the last figure of the file (today's default drafter)
