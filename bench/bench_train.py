@@ -518,7 +518,7 @@ def main() -> None:
     for kind, window, kernel in variants:
         from dflash.train.loss import head_loss
 
-        head_loss.COMPILED_CHUNKS = kernel == "compiled"
+        head_loss.COMPILED_KERNELS = kernel == "compiled"
         runs = run if len(variants) == 1 else work / f"run-{kind}-{window or 'full'}-{kernel}"
         config = train_config(a, parser, shape, batch, cache=cache, target=target, run=runs, workers=workers,
                               steps=steps, warmup=warmup, resumed_from=resumed_from, kind=kind, window=window)

@@ -242,7 +242,7 @@ def main() -> None:
     results = {}
     from dflash.train.loss import head_loss
 
-    head_loss.COMPILED_CHUNKS = a.head_kernels == "compiled"
+    head_loss.COMPILED_KERNELS = a.head_kernels == "compiled"
     for variant in variants:
         results[variant] = run_variant(a, variant)
         print(f"{variant}: {results[variant]['step_s'] * 1e3:.1f} ms/step", flush=True)

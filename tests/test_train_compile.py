@@ -153,5 +153,5 @@ def test_a_compiled_drafter_compiles_its_head_loss_on_cuda_only_and_not_under_ea
     with drafter.eager():
         assert not head_loss.use_compiled(drafter, cuda)
     assert head_loss.use_compiled(drafter, cuda)
-    monkeypatch.setattr(head_loss, "COMPILED_CHUNKS", False)  # bench_train --head-kernels eager
+    monkeypatch.setattr(head_loss, "COMPILED_KERNELS", False)  # bench_train --head-kernels eager
     assert not head_loss.use_compiled(drafter, cuda)

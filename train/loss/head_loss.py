@@ -120,7 +120,7 @@ def fused_chunk_terms(logits, t, w, ids, p_log, want_grad, segment=0):
 
 
 _COMPILED_TERMS = None
-COMPILED_CHUNKS = True
+COMPILED_KERNELS = True
 """Whether a compiled drafter on CUDA runs the head's loss through compiled kernels (each chunk
 through `compiled_chunk_terms`, DFlash2's candidates through its gather-reductions); bench_train.py
 and profile_step.py `--head-kernels eager` turn it off to time both side by side."""
@@ -129,7 +129,7 @@ and profile_step.py `--head-kernels eager` turn it off to time both side by side
 def use_compiled(drafter, h: torch.Tensor) -> bool:
     """Whether this step's head loss runs compiled kernels: a compiled drafter on CUDA (on the CPU
     inductor's kernels are no faster than the eager path)."""
-    return COMPILED_CHUNKS and drafter.compiled_loss and h.is_cuda
+    return COMPILED_KERNELS and drafter.compiled_loss and h.is_cuda
 
 
 def compiled_chunk_terms():
