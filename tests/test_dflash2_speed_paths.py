@@ -114,7 +114,7 @@ def test_the_fused_chunk_arithmetic_is_the_eager_chunks(weight, dtype):
     assert want[4].float().abs().max() > 0.1  # the label's -1 (or the soft ids') is there
 
 
-def test_gather_dot_is_the_gathered_rows_dot_products_and_their_gradients():
+def test_gather_dot_is_the_gathered_rows_dot_products_and_their_gradients(traced_kernels):
     from dflash.train.heads.dflash2.kernels import gather_dot
 
     g = torch.Generator().manual_seed(8)
@@ -137,13 +137,12 @@ def test_gather_dot_is_the_gathered_rows_dot_products_and_their_gradients():
 
 
 
-def test_the_compiled_head_kernels_compile_once_for_steps_of_any_slot_count():
+def test_the_compiled_head_kernels_compile_once_for_steps_of_any_slot_count(traced_kernels):
     # A step's scored slots vary from batch to batch: the chunk function and the selector's three
     # gather-reductions each compile one graph, the slot count symbolic from the first call.
     from dflash.train.heads.dflash2.kernels import gather_dot
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
     counters.clear()
     table = torch.randn(50, 8, requires_grad=True)
     for n in (5, 7, 12):

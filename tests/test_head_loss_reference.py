@@ -139,7 +139,8 @@ def test_under_bf16_autocast_the_logits_keep_their_dtype_and_the_references_valu
     ("dflash", "acceptance", False, None), ("dflash", "decay", False, "topk"), ("dflash", "acceptance", False, "hidden"),
     ("dflash2", "acceptance", False, None), ("dflash2", "acceptance", True, None), ("dflash2", "decay", False, "topk"),
     ("dflash2", "acceptance", False, "hidden")])
-def test_a_step_of_the_objective_is_the_autograd_references(kind, weighting, stop, soft, monkeypatch):
+def test_a_step_of_the_objective_is_the_autograd_references(kind, weighting, stop, soft, monkeypatch,
+                                                           traced_kernels):
     # The whole objective (the drafter, the loss weights, DFlash2's selector over its top-K and the
     # candidates' logits) with the head's loss from head_loss.py, in one chunk and in chunks of 3
     # slots, the compiled kernels of a compiled drafter on CUDA (forced here on the CPU), and with the
