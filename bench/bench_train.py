@@ -50,6 +50,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -311,6 +312,8 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
         "processes": world,
         "samples_per_step": samples, "context_tokens_per_step": context, "anchors_per_step": anchors,
         "seconds_per_step": step_time, "context_tokens_per_second": context / step_time,
+        # a measured step that compiled again (a new batch shape) shows as a mean far above the median
+        "median_seconds_per_step": statistics.median(r["seconds_per_step"] for r in measured),
         "model_tflop_per_step": flops / 1e12, "model_tflops": flops / step_time / 1e12,
         "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
         "context_tokens_per_second_per_process": context / step_time / world, "data_wait_fraction": wait,
@@ -385,14 +388,17 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
     """The runs' step time, fraction of peak, context tokens/s and peak memory in one table, each
     drafter's tokens/s against the first's."""
     first = results[0]
-    lines = [f"{'drafter':<8} {'window':>6} {'kernels':>8} {'ms/step':>9} {'TFLOP/s':>8} {'of peak':>8} {'ctx tok/s':>10} "
-             f"{'vs ' + first['drafter_type']:>10} {'GiB':>6} {'est GiB':>8}"]
+    lines = [f"{'drafter':<8} {'window':>6} {'kernels':>8} {'ms/step':>9} {'median':>7} {'TFLOP/s':>8} {'of peak':>8} "
+             f"{'ctx tok/s':>10} {'vs ' + first['drafter_type']:>10} {'GiB':>6} {'est GiB':>8}"]
     for r in results:
+        median = r.get("median_seconds_per_step", r["seconds_per_step"])
         lines.append(f"{r['drafter_type']:<8} {r.get('draft_sliding_window') or 'full':>6} {r.get('head_kernels', ''):>8} "
-                     f"{r['seconds_per_step'] * 1e3:9.1f} {r['model_tflops']:8.0f} "
+                     f"{r['seconds_per_step'] * 1e3:9.1f} {median * 1e3:7.1f} {r['model_tflops']:8.0f} "
                      f"{r['fraction_of_peak']:8.1%} {r['context_tokens_per_second']:10.0f} "
                      f"{r['context_tokens_per_second'] / first['context_tokens_per_second']:9.3f}x "
                      f"{r['peak_gpu_memory_gib']:6.1f} {r.get('estimated_gpu_memory_gib', 0):8.1f}")
+    if any(r["seconds_per_step"] > 1.15 * r.get("median_seconds_per_step", r["seconds_per_step"]) for r in results):
+        lines.append("(a mean 15 % above its median: a measured step compiled again or stalled; raise --warmup-steps)")
     return "\n".join(lines)
 
 
