@@ -254,3 +254,23 @@ def traced_kernels(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a rendezvous, below Linux's ephemeral range (32768-60999):
+    a port the kernel may hand out to any other connection (gloo's own between ranks, launched a
+    moment before) can be taken between this check and the rendezvous binding it, which failed a
+    two-launch test with EADDRINUSE on the 2-core host; below that range only another such pick
+    can take it."""
+    import socket
+
+    pick = random.SystemRandom()  # not the tests' seeded `random`: two picks in a row must differ
+    for _ in range(200):
+        port = pick.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-32000 on 127.0.0.1")

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, tiny_train_config
+from conftest import free_port, read_metrics, tiny_train_config
 from dflash.train.heads import get_head, head_names
 from dflash.train.run.loop import train
 from safetensors.torch import load_file
@@ -42,12 +41,6 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-5, msg=f"{k} differs")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(zygote, world: dict[str, Path], tmp_path: Path, out: Path, **overrides) -> list:

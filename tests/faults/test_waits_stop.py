@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from .helpers import complete_checkpoints, logged_steps, train_config_file, wait_until, weights_hash
 
@@ -125,14 +126,6 @@ def test_a_follow_run_waiting_for_the_plan_stops_at_the_first_signal(zygote, wor
     assert_stopped(run, signal.SIGINT, sent)
     assert complete_checkpoints(tmp_path / "run") == []
 
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_one_waiting_for_a_part_both_stop_at_the_first_signal(zygote, world, tmp_path):
