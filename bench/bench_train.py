@@ -521,9 +521,9 @@ def main() -> None:
     if a.resume_run and len(variants) > 1:
         parser.error("--resume-run continues one run: give one --drafter-type and one --sliding-window.")
     results = []
-    for kind, window, kernel in variants:
-        from dflash.train.loss import head_loss
+    from dflash.train.loss import head_loss
 
+    for kind, window, kernel in variants:
         head_loss.COMPILED_KERNELS = kernel == "compiled"
         runs = run if len(variants) == 1 else work / f"run-{kind}-{window or 'full'}-{kernel}"
         config = train_config(a, parser, shape, batch, cache=cache, target=target, run=runs, workers=workers,

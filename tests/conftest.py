@@ -245,11 +245,9 @@ def traced_kernels(monkeypatch):
     toolchain on the CPU host."""
     import torch
     from dflash.train.heads.dflash2 import kernels
-    from dflash.train.loss import head_loss
 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
-    monkeypatch.setattr(head_loss, "_COMPILED_TERMS", None)
     monkeypatch.setattr(kernels, "_COMPILED", {})
     torch._dynamo.reset()
     yield

@@ -22,6 +22,7 @@ its K + 1 candidates, which `candidate_logits` computes from the candidates' row
 from __future__ import annotations
 
 import torch
+from dflash.train.heads.dflash2.kernels import compiled_over_rows
 from dflash.train.heads.dflash2.modules import exact_topk, segment_maxima, topk_segment
 
 _F32 = 4  # bytes of one float32 logit
@@ -119,7 +120,6 @@ def fused_chunk_terms(logits, t, w, ids, p_log, want_grad, segment=0):
     return loss, logprob, kl, argmax, q.to(logits.dtype), maxima
 
 
-_COMPILED_TERMS = None
 COMPILED_KERNELS = True
 """Whether a compiled drafter on CUDA runs the head's loss through compiled kernels (each chunk
 through `compiled_chunk_terms`, DFlash2's candidates through its gather-reductions); bench_train.py
@@ -135,17 +135,7 @@ def use_compiled(drafter, h: torch.Tensor) -> bool:
 def compiled_chunk_terms():
     """`fused_chunk_terms` under torch.compile, made once: the chunk's row count symbolic from the
     first call (the slots of a step vary), the vocabulary static."""
-    global _COMPILED_TERMS
-    if _COMPILED_TERMS is None:
-        compiled = torch.compile(fused_chunk_terms)
-
-        def call(logits, t, *rest):
-            for arg in (logits, t, *rest):
-                if isinstance(arg, torch.Tensor):
-                    torch._dynamo.maybe_mark_dynamic(arg, 0)
-            return compiled(logits, t, *rest)
-        _COMPILED_TERMS = call
-    return _COMPILED_TERMS
+    return compiled_over_rows(fused_chunk_terms)
 
 
 class _SlotLosses(torch.autograd.Function):

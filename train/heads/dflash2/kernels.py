@@ -5,14 +5,15 @@ where it needs them instead of writing [N, C, D] gathered copies (1 to 4 GB a st
 bench/profile_step.py measures) and reading them back.
 
 Used by `selector_objective` when the drafter is compiled and on CUDA (train/loss/objective.py); the
-eager path (modules.py, head_loss.candidate_logits) computes the same sums.
+eager path (modules.py, head_loss.candidate_logits) computes the same sums. `compiled_over_rows`
+compiles these and the head loss's chunk function (train/loss/head_loss.py) alike.
 """
 
 from __future__ import annotations
 
 import torch
 
-_COMPILED: dict = {}  # each function's compiled form
+_COMPILED: dict = {}  # each function's compiled form (compiled_over_rows)
 
 
 def _dot(table: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -31,19 +32,21 @@ def _table_grad(table: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, ids: t
     return out.index_put_((ids.reshape(-1),), update.reshape(-1, x.shape[-1]), accumulate=True)
 
 
-def _compiled(fn):
-    """`fn(table, *per_slot)` compiled once, the slot count N (dim 0 of each per-slot tensor)
-    symbolic and the rest static: inductor then knows the reductions' lengths (a row of 384 or
-    4,096 values, the K + 1 candidates), where symbolic lengths make every reduction a loop."""
+def compiled_over_rows(fn, fixed: int = 0):
+    """`fn` compiled once (per process): dim 0 of each tensor argument after the first `fixed` (the
+    rows: slots or a chunk's rows, which vary from step to step) symbolic from the first call, the
+    rest static, so that inductor knows the reductions' lengths (a vocabulary, a row of 384 or 4,096
+    values, the K + 1 candidates), where symbolic lengths make every reduction a loop."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn)
-    compiled = _COMPILED[fn]
+        compiled = torch.compile(fn)
 
-    def call(table, *per_slot):
-        for arg in per_slot:
-            torch._dynamo.maybe_mark_dynamic(arg, 0)
-        return compiled(table, *per_slot)
-    return call
+        def call(*args):
+            for arg in args[fixed:]:
+                if isinstance(arg, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+            return compiled(*args)
+        _COMPILED[fn] = call
+    return _COMPILED[fn]
 
 
 class _GatherDot(torch.autograd.Function):
@@ -51,13 +54,13 @@ class _GatherDot(torch.autograd.Function):
     def forward(ctx, x, table, ids, compiled):  # noqa: D102 - see gather_dot
         ctx.save_for_backward(x, table, ids)
         ctx.compiled = compiled
-        return (_compiled(_dot) if compiled else _dot)(table, x, ids)
+        return (compiled_over_rows(_dot, fixed=1) if compiled else _dot)(table, x, ids)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         x, table, ids = ctx.saved_tensors
-        rows_sum = _compiled(_rows_sum) if ctx.compiled else _rows_sum
-        table_grad = _compiled(_table_grad) if ctx.compiled else _table_grad
+        rows_sum = compiled_over_rows(_rows_sum, fixed=1) if ctx.compiled else _rows_sum
+        table_grad = compiled_over_rows(_table_grad, fixed=1) if ctx.compiled else _table_grad
         grad_x = rows_sum(table, grad, ids).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_table = table_grad(table, grad, x, ids).to(table.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_table, None, None

@@ -164,7 +164,7 @@ def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None,
     lead, rows = scores.shape[:-1], scores.reshape(-1, vocab)
     whole = vocab // segment * segment
     segments = rows[:, :whole].unflatten(-1, (-1, segment))  # [R, S, segment], a view
-    maxima = segments.amax(-1) if maxima is None else maxima
+    maxima = segment_maxima(rows, segment) if maxima is None else maxima
     best = torch.topk(maxima, k, dim=-1).indices.sort(-1).values  # [R, k], in id order
     picked = segments.gather(1, best[..., None].expand(-1, -1, segment)).flatten(1)  # [R, k * segment]
     if whole < vocab:  # the tail past the last whole segment: always a candidate
