@@ -52,7 +52,7 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
                 the extraction of 32K-token samples and the 8B extraction with both references, the 27B
                 hybrid extraction with today's defaults and the GPU-hours from it and train-27b;
-                TIMINGS="train-8b ..." only these of them.
+                TIMINGS="train-8b ..." only these of them, in that order.
 """
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ def leaderboard(extract: bool | None = None, variants: list[str] | None = None,
 
 
 def only_timings(jobs: list[Job], plan: str) -> list[Job]:
-    """The jobs TIMINGS names (all of them without it); a name the plan has not is refused."""
+    """The jobs TIMINGS names (all of them without it), most wanted first in the order it names them;
+    a name the plan has not is refused."""
     if not os.environ.get("TIMINGS"):
         return jobs
     wanted = os.environ["TIMINGS"].split()
@@ -188,7 +189,7 @@ def only_timings(jobs: list[Job], plan: str) -> list[Job]:
     if unknown:
         raise SystemExit(f"TIMINGS names {', '.join(sorted(unknown))}: {plan}'s timings are "
                          + ", ".join(j.name for j in jobs))
-    return [j for j in jobs if j.name in wanted]
+    return [replace(j, priority=wanted.index(j.name) + 1) for j in jobs if j.name in wanted]
 
 
 def followup() -> list[Job]:
