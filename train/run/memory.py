@@ -16,8 +16,8 @@ activations are still held for the backward, the head's logits and their gradien
   or, past --logits-chunk-mib, one chunk of rows at a time plus an [N, D] gradient;
 - what the drafter's head adds (`DraftHead.memory`, a `HeadMemory`): its parameters, its wrappers'
   activations per block token and layer, its loss's per slot and per logit (DFlash2: the bf16
-  logits kept for its candidates, 2 bytes a logit at once; its convolutions, 32 bytes a block token
-  and layer, measured); DSpark's, XPress's and LiLiCorr's figures are rough, from their shapes;
+  logits kept for its candidates, 2 bytes a logit at once; its convolutions, 4 bytes a block token,
+  layer and channel, measured); DSpark's, XPress's and LiLiCorr's figures are rough, from their shapes;
 - the attention mask: nothing for flex full layers (tile counts), a dense [Q, T + Q] bool per
   sample for sdpa, and, built before the forward, every (query, key) entry of the mask_mod for flex
   sliding or causal layers (`attention.build_attention_mask` through create_block_mask).

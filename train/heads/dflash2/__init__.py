@@ -118,13 +118,14 @@ class DFlash2Head(DraftHead):
     def memory(self, config: DrafterConfig) -> HeadMemory:
         c, d, k = config, config.hidden_size, config.conv_kernel_size
         # two convolutions a layer (their taps' projection and the offsets), the selector's two codebooks
-        # and its hidden projection; measured (tests/test_train_memory.py): the convolutions save 32 bytes
-        # a block token and layer; the selector's K + 1 candidate logits per slot come from their rows
+        # and its hidden projection; measured (tests/test_train_memory.py): the convolutions keep 4 bytes
+        # a block token, layer and channel (the bf16 input of each output convolution; the input
+        # convolution's is the projection's own); the selector's K + 1 candidate logits per slot come from their rows
         # of the head, gathered one chunk of slots at a time (head_loss.candidate_logits): float32
         # logits and their gradient per slot
         conv = 2 * k * (d // c.conv_group_size) * d + 2 * k * d
         params = c.num_hidden_layers * 2 * conv + 2 * c.vocab_size * c.selector_rank + d * c.selector_rank
-        return HeadMemory(params=params, layer_block_bytes=32 * d, slot_bytes=8 * (c.selector_top_k + 1))
+        return HeadMemory(params=params, layer_block_bytes=4 * d, slot_bytes=8 * (c.selector_top_k + 1))
 
     def proposer(self, drafter: DFlashDrafter, temperature: float, seed: int) -> SelectorWalk:
         return SelectorWalk(drafter, temperature, seed)

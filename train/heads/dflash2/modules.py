@@ -73,14 +73,62 @@ class GroupedDynamicConv(nn.Module):
         dtype = delta.dtype
         grouped = x.to(dtype).unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, gs]
         base = self.base_kernel[side].to(dtype).view(self.taps, self.groups, self.group_size)
+        return _InBlockConv.apply(grouped, delta, base, block_size).flatten(-2)
+
+
+def _in_block(length: int, t: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[1, length - t, 1, 1]: whether token i (from t on) and token i - t lie in the same block."""
+    return (torch.arange(t, length, device=device) % block_size >= t).view(1, length - t, 1, 1)
+
+
+def _from(t: int, x: torch.Tensor) -> torch.Tensor:
+    """`x` [B, Q - t, ...] laid at tokens t.. of Q, zeros before."""
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (t, 0))
+
+
+class _InBlockConv(torch.autograd.Function):
+    """`out[i] = sum_t (base[t] + delta[i, t, g]) * x[i - t]` within a block (GroupedDynamicConv's
+    arithmetic) whose backward reads x itself: autograd through the plain expression keeps every
+    shifted copy and product (32 bytes a block token, layer and channel in bf16,
+    tests/test_train_memory.py), and a shifted copy made in the forward is one torch.compile keeps
+    too; this keeps x (often kept anyway by the projection that reads it) and the offsets, and takes
+    token i - t as a slice of x, which the compiled backward reads where it is. The same products
+    and sums, so the same values, as the plain expression."""
+
+    @staticmethod
+    def forward(ctx, grouped, delta, base, block_size):  # noqa: D102 - see the class
+        length = grouped.shape[1]
         out = (base[0] + delta[..., 0, :, None]) * grouped
-        length = x.shape[1]
-        slot = torch.arange(length, device=x.device) % block_size
-        for t in range(1, min(self.taps, length)):
-            shifted = F.pad(grouped[:, :-t], (0, 0, 0, 0, t, 0))  # token i sees token i - t
-            inside = (slot >= t).view(1, length, 1, 1)  # ... of its own block only
-            out = out + (base[t] + delta[..., t, :, None]) * shifted * inside
-        return out.flatten(-2)
+        for t in range(1, min(base.shape[0], length)):
+            weight = (base[t] + delta[:, t:, t, :, None])
+            out = out + _from(t, weight * grouped[:, :-t] * _in_block(length, t, block_size, grouped.device))
+        ctx.save_for_backward(grouped, delta, base)
+        ctx.block_size = block_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        grouped, delta, base = ctx.saved_tensors
+        length, taps = grouped.shape[1], min(base.shape[0], grouped.shape[1])
+        inside = [None] + [_in_block(length, t, ctx.block_size, grad.device) for t in range(1, taps)]
+        grad_grouped = grad_delta = grad_base = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            # d out[i] / d (base[t] + delta[i, t]) = x[i - t] in its block, 0 elsewhere
+            products = [grad * grouped] + [_from(t, grad[:, t:] * (grouped[:, :-t] * inside[t])) for t in range(1, taps)]
+            if ctx.needs_input_grad[1]:
+                grad_delta = torch.zeros_like(delta)
+                for t, product in enumerate(products):
+                    grad_delta[..., t, :] = product.sum(-1)
+            if ctx.needs_input_grad[2]:
+                grad_base = torch.zeros_like(base)
+                for t, product in enumerate(products):
+                    grad_base[t] = product.sum((0, 1))
+        if ctx.needs_input_grad[0]:
+            grad_grouped = grad * (base[0] + delta[..., 0, :, None])
+            for t in range(1, taps):  # token i's gradient reaches token i - t of its own block
+                moved = grad[:, t:] * (base[t] + delta[:, t:, t, :, None]) * inside[t]
+                grad_grouped = grad_grouped + F.pad(moved, (0, 0) * (grad.dim() - 2) + (0, t))
+        return grad_grouped, grad_delta, grad_base, None
 
 
 class CandidateSelector(nn.Module):
