@@ -81,9 +81,9 @@ def _in_block(length: int, t: int, block_size: int, device: torch.device) -> tor
     return (torch.arange(t, length, device=device) % block_size >= t).view(1, length - t, 1, 1)
 
 
-def _from(t: int, x: torch.Tensor) -> torch.Tensor:
-    """`x` [B, Q - t, ...] laid at tokens t.. of Q, zeros before."""
-    return F.pad(x, (0, 0) * (x.dim() - 2) + (t, 0))
+def _pad_tokens(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """`x` [B, n, ...] with `before` and `after` zero tokens around its n (dim 1)."""
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (before, after))
 
 
 class _InBlockConv(torch.autograd.Function):
@@ -100,8 +100,8 @@ class _InBlockConv(torch.autograd.Function):
         length = grouped.shape[1]
         out = (base[0] + delta[..., 0, :, None]) * grouped
         for t in range(1, min(base.shape[0], length)):
-            weight = (base[t] + delta[:, t:, t, :, None])
-            out = out + _from(t, weight * grouped[:, :-t] * _in_block(length, t, block_size, grouped.device))
+            weight = base[t] + delta[:, t:, t, :, None]
+            out = out + _pad_tokens(weight * grouped[:, :-t] * _in_block(length, t, block_size, grouped.device), t, 0)
         ctx.save_for_backward(grouped, delta, base)
         ctx.block_size = block_size
         return out
@@ -114,7 +114,8 @@ class _InBlockConv(torch.autograd.Function):
         grad_grouped = grad_delta = grad_base = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             # d out[i] / d (base[t] + delta[i, t]) = x[i - t] in its block, 0 elsewhere
-            products = [grad * grouped] + [_from(t, grad[:, t:] * (grouped[:, :-t] * inside[t])) for t in range(1, taps)]
+            products = [grad * grouped] + [_pad_tokens(grad[:, t:] * (grouped[:, :-t] * inside[t]), t, 0)
+                                           for t in range(1, taps)]
             if ctx.needs_input_grad[1]:
                 grad_delta = torch.zeros_like(delta)
                 for t, product in enumerate(products):
@@ -127,7 +128,7 @@ class _InBlockConv(torch.autograd.Function):
             grad_grouped = grad * (base[0] + delta[..., 0, :, None])
             for t in range(1, taps):  # token i's gradient reaches token i - t of its own block
                 moved = grad[:, t:] * (base[t] + delta[:, t:, t, :, None]) * inside[t]
-                grad_grouped = grad_grouped + F.pad(moved, (0, 0) * (grad.dim() - 2) + (0, t))
+                grad_grouped = grad_grouped + _pad_tokens(moved, 0, t)
         return grad_grouped, grad_delta, grad_base, None
 
 
