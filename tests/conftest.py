@@ -239,16 +239,16 @@ def sigint_once_written(cmd: list[str], out: Path, records: int, *, wait_s: floa
 
 @pytest.fixture
 def traced_kernels(monkeypatch):
-    """The head loss's compiled kernels (train/loss/head_loss.py, train/heads/dflash2/kernels.py)
+    """The head loss's compiled kernels (train/loss/compiled.py: the chunk function, DFlash2's gather-reductions)
     traced by torch.compile as on the GPU, and run by its aot_eager backend: the graphs, their
     symbolic sizes and their arithmetic are what a CUDA run compiles, without inductor's C++
     toolchain on the CPU host."""
     import torch
-    from dflash.train.heads.dflash2 import kernels
+    from dflash.train.loss import compiled
 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
-    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(compiled, "_COMPILED", {})
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -22,8 +22,8 @@ its K + 1 candidates, which `candidate_logits` computes from the candidates' row
 from __future__ import annotations
 
 import torch
-from dflash.train.heads.dflash2.kernels import compiled_over_rows
 from dflash.train.heads.dflash2.modules import exact_topk, segment_maxima, topk_segment
+from dflash.train.loss.compiled import compiled_over_rows
 
 _F32 = 4  # bytes of one float32 logit
 CHUNK_MIB = 1024

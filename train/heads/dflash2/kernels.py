@@ -5,15 +5,14 @@ where it needs them instead of writing [N, C, D] gathered copies (1 to 4 GB a st
 bench/profile_step.py measures) and reading them back.
 
 Used by `selector_objective` when the drafter is compiled and on CUDA (train/loss/objective.py); the
-eager path (modules.py, head_loss.candidate_logits) computes the same sums. `compiled_over_rows`
-compiles these and the head loss's chunk function (train/loss/head_loss.py) alike.
+eager path (modules.py, head_loss.candidate_logits) computes the same sums. Compiled as the head
+loss's chunk function is (train/loss/compiled.py).
 """
 
 from __future__ import annotations
 
 import torch
-
-_COMPILED: dict = {}  # each function's compiled form (compiled_over_rows)
+from dflash.train.loss.compiled import compiled_over_rows
 
 
 def _dot(table: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -30,23 +29,6 @@ def _table_grad(table: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, ids: t
     out = torch.zeros(table.shape, dtype=torch.float32, device=x.device)
     update = grad.float()[:, :, None] * x.float()[:, None, :]
     return out.index_put_((ids.reshape(-1),), update.reshape(-1, x.shape[-1]), accumulate=True)
-
-
-def compiled_over_rows(fn, fixed: int = 0):
-    """`fn` compiled once (per process): dim 0 of each tensor argument after the first `fixed` (the
-    rows: slots or a chunk's rows, which vary from step to step) symbolic from the first call, the
-    rest static, so that inductor knows the reductions' lengths (a vocabulary, a row of 384 or 4,096
-    values, the K + 1 candidates), where symbolic lengths make every reduction a loop."""
-    if fn not in _COMPILED:
-        compiled = torch.compile(fn)
-
-        def call(*args):
-            for arg in args[fixed:]:
-                if isinstance(arg, torch.Tensor):
-                    torch._dynamo.maybe_mark_dynamic(arg, 0)
-            return compiled(*args)
-        _COMPILED[fn] = call
-    return _COMPILED[fn]
 
 
 class _GatherDot(torch.autograd.Function):

@@ -116,13 +116,12 @@ class _InBlockConv(torch.autograd.Function):
             # d out[i] / d (base[t] + delta[i, t]) = x[i - t] in its block, 0 elsewhere
             products = [grad * grouped] + [_pad_tokens(grad[:, t:] * (grouped[:, :-t] * inside[t]), t, 0)
                                            for t in range(1, taps)]
-            if ctx.needs_input_grad[1]:
-                grad_delta = torch.zeros_like(delta)
-                for t, product in enumerate(products):
+            grad_delta = torch.zeros_like(delta) if ctx.needs_input_grad[1] else None
+            grad_base = torch.zeros_like(base) if ctx.needs_input_grad[2] else None
+            for t, product in enumerate(products):
+                if grad_delta is not None:
                     grad_delta[..., t, :] = product.sum(-1)
-            if ctx.needs_input_grad[2]:
-                grad_base = torch.zeros_like(base)
-                for t, product in enumerate(products):
+                if grad_base is not None:
                     grad_base[t] = product.sum((0, 1))
         if ctx.needs_input_grad[0]:
             grad_grouped = grad * (base[0] + delta[..., 0, :, None])
