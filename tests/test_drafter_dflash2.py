@@ -82,16 +82,17 @@ def test_the_convolution_follows_its_formula_and_never_crosses_a_block():
     assert moved[4:8].min() > 0 and moved[:4].max() == 0 and moved[8:].max() == 0
 
 
-def test_the_convolution_has_the_gradients_of_its_formula_across_block_boundaries():
+@pytest.mark.parametrize("length", [14, 2])
+def test_the_convolution_has_the_gradients_of_its_formula_across_block_boundaries(length):
     """Its backward (written out, recomputing the shifted inputs) against autograd through the formula:
-    three taps, blocks of 4 with a ragged last one, in float64."""
+    three taps, blocks of 4 with a ragged last one (and a sequence shorter than the taps), in float64."""
     torch.manual_seed(1)
     conv = GroupedDynamicConv(HIDDEN, taps=3, group_size=16).double()
     with torch.no_grad():
         conv.base_kernel.normal_()
         conv.kernel_projection.weight.normal_(std=0.1)
-    block, x, z = 4, torch.randn(2, 14, HIDDEN, dtype=torch.float64), torch.randn(2, 14, HIDDEN, dtype=torch.float64)
-    upstream = torch.randn(2, 14, HIDDEN, dtype=torch.float64)
+    block, x, z = 4, torch.randn(2, length, HIDDEN, dtype=torch.float64), torch.randn(2, length, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(2, length, HIDDEN, dtype=torch.float64)
 
     def grads(forward):
         inputs = (x.clone().requires_grad_(), z.clone().requires_grad_())
@@ -104,7 +105,7 @@ def test_the_convolution_has_the_gradients_of_its_formula_across_block_boundarie
         return y * conv.finish(z, delta, block)
 
     def formula(x, z):
-        both = conv.kernel_projection(x).view(2, 14, 2, 3, HIDDEN // 16)
+        both = conv.kernel_projection(x).view(2, length, 2, 3, HIDDEN // 16)
         return (reference_conv(x, conv.base_kernel[0], both[:, :, 0], block, 16)
                 * reference_conv(z, conv.base_kernel[1], both[:, :, 1], block, 16))
 
