@@ -17,34 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median ms of `repeats` calls after two warm-up calls (CUDA events on a GPU)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+from profiling import timed  # noqa: E402
 
 
 def measure(rows: int, vocab: int, k: int, dtype: torch.dtype, device: torch.device, segments: list[int],

@@ -1,8 +1,9 @@
-"""Shared by the bench scripts: the GPU's busy time in a torch.profiler trace, and its utilisation
-sampled while a block runs."""
+"""Shared by the bench scripts: the GPU's busy time in a torch.profiler trace, its utilisation
+sampled while a block runs, and the median time of a call."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import threading
 import time
@@ -68,3 +69,23 @@ class GpuSampler:
         driver's last sampling period (up to 1 s), so the first second of the span is left out."""
         vals = [v for t, v in self.samples if start + 1.0 <= t <= end]
         return sum(vals) / len(vals) if vals else None
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median ms of `repeats` calls after two warm-up calls (CUDA events on a GPU)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
