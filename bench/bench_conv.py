@@ -39,7 +39,7 @@ def load(rev: str, scratch: Path):
         path = scratch / f"{rev.replace('/', '_')}.py"
         path.write_text(subprocess.run(["git", "show", f"{rev}:{MODULES}"], cwd=REPO, check=True,
                                        capture_output=True, text=True).stdout)
-    name = f"bench_conv_{len(sys.modules)}"
+    name = f"bench_conv_{len(sys.modules)}"  # a name of its own, free of the revision's punctuation
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # torch.compile looks the module up by name
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--revs", default="worktree",
                         help="comma-separated git revisions (or `worktree`); figures relative to the first")
     parser.add_argument("--tokens", type=int, default=None, help="tokens of the one shape to run (default: both above)")
-    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--hidden", type=int, default=384, help="hidden size of the one shape of --tokens (a multiple of 16)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls a revision takes in each round")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
