@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 MODULES = "train/heads/dflash2/modules.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profiling import timed  # noqa: E402
+from profiling import report_rows, timed  # noqa: E402
 
 
 def load(rev: str, scratch: Path):
@@ -120,11 +119,7 @@ def main() -> None:
                 results.append(r)
                 print(f"{r['tokens']:>7} x {r['hidden']:>5} {r['mode']:>8}  {r['rev']:<12} {r['ms']:9.3f} ms  "
                       f"{r['vs_first']:.3f}x {revs[0]}", flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}")
-    if a.json:
-        Path(a.json).write_text("".join(json.dumps({"bench": "conv", "card": name, **r}) + "\n" for r in results))
-
+    report_rows("conv", device, results, a.json)
 
 if __name__ == "__main__":
     main()

@@ -16,14 +16,13 @@ chooses the width for that path.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profiling import timed  # noqa: E402
+from profiling import report_rows, timed  # noqa: E402
 
 
 def measure(rows: int, vocab: int, k: int, dtype: torch.dtype, device: torch.device, segments: list[int],
@@ -78,11 +77,7 @@ def main() -> None:
                 results.append(r)
                 print(f"{r['rows']:>7} x {r['vocab']:>7} {r['dtype']:>8} top-{r['k']}  {r['variant']:<40} "
                       f"{r['ms']:9.3f} ms  {r['vs_torch_topk']:.3f}x torch.topk", flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}")
-    if a.json:
-        Path(a.json).write_text("".join(json.dumps({"bench": "topk_train", "card": name, **r}) + "\n" for r in results))
-
+    report_rows("topk_train", device, results, a.json)
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,14 @@
 """Shared by the bench scripts: the GPU's busy time in a torch.profiler trace, its utilisation
-sampled while a block runs, and the median time of a call."""
+sampled while a block runs, the median time of a call, and the card a run's rows came from."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -89,3 +91,12 @@ def timed(fn, device: torch.device, repeats: int) -> float:
             fn()
             times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def report_rows(bench: str, device: torch.device, rows: list[dict], path: str | None) -> None:
+    """Print the card the rows were measured on and, with `path`, write them there as JSON lines
+    (each with the bench's name and the card)."""
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {card}")
+    if path:
+        Path(path).write_text("".join(json.dumps({"bench": bench, "card": card, **r}) + "\n" for r in rows))
