@@ -47,7 +47,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 TIMINGS="extract-8b ..." only these of them; with QUALITY=1 then the leaderboard's
                 quality jobs.
   speed         alone on the GPU, the default path's speed figures, most wanted first: bench_train's
-                compiled head loss against eager (8B, quality-bpe), DFlash2's parts (profile_step),
+                DFlash and DFlash2 compiled (8B, quality-bpe; HEAD_KERNELS=eager,compiled: the head loss's
+                eager path beside it), DFlash2's parts (profile_step),
                 the top-K widths (bench_topk_train), DFlash2 under torch.compile's other modes beside
                 the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
                 the extraction of 32K-token samples and the 8B extraction with both references, the 27B
@@ -247,8 +248,8 @@ def recipe() -> list[Job]:
 
 def speed() -> list[Job]:
     """The default path's speed figures (docs/BENCHMARKS.md, Training and Extraction), each alone on
-    the GPU, most wanted first: the head loss compiled against eager at the 8B and the small drafter's
-    shapes, DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima given, the long
+    the GPU, most wanted first: DFlash and DFlash2 compiled side by side at the 8B and the small drafter's
+    shapes (the head loss's eager path against it is recorded; HEAD_KERNELS=eager,compiled measures it again), DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima given, the long
     samples (8K and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token
     samples, and the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
     small = bool(os.environ.get("ROUND_SMALL"))
@@ -262,7 +263,7 @@ def speed() -> list[Job]:
                    f"{steps} --json {res}/train-{name}.json; rc=$?; rm -rf {root}/{name}; exit $rc", [], priority,
                    alone=True)
 
-    both = "--drafter-type dflash,dflash2 --head-kernels eager,compiled"
+    both = f"--drafter-type dflash,dflash2 --head-kernels {os.environ.get('HEAD_KERNELS', 'compiled')}"
     long = "--drafter-type dflash2,dflash --sliding-window 0,2048"
     extract = "--shape 8b --small --tokens 16384" if small else "--shape 8b"
     jobs = [

@@ -314,7 +314,9 @@ def test_the_speed_plan_runs_each_timing_alone_most_wanted_first_and_keeps_the_n
     assert all(j.alone for j in timings)
     assert {j.name: j for j in jobs}["gpu-hours-27b"].needs == ["extract-27b", "train-27b"]
     assert [j.name for j in sorted(jobs, key=lambda j: j.priority)][:2] == ["train-8b", "train-quality-bpe"]
-    assert "--head-kernels eager,compiled" in jobs[0].command and "--shape 8b " in jobs[0].command
+    assert "--head-kernels compiled" in jobs[0].command and "--shape 8b " in jobs[0].command
+    monkeypatch.setenv("HEAD_KERNELS", "eager,compiled")
+    assert "--head-kernels eager,compiled" in gpu_round.speed()[0].command
     monkeypatch.setenv("ROUND_SMALL", "1")  # the CPU smoke sizes
     small = {j.name: j for j in gpu_round.speed()}
     assert "--shape small-long" in small["train-8b-32k"].command and "--shape small " in small["train-8b"].command
