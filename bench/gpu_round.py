@@ -270,7 +270,7 @@ def speed() -> list[Job]:
         train("8b", "8b", f"{both} --samples 16" + ("" if small else " --steps 12 --warmup-steps 8"), 1),
         train("quality-bpe", "quality-bpe", both + ("" if small else " --steps 20 --warmup-steps 12"), 2),
         Job("profile-8b", "python3 bench/profile_step.py " + ("--shape small --steps 1 --device cpu" if small else
-            "--shape 8b --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 3")
+            "--shape 8b --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 8")
             + f" --json {res}/profile-8b.json", [], 3, alone=True),
         Job("topk", "python3 bench/bench_topk_train.py" + (" --rows 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/topk.json", [], 4, alone=True),

@@ -14,6 +14,9 @@ then the completion, as bench_train's cache) and times `--steps` steps of each v
   forward are timed in the step (CUDA events around them), the rest is the selector's backward (the
   codebooks' gradients, the candidates' gradient into the logits') and its optimizer step.
 
+Each variant's phases (step, forward, backward, optimizer) are also printed as their fastest, median
+and slowest step, so that a step slower than the others shows in which phase it was.
+
     python bench/profile_step.py --shape 8b --compile                   # one GPU: 8B shape, 3 variants
     python bench/profile_step.py --shape quality-bpe --compile          # the BPE benchmark's small drafter
     python bench/profile_step.py --shape small --steps 2                # a CPU smoke run
@@ -26,6 +29,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import statistics
 import time
 
 import torch
@@ -169,6 +173,9 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    # each phase's fastest, median and slowest step: a step slower than the others shows in which phase
+    phases = {k: [r[k] for r in runs] for k in ("step_s", "forward_s", "backward_s", "optimizer_s")}
+    spread = {k: [min(v), statistics.median(v), max(v)] for k, v in phases.items()}
     parts = {name: seconds / len(runs) for name, seconds in timer.collect().items()}
     dflash2 = (None if variant == "dflash" else
                {k: getattr(drafter.config, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
@@ -180,7 +187,7 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
     mean.update(variant=variant, shape=a.shape, vocab=s.vocab, dtype=a.dtype, compile=a.compile, samples=samples,
                 device=str(device), context_tokens_per_second=samples * s.seq_len / mean["step_s"],
                 model_tflop_per_step=flops / 1e12, fraction_of_peak=flops / mean["step_s"] / PEAK_FLOPS,
-                parts_s=parts,
+                parts_s=parts, spread_s=spread,
                 peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
     return mean
 
@@ -193,6 +200,10 @@ def report(results: dict[str, dict]) -> dict:
         gib = f"{r['peak_gpu_memory_gib']:6.1f}" if r["peak_gpu_memory_gib"] is not None else "     -"
         print(f"{name:<15} {r['step_s'] * 1e3:8.1f} {r['forward_s'] * 1e3:7.1f} {r['backward_s'] * 1e3:7.1f} "
               f"{r['optimizer_s'] * 1e3:6.1f} {r['fraction_of_peak']:8.1%} {r['context_tokens_per_second']:10.0f} {gib}")
+    for name, r in results.items():
+        print(f"{name:<15} min / median / max ms: " + ", ".join(
+            f"{phase.removesuffix('_s')} " + " / ".join(f"{v * 1e3:.1f}" for v in r["spread_s"][phase])
+            for phase in ("step_s", "forward_s", "backward_s", "optimizer_s")))
     ms = {name: r["step_s"] * 1e3 for name, r in results.items()}
     parts: dict[str, float] = {}
     if "dflash" in ms and "dflash2" in ms:
