@@ -318,6 +318,7 @@ def summarize(run: Path, config: Any, shape: Any, shape_name: str, *, warmup: in
         "fraction_of_peak": flops / step_time / (PEAK_FLOPS * world),
         "context_tokens_per_second_per_process": context / step_time / world, "data_wait_fraction": wait,
         "peak_gpu_memory_gib": max(r["gpu_mem_gib"] for r in measured),
+        "log_interval": config.logging.log_interval,
         "draft_layer_types": config.model.draft_layer_types, "draft_sliding_window": config.model.draft_sliding_window,
         "estimated_gpu_memory_gib": estimated_memory(config, shape, samples, context, anchors, world) / 2**30,
     }
@@ -359,7 +360,7 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
     """The TrainConfig of one measured run of `kind` (dflash or dflash2), its draft layers sliding with
     `window` (0: full), with --train-arg applied."""
     from dflash.runtime.settings import convert_file_value, settings_of
-    from dflash.train.config import TrainConfig
+    from dflash.train.config import LoggingConfig, TrainConfig
 
     values = dict(
         cache=[str(cache)], target_model=str(target), output_dir=str(run), num_draft_layers=shape.draft_layers,
@@ -367,7 +368,8 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
         max_batch_size=batch,
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=2 if shape.seq_len > 4096 else 4, epochs=100,
         max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run,
-        log_interval=warmup if not a.small else 2, eval_interval=0, save_interval=0,
+        log_interval=log_interval(resumed_from + warmup, steps, 2 if a.small else LoggingConfig.log_interval),
+        eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
         profile_interval=a.profile_interval, drafter_type=kind,
     )
@@ -380,8 +382,17 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
             parser.error(f"--train-arg {item!r}: dflash-train has no setting {name!r}.")
         values[name] = convert_file_value(settings[name], value, "--train-arg")  # as its flag takes it
     if (resumed_from + warmup) % values["log_interval"] or steps % values["log_interval"]:
-        values["log_interval"] = 1
+        values["log_interval"] = log_interval(resumed_from + warmup, steps, values["log_interval"])
     return TrainConfig.from_dict(values)
+
+
+def log_interval(unmeasured: int, measured: int, most: int) -> int:
+    """The steps between the run's metric logs: the largest that divides both the unmeasured steps
+    and the measured ones (a log falls on the measured span's first and last step) and is at most
+    `most` (dflash-train's own --log-interval). Each log reads the step's metrics on the host, so it
+    waits for the GPU: logging more often than the trainer does would time a slower loop than the
+    one users run, less often a faster one."""
+    return max(d for d in range(1, most + 1) if unmeasured % d == 0 and measured % d == 0)
 
 
 def side_by_side(results: list[dict[str, Any]]) -> str:
@@ -399,6 +410,13 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
                      f"{r['peak_gpu_memory_gib']:6.1f} {r.get('estimated_gpu_memory_gib', 0):8.1f}")
     if any(r["seconds_per_step"] > 1.15 * r.get("median_seconds_per_step", r["seconds_per_step"]) for r in results):
         lines.append("(a mean 15 % above its median: a measured step compiled again or stalled; raise --warmup-steps)")
+    from dflash.train.config import LoggingConfig
+
+    default, logged = LoggingConfig.log_interval, min(r.get("log_interval", 1) for r in results)
+    if logged < default and torch.cuda.is_available():  # (on a CPU a read waits for nothing)
+        lines.append(f"(metrics read every {logged} step(s), dflash-train's default every {default}: each read waits for "
+                     f"the GPU, so this times a slower loop; --warmup-steps and --steps in multiples of {default} time "
+                     "the trainer's)")
     return "\n".join(lines)
 
 

@@ -263,12 +263,13 @@ def speed() -> list[Job]:
                    f"{steps} --json {res}/train-{name}.json; rc=$?; rm -rf {root}/{name}; exit $rc", [], priority,
                    alone=True)
 
+    # steps in tens where a step is short: the trainer reads its metrics (a wait for the GPU) every 10 steps
     both = f"--drafter-type dflash,dflash2 --head-kernels {os.environ.get('HEAD_KERNELS', 'compiled')}"
     long = "--drafter-type dflash2,dflash --sliding-window 0,2048"
     extract = "--shape 8b --small --tokens 16384" if small else "--shape 8b"
     jobs = [
-        train("8b", "8b", f"{both} --samples 16" + ("" if small else " --steps 12 --warmup-steps 8"), 1),
-        train("quality-bpe", "quality-bpe", both + ("" if small else " --steps 20 --warmup-steps 12"), 2),
+        train("8b", "8b", f"{both} --samples 16" + ("" if small else " --steps 20 --warmup-steps 10"), 1),
+        train("quality-bpe", "quality-bpe", both + ("" if small else " --steps 20 --warmup-steps 10"), 2),
         Job("profile-8b", "python3 bench/profile_step.py " + ("--shape small --steps 1 --device cpu" if small else
             "--shape 8b --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 8")
             + f" --json {res}/profile-8b.json", [], 3, alone=True),
@@ -279,14 +280,14 @@ def speed() -> list[Job]:
         *[Job(f"train-{shape}-{mode}", " && ".join(
             f"python3 bench/bench_train.py --workdir {root}/{shape}-{mode} --shape {'small' if small else shape} "
             f"--drafter-type dflash2{' --samples 16' if shape == '8b' else ''} --keep --json {res}/train-{shape}-{mode}-{m}.json"
-            + (" --steps 2 --warmup-steps 1" if small else " --steps 12 --warmup-steps 10")
+            + (" --steps 2 --warmup-steps 1" if small else " --steps 20 --warmup-steps 10")
             + ("" if m == "default" else f" --train-arg compile_mode={m}") for m in ("default", mode))
             + f"; rc=$?; rm -rf {root}/{shape}-{mode}; exit $rc", [], 5,
             alone=True) for shape, mode in (("8b", "max-autotune-no-cudagraphs"), ("quality-bpe", "reduce-overhead"))],
-        train("8b-8k", "8b-8k", f"{long} --samples 8" + ("" if small else " --steps 4 --warmup-steps 3"), 5),
+        train("8b-8k", "8b-8k", f"{long} --samples 8" + ("" if small else " --steps 10 --warmup-steps 10"), 5),
         train("8b-32k", "8b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 6),
         # DFlash2 last: gpu_hours reads the last figure of the file (today's default drafter)
-        train("27b", "27b", "--drafter-type dflash,dflash2 --samples 8" + ("" if small else " --steps 8 --warmup-steps 6"), 7),
+        train("27b", "27b", "--drafter-type dflash,dflash2 --samples 8" + ("" if small else " --steps 10 --warmup-steps 10"), 7),
         train("27b-32k", "27b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 8),
         Job("extract-long", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
             + ("--seq-len 1024" if small else "--seq-len 32768 --tokens 524288")
