@@ -11,9 +11,9 @@ activations are still held for the backward, the head's logits and their gradien
 - block activations: per block token (anchors x block size) and draft layer, the attention's and
   the MLP's saved tensors (a head's wrappers add some); with --gradient-checkpointing only
   each layer's input is kept, and one layer's activations are rebuilt at a time;
-- the head: N = anchors x (block size - 1) scored slots over V ids: all at once about 12 bytes a
-  logit (the logits, their float32 log-softmax kept for the backward, and the float32 gradient),
-  or, past --logits-chunk-mib, one chunk of rows at a time plus an [N, D] gradient;
+- the head: N = anchors x (block size - 1) scored slots over V ids, all at once or, past
+  --logits-chunk-mib, one chunk of rows at a time, plus an [N, D] gradient; a logit costs what the
+  head loss's path holds of it (LOGIT_BYTES);
 - what the drafter's head adds (`DraftHead.memory`, a `HeadMemory`): its parameters, its wrappers'
   activations per block token and layer, its loss's per slot and per logit (DFlash2: the bf16
   logits kept for its candidates, 2 bytes a logit at once; its convolutions, 4 bytes a block token,
@@ -57,6 +57,14 @@ RUNTIME_RESERVE = int(1.5 * GIB)
 USABLE_FRACTION = 0.92
 """The share of the device's free memory an estimate may fill (the rest absorbs its error)."""
 CHUNK_MIB = 1024  # head_loss.CHUNK_MIB (head_loss imports torch; a test checks they agree)
+LOGIT_BYTES = {"compiled": 4, "eager": 10, "target head": 14}
+"""Bytes a logit of a chunk of the head's loss holds at its peak (train/loss/head_loss.py), by path:
+compiled (a compiled drafter on CUDA, soft labels from the cache's top-k or none): the bf16 logits
+and the bf16 gradient the compiled function writes; eager: those and one float32 copy turned in place
+into the softmax and the gradient; target head (soft labels from the cache's last hidden states):
+the eager path's float32 copy beside the target's own logits, their float32 log-probabilities and
+probabilities. Measured, compiled: the estimate lies 2-4 GiB above the peaks of the 8B, 27B and the
+quality benchmark's shapes (docs/BENCHMARKS.md), as the activations' fit does."""
 MASK_BUILD_BYTES = 18
 """Bytes per (query, key) entry while a flex mask_mod is evaluated (a bool result and int64
 intermediates of a few of its comparisons)."""
@@ -147,11 +155,10 @@ class Estimate:
         return ", ".join(f"{name} {value / GIB:.1f}" for name, value in self.terms.items() if value >= GIB / 20)
 
 
-def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int) -> int:
-    """The target head's loss at its peak (head_loss.slot_losses, the one path): one chunk's logits
-    at a time, all the slots while their float32 logits fit `logits_chunk_mib` (0: no limit), else
-    chunks of CHUNK_MIB; a chunk holds its bf16 logits, one float32 copy changed in place and the
-    bf16 gradient (about 10 bytes a logit), and the slots' gradient of the states."""
+def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int, path: str = "eager") -> int:
+    """The target head's loss at its peak (head_loss.slot_losses): one chunk's logits at a time, all
+    the slots while their float32 logits fit `logits_chunk_mib` (0: no limit), else chunks of
+    CHUNK_MIB; a chunk holds LOGIT_BYTES[path] a logit, and the slots' gradient of the states."""
     v, d, head = dims.vocab, dims.hidden, dims.head
     own_rows, limit = slots * head.own_logit_rows, head.own_chunk_mib or logits_chunk_mib
     if limit > 0 and own_rows * v * 4 > limit * MIB:  # the head's own logits in chunks
@@ -161,14 +168,15 @@ def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int) -> int:
         rows = slots
     else:
         rows = max(1, (min(CHUNK_MIB, logits_chunk_mib) * MIB) // (4 * v))
-    return min(rows, slots) * v * 10 + slots * d * 8 + own
+    return min(rows, slots) * v * LOGIT_BYTES[path] + slots * d * 8 + own
 
 
 def estimate_step_memory(dims: Dims, batch: MicroBatch, *, backend: str = "flex", logits_chunk_mib: int = 8192,
                          gradient_checkpointing: bool = False, compiled: bool = True, world_size: int = 1,
-                         parallel: str = "ddp") -> Estimate:
+                         parallel: str = "ddp", soft_from_hidden: bool = False) -> Estimate:
     """The bytes one training step of `batch` holds at its peak, by term (module docstring).
-    `backend` is the resolved attention backend (sdpa or flex)."""
+    `backend` is the resolved attention backend (sdpa or flex); `soft_from_hidden`: the soft labels
+    come from the cache's last hidden states through the target's head."""
     d, i, kd = dims.hidden, dims.intermediate, dims.context_layers * dims.hidden
     q_width, kv_width = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     t, b, layers = batch.tokens, batch.samples, dims.draft_layers
@@ -196,7 +204,8 @@ def estimate_step_memory(dims: Dims, batch: MicroBatch, *, backend: str = "flex"
         "micro-batch": b * t * kd * 2,
         "context activations": int(context * scale),
         "block activations": int(blocks),
-        "head": head_bytes(dims, batch.anchors * (dims.block_size - 1), logits_chunk_mib),
+        "head": head_bytes(dims, batch.anchors * (dims.block_size - 1), logits_chunk_mib,
+                           "target head" if soft_from_hidden else "compiled" if compiled else "eager"),
         "attention mask": mask,
         "runtime": RUNTIME_RESERVE,
     }
@@ -256,13 +265,14 @@ def _worst(dims: Dims, lengths: np.ndarray, s: dict[str, Any], **kw: Any) -> tup
 
 def plan_step_memory(cfg: TrainConfig, dims: Dims, lengths: Sequence[int] | np.ndarray, free_bytes: int, *,
                      backend: str = "flex", compiled: bool = True, world_size: int = 1,
-                     device_name: str = "the GPU") -> MemoryPlan:
+                     device_name: str = "the GPU", soft_from_hidden: bool = False) -> MemoryPlan:
     """Check that the run's largest micro-batch fits `free_bytes` (times USABLE_FRACTION); lower
     --logits-chunk-mib where the head's logits all at once are what does not fit; else raise
     MemoryBudgetError naming a setting and a value that fits."""
     lengths = np.asarray(lengths, dtype=np.int64)
     usable = int(free_bytes * USABLE_FRACTION)
-    kw = dict(backend=backend, compiled=compiled, world_size=world_size, parallel=cfg.runtime.parallel)
+    kw = dict(backend=backend, compiled=compiled, world_size=world_size, parallel=cfg.runtime.parallel,
+              soft_from_hidden=soft_from_hidden)
     s = _settings(cfg)
     worst = _worst(dims, lengths, s, **kw)
     if worst is None:
@@ -335,6 +345,12 @@ def training_lengths(cfg: TrainConfig, data: TrainingData) -> np.ndarray:
     return np.append(known, cfg.data.max_seq_len) if cfg.data.follow else known
 
 
+def soft_labels_from_hidden(cfg: TrainConfig, manifest: Any) -> bool:
+    """Whether the run's soft labels come from the cache's last hidden states through the target's
+    head (the objective takes the cache's top-k where it has one: loss/objective._soft_labels)."""
+    return bool(cfg.objective.soft_label_weight and manifest.store_last_hidden and not manifest.topk)
+
+
 def fit_to_device(cfg: TrainConfig, target_config: Any, data: TrainingData, device: Any,
                   announce: Callable[[Finding], None] | None = None, world_size: int = 1) -> TrainConfig:
     """The trainer's startup check, before the drafter is built: `cfg` as its largest micro-batch
@@ -354,6 +370,7 @@ def fit_to_device(cfg: TrainConfig, target_config: Any, data: TrainingData, devi
     compiled = cfg.runtime.compile if cfg.runtime.compile is not None else True
     plan = plan_step_memory(cfg, dims, lengths, free, backend=resolve_backend(cfg.model.attention_backend, device),
                             compiled=bool(compiled), world_size=world_size,
+                            soft_from_hidden=soft_labels_from_hidden(cfg, data.caches.manifest),
                             device_name=f"{torch.cuda.get_device_name(device)} (free at startup)")
     if plan.note and announce is not None:
         announce(plan.note)
