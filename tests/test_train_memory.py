@@ -5,6 +5,7 @@ activation figures match the bytes autograd saves at a small shape on the CPU.""
 from __future__ import annotations
 
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from dflash.train.run.memory import (
     plan_step_memory,
     worst_micro_batches,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 QWEN3_8B = Dims(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936,
                 context_layers=5, draft_layers=5, block_size=16, drafter_type="dflash2")
@@ -253,3 +256,43 @@ def test_the_compiled_estimate_lies_a_little_above_the_measured_peaks(shape, kin
                 block_size=s.block_size, drafter_type=kind)
     estimate = estimate_step_memory(dims, MicroBatch(1, 3072, 512)).total / GIB
     assert measured_gib + 1 < estimate < measured_gib + 6
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of the tensors the ops under it return and keep alive (their storages, each
+    counted once until it is freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (key := t.untyped_storage().data_ptr()) and key not in self.live:
+                self.live[key] = t.untyped_storage().nbytes()
+                weakref.finalize(t.untyped_storage(), self.live.pop, key, None)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize(("soft", "path"), [("topk", "eager"), ("none", "eager"), ("hidden", "target head")])
+def test_the_eager_head_loss_holds_no_more_than_its_bytes_a_logit(soft, path):
+    from types import SimpleNamespace
+
+    from dflash.train.loss.head_loss import slot_losses
+
+    rows, vocab, width, k = 64, 16384, 32, 8
+    weight = torch.randn(vocab, width)
+    head = SimpleNamespace(lm_head_weight=weight, logits=lambda h: h @ weight.T, target_logits=lambda x: x @ weight.T)
+    soft_labels = {"topk": dict(soft_weight=0.5, soft_ids=torch.randint(0, vocab, (rows, k)),
+                                soft_logprobs=torch.log_softmax(torch.randn(rows, k), -1)),
+                   "hidden": dict(soft_weight=0.5, soft_hidden=torch.randn(rows, width)), "none": {}}[soft]
+    h = torch.randn(rows, width, requires_grad=True)
+    live = _LiveBytes()
+    with torch.autocast("cpu", dtype=torch.bfloat16), live:  # bf16 logits, as on the GPU
+        slot_losses(head, h, torch.randint(0, vocab, (rows,)), rows, **soft_labels)
+    per_logit = (live.peak - rows * width * 8) / (rows * vocab)  # less the estimate's [N, D] term
+    # (within 1 %: the loss's few [N] vectors, nothing at a real vocabulary)
+    assert memory.LOGIT_BYTES[path] - 3 <= per_logit <= memory.LOGIT_BYTES[path] * 1.01

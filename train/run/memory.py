@@ -57,14 +57,15 @@ RUNTIME_RESERVE = int(1.5 * GIB)
 USABLE_FRACTION = 0.92
 """The share of the device's free memory an estimate may fill (the rest absorbs its error)."""
 CHUNK_MIB = 1024  # head_loss.CHUNK_MIB (head_loss imports torch; a test checks they agree)
-LOGIT_BYTES = {"compiled": 4, "eager": 10, "target head": 14}
+LOGIT_BYTES = {"compiled": 4, "eager": 10, "target head": 18}
 """Bytes a logit of a chunk of the head's loss holds at its peak (train/loss/head_loss.py), by path:
 compiled (a compiled drafter on CUDA, soft labels from the cache's top-k or none): the bf16 logits
 and the bf16 gradient the compiled function writes; eager: those and one float32 copy turned in place
 into the softmax and the gradient; target head (soft labels from the cache's last hidden states):
 the eager path's float32 copy beside the target's own logits, their float32 log-probabilities and
-probabilities. Measured, compiled: the estimate lies 2-4 GiB above the peaks of the 8B, 27B and the
-quality benchmark's shapes (docs/BENCHMARKS.md), as the activations' fit does."""
+probabilities. The eager paths' peaks measured on the CPU: 8 and 18 bytes a logit (the tensors the
+ops return, tests/test_train_memory.py); compiled, the estimate lies 1.6-4.1 GiB above the step peaks
+measured at the 8B, 27B and the quality benchmark's shapes (docs/BENCHMARKS.md)."""
 MASK_BUILD_BYTES = 18
 """Bytes per (query, key) entry while a flex mask_mod is evaluated (a bool result and int64
 intermediates of a few of its comparisons)."""
