@@ -49,7 +49,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
   speed         alone on the GPU, the default path's speed figures, most wanted first: bench_train's
                 DFlash and DFlash2 compiled (8B, quality-bpe; HEAD_KERNELS=eager,compiled: the head loss's
                 eager path beside it), DFlash2's parts (profile_step),
-                the top-K widths (bench_topk_train), DFlash2 under torch.compile's other modes beside
+                the top-K widths (bench_topk_train), the selector's gather-reductions by how spread the
+                candidates are (bench_selector_grad), DFlash2 under torch.compile's other modes beside
                 the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
                 the extraction of 32K-token samples and the 8B extraction with both references, the 27B
                 hybrid extraction with today's defaults and the GPU-hours from it and train-27b;
@@ -248,10 +249,12 @@ def recipe() -> list[Job]:
 
 def speed() -> list[Job]:
     """The default path's speed figures (docs/BENCHMARKS.md, Training and Extraction), each alone on
-    the GPU, most wanted first: DFlash and DFlash2 compiled side by side at the 8B and the small drafter's
-    shapes (the head loss's eager path against it is recorded; HEAD_KERNELS=eager,compiled measures it again), DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima given, the long
-    samples (8K and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token
-    samples, and the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
+    the GPU, most wanted first: DFlash and DFlash2 compiled side by side at the 8B and the small
+    drafter's shapes (the head loss's eager path against it is recorded; HEAD_KERNELS=eager,compiled
+    measures it again), DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima
+    given, the selector's gather-reductions by how spread the candidates are, the long samples (8K
+    and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token samples, and
+    the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
     small = bool(os.environ.get("ROUND_SMALL"))
     root = round_dir()
     res = root / "results"
@@ -275,6 +278,10 @@ def speed() -> list[Job]:
             + f" --json {res}/profile-8b.json", [], 3, alone=True),
         Job("topk", "python3 bench/bench_topk_train.py" + (" --rows 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/topk.json", [], 4, alone=True),
+        # the selector's gather-reductions by how spread the candidates are (a fresh drafter's: one set)
+        Job("selector-grad", "python3 bench/bench_selector_grad.py"
+            + (" --slots 256 --vocab 4096 --hidden 64 --repeats 2 --device cpu" if small else "")
+            + f" --json {res}/selector-grad.json", [], 4, alone=True),
         # torch.compile's other modes for DFlash2's step, each beside the default in the same job: autotuned
         # kernels at the 8B shape, CUDA graphs (no launch overhead) for the small drafter's many small kernels
         *[Job(f"train-{shape}-{mode}", " && ".join(

@@ -155,9 +155,18 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
     originals = {(module, name): getattr(module, name)
                  for module, name in ((objective_module, "exact_topk"), (head_loss_module, "exact_topk"),
                                       (dflash2_modules, "selector_objective")) if hasattr(module, name)}
+    proposed: list[torch.Tensor] = []  # the top-K ids of the timed steps (how spread the candidates are)
+
+    def recording(fn):
+        def call(*args, **kw):
+            out = fn(*args, **kw)
+            proposed.append(out[1].detach().reshape(-1, out[1].shape[-1]))
+            return out
+        return call
+
     if variant != "dflash":
         for (module, name), fn in originals.items():
-            setattr(module, name, timer.wrap(name, fn))
+            setattr(module, name, timer.wrap(name, recording(fn) if name == "exact_topk" else fn))
     try:
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -187,9 +196,22 @@ def run_variant(a: argparse.Namespace, variant: str) -> dict:
     mean.update(variant=variant, shape=a.shape, vocab=s.vocab, dtype=a.dtype, compile=a.compile, samples=samples,
                 device=str(device), context_tokens_per_second=samples * s.seq_len / mean["step_s"],
                 model_tflop_per_step=flops / 1e12, fraction_of_peak=flops / mean["step_s"] / PEAK_FLOPS,
-                parts_s=parts, spread_s=spread,
+                parts_s=parts, spread_s=spread, candidates=candidate_spread(proposed),
                 peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
     return mean
+
+
+def candidate_spread(proposed: list[torch.Tensor]) -> dict | None:
+    """How spread DFlash2's top-K candidates were over the timed steps: their slots, distinct ids, and
+    the share of slots holding the most frequent id (a fresh drafter proposes nearly the same
+    candidates for every slot, which the selector's scatter-add meets on a few rows; see
+    bench/bench_selector_grad.py). None for DFlash."""
+    if not proposed:
+        return None
+    ids = torch.cat(proposed)
+    counts = torch.bincount(ids.flatten())
+    return {"slots": int(ids.shape[0]), "distinct": int((counts > 0).sum()),
+            "top_id_slot_share": float(counts.max()) / ids.shape[0]}
 
 
 def report(results: dict[str, dict]) -> dict:
@@ -204,6 +226,9 @@ def report(results: dict[str, dict]) -> dict:
         print(f"{name:<15} min / median / max ms: " + ", ".join(
             f"{phase.removesuffix('_s')} " + " / ".join(f"{v * 1e3:.1f}" for v in r["spread_s"][phase])
             for phase in ("step_s", "forward_s", "backward_s", "optimizer_s")))
+        if c := r.get("candidates"):
+            print(f"{name:<15} candidates: {c['distinct']:,} distinct ids over {c['slots']:,} slots' top-K, the most "
+                  f"frequent in {c['top_id_slot_share']:.0%} of the slots")
     ms = {name: r["step_s"] * 1e3 for name, r in results.items()}
     parts: dict[str, float] = {}
     if "dflash" in ms and "dflash2" in ms:
