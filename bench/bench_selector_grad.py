@@ -16,7 +16,10 @@ timed, forward and backward, over candidates drawn three ways:
 each with the slot's label (uniform) as the 17th. The reductions: the successor codebook's
 (`left` [N, rank] against the codebook [V, rank], both trained) and the head rows' (the states
 [N, D] against the frozen head [V, D]). Compiled on a GPU, as the trainer runs them; each compiled
-form's values are checked against the eager one before it is timed.
+form's values are checked against the eager one before it is timed. Beside them, a candidate for the
+codebook's gradient without the scatter-add's atomic adds: the slots' updates sorted by candidate
+and summed row by row as one sparse (CSR) [V, N] x [N, rank] product (`csr_table_grad`), whose
+values are checked against the trainer's before it is timed.
 
     python bench/bench_selector_grad.py                  # one GPU: the 8B shape and the small drafter's
     python bench/bench_selector_grad.py --slots 256 --vocab 4096 --hidden 64 --device cpu   # a smoke run
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,6 +62,44 @@ def candidates(distribution: str, slots: int, vocab: int, k: int, generator: tor
     return torch.cat([picked, torch.randint(0, vocab, (slots, 1), generator=generator)], dim=1)
 
 
+def csr_table_grad(vocab: int, grad: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [V, rank]: row v the sum of grad[n, c] * x[n] over the (n, c) with ids[n, c] == v, as
+    a CSR matrix of the slots' gradients, its rows the candidates sorted by id, times x: each row a
+    sum of its own slots, with no two slots adding into one place at once (no host sync: the rows'
+    starts come from a search over the sorted ids)."""
+    flat = ids.reshape(-1)
+    order = flat.argsort()
+    starts = torch.searchsorted(flat[order], torch.arange(vocab + 1, device=ids.device))
+    with warnings.catch_warnings():  # (sparse CSR tensors are "beta"; these are valid by construction)
+        warnings.simplefilter("ignore", UserWarning)
+        slots = torch.sparse_csr_tensor(starts, order // ids.shape[1], grad.reshape(-1)[order].float(),
+                                        size=(vocab, ids.shape[0]))
+        return slots @ x.float()
+
+
+class _CsrGatherDot(torch.autograd.Function):
+    """`gather_dot` with the table's gradient from `csr_table_grad` (the candidate above)."""
+
+    @staticmethod
+    def forward(ctx, x, table, ids, compiled):  # noqa: D102
+        from dflash.train.heads.dflash2.kernels import _dot
+        from dflash.train.loss.compiled import compiled_over_rows
+
+        ctx.save_for_backward(x, table, ids)
+        ctx.compiled = compiled
+        return (compiled_over_rows(_dot, fixed=1) if compiled else _dot)(table, x, ids)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        from dflash.train.heads.dflash2.kernels import _rows_sum
+        from dflash.train.loss.compiled import compiled_over_rows
+
+        x, table, ids = ctx.saved_tensors
+        rows_sum = compiled_over_rows(_rows_sum, fixed=1) if ctx.compiled else _rows_sum
+        return (rows_sum(table, grad, ids).to(x.dtype), csr_table_grad(table.shape[0], grad, x, ids).to(table.dtype),
+                None, None)
+
+
 def spread(ids: torch.Tensor) -> dict:
     """How concentrated the candidates [slots, k] are: distinct ids, and the share of slots holding the
     most frequent one."""
@@ -75,29 +117,34 @@ def measure(slots: int, vocab: int, hidden: int, rank: int, k: int, device: torc
     states = torch.randn(slots, hidden, generator=g).to(device, torch.bfloat16).requires_grad_()
     head = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(device, torch.bfloat16)
     grad = torch.randn(slots, k + 1, generator=g).to(device)
-    ops = {"successor codebook (both trained)": (left, codebook), "head rows (frozen head)": (states, head)}
+    ops = {"successor codebook (both trained)": (left, codebook, gather_dot),
+           "  the same, CSR gradient (no atomics)": (left, codebook, _CsrGatherDot.apply),
+           "head rows (frozen head)": (states, head, gather_dot)}
     shape = {"slots": slots, "vocab": vocab, "hidden": hidden, "rank": rank, "k": k, "device": str(device)}
     rows = []
     for distribution in DISTRIBUTIONS:
         ids = candidates(distribution, slots, vocab, k, g).to(device)
-        for op, (x, table) in ops.items():
-            def step(x=x, table=table, ids=ids, compiled=compiled):
+        for op, (x, table, reduce) in ops.items():
+            def step(x=x, table=table, ids=ids, compiled=compiled, reduce=reduce):
                 x.grad = table.grad = None
-                gather_dot(x, table, ids, compiled=compiled).backward(grad)
+                (gather_dot(x, table, ids, compiled=compiled) if reduce is gather_dot
+                 else reduce(x, table, ids, compiled)).backward(grad)
                 return x.grad, table.grad
 
-            if compiled:  # the compiled kernels' values against the eager arithmetic's
-                want = [t.clone() if t is not None else None for t in step(compiled=False)]
-                got = step()
-                for w, h in zip(want, got):
-                    if (w is None) != (h is None) or (w is not None and not torch.allclose(
-                            w.float(), h.float(), rtol=2e-2, atol=2e-2)):
-                        raise SystemExit(f"gather_dot compiled differs from eager ({op}, {distribution}): a bug.")
+            # the values against the trainer's eager arithmetic: the compiled kernels', the candidate's
+            want = [t.clone() if t is not None else None for t in step(reduce=gather_dot, compiled=False)]
+            for w, h in zip(want, step()):
+                if (w is None) != (h is None) or (w is not None and not torch.allclose(
+                        w.float(), h.float(), rtol=2e-2, atol=2e-2)):
+                    raise SystemExit(f"{op.strip()} differs from the eager gather_dot ({distribution}): a bug.")
             rows.append({**shape, **spread(ids[:, :k]), "distribution": distribution, "op": op,
                          "ms": timed(step, device, repeats)})
     base = {r["op"]: r["ms"] for r in rows if r["distribution"] == "zipf"}
+    trainer = {r["distribution"]: r["ms"] for r in rows if r["op"].startswith("successor")}
     for r in rows:
         r["vs_zipf"] = r["ms"] / base[r["op"]]
+        if "CSR" in r["op"]:
+            r["vs_trainer"] = r["ms"] / trainer[r["distribution"]]
     return rows
 
 
@@ -120,7 +167,8 @@ def main() -> None:
             results.append(r)
             print(f"{r['slots']:>7} slots x {r['vocab']:>7} ids  {r['distribution']:<9} ({r['distinct']:>7,} distinct, "
                   f"the most frequent in {r['top_id_slot_share']:6.1%} of slots)  {r['op']:<34} {r['ms']:8.3f} ms  "
-                  f"{r['vs_zipf']:.2f}x zipf", flush=True)
+                  f"{r['vs_zipf']:.2f}x zipf" + (f", {r['vs_trainer']:.2f}x the trainer's" if "vs_trainer" in r else ""),
+                  flush=True)
     report_rows("selector_grad", device, results, a.json)
 
 

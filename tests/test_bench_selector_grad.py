@@ -31,5 +31,16 @@ def test_each_reduction_is_timed_under_each_distribution_against_zipf():
     rows = bench_selector_grad.measure(256, 1024, 32, 16, 16, torch.device("cpu"), 1)
     assert {(r["distribution"], r["op"]) for r in rows} == {
         (d, op) for d in bench_selector_grad.DISTRIBUTIONS
-        for op in ("successor codebook (both trained)", "head rows (frozen head)")}
+        for op in ("successor codebook (both trained)", "  the same, CSR gradient (no atomics)",
+                   "head rows (frozen head)")}
     assert all(r["ms"] > 0 for r in rows) and {r["vs_zipf"] for r in rows if r["distribution"] == "zipf"} == {1.0}
+
+
+def test_the_csr_gradient_sums_each_candidate_s_slots_as_the_scatter_add_does():
+    g = torch.Generator().manual_seed(1)
+    ids = bench_selector_grad.candidates("zipf", 300, 512, 16, g)
+    grad, x = torch.randn(300, 17, generator=g, dtype=torch.float64), torch.randn(300, 8, generator=g, dtype=torch.float64)
+    want = torch.zeros(512, 8, dtype=torch.float64).index_put_(
+        (ids.reshape(-1),), (grad[:, :, None] * x[:, None, :]).reshape(-1, 8), accumulate=True)
+    got = bench_selector_grad.csr_table_grad(512, grad, x, ids)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
