@@ -386,6 +386,19 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
     return TrainConfig.from_dict(values)
 
 
+def draw_drafters_at(std: float):
+    """Every drafter this process builds from now on draws its weights at `std` (the trainer's
+    `reset_parameters`, its own default 0.02); returns what undoes it."""
+    from dflash.train.model.drafter import DFlashDrafter
+
+    reset = DFlashDrafter.reset_parameters
+    DFlashDrafter.reset_parameters = lambda self, drawn=std: reset(self, drawn)
+
+    def undo() -> None:
+        DFlashDrafter.reset_parameters = reset
+    return undo
+
+
 def log_interval(unmeasured: int, measured: int, most: int) -> int:
     """The steps between the run's metric logs: the largest that divides both the unmeasured steps
     and the measured ones (a log falls on the measured span's first and last step) and is at most
@@ -461,6 +474,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the head's loss in a compiled run: compiled (the trainer's: each chunk's softmax, loss "
                              "and gradient fused, and DFlash2's selector as gather-reductions) or eager (the path "
                              "before them); both, comma-separated: each drafter run with each, side by side")
+    parser.add_argument("--drafter-init-std", type=float, default=None, metavar="STD",
+                        help="draw the drafter's weights with this standard deviation (default the trainer's 0.02). "
+                             "A drafter drawn at 0.02 proposes nearly the same top-16 for every slot (DFlash2's "
+                             "candidates: at the 8B shape 46 distinct ids over 960 slots, one in every slot), which "
+                             "DFlash2's selector kernels meet at an extreme; at 0.1 its candidates spread over the "
+                             "vocabulary as a trained drafter's follow the text (3,948 distinct, the most frequent "
+                             "in 12 %% of slots; bench/profile_step.py prints the spread)")
     parser.add_argument("--layer-types", default="sliding",
                         help="--draft-layer-types of the runs with a --sliding-window (default: every layer sliding; "
                              "e.g. sliding,sliding,sliding,sliding,full)")
@@ -541,6 +561,8 @@ def main() -> None:
     results = []
     from dflash.train.loss import head_loss
 
+    if a.drafter_init_std is not None:
+        draw_drafters_at(a.drafter_init_std)
     for kind, window, kernel in variants:
         head_loss.COMPILED_KERNELS = kernel == "compiled"
         runs = run if len(variants) == 1 else work / f"run-{kind}-{window or 'full'}-{kernel}"
@@ -557,7 +579,7 @@ def main() -> None:
         if rank == 0:
             result = summarize(runs, config, shape, a.shape, warmup=resumed_from + warmup, steps=steps, world=world)
             result.update(prepare_seconds=prepared, train_seconds_incl_startup_and_final_checkpoint=trained,
-                          head_kernels=kernel)
+                          head_kernels=kernel, drafter_init_std=a.drafter_init_std or 0.02)
             if a.resume_run:
                 result["resumed_from_step"] = resumed_from
                 print(f"resumed from step {resumed_from} on {world} process(es)", flush=True)

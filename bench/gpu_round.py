@@ -48,7 +48,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 quality jobs.
   speed         alone on the GPU, the default path's speed figures, most wanted first: bench_train's
                 DFlash and DFlash2 compiled (8B, quality-bpe; HEAD_KERNELS=eager,compiled: the head loss's
-                eager path beside it), DFlash2's parts (profile_step),
+                eager path beside it), the same with drafters drawn wider (DFlash2's candidates spread:
+                8b-spread, quality-bpe-spread), DFlash2's parts (profile_step),
                 the top-K widths (bench_topk_train), the selector's gather-reductions by how spread the
                 candidates are (bench_selector_grad), DFlash2 under torch.compile's other modes beside
                 the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
@@ -251,7 +252,7 @@ def speed() -> list[Job]:
     """The default path's speed figures (docs/BENCHMARKS.md, Training and Extraction), each alone on
     the GPU, most wanted first: DFlash and DFlash2 compiled side by side at the 8B and the small
     drafter's shapes (the head loss's eager path against it is recorded; HEAD_KERNELS=eager,compiled
-    measures it again), DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima
+    measures it again), the same with drafters whose DFlash2 candidates spread, DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima
     given, the selector's gather-reductions by how spread the candidates are, the long samples (8K
     and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token samples, and
     the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
@@ -273,6 +274,12 @@ def speed() -> list[Job]:
     jobs = [
         train("8b", "8b", f"{both} --samples 16" + ("" if small else " --steps 20 --warmup-steps 10"), 1),
         train("quality-bpe", "quality-bpe", both + ("" if small else " --steps 20 --warmup-steps 10"), 2),
+        # the same with drafters drawn wider, whose DFlash2 candidates spread over the vocabulary as a
+        # trained drafter's follow the text (DFlash beside it as the control: its step has no candidates)
+        train("8b-spread", "8b", f"{both} --drafter-init-std 0.1 --samples 16"
+              + ("" if small else " --steps 20 --warmup-steps 10"), 2),
+        train("quality-bpe-spread", "quality-bpe", f"{both} --drafter-init-std 0.1"
+              + ("" if small else " --steps 20 --warmup-steps 10"), 2),
         Job("profile-8b", "python3 bench/profile_step.py " + ("--shape small --steps 1 --device cpu" if small else
             "--shape 8b --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 8")
             + f" --json {res}/profile-8b.json", [], 3, alone=True),
