@@ -479,8 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "A drafter drawn at 0.02 proposes nearly the same top-16 for every slot (DFlash2's "
                              "candidates: at the 8B shape 46 distinct ids over 960 slots, one in every slot), which "
                              "DFlash2's selector kernels meet at an extreme; at 0.1 its candidates spread over the "
-                             "vocabulary as a trained drafter's follow the text (3,948 distinct, the most frequent "
-                             "in 12 %% of slots; bench/profile_step.py prints the spread)")
+                             "vocabulary (3,948 distinct, the most frequent in 12 %% of slots; bench/profile_step.py "
+                             "prints the spread), as a trained drafter's follow the text (how closely is not "
+                             "measured)")
     parser.add_argument("--layer-types", default="sliding",
                         help="--draft-layer-types of the runs with a --sliding-window (default: every layer sliding; "
                              "e.g. sliding,sliding,sliding,sliding,full)")
