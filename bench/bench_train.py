@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter-init-std", type=float, default=None, metavar="STD",
                         help="draw the drafter's weights with this standard deviation (default the trainer's 0.02). "
                              "A drafter drawn at 0.02 proposes nearly the same top-16 for every slot (DFlash2's "
-                             "candidates: at the 8B shape 46 distinct ids over 960 slots, one in every slot), which "
+                             "candidates: 8B widths, 32,768 ids: 46 distinct ids over 960 slots, one in every slot), which "
                              "DFlash2's selector kernels meet at an extreme; at 0.1 its candidates spread over the "
                              "vocabulary (3,948 distinct, the most frequent in 12 %% of slots; bench/profile_step.py "
                              "prints the spread), as a trained drafter's follow the text (how closely is not "
