@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,7 +108,10 @@ def _compiled_head(reduce, device: torch.device, vocab: int, dtype: torch.dtype)
     where compiling fails the eager code is used."""
     try:
         compiled = torch.compile(reduce, dynamic=True)
-        with torch.inference_mode():
+        with torch.inference_mode(), warnings.catch_warnings():
+            # inductor splits the reduction over a long vocabulary row and says so in six lines (on
+            # CUDA): a choice of its own, nothing a user of the extraction can act on
+            warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled", category=UserWarning)
             # two sizes: the row count stays symbolic; and one row, which torch.compile
             # specializes (a batch's last chunk can be one row: compiled here, not mid-run)
             for rows in (7, 33, 1):

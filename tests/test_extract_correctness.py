@@ -213,3 +213,28 @@ def test_fp8_quantizer_falls_back_to_eager_when_compiling_fails(monkeypatch):
         assert engine._compiled_quantizer(torch.device("cpu"), [(2, 8)]) is quantize_fp8
     assert [(n.code, n.fields["part"]) for n in notes] == [("extract.runs-unfused", "quantization")]
     assert "no compiler here" in notes[0].fields["error"]
+
+
+def test_the_compiled_head_keeps_inductor_s_split_reduction_notice_out_of_the_output(monkeypatch):
+    # on CUDA inductor warns, in six lines, that it split the reduction over a long vocabulary row
+    # (a choice of its own); the other warnings of the compile still reach the user
+    import warnings
+
+    from dflash.extract import engine
+    from dflash.extract.target import next_token_reducer
+
+    def compile_that_warns(fn, **_kw):
+        def call(*args):
+            warnings.warn("\nOnline softmax is disabled on the fly since Inductor decides to\nsplit the reduction.",
+                          UserWarning, stacklevel=2)
+            warnings.warn("a warning of another kind", UserWarning, stacklevel=2)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(torch, "compile", compile_that_warns)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine._compiled_head(next_token_reducer(4, True), torch.device("cpu"), 64, torch.bfloat16)
+    messages = [str(w.message) for w in seen]
+    assert not any("Online softmax" in m for m in messages)
+    assert "a warning of another kind" in messages
