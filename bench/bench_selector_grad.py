@@ -33,6 +33,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from dflash.train.heads.dflash2.kernels import _GatherDot, _rows_sum, gather_dot
+from dflash.train.loss.compiled import compiled_over_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profiling import report_rows, timed  # noqa: E402
@@ -77,23 +79,12 @@ def csr_table_grad(vocab: int, grad: torch.Tensor, x: torch.Tensor, ids: torch.T
         return slots @ x.float()
 
 
-class _CsrGatherDot(torch.autograd.Function):
-    """`gather_dot` with the table's gradient from `csr_table_grad` (the candidate above)."""
-
-    @staticmethod
-    def forward(ctx, x, table, ids, compiled):  # noqa: D102
-        from dflash.train.heads.dflash2.kernels import _dot
-        from dflash.train.loss.compiled import compiled_over_rows
-
-        ctx.save_for_backward(x, table, ids)
-        ctx.compiled = compiled
-        return (compiled_over_rows(_dot, fixed=1) if compiled else _dot)(table, x, ids)
+class _CsrGatherDot(_GatherDot):
+    """`gather_dot` with the table's gradient from `csr_table_grad` (the candidate above): the
+    trainer's forward, its own backward."""
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        from dflash.train.heads.dflash2.kernels import _rows_sum
-        from dflash.train.loss.compiled import compiled_over_rows
-
         x, table, ids = ctx.saved_tensors
         rows_sum = compiled_over_rows(_rows_sum, fixed=1) if ctx.compiled else _rows_sum
         return (rows_sum(table, grad, ids).to(x.dtype), csr_table_grad(table.shape[0], grad, x, ids).to(table.dtype),
@@ -108,8 +99,6 @@ def spread(ids: torch.Tensor) -> dict:
 
 
 def measure(slots: int, vocab: int, hidden: int, rank: int, k: int, device: torch.device, repeats: int) -> list[dict]:
-    from dflash.train.heads.dflash2.kernels import gather_dot
-
     compiled = device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     left = torch.randn(slots, rank, generator=g).to(device, torch.bfloat16).requires_grad_()

@@ -368,8 +368,7 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
         max_batch_size=batch,
         max_seq_len=shape.seq_len, num_workers=workers, prefetch_factor=2 if shape.seq_len > 4096 else 4, epochs=100,
         max_steps=resumed_from + warmup + steps + (2 + a.trace_steps if a.trace_steps else 0), resume=a.resume_run,
-        log_interval=log_interval(resumed_from + warmup, steps, 2 if a.small else LoggingConfig.log_interval),
-        eval_interval=0, save_interval=0,
+        log_interval=2 if a.small else LoggingConfig.log_interval, eval_interval=0, save_interval=0,
         progress=False, tensorboard=False, compile=a.compile, device="cpu" if a.small else None,
         profile_interval=a.profile_interval, drafter_type=kind,
     )
@@ -381,8 +380,7 @@ def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: 
         if name not in settings:
             parser.error(f"--train-arg {item!r}: dflash-train has no setting {name!r}.")
         values[name] = convert_file_value(settings[name], value, "--train-arg")  # as its flag takes it
-    if (resumed_from + warmup) % values["log_interval"] or steps % values["log_interval"]:
-        values["log_interval"] = log_interval(resumed_from + warmup, steps, values["log_interval"])
+    values["log_interval"] = log_interval(resumed_from + warmup, steps, values["log_interval"])
     return TrainConfig.from_dict(values)
 
 

@@ -156,7 +156,7 @@ class Estimate:
         return ", ".join(f"{name} {value / GIB:.1f}" for name, value in self.terms.items() if value >= GIB / 20)
 
 
-def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int, path: str = "eager") -> int:
+def head_bytes(dims: Dims, slots: int, logits_chunk_mib: int, path: str) -> int:
     """The target head's loss at its peak (head_loss.slot_losses): one chunk's logits at a time, all
     the slots while their float32 logits fit `logits_chunk_mib` (0: no limit), else chunks of
     CHUNK_MIB; a chunk holds LOGIT_BYTES[path] a logit, and the slots' gradient of the states."""
