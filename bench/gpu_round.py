@@ -283,6 +283,10 @@ def speed() -> list[Job]:
         Job("profile-8b", "python3 bench/profile_step.py " + ("--shape small --steps 1 --device cpu" if small else
             "--shape 8b --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 8")
             + f" --json {res}/profile-8b.json", [], 3, alone=True),
+        # the same parts for the quality benchmark's small drafter (pt 3's gap), with the top kernels
+        Job("profile-quality-bpe", "python3 bench/profile_step.py " + ("--shape small --steps 1 --device cpu" if small
+            else "--shape quality-bpe --variants dflash,dflash2,dflash2-noconv --compile --dtype bf16 --steps 4 --profile")
+            + f" --json {res}/profile-quality-bpe.json", [], 3, alone=True),
         Job("topk", "python3 bench/bench_topk_train.py" + (" --rows 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/topk.json", [], 4, alone=True),
         # the selector's gather-reductions by how spread the candidates are (a fresh drafter's: one set)
