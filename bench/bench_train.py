@@ -355,7 +355,7 @@ def parse_types(types: str, layers: int) -> list[str]:
 
 
 def train_config(a: argparse.Namespace, parser: argparse.ArgumentParser, shape: Shape, batch: int, *, cache: Path,
-                 target: Path, run: Path, workers: int, steps: int, warmup: int, resumed_from: int, kind: str,
+                 target: Path, run: Path, workers: int | None, steps: int, warmup: int, resumed_from: int, kind: str,
                  window: int = 0):
     """The TrainConfig of one measured run of `kind` (dflash or dflash2), its draft layers sliding with
     `window` (0: full), with --train-arg applied."""
@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=None, help="cache samples (default 256; small: 32)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 100; small: 10)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="unmeasured first steps (default 20; small: 4)")
-    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; small: 2)")
+    parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; small: 2; long samples: the trainer's default)")
     parser.add_argument("--writers", type=int, default=min(14, os.cpu_count() or 1), help="cache writer processes")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the drafter's forward (default: the trainer's, compiled on CUDA; "
@@ -505,11 +505,12 @@ def main() -> None:
     a.small = a.shape in CPU_SHAPES
     shape, batch = SHAPES[a.shape], BATCH[a.shape]
     # A long sample's states are 0.3 (8K) to 1.3 GiB (32K) at the 8B shape: a small cache, re-read every epoch,
-    # and few batches in flight (workers x prefetch).
+    # few batches in flight (prefetch 2), and the trainer's own worker count (one fewer than the cores, at most
+    # 4): a worker decodes about 1 GB/s of bf16 states, and 2 of them held the 8K step back (docs/BENCHMARKS.md).
     long = shape.seq_len > 4096
     samples = a.samples or (32 if a.small else (8 if shape.seq_len > 16384 else 16) if long else max(256, 8 * batch))
     steps, warmup = a.steps or (10 if a.small else 100), a.warmup_steps or (4 if a.small else 20)
-    workers = a.num_workers if a.num_workers is not None else (2 if a.small or long else 8)
+    workers = a.num_workers if a.num_workers is not None else (2 if a.small else None if long else 8)
     try:
         windows = [int(w) for w in a.sliding_window.split(",") if w.strip()] or [0]
     except ValueError:

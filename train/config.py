@@ -578,11 +578,16 @@ def default_num_workers(cap: int = 4) -> int:
     """Loader workers a process of this run takes by default: one fewer than the CPU cores it may
     use (its share of the host under torchrun), at most `cap` (more workers than cores only
     contend; torch warns of it)."""
+    return max(0, min(cap, process_cores() - 1))
+
+
+def process_cores() -> int:
+    """The CPU cores a process of this run may use: its affinity's, shared by the processes of one
+    host under torchrun (LOCAL_WORLD_SIZE)."""
     import os
 
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on every platform)
         cores = os.cpu_count() or 1
-    per_process = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(0, min(cap, per_process - 1))
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))

@@ -157,3 +157,16 @@ def _compare_no_evaluation(file, run_dir):
 def _compare_not_lossless(heads):
     return (f"A decoded output of {', '.join(heads)} differs from the target's greedy output (docs/eval.md, 'The "
             "lossless check').")
+
+
+# -- loader_watch.py -----------------------------------------------------------------------------------
+
+
+@renders("train.loader-bound", example=dict(step=20, data_wait=0.35, workers=2, cores=16))
+def _loader_bound(step, data_wait, workers, cores):
+    more = (f"raise --num-workers (this process may use {cores} cores; each worker decodes about 1 GB/s of bf16 "
+            "states)" if workers < cores - 1 else f"its {cores} cores are all in use")
+    return (f"The GPU waited for batches {data_wait:.0%} of the time in the steps before {step}: the loader's {workers} "
+            f"worker(s) read the cache more slowly than the drafter trains on it (long samples bring more states a "
+            f"step). To train at the GPU's speed, {more}, or train from an fp8 cache, whose states the GPU decodes "
+            "(`dflash-cache recompress CACHE CACHE-fp8 --codec fp8`).")

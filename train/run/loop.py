@@ -24,7 +24,7 @@ from dflash.runtime.errors import InputError
 from dflash.runtime.findings import Finding
 from dflash.runtime.locks import WriterLock
 from dflash.runtime.signals import StopRequest, StopWaiting
-from dflash.train.config import TrainConfig, TrainConfigError
+from dflash.train.config import TrainConfig, TrainConfigError, process_cores
 from dflash.train.data.anchors import AnchorDraw, noise_generator
 from dflash.train.data.caches import TrainingData, check_cache_target, open_training_data
 from dflash.train.data.follow import follow_fields, report_consumption
@@ -34,6 +34,7 @@ from dflash.train.exports.warm_start import warm_start
 from dflash.train.heads import get_head
 from dflash.train.loss.objective import compute_loss, label_summary, stores_target_top1
 from dflash.train.measure.evaluation import LossModel, evaluate
+from dflash.train.measure.loader_watch import LoaderWatch
 from dflash.train.measure.reporting import (
     HeldoutTracker,
     RunLogger,
@@ -157,6 +158,7 @@ class Run:
     metrics: RunningMetrics
     profiler: StepProfiler
     guard: DivergenceGuard
+    loader_watch: LoaderWatch
     last: dict[str, float] = field(default_factory=dict)
     """The last logged training metrics."""
     eval_metrics: dict[str, Any] | None = None
@@ -257,7 +259,9 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     return Run(cfg=cfg, info=info, run_dir=run_dir, log=log, data=data, drafter=drafter, model=model,
                loss_model=LossModel(model, drafter), autocast=autocast_context(cfg.runtime.dtype, info.device),
                length=length, state=state, checkpoints=checkpoints, metrics=metrics,
-               profiler=StepProfiler(cfg.logging.profile_interval, info.device), guard=guard)
+               profiler=StepProfiler(cfg.logging.profile_interval, info.device), guard=guard,
+               loader_watch=LoaderWatch(workers=cfg.data.num_workers, cores=process_cores(),
+                                        watching=info.device.type == "cuda" and not data.caches.follows))
 
 
 def train_step(run: Run) -> None:
@@ -309,6 +313,7 @@ def log_train_metrics(run: Run) -> dict[str, float]:
     run.log.advance(0, **heldout.progress_fields(), train_tau=last["tau"], loss=last["loss"],
                     tok_s=last["context_tokens_per_second"], **following)
     run.guard.check(step, last)
+    tell(run.log, run.loader_watch.observe(step, last["data_wait"]))
     run.metrics.reset()
     return last
 
