@@ -27,7 +27,7 @@ A user's plan (`plan`): disk and GPU-hours for a target shape, token count, epoc
 disk budget, from the measured one-GPU rates of docs/BENCHMARKS.md (or bench JSON files):
 
     python bench/gpu_hours.py plan --shape 8b --tokens 2e9 --epochs 6 --codec fp8 --disk-budget 10T
-    python bench/gpu_hours.py plan --hidden-size 5120 --layers 5 --extract-rate 8945 --train-rate 10456 ...
+    python bench/gpu_hours.py plan --hidden-size 5120 --layers 5 --extract-rate 7805 --train-rate 9933 ...
 
   disk        tokens x stored bytes/token of the codec (its measured ratio to raw bf16 K x D x 2,
               plus the per-token ids and masks)
@@ -135,18 +135,19 @@ def format_table(rows: list[Row], epochs: int) -> str:
     return "\n".join(lines)
 
 
-# Measured one-GPU rates (docs/BENCHMARKS.md): full-extraction tokens/s per codec, training
-# context tokens/s, and each codec's stored bytes as a fraction of raw bf16 K x D x 2 (bf16 and
-# fp8 on a trained model's activations, bench/gpu_benchmarks.sh cache; nf4 by
-# bench/bench_codec4.py). nf4's extraction rate is fp8's until `gpu_benchmarks.sh nf4` measures it.
+# Measured one-GPU rates of today's defaults (docs/BENCHMARKS.md, H100 80GB): full-extraction tokens/s
+# per codec with the top-8 soft labels stored, training context tokens/s of DFlash2, and each codec's
+# stored hidden-state bytes as a fraction of raw bf16 K x D x 2 (bf16 and fp8 on a trained model's
+# activations, bench/gpu_benchmarks.sh cache; nf4 by bench/bench_codec4.py). At the 8B shape only bf16
+# with the top-8 is measured: fp8 and nf4 take its rate (at the 27B shape fp8 ran at 1.006x bf16).
 SHAPES = {
-    "8b": {"hidden_size": 4096, "layers": 5, "extract": {"bf16": 32_354.0, "fp8": 32_593.0, "nf4": 32_593.0,
-                                                         "raw": 32_354.0}, "train": 20_170.0},
-    "27b": {"hidden_size": 5120, "layers": 5, "extract": {"bf16": 8_863.0, "fp8": 8_945.0, "nf4": 8_945.0,
-                                                          "raw": 8_863.0}, "train": 10_456.0},
+    "8b": {"hidden_size": 4096, "layers": 5, "extract": {"bf16": 27_119.0, "fp8": 27_119.0, "nf4": 27_119.0,
+                                                         "raw": 27_119.0}, "train": 18_692.0},
+    "27b": {"hidden_size": 5120, "layers": 5, "extract": {"bf16": 7_757.0, "fp8": 7_805.0, "nf4": 7_805.0,
+                                                          "raw": 7_757.0}, "train": 9_933.0},
 }
 CODEC_FRACTION = {"raw": 1.0, "bf16": 1 / 1.535, "fp8": 1 / 2.383, "nf4": 0.263}
-PER_TOKEN_EXTRA_BYTES = 8  # input_ids, loss_mask, top1_ids (before compression)
+PER_TOKEN_EXTRA_BYTES = 8 + 8 * (4 + 4)  # input_ids, loss_mask, top1_ids; the top-8 ids and log-probs (before compression)
 
 
 @dataclass(frozen=True)

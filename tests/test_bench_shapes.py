@@ -140,8 +140,9 @@ def test_a_plan_trades_disk_for_re_extraction_between_offline_and_online():
                                    extract_tokens_per_second=10_000.0, train_tokens_per_second=20_000.0)
 
     whole = plan(None)
-    # By hand: 1e9 tokens x (5 x 4096 x 2 B / 2.383 + 8 B); extraction 1e9 / 1e4 s = 27.78 h.
-    assert whole.disk_bytes == pytest.approx(1e9 * (40960 / 2.383 + 8))
+    # By hand: 1e9 tokens x (5 x 4096 x 2 B / 2.383 + 8 B of ids and masks + 64 B of the top-8 ids and
+    # log-probs, today's default); extraction 1e9 / 1e4 s = 27.78 h.
+    assert whole.disk_bytes == pytest.approx(1e9 * (40960 / 2.383 + 8 + 64))
     assert whole.extract_hours == pytest.approx(27.7778, abs=1e-3)
     assert whole.follow_hours == whole.offline_hours  # no budget: extract once
     assert plan(2 * whole.disk_bytes).follow_hours == whole.offline_hours
