@@ -53,7 +53,8 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 the top-K widths (bench_topk_train), the selector's gather-reductions by how spread the
                 candidates are (bench_selector_grad), DFlash2 under torch.compile's other modes beside
                 the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
-                the extraction of 32K-token samples and the 8B extraction with both references, the 27B
+                the extraction of 32K-token samples and the 8B extraction with both references, one loader
+                worker's read rate of 32K-token samples by its decode threads (loader-long), the 27B
                 hybrid extraction with today's defaults and the GPU-hours from it and train-27b;
                 TIMINGS="train-8b ..." only these of them, in that order.
 """
@@ -307,6 +308,11 @@ def speed() -> list[Job]:
         # DFlash2 last: gpu_hours reads the last figure of the file (today's default drafter)
         train("27b", "27b", "--drafter-type dflash,dflash2 --samples 8" + ("" if small else " --steps 10 --warmup-steps 10"), 7),
         train("27b-32k", "27b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 8),
+        # one loader worker's read rate by its decode threads, on the GPU host's cores (what the long steps need)
+        Job("loader-long", "python3 bench/bench_loader.py " + ("--shape small-long --samples 2 --threads 1,2 --repeats 1"
+            if small else "--shape 8b-32k --samples 4 --threads 1,2,3,4 --codecs bf16,fp8")
+            + f" --workdir {root}/loader --json {res}/loader-long.json; rc=$?; rm -rf {root}/loader; exit $rc", [], 6,
+            alone=True),
         Job("extract-long", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
             + ("--seq-len 1024" if small else "--seq-len 32768 --tokens 524288")
             + f" --json {res}/extract-long.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True),

@@ -11,6 +11,7 @@ import functools
 import json
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,42 @@ from .manifest import HEADER_FILE, LOG_FILE, PartRecord
 from .schema import SAMPLE_IDS, PartSchema, shard_key
 from .shard_format import EMPTY, decode_index, located, unframe_chunk
 
-# Blosc's internal thread pool is not fork-safe; one decode thread per reader process keeps
-# DataLoader workers safe and makes throughput per core a meaningful figure.
+# Blosc's internal thread pool is not fork-safe: each call decodes on the calling thread (blosc
+# releases the GIL while it does), and a reader that may use more cores decodes whole chunks on
+# threads of its own (`set_decode_threads`).
 numcodecs.blosc.use_threads = False
 
 _ZSTD = Zstd()
+
+
+class _DecodeThreads:
+    """The threads this process decodes a read's whole chunks on, side by side: none while set to 1
+    (the default), made in the process that uses them (threads do not survive a fork, so a pool
+    made before one is made again after it)."""
+
+    def __init__(self) -> None:
+        self.count, self._pool, self._pid = 1, None, None
+
+    def pool(self) -> ThreadPoolExecutor | None:
+        if self.count < 2:
+            return None
+        if self._pool is None or self._pid != os.getpid():
+            self._pool, self._pid = ThreadPoolExecutor(self.count, thread_name_prefix="dflash-decode"), os.getpid()
+        return self._pool
+
+
+_DECODE = _DecodeThreads()
+
+
+def set_decode_threads(count: int) -> None:
+    """Decode the whole chunks of each read on `count` threads of this process (1: on the calling
+    thread). A loader worker takes its share of the cores its process may use: one worker then reads
+    a long sample's chunks about `count` times as fast."""
+    count = max(1, int(count))
+    if count != _DECODE.count:
+        if _DECODE._pool is not None and _DECODE._pid == os.getpid():
+            _DECODE._pool.shutdown(wait=True)
+        _DECODE.count, _DECODE._pool, _DECODE._pid = count, None, None
 
 
 @dataclass(frozen=True)
@@ -216,6 +248,8 @@ class PartFiles:
         cr, rb = meta.chunk_rows, meta.row_bytes
         chunk_bytes = cr * rb
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
+        pool = _DECODE.pool()
+        whole = []  # (chunk buffer, where, out rows) of the chunks decoded straight into `out`
         for c in range(start // cr, (stop - 1) // cr + 1):
             lo, hi = max(start, c * cr), min(stop, (c + 1) * cr)
             what = _Where(self, array, c)  # formatted only into an error message
@@ -233,8 +267,9 @@ class PartFiles:
                 buf = memoryview(m)[off: off + nb]
             blosc = "blosc" in meta.codecs
             if blosc and lo == c * cr and hi == (c + 1) * cr:
-                # Decompress straight into the output rows: no intermediate copy.
-                self._decode(buf, meta, chunk_bytes, what, out=out_bytes[lo - start: hi - start])
+                # Decompress straight into the output rows: no intermediate copy (on the decode
+                # threads, once every chunk of the read is located, where this process has them).
+                whole.append((buf, what, out_bytes[lo - start: hi - start]))
                 continue
             # A chunk that straddles the request (decoded into a reused scratch buffer: a fresh
             # one per chunk would page-fault its whole size every time), or a raw chunk (its
@@ -242,6 +277,16 @@ class PartFiles:
             dec = self._decode(buf, meta, chunk_bytes, what, out=self.scratch.get(chunk_bytes) if blosc else None)
             rows = np.frombuffer(dec, dtype=np.uint8, count=chunk_bytes).reshape(cr, rb)
             out_bytes[lo - start: hi - start] = rows[lo - c * cr: hi - c * cr]
+        if pool is None or len(whole) < 2:
+            for buf, what, rows in whole:
+                self._decode(buf, meta, chunk_bytes, what, out=rows)
+            return
+        # every chunk is decoded (or failed) before the earliest chunk's error is raised: none is
+        # still writing into `out` when the caller sees the error
+        done = [pool.submit(self._decode, buf, meta, chunk_bytes, what, out=rows) for buf, what, rows in whole]
+        wait(done)
+        for future in done:
+            future.result()
 
     def small_array(self, array: str) -> np.ndarray:
         """A per-part metadata array (ids, masks, scales), decoded whole once and kept."""

@@ -37,10 +37,10 @@ from dflash.cache_tools.schema import (
 from dflash.cache_tools.sources import SampleSource
 from dflash.runtime.errors import CorruptDataError, DflashError
 from dflash.runtime.findings import Finding
-from dflash.train.config import DataConfig, ResumeMismatchError, TrainConfigError
+from dflash.train.config import DataConfig, ResumeMismatchError, TrainConfigError, process_cores
 from dflash.train.data.codecs import device_decoder
 from dflash.train.data.plans import check_budget, plan_epoch, plan_eval
-from dflash.train.data.workers import worker_init
+from dflash.train.data.workers import decode_threads, worker_init
 
 LOADER_STATE_VERSION = 1
 
@@ -258,7 +258,8 @@ def data_loader(caches: SampleSource, batches: Sequence[np.ndarray], config: Dat
     return torch.utils.data.DataLoader(
         _BatchList(caches, batches, prepare), batch_size=None, shuffle=False, num_workers=workers,
         pin_memory=pin_memory,
-        worker_init_fn=functools.partial(worker_init, trainer_pid=os.getpid()) if workers else None,
+        worker_init_fn=functools.partial(worker_init, trainer_pid=os.getpid(),
+                                         threads=decode_threads(workers, process_cores())) if workers else None,
         prefetch_factor=config.prefetch_factor if workers else None,
         multiprocessing_context="fork" if workers else None,
         # Its iterator's seed comes from this generator, not the global RNG: a resumed run, which

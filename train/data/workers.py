@@ -1,4 +1,5 @@
-"""The life of a DataLoader worker process: signals left to its trainer, and an end with it."""
+"""The life of a DataLoader worker process: signals left to its trainer, its decode threads, and an end
+with it."""
 
 from __future__ import annotations
 
@@ -7,14 +8,27 @@ import signal
 import sys
 
 import torch
+from dflash.cache_tools.part_files import set_decode_threads
+
+DECODE_THREADS_CAP = 4
+"""The most threads a worker decodes a batch's chunks on."""
 
 
-def worker_init(_: int, trainer_pid: int) -> None:
+def decode_threads(workers: int, cores: int) -> int:
+    """Threads each of `workers` loader workers decodes on: the cores its process may use beyond the
+    trainer's own, shared among the workers, at most DECODE_THREADS_CAP. A worker reads one long
+    sample's chunks that many times as fast (bench/bench_loader.py), where the default of at most 4
+    workers would leave the other cores idle."""
+    return max(1, min(DECODE_THREADS_CAP, (cores - 1) // max(1, workers)))
+
+
+def worker_init(_: int, trainer_pid: int, threads: int = 1) -> None:
     # Ctrl-C reaches the whole process group: workers leave signals to the trainer, which
     # finishes its step (needing their batches) before it stops them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
+    set_decode_threads(threads)
     # torch's worker notices its trainer's death by its parent pid changing from the one it reads
     # after this function: a trainer killed before that read leaves a worker that never ends.
     # The kernel ends it with the trainer instead; a trainer already gone ends it here.

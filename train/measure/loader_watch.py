@@ -19,6 +19,8 @@ class LoaderWatch:
     extraction by design, and on the CPU the workers share the training's cores: neither is told."""
 
     workers: int
+    threads: int
+    """Decode threads of each worker (train/data/workers.py, decode_threads)."""
     cores: int
     watching: bool
     spans: int = 0
@@ -31,4 +33,4 @@ class LoaderWatch:
             return None
         self.told = True
         return Finding("train.loader-bound", step=step, data_wait=round(float(data_wait), 3), workers=self.workers,
-                       cores=self.cores)
+                       threads=self.threads, cores=self.cores)
