@@ -27,6 +27,7 @@ from dflash.cache_tools.schema import HIDDEN, ArraySpec
 from dflash.cache_tools.writer import CacheWriter
 from dflash.runtime.errors import DflashError, EnvironmentFault
 from dflash.runtime.findings import Finding
+from dflash.runtime.shared_memory import SHM_DIR, shm_free_bytes
 
 from .buffers import PartBuffer, part_layout, part_views
 from .data import PartPlan
@@ -446,18 +447,6 @@ class WriterPool:
             with contextlib.suppress(FileNotFoundError):  # (removed already)
                 unlink_segment(shm, unmap=False)
         self._created.clear()
-
-
-SHM_DIR = "/dev/shm"
-
-
-def shm_free_bytes() -> int | None:
-    """Free bytes of the shared-memory file system (None where there is none to ask)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def _shm_capacity(part_bytes: int, open_parts: int, part_tokens: int) -> int:

@@ -197,3 +197,19 @@ def _chat_templates_differ(templates):
     return (f"WARNING: the data was rendered with {len(templates)} different chat templates or kwargs ({described}): "
             "a drafter learns the rendering it trains on, so serve with the one that most of the data used, or "
             "prepare the data again with one")
+
+
+# -- shared_memory.py ---------------------------------------------------------------------------------
+
+
+@renders("train.shared-memory", example=dict(path="/dev/shm", free=64 * 2**20, batch_bytes=671 * 2**20, loaders=2,
+                                              workers=4, prefetch=4, fit_workers=0, fit_prefetch=1))
+def _shared_memory(path, free, batch_bytes, loaders, workers, prefetch, fit_workers, fit_prefetch):
+    gib = 2**30
+    now = (f"{fit_workers} worker(s) x --prefetch-factor {fit_prefetch}" if fit_workers else
+           "no worker: the trainer's process reads the batches itself, more slowly")
+    evaluation = " (twice that while a held-out evaluation reads)" if loaders > 1 else ""
+    return (f"{path} has {free / gib:.2f} GiB free, and the loader's {workers} worker(s) x --prefetch-factor "
+            f"{prefetch} batches of up to {batch_bytes / gib:.2f} GiB would wait there at once{evaluation}: a "
+            f"worker that fills it dies partway through the run. This run keeps {now}. To read at full speed, give "
+            f"the host more shared memory (`docker run --shm-size 32g`, or a larger tmpfs on {path}).")

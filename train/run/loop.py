@@ -29,6 +29,7 @@ from dflash.train.data.anchors import AnchorDraw, noise_generator
 from dflash.train.data.caches import TrainingData, check_cache_target, open_training_data
 from dflash.train.data.follow import follow_fields, report_consumption
 from dflash.train.data.loader import dequantize_batch
+from dflash.train.data.shared_memory import fit_loader_memory
 from dflash.train.data.workers import decode_threads
 from dflash.train.exports.export import export_out_dir
 from dflash.train.exports.warm_start import warm_start
@@ -201,6 +202,8 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     data = open_training_data(cfg, rank=info.rank, world_size=info.world_size,
                               pin_memory=info.device.type == "cuda")
     cleanup.callback(data.loader.close)  # however the run ends, its loader workers end with it
+    # the batches its workers hand over through /dev/shm fit there (or fewer are in flight, and it says so)
+    tell(log, fit_loader_memory(cfg.data, data))
     manifest = data.caches.manifest
     cfg = cfg.with_soft_labels(bool(manifest.store_last_hidden or manifest.topk)).with_hard_label(
         stores_target_top1(manifest))
