@@ -53,7 +53,7 @@ Plans (ROUND_SMALL=1: the CPU smoke sizes, to check a plan here before it costs 
                 the top-K widths (bench_topk_train), the selector's gather-reductions by how spread the
                 candidates are (bench_selector_grad), DFlash2 under torch.compile's other modes beside
                 the default (max-autotune at 8B, CUDA graphs for the small drafter), the long samples (8b-8k, 8b-32k, 27b, 27b-32k),
-                the extraction of 32K-token samples and the 8B extraction with both references, one loader
+                the extraction of 32K- and 8K-token samples and the 8B extraction with both references, one loader
                 worker's read rate of 32K-token samples by its decode threads (loader-long), the 27B
                 hybrid extraction with today's defaults and the GPU-hours from it and train-27b;
                 TIMINGS="train-8b ..." only these of them, in that order.
@@ -313,9 +313,11 @@ def speed() -> list[Job]:
             if small else "--shape 8b-32k --samples 4 --threads 1,2,3,4 --codecs bf16,fp8")
             + f" --workdir {root}/loader --json {res}/loader-long.json; rc=$?; rm -rf {root}/loader; exit $rc", [], 6,
             alone=True),
-        Job("extract-long", f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
-            + ("--seq-len 1024" if small else "--seq-len 32768 --tokens 524288")
-            + f" --json {res}/extract-long.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True),
+        # the default extraction of long samples against both references, 32K tokens and 8K
+        *[Job(name, f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
+              + ("--seq-len 1024" if small else f"--seq-len {seq} --tokens 524288")
+              + f" --json {res}/{name}.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True)
+          for name, seq in (("extract-long", 32768), ("extract-8k", 8192))],
         # the 27B hybrid target with today's extraction defaults (top-8, fp8 for the seed's disk), then the
         # offline/online GPU-hours of today's defaults from it and train-27b
         Job("extract-27b", f"python3 bench/bench_extract.py --output {root}/extract-scratch --shape 27b-hybrid "
