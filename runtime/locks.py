@@ -103,10 +103,14 @@ class WriterLock:
     """A held lock on `path` (released by `release()`, by the context's end, or by the
     process's death; forked children do not hold it)."""
 
+    _fd: int | None = None
+    """The lock file's descriptor while held. A class default too: a stop signal may raise before
+    __init__'s first line runs, and __del__ runs on the half-made object then."""
+
     def __init__(self, path: str | os.PathLike, *, purpose: str, output: str | os.PathLike, shared: bool = False):
         """`output` is the thing written (a cache, a run directory, a file), `purpose` (one of
         PURPOSES) what writes it: a refusal names both and what to do."""
-        self._fd: int | None = None  # (set first: __del__ runs even when the checks or the open below fail)
+        self._fd = None  # (set first: __del__ runs even when the checks or the open below fail)
         if purpose not in PURPOSES:
             raise ValueError(f"lock purpose {purpose!r} is not one of {PURPOSES}")
         self.path = Path(path)

@@ -147,3 +147,19 @@ def test_a_lock_of_no_known_purpose_is_a_bug(tmp_path):
 
 def test_every_lock_purpose_has_its_words():
     assert set(LOCK_WORDS) == set(PURPOSES)
+
+
+def test_a_lock_a_stop_signal_interrupted_before_its_init_ran_is_dropped_quietly():
+    # A stop signal's exception can come before __init__'s first line, and __del__ then runs on the
+    # half-made object: it must not print a traceback beside the run's stop message.
+    import gc
+
+    seen = []
+    hook, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        half = WriterLock.__new__(WriterLock)
+        del half
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert seen == []
