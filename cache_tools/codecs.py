@@ -287,6 +287,9 @@ class Fp8Codec(HiddenCodec):
         """The extraction quantizer's algorithm (dflash.extract.codecs.quantize_fp8) on the
         host: of FP8_SCALE_CANDIDATES scales between absmax/448 and twice that, each row keeps
         the one with the smallest squared error (documented bound: 3 % per row)."""
+        return encode_by_rows(self._encode_rows, values, num_layers)
+
+    def _encode_rows(self, values: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
         tokens, width = values.shape
         x = np.asarray(values, dtype=np.float32).reshape(tokens, num_layers, width // num_layers)
         base = np.maximum(np.abs(x).max(axis=-1, keepdims=True) / np.float32(FP8_MAX), _TINY)
@@ -311,6 +314,32 @@ class Fp8Codec(HiddenCodec):
         values = _E4M3_VALUES[stored]  # float32, exact
         values.reshape(tokens, layers, width // layers)[...] *= scale[:, :, None]
         return bf16_bits(values, out, quiet_nans=True)
+
+
+ENCODE_BLOCK_BYTES = 16 * 2**20
+"""float32 bytes of the rows a host quantizer takes at once: its search over scales makes a dozen
+temporaries the size of its input, so a part's rows go through it a block at a time (memory
+bounded by the block, not the part; a whole 65,536-token part of the 8B shape took 24 GB)."""
+
+
+def encode_by_rows(encode_rows: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray | None]],
+                   values: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """`encode_rows` (a codec whose rows are quantized each alone) over `values` [tokens, width] in
+    blocks of ENCODE_BLOCK_BYTES: the same stored rows and scales as one call over all of them."""
+    tokens, width = values.shape
+    step = max(1, ENCODE_BLOCK_BYTES // (4 * max(1, width)))
+    if tokens <= step:
+        return encode_rows(values, num_layers)
+    stored = scale = None
+    for start in range(0, tokens, step):
+        q, sc = encode_rows(values[start:start + step], num_layers)
+        if stored is None:
+            stored = np.empty((tokens, *q.shape[1:]), dtype=q.dtype)
+            scale = None if sc is None else np.empty((tokens, *sc.shape[1:]), dtype=sc.dtype)
+        stored[start:start + len(q)] = q
+        if scale is not None:
+            scale[start:start + len(sc)] = sc
+    return stored, scale
 
 
 def e4m3_bits(x: np.ndarray) -> np.ndarray:
@@ -364,8 +393,11 @@ class Nf4Codec(HiddenCodec):
         """The extraction quantizer's algorithm (dflash.extract.codecs.quantize_nf4) on the host:
         each group of NF4_GROUP values keeps, of NF4_SCALE_CANDIDATES fractions of its absmax
         (rounded to bf16 first), the scale with the smallest squared error."""
+        self.validate(values.shape[1])
+        return encode_by_rows(self._encode_rows, values, num_layers)
+
+    def _encode_rows(self, values: np.ndarray, num_layers: int) -> tuple[np.ndarray, None]:
         tokens, width = values.shape
-        self.validate(width)
         g = np.asarray(values, dtype=np.float32).reshape(tokens, width // NF4_GROUP, NF4_GROUP)
         absmax = np.abs(g).max(axis=-1, keepdims=True)
         best_code = best_scale = best_err = None
