@@ -49,6 +49,12 @@ class _DecodeThreads:
             self._pool, self._pid = ThreadPoolExecutor(self.count, thread_name_prefix="dflash-decode"), os.getpid()
         return self._pool
 
+    def set(self, count: int) -> None:
+        if count != self.count:
+            if self._pool is not None and self._pid == os.getpid():  # (a forked child's copy has no threads)
+                self._pool.shutdown(wait=True)
+            self.count, self._pool, self._pid = count, None, None
+
 
 _DECODE = _DecodeThreads()
 
@@ -57,11 +63,7 @@ def set_decode_threads(count: int) -> None:
     """Decode the whole chunks of each read on `count` threads of this process (1: on the calling
     thread). A loader worker takes its share of the cores its process may use: one worker then reads
     a long sample's chunks about `count` times as fast."""
-    count = max(1, int(count))
-    if count != _DECODE.count:
-        if _DECODE._pool is not None and _DECODE._pid == os.getpid():
-            _DECODE._pool.shutdown(wait=True)
-        _DECODE.count, _DECODE._pool, _DECODE._pid = count, None, None
+    _DECODE.set(max(1, int(count)))
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,16 @@ from dflash.train.measure.loader_watch import LOADER_BOUND, LoaderWatch
 
 
 def test_the_watch_tells_once_past_the_first_span_and_only_where_it_watches():
-    watch = LoaderWatch(workers=2, threads=4, cores=16, watching=True)
+    watch = LoaderWatch(workers=2, cores=16, watching=True)
     assert watch.observe(10, 0.9) is None  # the first span holds the compilation and the workers' start
     assert watch.observe(20, LOADER_BOUND / 2) is None
     notice = watch.observe(30, 0.4)
     assert notice.code == "train.loader-bound"
     assert notice.fields == dict(step=30, data_wait=0.4, workers=2, threads=4, cores=16)
     assert watch.observe(40, 0.8) is None  # once a run
-    quiet = LoaderWatch(workers=2, threads=4, cores=16, watching=False)  # a follow run, or a run on the CPU
+    quiet = LoaderWatch(workers=2, cores=16, watching=False)  # a follow run, or a run on the CPU
     assert [quiet.observe(step, 0.9) for step in (10, 20, 30)] == [None] * 3
-    assert LoaderWatch(workers=2, threads=4, cores=16, watching=True).observe(10, float("nan")) is None
+    assert LoaderWatch(workers=2, cores=16, watching=True).observe(10, float("nan")) is None
 
 
 def _slow_reads(monkeypatch, seconds: float) -> None:

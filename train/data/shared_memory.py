@@ -46,12 +46,11 @@ def fit_shared_memory(config: DataConfig, batch_bytes: int, loaders: int, free: 
                    fit_prefetch=config.prefetch_factor)
 
 
-def fit_loader_memory(config: DataConfig, data, free: int | None = None) -> Finding | None:
+def fit_loader_memory(config: DataConfig, data) -> Finding | None:
     """`fit_shared_memory` for a run's data: its batches bounded by --token-budget padded tokens, or
     by its longest sample where that is longer (--max-seq-len while the cache grows, --follow), two
     loaders where the run evaluates held-out samples."""
     lengths = data.caches.lengths
     longest = config.max_seq_len if config.follow or not len(lengths) else min(int(lengths.max()), config.max_seq_len)
     batch = max(config.token_budget, longest) * token_bytes(PartSchema.from_header(data.caches.manifest.header))
-    free = shm_free_bytes() if free is None else free
-    return fit_shared_memory(config, batch, 2 if data.heldout_count else 1, free)
+    return fit_shared_memory(config, batch, 2 if data.heldout_count else 1, shm_free_bytes())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.runtime.findings import Finding
+from dflash.train.data.workers import decode_threads
 
 LOADER_BOUND = 0.1
 """The data wait of a logged span (the share of its wall time the trainer waited for a batch) from
@@ -19,12 +20,15 @@ class LoaderWatch:
     extraction by design, and on the CPU the workers share the training's cores: neither is told."""
 
     workers: int
-    threads: int
-    """Decode threads of each worker (train/data/workers.py, decode_threads)."""
     cores: int
     watching: bool
     spans: int = 0
     told: bool = False
+
+    @property
+    def threads(self) -> int:
+        """Decode threads of each worker, as the loader gives them (train/data/workers.py)."""
+        return decode_threads(self.workers, self.cores)
 
     def observe(self, step: int, data_wait: float) -> Finding | None:
         """The notice for the span ending at `step`, at most once a run."""

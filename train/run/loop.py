@@ -30,7 +30,6 @@ from dflash.train.data.caches import TrainingData, check_cache_target, open_trai
 from dflash.train.data.follow import follow_fields, report_consumption
 from dflash.train.data.loader import dequantize_batch
 from dflash.train.data.shared_memory import fit_loader_memory
-from dflash.train.data.workers import decode_threads
 from dflash.train.exports.export import export_out_dir
 from dflash.train.exports.warm_start import warm_start
 from dflash.train.heads import get_head
@@ -265,7 +264,6 @@ def start_run(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
                length=length, state=state, checkpoints=checkpoints, metrics=metrics,
                profiler=StepProfiler(cfg.logging.profile_interval, info.device), guard=guard,
                loader_watch=LoaderWatch(workers=cfg.data.num_workers, cores=process_cores(),
-                                        threads=decode_threads(cfg.data.num_workers, process_cores()),
                                         watching=info.device.type == "cuda" and not data.caches.follows))
 
 
