@@ -318,7 +318,8 @@ def speed() -> list[Job]:
         # the 2,048-token rows: the fixed tail after the last batch weighed 3.5 % at 1M, twice that at 0.5M)
         *[Job(name, f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
               + ("--seq-len 1024" if small else f"--seq-len {seq} --tokens {tokens}")
-              + f" --json {res}/{name}.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True)
+              + f" --json {res}/{name}.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True,
+              env={"DFLASH_PROFILE_EXTRACT": "1"})  # the forwards, the gaps and the tail after the last batch
           for name, seq, tokens in (("extract-long", 32768, 524288), ("extract-8k", 8192, 1048576))],
         # the 27B hybrid target with today's extraction defaults (top-8, fp8 for the seed's disk), then the
         # offline/online GPU-hours of today's defaults from it and train-27b
