@@ -315,7 +315,7 @@ def speed() -> list[Job]:
             + f" --workdir {root}/loader --json {res}/loader-long.json; rc=$?; rm -rf {root}/loader; exit $rc", [], 6,
             alone=True),
         # the default extraction of long samples against both references, 32K tokens and 8K (1M tokens at 8K, as
-        # the 2,048-token rows: the fixed tail after the last batch weighed 3.5 % at 1M, twice that at 0.5M)
+        # the 2,048-token rows: the fixed tail after the last batch weighed 3.5 % at 1M, and would weigh twice that at 0.5M)
         *[Job(name, f"python3 bench/bench_extract.py --output {root}/extract-scratch {extract} --codecs bf16@8 "
               + ("--seq-len 1024" if small else f"--seq-len {seq} --tokens {tokens}")
               + f" --json {res}/{name}.json; rc=$?; rm -rf {root}/extract-scratch; exit $rc", [], 9, alone=True,
