@@ -165,10 +165,10 @@ def _compare_not_lossless(heads):
 @renders("train.loader-bound", example=dict(step=20, data_wait=0.35, workers=2, threads=4, cores=16))
 def _loader_bound(step, data_wait, workers, threads, cores):
     busy = workers * threads
-    more = (f"raise --num-workers (this process may use {cores} cores, its {workers} worker(s) decode on {busy}; one "
-            "core decodes about 1 GB/s of bf16 states)" if busy < cores - 1 else
+    more = (f"raise --num-workers (this process may use {cores} cores, its {workers} worker(s) decode on {busy})"
+            if busy < cores - 1 else
             f"give the process more cores (its {workers} worker(s) decode on {busy} of its {cores})")
     return (f"The GPU waited for batches {data_wait:.0%} of the time in the steps before {step}: the loader's {workers} "
             f"worker(s) read the cache more slowly than the drafter trains on it (long samples bring more states a "
-            f"step). To train at the GPU's speed, {more}, or train from an fp8 cache, which reads in about half the "
-            "time (`dflash-cache recompress CACHE CACHE-fp8 --codec fp8`).")
+            f"step). To train at the GPU's speed, {more}, or train from an fp8 cache, which reads faster "
+            "(`dflash-cache recompress CACHE CACHE-fp8 --codec fp8`; docs/train.md, 'Long samples').")
