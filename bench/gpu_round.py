@@ -294,6 +294,18 @@ def speed() -> list[Job]:
         Job("selector-grad", "python3 bench/bench_selector_grad.py"
             + (" --slots 256 --vocab 4096 --hidden 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/selector-grad.json", [], 4, alone=True),
+        # DFlash2's in-block convolution as Triton kernels (train/heads/dflash2/conv_triton.py) against the
+        # compiled expression: the pair alone (bench_conv, HEAD's modules.py beside the working tree's), then
+        # the whole DFlash2 step at both shapes, the expression first, on one machine (DFLASH_CONV_KERNEL picks)
+        Job("conv-kernel", "python3 bench/bench_conv.py --revs HEAD,worktree"
+            + (" --tokens 512 --hidden 64 --rounds 1 --repeats 1 --device cpu" if small else "")
+            + f" --json {res}/conv-kernel.json", [], 4, alone=True, env={"DFLASH_CONV_KERNEL": "triton"}),
+        *[Job(f"train-{shape}-conv", " && ".join(
+            f"{env}python3 bench/bench_train.py --workdir {root}/{shape}-conv --shape {'small' if small else shape} "
+            f"--drafter-type dflash2{' --samples 16' if shape == '8b' else ''} --keep --json {res}/train-{shape}-conv-{m}.json"
+            + (" --steps 2 --warmup-steps 1" if small else " --steps 20 --warmup-steps 10")
+            for m, env in (("torch", "DFLASH_CONV_KERNEL=torch "), ("triton", "DFLASH_CONV_KERNEL=triton ")))
+            + f"; rc=$?; rm -rf {root}/{shape}-conv; exit $rc", [], 5, alone=True) for shape in ("8b", "quality-bpe")],
         # torch.compile's other modes for DFlash2's step, each beside the default in the same job: autotuned
         # kernels at the 8B shape, CUDA graphs (no launch overhead) for the small drafter's many small kernels
         *[Job(f"train-{shape}-{mode}", " && ".join(

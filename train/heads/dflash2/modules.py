@@ -73,6 +73,9 @@ class GroupedDynamicConv(nn.Module):
         dtype = delta.dtype
         grouped = x.to(dtype).unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, gs]
         base = self.base_kernel[side].to(dtype).view(self.taps, self.groups, self.group_size)
+        from dflash.train.heads.dflash2 import conv_triton
+        if conv_triton.available(grouped, self.group_size):  # CUDA: one kernel a direction
+            return conv_triton.in_block_conv(grouped, delta, base, block_size).flatten(-2)
         return _InBlockConv.apply(grouped, delta, base, block_size).flatten(-2)
 
 
