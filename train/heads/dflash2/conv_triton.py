@@ -27,7 +27,7 @@ except ImportError:  # a CPU-only install: modules._InBlockConv computes the exp
     triton = None
 
 TOKENS_PER_TILE = 32
-CHANNELS_PER_TILE = 128
+CHANNELS_PER_TILE = 64  # the narrowest channel tile tried: a group must fit in it
 
 
 def available(x: torch.Tensor, group_size: int) -> bool:
@@ -40,6 +40,12 @@ def available(x: torch.Tensor, group_size: int) -> bool:
 
 
 if triton is not None:
+    # The channel tile and the warps a program takes, tried once per hidden size (the first step's)
+    _TILES = [triton.Config({"BC": bc}, num_warps=w) for bc in (64, 128, 256) for w in (4, 8)]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter has no timer: one tile
+        _TILES = _TILES[:1]
+
+    @triton.autotune(_TILES, key=["hidden", "TAPS"])
     @triton.jit
     def _forward_kernel(x, delta, base, out, tokens, length, hidden, block_size, group_size,
                         d_token, d_tap, d_group, TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -59,6 +65,7 @@ if triton is not None:
         keep = row_ok[:, None] & col_ok[None, :]
         tl.store(out + rows[:, None] * hidden + cols[None, :], acc.to(out.dtype.element_ty), mask=keep)
 
+    @triton.autotune(_TILES, key=["hidden", "TAPS"])  # every output is written whole: a rerun is safe
     @triton.jit
     def _backward_kernel(grad, x, delta, base, grad_x, grad_delta, base_partial, tokens, length, hidden,
                          block_size, groups, d_token, d_tap, d_group, TAPS: tl.constexpr, GROUP: tl.constexpr,
@@ -96,7 +103,7 @@ if triton is not None:
 
 
 def _grid(tokens: int, hidden: int):
-    return (triton.cdiv(tokens, TOKENS_PER_TILE), triton.cdiv(hidden, CHANNELS_PER_TILE))
+    return lambda meta: (triton.cdiv(tokens, TOKENS_PER_TILE), triton.cdiv(hidden, meta["BC"]))
 
 
 def _flat(x: torch.Tensor, delta: torch.Tensor):
@@ -114,7 +121,7 @@ def in_block_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, bloc
     taps = base.shape[0]
     _forward_kernel[_grid(*flat.shape)](
         flat, offsets, base.contiguous(), out, flat.shape[0], length, flat.shape[1], block_size, group_size,
-        offsets.stride(0), offsets.stride(1), offsets.stride(2), TAPS=taps, BT=TOKENS_PER_TILE, BC=CHANNELS_PER_TILE)
+        offsets.stride(0), offsets.stride(1), offsets.stride(2), TAPS=taps, BT=TOKENS_PER_TILE)
     return out.view(x.shape)
 
 
@@ -132,14 +139,13 @@ def in_block_conv_backward(grad: torch.Tensor, x: torch.Tensor, delta: torch.Ten
     grad_flat = grad.reshape(flat.shape).contiguous()
     tokens, hidden = flat.shape
     taps = base.shape[0]
-    grid = _grid(tokens, hidden)
     grad_x = torch.empty_like(flat)
     grad_delta = torch.empty(tokens, taps, groups, dtype=torch.float32, device=x.device)
-    partial = torch.empty(grid[0], taps, hidden, dtype=torch.float32, device=x.device)
-    _backward_kernel[grid](
+    partial = torch.empty(triton.cdiv(tokens, TOKENS_PER_TILE), taps, hidden, dtype=torch.float32, device=x.device)
+    _backward_kernel[_grid(tokens, hidden)](
         grad_flat, flat, offsets, base.contiguous(), grad_x, grad_delta, partial, tokens, length, hidden,
         block_size, groups, offsets.stride(0), offsets.stride(1), offsets.stride(2), TAPS=taps, GROUP=group_size,
-        BT=TOKENS_PER_TILE, BC=CHANNELS_PER_TILE)
+        BT=TOKENS_PER_TILE)
     return (grad_x.view(x.shape), grad_delta.view(delta.shape).to(delta.dtype),
             partial.sum(0).view(base.shape).to(base.dtype))
 
