@@ -4,12 +4,15 @@ convolution, as a draft layer runs them), forward and backward in bf16, compiled
 revision's train/heads/dflash2/modules.py (`git show REV:...`; `worktree`: the file as it is now)
 loaded as a module of its own. The revisions take turns, round after round, so that a slow spell of
 a shared GPU falls on all of them; each figure is the median over the rounds of each round's median.
-The revisions' outputs and input gradients are checked against the first's before any is timed.
+The revisions' outputs and input gradients are checked against the first's before any is timed (the
+norm of the difference under 2 % of theirs). DFLASH_CONV_KERNEL=triton times the working tree's
+Triton kernels (train/heads/dflash2/conv_triton.py) on a GPU.
 
 Shapes (tokens x hidden, blocks of 16): the quality benchmark's small drafter (162,816 x 384, the
 10,176 blocks of a step) and the 8B one (8,192 x 4,096, 512 anchors).
 
     python bench/bench_conv.py --revs d2f2984,worktree               # one GPU: both shapes
+    DFLASH_CONV_KERNEL=triton python bench/bench_conv.py --revs 0562a37,worktree   # the kernels
     python bench/bench_conv.py --revs HEAD --tokens 512 --hidden 64   # a CPU smoke run
 """
 
@@ -82,8 +85,14 @@ def measure(revs: list[str], tokens: int, hidden: int, device: torch.device, rou
                 first = (forward(x).detach(), x.grad.clone())
             else:
                 for a, b in zip(first, (forward(x).detach(), x.grad)):
-                    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2,
-                                               msg=lambda m, rev=rev: f"{rev} computes other values than {revs[0]}: {m}")
+                    # relative to the whole tensor's size: paths that round differently (bf16 products
+                    # against float32 sums in a kernel) differ by a bf16 ulp here and there: 0.03 % of
+                    # the elements past 2e-2 at the small drafter's shape on an H100 and on the CPU
+                    # alike, under 1 % of the norm; a tap that reads another token is off by the whole norm
+                    a, b = a.float(), b.float()
+                    off = float((b - a).norm() / a.norm())
+                    assert off < 2e-2, (f"{rev} computes other values than {revs[0]}: the difference's norm is "
+                                        f"{off:.3g} of theirs")
             steps[rev] = step
         medians = {rev: [] for rev in revs}
         for _ in range(rounds):

@@ -295,10 +295,10 @@ def speed() -> list[Job]:
             + (" --slots 256 --vocab 4096 --hidden 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/selector-grad.json", [], 4, alone=True),
         # DFlash2's in-block convolution as Triton kernels (train/heads/dflash2/conv_triton.py) against the
-        # compiled expression: the pair alone (bench_conv: the modules.py of 9a1673f~1, before the kernels,
-        # beside the working tree's), then the whole DFlash2 step at both shapes, the expression first, on
-        # one machine (DFLASH_CONV_KERNEL picks)
-        Job("conv-kernel", "python3 bench/bench_conv.py --revs 9a1673f~1,worktree"
+        # compiled expression: the pair alone (bench_conv: the modules.py of 0562a37, the last before the
+        # kernels, beside the working tree's), then the whole DFlash2 step at both shapes, the expression
+        # first, on one machine (DFLASH_CONV_KERNEL picks)
+        Job("conv-kernel", "python3 bench/bench_conv.py --revs 0562a37,worktree"
             + (" --tokens 512 --hidden 64 --rounds 1 --repeats 1 --device cpu" if small else "")
             + f" --json {res}/conv-kernel.json", [], 4, alone=True, env={"DFLASH_CONV_KERNEL": "triton"}),
         *[Job(f"train-{shape}-conv", " && ".join(
