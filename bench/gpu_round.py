@@ -254,7 +254,8 @@ def speed() -> list[Job]:
     the GPU, most wanted first: DFlash and DFlash2 compiled side by side at the 8B and the small
     drafter's shapes (the head loss's eager path against it is recorded; HEAD_KERNELS=eager,compiled
     measures it again), the same with drafters whose DFlash2 candidates spread, DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima
-    given, the selector's gather-reductions by how spread the candidates are, the long samples (8K
+    given, the selector's gather-reductions by how spread the candidates are, DFlash2's convolution as
+    Triton kernels against the compiled expression (the pair, then the whole step), the long samples (8K
     and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token samples, and
     the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
     small = bool(os.environ.get("ROUND_SMALL"))
