@@ -269,6 +269,17 @@ def speed() -> list[Job]:
                    f"{steps} --json {res}/train-{name}.json; rc=$?; rm -rf {root}/{name}; exit $rc", [], priority,
                    alone=True)
 
+    def dflash2_variants(name: str, shape: str, variants: list[tuple[str, str, str]]) -> Job:
+        """DFlash2's step at `shape` once per (label, environment prefix, extra arguments), one after
+        another in one job on one cache (the first writes it, --keep leaves it to the next)."""
+        work = f"{root}/{shape}-{name}"
+        runs = (f"{env}python3 bench/bench_train.py --workdir {work} --shape {'small' if small else shape} "
+                f"--drafter-type dflash2{' --samples 16' if shape == '8b' else ''} --keep "
+                f"--json {res}/train-{shape}-{name}-{label}.json"
+                + (" --steps 2 --warmup-steps 1" if small else " --steps 20 --warmup-steps 10") + extra
+                for label, env, extra in variants)
+        return Job(f"train-{shape}-{name}", " && ".join(runs) + f"; rc=$?; rm -rf {work}; exit $rc", [], 5, alone=True)
+
     # steps in tens where a step is short: the trainer reads its metrics (a wait for the GPU) every 10 steps
     both = f"--drafter-type dflash,dflash2 --head-kernels {os.environ.get('HEAD_KERNELS', 'compiled')}"
     long = "--drafter-type dflash2,dflash --sliding-window 0,2048"
@@ -302,21 +313,12 @@ def speed() -> list[Job]:
         Job("conv-kernel", "python3 bench/bench_conv.py --revs 0562a37,worktree"
             + (" --tokens 512 --hidden 64 --rounds 1 --repeats 1 --device cpu" if small else "")
             + f" --json {res}/conv-kernel.json", [], 4, alone=True, env={"DFLASH_CONV_KERNEL": "triton"}),
-        *[Job(f"train-{shape}-conv", " && ".join(
-            f"{env}python3 bench/bench_train.py --workdir {root}/{shape}-conv --shape {'small' if small else shape} "
-            f"--drafter-type dflash2{' --samples 16' if shape == '8b' else ''} --keep --json {res}/train-{shape}-conv-{m}.json"
-            + (" --steps 2 --warmup-steps 1" if small else " --steps 20 --warmup-steps 10")
-            for m, env in (("torch", "DFLASH_CONV_KERNEL=torch "), ("triton", "DFLASH_CONV_KERNEL=triton ")))
-            + f"; rc=$?; rm -rf {root}/{shape}-conv; exit $rc", [], 5, alone=True) for shape in ("8b", "quality-bpe")],
+        *[dflash2_variants("conv", shape, [(k, f"DFLASH_CONV_KERNEL={k} ", "") for k in ("torch", "triton")])
+          for shape in ("8b", "quality-bpe")],
         # torch.compile's other modes for DFlash2's step, each beside the default in the same job: autotuned
         # kernels at the 8B shape, CUDA graphs (no launch overhead) for the small drafter's many small kernels
-        *[Job(f"train-{shape}-{mode}", " && ".join(
-            f"python3 bench/bench_train.py --workdir {root}/{shape}-{mode} --shape {'small' if small else shape} "
-            f"--drafter-type dflash2{' --samples 16' if shape == '8b' else ''} --keep --json {res}/train-{shape}-{mode}-{m}.json"
-            + (" --steps 2 --warmup-steps 1" if small else " --steps 20 --warmup-steps 10")
-            + ("" if m == "default" else f" --train-arg compile_mode={m}") for m in ("default", mode))
-            + f"; rc=$?; rm -rf {root}/{shape}-{mode}; exit $rc", [], 5,
-            alone=True) for shape, mode in (("8b", "max-autotune-no-cudagraphs"), ("quality-bpe", "reduce-overhead"))],
+        *[dflash2_variants(mode, shape, [("default", "", ""), (mode, "", f" --train-arg compile_mode={mode}")])
+          for shape, mode in (("8b", "max-autotune-no-cudagraphs"), ("quality-bpe", "reduce-overhead"))],
         train("8b-8k", "8b-8k", f"{long} --samples 8" + ("" if small else " --steps 10 --warmup-steps 10"), 5),
         train("8b-32k", "8b-32k", f"{long} --samples 4" + ("" if small else " --steps 3 --warmup-steps 2"), 6),
         # DFlash2 last: gpu_hours reads the last figure of the file (today's default drafter)
