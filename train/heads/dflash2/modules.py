@@ -207,7 +207,11 @@ def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None,
     row. Ids are torch.topk's where the values hold no tie at the k-th; among tied values another
     of the tied ids may be returned (torch.topk leaves that order unspecified too). `maxima`: the
     rows' `segment_maxima`, where the caller computed them with another pass over the row (2-D
-    `scores` only)."""
+    `scores` only). Where topk_triton's kernel serves (DFLASH_TOPK_KERNEL=triton on CUDA), one
+    kernel reads each row once instead."""
+    from dflash.train.heads.dflash2 import topk_triton
+    if topk_triton.available(scores, k):
+        return topk_triton.row_topk(scores, k)
     vocab = scores.shape[-1]
     segment = topk_segment(vocab, k) if segment is None else segment
     if not segment or vocab // segment <= k:
