@@ -23,8 +23,9 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     rows = []
     # (rows, vocab, k, dtype, ties): rows past a program's 4, a vocabulary past one tile and not a
-    # multiple of it, all-negative rows, k = 4, float16, and values from a few levels (ties everywhere)
-    cases = [(5, 1100, 16, torch.bfloat16, False), (3, 700, 4, torch.float16, False),
+    # multiple of it, all-negative rows, k = 4, float16, a row split between 3 programs (few rows, a
+    # long vocabulary), and values from a few levels (ties everywhere)
+    cases = [(5, 1100, 16, torch.bfloat16, False), (2, 17000, 4, torch.float16, False),
              (6, 600, 16, torch.bfloat16, True)]
     for n, vocab, k, dtype, ties in cases:
         if ties:
@@ -40,7 +41,7 @@ SCRIPT = textwrap.dedent("""
         values, ids = modules.exact_topk(x, k)  # served by the kernel: DFLASH_TOPK_KERNEL=triton
         topk_triton.row_topk = kernel
         want_values, want_ids = torch.topk(x, k)
-        rows.append({"case": [n, vocab, k, str(dtype), ties], "calls": len(calls),
+        rows.append({"splits": topk_triton._splits(n, vocab), "case": [n, vocab, k, str(dtype), ties], "calls": len(calls),
                      "values": torch.equal(values, want_values), "held": torch.equal(x.gather(-1, ids), values),
                      "distinct": all(len(set(r)) == k for r in ids.tolist()),
                      "ids": torch.equal(ids, want_ids), "shape": list(ids.shape), "id_dtype": str(ids.dtype)})
@@ -59,6 +60,7 @@ def test_the_kernel_gives_torch_topks_values_and_ids_that_hold_them():
         assert row["values"] and row["held"] and row["distinct"], row
         assert row["shape"] == row["case"][:1] + row["case"][2:3] and row["id_dtype"] == "torch.int64", row
     assert rows[0]["ids"] and rows[1]["ids"]  # distinct values: torch.topk's ids exactly
+    assert [row["splits"] for row in rows] == [1, 3, 1]  # the second row's ids in three programs, merged
 
 
 def test_the_kernel_serves_16_bit_cuda_logits_when_asked_for(monkeypatch):
