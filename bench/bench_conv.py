@@ -5,14 +5,12 @@ revision's train/heads/dflash2/modules.py (`git show REV:...`; `worktree`: the f
 loaded as a module of its own. The revisions take turns, round after round, so that a slow spell of
 a shared GPU falls on all of them; each figure is the median over the rounds of each round's median.
 The revisions' outputs and input gradients are checked against the first's before any is timed (the
-norm of the difference under 2 % of theirs). DFLASH_CONV_KERNEL=triton times the working tree's
-Triton kernels (train/heads/dflash2/conv_triton.py) on a GPU.
+norm of the difference under 2 % of theirs).
 
 Shapes (tokens x hidden, blocks of 16): the quality benchmark's small drafter (162,816 x 384, the
 10,176 blocks of a step) and the 8B one (8,192 x 4,096, 512 anchors).
 
     python bench/bench_conv.py --revs d2f2984,worktree               # one GPU: both shapes
-    DFLASH_CONV_KERNEL=triton python bench/bench_conv.py --revs 0562a37,worktree   # the kernels
     python bench/bench_conv.py --revs HEAD --tokens 512 --hidden 64   # a CPU smoke run
 """
 

@@ -7,8 +7,7 @@ autocast, float32 on the chunked head path); the quality benchmark's small draft
 (`amax`, one read of the logits) is timed beside them as the floor of any top-K that reads every logit.
 Each width is also timed with its segment maxima given ("maxima given"): what is left of the top-K
 where a compiled drafter's chunk function computes them (train/loss/head_loss.py), the figure that
-chooses the width for that path. On CUDA the Triton kernel that reads each row once
-(train/heads/dflash2/topk_triton.py, bf16) is timed beside them.
+chooses the width for that path.
 
     python bench/bench_topk_train.py                           # one GPU: 7,680 x 151,936 and 153,600 x 8,192
     python bench/bench_topk_train.py --rows 64 --vocab 151936  # a CPU smoke run
@@ -51,14 +50,6 @@ def measure(rows: int, vocab: int, k: int, dtype: torch.dtype, device: torch.dev
         ms = timed(lambda s=segment, m=maxima: exact_topk(logits, k, s, m), device, repeats)
         out.append({**shape, "variant": "  the same, maxima given", "segment": segment, "ms": ms,
                     "vs_torch_topk": ms / base, "maxima_given": True})
-    from dflash.train.heads.dflash2 import topk_triton
-    if topk_triton.triton is not None and hasattr(topk_triton.tl, "topk") and device.type == "cuda" \
-            and dtype != torch.float32:  # the kernel takes 16-bit logits
-        if not torch.equal(topk_triton.row_topk(logits, k)[0], want):
-            raise SystemExit("the Triton top-K (topk_triton.row_topk) differs from torch.topk: a bug.")
-        ms = timed(lambda: topk_triton.row_topk(logits, k), device, repeats)
-        out.append({**shape, "variant": "Triton, one pass (DFLASH_TOPK_KERNEL=triton)", "ms": ms,
-                    "vs_torch_topk": ms / base})
     ms = timed(lambda: logits.amax(-1), device, repeats)
     out.append({**shape, "variant": "amax (one read of the logits)", "ms": ms, "vs_torch_topk": ms / base})
     return out

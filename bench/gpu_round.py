@@ -254,9 +254,7 @@ def speed() -> list[Job]:
     the GPU, most wanted first: DFlash and DFlash2 compiled side by side at the 8B and the small
     drafter's shapes (the head loss's eager path against it is recorded; HEAD_KERNELS=eager,compiled
     measures it again), the same with drafters whose DFlash2 candidates spread, DFlash2's parts at the 8B shape, the top-K's segment widths with the maxima
-    given, the selector's gather-reductions by how spread the candidates are, DFlash2's convolution as
-    Triton kernels against the compiled expression (the pair, then the whole step), DFlash2's top-K as one
-    Triton kernel against the two-stage one (the whole step; both kernels at once), the long samples (8K
+    given, the selector's gather-reductions by how spread the candidates are, the long samples (8K
     and 32K tokens at the 8B shape, then the 27B shapes), the extraction of 32K-token samples, and
     the 8B extraction with both references. TIMINGS="train-8b ..." only these."""
     small = bool(os.environ.get("ROUND_SMALL"))
@@ -307,22 +305,6 @@ def speed() -> list[Job]:
         Job("selector-grad", "python3 bench/bench_selector_grad.py"
             + (" --slots 256 --vocab 4096 --hidden 64 --repeats 2 --device cpu" if small else "")
             + f" --json {res}/selector-grad.json", [], 4, alone=True),
-        # DFlash2's in-block convolution as Triton kernels (train/heads/dflash2/conv_triton.py) against the
-        # compiled expression: the pair alone (bench_conv: the modules.py of 0562a37, the last before the
-        # kernels, beside the working tree's), then the whole DFlash2 step at both shapes, the expression
-        # first, on one machine (DFLASH_CONV_KERNEL picks)
-        Job("conv-kernel", "python3 bench/bench_conv.py --revs 0562a37,worktree"
-            + (" --tokens 512 --hidden 64 --rounds 1 --repeats 1 --device cpu" if small else "")
-            + f" --json {res}/conv-kernel.json", [], 4, alone=True, env={"DFLASH_CONV_KERNEL": "triton"}),
-        *[dflash2_variants("conv", shape, [(k, f"DFLASH_CONV_KERNEL={k} ", "") for k in ("torch", "triton")])
-          for shape in ("8b", "quality-bpe")],
-        # DFlash2's top-K as one Triton kernel a chunk (train/heads/dflash2/topk_triton.py) against the two-stage
-        # top-K, the whole step at both shapes, the two-stage first (the kernel alone: the topk job's rows)
-        *[dflash2_variants("topk", shape, [(k, f"DFLASH_TOPK_KERNEL={k} ", "") for k in ("torch", "triton")])
-          for shape in ("8b", "quality-bpe")],
-        # both kernels at once: what the default would be if both are faster
-        dflash2_variants("kernels", "quality-bpe", [
-            (k, f"DFLASH_TOPK_KERNEL={k} DFLASH_CONV_KERNEL={k} ", "") for k in ("torch", "triton")]),
         # torch.compile's other modes for DFlash2's step, each beside the default in the same job: autotuned
         # kernels at the 8B shape, CUDA graphs (no launch overhead) for the small drafter's many small kernels
         *[dflash2_variants(mode, shape, [("default", "", ""), (mode, "", f" --train-arg compile_mode={mode}")])

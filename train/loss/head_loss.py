@@ -22,7 +22,6 @@ its K + 1 candidates, which `candidate_logits` computes from the candidates' row
 from __future__ import annotations
 
 import torch
-from dflash.train.heads.dflash2 import topk_triton
 from dflash.train.heads.dflash2.modules import exact_topk, segment_maxima, topk_segment
 from dflash.train.loss.compiled import compiled_over_rows
 
@@ -157,8 +156,6 @@ class _SlotLosses(torch.autograd.Function):
         weight = head.lm_head_weight
         fused = fused and soft_hidden is None
         segment = topk_segment(weight.shape[0], top_k) if top_k else 0
-        if segment and topk_triton.available(h.new_empty(0, weight.shape[0], dtype=logits_dtype(h)), top_k):
-            segment = 0  # one kernel reads each chunk's rows (exact_topk): no segment maxima
         for start in range(0, n, rows_per_chunk):
             rows = slice(start, min(n, start + rows_per_chunk))
             chunk = [head.logits(h[rows])]  # bf16 under autocast; held here only until _chunk_terms takes it

@@ -73,9 +73,6 @@ class GroupedDynamicConv(nn.Module):
         dtype = delta.dtype
         grouped = x.to(dtype).unflatten(-1, (self.groups, self.group_size))  # [B, Q, G, gs]
         base = self.base_kernel[side].to(dtype).view(self.taps, self.groups, self.group_size)
-        from dflash.train.heads.dflash2 import conv_triton
-        if conv_triton.available(grouped, self.group_size):  # CUDA: one kernel a direction
-            return conv_triton.in_block_conv(grouped, delta, base, block_size).flatten(-2)
         return _InBlockConv.apply(grouped, delta, base, block_size).flatten(-2)
 
 
@@ -207,11 +204,7 @@ def exact_topk(scores: torch.Tensor, k: int, segment: int | None = None,
     row. Ids are torch.topk's where the values hold no tie at the k-th; among tied values another
     of the tied ids may be returned (torch.topk leaves that order unspecified too). `maxima`: the
     rows' `segment_maxima`, where the caller computed them with another pass over the row (2-D
-    `scores` only). Where topk_triton's kernel serves (DFLASH_TOPK_KERNEL=triton on CUDA), one
-    kernel reads each row once instead."""
-    from dflash.train.heads.dflash2 import topk_triton
-    if topk_triton.available(scores, k):
-        return topk_triton.row_topk(scores, k)
+    `scores` only)."""
     vocab = scores.shape[-1]
     segment = topk_segment(vocab, k) if segment is None else segment
     if not segment or vocab // segment <= k:
