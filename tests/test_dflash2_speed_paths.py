@@ -43,6 +43,9 @@ def test_the_segment_width_is_the_measured_one_and_short_rows_take_torch_topk():
     assert topk_segment(151_936, 16) == 256 and topk_segment(248_320, 16) == 256  # 593 / 970 segments
     assert topk_segment(8192, 16) == 128  # 64 segments, 2,048 candidates
     assert topk_segment(128, 4) == 0 and topk_segment(1000, 100) == 0 and topk_segment(4096, 16) == 0
+    # with the maxima from the compiled head loss's own pass, only the second stage is left to pay for
+    assert topk_segment(151_936, 16, maxima_given=True) == 128 and topk_segment(8192, 16, maxima_given=True) == 64
+    assert topk_segment(2048, 16, maxima_given=True) == 0  # 32 segments: fewer than 4k
     row = torch.randn(1, 100)
     assert torch.equal(exact_topk(row, 3)[1], torch.topk(row, 3).indices)
 

@@ -155,7 +155,7 @@ class _SlotLosses(torch.autograd.Function):
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         weight = head.lm_head_weight
         fused = fused and soft_hidden is None
-        segment = topk_segment(weight.shape[0], top_k) if top_k else 0
+        segment = topk_segment(weight.shape[0], top_k, maxima_given=fused) if top_k else 0
         for start in range(0, n, rows_per_chunk):
             rows = slice(start, min(n, start + rows_per_chunk))
             chunk = [head.logits(h[rows])]  # bf16 under autocast; held here only until _chunk_terms takes it

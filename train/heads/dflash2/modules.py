@@ -177,13 +177,16 @@ def transform_logits(logits: torch.Tensor, output_multiplier: float = 1.0,
     return values
 
 
-def topk_segment(vocab: int, k: int) -> int:
+def topk_segment(vocab: int, k: int, maxima_given: bool = False) -> int:
     """The segment width of `exact_topk` over rows of `vocab` ids: 256 ids for a large vocabulary,
     128 below 64K (bench/bench_topk_train.py on an H100, top-16: at 151,936 ids widths of 256-512
     run in 0.22-0.32x torch.topk's time, 128 in 0.25-0.43x; at 8,192 ids 128 in 0.69-0.91x, where
-    the sqrt(vocab / k) width of 16 was 1.5x slower than torch.topk); 0 where a row is too short
-    for segments to pay (fewer than 4k of them): torch.topk over the whole row."""
-    width = 256 if vocab >= 65536 else 128
+    the sqrt(vocab / k) width of 16 was 1.5x slower than torch.topk). `maxima_given`: the width
+    where the caller computes the segment maxima in a pass of its own (the compiled head loss),
+    so that only the second stage is left: 128 ids, 64 below 64K (the same bench at cdba7f3, bf16:
+    at 151,936 ids 0.57 ms against 0.84 at 256; at 8,192 ids 4.86 ms against 5.94 at 128). 0 where
+    a row is too short for segments to pay (fewer than 4k of them): torch.topk over the whole row."""
+    width = (128 if vocab >= 65536 else 64) if maxima_given else (256 if vocab >= 65536 else 128)
     return width if vocab // width >= 4 * k else 0
 
 
