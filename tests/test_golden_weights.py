@@ -2,10 +2,15 @@
 recorded from the code before (tests/fixtures/golden/, written by `python3 tests/test_golden_weights.py`).
 
 The runs are on one thread (some CPU kernels sum in an order that depends on the thread count).
-Another CPU may round differently in the last bit, so the check allows float32 rounding noise
-(1e-6 relative): a changed mask, loss, initialisation or data order moves these weights by
-orders of magnitude more (a test below shows it). On the machine that recorded them the runs
-are bit-identical, which `golden_bits` reports.
+Another CPU may round differently in the last bit (an AMD host's kernels against the Intel one that
+recorded them), and eight steps carry that rounding on, so the check allows float32 noise: each
+tensor within 1e-5 of the recorded one by the norm of the difference (measured on such a host: at
+most 1.1e-7 for DFlash and 7.0e-7 for DFlash2, whose largest elementwise difference, 2.6e-5 of the
+tensor's largest element, lies in the selector's projection that starts at zero). A changed mask,
+loss, initialisation or data order moves these weights by orders of magnitude more: a learning
+rate 1 % higher moves them by 2.0e-3 (DFlash) and 1.4e-2 (DFlash2), another seed by 1.5 (a test
+below shows the first). On the machine that recorded them the runs are bit-identical, which
+`golden_bits` reports.
 
 Re-recorded once on purpose, by commit 0114ff9 "The target head's loss has one path: ..." (the tiny
 runs took the autograd log-softmax path before it; the gradient of the states is now formed by
@@ -97,8 +102,9 @@ def golden_bits(name: str) -> str:
 def assert_matches_golden(name: str, weights: dict[str, torch.Tensor]) -> None:
     golden = load_file(str(GOLDEN / f"{name}.safetensors"))
     assert sorted(weights) == sorted(golden), f"{name}: other tensors than recorded"
-    for key in golden:
-        torch.testing.assert_close(weights[key], golden[key], rtol=1e-6, atol=1e-7, msg=f"{name}: {key} moved")
+    moved = {key: float((weights[key].double() - golden[key].double()).norm() / golden[key].double().norm().clamp(min=1e-30))
+             for key in golden}
+    assert max(moved.values()) <= 1e-5, f"{name}: weights moved: {sorted(moved.items(), key=lambda kv: -kv[1])[:3]}"
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
