@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import google_crc32c
 from dflash.runtime.errors import Interrupted
 from dflash.runtime.findings import Finding
-from dflash.runtime.signals import StopRequest
+from dflash.runtime.signals import StopRequest, signals_polled, stop_if_signalled
 from dflash.runtime.signals import stop_requested as stop_requested_here
 
 from .errors import CacheCorruptError, CacheError, CacheNotFoundError
@@ -160,16 +160,19 @@ def run_parallel(fn: Callable[[T, threading.Event], R], items: list[T], threads:
     a stop."""
     stop = threading.Event()
     futures = []
-    with ThreadPoolExecutor(max(1, threads)) as pool:
+    # A stop signal is raised between two slices of the wait, never inside the pool's locks
+    # (signals_polled; the pool's shutdown runs after it, under the command's own handler).
+    with ThreadPoolExecutor(max(1, threads)) as pool, signals_polled():
         try:  # (a signal may land while the items are being submitted, too)
             futures += [pool.submit(fn, item, stop) for item in items]
             pending = set(futures)
             while pending:
                 # In slices: the kernel may deliver a signal to a worker thread, and the main
-                # thread runs its handler only between two slices, not inside one long wait.
+                # thread sees it only between two slices, not inside one long wait.
                 done, pending = wait(pending, timeout=WAIT_SLICE_S, return_when=FIRST_COMPLETED)
                 for f in done:
                     f.result()  # the first failure, as it happens
+                stop_if_signalled()
             return [f.result() for f in futures]
         except BaseException:
             stop.set()

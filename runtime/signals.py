@@ -93,6 +93,34 @@ def stop_at_once() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def signals_polled() -> Iterator[None]:
+    """Within the block, where `stop_at_once` is in place, a stop signal is only recorded: threads
+    see it at once (`stop_requested`), and the main thread raises its `Interrupted` where the block
+    asks (`stop_if_signalled`) or as the block ends, never from inside the code it is running. For
+    a loop that waits on a thread pool: an `Interrupted` raised between two of the lock acquisitions
+    of `concurrent.futures.wait` left a future's lock held, so the thread finishing that future
+    blocked on it and the pool's shutdown waited for that thread forever. Elsewhere (not the main
+    thread, or under a `StopRequest`, whose handler only records), a no-op."""
+    if not _in_main_thread() or any(signal.getsignal(s) is not _raise_interrupted for s in STOP_SIGNALS):
+        yield
+        return
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        if not _undelivered:
+            _undelivered.append(signum)
+
+    previous: dict[int, object] = {}
+    try:
+        for s in STOP_SIGNALS:
+            previous[s] = signal.signal(s, record)
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+    stop_if_signalled()
+
+
+@contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """Within the block, SIGINT/SIGTERM wait: a signal that arrives is handed to the handler that
     was in place once the block ends (a step of a few instructions that must not be cut in two,

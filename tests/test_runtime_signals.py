@@ -132,3 +132,63 @@ def test_a_wait_given_up_for_a_stop_that_no_loop_handled_exits_with_the_signals_
     result = CliRunner().invoke(waiter, [], standalone_mode=True)
     assert result.exit_code == 143, result.output
     assert "Traceback" not in result.output and "unexpected" not in result.output
+
+
+def test_a_polled_block_records_a_signal_and_raises_it_where_it_asks_or_as_it_ends():
+    from dflash.runtime.signals import signals_polled, stop_if_signalled, stop_requested
+
+    with stop_at_once():
+        with pytest.raises(Interrupted) as stopped, signals_polled():
+            signal.raise_signal(signal.SIGTERM)
+            for _ in range(10_000):  # Python code after it: a raising handler would have run here
+                pass
+            assert stop_requested() == signal.SIGTERM  # what the pool's threads look at
+            reached = True
+            stop_if_signalled()
+            reached = False
+        assert reached and stopped.value.signum == signal.SIGTERM
+        with pytest.raises(Interrupted), signals_polled():  # not asked in the block: raised as it ends
+            signal.raise_signal(signal.SIGINT)
+            done = True
+        assert done
+
+
+def test_a_polled_block_leaves_other_handlers_alone():
+    from dflash.runtime.signals import signals_polled
+
+    with StopRequest(on_second=None) as stop:  # a unit of work's handler records a signal already
+        with signals_polled():
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+    before = signal.getsignal(signal.SIGTERM)  # no command's handler at all
+    with signals_polled():
+        assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_signal_during_the_wait_on_an_upload_pool_is_raised_between_slices_not_inside_the_pools_locks(monkeypatch):
+    """An Interrupted raised between two of `concurrent.futures.wait`'s lock acquisitions left a
+    future's lock held: the thread finishing that future blocked on it, and the pool's shutdown
+    waited for the thread forever (a stopped upload that never exited)."""
+    from dflash.cache_tools import remote_store
+
+    real_wait, inside = remote_store.wait, []
+
+    def wait(*args, **kwargs):
+        inside.append(True)
+        signal.raise_signal(signal.SIGTERM)  # as if it landed inside the pool's own code
+        for _ in range(10_000):
+            pass
+        result = real_wait(*args, **kwargs)
+        inside.pop()
+        return result
+
+    monkeypatch.setattr(remote_store, "wait", wait)
+
+    def work(item, stop):
+        stop.wait(5)  # until the pool is told to stop
+        remote_store.check_stop(stop)
+        return item
+
+    with stop_at_once(), pytest.raises(Interrupted) as stopped:
+        remote_store.run_parallel(work, [1, 2, 3], threads=1)
+    assert stopped.value.signum == signal.SIGTERM
+    assert inside == []  # every wait returned whole: the stop was raised between two of them
